@@ -1,0 +1,107 @@
+"""The backend's front door: `Engine.generate(list[GenRequest]) -> list[GenResult]`."""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+from decoding.errors import BackendError
+from decoding.models import LoadedModel
+from decoding.sampling import SamplingParams
+from decoding.sequence import Sequence
+from decoding.stopping import StopRule, final_text
+from decoding.target import Target
+from decoding.types import DecodeStats, GenRequest, GenResult
+
+
+class Decoder(Protocol):
+    """Decodes sequences in place (fills `generated` and `reason`) and reports the call's cost."""
+
+    name: str
+
+    def run(self, seqs: list[Sequence]) -> DecodeStats: ...
+
+
+DECODERS = ("hf", "ar")
+
+
+def make_decoder(name: str, target: Target, tokenizer: object) -> Decoder:
+    from decoding.ar import ARDecoder
+    from decoding.hf import HFDecoder
+
+    factories = {"hf": HFDecoder, "ar": ARDecoder}
+    if name not in factories:
+        raise BackendError(f"decoder={name!r} is not one of {', '.join(DECODERS)}")
+    return factories[name](target, tokenizer)
+
+
+class Engine:
+    """Tokenizes requests, hands them all to one decoder at once, and detokenizes the results.
+
+    `last_stats` holds the cost of the latest call as a whole (a batched forward counts once);
+    each result's own stats count that sequence's tokens and verification steps.
+    """
+
+    def __init__(self, loaded: LoadedModel, decoder: str = "ar") -> None:
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        self.target = Target(loaded.model)
+        self.decoder = make_decoder(decoder, self.target, self.tokenizer)
+        self.eos_ids = _eos_ids(loaded)
+        self.last_stats = DecodeStats()
+        self.total_stats = DecodeStats()
+
+    def encode(self, prompt: str | tuple[int, ...]) -> list[int]:
+        if not isinstance(prompt, str):
+            return list(prompt)
+        if self.loaded.use_chat_template:
+            prompt = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+            )
+            return self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        return self.tokenizer(prompt)["input_ids"]
+
+    def generate(self, requests: list[GenRequest]) -> list[GenResult]:
+        if not requests:
+            self.last_stats = DecodeStats()
+            return []
+        t0 = time.perf_counter()
+        seqs = [self._sequence(r) for r in requests]
+        stats = self.decoder.run(seqs)
+        results = [
+            GenResult(
+                text=final_text(s.generated, s.reason, r.stop, self.tokenizer),
+                token_ids=list(s.generated),
+                finish_reason=s.reason or "length",
+                stats=s.stats,
+            )
+            for s, r in zip(seqs, requests)
+        ]
+        # Tokenizing and detokenizing is part of what a call costs.
+        stats.other_s += max(0.0, time.perf_counter() - t0 - stats.wall_s)
+        self.last_stats = stats
+        self.total_stats += stats
+        return results
+
+    def _sequence(self, r: GenRequest) -> Sequence:
+        ids = self.encode(r.prompt)
+        limit = self.target.max_length
+        if len(ids) + r.max_new_tokens > limit:
+            raise BackendError(
+                f"a prompt of {len(ids)} tokens plus max_new_tokens={r.max_new_tokens} exceeds the model's context "
+                f"of {limit} tokens; shorten the prompt or lower the token limits (gen.max_thought_tokens, "
+                "gen.max_eval_tokens)"
+            )
+        rule = StopRule(self.eos_ids, r.stop, r.max_new_tokens)
+        return Sequence.create(ids, rule, SamplingParams(r.temperature, r.top_k, r.top_p), r.seed)
+
+
+def _eos_ids(loaded: LoadedModel) -> frozenset[int]:
+    ids: set[int] = set()
+    gen_eos = getattr(getattr(loaded.model, "generation_config", None), "eos_token_id", None)
+    for e in (gen_eos, getattr(loaded.tokenizer, "eos_token_id", None)):
+        if isinstance(e, int):
+            ids.add(e)
+        elif e:
+            ids.update(e)
+    return frozenset(ids)

@@ -1,0 +1,5 @@
+"""Errors the user can fix: the CLI prints the message as one line and exits with status 2."""
+
+
+class BackendError(ValueError):
+    """A model that cannot be found or loaded, an unknown decoder, a prompt that does not fit."""

@@ -1,0 +1,122 @@
+"""Per-row KV cache for many sequences with ragged lengths, and its adapter to `transformers`.
+
+This is the one module that knows how `transformers` talks to a cache: during a forward every
+attention layer calls `past_key_values.update(key, value, layer_idx)` and attends over what it
+returns. We hand it an object with that method which writes the new keys/values after each row's
+own committed length in a preallocated buffer and returns the buffer up to the longest row, and we
+pass a 4D additive float mask that decides what each new token sees. Tested against the pinned
+transformers range in tests/test_kv_cache.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class RowKVCache:
+    """Keys/values [B, H_kv, capacity, D] per layer, with a committed length per row.
+
+    A forward writes T new entries per row at slots lens[b] .. lens[b] + T - 1 without committing
+    them; `advance` commits a prefix of them and `keep` moves an arbitrary subset (an accepted tree
+    path) into place. Uncommitted slots are simply overwritten by the next forward.
+    """
+
+    def __init__(
+        self,
+        n_layers: int,
+        batch: int,
+        n_kv_heads: int,
+        head_dim: int,
+        capacity: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        shape = (batch, n_kv_heads, capacity, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.lens = torch.zeros(batch, dtype=torch.long, device=device)
+        self._slots: torch.Tensor | None = None
+        self._kv_len = 0
+
+    @property
+    def batch(self) -> int:
+        return self.lens.shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[2]
+
+    def prepare(self, n_new: int) -> None:
+        """Reserve slots for the next forward's n_new tokens per row."""
+        need = int(self.lens.max()) + n_new
+        if need > self.capacity:
+            raise RuntimeError(f"KV cache holds {self.capacity} positions, a forward needs {need}")
+        self._slots = self.lens[:, None] + torch.arange(n_new, device=self.lens.device)
+        self._kv_len = need
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The `transformers` Cache entry point: store this layer's new keys/values, return all of them."""
+        assert self._slots is not None, "call prepare() before a forward"
+        rows = torch.arange(self.batch, device=self.lens.device)[:, None]
+        k, v = self.keys[layer_idx], self.values[layer_idx]
+        # Advanced indices around a slice put the indexed dims first: [B, T, H, D].
+        k[rows, :, self._slots] = key_states.transpose(1, 2).to(k.dtype)
+        v[rows, :, self._slots] = value_states.transpose(1, 2).to(v.dtype)
+        return k[:, :, : self._kv_len], v[:, :, : self._kv_len]
+
+    def attention_mask(self, tree: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Additive mask [B, 1, T, kv_len] for the prepared forward.
+
+        tree[b, t, i] says whether new token t of row b sees new token i (itself and its
+        ancestors); every new token sees the whole committed prefix of its row. A float mask of
+        0 / finfo.min because a boolean 4D mask is silently misread by eager attention.
+        """
+        assert self._slots is not None, "call prepare() before attention_mask()"
+        batch, n_new = self._slots.shape
+        cols = torch.arange(self._kv_len, device=self.lens.device)
+        visible = (cols[None, None, :] < self.lens[:, None, None]).expand(batch, n_new, -1).clone()
+        visible.scatter_(2, self._slots[:, None, :].expand(batch, n_new, n_new), tree.to(torch.bool))
+        mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+        mask.masked_fill_(~visible, torch.finfo(dtype).min)
+        return mask[:, None]
+
+    def advance(self, counts: torch.Tensor) -> None:
+        """Commit the first counts[b] new entries of each row."""
+        self.lens += counts.to(self.lens.device)
+
+    def keep(self, row: int, new_indices: list[int]) -> None:
+        """Commit the given new entries of one row (an accepted tree path), moved to be contiguous."""
+        base = int(self.lens[row])
+        src = torch.tensor(new_indices, device=self.lens.device) + base
+        dst = torch.arange(len(new_indices), device=self.lens.device) + base
+        if not torch.equal(src, dst):
+            for k, v in zip(self.keys, self.values):
+                k[row, :, dst] = k[row, :, src]
+                v[row, :, dst] = v[row, :, src]
+        self.lens[row] += len(new_indices)
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep (or repeat) rows: drop finished sequences, or fan one prefilled prompt out to n rows."""
+        index = index.to(self.lens.device)
+        self.keys = [k.index_select(0, index) for k in self.keys]
+        self.values = [v.index_select(0, index) for v in self.values]
+        self.lens = self.lens.index_select(0, index)
+        self._slots = None
+
+    # Methods some `transformers` code paths query on a cache object.
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return int(self.lens.max()) if self.batch else 0
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+def cache_geometry(config: object) -> tuple[int, int, int]:
+    """(layers, kv heads, head dim) of a decoder-only `transformers` config."""
+    n_layers = config.num_hidden_layers  # type: ignore[attr-defined]
+    n_heads = config.num_attention_heads  # type: ignore[attr-defined]
+    n_kv = getattr(config, "num_key_value_heads", None) or n_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads  # type: ignore[attr-defined]
+    return n_layers, n_kv, head_dim

@@ -1,0 +1,48 @@
+"""The decode state of one request, shared by every decoder."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from decoding.sampling import SamplingParams, make_generator
+from decoding.stopping import Detokenizer, StopRule
+from decoding.types import DecodeStats, FinishReason
+
+
+@dataclass
+class Sequence:
+    prompt: list[int]
+    rule: StopRule
+    params: SamplingParams
+    generator: torch.Generator
+    generated: list[int] = field(default_factory=list)
+    reason: FinishReason | None = None
+    stats: DecodeStats = field(default_factory=DecodeStats)
+    _checked: int = 0
+
+    @classmethod
+    def create(cls, prompt: list[int], rule: StopRule, params: SamplingParams, seed: int) -> Sequence:
+        return cls(prompt=prompt, rule=rule, params=params, generator=make_generator(seed))
+
+    @property
+    def done(self) -> bool:
+        return self.reason is not None
+
+    def commit(self, tokens: list[int], tokenizer: Detokenizer) -> int:
+        """Append tokens accepted in one verification step, stopping where plain decoding would.
+
+        Returns how many of them were kept.
+        """
+        before = len(self.generated)
+        self.generated.extend(tokens)
+        n, reason = self.rule.check(self.generated, tokenizer, start=self._checked)
+        del self.generated[n:]
+        self._checked = n
+        self.reason = reason
+        kept = n - before
+        self.stats.generated_tokens += kept
+        self.stats.verify_steps += 1
+        self.stats.target_forwards += 1
+        return kept

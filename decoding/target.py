@@ -1,0 +1,86 @@
+"""The target model as the decoders see it: forwards over a per-row KV cache."""
+
+from __future__ import annotations
+
+import torch
+
+from decoding.kv_cache import RowKVCache, cache_geometry
+
+
+class Target:
+    """Wraps a `transformers` causal LM so that every forward writes into a RowKVCache.
+
+    A forward takes T new tokens per row with, per row, a T x T visibility matrix among them (a
+    causal chain for prefill and plain decoding, ancestors for a draft tree) and their depths;
+    positions are the row's committed length plus depth.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.config = model.config
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.forwards = 0
+
+    @property
+    def max_length(self) -> int:
+        return int(getattr(self.config, "max_position_embeddings", 0) or 1 << 30)
+
+    def new_cache(self, batch: int, capacity: int) -> RowKVCache:
+        n_layers, n_kv, head_dim = cache_geometry(self.config)
+        return RowKVCache(n_layers, batch, n_kv, head_dim, capacity, self.dtype, self.device)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        cache: RowKVCache,
+        tokens: torch.Tensor,
+        tree: torch.Tensor,
+        depth: torch.Tensor,
+        logits_at: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits [B, T, V] (or [B, K, V] at the new-token indices `logits_at`) for new tokens [B, T]."""
+        tokens = tokens.to(self.device)
+        cache.prepare(tokens.shape[1])
+        mask = cache.attention_mask(tree.to(self.device), self.dtype)
+        positions = cache.lens[:, None] + depth.to(self.device)
+        out = self.model(
+            input_ids=tokens,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=0 if logits_at is None else logits_at.to(self.device),
+        )
+        self.forwards += 1
+        return out.logits
+
+    def prefill(self, prompts: list[list[int]], capacity: int) -> tuple[RowKVCache, torch.Tensor]:
+        """Cache each prompt and return the next-token logits [B, V].
+
+        Identical prompts (the n samples of one thought step) are computed once and fanned out.
+        Ragged prompts are padded on the right; a pad slot lies past its row's length, so it is
+        never seen and is overwritten by the next forward.
+        """
+        unique: dict[tuple[int, ...], int] = {}
+        fan_out = [unique.setdefault(tuple(p), len(unique)) for p in prompts]
+        distinct = list(unique)
+        lengths = torch.tensor([len(p) for p in distinct])
+        width = int(lengths.max())
+        tokens = torch.zeros(len(distinct), width, dtype=torch.long)
+        for i, p in enumerate(distinct):
+            tokens[i, : len(p)] = torch.tensor(p)
+        causal = torch.ones(width, width, dtype=torch.bool).tril().expand(len(distinct), -1, -1)
+        depth = torch.arange(width).expand(len(distinct), -1)
+        last = lengths - 1
+        keep = torch.unique(last)
+        cache = self.new_cache(len(distinct), capacity)
+        logits = self.forward(cache, tokens, causal, depth, logits_at=keep)
+        cache.advance(lengths)
+        rows = torch.arange(len(distinct))
+        next_logits = logits[rows, torch.searchsorted(keep, last).to(logits.device)]
+        index = torch.tensor(fan_out)
+        if len(distinct) != len(prompts) or fan_out != list(range(len(prompts))):
+            cache.select_rows(index)
+            next_logits = next_logits.index_select(0, index.to(next_logits.device))
+        return cache, next_logits

@@ -1,0 +1,97 @@
+"""Values that cross the backend boundary: what is asked, what comes back, what it cost."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "eos"]
+
+
+@dataclass(frozen=True)
+class GenRequest:
+    """One sequence to generate.
+
+    `prompt` is text (the engine applies the chat template when the model has one) or token ids
+    (used as they are). Requests with the same `group` are trajectories of one ToT step and share
+    cross-trajectory draft statistics; `seed` makes a sampled request reproducible.
+    """
+
+    prompt: str | tuple[int, ...]
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: tuple[str, ...] = ()
+    group: str = ""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.prompt, list):
+            object.__setattr__(self, "prompt", tuple(self.prompt))
+        if isinstance(self.stop, (list, str)):
+            object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 means greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k} must be >= 0 (0 disables top-k)")
+
+
+@dataclass
+class DecodeStats:
+    """What producing some tokens cost. Adds up across sequences and calls with `+=`.
+
+    `verify_steps` counts (sequence, target forward) pairs: one per sequence each time the target
+    scores it, so acceptance_length = generated_tokens / verify_steps (1.0 for autoregressive).
+    `target_forwards` counts calls of the target model (one batched call is one forward).
+    """
+
+    generated_tokens: int = 0
+    target_forwards: int = 0
+    verify_steps: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    other_s: float = 0.0
+
+    @property
+    def wall_s(self) -> float:
+        return self.draft_s + self.verify_s + self.other_s
+
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens committed per sequence per verification step, bonus token included."""
+        return self.generated_tokens / self.verify_steps if self.verify_steps else 0.0
+
+    @property
+    def forwards_per_token(self) -> float:
+        return self.target_forwards / self.generated_tokens if self.generated_tokens else 0.0
+
+    def __iadd__(self, other: DecodeStats) -> DecodeStats:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+        return self
+
+    def to_dict(self) -> dict[str, float]:
+        d: dict[str, float] = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["wall_s"] = self.wall_s
+        d["acceptance_length"] = self.acceptance_length
+        d["forwards_per_token"] = self.forwards_per_token
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, float]) -> DecodeStats:
+        return cls(**{f.name: type(f.default)(d.get(f.name, f.default)) for f in fields(cls)})
+
+
+@dataclass
+class GenResult:
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+    stats: DecodeStats = field(default_factory=DecodeStats)
