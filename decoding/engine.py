@@ -51,15 +51,16 @@ class Engine:
         self.last_stats = DecodeStats()
         self.total_stats = DecodeStats()
 
-    def encode(self, prompt: str | tuple[int, ...]) -> list[int]:
+    def encode(self, prompt: str | tuple[int, ...], prefix: str = "") -> list[int]:
         if not isinstance(prompt, str):
-            return list(prompt)
+            ids = list(prompt)
+            return ids + self.tokenizer(prefix, add_special_tokens=False)["input_ids"] if prefix else ids
         if self.loaded.use_chat_template:
-            prompt = self.tokenizer.apply_chat_template(
+            text = self.tokenizer.apply_chat_template(
                 [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
             )
-            return self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        return self.tokenizer(prompt)["input_ids"]
+            return self.tokenizer(text + prefix, add_special_tokens=False)["input_ids"]
+        return self.tokenizer(prompt + prefix)["input_ids"]
 
     def generate(self, requests: list[GenRequest]) -> list[GenResult]:
         if not requests:
@@ -84,7 +85,7 @@ class Engine:
         return results
 
     def _sequence(self, r: GenRequest) -> Sequence:
-        ids = self.encode(r.prompt)
+        ids = self.encode(r.prompt, r.prefix)
         limit = self.target.max_length
         if len(ids) + r.max_new_tokens > limit:
             raise BackendError(

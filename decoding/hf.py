@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 import torch
-from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 from decoding.sequence import Sequence
 from decoding.stopping import Detokenizer
@@ -32,8 +32,20 @@ class HFDecoder:
         self.target = target
         self.tokenizer = tokenizer
 
-    @torch.inference_mode()
     def run(self, seqs: list[Sequence]) -> DecodeStats:
+        # generate() fills every option a call leaves unset from the model's generation_config, which
+        # may carry the checkpoint's own sampling options (repetition_penalty, min_p, ...). Every
+        # decoder samples only the request's temperature / top-k / top-p, so run with a neutral one.
+        model = self.target.model
+        saved = model.generation_config
+        model.generation_config = GenerationConfig()
+        try:
+            return self._run(seqs)
+        finally:
+            model.generation_config = saved
+
+    @torch.inference_mode()
+    def _run(self, seqs: list[Sequence]) -> DecodeStats:
         stats = DecodeStats()
         model = self.target.model
         for s in seqs:

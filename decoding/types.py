@@ -13,8 +13,11 @@ class GenRequest:
     """One sequence to generate.
 
     `prompt` is text (the engine applies the chat template when the model has one) or token ids
-    (used as they are). Requests with the same `group` are trajectories of one ToT step and share
-    cross-trajectory draft statistics; `seed` makes a sampled request reproducible.
+    (used as they are). `prefix` starts the model's reply (after the chat template's assistant
+    header): small chat models follow a format far better when its first words are given; the
+    prefix is part of the prompt, not of the returned text. Requests with the same `group` are
+    trajectories of one ToT step and share cross-trajectory draft statistics; `seed` makes a
+    sampled request reproducible.
     """
 
     prompt: str | tuple[int, ...]
@@ -25,6 +28,7 @@ class GenRequest:
     stop: tuple[str, ...] = ()
     group: str = ""
     seed: int = 0
+    prefix: str = ""
 
     def __post_init__(self) -> None:
         if isinstance(self.prompt, list):

@@ -1,0 +1,127 @@
+"""GSM8K as SEED sets it up (Appendix D): depth 4, i.e. three sub-question/sub-answer steps and a
+final answer; a 1-10 value with a short explanation for each state. Prompts are ours, written for
+a small chat model: one thought is a sub-question together with its answer.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from tasks.base import DataError, DataSpec, Problem, Prompt, read_jsonl
+
+FINAL_PREFIX = "The answer is"
+SCORE_PREFIX = "Score:"
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+_SCORE = re.compile(r"(?:score|rating|rate|value)\D{0,12}?(\d+(?:\.\d+)?)", re.IGNORECASE)
+
+
+def extract_number(text: str) -> str | None:
+    """The last number in text, with thousands separators and currency signs removed."""
+    cleaned = re.sub(r"(?<=\d),(?=\d{3})", "", text).replace("$", "")
+    found = _NUMBER.findall(cleaned)
+    if not found:
+        return None
+    value = found[-1].rstrip(".")
+    return normalize_number(value)
+
+
+def normalize_number(value: str) -> str:
+    """'18.00' -> '18', '-3.50' -> '-3.5': one spelling per number, for exact comparison."""
+    if "." in value:
+        value = value.rstrip("0").rstrip(".")
+    return "0" if value in ("-0", "") else value
+
+
+def gold_answer(answer: str) -> str:
+    """The number after '####' in a GSM8K answer field."""
+    if "####" not in answer:
+        raise ValueError("no '####' in the answer")
+    tail = answer.split("####")[-1].strip().replace(",", "").replace("$", "")
+    if not _NUMBER.fullmatch(tail):
+        raise ValueError(f"'{tail}' after '####' is not a number")
+    return normalize_number(tail)
+
+
+def parse_value(text: str) -> float:
+    """A 1-10 value from an evaluation: 'Score: 7', else the first number in range; 0 if none."""
+    m = _SCORE.search(text)
+    candidates = [m.group(1)] if m else []
+    candidates += _NUMBER.findall(text)
+    for c in candidates:
+        v = float(c)
+        if 1 <= v <= 10:
+            return v
+    return 0.0
+
+
+@dataclass
+class GSM8K:
+    depth: int = 4
+    name: str = "gsm8k"
+
+    def load(self, data: DataSpec) -> list[Problem]:
+        if data.path:
+            path = Path(data.path).expanduser()
+        else:
+            path = Path(str(resources.files("tasks.data") / "gsm8k_examples.jsonl"))
+        problems = []
+        for i, rec in enumerate(read_jsonl(path, ("question", "answer"))):
+            try:
+                gold = gold_answer(str(rec["answer"]))
+            except ValueError as e:
+                raise DataError(f"{path}: record {i + 1}: {e}; the answer must end with '#### <number>'") from None
+            problems.append(Problem(id=str(rec.get("id", f"{path.stem}-{i}")), question=rec["question"], gold=gold))
+        return data.select(problems)
+
+    # --- thought generator -------------------------------------------------------------------
+    def generator_prompt(self, problem: Problem, steps: list[str]) -> Prompt:
+        k = len(steps) + 1
+        head = f"Question: {problem.question}\n\n{_steps_block(steps)}\n\n"
+        if k < self.depth:
+            return Prompt(
+                head + "Break the question into small steps. Write only the next step: one sub-question "
+                "that moves toward the final answer, then its answer with the calculation, in this form:\n"
+                f"Sub-question {k}: <question>\nSub-answer {k}: <answer>",
+                prefix=f"Sub-question {k}:",
+                stop=(f"Sub-question {k + 1}", "\n\n"),
+            )
+        return Prompt(
+            head + 'Using the steps above, give the final answer to the question as "The answer is <number>."',
+            prefix=FINAL_PREFIX,
+            stop=("\n",),
+        )
+
+    def parse_thought(self, problem: Problem, steps: list[str], text: str) -> str:
+        return (self.generator_prompt(problem, steps).prefix + text).strip()
+
+    # --- state evaluator ---------------------------------------------------------------------
+    def evaluator_prompt(self, problem: Problem, steps: list[str]) -> Prompt:
+        *before, last = steps
+        what = "final answer" if len(steps) >= self.depth else "latest step"
+        return Prompt(
+            f"Question: {problem.question}\n\n{_steps_block(before)}\n\nThe {what} is:\n{last}\n\n"
+            f"How much does the {what} help to answer the question correctly? Rate it from 1 (wrong or "
+            'useless) to 10 (correct and very helpful). Reply as "Score: <number>", then one sentence '
+            "explaining why.",
+            prefix=SCORE_PREFIX,
+            stop=("\n\n",),
+        )
+
+    def parse_value(self, text: str) -> float:
+        return parse_value(SCORE_PREFIX + text)
+
+    # --- scoring -----------------------------------------------------------------------------
+    def answer(self, problem: Problem, steps: list[str]) -> str:
+        return extract_number(steps[-1]) or "" if steps else ""
+
+    def is_correct(self, problem: Problem, answer: str) -> bool:
+        return bool(answer) and answer == problem.gold
+
+
+def _steps_block(steps: list[str]) -> str:
+    if not steps:
+        return "Steps so far: none yet."
+    return "Steps so far:\n" + "\n".join(steps)

@@ -1,0 +1,114 @@
+"""Fixtures for fast tests: a tiny random Llama and a tiny byte-level BPE tokenizer, built in memory."""
+
+from __future__ import annotations
+
+import string
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from decoding.engine import Engine
+from decoding.models import LoadedModel
+
+SPECIALS = ("<pad>", "<bos>", "<eos>")  # ids 0, 1, 2
+PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
+
+
+def _byte_char(c: str) -> str:
+    """The character GPT-2's byte-level alphabet uses for an ASCII character (a space is 'Ġ')."""
+    return "Ġ" if c == " " else c
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level BPE over printable ASCII with some multi-character tokens, so any id decodes to text.
+
+    Every non-special token is printable ASCII (one to three characters), so any sequence of ids the
+    random model emits decodes to plain text, which stop-string tests need.
+    """
+    vocab: dict[str, int] = {s: i for i, s in enumerate(SPECIALS)}
+    for code in range(32, 127):
+        vocab.setdefault(_byte_char(chr(code)), len(vocab))
+    merges: list[tuple[str, str]] = []
+
+    def merge(a: str, b: str) -> None:
+        if a + b not in vocab:
+            merges.append((a, b))
+            vocab[a + b] = len(vocab)
+
+    common = "etaoinshrdlu"
+    for a in common:
+        for b in common:
+            merge(a, b)
+    for c in string.ascii_lowercase + string.digits:
+        merge("Ġ", c)
+    for w in ("the", "and", "ing", "ion"):
+        merge(w[:2], w[2])
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>")
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread(request: pytest.FixtureRequest):
+    """Fast tests run tiny tensors, where torch's intra-op threads only cost: on a busy 2-core machine
+    they made the decoder tests ~50x slower. Tests marked slow keep the default thread count."""
+    if request.node.get_closest_marker("slow"):
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> PreTrainedTokenizerFast:
+    return build_tokenizer()
+
+
+def build_model(vocab_size: int, seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        # Larger than the default 0.02 so that next-token distributions are peaked rather than near
+        # uniform: greedy continuations vary and the sampling tests have a small effective support.
+        initializer_range=0.2,
+        pad_token_id=PAD_ID,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
+    model = LlamaForCausalLM(config).eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tokenizer: PreTrainedTokenizerFast) -> LlamaForCausalLM:
+    return build_model(len(tokenizer))
+
+
+@pytest.fixture(scope="session")
+def loaded(tiny_model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast) -> LoadedModel:
+    return LoadedModel(tiny_model, tokenizer, torch.device("cpu"), use_chat_template=False, source="tiny")
+
+
+@pytest.fixture(scope="session")
+def make_engine(loaded: LoadedModel):
+    """make_engine(decoder) -> Engine on the tiny model; a new Engine each call (fresh stats)."""
+
+    def make(decoder: str = "ar", model: LoadedModel | None = None) -> Engine:
+        return Engine(model or loaded, decoder)
+
+    return make

@@ -1,0 +1,194 @@
+"""Logit processing against `transformers`' own warpers, sampling, and the stop rule."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from decoding.sampling import SamplingParams, make_generator, process_logits, sample
+from decoding.stopping import StopRule, final_text
+
+PARAM_SETS = [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.7),
+    SamplingParams(temperature=1.3, top_k=10),
+    SamplingParams(temperature=0.5, top_p=0.8),
+    SamplingParams(temperature=0.9, top_k=50, top_p=0.95),
+    SamplingParams(temperature=2.0, top_k=3, top_p=0.3),
+    SamplingParams(temperature=1.0, top_p=0.05),  # keeps only the top token
+    SamplingParams(temperature=1.0, top_k=1000),  # top_k larger than the vocabulary
+]
+
+
+def hf_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """One row [V] through transformers' warpers in generate's order, then softmax."""
+    scores = logits[None].float()
+    ids = torch.zeros(1, 1, dtype=torch.long)
+    scores = TemperatureLogitsWarper(p.temperature)(ids, scores)
+    if p.top_k:
+        scores = TopKLogitsWarper(p.top_k)(ids, scores)
+    if p.top_p < 1.0:
+        scores = TopPLogitsWarper(p.top_p)(ids, scores)
+    return scores.softmax(-1)[0]
+
+
+@pytest.mark.parametrize("p", PARAM_SETS, ids=str)
+def test_process_logits_matches_transformers_warpers(p):
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(6, 300, generator=gen) * 3
+    got = process_logits(logits, [p] * 6)
+    for b in range(6):
+        torch.testing.assert_close(got[b], hf_probs(logits[b], p), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(got.sum(-1), torch.ones(6))
+
+
+def test_process_logits_per_row_parameters_in_one_batch():
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(len(PARAM_SETS), 300, generator=gen) * 3
+    got = process_logits(logits, PARAM_SETS)
+    for b, p in enumerate(PARAM_SETS):
+        torch.testing.assert_close(got[b], hf_probs(logits[b], p), atol=1e-6, rtol=1e-5)
+    # The rows really differ, so a mix-up of parameters between rows would show.
+    assert not torch.allclose(got[0], got[1], atol=1e-3)
+
+
+def test_process_logits_keeps_extra_dims():
+    """Logits [B, T, V] (a tree of T tokens per row): each row's parameters apply to all its T positions."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, 4, 100, generator=gen) * 2
+    params = [SamplingParams(0.8, top_k=20), SamplingParams(1.2, top_p=0.7)]
+    got = process_logits(logits, params)
+    assert got.shape == logits.shape
+    for b, p in enumerate(params):
+        for t in range(4):
+            torch.testing.assert_close(got[b, t], hf_probs(logits[b, t], p), atol=1e-6, rtol=1e-5)
+
+
+def test_greedy_is_one_hot_argmax():
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(3, 5, 50, generator=gen)
+    params = [SamplingParams(0.0), SamplingParams(1.0), SamplingParams(0.0, top_k=5, top_p=0.5)]
+    got = process_logits(logits, params)
+    for b in (0, 2):
+        expected = torch.nn.functional.one_hot(logits[b].argmax(-1), 50).float()
+        assert torch.equal(got[b], expected)
+    assert (got[1] > 0).all()
+
+
+def test_process_logits_does_not_modify_input():
+    logits = torch.randn(2, 40)
+    before = logits.clone()
+    process_logits(logits, [SamplingParams(0.5, top_k=3), SamplingParams(0.0)])
+    assert torch.equal(logits, before)
+
+
+def test_sample_uses_one_generator_per_row():
+    probs = torch.full((3, 64), 1 / 64)
+    a = sample(probs, [make_generator(5), make_generator(6), make_generator(7)])
+    # Row 1 alone with the same seed draws the same token: rows do not share randomness.
+    b = sample(probs[1:2], [make_generator(6)])
+    assert a[1] == b[0]
+    many = torch.stack([sample(probs[:1], [make_generator(s)]) for s in range(40)])
+    assert len(set(many.flatten().tolist())) > 10
+    onehot = torch.zeros(2, 64)
+    onehot[0, 17] = onehot[1, 3] = 1.0
+    assert sample(onehot, [make_generator(0), make_generator(1)]).tolist() == [17, 3]
+
+
+# --- the stop rule -------------------------------------------------------------------------------
+
+
+class ToyTokenizer:
+    """Each id decodes to a fixed string; id 0 is the (special) EOS."""
+
+    PIECES = ("<eos>", "a", "b", "E", "ND", "ENDx", " ", "xy", "N", "D")
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return "".join(self.PIECES[i] for i in ids if not (skip_special_tokens and i == 0))
+
+
+TOK = ToyTokenizer()
+EOS = frozenset({0})
+
+
+def one_at_a_time(rule: StopRule, generated: list[int]) -> tuple[int, str | None]:
+    """What a decoder that commits one token per step would keep."""
+    for n in range(1, len(generated) + 1):
+        kept, reason = rule.check(generated[:n], TOK, start=n - 1)
+        if reason is not None:
+            return kept, reason
+    return len(generated), None
+
+
+def test_check_eos():
+    rule = StopRule(EOS, (), 10)
+    assert rule.check([1, 2, 0, 1, 2], TOK) == (3, "eos")
+    assert rule.check([1, 2], TOK) == (2, None)
+
+
+def test_check_length():
+    rule = StopRule(EOS, (), 3)
+    assert rule.check([1, 2], TOK) == (2, None)
+    assert rule.check([1, 2, 1], TOK) == (3, "length")
+    assert rule.check([1, 2, 1, 2, 2], TOK) == (3, "length")
+    # EOS as the last allowed token is an EOS finish.
+    assert rule.check([1, 2, 0], TOK) == (3, "eos")
+
+
+@pytest.mark.parametrize(
+    "generated, expected",
+    [
+        ([1, 3, 4, 2, 2], (3, "stop")),  # "a" "E" "ND": the stop string spans two tokens
+        ([1, 5, 2, 2], (2, "stop")),  # "ENDx" holds it inside one token
+        ([3, 8, 9, 1, 2], (3, "stop")),  # "E" "N" "D": three tokens
+        ([1, 2, 2, 3, 4], (5, "stop")),  # completes with the last token
+        ([3, 1, 8, 9, 2], (5, None)),  # "EaND..." never contains it
+    ],
+)
+def test_stop_string_inside_multi_token_commit(generated, expected):
+    rule = StopRule(EOS, ("END",), 20)
+    assert rule.check(generated, TOK) == expected
+    assert one_at_a_time(rule, generated) == expected
+
+
+def test_stop_before_eos_and_length_in_one_commit():
+    rule = StopRule(EOS, ("END", "xy"), 6)
+    # "a" "xy" ... : the second stop string hits first, before the EOS later in the commit.
+    assert rule.check([1, 7, 0, 3, 4], TOK) == (2, "stop")
+    # A stop string completed by the last allowed token is a stop, not a length finish.
+    assert rule.check([1, 1, 1, 1, 3, 4], TOK) == (6, "stop")
+    assert rule.check([1, 1, 1, 1, 1, 1, 3, 4], TOK) == (6, "length")
+
+
+def test_check_start_skips_checked_tokens():
+    rule = StopRule(EOS, ("END",), 20)
+    # Tokens before `start` were checked by an earlier call: an EOS there is not found again...
+    assert rule.check([0, 1, 2], TOK, start=1) == (3, None)
+    # ...nor a stop string that ended before `start`.
+    assert rule.check([3, 4, 1, 2], TOK, start=2) == (4, None)
+    # A stop string that spans the boundary, completed by the first new token, is found.
+    assert rule.check([1, 3, 8, 9, 2], TOK, start=3) == (4, "stop")
+    # Incremental calls as a speculative decoder makes them, two commits of two tokens.
+    gen = [1, 3]
+    assert rule.check(gen, TOK, start=0) == (2, None)
+    gen += [4, 1]
+    assert rule.check(gen, TOK, start=2) == (3, "stop")
+
+
+def test_stop_string_longer_than_window_of_short_tokens():
+    rule = StopRule(EOS, ("abab",), 50)
+    gen = [2, 2, *([1, 2] * 2), 1]
+    assert rule.check(gen, TOK) == (6, "stop")
+    assert one_at_a_time(rule, gen) == (6, "stop")
+
+
+def test_final_text():
+    assert final_text([1, 3, 4, 2], "stop", ("END",), TOK) == "a"
+    # Cut inside a token, before the earliest of several stop strings.
+    assert final_text([1, 2, 5, 7], "stop", ("xy", "END"), TOK) == "ab"
+    # Special tokens are dropped.
+    assert final_text([1, 2, 0], "eos", (), TOK) == "ab"
+    # Only a stop finish cuts.
+    assert final_text([1, 3, 4], "length", ("END",), TOK) == "aEND"
+    assert final_text([1, 3, 4], None, ("END",), TOK) == "aEND"

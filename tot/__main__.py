@@ -1,0 +1,3 @@
+from tot.solve import cli
+
+cli()

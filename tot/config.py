@@ -1,0 +1,106 @@
+"""The run configuration, checked once at load time with messages that say what to change."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from omegaconf import DictConfig, OmegaConf
+
+from decoding.engine import DECODERS
+from decoding.models import ModelSpec
+from tasks import TASKS, DataSpec
+from tot.search import BFSSettings, GenSettings
+
+SEARCHES = ("bfs",)
+
+
+class ConfigError(ValueError):
+    """A config value the user must change; the message names the key and the fix."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    task: str
+    depth: int
+    search: str
+    bfs: BFSSettings
+    decoder: str
+    model: ModelSpec
+    data: DataSpec
+    gen: GenSettings
+    seed: int
+
+    def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise ConfigError(f"task={self.task} is not one of {', '.join(TASKS)}")
+        if self.search not in SEARCHES:
+            raise ConfigError(f"search={self.search} is not one of {', '.join(SEARCHES)}")
+        if self.decoder not in DECODERS:
+            raise ConfigError(f"decoder={self.decoder} is not one of {', '.join(DECODERS)}")
+        _positive("task.depth", self.depth)
+        _positive("search.n_thoughts", self.bfs.n_thoughts)
+        _positive("search.breadth", self.bfs.breadth)
+        if self.bfs.breadth > self.bfs.n_thoughts:
+            raise ConfigError(
+                f"search.breadth={self.bfs.breadth} exceeds search.n_thoughts={self.bfs.n_thoughts}; "
+                "BFS keeps at most the b best of n thoughts per state, so set breadth <= n_thoughts"
+            )
+        _positive("gen.max_thought_tokens", self.gen.max_thought_tokens)
+        _positive("gen.max_eval_tokens", self.gen.max_eval_tokens)
+        for key, t in (("gen.temperature", self.gen.temperature), ("gen.eval_temperature", self.gen.eval_temperature)):
+            if t < 0:
+                raise ConfigError(f"{key}={t} is negative; use 0 for greedy decoding or a positive temperature")
+        if not 0 < self.gen.top_p <= 1:
+            raise ConfigError(f"gen.top_p={self.gen.top_p} must be in (0, 1]; use 1.0 to turn nucleus sampling off")
+        if self.gen.top_k < 0:
+            raise ConfigError(f"gen.top_k={self.gen.top_k} is negative; use 0 to turn top-k off")
+
+    @classmethod
+    def from_omegaconf(cls, cfg: DictConfig) -> RunConfig:
+        try:
+            c = OmegaConf.to_container(cfg, resolve=True)
+            data = c["data"]
+            return cls(
+                task=c["task"]["name"],
+                depth=_int("task.depth", c["task"]["depth"]),
+                search=c["search"]["name"],
+                bfs=BFSSettings(
+                    n_thoughts=_int("search.n_thoughts", c["search"]["n_thoughts"]),
+                    breadth=_int("search.breadth", c["search"]["breadth"]),
+                ),
+                decoder=c["decoder"]["name"],
+                model=ModelSpec(**{k: str(v) for k, v in c["model"].items() if k != "name" and v is not None}),
+                data=DataSpec(
+                    path=data.get("path"),
+                    limit=None if data.get("limit") is None else _int("data.limit", data["limit"]),
+                    offset=_int("data.offset", data.get("offset", 0)),
+                ),
+                gen=GenSettings(
+                    temperature=_float("gen.temperature", c["gen"]["temperature"]),
+                    top_p=_float("gen.top_p", c["gen"]["top_p"]),
+                    top_k=_int("gen.top_k", c["gen"]["top_k"]),
+                    max_thought_tokens=_int("gen.max_thought_tokens", c["gen"]["max_thought_tokens"]),
+                    max_eval_tokens=_int("gen.max_eval_tokens", c["gen"]["max_eval_tokens"]),
+                    eval_temperature=_float("gen.eval_temperature", c["gen"]["eval_temperature"]),
+                ),
+                seed=_int("seed", c["seed"]),
+            )
+        except KeyError as e:
+            raise ConfigError(f"config key {e} is missing; start from conf/config.yaml") from None
+
+
+def _positive(key: str, value: int) -> None:
+    if value < 1:
+        raise ConfigError(f"{key}={value} must be a positive integer")
+
+
+def _int(key: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{key}={value!r} is not an integer")
+    return value
+
+
+def _float(key: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{key}={value!r} is not a number")
+    return float(value)

@@ -1,0 +1,81 @@
+"""Run outputs: results.jsonl appended per finished problem, summary.json, trees/<id>.json.
+
+A problem counts as done once its line is in results.jsonl; a line cut short by a kill is dropped
+on the next start, so a rerun in the same directory neither loses nor repeats a problem.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from decoding.types import DecodeStats
+
+
+class ResultStore:
+    def __init__(self, out_dir: Path) -> None:
+        self.out_dir = out_dir
+        self.path = out_dir / "results.jsonl"
+        self.records: list[dict] = []
+        if self.path.exists():
+            self._load()
+
+    def _load(self) -> None:
+        raw = self.path.read_text(encoding="utf-8")
+        good = []
+        for line in raw.splitlines(keepends=True):
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a record cut short by a kill: that problem is simply run again
+            if line.endswith("\n") and isinstance(rec, dict) and "id" in rec:
+                good.append(line)
+                self.records.append(rec)
+        if "".join(good) != raw:
+            self.path.write_text("".join(good), encoding="utf-8")
+
+    @property
+    def done(self) -> set[str]:
+        return {r["id"] for r in self.records}
+
+    def append(self, record: dict) -> None:
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+        self.records.append(record)
+
+    def tree_path(self, problem_id: str) -> Path:
+        return self.out_dir / "trees" / (re.sub(r"[^\w.-]", "_", problem_id) + ".json")
+
+
+def summarize(records: list[dict], header: dict) -> dict:
+    """Totals over finished problems: accuracy, tokens, throughput, tau, per-phase cost."""
+    total = DecodeStats()
+    phases: dict[str, dict] = {}
+    for r in records:
+        for name, p in r["phases"].items():
+            total += DecodeStats.from_dict({k[len("decode_") :]: v for k, v in p.items() if k.startswith("decode_")})
+            acc = phases.setdefault(name, {"tokens": 0, "wall_s": 0.0, "target_forwards": 0})
+            acc["tokens"] += p["tokens"]
+            acc["wall_s"] += p["wall_s"]
+            acc["target_forwards"] += p["decode_target_forwards"]
+    for p in phases.values():
+        p["tokens_per_s"] = p["tokens"] / p["wall_s"] if p["wall_s"] else 0.0
+    wall = sum(r["wall_s"] for r in records)
+    n = len(records)
+    return {
+        **header,
+        "n_problems": n,
+        "n_correct": sum(bool(r["correct"]) for r in records),
+        "accuracy": sum(bool(r["correct"]) for r in records) / n if n else 0.0,
+        "generated_tokens": total.generated_tokens,
+        "target_forwards": total.target_forwards,
+        "forwards_per_token": total.forwards_per_token,
+        "acceptance_length": total.acceptance_length,
+        "drafted_tokens": total.drafted_tokens,
+        "accepted_tokens": total.accepted_tokens,
+        "tokens_per_s": total.generated_tokens / wall if wall else 0.0,
+        "wall_s": wall,
+        "phases": phases,
+    }

@@ -1,0 +1,84 @@
+"""Solve a task's problems with a search over an engine, writing results as each problem finishes."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from tqdm import tqdm
+
+from decoding.engine import Engine
+from decoding.models import load_model
+from tasks import make_task
+from tot.config import RunConfig
+from tot.results import ResultStore, summarize
+from tot.search import BFS, Generator
+
+log = logging.getLogger(__name__)
+
+
+def run(cfg: RunConfig, out_dir: Path, engine: Generator | None = None, progress: bool = True) -> dict:
+    """Run (or resume) every selected problem into out_dir and return the summary."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    task = make_task(cfg.task, cfg.depth)
+    problems = task.load(cfg.data)
+    store = ResultStore(out_dir)
+    done = store.done
+    todo = [p for p in problems if p.id not in done]
+    if done:
+        log.info("resuming in %s: %d of %d problems already done", out_dir, len(problems) - len(todo), len(problems))
+    header = {
+        "task": cfg.task,
+        "search": cfg.search,
+        "decoder": cfg.decoder,
+        "model": cfg.model.path,
+        "config": json.loads(json.dumps(asdict(cfg), default=str)),
+    }
+    selected = {p.id for p in problems}
+    if todo:
+        engine = engine or Engine(load_model(cfg.model), cfg.decoder)
+        search = BFS(task, cfg.bfs, cfg.gen, cfg.seed)
+        bar = tqdm(todo, desc=f"{cfg.task}/{cfg.decoder}", unit="problem", disable=not progress)
+        for problem in bar:
+            t0 = time.perf_counter()
+            sol = search.solve(problem, engine)
+            wall = time.perf_counter() - t0
+            phases = {k: v.to_dict() for k, v in sol.phases.items()}
+            tokens = sum(p["tokens"] for p in phases.values())
+            sol.tree.save(store.tree_path(problem.id))
+            store.append(
+                {
+                    "id": problem.id,
+                    "question": problem.question,
+                    "answer": sol.answer,
+                    "gold": problem.gold,
+                    "correct": task.is_correct(problem, sol.answer),
+                    "tokens": tokens,
+                    "wall_s": wall,
+                    "phases": phases,
+                }
+            )
+            summary = summarize([r for r in store.records if r["id"] in selected], header)
+            _write_json(out_dir / "summary.json", summary)
+            bar.set_postfix(acc=f"{summary['accuracy']:.2f}", tok_s=f"{summary['tokens_per_s']:.1f}")
+    summary = summarize([r for r in store.records if r["id"] in selected], header)
+    _write_json(out_dir / "summary.json", summary)
+    return summary
+
+
+def summary_line(s: dict) -> str:
+    return (
+        f"{s['task']} {s['search']} decoder={s['decoder']}: accuracy {s['accuracy']:.3f} "
+        f"({s['n_correct']}/{s['n_problems']}), {s['generated_tokens']} tokens in {s['wall_s']:.1f}s "
+        f"= {s['tokens_per_s']:.1f} tok/s, tau {s['acceptance_length']:.2f}, "
+        f"{s['forwards_per_token']:.3f} target forwards/token"
+    )
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    tmp.replace(path)
