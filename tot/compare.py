@@ -1,0 +1,67 @@
+"""`python -m tot.compare RUN_A RUN_B`: are two runs' reasoning trees identical?
+
+Two decoders given the same problems, seed and temperature 0 must build the same trees (the
+lossless invariant); this names each problem where they differ and the first differing node.
+Exit status 0 when every common problem's tree is identical, 1 otherwise, 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from tot.tree import ReasoningTree
+
+COMPARED = ("text", "value", "depth", "chosen", "answer")
+
+
+def first_difference(a: ReasoningTree, b: ReasoningTree) -> str | None:
+    """Where two trees differ (node and field), or None when they are the same tree."""
+    if sorted(a.graph.edges) != sorted(b.graph.edges):
+        return "different tree shapes (other states were kept and expanded)"
+    for node in sorted(a.graph.nodes):
+        for key in COMPARED:
+            va, vb = a[node].get(key), b[node].get(key)
+            if va != vb:
+                return f"node {node} {key}: {str(va)[:60]!r} vs {str(vb)[:60]!r}"
+    return None
+
+
+def compare_runs(run_a: Path, run_b: Path) -> tuple[int, list[str]]:
+    """(number of problems compared, descriptions of the differing ones)."""
+    trees_a = {p.name: p for p in (run_a / "trees").glob("*.json")}
+    trees_b = {p.name: p for p in (run_b / "trees").glob("*.json")}
+    common = sorted(trees_a.keys() & trees_b.keys())
+    diffs = []
+    for name in common:
+        ta = ReasoningTree.from_dict(json.loads(trees_a[name].read_text()))
+        tb = ReasoningTree.from_dict(json.loads(trees_b[name].read_text()))
+        where = first_difference(ta, tb)
+        if where:
+            diffs.append(f"{name[:-5]}: {where}")
+    return len(common), diffs
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run_a", type=Path)
+    parser.add_argument("run_b", type=Path)
+    args = parser.parse_args(argv)
+    for run in (args.run_a, args.run_b):
+        if not (run / "trees").is_dir():
+            print(f"error: {run} has no trees/ folder; give a run directory of python -m tot.solve", file=sys.stderr)
+            return 2
+    n, diffs = compare_runs(args.run_a, args.run_b)
+    if n == 0:
+        print("error: the two runs have no problem in common", file=sys.stderr)
+        return 2
+    for d in diffs:
+        print(f"DIFFERENT {d}")
+    print(f"{n - len(diffs)}/{n} trees identical")
+    return 1 if diffs else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
