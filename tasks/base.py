@@ -76,8 +76,9 @@ class Task(Protocol):
     def is_correct(self, problem: Problem, answer: str) -> bool: ...
 
 
-def read_jsonl(path: Path, required: tuple[str, ...]) -> list[dict]:
-    """Records of a JSONL file; a missing file or a bad line is a DataError naming file and line."""
+def read_jsonl(path: Path, required: tuple[str, ...]) -> list[tuple[int, dict]]:
+    """(line number, record) pairs of a JSONL file; a missing file or a bad line is a DataError
+    naming file and line."""
     if not path.is_file():
         raise DataError(f"data.path={path} does not exist; give an existing JSONL file or leave data.path unset")
     records = []
@@ -92,7 +93,7 @@ def read_jsonl(path: Path, required: tuple[str, ...]) -> list[dict]:
             missing = [k for k in required if not isinstance(rec, dict) or k not in rec]
             if missing:
                 raise DataError(f"{path}:{lineno}: record has no {', '.join(missing)}; each line needs {required}")
-            records.append(rec)
+            records.append((lineno, rec))
     if not records:
         raise DataError(f"data.path={path} holds no records")
     return records

@@ -68,11 +68,11 @@ class GSM8K:
         else:
             path = Path(str(resources.files("tasks.data") / "gsm8k_examples.jsonl"))
         problems = []
-        for i, rec in enumerate(read_jsonl(path, ("question", "answer"))):
+        for i, (lineno, rec) in enumerate(read_jsonl(path, ("question", "answer"))):
             try:
                 gold = gold_answer(str(rec["answer"]))
             except ValueError as e:
-                raise DataError(f"{path}: record {i + 1}: {e}; the answer must end with '#### <number>'") from None
+                raise DataError(f"{path}:{lineno}: {e}; the answer must end with '#### <number>'") from None
             problems.append(Problem(id=str(rec.get("id", f"{path.stem}-{i}")), question=rec["question"], gold=gold))
         return data.select(problems)
 

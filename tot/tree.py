@@ -26,7 +26,7 @@ class ReasoningTree:
     def add(self, parent: int, text: str, **attrs: object) -> int:
         node = self.graph.number_of_nodes()
         depth = self.graph.nodes[parent]["depth"] + 1
-        self.graph.add_node(node, text=text, value=None, depth=depth, chosen=False, answer=False, **attrs)
+        self.graph.add_node(node, **{"value": None, "chosen": False, "answer": False, **attrs}, text=text, depth=depth)
         self.graph.add_edge(parent, node)
         return node
 

@@ -1,0 +1,271 @@
+"""tot.run.run on the bundled problems with a fake engine: output files, resume after a kill, config checks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_module
+
+from decoding.types import DecodeStats, GenRequest, GenResult
+from tasks.base import DataError
+from tasks.gsm8k import FINAL_PREFIX, SCORE_PREFIX
+from tot.config import ConfigError, RunConfig
+from tot.run import run, summary_line
+
+IDS = [f"bundled-{i}" for i in range(1, 7)]
+GOLD_12 = {"bundled-1", "bundled-6"}  # the fake always answers 12
+# Per problem (depth 4, n=3, b=1): 4 thought calls of 3 requests x 3 tokens, 4 evaluation calls of 3 x 2 tokens.
+GEN_TOKENS, EVAL_TOKENS = 4 * 3 * 3, 4 * 3 * 2
+
+
+def make_config(*overrides: str) -> RunConfig:
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        cfg = compose(config_name="config", overrides=list(overrides))
+    return RunConfig.from_omegaconf(cfg)
+
+
+class FakeEngine:
+    """Deterministic replies: thoughts of 3 tokens, "The answer is 12." at the last step, "Score: 7"."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.problems: list[str] = []  # problem ids in the order their first request arrived
+        self.last_stats = DecodeStats()
+
+    def generate(self, requests: list[GenRequest]) -> list[GenResult]:
+        self.calls += 1
+        pid = requests[0].group.split("/")[0]
+        if pid not in self.problems:
+            self.problems.append(pid)
+        results = []
+        for r in requests:
+            if r.prefix == SCORE_PREFIX:
+                results.append(GenResult(" 7, it helps.", [4, 5], "stop"))
+            elif r.prefix == FINAL_PREFIX:
+                results.append(GenResult(" 12.", [1, 2, 3], "stop"))
+            else:
+                results.append(GenResult(" How many? Sub-answer: 3 + 4 = 7.", [1, 2, 3], "stop"))
+        n = sum(len(x.token_ids) for x in results)
+        self.last_stats = DecodeStats(generated_tokens=n, target_forwards=2, verify_steps=n, verify_s=0.001)
+        return results
+
+
+class Killed(RuntimeError):
+    pass
+
+
+class KilledEngine(FakeEngine):
+    """Dies in the middle of a problem: at its `at`-th call for that problem (a kill between calls)."""
+
+    def __init__(self, problem: str, at: int) -> None:
+        super().__init__()
+        self.problem, self.at, self.seen = problem, at, 0
+
+    def generate(self, requests: list[GenRequest]) -> list[GenResult]:
+        if requests[0].group.startswith(self.problem + "/"):
+            self.seen += 1
+            if self.seen == self.at:
+                raise Killed("killed")
+        return super().generate(requests)
+
+
+def read_results(out: Path) -> list[dict]:
+    text = (out / "results.jsonl").read_text()
+    assert text.endswith("\n")
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def check_complete(out: Path, ids: list[str] = IDS) -> dict:
+    records = read_results(out)
+    assert sorted(r["id"] for r in records) == sorted(ids)  # each id exactly once
+    for r in records:
+        assert r["correct"] == (r["id"] in GOLD_12)
+        assert r["tokens"] == GEN_TOKENS + EVAL_TOKENS
+        assert (out / "trees" / f"{r['id']}.json").is_file()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["n_problems"] == len(ids)
+    assert summary["generated_tokens"] == len(ids) * (GEN_TOKENS + EVAL_TOKENS)
+    assert summary["accuracy"] == pytest.approx(len(GOLD_12 & set(ids)) / len(ids))
+    return summary
+
+
+def test_run_writes_outputs(tmp_path):
+    cfg = make_config()
+    assert cfg.task == "gsm8k" and cfg.depth == 4 and cfg.bfs.n_thoughts == 3 and cfg.bfs.breadth == 1
+    engine = FakeEngine()
+    out = tmp_path / "run"
+    summary = run(cfg, out, engine=engine, progress=False)
+    assert engine.problems == IDS
+    assert engine.calls == 6 * 2 * 4
+
+    records = read_results(out)
+    assert [r["id"] for r in records] == IDS
+    first = records[0]
+    assert {"id", "question", "answer", "gold", "correct", "tokens", "wall_s"} <= set(first)
+    assert first["question"].startswith("A baker makes 24 muffins")
+    assert (first["answer"], first["gold"], first["correct"]) == ("12", "12", True)
+    assert (records[1]["answer"], records[1]["gold"], records[1]["correct"]) == ("12", "110", False)
+    assert first["wall_s"] >= 0
+    assert first["phases"]["generate"]["tokens"] == GEN_TOKENS
+    assert first["phases"]["evaluate"]["tokens"] == EVAL_TOKENS
+
+    on_disk = check_complete(out)
+    assert on_disk == json.loads(json.dumps(summary))
+    for key in (
+        "task",
+        "search",
+        "decoder",
+        "model",
+        "n_problems",
+        "accuracy",
+        "generated_tokens",
+        "target_forwards",
+        "acceptance_length",
+        "tokens_per_s",
+        "wall_s",
+        "phases",
+    ):
+        assert key in summary, key
+    assert (summary["task"], summary["search"], summary["decoder"], summary["model"]) == (
+        "gsm8k",
+        "bfs",
+        "ar",
+        "smollm2-135m",
+    )
+    assert summary["accuracy"] == pytest.approx(2 / 6)
+    assert summary["target_forwards"] == 6 * 8 * 2
+    assert summary["acceptance_length"] == 1.0
+    assert summary["tokens_per_s"] > 0
+    assert summary["wall_s"] == pytest.approx(sum(r["wall_s"] for r in records))
+    assert summary["phases"]["generate"]["tokens"] == 6 * GEN_TOKENS
+    assert summary["phases"]["evaluate"]["tokens"] == 6 * EVAL_TOKENS
+    for phase in ("generate", "evaluate"):
+        assert summary["phases"][phase]["wall_s"] >= 0
+    assert "accuracy 0.333 (2/6)" in summary_line(summary)
+
+    tree = json.loads((out / "trees" / "bundled-1.json").read_text())
+    assert len(tree["nodes"]) == 1 + 4 * 3
+    assert sum(n["answer"] for n in tree["nodes"]) == 1 + 4
+    assert not list(out.glob("**/*.tmp"))
+
+    # A second start in the finished directory does no work and keeps the results.
+    again = FakeEngine()
+    assert run(cfg, out, engine=again, progress=False)["n_problems"] == 6
+    assert again.calls == 0
+    assert len(read_results(out)) == 6
+
+
+def test_run_limit_offset(tmp_path):
+    cfg = make_config("data.limit=2", "data.offset=3", "search.n_thoughts=2", "search.breadth=2", "task.depth=2")
+    engine = FakeEngine()
+    summary = run(cfg, tmp_path, engine=engine, progress=False)
+    assert engine.problems == ["bundled-4", "bundled-5"]
+    assert [r["id"] for r in read_results(tmp_path)] == ["bundled-4", "bundled-5"]
+    assert summary["n_problems"] == 2
+    tree = json.loads((tmp_path / "trees" / "bundled-4.json").read_text())
+    assert len(tree["nodes"]) == 1 + 2 + 2 * 2
+
+
+def test_resume_after_kill(tmp_path):
+    cfg = make_config()
+    out = tmp_path / "run"
+    killed = KilledEngine("bundled-3", at=5)  # in problem 3's depth-3 thought generation
+    with pytest.raises(Killed):
+        run(cfg, out, engine=killed, progress=False)
+    assert [r["id"] for r in read_results(out)] == IDS[:2]
+    assert json.loads((out / "summary.json").read_text())["n_problems"] == 2
+    assert not (out / "trees" / "bundled-3.json").exists()
+
+    counting = FakeEngine()
+    run(cfg, out, engine=counting, progress=False)
+    assert counting.problems == IDS[2:]
+    assert counting.calls == 4 * 2 * 4
+    assert [r["id"] for r in read_results(out)] == IDS
+    check_complete(out)
+
+
+def test_resume_drops_truncated_line(tmp_path):
+    cfg = make_config()
+    out = tmp_path / "run"
+    run(cfg, out, engine=FakeEngine(), progress=False)
+    lines = (out / "results.jsonl").read_text().splitlines(keepends=True)
+    # Killed while writing problem 5's line: half of it on disk, no newline, problem 6 never started.
+    (out / "results.jsonl").write_text("".join(lines[:4]) + lines[4][: len(lines[4]) // 2])
+
+    counting = FakeEngine()
+    summary = run(cfg, out, engine=counting, progress=False)
+    assert counting.problems == ["bundled-5", "bundled-6"]
+    assert [r["id"] for r in read_results(out)] == IDS
+    assert check_complete(out) == json.loads(json.dumps(summary))
+
+
+def test_resume_with_truncated_line_then_kill_again(tmp_path):
+    # The cut line must be gone before new lines are appended, or a new record would be glued to it.
+    cfg = make_config()
+    out = tmp_path / "run"
+    with pytest.raises(Killed):
+        run(cfg, out, engine=KilledEngine("bundled-4", at=1), progress=False)
+    with (out / "results.jsonl").open("a") as f:
+        f.write('{"id": "bundled-4", "question": "A')
+    with pytest.raises(Killed):
+        run(cfg, out, engine=KilledEngine("bundled-6", at=8), progress=False)
+    assert [r["id"] for r in read_results(out)] == IDS[:5]
+    counting = FakeEngine()
+    run(cfg, out, engine=counting, progress=False)
+    assert counting.problems == ["bundled-6"]
+    check_complete(out)
+
+
+def test_summary_covers_selected_problems_only(tmp_path):
+    # A directory that also holds results of other problems summarises the current selection.
+    run(make_config("data.limit=3"), tmp_path, engine=FakeEngine(), progress=False)
+    counting = FakeEngine()
+    summary = run(make_config("data.limit=2", "data.offset=1"), tmp_path, engine=counting, progress=False)
+    assert counting.calls == 0
+    assert summary["n_problems"] == 2
+    assert summary["accuracy"] == 0.0
+
+
+@pytest.mark.parametrize(
+    "override, named",
+    [
+        ("search.n_thoughts=0", "search.n_thoughts=0"),
+        ("search.breadth=0", "search.breadth=0"),
+        ("search.breadth=-1", "search.breadth=-1"),
+        ("task.depth=0", "task.depth=0"),
+        ("gen.max_thought_tokens=0", "gen.max_thought_tokens=0"),
+        ("gen.max_eval_tokens=-1", "gen.max_eval_tokens=-1"),
+        ("gen.temperature=-0.5", "gen.temperature=-0.5"),
+        ("gen.eval_temperature=-1", "gen.eval_temperature=-1"),
+        ("gen.top_p=1.5", "gen.top_p=1.5"),
+        ("gen.top_p=0", "gen.top_p=0"),
+        ("gen.top_k=-2", "gen.top_k=-2"),
+        ("search.breadth=4", "search.breadth=4 exceeds search.n_thoughts=3"),
+        ("search.n_thoughts=2.5", "search.n_thoughts=2.5"),
+        ("gen.temperature=hot", "gen.temperature='hot'"),
+        ("seed=abc", "seed='abc'"),
+    ],
+)
+def test_config_errors(override, named):
+    with pytest.raises(ConfigError) as info:
+        make_config(override)
+    assert named in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "override, named", [("data.limit=0", "data.limit=0"), ("data.limit=-3", "data.limit=-3"), ("data.offset=-1", "")]
+)
+def test_data_errors(override, named):
+    with pytest.raises(DataError, match=named or "data.offset=-1"):
+        make_config(override)
+
+
+def test_config_accepts_edges():
+    cfg = make_config("search.n_thoughts=1", "search.breadth=1", "task.depth=1", "gen.temperature=0", "gen.top_p=1")
+    assert cfg.bfs.n_thoughts == cfg.bfs.breadth == cfg.depth == 1
+    assert cfg.gen.temperature == cfg.gen.eval_temperature == 0.0
+    cfg = make_config("search.n_thoughts=5", "search.breadth=5", "data.limit=1", "data.offset=2")
+    assert (cfg.data.limit, cfg.data.offset) == (1, 2)

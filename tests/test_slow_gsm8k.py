@@ -1,0 +1,57 @@
+"""One real GSM8K problem end to end on the embedded model through the CLI (a minute or two on a CPU)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_one_gsm8k_problem_end_to_end(tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = [
+        sys.executable,
+        "-m",
+        "tot.solve",
+        "task=gsm8k",
+        "data.limit=1",
+        "gen.max_thought_tokens=48",
+        "gen.max_eval_tokens=24",
+        f"hydra.run.dir={run_dir}",
+    ]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-2000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    assert "Traceback" not in proc.stderr
+    assert "accuracy" in proc.stdout
+
+    records = [json.loads(line) for line in (run_dir / "results.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in records] == ["bundled-1"]
+    assert records[0]["gold"] == "12"
+    assert records[0]["tokens"] > 0
+    assert isinstance(records[0]["correct"], bool)
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["n_problems"] == 1
+    assert summary["generated_tokens"] > 0
+    assert summary["generated_tokens"] == records[0]["tokens"]
+    assert summary["target_forwards"] > 0
+    assert summary["tokens_per_s"] > 0
+    assert summary["acceptance_length"] == pytest.approx(1.0)  # the default decoder is autoregressive
+    assert summary["phases"]["generate"]["tokens"] > 0 and summary["phases"]["evaluate"]["tokens"] > 0
+
+    tree = json.loads((run_dir / "trees" / "bundled-1.json").read_text())
+    nodes = tree["nodes"]
+    assert len(nodes) == 1 + 4 * 3
+    assert len(tree["edges"]) == 4 * 3
+    assert sorted(n["depth"] for n in nodes) == [0] + [1] * 3 + [2] * 3 + [3] * 3 + [4] * 3
+    assert sum(n["chosen"] for n in nodes if n["depth"] > 0) == 4
+    assert sum(n["answer"] for n in nodes) == 5
+    final = [n for n in nodes if n["depth"] == 4]
+    assert all(n["text"].startswith("The answer is") for n in final)
+    assert all(n["value"] is not None for n in nodes if n["depth"] > 0)
