@@ -8,8 +8,10 @@ from importlib import resources
 from pathlib import Path
 
 import hydra
+import transformers
+from hydra import compose, initialize_config_module
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from decoding.errors import BackendError
 from tasks.base import DataError
@@ -25,24 +27,37 @@ def fail(message: str) -> None:
     sys.exit(2)
 
 
-def check_group_choices(argv: list[str]) -> None:
-    """Name an unknown config group choice in one line, before Hydra prints its own long error."""
-    for arg in argv:
-        key, sep, value = arg.partition("=")
-        if not sep or key.lstrip("+") not in GROUPS:
-            continue
-        group = key.lstrip("+")
-        known = sorted(
-            p.name[:-5] for p in resources.files("conf").joinpath(group).iterdir() if p.name.endswith(".yaml")
-        )
-        for choice in value.split(","):
-            if choice not in known:
-                fail(f"{group}={choice} is unknown; choose one of {', '.join(known)}")
+def check_overrides(argv: list[str]) -> None:
+    """Name an unknown config group choice or key in one line, before Hydra prints its own long error."""
+    overrides = [a for a in argv if "=" in a and not a.startswith("-")]
+    chosen = {}
+    for arg in overrides:
+        key, _, value = arg.partition("=")
+        if key in GROUPS:
+            options = resources.files("conf").joinpath(key).iterdir()
+            known = sorted(p.name[:-5] for p in options if p.name.endswith(".yaml"))
+            for choice in value.split(","):
+                if choice not in known:
+                    fail(f"{key}={choice} is unknown; choose one of {', '.join(known)}")
+            chosen[key] = value.split(",")[0]
+    keys = [a.partition("=")[0] for a in overrides]
+    keys = [k for k in keys if k not in GROUPS and not k.startswith(("+", "~", "hydra."))]
+    if not keys:
+        return
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[f"{k}={v}" for k, v in chosen.items()])
+    missing = object()
+    for key in keys:
+        if OmegaConf.select(cfg, key, default=missing) is missing:
+            fail(
+                f"{key} is not a config key; see the configuration reference in README.md (or add one with +{key}=...)"
+            )
 
 
 @hydra.main(config_path="pkg://conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     logging.getLogger("transformers").setLevel(logging.ERROR)
+    transformers.utils.logging.disable_progress_bar()
     try:
         run_cfg = RunConfig.from_omegaconf(cfg)
         summary = run(run_cfg, Path(HydraConfig.get().runtime.output_dir))
@@ -52,7 +67,7 @@ def main(cfg: DictConfig) -> None:
 
 
 def cli() -> None:
-    check_group_choices(sys.argv[1:])
+    check_overrides(sys.argv[1:])
     main()
 
 
