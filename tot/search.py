@@ -11,7 +11,7 @@ import zlib
 from dataclasses import dataclass, field
 
 from decoding.types import DecodeStats, GenRequest, GenResult
-from tasks.base import Problem, Task
+from tasks.base import Problem, Prompt, Task
 from tot.tree import ReasoningTree
 
 PHASES = ("generate", "evaluate")
@@ -25,6 +25,20 @@ class GenSettings:
     max_thought_tokens: int = 128
     max_eval_tokens: int = 128
     eval_temperature: float = 0.7
+
+    def request(self, prompt: Prompt, group: str, seed: int, evaluate: bool = False) -> GenRequest:
+        """The request for a thought (or, with evaluate, for a state evaluation)."""
+        return GenRequest(
+            prompt=prompt.text,
+            prefix=prompt.prefix,
+            stop=prompt.stop,
+            max_new_tokens=self.max_eval_tokens if evaluate else self.max_thought_tokens,
+            temperature=self.eval_temperature if evaluate else self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            group=group,
+            seed=seed,
+        )
 
 
 @dataclass(frozen=True)
@@ -85,19 +99,8 @@ class BFS:
             for state in frontier:
                 prompt = task.generator_prompt(problem, tree.steps(state))
                 for i in range(self.settings.n_thoughts):
-                    gen_requests.append(
-                        GenRequest(
-                            prompt=prompt.text,
-                            prefix=prompt.prefix,
-                            stop=prompt.stop,
-                            max_new_tokens=gen.max_thought_tokens,
-                            temperature=gen.temperature,
-                            top_p=gen.top_p,
-                            top_k=gen.top_k,
-                            group=f"{problem.id}/{state}",
-                            seed=request_seed(self.seed, problem.id, state, i),
-                        )
-                    )
+                    seed = request_seed(self.seed, problem.id, state, i)
+                    gen_requests.append(gen.request(prompt, group=f"{problem.id}/{state}", seed=seed))
                     parents.append(state)
             outputs = self._call(engine, gen_requests, phases["generate"])
             children = []
@@ -105,20 +108,14 @@ class BFS:
                 text = task.parse_thought(problem, tree.steps(parent), out.text)
                 children.append(tree.add(parent, text, raw=out.text, tokens=len(out.token_ids)))
 
-            eval_prompts = [task.evaluator_prompt(problem, tree.steps(c)) for c in children]
             eval_requests = [
-                GenRequest(
-                    prompt=p.text,
-                    prefix=p.prefix,
-                    stop=p.stop,
-                    max_new_tokens=gen.max_eval_tokens,
-                    temperature=gen.eval_temperature,
-                    top_p=gen.top_p,
-                    top_k=gen.top_k,
+                gen.request(
+                    task.evaluator_prompt(problem, tree.steps(c)),
                     group=f"{problem.id}/d{depth}/eval",
                     seed=request_seed(self.seed, problem.id, c, "eval"),
+                    evaluate=True,
                 )
-                for c, p in zip(children, eval_prompts)
+                for c in children
             ]
             for c, out in zip(children, self._call(engine, eval_requests, phases["evaluate"])):
                 tree[c]["value"] = task.parse_value(out.text)
