@@ -10,7 +10,8 @@ import pytest
 from tasks.base import DataError, DataSpec, Problem
 from tasks.gsm8k import FINAL_PREFIX, GSM8K, SCORE_PREFIX, extract_number, gold_answer, parse_value
 
-SHARED_TEST = Path("/work/shared/data/gsm8k/test.jsonl")
+# The benchmark data lies beside the project (../shared), as in CI; the test needs it, not the package.
+SHARED_TEST = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.jsonl"
 
 BUNDLED = {
     "bundled-1": "12",
