@@ -53,7 +53,7 @@ class FakeEngine:
 
 
 class Killed(RuntimeError):
-    pass
+    """Stands for the process being killed mid-problem."""
 
 
 class KilledEngine(FakeEngine):
