@@ -5,11 +5,15 @@ from __future__ import annotations
 import time
 from typing import Protocol
 
+from decoding.config import DECODERS, DecoderConfig
+from decoding.draft_model import ModelDrafter
 from decoding.errors import BackendError
+from decoding.hf import HFDecoder
 from decoding.models import LoadedModel
 from decoding.sampling import SamplingParams
 from decoding.sequence import Sequence
-from decoding.stopping import StopRule, final_text
+from decoding.speculative import NoDrafter, SpecDecoder
+from decoding.stopping import Detokenizer, StopRule, final_text
 from decoding.target import Target
 from decoding.types import DecodeStats, GenRequest, GenResult
 
@@ -22,17 +26,23 @@ class Decoder(Protocol):
     def run(self, seqs: list[Sequence]) -> DecodeStats: ...
 
 
-DECODERS = ("hf", "ar")
+def make_decoder(config: DecoderConfig, target: Target, tokenizer: Detokenizer, draft: LoadedModel | None) -> Decoder:
+    if config.name == "hf":
+        return HFDecoder(target, tokenizer)
+    if config.name == "ar":
+        return SpecDecoder("ar", target, tokenizer, NoDrafter())
+    if config.name == "sd":
+        if draft is None:
+            raise BackendError("decoder=sd needs a draft model (draft.path)")
+        # A Target of its own (its own forward count), also when drafting with the target's weights.
+        drafter = ModelDrafter(Target(draft.model), config.spec, _vocab_size(target))
+        return SpecDecoder("sd", target, tokenizer, drafter, serial=True)
+    raise BackendError(f"decoder={config.name!r} is not one of {', '.join(DECODERS)}")
 
 
-def make_decoder(name: str, target: Target, tokenizer: object) -> Decoder:
-    from decoding.ar import ARDecoder
-    from decoding.hf import HFDecoder
-
-    factories = {"hf": HFDecoder, "ar": ARDecoder}
-    if name not in factories:
-        raise BackendError(f"decoder={name!r} is not one of {', '.join(DECODERS)}")
-    return factories[name](target, tokenizer)
+def _vocab_size(target: Target) -> int:
+    head = target.model.get_output_embeddings()
+    return int(head.weight.shape[0]) if head is not None else int(target.config.vocab_size)
 
 
 class Engine:
@@ -42,11 +52,14 @@ class Engine:
     each result's own stats count that sequence's tokens and verification steps.
     """
 
-    def __init__(self, loaded: LoadedModel, decoder: str = "ar") -> None:
+    def __init__(
+        self, loaded: LoadedModel, decoder: str | DecoderConfig = "ar", draft: LoadedModel | None = None
+    ) -> None:
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.target = Target(loaded.model)
-        self.decoder = make_decoder(decoder, self.target, self.tokenizer)
+        config = decoder if isinstance(decoder, DecoderConfig) else DecoderConfig(decoder)
+        self.decoder = make_decoder(config, self.target, self.tokenizer, draft)
         self.eos_ids = _eos_ids(loaded)
         self.last_stats = DecodeStats()
         self.total_stats = DecodeStats()
@@ -86,6 +99,8 @@ class Engine:
 
     def _sequence(self, r: GenRequest) -> Sequence:
         ids = self.encode(r.prompt, r.prefix)
+        if not ids:
+            raise BackendError("a request has an empty prompt; give at least one token of prompt")
         limit = self.target.max_length
         if len(ids) + r.max_new_tokens > limit:
             raise BackendError(

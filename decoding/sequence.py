@@ -10,6 +10,8 @@ from decoding.sampling import SamplingParams, make_generator
 from decoding.stopping import Detokenizer, StopRule
 from decoding.types import DecodeStats, FinishReason
 
+DRAFT_SEED_SALT = 0x5EED_D4AF7
+
 
 @dataclass
 class Sequence:
@@ -17,6 +19,8 @@ class Sequence:
     rule: StopRule
     params: SamplingParams
     generator: torch.Generator
+    # Drafting draws its own random numbers, so that the target's stream stays that of the request.
+    draft_generator: torch.Generator
     generated: list[int] = field(default_factory=list)
     reason: FinishReason | None = None
     stats: DecodeStats = field(default_factory=DecodeStats)
@@ -24,16 +28,24 @@ class Sequence:
 
     @classmethod
     def create(cls, prompt: list[int], rule: StopRule, params: SamplingParams, seed: int) -> Sequence:
-        return cls(prompt=prompt, rule=rule, params=params, generator=make_generator(seed))
+        return cls(
+            prompt=prompt,
+            rule=rule,
+            params=params,
+            generator=make_generator(seed),
+            draft_generator=make_generator(seed ^ DRAFT_SEED_SALT),
+        )
 
     @property
     def done(self) -> bool:
         return self.reason is not None
 
-    def commit(self, tokens: list[int], tokenizer: Detokenizer) -> int:
+    def commit(self, tokens: list[int], tokenizer: Detokenizer, drafted: int = 0, accepted: int = 0) -> int:
         """Append tokens accepted in one verification step, stopping where plain decoding would.
 
-        Returns how many of them were kept.
+        `drafted` is the size of the draft tree verified, `accepted` how many of its tokens the
+        target kept (tokens[:accepted]; the last token is the target's own). Returns how many
+        tokens were kept.
         """
         before = len(self.generated)
         self.generated.extend(tokens)
@@ -43,6 +55,8 @@ class Sequence:
         self.reason = reason
         kept = n - before
         self.stats.generated_tokens += kept
+        self.stats.drafted_tokens += drafted
+        self.stats.accepted_tokens += min(accepted, kept)
         self.stats.verify_steps += 1
         self.stats.target_forwards += 1
         return kept

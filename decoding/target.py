@@ -38,10 +38,15 @@ class Target:
         tree: torch.Tensor,
         depth: torch.Tensor,
         logits_at: torch.Tensor | None = None,
+        offset: int = 0,
     ) -> torch.Tensor:
-        """Logits [B, T, V] (or [B, K, V] at the new-token indices `logits_at`) for new tokens [B, T]."""
+        """Logits [B, T, V] (or [B, K, V] at the new-token indices `logits_at`) for new tokens [B, T].
+
+        `tree` is [B, T, offset + T]: what each new token sees among the row's uncommitted slots
+        (`offset` of them written by earlier forwards of this step, then the new ones).
+        """
         tokens = tokens.to(self.device)
-        cache.prepare(tokens.shape[1])
+        cache.prepare(tokens.shape[1], offset)
         mask = cache.attention_mask(tree.to(self.device), self.dtype)
         positions = cache.lens[:, None] + depth.to(self.device)
         out = self.model(
@@ -54,6 +59,19 @@ class Target:
         )
         self.forwards += 1
         return out.logits
+
+    def start(self, prompts: list[list[int]], capacity: int) -> tuple[RowKVCache, list[list[int]]]:
+        """A cache for the prompts and, per row, the tokens still to feed (`pending`).
+
+        When prompts repeat (the n trajectories of a thought step) everything but their last token
+        is computed once here; otherwise nothing is computed and the first step of decoding feeds
+        each whole prompt together with its first draft, saving a forward.
+        """
+        repeated = len({tuple(p) for p in prompts}) < len(prompts)
+        if not repeated or min(len(p) for p in prompts) < 2:
+            return self.new_cache(len(prompts), capacity), [list(p) for p in prompts]
+        cache, _ = self.prefill([p[:-1] for p in prompts], capacity)
+        return cache, [[p[-1]] for p in prompts]
 
     def prefill(self, prompts: list[list[int]], capacity: int) -> tuple[RowKVCache, torch.Tensor]:
         """Cache each prompt and return the next-token logits [B, V].

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decoding.errors import BackendError
+from decoding.errors import BackendError, ConfigError
 from decoding.models import LoadedModel, ModelSpec, load_model
 from decoding.types import GenRequest
 
@@ -58,8 +58,15 @@ def test_text_prompt_longer_than_context(make_engine):
 def test_unknown_decoder(loaded):
     from decoding.engine import Engine
 
-    with pytest.raises(BackendError, match=r"decoder='nope'.*hf.*ar"):
+    with pytest.raises(ConfigError, match=r"decoder=nope is not one of hf, ar, sd"):
         Engine(loaded, "nope")
+
+
+def test_sd_without_draft_model_names_the_fix(loaded):
+    from decoding.engine import Engine
+
+    with pytest.raises(ConfigError, match=r"decoder=sd drafts with a draft model: set draft.path="):
+        Engine(loaded, "sd")
 
 
 @pytest.mark.parametrize(

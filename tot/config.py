@@ -6,16 +6,15 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig, OmegaConf
 
-from decoding.engine import DECODERS
+from decoding.config import DecoderConfig
+from decoding.errors import ConfigError
 from decoding.models import ModelSpec
 from tasks import TASKS, DataSpec
 from tot.search import BFSSettings, GenSettings
 
 SEARCHES = ("bfs",)
 
-
-class ConfigError(ValueError):
-    """A config value the user must change; the message names the key and the fix."""
+__all__ = ["ConfigError", "RunConfig"]
 
 
 @dataclass(frozen=True)
@@ -24,7 +23,7 @@ class RunConfig:
     depth: int
     search: str
     bfs: BFSSettings
-    decoder: str
+    decoder: DecoderConfig
     model: ModelSpec
     data: DataSpec
     gen: GenSettings
@@ -35,8 +34,6 @@ class RunConfig:
             raise ConfigError(f"task={self.task} is not one of {', '.join(TASKS)}")
         if self.search not in SEARCHES:
             raise ConfigError(f"search={self.search} is not one of {', '.join(SEARCHES)}")
-        if self.decoder not in DECODERS:
-            raise ConfigError(f"decoder={self.decoder} is not one of {', '.join(DECODERS)}")
         _positive("task.depth", self.depth)
         _positive("search.n_thoughts", self.bfs.n_thoughts)
         _positive("search.breadth", self.bfs.breadth)
@@ -68,7 +65,7 @@ class RunConfig:
                     n_thoughts=_int("search.n_thoughts", c["search"]["n_thoughts"]),
                     breadth=_int("search.breadth", c["search"]["breadth"]),
                 ),
-                decoder=c["decoder"]["name"],
+                decoder=DecoderConfig.from_container(c),
                 model=ModelSpec(**{k: str(v) for k, v in c["model"].items() if k != "name" and v is not None}),
                 data=DataSpec(
                     path=data.get("path"),

@@ -11,7 +11,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from decoding.engine import Engine
-from decoding.models import load_model
+from decoding.models import load_draft, load_model
 from tasks import make_task
 from tot.config import RunConfig
 from tot.results import ResultStore, summarize
@@ -33,15 +33,15 @@ def run(cfg: RunConfig, out_dir: Path, engine: Generator | None = None, progress
     header = {
         "task": cfg.task,
         "search": cfg.search,
-        "decoder": cfg.decoder,
+        "decoder": cfg.decoder.name,
         "model": cfg.model.path,
         "config": json.loads(json.dumps(asdict(cfg), default=str)),
     }
     selected = {p.id for p in problems}
     if todo:
-        engine = engine or Engine(load_model(cfg.model), cfg.decoder)
+        engine = engine or _engine(cfg)
         search = BFS(task, cfg.bfs, cfg.gen, cfg.seed)
-        bar = tqdm(todo, desc=f"{cfg.task}/{cfg.decoder}", unit="problem", disable=not progress)
+        bar = tqdm(todo, desc=f"{cfg.task}/{cfg.decoder.name}", unit="problem", disable=not progress)
         for problem in bar:
             t0 = time.perf_counter()
             sol = search.solve(problem, engine)
@@ -82,3 +82,9 @@ def _write_json(path: Path, data: dict) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=2))
     tmp.replace(path)
+
+
+def _engine(cfg: RunConfig) -> Engine:
+    target = load_model(cfg.model)
+    draft = load_draft(cfg.decoder.draft, target) if cfg.decoder.draft else None
+    return Engine(target, cfg.decoder, draft)

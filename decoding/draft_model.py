@@ -1,0 +1,161 @@
+"""The draft-model drafter: a small causal LM (or the target itself) expands a k_config tree.
+
+The draft model keeps its own per-row KV cache in step with what the target accepted: each tree
+is grown level by level (one batched draft forward per level, each level seeing the levels above
+it through the cache's uncommitted slots), and after verification only the accepted nodes the
+draft model already computed are kept; the rest (a leaf, the bonus token) is fed next time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from decoding.draft_tree import ROOT, DraftTree, Draw, k_config_size
+from decoding.errors import ConfigError
+from decoding.sampling import SamplingParams, process_logits
+from decoding.sequence import Sequence
+from decoding.target import Target
+from decoding.verify import Verdict, pack
+
+
+@dataclass(frozen=True)
+class SpecOptions:
+    """Draft tree shape and verification rule of the model-drafting decoders (`sd`, `seed`)."""
+
+    k_config: tuple[int, ...] = (2, 2, 1)
+    multi_candidate: bool = True
+    without_replacement: bool = False
+    key: str = "sd"  # the config namespace, for error messages
+
+    def __post_init__(self) -> None:
+        k = list(self.k_config)
+        if not k or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in k):
+            raise ConfigError(
+                f"{self.key}.k_config={k} must list positive children counts per depth, e.g. [2,2,1] or [1,1,1]"
+            )
+        if not self.multi_candidate and max(k) > 1:
+            raise ConfigError(
+                f"{self.key}.k_config={k} drafts several candidates per position, which needs "
+                f"{self.key}.multi_candidate=true; single-candidate SD drafts a chain "
+                f"such as {self.key}.k_config=[1,1,1]"
+            )
+
+    @property
+    def draw(self) -> Draw:
+        return "without_replacement" if self.without_replacement else "iid"
+
+
+@dataclass
+class _Step:
+    """Where this step's tree lives in the draft cache, for keeping the accepted path after."""
+
+    n_pending: int
+    pads: list[int]
+    slots: list[dict[int, int]]  # per row: tree node -> uncommitted slot (nodes the draft model computed)
+
+
+class ModelDrafter:
+    def __init__(self, model: Target, options: SpecOptions, vocab_size: int) -> None:
+        self.model = model
+        self.options = options
+        self.vocab_size = vocab_size
+        self.max_nodes = k_config_size(options.k_config)
+        self.seqs: list[Sequence] = []
+        self.pending: dict[int, list[int]] = {}
+        self.step: _Step | None = None
+
+    def start(self, seqs: list[Sequence], capacity: int) -> None:
+        self.seqs = seqs
+        self.cache, pending = self.model.start([s.prompt for s in seqs], capacity)
+        self.pending = dict(enumerate(pending))
+
+    def draft(self, rows: list[int]) -> list[DraftTree]:
+        batch = len(rows)
+        params = [self.seqs[i].params for i in rows]
+        packed = pack([self.pending[i] for i in rows], [DraftTree() for _ in rows])
+        p = packed.n_pending
+        logits = self.model.forward(
+            self.cache, packed.tokens, packed.see, packed.depth, logits_at=torch.tensor([p - 1])
+        )
+        trees = [DraftTree(draw="top" if pr.greedy else self.options.draw) for pr in params]
+        depth0 = [len(self.pending[i]) - 1 for i in rows]
+        slots: list[dict[int, int]] = [{} for _ in rows]
+        level: list[list[int]] = [[ROOT] for _ in rows]
+        written = p
+        for d, k in enumerate(self.options.k_config):
+            nxt: list[list[int]] = [[] for _ in rows]
+            for b, i in enumerate(rows):
+                for j, node in enumerate(level[b]):
+                    nxt[b] += self._children(trees[b], node, logits[b, j], k, params[b], self.seqs[i])
+            if d == len(self.options.k_config) - 1 or not any(nxt):
+                break
+            # Score the new level: each node sees its row's pending tokens and its own ancestors.
+            width = max(len(n) for n in nxt)
+            tokens = torch.zeros(batch, width, dtype=torch.long)
+            see = torch.zeros(batch, width, written + width, dtype=torch.bool)
+            depth = torch.zeros(batch, width, dtype=torch.long)
+            for b in range(batch):
+                see[b, torch.arange(width), written + torch.arange(width)] = True
+                for j, node in enumerate(nxt[b]):
+                    tree = trees[b]
+                    tokens[b, j] = tree.tokens[node]
+                    see[b, j, packed.pads[b] : p] = True
+                    for anc in tree.path(node)[:-1]:
+                        see[b, j, slots[b][anc]] = True
+                    depth[b, j] = depth0[b] + d + 1
+                    slots[b][node] = written + j
+            logits = self.model.forward(self.cache, tokens, see, depth, offset=written)
+            written += width
+            level = nxt
+        self.step = _Step(p, packed.pads, slots)
+        return trees
+
+    def _children(
+        self, tree: DraftTree, node: int, logits: torch.Tensor, k: int, params: SamplingParams, seq: Sequence
+    ) -> list[int]:
+        logits = self._fit_vocab(logits)
+        if params.greedy:
+            conf = logits.float().softmax(-1)
+            top = torch.topk(logits, k)
+            return [tree.add(int(x), node, float(conf[x])) for x in top.indices]
+        q = process_logits(logits[None], [params])[0]
+        if tree.draw == "without_replacement":
+            k = min(k, int((q > 0).sum()))
+            picks = torch.multinomial(q.cpu(), k, replacement=False, generator=seq.draft_generator)
+        else:
+            picks = torch.multinomial(q.cpu(), k, replacement=True, generator=seq.draft_generator)
+        tree.dists[node] = q
+        return [tree.add(int(x), node, float(q[x])) for x in picks]
+
+    def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        # A draft model's embedding may be padded past the target's vocabulary, or short of it.
+        v = logits.shape[-1]
+        if v == self.vocab_size:
+            return logits
+        if v > self.vocab_size:
+            return logits[: self.vocab_size]
+        return torch.nn.functional.pad(logits, (0, self.vocab_size - v), value=float("-inf"))
+
+    def update(self, rows: list[int], verdicts: list[Verdict]) -> None:
+        assert self.step is not None, "update() follows draft()"
+        step = self.step
+        for b, (i, v) in enumerate(zip(rows, verdicts)):
+            if self.seqs[i].done:
+                continue
+            computed = [n for n in v.path if n in step.slots[b]]
+            # Accepted nodes the draft model computed form a prefix of the path (the shallower
+            # levels); the rest, and the target's next token, are fed next time.
+            cols = list(range(step.pads[b], step.n_pending)) + [step.slots[b][n] for n in computed]
+            self.cache.keep(b, cols)
+            self.pending[i] = [v.tree.tokens[n] for n in v.path[len(computed) :]] + [v.token]
+        self.step = None
+
+    def retain(self, rows: list[int]) -> None:
+        # `pending` lists the rows in cache order.
+        alive = set(rows)
+        order = list(self.pending)
+        positions = [pos for pos, i in enumerate(order) if i in alive]
+        self.cache.select_rows(torch.tensor(positions, dtype=torch.long))
+        self.pending = {i: self.pending[i] for i in order if i in alive}
