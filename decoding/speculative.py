@@ -94,6 +94,7 @@ class SpecDecoder:
         while live:
             t0 = time.perf_counter()
             trees = self.drafter.draft(live)
+            assert all(len(t) <= self.drafter.max_nodes for t in trees), "a tree exceeds the drafter's max_nodes"
             t1 = time.perf_counter()
             packed, verdicts = verify(
                 self.target,

@@ -1,0 +1,391 @@
+"""Tree verification and speculative decoding (`sd`, and the shared loop with any drafter) on tiny models."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from test_decoders import (
+    BUDGETS,
+    EOS_ID,
+    PROMPTS,
+    _greedy_with_eos_mid_batch,
+    _stop_string_case,
+    empirical,
+    encode,
+    reference_greedy,
+    target_probs,
+    tvd,
+    tvd_tolerance,
+)
+
+from decoding.config import DecoderConfig
+from decoding.draft_model import ModelDrafter, SpecOptions
+from decoding.draft_tree import DraftTree, k_config_parents
+from decoding.engine import Engine
+from decoding.models import LoadedModel, ModelSpec
+from decoding.sampling import SamplingParams
+from decoding.speculative import SpecDecoder
+from decoding.target import Target
+from decoding.types import GenRequest
+from decoding.verify import verify
+
+K_CONFIGS = [(1, 1, 1), (2, 2, 1), (4, 2, 1), (3,)]
+GREEDY = SamplingParams()
+
+
+@pytest.fixture(scope="module")
+def perturbed(tiny_model, tokenizer) -> LoadedModel:
+    """A draft model close to the target but not equal: some drafts accepted, some rejected."""
+    model = copy.deepcopy(tiny_model)
+    g = torch.Generator().manual_seed(7)
+    for p in model.parameters():
+        p.add_(0.08 * p.std() * torch.randn(p.shape, generator=g))
+    return LoadedModel(model, tokenizer, torch.device("cpu"), False, "perturbed")
+
+
+@pytest.fixture(scope="module")
+def unrelated(tokenizer) -> LoadedModel:
+    """A draft model with other random weights: its drafts are almost always rejected."""
+    from conftest import build_model
+
+    return LoadedModel(build_model(len(tokenizer), seed=1), tokenizer, torch.device("cpu"), False, "unrelated")
+
+
+def sd_engine(loaded: LoadedModel, draft: LoadedModel, k_config=(2, 2, 1), serial=True, **options) -> Engine:
+    spec = SpecOptions(k_config=k_config, **options)
+    engine = Engine(loaded, DecoderConfig("sd", spec, ModelSpec("draft", key="draft")), draft)
+    if not serial:
+        # The same loop and drafter with every sequence in one batch (the shape SEED and STAND use).
+        drafter = ModelDrafter(Target(draft.model), spec, len(loaded.tokenizer))
+        engine.decoder = SpecDecoder("batched-sd", engine.target, loaded.tokenizer, drafter)
+    return engine
+
+
+# --- one verification forward ----------------------------------------------------------------------
+
+
+def plain_next_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(input_ids=torch.tensor([ids])).logits[0, -1]
+
+
+def tree_of(parents: list[int], tokens: list[int]) -> DraftTree:
+    tree = DraftTree()
+    for p, t in zip(parents, tokens):
+        tree.add(t, p)
+    return tree
+
+
+def check_tree_logits(model, contexts, trees, verdicts):
+    """Logits at the root and at each node equal a plain forward over context + the node's path."""
+    for ctx, tree, v in zip(contexts, trees, verdicts):
+        assert torch.allclose(v.logits[0], plain_next_logits(model, ctx), atol=1e-4)
+        for node in range(len(tree)):
+            ids = ctx + [tree.tokens[n] for n in tree.path(node)]
+            assert torch.allclose(v.logits[1 + node], plain_next_logits(model, ids), atol=1e-4), node
+
+
+@pytest.mark.parametrize("repeated", [False, True], ids=["ragged-prompts", "repeated-prompt"])
+def test_tree_verification_logits_equal_sequential_decoding(tiny_model, tokenizer, repeated):
+    """Tolerance 1e-4 on logits (float32; the tiny model's logits are of order 1-10)."""
+    target = Target(tiny_model)
+    prompts = [encode(tokenizer, p) for p in (["the cat"] * 3 if repeated else PROMPTS[:3])]
+    cache, pending = target.start(prompts, capacity=64)
+    assert [len(p) for p in pending] == ([1] * 3 if repeated else [len(p) for p in prompts])
+    g = torch.Generator().manual_seed(0)
+    shapes = [(2, 1), (1, 1, 1), (4, 2, 1)]
+    contexts = [list(p) for p in prompts]
+    for step in range(3):
+        trees = []
+        for b, shape in enumerate(shapes[step:] + shapes[:step]):
+            parents = k_config_parents(shape) if b != step else []  # one row with an empty tree
+            trees.append(tree_of(parents, torch.randint(3, len(tokenizer), (len(parents),), generator=g).tolist()))
+        packed, verdicts = verify(target, cache, pending, trees, [GREEDY] * 3, [g] * 3)
+        check_tree_logits(tiny_model, contexts, trees, verdicts)
+        # Commit a path of a different length per row (not the greedy one: any path must be keepable).
+        for b, tree in enumerate(trees):
+            path = tree.path(len(tree) - 1) if len(tree) else []
+            cache.keep(b, packed.committed(b, path))
+            nxt = int(torch.randint(3, len(tokenizer), (1,), generator=g))
+            contexts[b] = contexts[b] + [tree.tokens[n] for n in path]
+            assert int(cache.lens[b]) == len(contexts[b])
+            pending[b] = [nxt]
+            contexts[b].append(nxt)
+
+
+# --- greedy identity -------------------------------------------------------------------------------
+
+
+class ScriptedDrafter:
+    """Drafts k_config trees from the known greedy continuation: perfect, always wrong, or random.
+
+    Perfect drafts put the true next tokens first under every true node; wrong drafts never contain
+    the true token; random drafts mix true and random tokens.
+    """
+
+    def __init__(self, refs: list[list[int]], k_config: tuple[int, ...], kind: str, vocab: int, draw="top"):
+        self.refs, self.kind, self.vocab, self.draw = refs, kind, vocab, draw
+        self.parents = k_config_parents(k_config)
+        self.max_nodes = len(self.parents)
+        self.g = torch.Generator().manual_seed(1)
+
+    def start(self, seqs, capacity):
+        self.seqs = seqs
+
+    def draft(self, rows):
+        return [self._tree(i) for i in rows]
+
+    def _tree(self, i: int) -> DraftTree:
+        ref, pos = self.refs[i], len(self.seqs[i].generated)
+        tree = DraftTree(draw=self.draw)
+        on_path = {-1: True}
+        depth = {-1: 0}
+        first_child: set[int] = set()
+        for node, parent in enumerate(self.parents):
+            d = depth[parent] + 1
+            truth = ref[pos + d - 1] if pos + d - 1 < len(ref) else -1
+            is_first = parent not in first_child
+            first_child.add(parent)
+            rand = int(torch.randint(3, self.vocab, (1,), generator=self.g))
+            if self.kind == "perfect":
+                token = truth if (on_path[parent] and is_first and truth >= 0) else rand
+            elif self.kind == "wrong":
+                token = rand if rand != truth else (rand + 1) % self.vocab
+            else:
+                token = truth if (truth >= 0 and float(torch.rand((), generator=self.g)) < 0.5) else rand
+            tree.add(token, parent)
+            on_path[node] = on_path[parent] and token == truth
+            depth[node] = d
+        return tree
+
+    def update(self, rows, verdicts):
+        pass
+
+    def retain(self, rows):
+        pass
+
+
+def ragged_requests():
+    specs = [*zip(PROMPTS, BUDGETS), ("the cat", 5), ("the cat", 25), ("the cat", 25), ("a", 20)]
+    return specs, [GenRequest(p, max_new_tokens=m) for p, m in specs]
+
+
+@pytest.mark.parametrize("kind", ["perfect", "wrong", "random"])
+@pytest.mark.parametrize("k_config", K_CONFIGS, ids=str)
+def test_greedy_identity_scripted_drafters(tiny_model, tokenizer, loaded, kind, k_config):
+    specs, requests = ragged_requests()
+    refs = [reference_greedy(tiny_model, encode(tokenizer, p), m, {EOS_ID}) for p, m in specs]
+    engine = Engine(loaded, "ar")
+    drafter = ScriptedDrafter(refs, k_config, kind, len(tokenizer))
+    engine.decoder = SpecDecoder("scripted", engine.target, tokenizer, drafter)
+    results = engine.generate(requests)
+    assert [r.token_ids for r in results] == refs
+    stats = engine.last_stats
+    depth = len(k_config)
+    if kind == "perfect":
+        # Every step commits a full path plus the bonus token, except where a budget cuts it.
+        assert stats.acceptance_length > depth
+    if kind == "wrong":
+        assert stats.accepted_tokens == 0 and stats.acceptance_length == 1.0
+    assert stats.drafted_tokens == stats.verify_steps * len(k_config_parents(k_config))
+
+
+@pytest.mark.parametrize("serial", [True, False], ids=["serial", "batched"])
+@pytest.mark.parametrize("k_config", K_CONFIGS, ids=str)
+@pytest.mark.parametrize("draft_name", ["self", "perturbed", "unrelated"])
+def test_greedy_identity_sd(tiny_model, tokenizer, loaded, perturbed, unrelated, draft_name, k_config, serial):
+    draft = {"self": loaded, "perturbed": perturbed, "unrelated": unrelated}[draft_name]
+    specs, requests = ragged_requests()
+    refs = [reference_greedy(tiny_model, encode(tokenizer, p), m, {EOS_ID}) for p, m in specs]
+    engine = sd_engine(loaded, draft, k_config, serial=serial, multi_candidate=max(k_config) > 1)
+    results = engine.generate(requests)
+    assert [r.token_ids for r in results] == refs
+    stats = engine.last_stats
+    if draft_name == "self":
+        assert stats.acceptance_length > 0.8 * (len(k_config) + 1)
+
+
+@pytest.mark.parametrize("draft_name", ["perturbed", "self"])
+def test_sd_stops_like_plain_decoding(tiny_model, tokenizer, loaded, perturbed, draft_name, monkeypatch):
+    """Stop strings and EOS inside an accepted run end the row exactly where plain decoding does."""
+    draft = perturbed if draft_name == "perturbed" else loaded
+    prompt, budget, gen, stop = _stop_string_case(tiny_model, tokenizer)
+    n = next(i for i in range(1, len(gen) + 1) if stop in tokenizer.decode(gen[:i]))
+    extra_eos, k = _greedy_with_eos_mid_batch(tiny_model, tokenizer)
+    config = copy.deepcopy(tiny_model.generation_config)
+    config.eos_token_id = [EOS_ID, extra_eos]
+    monkeypatch.setattr(tiny_model, "generation_config", config)
+    requests = [
+        GenRequest(prompt, max_new_tokens=budget, stop=("QQQ", stop)),
+        GenRequest(PROMPTS[0], max_new_tokens=BUDGETS[0]),
+        GenRequest(prompt, max_new_tokens=budget),
+    ]
+    for serial in (True, False):
+        engine = sd_engine(loaded, draft, (4, 2, 1), serial=serial)
+        results = engine.generate(requests)
+        assert results[0].finish_reason == "stop" and results[0].token_ids == gen[:n]
+        assert results[1].finish_reason == "eos" and len(results[1].token_ids) == k + 1
+        assert results[2].token_ids == reference_greedy(tiny_model, encode(tokenizer, prompt), budget, {EOS_ID})
+
+
+def test_sd_decode_stats(loaded):
+    engine = sd_engine(loaded, loaded, (1, 1, 1), multi_candidate=False)
+    results = engine.generate([GenRequest(p, max_new_tokens=m) for p, m in zip(PROMPTS, BUDGETS)])
+    stats = engine.last_stats
+    assert stats.generated_tokens == sum(len(r.token_ids) for r in results)
+    assert stats.verify_steps == stats.target_forwards == engine.target.forwards  # serial: one row per forward
+    assert stats.drafted_tokens == 3 * stats.verify_steps
+    assert 0 < stats.accepted_tokens <= stats.drafted_tokens
+    assert stats.acceptance_length == pytest.approx(stats.generated_tokens / stats.verify_steps)
+    assert stats.acceptance_length > 3.0  # the target drafting for itself at temperature 0
+    assert stats.draft_s > 0 and stats.verify_s > 0
+    for r in results:
+        assert r.stats.acceptance_length > 1.0
+
+
+# --- the draft model's cache --------------------------------------------------------------------------
+
+
+class CheckedDrafter(ModelDrafter):
+    """Before every draft: the draft cache holds exactly the keys/values a fresh prefill of the
+    committed tokens gives (tolerance 1e-5), and cache + pending tokens = the whole context."""
+
+    checks = 0
+
+    def draft(self, rows):
+        for b, i in enumerate(rows):
+            seq = self.seqs[i]
+            context = seq.prompt + seq.generated
+            n = int(self.cache.lens[b])
+            assert n + len(self.pending[i]) == len(context)
+            assert self.pending[i] == context[n:]
+            if n == 0:  # the first step feeds the whole prompt
+                continue
+            fresh, _ = Target(self.model.model).prefill([context[:n]], capacity=n + 1)
+            for k_row, k_fresh in zip(self.cache.keys, fresh.keys):
+                assert torch.allclose(k_row[b, :, :n], k_fresh[0, :, :n], atol=1e-5)
+            for v_row, v_fresh in zip(self.cache.values, fresh.values):
+                assert torch.allclose(v_row[b, :, :n], v_fresh[0, :, :n], atol=1e-5)
+            type(self).checks += 1
+        return super().draft(rows)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_draft_cache_stays_consistent(loaded, tokenizer, perturbed, temperature):
+    spec = SpecOptions(k_config=(2, 2, 1))
+    engine = Engine(loaded, "ar")
+    drafter = CheckedDrafter(Target(perturbed.model), spec, len(tokenizer))
+    engine.decoder = SpecDecoder("checked", engine.target, tokenizer, drafter)
+    requests = [
+        GenRequest(p, max_new_tokens=30, temperature=temperature, seed=s)
+        for s, p in enumerate(["the cat", "the cat", "hello world and more", "a", "the cat"])
+    ]
+    CheckedDrafter.checks = 0
+    engine.generate(requests)
+    stats = engine.last_stats
+    assert CheckedDrafter.checks >= 40  # many rounds of accepts and rejects were checked
+    assert 0 < stats.accepted_tokens < stats.drafted_tokens
+
+
+# --- statistical losslessness --------------------------------------------------------------------------
+
+RULES = {
+    "single": dict(k_config=(1, 1, 1), multi_candidate=False),
+    "multi": dict(k_config=(2, 2, 1)),
+    "without-replacement": dict(k_config=(2, 2, 1), without_replacement=True),
+}
+PARAMS = {"t1.0": SamplingParams(1.0), "t0.7-k20-p0.9": SamplingParams(0.7, 20, 0.9)}
+
+
+def sample_three(engine: Engine, prompt: list[int], params: SamplingParams, n: int) -> list[list[int]]:
+    out = []
+    for start in range(0, n, 2000):
+        out += engine.generate(
+            [
+                GenRequest(
+                    tuple(prompt),
+                    max_new_tokens=3,
+                    temperature=params.temperature,
+                    top_k=params.top_k,
+                    top_p=params.top_p,
+                    seed=s,
+                )
+                for s in range(start, min(n, start + 2000))
+            ]
+        )
+    return [r.token_ids for r in out]
+
+
+def check_three_tokens(model, prompt, params, samples, vocab):
+    """First token against p(. | prompt); second and third conditional on the most frequent prefix.
+
+    Tolerance: `tvd_tolerance` (test_decoders.py), exceeded by a correct sampler with probability
+    below 1e-6 for each check, at the sample count each check sees.
+    """
+    context = list(prompt)
+    rows = samples
+    for pos in range(3):
+        tokens = [r[pos] for r in rows]
+        p = target_probs(model, context, params)
+        emp = empirical(tokens, vocab)
+        tol = tvd_tolerance(p, len(tokens))
+        assert tvd(emp, p) < tol, f"token {pos + 1}: TVD {tvd(emp, p):.4f} >= {tol:.4f} over {len(tokens)} draws"
+        assert (emp[p == 0] == 0).all(), "sampled a token outside the top-k / top-p support"
+        top = max(set(tokens), key=tokens.count)
+        context.append(top)
+        rows = [r for r in rows if r[pos] == top and len(r) > pos + 1]
+
+
+@pytest.mark.parametrize("params_name", list(PARAMS))
+@pytest.mark.parametrize("rule", list(RULES))
+def test_sampling_follows_the_target(tiny_model, tokenizer, loaded, perturbed, rule, params_name):
+    """8,000 seeded runs of 3 tokens with a draft close to (not equal to) the target."""
+    params = PARAMS[params_name]
+    prompt = encode(tokenizer, "once upon a time")
+    engine = sd_engine(loaded, perturbed, serial=False, **RULES[rule])
+    samples = sample_three(engine, prompt, params, 8000)
+    stats = engine.total_stats
+    # Both paths of the rule are exercised: drafts get accepted and rejected.
+    assert stats.accepted_tokens / stats.drafted_tokens > 0.1 and stats.acceptance_length < 3.5
+    check_three_tokens(tiny_model, prompt, params, samples, len(tokenizer))
+
+
+def test_sampling_with_deterministic_drafts(tiny_model, tokenizer, loaded):
+    """Drafts chosen without randomness (n-gram style) at temperature 1: the point-mass rule."""
+    params = PARAMS["t1.0"]
+    prompt = encode(tokenizer, "once upon a time")
+    first = target_probs(tiny_model, prompt, params)
+    likely = torch.topk(first, 3).indices.tolist()
+
+    class TopDrafter(ScriptedDrafter):
+        def _tree(self, i):
+            tree = DraftTree(draw="top")
+            for t in likely:  # three likely first tokens, each followed by a fixed guess
+                node = tree.add(t, -1)
+                tree.add(likely[0], node)
+            return tree
+
+    engine = Engine(loaded, "ar")
+    drafter = TopDrafter([[]], (1,), "top", len(tokenizer))
+    drafter.max_nodes = 6
+    engine.decoder = SpecDecoder("top", engine.target, tokenizer, drafter)
+    samples = sample_three(engine, prompt, params, 8000)
+    assert engine.total_stats.accepted_tokens > 0
+    check_three_tokens(tiny_model, prompt, params, samples, len(tokenizer))
+
+
+def test_statistical_check_can_fail(tiny_model, tokenizer, loaded, perturbed, monkeypatch):
+    """Accepting every draft (no rejection test) samples the draft, not the target: caught."""
+    import decoding.acceptance
+
+    def accept_all(p, candidates, q, draw):
+        return [1.0] * len(candidates), p.double()
+
+    monkeypatch.setattr(decoding.acceptance, "acceptance_chain", accept_all)
+    prompt = encode(tokenizer, "once upon a time")
+    engine = sd_engine(loaded, perturbed, serial=False, k_config=(1, 1, 1), multi_candidate=False)
+    samples = sample_three(engine, prompt, PARAMS["t1.0"], 4000)
+    with pytest.raises(AssertionError, match="TVD"):
+        check_three_tokens(tiny_model, prompt, PARAMS["t1.0"], samples, len(tokenizer))
