@@ -59,3 +59,15 @@ def _bool(key: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise ConfigError(f"{key}={value!r} must be true or false")
     return value
+
+
+def as_int(key: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{key}={value!r} is not an integer")
+    return value
+
+
+def as_float(key: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{key}={value!r} is not a number")
+    return float(value)

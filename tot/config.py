@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig, OmegaConf
 
-from decoding.config import DecoderConfig
+from decoding.config import DecoderConfig, as_float, as_int
 from decoding.errors import ConfigError
 from decoding.models import ModelSpec
 from tasks import TASKS, DataSpec
@@ -59,28 +59,28 @@ class RunConfig:
             data = c["data"]
             return cls(
                 task=c["task"]["name"],
-                depth=_int("task.depth", c["task"]["depth"]),
+                depth=as_int("task.depth", c["task"]["depth"]),
                 search=c["search"]["name"],
                 bfs=BFSSettings(
-                    n_thoughts=_int("search.n_thoughts", c["search"]["n_thoughts"]),
-                    breadth=_int("search.breadth", c["search"]["breadth"]),
+                    n_thoughts=as_int("search.n_thoughts", c["search"]["n_thoughts"]),
+                    breadth=as_int("search.breadth", c["search"]["breadth"]),
                 ),
                 decoder=DecoderConfig.from_container(c),
                 model=ModelSpec(**{k: str(v) for k, v in c["model"].items() if k != "name" and v is not None}),
                 data=DataSpec(
                     path=data.get("path"),
-                    limit=None if data.get("limit") is None else _int("data.limit", data["limit"]),
-                    offset=_int("data.offset", data.get("offset", 0)),
+                    limit=None if data.get("limit") is None else as_int("data.limit", data["limit"]),
+                    offset=as_int("data.offset", data.get("offset", 0)),
                 ),
                 gen=GenSettings(
-                    temperature=_float("gen.temperature", c["gen"]["temperature"]),
-                    top_p=_float("gen.top_p", c["gen"]["top_p"]),
-                    top_k=_int("gen.top_k", c["gen"]["top_k"]),
-                    max_thought_tokens=_int("gen.max_thought_tokens", c["gen"]["max_thought_tokens"]),
-                    max_eval_tokens=_int("gen.max_eval_tokens", c["gen"]["max_eval_tokens"]),
-                    eval_temperature=_float("gen.eval_temperature", c["gen"]["eval_temperature"]),
+                    temperature=as_float("gen.temperature", c["gen"]["temperature"]),
+                    top_p=as_float("gen.top_p", c["gen"]["top_p"]),
+                    top_k=as_int("gen.top_k", c["gen"]["top_k"]),
+                    max_thought_tokens=as_int("gen.max_thought_tokens", c["gen"]["max_thought_tokens"]),
+                    max_eval_tokens=as_int("gen.max_eval_tokens", c["gen"]["max_eval_tokens"]),
+                    eval_temperature=as_float("gen.eval_temperature", c["gen"]["eval_temperature"]),
                 ),
-                seed=_int("seed", c["seed"]),
+                seed=as_int("seed", c["seed"]),
             )
         except KeyError as e:
             raise ConfigError(f"config key {e} is missing; start from conf/config.yaml") from None
@@ -89,15 +89,3 @@ class RunConfig:
 def _positive(key: str, value: int) -> None:
     if value < 1:
         raise ConfigError(f"{key}={value} must be a positive integer")
-
-
-def _int(key: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{key}={value!r} is not an integer")
-    return value
-
-
-def _float(key: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{key}={value!r} is not a number")
-    return float(value)

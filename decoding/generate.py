@@ -1,0 +1,223 @@
+"""`python -m decoding.generate prompts=PATH out=PATH`: completions for a JSONL of prompts (Hydra).
+
+Input rows: {"id": ..., "prompt": "...", "n": 1}; `n` samples of one prompt are the trajectories of
+one group, decoded together. Output rows, appended as each batch of prompts finishes:
+{"id", "sample", "text", "token_ids", "finish_reason", "stats"}; a rerun with the same `out`
+skips the prompts already there. A summary of the decode statistics goes to `<out>.summary.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue
+from tqdm import tqdm
+
+from decoding.cli import check_overrides, fail
+from decoding.config import DecoderConfig, as_float, as_int
+from decoding.engine import Engine
+from decoding.errors import BackendError, ConfigError
+from decoding.models import ModelSpec, load_draft, load_model
+from decoding.types import DecodeStats, GenRequest
+
+
+@dataclass(frozen=True)
+class PromptRow:
+    id: str
+    prompt: str
+    n: int
+
+
+@dataclass(frozen=True)
+class GenerateConfig:
+    prompts: Path
+    out: Path
+    decoder: DecoderConfig
+    model: ModelSpec
+    temperature: float
+    top_p: float
+    top_k: int
+    max_new_tokens: int
+    batch_size: int
+    seed: int
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ConfigError(f"gen.temperature={self.temperature} is negative; use 0 for greedy decoding")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"gen.top_p={self.top_p} must be in (0, 1]; use 1.0 to turn nucleus sampling off")
+        if self.top_k < 0:
+            raise ConfigError(f"gen.top_k={self.top_k} is negative; use 0 to turn top-k off")
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"gen.max_new_tokens={self.max_new_tokens} must be a positive integer")
+        if self.batch_size < 1:
+            raise ConfigError(f"batch_size={self.batch_size} must be a positive integer")
+
+    @classmethod
+    def from_omegaconf(cls, cfg: DictConfig) -> GenerateConfig:
+        try:
+            c = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+        except MissingMandatoryValue as e:
+            key = e.full_key
+            raise ConfigError(f"{key} is required: python -m decoding.generate prompts=PATH out=PATH") from None
+        gen = c["gen"]
+        return cls(
+            prompts=Path(str(c["prompts"])),
+            out=Path(str(c["out"])),
+            decoder=DecoderConfig.from_container(c),
+            model=ModelSpec(**{k: str(v) for k, v in c["model"].items() if k != "name" and v is not None}),
+            temperature=as_float("gen.temperature", gen["temperature"]),
+            top_p=as_float("gen.top_p", gen["top_p"]),
+            top_k=as_int("gen.top_k", gen["top_k"]),
+            max_new_tokens=as_int("gen.max_new_tokens", gen["max_new_tokens"]),
+            batch_size=as_int("batch_size", c["batch_size"]),
+            seed=as_int("seed", c["seed"]),
+        )
+
+
+def read_prompts(path: Path) -> list[PromptRow]:
+    if not path.is_file():
+        raise ConfigError(f"prompts={path} does not exist; give a JSONL file of {{'id', 'prompt'}} rows")
+    rows: list[PromptRow] = []
+    seen: set[str] = set()
+    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{where} is not valid JSON ({e.msg}); each line must be one JSON object") from None
+        if not isinstance(rec, dict) or "id" not in rec or not isinstance(rec.get("prompt"), str) or not rec["prompt"]:
+            raise ConfigError(f'{where} needs an "id" and a non-empty "prompt" string')
+        n = rec.get("n", 1)
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ConfigError(f'{where} has "n": {n!r}; n is the number of samples, a positive integer')
+        pid = str(rec["id"])
+        if pid in seen:
+            raise ConfigError(f'{where} repeats "id": {pid!r}; ids must be unique')
+        seen.add(pid)
+        rows.append(PromptRow(pid, rec["prompt"], n))
+    return rows
+
+
+def done_ids(out: Path) -> set[str]:
+    """Prompts whose completions are all in `out`; a line cut short by a kill is dropped."""
+    if not out.exists():
+        return set()
+    raw = out.read_text(encoding="utf-8")
+    good, samples = [], {}
+    for line in raw.splitlines(keepends=True):
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if line.endswith("\n") and isinstance(rec, dict) and "id" in rec:
+            good.append(line)
+            samples.setdefault(rec["id"], []).append(rec)
+    if "".join(good) != raw:
+        out.write_text("".join(good), encoding="utf-8")
+    return {pid for pid, recs in samples.items() if len(recs) == recs[0].get("n", 1)}
+
+
+def request_seed(seed: int, pid: str, sample: int) -> int:
+    return zlib.crc32(f"{seed}/{pid}/{sample}".encode())
+
+
+def generate(cfg: GenerateConfig, engine: Engine, progress: bool = True) -> dict:
+    """Complete every prompt not yet in cfg.out, appending as each batch finishes; returns the summary."""
+    rows = read_prompts(cfg.prompts)
+    done = done_ids(cfg.out)
+    todo = [r for r in rows if r.id not in done]
+    cfg.out.parent.mkdir(parents=True, exist_ok=True)
+    stats = DecodeStats()
+    t0 = time.perf_counter()
+    completions = 0
+    bar = tqdm(total=len(todo), desc=f"generate/{cfg.decoder.name}", unit="prompt", disable=not progress)
+    for start in range(0, len(todo), cfg.batch_size):
+        batch = todo[start : start + cfg.batch_size]
+        requests = [
+            GenRequest(
+                r.prompt,
+                max_new_tokens=cfg.max_new_tokens,
+                temperature=cfg.temperature,
+                top_p=cfg.top_p,
+                top_k=cfg.top_k,
+                group=r.id,
+                seed=request_seed(cfg.seed, r.id, k),
+            )
+            for r in batch
+            for k in range(r.n)
+        ]
+        results = iter(engine.generate(requests))
+        stats += engine.last_stats
+        with cfg.out.open("a", encoding="utf-8") as f:
+            for r in batch:
+                for k in range(r.n):
+                    res = next(results)
+                    record = {
+                        "id": r.id,
+                        "sample": k,
+                        "n": r.n,
+                        "text": res.text,
+                        "token_ids": res.token_ids,
+                        "finish_reason": res.finish_reason,
+                        "stats": res.stats.to_dict(),
+                    }
+                    f.write(json.dumps(record) + "\n")
+                    completions += 1
+            f.flush()
+        bar.update(len(batch))
+    bar.close()
+    summary = {
+        "decoder": cfg.decoder.name,
+        "model": cfg.model.path,
+        "prompts": len(todo),
+        "skipped_done": len(rows) - len(todo),
+        "completions": completions,
+        "wall_s": time.perf_counter() - t0,
+        "tokens_per_s": stats.generated_tokens / stats.wall_s if stats.wall_s else 0.0,
+        **stats.to_dict(),
+    }
+    summary_path = cfg.out.with_name(cfg.out.name + ".summary.json")
+    summary_path.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    return summary
+
+
+def summary_line(s: dict) -> str:
+    return (
+        f"decoder={s['decoder']}: {s['completions']} completions ({s['skipped_done']} prompts already done), "
+        f"{s['generated_tokens']} tokens in {s['wall_s']:.1f}s = {s['tokens_per_s']:.1f} tok/s, "
+        f"acceptance length {s['acceptance_length']:.2f}, {s['forwards_per_token']:.3f} target forwards/token"
+    )
+
+
+@hydra.main(config_path="pkg://conf", config_name="generate", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    try:
+        gcfg = GenerateConfig.from_omegaconf(cfg)
+        read_prompts(gcfg.prompts)  # bad input fails before a model is loaded
+        target = load_model(gcfg.model)
+        draft = load_draft(gcfg.decoder.draft, target) if gcfg.decoder.draft else None
+        summary = generate(gcfg, Engine(target, gcfg.decoder, draft))
+    except (ConfigError, BackendError) as e:
+        fail(str(e).splitlines()[0])
+    print(summary_line(summary))
+
+
+def cli() -> None:
+    check_overrides(sys.argv[1:], "generate", ("decoder", "model"))
+    main()
+
+
+if __name__ == "__main__":
+    cli()
