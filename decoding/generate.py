@@ -110,22 +110,24 @@ def read_prompts(path: Path) -> list[PromptRow]:
 
 
 def done_ids(out: Path) -> set[str]:
-    """Prompts whose completions are all in `out`; a line cut short by a kill is dropped."""
+    """Prompts whose completions are all in `out`. Lines of a prompt only partly written (and a
+    line cut short) by a kill are dropped, so that prompt is simply completed again."""
     if not out.exists():
         return set()
     raw = out.read_text(encoding="utf-8")
-    good, samples = [], {}
+    lines: dict[str, list[str]] = {}
     for line in raw.splitlines(keepends=True):
         try:
             rec = json.loads(line)
         except json.JSONDecodeError:
             continue
         if line.endswith("\n") and isinstance(rec, dict) and "id" in rec:
-            good.append(line)
-            samples.setdefault(rec["id"], []).append(rec)
-    if "".join(good) != raw:
-        out.write_text("".join(good), encoding="utf-8")
-    return {pid for pid, recs in samples.items() if len(recs) == recs[0].get("n", 1)}
+            lines.setdefault(str(rec["id"]), []).append(line)
+    done = {pid for pid, ls in lines.items() if len(ls) == json.loads(ls[0]).get("n", 1)}
+    good = "".join(line for pid in done for line in lines[pid])
+    if good != raw:
+        out.write_text(good, encoding="utf-8")
+    return done
 
 
 def request_seed(seed: int, pid: str, sample: int) -> int:
