@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 from importlib import resources
 from typing import NoReturn
@@ -9,6 +10,14 @@ from typing import NoReturn
 from hydra import compose, initialize_config_module
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
+
+
+def quiet_transformers() -> None:
+    """Keep a command's output to its own lines: no weight-loading bars or library warnings."""
+    import transformers
+
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    transformers.utils.logging.disable_progress_bar()
 
 
 def fail(message: str) -> NoReturn:

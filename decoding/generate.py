@@ -9,7 +9,6 @@ skips the prompts already there. A summary of the decode statistics goes to `<ou
 from __future__ import annotations
 
 import json
-import logging
 import sys
 import time
 import zlib
@@ -21,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 from tqdm import tqdm
 
-from decoding.cli import check_overrides, fail
+from decoding.cli import check_overrides, fail, quiet_transformers
 from decoding.config import DecoderConfig, as_float, as_int
 from decoding.engine import Engine
 from decoding.errors import BackendError, ConfigError
@@ -204,7 +203,7 @@ def summary_line(s: dict) -> str:
 
 @hydra.main(config_path="pkg://conf", config_name="generate", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    logging.getLogger("transformers").setLevel(logging.ERROR)
+    quiet_transformers()
     try:
         gcfg = GenerateConfig.from_omegaconf(cfg)
         read_prompts(gcfg.prompts)  # bad input fails before a model is loaded

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import logging
 import sys
 from pathlib import Path
 
 import hydra
-import transformers
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from decoding.cli import check_overrides, fail
+from decoding.cli import check_overrides, fail, quiet_transformers
 from decoding.errors import BackendError
 from tasks.base import DataError
 from tot.config import ConfigError, RunConfig
@@ -23,8 +21,7 @@ GROUPS = ("task", "search", "decoder", "model")
 
 @hydra.main(config_path="pkg://conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    logging.getLogger("transformers").setLevel(logging.ERROR)
-    transformers.utils.logging.disable_progress_bar()
+    quiet_transformers()
     try:
         run_cfg = RunConfig.from_omegaconf(cfg)
         summary = run(run_cfg, Path(HydraConfig.get().runtime.output_dir))
