@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_module
 
+from decoding.errors import BackendError
 from decoding.types import DecodeStats, GenRequest, GenResult
 from tasks.base import DataError
 from tasks.gsm8k import FINAL_PREFIX, SCORE_PREFIX
@@ -269,3 +271,25 @@ def test_config_accepts_edges():
     assert cfg.gen.temperature == cfg.gen.eval_temperature == 0.0
     cfg = make_config("search.n_thoughts=5", "search.breadth=5", "data.limit=1", "data.offset=2")
     assert (cfg.data.limit, cfg.data.offset) == (1, 2)
+
+
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        (["decoder=sd"], "decoder=sd drafts with a draft model: set draft.path="),
+        (["decoder=sd", "draft.path=self", "sd.multi_candidate=false"], "sd.k_config=[2, 2, 1] drafts several"),
+        (["decoder=sd", "draft.path=self", "sd.k_config=[2,0]"], "sd.k_config=[2, 0] must list positive"),
+        (["decoder=sd", "draft.path=self", "sd.without_replacement=maybe"], "sd.without_replacement='maybe'"),
+        (["decoder=sd", "draft.path=self", "draft.device=tpu"], "draft.device='tpu'"),
+    ],
+)
+def test_decoder_config_errors(overrides, named):
+    with pytest.raises((ConfigError, BackendError), match=re.escape(named)):
+        make_config(*overrides)
+
+
+def test_decoder_config():
+    cfg = make_config("decoder=sd", "draft.path=self", "sd.k_config=[1,1,1]", "sd.multi_candidate=false")
+    assert cfg.decoder.name == "sd" and cfg.decoder.spec.k_config == (1, 1, 1)
+    assert cfg.decoder.draft is not None and cfg.decoder.draft.path == "self"
+    assert make_config("draft.path=self").decoder.draft is None  # ar drafts nothing

@@ -177,11 +177,17 @@ def ragged_requests():
 def test_greedy_identity_scripted_drafters(tiny_model, tokenizer, loaded, kind, k_config):
     specs, requests = ragged_requests()
     refs = [reference_greedy(tiny_model, encode(tokenizer, p), m, {EOS_ID}) for p, m in specs]
+    # And a row that a stop string ends partway through a drafted run.
+    prompt, budget, gen, stop = _stop_string_case(tiny_model, tokenizer)
+    n = next(i for i in range(1, len(gen) + 1) if stop in tokenizer.decode(gen[:i]))
+    requests.append(GenRequest(prompt, max_new_tokens=budget, stop=stop))
+    refs.append(gen[:n])
     engine = Engine(loaded, "ar")
     drafter = ScriptedDrafter(refs, k_config, kind, len(tokenizer))
     engine.decoder = SpecDecoder("scripted", engine.target, tokenizer, drafter)
     results = engine.generate(requests)
     assert [r.token_ids for r in results] == refs
+    assert results[-1].finish_reason == "stop"
     stats = engine.last_stats
     depth = len(k_config)
     if kind == "perfect":
