@@ -84,9 +84,14 @@ class ModelDrafter:
         slots: list[dict[int, int]] = [{} for _ in rows]
         level: list[list[int]] = [[ROOT] for _ in rows]
         written = p
+        # A step commits at most the accepted path plus one token, so nodes deeper than a row's
+        # remaining budget minus one could never be kept (and could pass the model's context).
+        room = [self.seqs[i].rule.max_new_tokens - len(self.seqs[i].generated) - 1 for i in rows]
         for d, k in enumerate(self.options.k_config):
             nxt: list[list[int]] = [[] for _ in rows]
             for b, i in enumerate(rows):
+                if d >= room[b]:
+                    continue
                 for j, node in enumerate(level[b]):
                     nxt[b] += self._children(trees[b], node, logits[b, j], k, params[b], self.seqs[i])
             if d == len(self.options.k_config) - 1 or not any(nxt):
@@ -120,13 +125,13 @@ class ModelDrafter:
             conf = logits.float().softmax(-1)
             top = torch.topk(logits, k)
             return [tree.add(int(x), node, float(conf[x])) for x in top.indices]
-        q = process_logits(logits[None], [params])[0]
+        q = process_logits(logits[None], [params])[0].cpu()
         if tree.draw == "without_replacement":
             k = min(k, int((q > 0).sum()))
-            picks = torch.multinomial(q.cpu(), k, replacement=False, generator=seq.draft_generator)
+            picks = torch.multinomial(q, k, replacement=False, generator=seq.draft_generator)
         else:
-            picks = torch.multinomial(q.cpu(), k, replacement=True, generator=seq.draft_generator)
-        tree.dists[node] = q
+            picks = torch.multinomial(q, k, replacement=True, generator=seq.draft_generator)
+        tree.dists[node] = q.cpu()
         return [tree.add(int(x), node, float(q[x])) for x in picks]
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:

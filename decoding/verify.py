@@ -100,7 +100,8 @@ def verify(
             path, token = walk(tree, None, row.argmax(-1).tolist(), g)
             probs = None
         else:
-            probs = process_logits(row[None], [p])[0]
+            # On the CPU, where the request's generator lives: the acceptance walk is scalar work.
+            probs = process_logits(row[None], [p])[0].cpu()
             path, token = walk(tree, probs, None, g)
         verdicts.append(Verdict(tree, path, token, probs, row))
     return packed, verdicts
