@@ -8,16 +8,18 @@ from typing import Any
 from decoding.draft_model import SpecOptions
 from decoding.errors import ConfigError
 from decoding.models import ModelSpec
+from decoding.seed import SeedOptions
 
-DECODERS = ("hf", "ar", "sd")
+DECODERS = ("hf", "ar", "sd", "seed")
 # Decoders that draft with a model (`draft.path`).
-MODEL_DRAFTING = ("sd",)
+MODEL_DRAFTING = ("sd", "seed")
 
 
 @dataclass(frozen=True)
 class DecoderConfig:
     name: str = "ar"
     spec: SpecOptions = field(default_factory=SpecOptions)
+    seed: SeedOptions = field(default_factory=SeedOptions)
     draft: ModelSpec | None = None  # path "self" drafts with the target itself
 
     def __post_init__(self) -> None:
@@ -47,12 +49,20 @@ class DecoderConfig:
                 ),
                 key=name,
             )
+        seed = SeedOptions()
+        if name == "seed":
+            verify_batch = as_int("seed.verify_batch", own.get("verify_batch", seed.verify_batch))
+            if verify_batch < 1:
+                raise ConfigError(
+                    f"seed.verify_batch={verify_batch} must be a positive integer (1: the paper's schedule)"
+                )
+            seed = SeedOptions(verify_batch, _bool("seed.overlap", own.get("overlap", seed.overlap)))
         draft_cfg = c.get("draft") or {}
         draft = None
         if draft_cfg.get("path") not in (None, ""):
             known = {"path", "device", "dtype", "cache_dir"}
             draft = ModelSpec(**{k: str(v) for k, v in draft_cfg.items() if k in known and v is not None}, key="draft")
-        return cls(name=name, spec=spec, draft=draft if name in MODEL_DRAFTING else None)
+        return cls(name=name, spec=spec, seed=seed, draft=draft if name in MODEL_DRAFTING else None)
 
 
 def _bool(key: str, value: object) -> bool:

@@ -48,12 +48,11 @@ class SpecOptions:
 
 
 @dataclass
-class _Step:
-    """Where this step's tree lives in the draft cache, for keeping the accepted path after."""
+class _Drafted:
+    """Where a row's last tree lives in the draft cache, for keeping the accepted path after."""
 
-    n_pending: int
-    pads: list[int]
-    slots: list[dict[int, int]]  # per row: tree node -> uncommitted slot (nodes the draft model computed)
+    pending_cols: list[int]  # uncommitted slots of the row's pending tokens
+    slots: dict[int, int]  # tree node -> uncommitted slot (the nodes the draft model computed)
 
 
 class ModelDrafter:
@@ -63,21 +62,30 @@ class ModelDrafter:
         self.vocab_size = vocab_size
         self.max_nodes = k_config_size(options.k_config)
         self.seqs: list[Sequence] = []
-        self.pending: dict[int, list[int]] = {}
-        self.step: _Step | None = None
+        self.pending: dict[int, list[int]] = {}  # per row: tokens accepted but not in the draft cache
+        self.position: dict[int, int] = {}  # per row: its row in the draft cache
+        self.drafted: dict[int, _Drafted] = {}
 
     def start(self, seqs: list[Sequence], capacity: int) -> None:
         self.seqs = seqs
         self.cache, pending = self.model.start([s.prompt for s in seqs], capacity)
         self.pending = dict(enumerate(pending))
+        self.position = {i: i for i in range(len(seqs))}
+        self.drafted = {}
+
+    def _cache_rows(self, rows: list[int]) -> list[int] | None:
+        positions = [self.position[i] for i in rows]
+        return None if positions == list(range(self.cache.batch)) else positions
 
     def draft(self, rows: list[int]) -> list[DraftTree]:
+        """Trees for the given rows (any subset: a scheduler drafts the rows that wait to draft)."""
         batch = len(rows)
         params = [self.seqs[i].params for i in rows]
+        cache_rows = self._cache_rows(rows)
         packed = pack([self.pending[i] for i in rows], [DraftTree() for _ in rows])
         p = packed.n_pending
         logits = self.model.forward(
-            self.cache, packed.tokens, packed.see, packed.depth, logits_at=torch.tensor([p - 1])
+            self.cache, packed.tokens, packed.see, packed.depth, logits_at=torch.tensor([p - 1]), rows=cache_rows
         )
         trees = [DraftTree(draw="top" if pr.greedy else self.options.draw) for pr in params]
         depth0 = [len(self.pending[i]) - 1 for i in rows]
@@ -111,10 +119,11 @@ class ModelDrafter:
                         see[b, j, slots[b][anc]] = True
                     depth[b, j] = depth0[b] + d + 1
                     slots[b][node] = written + j
-            logits = self.model.forward(self.cache, tokens, see, depth, offset=written)
+            logits = self.model.forward(self.cache, tokens, see, depth, offset=written, rows=cache_rows)
             written += width
             level = nxt
-        self.step = _Step(p, packed.pads, slots)
+        for b, i in enumerate(rows):
+            self.drafted[i] = _Drafted(list(range(packed.pads[b], p)), slots[b])
         return trees
 
     def _children(
@@ -144,23 +153,19 @@ class ModelDrafter:
         return torch.nn.functional.pad(logits, (0, self.vocab_size - v), value=float("-inf"))
 
     def update(self, rows: list[int], verdicts: list[Verdict]) -> None:
-        assert self.step is not None, "update() follows draft()"
-        step = self.step
-        for b, (i, v) in enumerate(zip(rows, verdicts)):
+        for i, v in zip(rows, verdicts):
+            drafted = self.drafted.pop(i)
             if self.seqs[i].done:
                 continue
-            computed = [n for n in v.path if n in step.slots[b]]
+            computed = [n for n in v.path if n in drafted.slots]
             # Accepted nodes the draft model computed form a prefix of the path (the shallower
             # levels); the rest, and the target's next token, are fed next time.
-            cols = list(range(step.pads[b], step.n_pending)) + [step.slots[b][n] for n in computed]
-            self.cache.keep(b, cols)
+            self.cache.keep(self.position[i], drafted.pending_cols + [drafted.slots[n] for n in computed])
             self.pending[i] = [v.tree.tokens[n] for n in v.path[len(computed) :]] + [v.token]
-        self.step = None
 
     def retain(self, rows: list[int]) -> None:
-        # `pending` lists the rows in cache order.
-        alive = set(rows)
-        order = list(self.pending)
-        positions = [pos for pos, i in enumerate(order) if i in alive]
-        self.cache.select_rows(torch.tensor(positions, dtype=torch.long))
-        self.pending = {i: self.pending[i] for i in order if i in alive}
+        """Drop every other row from the draft cache (a finished sequence costs nothing more)."""
+        order = sorted(rows, key=self.position.__getitem__)
+        self.cache.select_rows(torch.tensor([self.position[i] for i in order], dtype=torch.long))
+        self.position = {i: pos for pos, i in enumerate(order)}
+        self.pending = {i: self.pending[i] for i in order}

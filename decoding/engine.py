@@ -11,6 +11,7 @@ from decoding.errors import BackendError
 from decoding.hf import HFDecoder
 from decoding.models import LoadedModel
 from decoding.sampling import SamplingParams
+from decoding.seed import SeedDecoder
 from decoding.sequence import Sequence
 from decoding.speculative import NoDrafter, SpecDecoder
 from decoding.stopping import Detokenizer, StopRule, final_text
@@ -31,11 +32,13 @@ def make_decoder(config: DecoderConfig, target: Target, tokenizer: Detokenizer, 
         return HFDecoder(target, tokenizer)
     if config.name == "ar":
         return SpecDecoder("ar", target, tokenizer, NoDrafter())
-    if config.name == "sd":
+    if config.name in ("sd", "seed"):
         if draft is None:
-            raise BackendError("decoder=sd needs a draft model (draft.path)")
+            raise BackendError(f"decoder={config.name} needs a draft model (draft.path)")
         # A Target of its own (its own forward count), also when drafting with the target's weights.
         drafter = ModelDrafter(Target(draft.model), config.spec, _vocab_size(target))
+        if config.name == "seed":
+            return SeedDecoder(target, tokenizer, drafter, config.seed)
         return SpecDecoder("sd", target, tokenizer, drafter, serial=True)
     raise BackendError(f"decoder={config.name!r} is not one of {', '.join(DECODERS)}")
 
@@ -92,7 +95,11 @@ class Engine:
             for s, r in zip(seqs, requests)
         ]
         # Tokenizing and detokenizing is part of what a call costs.
-        stats.other_s += max(0.0, time.perf_counter() - t0 - stats.wall_s)
+        elapsed = time.perf_counter() - t0
+        stats.other_s += max(0.0, elapsed - (stats.draft_s + stats.verify_s + stats.other_s))
+        stats.elapsed_s = elapsed
+        stats.sequences = len(seqs)
+        stats.sequence_acceptance_sum = sum(s.stats.acceptance_length for s in seqs)
         self.last_stats = stats
         self.total_stats += stats
         return results

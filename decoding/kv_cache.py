@@ -38,6 +38,7 @@ class RowKVCache:
         self._slots: torch.Tensor | None = None
         self._offset = 0
         self._kv_len = 0
+        self._rows: torch.Tensor | None = None  # the rows in the prepared forward (None: all)
 
     @property
     def batch(self) -> int:
@@ -47,31 +48,44 @@ class RowKVCache:
     def capacity(self) -> int:
         return self.keys[0].shape[2]
 
-    def prepare(self, n_new: int, offset: int = 0) -> None:
+    def prepare(self, n_new: int, offset: int = 0, rows: list[int] | None = None) -> None:
         """Reserve slots for the next forward's n_new tokens per row.
 
         They go after `offset` uncommitted slots written by earlier forwards of the same step: a
         drafter grows its tree level by level, each level seeing the levels before it, and only
-        commits the accepted path once the target has verified it.
+        commits the accepted path once the target has verified it. `rows` limits the forward to
+        some rows (a scheduler verifying one queued sequence while others draft).
         """
-        need = int(self.lens.max()) + offset + n_new
+        self._rows = None if rows is None else torch.tensor(rows, dtype=torch.long, device=self.lens.device)
+        lens = self.row_lens()
+        need = int(lens.max()) + offset + n_new
         if need > self.capacity:
             raise RuntimeError(f"KV cache holds {self.capacity} positions, a forward needs {need}")
-        self._slots = self.lens[:, None] + offset + torch.arange(n_new, device=self.lens.device)
+        self._slots = lens[:, None] + offset + torch.arange(n_new, device=self.lens.device)
         self._offset = offset
         self._kv_len = need
+
+    def row_lens(self) -> torch.Tensor:
+        """Committed lengths of the rows in the prepared forward."""
+        return self.lens if self._rows is None else self.lens.index_select(0, self._rows)
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object, **kwargs: object
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The `transformers` Cache entry point: store this layer's new keys/values, return all of them."""
         assert self._slots is not None, "call prepare() before a forward"
-        rows = torch.arange(self.batch, device=self.lens.device)[:, None]
         k, v = self.keys[layer_idx], self.values[layer_idx]
+        every = torch.arange(self.batch, device=self.lens.device)
+        rows = (every if self._rows is None else self._rows)[:, None]
         # Advanced indices around a slice put the indexed dims first: [B, T, H, D].
         k[rows, :, self._slots] = key_states.transpose(1, 2).to(k.dtype)
         v[rows, :, self._slots] = value_states.transpose(1, 2).to(v.dtype)
-        return k[:, :, : self._kv_len], v[:, :, : self._kv_len]
+        if self._rows is None:
+            return k[:, :, : self._kv_len], v[:, :, : self._kv_len]
+        first, n = int(self._rows[0]), len(self._rows)
+        if torch.equal(self._rows, torch.arange(first, first + n, device=self._rows.device)):
+            return k[first : first + n, :, : self._kv_len], v[first : first + n, :, : self._kv_len]  # a view
+        return k[self._rows, :, : self._kv_len], v[self._rows, :, : self._kv_len]
 
     def attention_mask(self, tree: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Additive mask [B, 1, T, kv_len] for the prepared forward.
@@ -84,9 +98,10 @@ class RowKVCache:
         assert self._slots is not None, "call prepare() before attention_mask()"
         batch, n_new = self._slots.shape
         width = self._offset + n_new
+        lens = self.row_lens()
         cols = torch.arange(self._kv_len, device=self.lens.device)
-        visible = (cols[None, None, :] < self.lens[:, None, None]).expand(batch, n_new, -1).clone()
-        slots = self.lens[:, None] + torch.arange(width, device=self.lens.device)
+        visible = (cols[None, None, :] < lens[:, None, None]).expand(batch, n_new, -1).clone()
+        slots = lens[:, None] + torch.arange(width, device=self.lens.device)
         visible.scatter_(2, slots[:, None, :].expand(batch, n_new, width), tree.to(torch.bool))
         mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
         mask.masked_fill_(~visible, torch.finfo(dtype).min)
@@ -114,6 +129,7 @@ class RowKVCache:
         self.values = [v.index_select(0, index) for v in self.values]
         self.lens = self.lens.index_select(0, index)
         self._slots = None
+        self._rows = None
 
     # Methods some `transformers` code paths query on a cache object.
     def get_seq_length(self, layer_idx: int = 0) -> int:

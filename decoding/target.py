@@ -39,16 +39,18 @@ class Target:
         depth: torch.Tensor,
         logits_at: torch.Tensor | None = None,
         offset: int = 0,
+        rows: list[int] | None = None,
     ) -> torch.Tensor:
         """Logits [B, T, V] (or [B, K, V] at the new-token indices `logits_at`) for new tokens [B, T].
 
         `tree` is [B, T, offset + T]: what each new token sees among the row's uncommitted slots
-        (`offset` of them written by earlier forwards of this step, then the new ones).
+        (`offset` of them written by earlier forwards of this step, then the new ones). `rows`: the
+        cache rows that tokens' rows are (default: all, in order).
         """
         tokens = tokens.to(self.device)
-        cache.prepare(tokens.shape[1], offset)
+        cache.prepare(tokens.shape[1], offset, rows)
         mask = cache.attention_mask(tree.to(self.device), self.dtype)
-        positions = cache.lens[:, None] + depth.to(self.device)
+        positions = cache.row_lens()[:, None] + depth.to(self.device)
         out = self.model(
             input_ids=tokens,
             attention_mask=mask,

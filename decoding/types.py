@@ -52,6 +52,8 @@ class DecodeStats:
     `verify_steps` counts (sequence, target forward) pairs: one per sequence each time the target
     scores it, so acceptance_length = generated_tokens / verify_steps (1.0 for autoregressive).
     `target_forwards` counts calls of the target model (one batched call is one forward).
+    `elapsed_s` is the wall-clock time; draft_s + verify_s + other_s exceed it when drafting runs
+    beside verification. The scheduler fields (queue waits, draft calls) are SEED's.
     """
 
     generated_tokens: int = 0
@@ -62,10 +64,36 @@ class DecodeStats:
     draft_s: float = 0.0
     verify_s: float = 0.0
     other_s: float = 0.0
+    elapsed_s: float = 0.0
+    queue_wait_s: float = 0.0  # summed over verified drafts: enqueued -> taken by the verifier
+    verified_drafts: int = 0  # drafts that went through the verify queue
+    draft_calls: int = 0  # batched drafter calls
+    drafted_rows: int = 0  # sequences drafted, summed over drafter calls
+    sequences: int = 0
+    sequence_acceptance_sum: float = 0.0  # sum over sequences of each one's acceptance length
 
     @property
     def wall_s(self) -> float:
-        return self.draft_s + self.verify_s + self.other_s
+        return self.elapsed_s if self.elapsed_s > 0 else self.draft_s + self.verify_s + self.other_s
+
+    @property
+    def target_busy_fraction(self) -> float:
+        """Share of the wall time the target model spent verifying (prefill included)."""
+        return min(1.0, self.verify_s / self.wall_s) if self.wall_s else 0.0
+
+    @property
+    def mean_queue_wait_s(self) -> float:
+        return self.queue_wait_s / self.verified_drafts if self.verified_drafts else 0.0
+
+    @property
+    def drafts_per_round(self) -> float:
+        """Sequences drafted together per drafter call."""
+        return self.drafted_rows / self.draft_calls if self.draft_calls else 0.0
+
+    @property
+    def mean_sequence_acceptance_length(self) -> float:
+        """Acceptance length averaged over sequences (each sequence weighs the same)."""
+        return self.sequence_acceptance_sum / self.sequences if self.sequences else 0.0
 
     @property
     def acceptance_length(self) -> float:
@@ -86,6 +114,10 @@ class DecodeStats:
         d["wall_s"] = self.wall_s
         d["acceptance_length"] = self.acceptance_length
         d["forwards_per_token"] = self.forwards_per_token
+        d["target_busy_fraction"] = self.target_busy_fraction
+        d["mean_queue_wait_s"] = self.mean_queue_wait_s
+        d["drafts_per_round"] = self.drafts_per_round
+        d["mean_sequence_acceptance_length"] = self.mean_sequence_acceptance_length
         return d
 
     @classmethod

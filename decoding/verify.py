@@ -84,15 +84,16 @@ def verify(
     trees: list[DraftTree],
     params: list[SamplingParams],
     generators: list[torch.Generator],
+    rows: list[int] | None = None,
 ) -> tuple[Packed, list[Verdict]]:
     """Score every row's tree in one forward and run the acceptance rule on each.
 
-    The cache holds the new entries uncommitted; the caller commits `packed.committed(b, path)`
-    for the rows that go on.
+    `rows` are the cache rows verified (default: all, in order). The cache holds the new entries
+    uncommitted; the caller commits `packed.committed(b, path)` for the rows that go on.
     """
     packed = pack(pending, trees)
     keep = torch.arange(packed.n_pending - 1, packed.tokens.shape[1])
-    logits = target.forward(cache, packed.tokens, packed.see, packed.depth, logits_at=keep)
+    logits = target.forward(cache, packed.tokens, packed.see, packed.depth, logits_at=keep, rows=rows)
     verdicts = []
     for b, (tree, p, g) in enumerate(zip(trees, params, generators)):
         row = logits[b, : 1 + len(tree)]

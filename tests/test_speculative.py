@@ -265,7 +265,8 @@ class CheckedDrafter(ModelDrafter):
     checks = 0
 
     def draft(self, rows):
-        for b, i in enumerate(rows):
+        for i in rows:
+            b = self.position[i]
             seq = self.seqs[i]
             context = seq.prompt + seq.generated
             n = int(self.cache.lens[b])

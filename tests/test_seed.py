@@ -1,0 +1,174 @@
+"""`decoder=seed`: SEED's rounds scheduler on the shared verification core (tiny models)."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+import torch
+from test_decoders import BUDGETS, EOS_ID, PROMPTS, _stop_string_case, encode, reference_greedy
+from test_speculative import PARAMS, RULES, ScriptedDrafter, check_three_tokens, sample_three
+
+from decoding.config import DecoderConfig
+from decoding.draft_model import SpecOptions
+from decoding.engine import Engine
+from decoding.models import LoadedModel, ModelSpec
+from decoding.seed import Rounds, SeedDecoder, SeedOptions
+from decoding.types import GenRequest
+
+
+@pytest.fixture(scope="module")
+def perturbed(tiny_model, tokenizer) -> LoadedModel:
+    import copy
+
+    model = copy.deepcopy(tiny_model)
+    g = torch.Generator().manual_seed(7)
+    for p in model.parameters():
+        p.add_(0.08 * p.std() * torch.randn(p.shape, generator=g))
+    return LoadedModel(model, tokenizer, torch.device("cpu"), False, "perturbed")
+
+
+def seed_engine(loaded, draft, k_config=(2, 2, 1), verify_batch=1, overlap=False, **options) -> Engine:
+    cfg = DecoderConfig(
+        "seed",
+        SpecOptions(k_config=k_config, key="seed", **options),
+        SeedOptions(verify_batch, overlap),
+        ModelSpec(key="draft"),
+    )
+    return Engine(loaded, cfg, draft)
+
+
+def requests_for(n: int) -> tuple[list[tuple[str, int]], list[GenRequest]]:
+    """n ragged requests that finish at different points (the first two share a prompt)."""
+    pool = [("the cat", 18), ("the cat", 9), *zip(PROMPTS[1:], BUDGETS[1:]), ("a", 25), ("once upon a time", 3)]
+    specs = pool[:n]
+    return specs, [GenRequest(p, max_new_tokens=m) for p, m in specs]
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "overlap"])
+@pytest.mark.parametrize("verify_batch", [1, 3])
+@pytest.mark.parametrize("n", range(1, 9))
+def test_greedy_identity(tiny_model, tokenizer, loaded, perturbed, n, verify_batch, overlap):
+    specs, requests = requests_for(n)
+    refs = [reference_greedy(tiny_model, encode(tokenizer, p), m, {EOS_ID}) for p, m in specs]
+    for draft in (loaded, perturbed):
+        engine = seed_engine(loaded, draft, (2, 2, 1), verify_batch, overlap)
+        results = engine.generate(requests)
+        assert [r.token_ids for r in results] == refs
+        stats = engine.last_stats
+        assert stats.verified_drafts == stats.verify_steps
+        assert 0 < stats.target_busy_fraction <= 1
+
+
+@pytest.mark.parametrize("k_config", [(1, 1, 1), (4, 2, 1)], ids=str)
+def test_greedy_identity_k_configs_and_stop_strings(tiny_model, tokenizer, loaded, perturbed, k_config):
+    prompt, budget, gen, stop = _stop_string_case(tiny_model, tokenizer)
+    n = next(i for i in range(1, len(gen) + 1) if stop in tokenizer.decode(gen[:i]))
+    specs, requests = requests_for(6)
+    refs = [reference_greedy(tiny_model, encode(tokenizer, p), m, {EOS_ID}) for p, m in specs]
+    requests.append(GenRequest(prompt, max_new_tokens=budget, stop=stop))
+    refs.append(gen[:n])
+    for overlap in (False, True):
+        engine = seed_engine(loaded, perturbed, k_config, 2, overlap, multi_candidate=max(k_config) > 1)
+        results = engine.generate(requests)
+        assert [r.token_ids for r in results] == refs
+        assert results[-1].finish_reason == "stop"
+
+
+def test_scheduler_statistics(loaded):
+    _, requests = requests_for(6)
+    engine = seed_engine(loaded, loaded, (1, 1, 1), verify_batch=1, multi_candidate=False)
+    results = engine.generate(requests)
+    stats = engine.last_stats
+    # verify_batch 1: one target forward per queued draft (no separate prefill: with a one-token
+    # prompt among them, every prompt is fed with its first draft).
+    assert stats.target_forwards == stats.verified_drafts
+    assert stats.acceptance_length > 3.0  # the target drafting for itself at temperature 0
+    assert stats.mean_queue_wait_s > 0 and stats.drafts_per_round >= 1
+    assert stats.sequences == 6
+    assert stats.mean_sequence_acceptance_length == pytest.approx(sum(r.stats.acceptance_length for r in results) / 6)
+    d = stats.to_dict()
+    for key in ("target_busy_fraction", "mean_queue_wait_s", "drafts_per_round", "mean_sequence_acceptance_length"):
+        assert key in d
+    batched = seed_engine(loaded, loaded, (1, 1, 1), verify_batch=6, multi_candidate=False)
+    assert [r.token_ids for r in batched.generate(requests)] == [r.token_ids for r in results]
+    assert batched.last_stats.target_forwards < stats.target_forwards
+
+
+# --- the schedule itself ----------------------------------------------------------------------------
+
+
+class SlowScriptedDrafter(ScriptedDrafter):
+    """Scripted drafts that take a random time, checking that only drafting rows are drafted."""
+
+    def __init__(self, refs, rounds_of, **kwargs):
+        super().__init__(refs, (2, 1), "random", **kwargs)
+        self.rounds_of = rounds_of
+        self.rng = random.Random(0)
+
+    def draft(self, rows):
+        rounds = self.rounds_of()
+        with rounds.cond:
+            assert all(rounds.state[i] == "drafting" for i in rows)
+        time.sleep(self.rng.uniform(0, 0.004) * len(rows))
+        return super().draft(rows)
+
+
+def check_schedule(log: list[tuple[str, int]], n: int) -> None:
+    """Every row cycles queued -> verifying -> drafting|done, ends done, and the queue is FCFS."""
+    state = {i: "drafting" for i in range(n)}
+    arrivals, served = [], []
+    for event, row in log:
+        expected = {"queued": "drafting", "verifying": "queued", "drafting": "verifying", "done": "verifying"}
+        assert state[row] == expected[event], (event, row, state[row])
+        state[row] = event
+        if event == "queued":
+            arrivals.append(row)
+        if event == "verifying":
+            served.append(row)
+    assert all(s == "done" for s in state.values())
+    assert served == arrivals  # first come, first served
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "overlap"])
+@pytest.mark.parametrize("verify_batch", [1, 2, 5])
+def test_schedule_properties(tiny_model, tokenizer, loaded, verify_batch, overlap):
+    specs, requests = requests_for(8)
+    refs = [reference_greedy(tiny_model, encode(tokenizer, p), m, {EOS_ID}) for p, m in specs]
+    engine = Engine(loaded, "ar")
+    decoder = SeedDecoder(engine.target, tokenizer, None, SeedOptions(verify_batch, overlap))  # type: ignore[arg-type]
+    decoder.drafter = SlowScriptedDrafter(refs, lambda: decoder.last_rounds, vocab=len(tokenizer))
+    engine.decoder = decoder
+    results = engine.generate(requests)
+    assert [r.token_ids for r in results] == refs
+    check_schedule(decoder.last_rounds.log, len(requests))
+    assert engine.last_stats.verified_drafts == sum(1 for e, _ in decoder.last_rounds.log if e == "verifying")
+
+
+def test_check_schedule_catches_violations():
+    with pytest.raises(AssertionError):
+        check_schedule([("queued", 0), ("queued", 1), ("verifying", 1), ("done", 1), ("verifying", 0), ("done", 0)], 2)
+    with pytest.raises(AssertionError):
+        check_schedule([("queued", 0), ("verifying", 0), ("drafting", 0)], 1)  # never finished
+    rounds = Rounds.start(1)
+    with pytest.raises(AssertionError, match="drafted while queued"):
+        rounds.enqueue([0], [None])  # type: ignore[list-item]
+        rounds.enqueue([0], [None])  # type: ignore[list-item]
+
+
+# --- statistical losslessness ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "rule, params_name, overlap",
+    [("multi", "t1.0", True), ("without-replacement", "t0.7-k20-p0.9", False), ("single", "t1.0", False)],
+)
+def test_sampling_follows_the_target(tiny_model, tokenizer, loaded, perturbed, rule, params_name, overlap):
+    """8,000 seeded 3-token runs through the rounds scheduler; tolerance as in test_speculative."""
+    params = PARAMS[params_name]
+    prompt = encode(tokenizer, "once upon a time")
+    engine = seed_engine(loaded, perturbed, verify_batch=4, overlap=overlap, **RULES[rule])
+    samples = sample_three(engine, prompt, params, 8000)
+    assert engine.total_stats.accepted_tokens > 0
+    check_three_tokens(tiny_model, prompt, params, samples, len(tokenizer))
