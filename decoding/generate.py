@@ -78,7 +78,7 @@ class GenerateConfig:
             top_k=as_int("gen.top_k", gen["top_k"]),
             max_new_tokens=as_int("gen.max_new_tokens", gen["max_new_tokens"]),
             batch_size=as_int("batch_size", c["batch_size"]),
-            seed=as_int("seed", c["seed"]),
+            seed=as_int("gen.seed", gen["seed"]),
         )
 
 

@@ -67,7 +67,7 @@ def test_sampled_completions_are_seeded(tmp_path, loaded):
     prompts = write_prompts(tmp_path / "p.jsonl", PROMPTS[1:2])
     runs = []
     for name in ("x", "y"):
-        cfg = config(prompts, tmp_path / f"{name}.jsonl", "gen.temperature=1.0", "seed=3")
+        cfg = config(prompts, tmp_path / f"{name}.jsonl", "gen.temperature=1.0", "gen.seed=3")
         generate(cfg, engine_for(cfg, loaded), progress=False)
         runs.append([r["token_ids"] for r in read(cfg.out)])
     assert runs[0] == runs[1]

@@ -247,7 +247,7 @@ def test_summary_covers_selected_problems_only(tmp_path):
         ("search.breadth=4", "search.breadth=4 exceeds search.n_thoughts=3"),
         ("search.n_thoughts=2.5", "search.n_thoughts=2.5"),
         ("gen.temperature=hot", "gen.temperature='hot'"),
-        ("seed=abc", "seed='abc'"),
+        ("gen.seed=abc", "gen.seed='abc'"),
     ],
 )
 def test_config_errors(override, named):

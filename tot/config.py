@@ -80,7 +80,7 @@ class RunConfig:
                     max_eval_tokens=as_int("gen.max_eval_tokens", c["gen"]["max_eval_tokens"]),
                     eval_temperature=as_float("gen.eval_temperature", c["gen"]["eval_temperature"]),
                 ),
-                seed=as_int("seed", c["seed"]),
+                seed=as_int("gen.seed", c["gen"]["seed"]),
             )
         except KeyError as e:
             raise ConfigError(f"config key {e} is missing; start from conf/config.yaml") from None

@@ -53,15 +53,20 @@ def summarize(records: list[dict], header: dict) -> dict:
     """Totals over finished problems: accuracy, tokens, throughput, tau, per-phase cost."""
     total = DecodeStats()
     phases: dict[str, dict] = {}
+    phase_stats: dict[str, DecodeStats] = {}
     for r in records:
         for name, p in r["phases"].items():
-            total += DecodeStats.from_dict({k[len("decode_") :]: v for k, v in p.items() if k.startswith("decode_")})
+            stats = DecodeStats.from_dict({k[len("decode_") :]: v for k, v in p.items() if k.startswith("decode_")})
+            total += stats
+            phase_stats.setdefault(name, DecodeStats()).__iadd__(stats)
             acc = phases.setdefault(name, {"tokens": 0, "wall_s": 0.0, "target_forwards": 0})
             acc["tokens"] += p["tokens"]
             acc["wall_s"] += p["wall_s"]
             acc["target_forwards"] += p["decode_target_forwards"]
-    for p in phases.values():
+    for name, p in phases.items():
         p["tokens_per_s"] = p["tokens"] / p["wall_s"] if p["wall_s"] else 0.0
+        p["acceptance_length"] = phase_stats[name].acceptance_length
+        p["target_busy_fraction"] = phase_stats[name].target_busy_fraction
     wall = sum(r["wall_s"] for r in records)
     n = len(records)
     return {
@@ -75,6 +80,11 @@ def summarize(records: list[dict], header: dict) -> dict:
         "acceptance_length": total.acceptance_length,
         "drafted_tokens": total.drafted_tokens,
         "accepted_tokens": total.accepted_tokens,
+        "mean_sequence_acceptance_length": total.mean_sequence_acceptance_length,
+        # Scheduler view (SEED): how busy the target was, how long drafts waited for it.
+        "target_busy_fraction": total.target_busy_fraction,
+        "mean_queue_wait_s": total.mean_queue_wait_s,
+        "drafts_per_round": total.drafts_per_round,
         "tokens_per_s": total.generated_tokens / wall if wall else 0.0,
         "wall_s": wall,
         "phases": phases,
