@@ -21,16 +21,26 @@ from __future__ import annotations
 
 import torch
 
-from decoding.draft_tree import ROOT, DraftTree, Draw
+from decoding.draft_tree import ROOT, DraftDist, DraftTree, Draw
 
 
-def proposals(q: torch.Tensor | None, candidates: list[int], draw: Draw, vocab: int) -> list[torch.Tensor]:
+def dense(q: DraftDist, vocab: int) -> torch.Tensor:
+    """A draft distribution as a float64 [vocab] vector (N-gram drafters store (ids, probs) pairs)."""
+    if isinstance(q, torch.Tensor):
+        return q.double()
+    ids, probs = q
+    out = torch.zeros(vocab, dtype=torch.float64)
+    out[torch.tensor(ids, dtype=torch.long)] = torch.tensor(probs, dtype=torch.float64)
+    return out
+
+
+def proposals(q: DraftDist | None, candidates: list[int], draw: Draw, vocab: int) -> list[torch.Tensor]:
     """The distribution each candidate was drawn from (float64, [vocab])."""
     if draw == "top":
         return [torch.nn.functional.one_hot(torch.tensor(x), vocab).double() for x in candidates]
     if q is None:
         raise ValueError(f"draw={draw!r} needs the draft distribution its candidates were drawn from")
-    d = q.double()
+    d = dense(q, vocab)
     if draw == "iid":
         return [d] * len(candidates)
     out = []
@@ -48,7 +58,7 @@ def proposals(q: torch.Tensor | None, candidates: list[int], draw: Draw, vocab: 
 
 
 def acceptance_chain(
-    p: torch.Tensor, candidates: list[int], q: torch.Tensor | None, draw: Draw
+    p: torch.Tensor, candidates: list[int], q: DraftDist | None, draw: Draw
 ) -> tuple[list[float], torch.Tensor]:
     """Acceptance probability of each candidate given that the earlier ones were rejected, and
     the distribution the token is drawn from when all are rejected."""
@@ -73,7 +83,7 @@ def residual(r: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 
 def choose(
-    p: torch.Tensor, candidates: list[int], q: torch.Tensor | None, draw: Draw, generator: torch.Generator
+    p: torch.Tensor, candidates: list[int], q: DraftDist | None, draw: Draw, generator: torch.Generator
 ) -> tuple[int | None, int]:
     """Run the rule once: (index of the accepted candidate or None, the token that comes next)."""
     accept, r = acceptance_chain(p, candidates, q, draw)

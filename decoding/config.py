@@ -8,9 +8,12 @@ from typing import Any
 from decoding.draft_model import SpecOptions
 from decoding.errors import ConfigError
 from decoding.models import ModelSpec
+from decoding.pld import PLDOptions
+from decoding.recycling import RecyclingOptions
 from decoding.seed import SeedOptions
+from decoding.stand import StandOptions
 
-DECODERS = ("hf", "ar", "sd", "seed")
+DECODERS = ("hf", "ar", "sd", "seed", "pld", "recycling", "stand", "seed_stand")
 # Decoders that draft with a model (`draft.path`).
 MODEL_DRAFTING = ("sd", "seed")
 
@@ -20,6 +23,9 @@ class DecoderConfig:
     name: str = "ar"
     spec: SpecOptions = field(default_factory=SpecOptions)
     seed: SeedOptions = field(default_factory=SeedOptions)
+    stand: StandOptions = field(default_factory=StandOptions)
+    pld: PLDOptions = field(default_factory=PLDOptions)
+    recycling: RecyclingOptions = field(default_factory=RecyclingOptions)
     draft: ModelSpec | None = None  # path "self" drafts with the target itself
 
     def __post_init__(self) -> None:
@@ -50,19 +56,49 @@ class DecoderConfig:
                 key=name,
             )
         seed = SeedOptions()
-        if name == "seed":
-            verify_batch = as_int("seed.verify_batch", own.get("verify_batch", seed.verify_batch))
+        if name in ("seed", "seed_stand"):
+            own_seed = c.get("seed") or {}
+            verify_batch = as_int("seed.verify_batch", own_seed.get("verify_batch", seed.verify_batch))
             if verify_batch < 1:
                 raise ConfigError(
                     f"seed.verify_batch={verify_batch} must be a positive integer (1: the paper's schedule)"
                 )
-            seed = SeedOptions(verify_batch, _bool("seed.overlap", own.get("overlap", seed.overlap)))
+            seed = SeedOptions(verify_batch, _bool("seed.overlap", own_seed.get("overlap", seed.overlap)))
+        stand = StandOptions()
+        if name in ("stand", "seed_stand", "recycling"):
+            st = c.get("stand") or {}
+            stand = StandOptions(
+                tree=str(st.get("tree", stand.tree)),
+                scope=st.get("scope", stand.scope),
+                seed_prompt=_bool("stand.seed_prompt", st.get("seed_prompt", stand.seed_prompt)),
+                stochastic=_bool("stand.stochastic", st.get("stochastic", stand.stochastic)),
+                capacity=as_int("stand.capacity", st.get("capacity", stand.capacity)),
+                max_pools=as_int("stand.max_pools", st.get("max_pools", stand.max_pools)),
+            )
+        pld = PLDOptions()
+        if name == "pld":
+            pc = c.get("pld") or {}
+            pld = PLDOptions(
+                as_int("pld.max_ngram", pc.get("max_ngram", pld.max_ngram)),
+                as_int("pld.num_draft", pc.get("num_draft", pld.num_draft)),
+            )
+        recycling = RecyclingOptions()
+        if name == "recycling":
+            recycling = RecyclingOptions(as_int("recycling.top_k", (c.get("recycling") or {}).get("top_k", 8)))
         draft_cfg = c.get("draft") or {}
         draft = None
         if draft_cfg.get("path") not in (None, ""):
             known = {"path", "device", "dtype", "cache_dir"}
             draft = ModelSpec(**{k: str(v) for k, v in draft_cfg.items() if k in known and v is not None}, key="draft")
-        return cls(name=name, spec=spec, seed=seed, draft=draft if name in MODEL_DRAFTING else None)
+        return cls(
+            name=name,
+            spec=spec,
+            seed=seed,
+            stand=stand,
+            pld=pld,
+            recycling=recycling,
+            draft=draft if name in MODEL_DRAFTING else None,
+        )
 
 
 def _bool(key: str, value: object) -> bool:

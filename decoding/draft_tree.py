@@ -18,6 +18,8 @@ import torch
 #   "top": chosen deterministically (top-k, n-gram lookups), i.e. each drawn from a point mass.
 Draw = Literal["iid", "without_replacement", "top"]
 ROOT = -1
+# A draft distribution: dense [V], or sparse (token ids, probabilities) as N-gram drafters keep it.
+DraftDist = torch.Tensor | tuple[list[int], list[float]]
 
 
 @dataclass
@@ -29,7 +31,7 @@ class DraftTree:
     draw: Draw = "top"
     # For stochastic draws: the draft distribution [V] each node's children were drawn from,
     # keyed by the node (ROOT for the root's children).
-    dists: dict[int, torch.Tensor] = field(default_factory=dict)
+    dists: dict[int, DraftDist] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.tokens)

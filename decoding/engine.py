@@ -10,10 +10,13 @@ from decoding.draft_model import ModelDrafter
 from decoding.errors import BackendError
 from decoding.hf import HFDecoder
 from decoding.models import LoadedModel
+from decoding.pld import PLDDrafter
+from decoding.recycling import RecyclingDrafter
 from decoding.sampling import SamplingParams
 from decoding.seed import SeedDecoder
 from decoding.sequence import Sequence
 from decoding.speculative import NoDrafter, SpecDecoder
+from decoding.stand import NGramDrafter, StaticTree
 from decoding.stopping import Detokenizer, StopRule, final_text
 from decoding.target import Target
 from decoding.types import DecodeStats, GenRequest, GenResult
@@ -40,6 +43,17 @@ def make_decoder(config: DecoderConfig, target: Target, tokenizer: Detokenizer, 
         if config.name == "seed":
             return SeedDecoder(target, tokenizer, drafter, config.seed)
         return SpecDecoder("sd", target, tokenizer, drafter, serial=True)
+    if config.name in ("stand", "seed_stand"):
+        ngram = NGramDrafter(config.stand, StaticTree.load(config.stand.tree), _vocab_size(target))
+        if config.name == "seed_stand":
+            return SeedDecoder(target, tokenizer, ngram, config.seed, name="seed_stand")
+        return SpecDecoder("stand", target, tokenizer, ngram)
+    if config.name == "pld":
+        return SpecDecoder("pld", target, tokenizer, PLDDrafter(config.pld))
+    if config.name == "recycling":
+        return SpecDecoder(
+            "recycling", target, tokenizer, RecyclingDrafter(config.recycling, StaticTree.load(config.stand.tree))
+        )
     raise BackendError(f"decoder={config.name!r} is not one of {', '.join(DECODERS)}")
 
 
@@ -116,7 +130,7 @@ class Engine:
                 "gen.max_eval_tokens)"
             )
         rule = StopRule(self.eos_ids, r.stop, r.max_new_tokens)
-        return Sequence.create(ids, rule, SamplingParams(r.temperature, r.top_k, r.top_p), r.seed)
+        return Sequence.create(ids, rule, SamplingParams(r.temperature, r.top_k, r.top_p), r.seed, r.group)
 
 
 def _eos_ids(loaded: LoadedModel) -> frozenset[int]:

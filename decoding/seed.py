@@ -29,7 +29,7 @@ State = Literal["drafting", "queued", "verifying", "done"]
 
 @dataclass(frozen=True)
 class SeedOptions:
-    verify_batch: int = 1  # queued drafts verified per target forward (1: the paper's schedule)
+    verify_batch: int = 8  # queued drafts verified per target forward (1: the paper's schedule)
     overlap: bool = False  # draft in a thread while the target verifies
 
 
@@ -204,7 +204,7 @@ class SeedDecoder:
         done = []
         for b, (i, v) in enumerate(zip(rows, verdicts)):
             s = seqs[i]
-            s.commit(v.tokens, self.tokenizer, drafted=len(v.tree), accepted=len(v.path))
+            v.kept = s.commit(v.tokens, self.tokenizer, drafted=len(v.tree), accepted=len(v.path))
             if not s.done:
                 cache.keep(i, packed.committed(b, v.path))
                 pending[i] = [v.token]

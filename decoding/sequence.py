@@ -21,15 +21,17 @@ class Sequence:
     generator: torch.Generator
     # Drafting draws its own random numbers, so that the target's stream stays that of the request.
     draft_generator: torch.Generator
+    group: str = ""  # trajectories of one ToT step share cross-trajectory draft statistics
     generated: list[int] = field(default_factory=list)
     reason: FinishReason | None = None
     stats: DecodeStats = field(default_factory=DecodeStats)
     _checked: int = 0
 
     @classmethod
-    def create(cls, prompt: list[int], rule: StopRule, params: SamplingParams, seed: int) -> Sequence:
+    def create(cls, prompt: list[int], rule: StopRule, params: SamplingParams, seed: int, group: str = "") -> Sequence:
         return cls(
             prompt=prompt,
+            group=group,
             rule=rule,
             params=params,
             generator=make_generator(seed),

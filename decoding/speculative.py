@@ -108,7 +108,7 @@ class SpecDecoder:
             going = []
             for b, (i, v) in enumerate(zip(live, verdicts)):
                 s = seqs[i]
-                s.commit(v.tokens, self.tokenizer, drafted=len(v.tree), accepted=len(v.path))
+                v.kept = s.commit(v.tokens, self.tokenizer, drafted=len(v.tree), accepted=len(v.path))
                 if not s.done:
                     cache.keep(b, packed.committed(b, v.path))
                     pending[i] = [v.token]

@@ -71,10 +71,15 @@ class Verdict:
     # greedy rows, where only the argmax matters); cross-trajectory drafters learn from them.
     probs: torch.Tensor | None
     logits: torch.Tensor  # raw target logits at the same places
+    kept: int = 0  # tokens the sequence kept (stop rules may cut the accepted run); set on commit
 
     @property
     def tokens(self) -> list[int]:
         return [self.tree.tokens[i] for i in self.path] + [self.token]
+
+    def kept_rows(self) -> list[int]:
+        """Rows of `probs` / `logits` whose distributions predicted the kept tokens, in order."""
+        return [0, *(1 + n for n in self.path)][: self.kept]
 
 
 def verify(

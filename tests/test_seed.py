@@ -34,7 +34,7 @@ def seed_engine(loaded, draft, k_config=(2, 2, 1), verify_batch=1, overlap=False
         "seed",
         SpecOptions(k_config=k_config, key="seed", **options),
         SeedOptions(verify_batch, overlap),
-        ModelSpec(key="draft"),
+        draft=ModelSpec(key="draft"),
     )
     return Engine(loaded, cfg, draft)
 

@@ -55,7 +55,7 @@ def unrelated(tokenizer) -> LoadedModel:
 
 def sd_engine(loaded: LoadedModel, draft: LoadedModel, k_config=(2, 2, 1), serial=True, **options) -> Engine:
     spec = SpecOptions(k_config=k_config, **options)
-    engine = Engine(loaded, DecoderConfig("sd", spec, ModelSpec("draft", key="draft")), draft)
+    engine = Engine(loaded, DecoderConfig("sd", spec, draft=ModelSpec("draft", key="draft")), draft)
     if not serial:
         # The same loop and drafter with every sequence in one batch (the shape SEED and STAND use).
         drafter = ModelDrafter(Target(draft.model), spec, len(loaded.tokenizer))

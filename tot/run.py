@@ -39,7 +39,7 @@ def run(cfg: RunConfig, out_dir: Path, engine: Generator | None = None, progress
     }
     selected = {p.id for p in problems}
     if todo:
-        engine = engine or _engine(cfg)
+        engine = engine or make_engine(cfg)
         search = BFS(task, cfg.bfs, cfg.gen, cfg.seed)
         bar = tqdm(todo, desc=f"{cfg.task}/{cfg.decoder.name}", unit="problem", disable=not progress)
         for problem in bar:
@@ -84,7 +84,7 @@ def _write_json(path: Path, data: dict) -> None:
     tmp.replace(path)
 
 
-def _engine(cfg: RunConfig) -> Engine:
+def make_engine(cfg: RunConfig) -> Engine:
     target = load_model(cfg.model)
     draft = load_draft(cfg.decoder.draft, target) if cfg.decoder.draft else None
     return Engine(target, cfg.decoder, draft)

@@ -1,0 +1,74 @@
+"""A Token-Recycling-style drafter: each token's latest top-k successors, filled into a static tree.
+
+A baseline in the drafter slot: model-free and deterministic. After every verification the
+successor list of each committed token is replaced (not averaged, unlike STAND) by the target's
+top-k next tokens at that position; the table is kept across calls and shared by all sequences.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from decoding.draft_tree import ROOT, DraftTree
+from decoding.errors import ConfigError
+from decoding.sequence import Sequence
+from decoding.stand import StaticTree
+from decoding.verify import Verdict
+
+
+@dataclass(frozen=True)
+class RecyclingOptions:
+    top_k: int = 8  # successors kept per token
+
+    def __post_init__(self) -> None:
+        if self.top_k < 1:
+            raise ConfigError(f"recycling.top_k={self.top_k} must be a positive integer")
+
+
+class RecyclingDrafter:
+    def __init__(self, options: RecyclingOptions, tree: StaticTree) -> None:
+        self.options = options
+        self.tree = tree
+        self.kids = tree.children()
+        self.depth = tree.depths()
+        self.max_nodes = len(tree)
+        self.successors: dict[int, list[int]] = {}
+        self.seqs: list[Sequence] = []
+
+    def start(self, seqs: list[Sequence], capacity: int) -> None:
+        self.seqs = seqs
+
+    def draft(self, rows: list[int]) -> list[DraftTree]:
+        return [self._draft(self.seqs[i]) for i in rows]
+
+    def _draft(self, seq: Sequence) -> DraftTree:
+        tree = DraftTree(draw="top")
+        room = seq.rule.max_new_tokens - len(seq.generated) - 1
+        last = (seq.prompt + seq.generated)[-1]
+        drafted_of = {ROOT: ROOT}
+        token_of = {ROOT: last}
+        for s_parent in (ROOT, *range(len(self.tree))):
+            kids = self.kids.get(s_parent)
+            if not kids or s_parent not in drafted_of or (s_parent != ROOT and self.depth[s_parent] >= room):
+                continue
+            for token, s_child in zip(self.successors.get(token_of[s_parent], []), kids):
+                drafted_of[s_child] = tree.add(token, drafted_of[s_parent])
+                token_of[s_child] = token
+        return tree
+
+    def update(self, rows: list[int], verdicts: list[Verdict]) -> None:
+        for i, v in zip(rows, verdicts):
+            if v.kept <= 0:
+                continue
+            seq = self.seqs[i]
+            full = seq.prompt + seq.generated
+            base = len(full) - v.kept
+            at = v.kept_rows()
+            top = torch.topk(v.logits[at], self.options.top_k).indices.tolist()
+            for j, succ in enumerate(top):
+                self.successors[full[base + j - 1]] = succ
+
+    def retain(self, rows: list[int]) -> None:
+        pass
