@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from decoding.cli import check_overrides, fail, quiet_transformers
 from decoding.config import as_int
 from decoding.errors import BackendError
-from decoding.stand import NGramDrafter, prune
+from decoding.stand import NGramDrafter, StaticTree, prune
 from tasks.base import DataError
 from tot.config import ConfigError, RunConfig
 from tot.run import make_engine, run, summary_line
@@ -57,6 +57,23 @@ def optimize(cfg: RunConfig, nodes: int, out: Path, run_dir: Path, progress: boo
     return summary | {"tree": str(out), "tree_nodes": len(tree)}
 
 
+def reprune(source: Path, nodes: int, out: Path) -> StaticTree:
+    """Cut a tree this command wrote to another size from the hit counts recorded in it, without
+    decoding again (how the shipped default was sized for this machine's measured costs)."""
+    made = StaticTree.load(str(source))
+    meta = dict(made.meta)
+    if "hits" not in meta or "initial_tree" not in meta:
+        raise ConfigError(f"optimize.from_hits={source} has no recorded hits; give a tree written by this command")
+    initial = StaticTree.load(meta["initial_tree"])
+    hits = {int(k): int(v) for k, v in meta["hits"].items()}
+    meta["nodes"] = nodes
+    meta["repruned_from"] = str(source)
+    tree = prune(initial, hits, nodes, meta)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tree.save(out)
+    return tree
+
+
 @hydra.main(config_path="pkg://conf", config_name="optimize_tree", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     quiet_transformers()
@@ -66,7 +83,12 @@ def main(cfg: DictConfig) -> None:
         nodes = as_int("optimize.nodes", opt["nodes"])
         if nodes < 1:
             raise ConfigError(f"optimize.nodes={nodes} must be a positive integer")
-        summary = optimize(run_cfg, nodes, Path(str(opt["out"])), Path(HydraConfig.get().runtime.output_dir))
+        out = Path(str(opt["out"]))
+        if opt.get("from_hits"):
+            tree = reprune(Path(str(opt["from_hits"])), nodes, out)
+            print(f"tree of {len(tree)} nodes written to {out}")
+            return
+        summary = optimize(run_cfg, nodes, out, Path(HydraConfig.get().runtime.output_dir))
     except (ConfigError, DataError, BackendError) as e:
         fail(str(e).splitlines()[0])
     print(summary_line(summary))
