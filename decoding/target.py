@@ -2,9 +2,57 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 
 from decoding.kv_cache import RowKVCache, cache_geometry
+
+MIN_SHARED_PREFIX = 8  # shorter common prefixes are simply fed with each row
+
+
+def _common_prefix_len(prompts: list[list[int]]) -> int:
+    first = prompts[0]
+    n = min(len(p) for p in prompts)
+    for p in prompts[1:]:
+        n = next((i for i in range(n) if p[i] != first[i]), n)
+    return n
+
+
+class PrefixStore:
+    """Keys/values of recently computed prompt prefixes (one row each), least recently used evicted.
+
+    A 300-token prefix of the embedded model takes about 14 MB.
+    """
+
+    def __init__(self, max_entries: int = 8) -> None:
+        self.max_entries = max_entries
+        self.entries: OrderedDict[tuple[int, ...], tuple[list[torch.Tensor], list[torch.Tensor]]] = OrderedDict()
+
+    def longest(self, tokens: tuple[int, ...]) -> tuple[int, ...]:
+        """The longest stored prefix of `tokens` (empty if none)."""
+        best: tuple[int, ...] = ()
+        for key in self.entries:
+            if len(best) < len(key) <= len(tokens) and tokens[: len(key)] == key:
+                best = key
+        return best
+
+    def restore(self, key: tuple[int, ...], cache: RowKVCache) -> None:
+        keys, values = self.entries[key]
+        self.entries.move_to_end(key)
+        n = len(key)
+        for dst, src in zip(cache.keys, keys):
+            dst[0, :, :n] = src
+        for dst, src in zip(cache.values, values):
+            dst[0, :, :n] = src
+        cache.lens[0] = n
+
+    def store(self, key: tuple[int, ...], cache: RowKVCache) -> None:
+        n = len(key)
+        self.entries[key] = ([k[0, :, :n].clone() for k in cache.keys], [v[0, :, :n].clone() for v in cache.values])
+        self.entries.move_to_end(key)
+        while len(self.entries) > self.max_entries:
+            self.entries.popitem(last=False)
 
 
 class Target:
@@ -21,6 +69,7 @@ class Target:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.forwards = 0
+        self.prefixes = PrefixStore()
 
     @property
     def max_length(self) -> int:
@@ -65,15 +114,30 @@ class Target:
     def start(self, prompts: list[list[int]], capacity: int) -> tuple[RowKVCache, list[list[int]]]:
         """A cache for the prompts and, per row, the tokens still to feed (`pending`).
 
-        When prompts repeat (the n trajectories of a thought step) everything but their last token
-        is computed once here; otherwise nothing is computed and the first step of decoding feeds
-        each whole prompt together with its first draft, saving a forward.
+        ToT prompts share long prefixes: the n trajectories of a thought step have one prompt, the
+        evaluator prompts of a step share the question and the path so far, and the next step's
+        prompts extend this step's. The prefix common to all prompts (all but one token of it at
+        least) is computed once and fanned out to every row, reusing the longest prefix an earlier
+        call computed; what differs stays pending, fed with each row's first draft.
         """
-        repeated = len({tuple(p) for p in prompts}) < len(prompts)
-        if not repeated or min(len(p) for p in prompts) < 2:
+        shared = min(_common_prefix_len(prompts), min(len(p) for p in prompts) - 1)
+        head = tuple(prompts[0][:shared])
+        reuse = self.prefixes.longest(head)
+        if shared < MIN_SHARED_PREFIX and not reuse:
             return self.new_cache(len(prompts), capacity), [list(p) for p in prompts]
-        cache, _ = self.prefill([p[:-1] for p in prompts], capacity)
-        return cache, [[p[-1]] for p in prompts]
+        cache = self.new_cache(1, capacity)
+        if reuse:
+            self.prefixes.restore(reuse, cache)
+        rest = list(head[len(reuse) :])
+        if rest:
+            causal = torch.ones(len(rest), len(rest), dtype=torch.bool).tril()[None]
+            self.forward(
+                cache, torch.tensor([rest]), causal, torch.arange(len(rest))[None], logits_at=torch.tensor([0])
+            )
+            cache.advance(torch.tensor([len(rest)]))
+            self.prefixes.store(head, cache)
+        cache.select_rows(torch.zeros(len(prompts), dtype=torch.long))
+        return cache, [list(p[shared:]) for p in prompts]
 
     def prefill(self, prompts: list[list[int]], capacity: int) -> tuple[RowKVCache, torch.Tensor]:
         """Cache each prompt and return the next-token logits [B, V].

@@ -87,13 +87,23 @@ def check_tree_logits(model, contexts, trees, verdicts):
             assert torch.allclose(v.logits[1 + node], plain_next_logits(model, ids), atol=1e-4), node
 
 
-@pytest.mark.parametrize("repeated", [False, True], ids=["ragged-prompts", "repeated-prompt"])
-def test_tree_verification_logits_equal_sequential_decoding(tiny_model, tokenizer, repeated):
+LONG = "once upon a time there was a cat"
+PROMPT_SETS = {
+    "ragged": PROMPTS[:3],  # nothing shared: each whole prompt is fed with its first tree
+    "repeated": [LONG] * 3,  # all but the last token computed once
+    "shared-prefix": [LONG, "once upon a time there was a dog and", "once upon a time there was"],
+}
+
+
+@pytest.mark.parametrize("case", list(PROMPT_SETS))
+def test_tree_verification_logits_equal_sequential_decoding(tiny_model, tokenizer, case):
     """Tolerance 1e-4 on logits (float32; the tiny model's logits are of order 1-10)."""
     target = Target(tiny_model)
-    prompts = [encode(tokenizer, p) for p in (["the cat"] * 3 if repeated else PROMPTS[:3])]
+    prompts = [encode(tokenizer, p) for p in PROMPT_SETS[case]]
     cache, pending = target.start(prompts, capacity=64)
-    assert [len(p) for p in pending] == ([1] * 3 if repeated else [len(p) for p in prompts])
+    shared = {"ragged": 0, "repeated": len(prompts[0]) - 1, "shared-prefix": len(prompts[2]) - 1}[case]
+    assert [len(p) for p in pending] == [len(p) - shared for p in prompts]
+    assert cache.lens.tolist() == [shared] * 3
     g = torch.Generator().manual_seed(0)
     shapes = [(2, 1), (1, 1, 1), (4, 2, 1)]
     contexts = [list(p) for p in prompts]
@@ -241,7 +251,9 @@ def test_sd_decode_stats(loaded):
     results = engine.generate([GenRequest(p, max_new_tokens=m) for p, m in zip(PROMPTS, BUDGETS)])
     stats = engine.last_stats
     assert stats.generated_tokens == sum(len(r.token_ids) for r in results)
-    assert stats.verify_steps == stats.target_forwards == engine.target.forwards  # serial: one row per forward
+    # Serial: one row per forward, plus a prefill for prompts long enough to keep their prefix.
+    assert stats.target_forwards == engine.target.forwards
+    assert stats.verify_steps <= stats.target_forwards <= stats.verify_steps + len(PROMPTS)
     # Full chains except where a row's remaining budget leaves room for fewer drafted tokens.
     assert stats.verify_steps * 2 < stats.drafted_tokens <= 3 * stats.verify_steps
     assert 0 < stats.accepted_tokens <= stats.drafted_tokens
@@ -400,3 +412,20 @@ def test_statistical_check_can_fail(tiny_model, tokenizer, loaded, perturbed, mo
     samples = sample_three(engine, prompt, PARAMS["t1.0"], 4000)
     with pytest.raises(AssertionError, match="TVD"):
         check_three_tokens(tiny_model, prompt, PARAMS["t1.0"], samples, len(tokenizer))
+
+
+def test_prefix_kept_across_calls(tiny_model, tokenizer):
+    """A call whose prompts extend an earlier call's computes only the new part of the prefix, and
+    the cache holds what a fresh computation gives (tolerance 1e-5)."""
+    target = Target(tiny_model)
+    first = encode(tokenizer, LONG + " and a dog")
+    target.start([first, first], capacity=64)
+    second = first + encode(tokenizer, " who liked to run")
+    before = target.forwards
+    cache, pending = target.start([second, [*second, 5]], capacity=64)
+    assert target.forwards == before + 1  # only the tokens after the stored prefix
+    assert pending == [second[-1:], [second[-1], 5]]
+    fresh, _ = Target(tiny_model).prefill([second[:-1]], capacity=64)
+    n = len(second) - 1
+    for k_row, k_fresh in zip(cache.keys, fresh.keys):
+        assert torch.allclose(k_row[1, :, :n], k_fresh[0, :, :n], atol=1e-5)
