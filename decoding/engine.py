@@ -81,6 +81,12 @@ class Engine:
         self.last_stats = DecodeStats()
         self.total_stats = DecodeStats()
 
+    def peak_cache_bytes(self) -> int:
+        """The largest KV caches this engine's decoder has held: the target's, plus the draft model's."""
+        drafter_model = getattr(getattr(self.decoder, "drafter", None), "model", None)
+        extra = drafter_model.peak_cache_bytes if isinstance(drafter_model, Target) else 0
+        return self.target.peak_cache_bytes + extra
+
     def encode(self, prompt: str | tuple[int, ...], prefix: str = "") -> list[int]:
         if not isinstance(prompt, str):
             ids = list(prompt)

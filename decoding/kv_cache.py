@@ -45,6 +45,10 @@ class RowKVCache:
         return self.lens.shape[0]
 
     @property
+    def nbytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for k, v in zip(self.keys, self.values))
+
+    @property
     def capacity(self) -> int:
         return self.keys[0].shape[2]
 

@@ -69,6 +69,7 @@ class Target:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.forwards = 0
+        self.peak_cache_bytes = 0
         self.prefixes = PrefixStore()
 
     @property
@@ -98,6 +99,7 @@ class Target:
         """
         tokens = tokens.to(self.device)
         cache.prepare(tokens.shape[1], offset, rows)
+        self.peak_cache_bytes = max(self.peak_cache_bytes, cache.nbytes)
         mask = cache.attention_mask(tree.to(self.device), self.dtype)
         positions = cache.row_lens()[:, None] + depth.to(self.device)
         out = self.model(

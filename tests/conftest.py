@@ -69,7 +69,7 @@ def tokenizer() -> PreTrainedTokenizerFast:
     return build_tokenizer()
 
 
-def build_model(vocab_size: int, seed: int = 0) -> LlamaForCausalLM:
+def build_model(vocab_size: int, seed: int = 0, max_positions: int = 512) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=vocab_size,
@@ -78,7 +78,7 @@ def build_model(vocab_size: int, seed: int = 0) -> LlamaForCausalLM:
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=512,
+        max_position_embeddings=max_positions,
         # Larger than the default 0.02 so that next-token distributions are peaked rather than near
         # uniform: greedy continuations vary and the sampling tests have a small effective support.
         initializer_range=0.2,

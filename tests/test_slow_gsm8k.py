@@ -42,7 +42,8 @@ def test_one_gsm8k_problem_end_to_end(tmp_path):
     assert summary["generated_tokens"] == records[0]["tokens"]
     assert summary["target_forwards"] > 0
     assert summary["tokens_per_s"] > 0
-    assert summary["acceptance_length"] == pytest.approx(1.0)  # the default decoder is autoregressive
+    assert summary["decoder"] == "seed_stand"  # the default
+    assert summary["acceptance_length"] >= 1.0
     assert summary["phases"]["generate"]["tokens"] > 0 and summary["phases"]["evaluate"]["tokens"] > 0
 
     tree = json.loads((run_dir / "trees" / "bundled-1.json").read_text())

@@ -221,3 +221,26 @@ def test_sparse_draft_distributions_are_exact():
     a2, r2 = acceptance_chain(p, [3, 1], dense, "without_replacement")
     assert a1 == pytest.approx(a2) and torch.allclose(r1, r2)
     assert math.isclose(sum(probs), 1.0)
+
+
+def test_reprune_from_recorded_hits(tmp_path):
+    """`tot.optimize_tree optimize.from_hits=...` re-cuts a tree from the hits it recorded."""
+    from tot.optimize_tree import reprune
+
+    initial = initial_tree()
+    hits = {0: 50, 8: 40, 1: 30, 9: 5, 2: 2}  # node 8 is node 0's first child
+    assert initial.parents[8] == 0
+    made = prune(initial, hits, 4, {"initial_tree": "initial", "hits": {str(k): v for k, v in hits.items()}})
+    made.save(tmp_path / "made.json")
+    small = reprune(tmp_path / "made.json", 2, tmp_path / "small.json")
+    assert small.parents == (ROOT, 0)  # nodes 0 and 8, renumbered
+    assert StaticTree.load(str(tmp_path / "small.json")).meta["nodes"] == 2
+    with pytest.raises(ConfigError, match="has no recorded hits"):
+        StaticTree(tuple(k_config_parents((2,))), {}).save(tmp_path / "plain.json")
+        reprune(tmp_path / "plain.json", 2, tmp_path / "x.json")
+
+
+def test_shipped_default_tree():
+    tree = StaticTree.load("default")
+    assert 1 <= len(tree) <= 80
+    assert "made_by" in tree.meta and "how" in tree.meta

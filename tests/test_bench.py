@@ -1,0 +1,69 @@
+"""`python -m tot.bench` on a tiny model: every decoder on the same problems, the lossless check."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import build_model
+from hydra import compose, initialize_config_module
+from omegaconf import OmegaConf
+
+from decoding.errors import ConfigError
+from decoding.models import LoadedModel
+from tot.bench import bench, decoder_configs, table
+from tot.config import RunConfig
+
+SMALL = ["task.depth=1", "search.n_thoughts=2", "data.limit=1", "gen.max_thought_tokens=6", "gen.max_eval_tokens=4"]
+
+
+@pytest.fixture(scope="module")
+def long_context(tokenizer) -> LoadedModel:
+    """A tiny model whose context holds a GSM8K prompt in the tiny byte-level tokenizer."""
+    model = build_model(len(tokenizer), max_positions=4096)
+    return LoadedModel(model, tokenizer, torch.device("cpu"), False, "tiny-long")
+
+
+def compose_bench(*overrides: str):
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        cfg = compose(config_name="bench", overrides=[*SMALL, *overrides])
+    return RunConfig.from_omegaconf(cfg), OmegaConf.to_container(cfg, resolve=True)
+
+
+def test_bench_every_decoder_lossless(long_context):
+    run_cfg, container = compose_bench("gen.temperature=0")
+    configs, skipped = decoder_configs(container, container["bench"]["decoders"], has_draft=False)
+    assert skipped == ["sd", "seed"]  # no draft model configured
+    result = bench(run_cfg, configs, long_context, None, progress=False)
+    assert result["lossless_checked"] and result["mismatches"] == []
+    rows = result["decoders"]
+    assert list(rows) == ["hf", "ar", "pld", "recycling", "stand", "seed_stand"]
+    assert rows["hf"]["speedup_vs_hf"] == pytest.approx(1.0)
+    assert all(r["tokens"] == rows["hf"]["tokens"] > 0 for r in rows.values())
+    assert all(r["peak_kv_mb"] > 0 for n, r in rows.items() if n != "hf")
+    text = table(result)
+    assert text.count("\n") == 1 + len(rows) and "`seed_stand`" in text
+
+
+def test_bench_reports_a_difference(long_context, monkeypatch):
+    """The check can fail: a decoder whose output differs from hf's is named."""
+    run_cfg, container = compose_bench("gen.temperature=0", "bench.decoders=[hf,ar]")
+    configs, _ = decoder_configs(container, ["hf", "ar"], has_draft=False)
+    from decoding.speculative import SpecDecoder
+
+    original = SpecDecoder.run
+
+    def off_by_one(self, seqs):
+        stats = original(self, seqs)
+        for s in seqs:
+            s.generated[-1] = (s.generated[-1] + 1) % 300
+        return stats
+
+    monkeypatch.setattr(SpecDecoder, "run", off_by_one)
+    result = bench(run_cfg, configs, long_context, None, progress=False)
+    assert result["mismatches"] and result["mismatches"][0].startswith("ar on ")
+
+
+def test_bench_rejects_unknown_decoder():
+    _, container = compose_bench()
+    with pytest.raises(ConfigError, match=r"bench\.decoders has 'nope'"):
+        decoder_configs(container, ["hf", "nope"], has_draft=False)

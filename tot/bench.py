@@ -1,0 +1,225 @@
+"""`python -m tot.bench`: decoders compared on the same ToT problems, in one process (Hydra).
+
+Every decoder gets its own engine on the same loaded model(s); problems are interleaved (problem 1
+with every decoder, then problem 2, ...) so that machine drift hits all alike, after a warm-up call
+per engine. Reported per decoder: wall time (whole run and per phase), tokens, tokens/s, speedup
+over `hf` and `ar`, acceptance length, target forwards per token, target busy fraction and the peak
+KV-cache memory. At temperature 0 every decoder's trees must equal `hf`'s (the lossless invariant):
+a difference is printed and the command exits with status 1. Writes bench.json, bench.md and, when
+matplotlib is installed, bench.png into the run directory.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+from decoding.cli import check_overrides, fail, quiet_transformers
+from decoding.config import DECODERS, MODEL_DRAFTING, DecoderConfig
+from decoding.engine import Engine
+from decoding.errors import BackendError, ConfigError
+from decoding.models import LoadedModel, load_draft, load_model
+from decoding.types import DecodeStats, GenRequest
+from tasks import make_task
+from tasks.base import DataError
+from tot.compare import first_difference
+from tot.config import RunConfig
+from tot.search import BFS, PHASES
+from tot.tree import ReasoningTree
+
+
+@dataclass
+class Tally:
+    """One decoder's totals over the problems."""
+
+    wall_s: float = 0.0
+    phase_wall_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    phase_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PHASES, 0))
+    decode: DecodeStats = field(default_factory=DecodeStats)
+    trees: dict[str, ReasoningTree] = field(default_factory=dict)
+    correct: int = 0
+
+
+def decoder_configs(container: dict, names: list[str], has_draft: bool) -> tuple[dict[str, DecoderConfig], list[str]]:
+    """Each named decoder's config from the run's options; those needing a missing draft model are skipped."""
+    configs, skipped = {}, []
+    for name in names:
+        if name not in DECODERS:
+            raise ConfigError(f"bench.decoders has {name!r}, which is not one of {', '.join(DECODERS)}")
+        if name in MODEL_DRAFTING and not has_draft:
+            skipped.append(name)
+            continue
+        configs[name] = DecoderConfig.from_container({**container, "decoder": {"name": name}})
+    return configs, skipped
+
+
+def bench(
+    cfg: RunConfig,
+    configs: dict[str, DecoderConfig],
+    target: LoadedModel,
+    draft: LoadedModel | None,
+    progress: bool = True,
+) -> dict:
+    task = make_task(cfg.task, cfg.depth)
+    problems = task.load(cfg.data)
+    search = BFS(task, cfg.bfs, cfg.gen, cfg.seed)
+    engines = {name: Engine(target, c, draft if c.draft else None) for name, c in configs.items()}
+    for engine in engines.values():  # warm-up: first-call allocations and kernel choices
+        engine.generate([GenRequest("Say hello.", max_new_tokens=8, group="warm-up")])
+    tallies = {name: Tally() for name in engines}
+    bar = tqdm(problems, desc=f"bench {cfg.task}", unit="problem", disable=not progress)
+    for problem in bar:
+        for name, engine in engines.items():
+            t0 = time.perf_counter()
+            sol = search.solve(problem, engine)
+            tally = tallies[name]
+            tally.wall_s += time.perf_counter() - t0
+            for phase, stats in sol.phases.items():
+                tally.phase_wall_s[phase] += stats.wall_s
+                tally.phase_tokens[phase] += stats.decode.generated_tokens
+                tally.decode += stats.decode
+            tally.trees[problem.id] = sol.tree
+            tally.correct += bool(task.is_correct(problem, sol.answer))
+    rows = {name: _row(name, t, engines[name]) for name, t in tallies.items()}
+    for base in ("hf", "ar"):
+        if base in rows:
+            for r in rows.values():
+                r[f"speedup_vs_{base}"] = (
+                    r["tokens_per_s"] / rows[base]["tokens_per_s"] if rows[base]["tokens_per_s"] else 0
+                )
+    greedy = cfg.gen.temperature == 0 and cfg.gen.eval_temperature == 0
+    mismatches = []
+    if greedy and "hf" in tallies:
+        for name, t in tallies.items():
+            for pid, tree in t.trees.items():
+                where = first_difference(tallies["hf"].trees[pid], tree)
+                if where:
+                    mismatches.append(f"{name} on {pid}: {where}")
+    return {
+        "task": cfg.task,
+        "model": cfg.model.path,
+        "problems": [p.id for p in problems],
+        "temperature": cfg.gen.temperature,
+        "lossless_checked": greedy and "hf" in tallies,
+        "mismatches": mismatches,
+        "decoders": rows,
+    }
+
+
+def _row(name: str, t: Tally, engine: Engine) -> dict:
+    tokens = t.decode.generated_tokens
+    return {
+        "decoder": name,
+        "problems_correct": t.correct,
+        "tokens": tokens,
+        "wall_s": t.wall_s,
+        "tokens_per_s": tokens / t.wall_s if t.wall_s else 0.0,
+        "phases": {
+            p: {
+                "wall_s": t.phase_wall_s[p],
+                "tokens": t.phase_tokens[p],
+                "tokens_per_s": t.phase_tokens[p] / t.phase_wall_s[p] if t.phase_wall_s[p] else 0.0,
+            }
+            for p in PHASES
+        },
+        "acceptance_length": t.decode.acceptance_length,
+        "forwards_per_token": t.decode.forwards_per_token,
+        "target_busy_fraction": t.decode.target_busy_fraction,
+        "peak_kv_mb": engine.peak_cache_bytes() / 2**20,
+    }
+
+
+def table(result: dict) -> str:
+    head = (
+        "| decoder | tokens | wall (s) | tokens/s | vs hf | vs ar | acceptance length | target forwards / token "
+        "| target busy | thought gen. tok/s | evaluation tok/s | peak KV (MB) |"
+    )
+    lines = [head, "|" + "---|" * 12]
+    for r in result["decoders"].values():
+        ph = r["phases"]
+        lines.append(
+            f"| `{r['decoder']}` | {r['tokens']} | {r['wall_s']:.1f} | {r['tokens_per_s']:.1f} "
+            f"| {_ratio(r, 'hf')} | {_ratio(r, 'ar')} | {r['acceptance_length']:.2f} | {r['forwards_per_token']:.3f} "
+            f"| {r['target_busy_fraction']:.2f} | {ph['generate']['tokens_per_s']:.1f} "
+            f"| {ph['evaluate']['tokens_per_s']:.1f} | {r['peak_kv_mb']:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def _ratio(row: dict, base: str) -> str:
+    key = f"speedup_vs_{base}"
+    return f"{row[key]:.2f}x" if key in row else "-"
+
+
+def plot(result: dict, path: Path) -> bool:
+    """Tokens/s and acceptance length per decoder as a PNG; False when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    rows = list(result["decoders"].values())
+    names = [r["decoder"] for r in rows]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+    axes[0].bar(names, [r["tokens_per_s"] for r in rows], color="tab:blue")
+    axes[0].set_ylabel("tokens / s (whole ToT run)")
+    axes[1].bar(names, [r["acceptance_length"] for r in rows], color="tab:orange")
+    axes[1].set_ylabel("acceptance length (tokens / verification)")
+    for ax in axes:
+        ax.tick_params(axis="x", rotation=30)
+    fig.suptitle(f"{result['task']}, {len(result['problems'])} problems, temperature {result['temperature']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+@hydra.main(config_path="pkg://conf", config_name="bench", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    quiet_transformers()
+    try:
+        run_cfg = RunConfig.from_omegaconf(cfg)
+        container = OmegaConf.to_container(cfg, resolve=True)
+        names = list(container["bench"]["decoders"])
+        has_draft = bool((container.get("draft") or {}).get("path"))
+        configs, skipped = decoder_configs(container, names, has_draft)
+        target = load_model(run_cfg.model)
+        draft_spec = next((c.draft for c in configs.values() if c.draft), None)
+        draft = load_draft(draft_spec, target) if draft_spec else None
+        result = bench(run_cfg, configs, target, draft)
+    except (ConfigError, DataError, BackendError) as e:
+        fail(str(e).splitlines()[0])
+    out = Path(HydraConfig.get().runtime.output_dir)
+    result["skipped"] = skipped
+    (out / "bench.json").write_text(json.dumps(result, indent=2) + "\n")
+    text = table(result)
+    (out / "bench.md").write_text(text + "\n")
+    print(text)
+    if skipped:
+        print(f"skipped {', '.join(skipped)}: they need a draft model (draft.path=...)")
+    if plot(result, out / "bench.png"):
+        print(f"plot: {out / 'bench.png'}")
+    print(f"written to {out}")
+    if result["mismatches"]:
+        for m in result["mismatches"]:
+            print(f"LOSSLESS CHECK FAILED: {m}", file=sys.stderr)
+        sys.exit(1)
+
+
+def cli() -> None:
+    check_overrides(sys.argv[1:], "bench", ("task", "search", "decoder", "model"))
+    main()
+
+
+if __name__ == "__main__":
+    cli()
