@@ -74,6 +74,7 @@ class DecoderConfig:
                 stochastic=_bool("stand.stochastic", st.get("stochastic", stand.stochastic)),
                 capacity=as_int("stand.capacity", st.get("capacity", stand.capacity)),
                 max_pools=as_int("stand.max_pools", st.get("max_pools", stand.max_pools)),
+                min_path_prob=as_float("stand.min_path_prob", st.get("min_path_prob", stand.min_path_prob)),
             )
         pld = PLDOptions()
         if name == "pld":

@@ -39,11 +39,14 @@ class StandOptions:
     stochastic: bool = True  # Gumbel-top-k drafting at temperature > 0 (false: by rank)
     capacity: int = 200_000  # entries per pool
     max_pools: int = 256  # pools kept (least recently used evicted)
+    min_path_prob: float = 0.0  # drop nodes whose draft probability of being reached is lower
     key: str = "stand"
 
     def __post_init__(self) -> None:
         if self.scope not in ("group", "problem", "run"):
             raise ConfigError(f"{self.key}.scope={self.scope!r} is not one of group, problem, run")
+        if not 0 <= self.min_path_prob < 1:
+            raise ConfigError(f"{self.key}.min_path_prob={self.min_path_prob} must be in [0, 1)")
         if self.capacity < 1 or self.max_pools < 1:
             raise ConfigError(f"{self.key}.capacity and {self.key}.max_pools must be positive integers")
 
@@ -255,6 +258,7 @@ class NGramDrafter:
         context = (seq.prompt + seq.generated)[-pool.max_n :]
         drafted_of: dict[int, int] = {ROOT: ROOT}
         contexts: dict[int, list[int]] = {ROOT: context}
+        path_prob: dict[int, float] = {ROOT: 1.0}  # draft probability of reaching each static node
         static_of: list[int] = []
         for s_parent in (ROOT, *range(len(self.tree))):
             kids = self.kids.get(s_parent)
@@ -278,8 +282,13 @@ class NGramDrafter:
                 picks = ids[: len(kids)]
             prob_of = dict(zip(ids, probs))
             for token, s_child in zip(picks, kids):
+                reach = path_prob[s_parent] * prob_of[token]
+                if reach < self.options.min_path_prob:
+                    # Unlikely to be reached: not worth the verification cost (EDD's pruned tree).
+                    continue
                 node = tree.add(token, drafted_of[s_parent], prob_of[token])
                 drafted_of[s_child] = node
+                path_prob[s_child] = reach
                 contexts[s_child] = (contexts[s_parent] + [token])[-pool.max_n :]
                 static_of.append(s_child)
         self.static_of[i] = static_of

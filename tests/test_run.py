@@ -133,7 +133,7 @@ def test_run_writes_outputs(tmp_path):
     assert (summary["task"], summary["search"], summary["decoder"], summary["model"]) == (
         "gsm8k",
         "bfs",
-        "ar",
+        "seed_stand",  # the default decoder
         "smollm2-135m",
     )
     assert summary["accuracy"] == pytest.approx(2 / 6)
