@@ -37,16 +37,24 @@ class DataSpec:
     path: str | None = None
     limit: int | None = None
     offset: int = 0
+    shard: int = 0  # this run takes problems shard, shard + num_shards, ... of the selection
+    num_shards: int = 1
 
     def __post_init__(self) -> None:
         if self.limit is not None and self.limit < 1:
             raise DataError(f"data.limit={self.limit} must be a positive number of problems, or null for all")
         if self.offset < 0:
             raise DataError(f"data.offset={self.offset} must be >= 0")
+        if self.num_shards < 1 or not 0 <= self.shard < self.num_shards:
+            raise DataError(
+                f"data.shard={self.shard} data.num_shards={self.num_shards}: need num_shards >= 1 "
+                "and 0 <= shard < num_shards"
+            )
 
     def select(self, problems: list[Problem]) -> list[Problem]:
         end = None if self.limit is None else self.offset + self.limit
-        return problems[self.offset : end]
+        # Round robin, so that every shard gets easy and hard problems alike.
+        return problems[self.offset : end][self.shard :: self.num_shards]
 
 
 class Task(Protocol):

@@ -293,3 +293,29 @@ def test_decoder_config():
     assert cfg.decoder.name == "sd" and cfg.decoder.spec.k_config == (1, 1, 1)
     assert cfg.decoder.draft is not None and cfg.decoder.draft.path == "self"
     assert make_config("draft.path=self").decoder.draft is None  # ar drafts nothing
+
+
+def test_shards_split_the_selection_round_robin(tmp_path):
+    shards = [make_config("data.limit=5", f"data.shard={i}", "data.num_shards=2").data for i in range(2)]
+    from tasks import make_task
+
+    task = make_task("gsm8k", 4)
+    ids = [[p.id for p in task.load(s)] for s in shards]
+    assert ids == [["bundled-1", "bundled-3", "bundled-5"], ["bundled-2", "bundled-4"]]
+    with pytest.raises(DataError, match="data.shard=2 data.num_shards=2"):
+        make_config("data.shard=2", "data.num_shards=2")
+
+
+def test_collect_sweep_and_shards(tmp_path, capsys):
+    from tot.collect import main as collect_main
+
+    for i in range(2):
+        cfg = make_config("data.limit=4", f"data.shard={i}", "data.num_shards=2")
+        run(cfg, tmp_path / f"shard{i}", engine=FakeEngine(), progress=False)
+    assert collect_main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("| shard") == 2
+    combined = json.loads((tmp_path / "collected.json").read_text())["combined"]
+    assert len(combined) == 1 and combined[0]["n_problems"] == 4
+    assert combined[0]["accuracy"] == pytest.approx(1 / 4)  # bundled-1 is the one answered 12 of the four
+    assert collect_main([str(tmp_path / "nothing")]) == 2

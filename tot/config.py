@@ -71,6 +71,8 @@ class RunConfig:
                     path=data.get("path"),
                     limit=None if data.get("limit") is None else as_int("data.limit", data["limit"]),
                     offset=as_int("data.offset", data.get("offset", 0)),
+                    shard=as_int("data.shard", data.get("shard", 0)),
+                    num_shards=as_int("data.num_shards", data.get("num_shards", 1)),
                 ),
                 gen=GenSettings(
                     temperature=as_float("gen.temperature", c["gen"]["temperature"]),
