@@ -302,7 +302,7 @@ def test_shards_split_the_selection_round_robin(tmp_path):
     task = make_task("gsm8k", 4)
     ids = [[p.id for p in task.load(s)] for s in shards]
     assert ids == [["bundled-1", "bundled-3", "bundled-5"], ["bundled-2", "bundled-4"]]
-    with pytest.raises(DataError, match="data.shard=2 data.num_shards=2"):
+    with pytest.raises(DataError, match=r"data\.shard=2 data\.num_shards=2"):
         make_config("data.shard=2", "data.num_shards=2")
 
 
