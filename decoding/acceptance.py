@@ -62,9 +62,14 @@ def acceptance_chain(
 ) -> tuple[list[float], torch.Tensor]:
     """Acceptance probability of each candidate given that the earlier ones were rejected, and
     the distribution the token is drawn from when all are rejected."""
+    return chain(p, candidates, proposals(q, candidates, draw, p.shape[-1]))
+
+
+def chain(p: torch.Tensor, candidates: list[int], props: list[torch.Tensor]) -> tuple[list[float], torch.Tensor]:
+    """The rule with each candidate's own proposal (candidates from several drafters at one node)."""
     r = p.double()
     accept: list[float] = []
-    for x, qi in zip(candidates, proposals(q, candidates, draw, p.shape[-1])):
+    for x, qi in zip(candidates, props):
         qx = float(qi[x])
         a = 0.0 if qx <= 0 else min(1.0, float(r[x]) / qx)
         accept.append(a)
@@ -86,11 +91,32 @@ def choose(
     p: torch.Tensor, candidates: list[int], q: DraftDist | None, draw: Draw, generator: torch.Generator
 ) -> tuple[int | None, int]:
     """Run the rule once: (index of the accepted candidate or None, the token that comes next)."""
-    accept, r = acceptance_chain(p, candidates, q, draw)
+    return sample_chain(p, candidates, proposals(q, candidates, draw, p.shape[-1]), generator)
+
+
+def sample_chain(
+    p: torch.Tensor, candidates: list[int], props: list[torch.Tensor], generator: torch.Generator
+) -> tuple[int | None, int]:
+    accept, r = chain(p, candidates, props)
     for i, a in enumerate(accept):
         if a >= 1.0 or float(torch.rand((), generator=generator, dtype=torch.float64)) < a:
             return i, candidates[i]
     return None, int(torch.multinomial(r.float(), 1, generator=generator))
+
+
+def node_proposals(tree: DraftTree, node: int, children: list[int], vocab: int) -> list[torch.Tensor]:
+    """Each child's proposal. Children from different drafters (a tree grafted from several, see
+    DraftTree.sources) were drawn independently, each source from its own distribution, so each
+    source's candidates get that source's proposals, in the order the children are listed."""
+    by_source: dict[int, list[int]] = {}
+    for c in children:
+        by_source.setdefault(tree.source_of(c), []).append(c)
+    props: dict[int, torch.Tensor] = {}
+    for src, kids in by_source.items():
+        draw, dists = tree.part(src)
+        for c, q in zip(kids, proposals(dists.get(node), [tree.tokens[k] for k in kids], draw, vocab)):
+            props[c] = q
+    return [props[c] for c in children]
 
 
 def walk(
@@ -120,7 +146,8 @@ def walk(
             p = probs[node + 1]
             if not children:
                 return path, int(torch.multinomial(p.float(), 1, generator=generator))
-            idx, token = choose(p, [tree.tokens[c] for c in children], tree.dists.get(node), tree.draw, generator)
+            cands = [tree.tokens[c] for c in children]
+            idx, token = sample_chain(p, cands, node_proposals(tree, node, children, p.shape[-1]), generator)
             if idx is None:
                 return path, token
             node = children[idx]

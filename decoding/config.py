@@ -43,17 +43,21 @@ class DecoderConfig:
         name = str(c["decoder"]["name"])
         own = c.get(name) or {}
         spec = SpecOptions()
-        if name in MODEL_DRAFTING:
+        if name in MODEL_DRAFTING or name == "seed_stand":
+            own = own if name in MODEL_DRAFTING else (c.get("seed") or {})
+            name_for_spec = name if name in MODEL_DRAFTING else "seed"
             k_config = own.get("k_config", list(spec.k_config))
             if not isinstance(k_config, (list, tuple)):
-                raise ConfigError(f"{name}.k_config={k_config!r} must be a list such as [2,2,1]")
+                raise ConfigError(f"{name_for_spec}.k_config={k_config!r} must be a list such as [2,2,1]")
             spec = SpecOptions(
                 k_config=tuple(k_config),
-                multi_candidate=_bool(f"{name}.multi_candidate", own.get("multi_candidate", spec.multi_candidate)),
-                without_replacement=_bool(
-                    f"{name}.without_replacement", own.get("without_replacement", spec.without_replacement)
+                multi_candidate=_bool(
+                    f"{name_for_spec}.multi_candidate", own.get("multi_candidate", spec.multi_candidate)
                 ),
-                key=name,
+                without_replacement=_bool(
+                    f"{name_for_spec}.without_replacement", own.get("without_replacement", spec.without_replacement)
+                ),
+                key=name_for_spec,
             )
         seed = SeedOptions()
         if name in ("seed", "seed_stand"):
@@ -98,7 +102,8 @@ class DecoderConfig:
             stand=stand,
             pld=pld,
             recycling=recycling,
-            draft=draft if name in MODEL_DRAFTING else None,
+            # seed_stand drafts with a model too when one is configured (the union of both trees).
+            draft=draft if name in MODEL_DRAFTING or name == "seed_stand" else None,
         )
 
 

@@ -155,13 +155,16 @@ class ModelDrafter:
     def update(self, rows: list[int], verdicts: list[Verdict]) -> None:
         for i, v in zip(rows, verdicts):
             drafted = self.drafted.pop(i)
-            if self.seqs[i].done:
+            seq = self.seqs[i]
+            if seq.done:
                 continue
-            computed = [n for n in v.path if n in drafted.slots]
             # Accepted nodes the draft model computed form a prefix of the path (the shallower
-            # levels); the rest, and the target's next token, are fed next time.
-            self.cache.keep(self.position[i], drafted.pending_cols + [drafted.slots[n] for n in computed])
-            self.pending[i] = [v.tree.tokens[n] for n in v.path[len(computed) :]] + [v.token]
+            # levels). A path from another drafter (a grafted tree) keeps none of them.
+            computed = [n for n in v.path if n in drafted.slots]
+            pos = self.position[i]
+            self.cache.keep(pos, drafted.pending_cols + [drafted.slots[n] for n in computed])
+            # Everything committed that the draft cache lacks is fed next time.
+            self.pending[i] = (seq.prompt + seq.generated)[int(self.cache.lens[pos]) :]
 
     def retain(self, rows: list[int]) -> None:
         """Drop every other row from the draft cache (a finished sequence costs nothing more)."""

@@ -32,9 +32,19 @@ class DraftTree:
     # For stochastic draws: the draft distribution [V] each node's children were drawn from,
     # keyed by the node (ROOT for the root's children).
     dists: dict[int, DraftDist] = field(default_factory=dict)
+    # A tree grafted from several drafters: each node's source (0 = draw/dists above) and, per
+    # other source, how its children were drawn and from what (keyed by parent node).
+    sources: list[int] = field(default_factory=list)
+    parts: dict[int, tuple[Draw, dict[int, DraftDist]]] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    def source_of(self, node: int) -> int:
+        return self.sources[node] if node < len(self.sources) else 0
+
+    def part(self, source: int) -> tuple[Draw, dict[int, DraftDist]]:
+        return (self.draw, self.dists) if source == 0 else self.parts[source]
 
     def add(self, token: int, parent: int, prob: float = 1.0) -> int:
         assert parent < len(self.tokens), "nodes are listed parents-first"
@@ -92,3 +102,20 @@ def k_config_parents(k_config: tuple[int, ...]) -> list[int]:
 
 def k_config_size(k_config: tuple[int, ...]) -> int:
     return len(k_config_parents(k_config))
+
+
+def graft(trees: list[DraftTree]) -> tuple[DraftTree, list[list[int]]]:
+    """One tree holding several drafters' trees under the same root, and, per input tree, where
+    each of its nodes went. Verification tries the first tree's children of a node first."""
+    out = DraftTree(draw=trees[0].draw, dists=dict(trees[0].dists))
+    where: list[list[int]] = []
+    for src, t in enumerate(trees):
+        offset = len(out)
+        moved = list(range(offset, offset + len(t)))
+        for tok, par, prob in zip(t.tokens, t.parents, t.probs):
+            out.add(tok, ROOT if par == ROOT else moved[par], prob)
+            out.sources.append(src)
+        if src:
+            out.parts[src] = (t.draw, {(ROOT if k == ROOT else moved[k]): q for k, q in t.dists.items()})
+        where.append(moved)
+    return out, where

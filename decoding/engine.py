@@ -20,6 +20,7 @@ from decoding.stand import NGramDrafter, StaticTree
 from decoding.stopping import Detokenizer, StopRule, final_text
 from decoding.target import Target
 from decoding.types import DecodeStats, GenRequest, GenResult
+from decoding.union import UnionDrafter
 
 
 class Decoder(Protocol):
@@ -46,7 +47,11 @@ def make_decoder(config: DecoderConfig, target: Target, tokenizer: Detokenizer, 
     if config.name in ("stand", "seed_stand"):
         ngram = NGramDrafter(config.stand, StaticTree.load(config.stand.tree), _vocab_size(target))
         if config.name == "seed_stand":
-            return SeedDecoder(target, tokenizer, ngram, config.seed, name="seed_stand")
+            drafter = ngram
+            if draft is not None:
+                model = ModelDrafter(Target(draft.model), config.spec, _vocab_size(target))
+                drafter = UnionDrafter([model, ngram])
+            return SeedDecoder(target, tokenizer, drafter, config.seed, name="seed_stand")
         return SpecDecoder("stand", target, tokenizer, ngram)
     if config.name == "pld":
         return SpecDecoder("pld", target, tokenizer, PLDDrafter(config.pld))

@@ -158,3 +158,30 @@ def test_k_config_sizes(k_config, size):
 def test_k_config_rejects_bad_values():
     with pytest.raises(ValueError, match="positive"):
         k_config_parents((2, 0))
+
+
+def test_grafted_sources_are_exact():
+    """Children from two drafters at one node (a model's iid draw and an N-gram's draws without
+    replacement), each with its own proposal: the rule still returns exactly p."""
+    from decoding.acceptance import chain, node_proposals
+    from decoding.draft_tree import graft
+
+    p, q0, q1 = dist(20, 1), dist(21), dist(22, 2)
+    total = torch.zeros(V, dtype=torch.float64)
+    for (x,), px in draws(q0, 1, "iid"):
+        for ys, py in draws(q1, 2, "without_replacement"):
+            a = DraftTree(draw="iid", dists={ROOT: q0})
+            a.add(x, ROOT)
+            b = DraftTree(draw="without_replacement", dists={ROOT: (list(range(V)), q1.tolist())})
+            for y in ys:
+                b.add(y, ROOT)
+            merged, where = graft([a, b])
+            assert where == [[0], [1, 2]] and merged.sources == [0, 1, 1]
+            kids = merged.children(ROOT)
+            accept, r = chain(p, [merged.tokens[c] for c in kids], node_proposals(merged, ROOT, kids, V))
+            reach = px * py
+            for c, acc in zip(kids, accept):
+                total[merged.tokens[c]] += reach * acc
+                reach *= 1 - acc
+            total += reach * r
+    assert torch.allclose(total, p, atol=1e-12)

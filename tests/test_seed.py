@@ -172,3 +172,49 @@ def test_sampling_follows_the_target(tiny_model, tokenizer, loaded, perturbed, r
     samples = sample_three(engine, prompt, params, 8000)
     assert engine.total_stats.accepted_tokens > 0
     check_three_tokens(tiny_model, prompt, params, samples, len(tokenizer))
+
+
+# --- seed_stand with a draft model: the union of both trees ---------------------------------------
+
+
+def union_engine(loaded, draft, tree: str, verify_batch: int = 4) -> Engine:
+    from decoding.stand import StandOptions
+
+    cfg = DecoderConfig(
+        "seed_stand",
+        SpecOptions(k_config=(2, 1), key="seed"),
+        SeedOptions(verify_batch),
+        stand=StandOptions(tree=tree),
+        draft=ModelSpec(key="draft"),
+    )
+    return Engine(loaded, cfg, draft)
+
+
+@pytest.fixture(scope="module")
+def chain_tree(tmp_path_factory) -> str:
+    from decoding.draft_tree import k_config_parents
+    from decoding.stand import StaticTree
+
+    path = tmp_path_factory.mktemp("trees") / "chain.json"
+    StaticTree(tuple(k_config_parents((2, 1, 1))), {"made_by": "test"}).save(path)
+    return str(path)
+
+
+def test_union_greedy_identity(tiny_model, tokenizer, loaded, perturbed, chain_tree):
+    specs, requests = requests_for(8)
+    refs = [reference_greedy(tiny_model, encode(tokenizer, p), m, {EOS_ID}) for p, m in specs]
+    engine = union_engine(loaded, perturbed, chain_tree)
+    assert type(engine.decoder.drafter).__name__ == "UnionDrafter"
+    for _ in range(2):
+        assert [r.token_ids for r in engine.generate(requests)] == refs
+    assert engine.last_stats.accepted_tokens > 0
+
+
+def test_union_sampling_follows_the_target(tiny_model, tokenizer, loaded, perturbed, chain_tree):
+    """8,000 seeded 3-token runs; tolerance as in test_speculative."""
+    params = PARAMS["t1.0"]
+    prompt = encode(tokenizer, "once upon a time")
+    engine = union_engine(loaded, perturbed, chain_tree, verify_batch=64)
+    samples = sample_three(engine, prompt, params, 8000)
+    assert engine.total_stats.accepted_tokens > 0
+    check_three_tokens(tiny_model, prompt, params, samples, len(tokenizer))
