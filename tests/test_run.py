@@ -292,7 +292,10 @@ def test_decoder_config():
     cfg = make_config("decoder=sd", "draft.path=self", "sd.k_config=[1,1,1]", "sd.multi_candidate=false")
     assert cfg.decoder.name == "sd" and cfg.decoder.spec.k_config == (1, 1, 1)
     assert cfg.decoder.draft is not None and cfg.decoder.draft.path == "self"
-    assert make_config("draft.path=self").decoder.draft is None  # ar drafts nothing
+    assert make_config("decoder=ar", "draft.path=self").decoder.draft is None  # ar drafts nothing
+    # seed_stand (the default) drafts with a model too when one is configured.
+    assert make_config("draft.path=self").decoder.draft is not None
+    assert make_config().decoder.draft is None
 
 
 def test_shards_split_the_selection_round_robin(tmp_path):

@@ -403,10 +403,10 @@ def test_statistical_check_can_fail(tiny_model, tokenizer, loaded, perturbed, mo
     """Accepting every draft (no rejection test) samples the draft, not the target: caught."""
     import decoding.acceptance
 
-    def accept_all(p, candidates, q, draw):
+    def accept_all(p, candidates, props):
         return [1.0] * len(candidates), p.double()
 
-    monkeypatch.setattr(decoding.acceptance, "acceptance_chain", accept_all)
+    monkeypatch.setattr(decoding.acceptance, "chain", accept_all)
     prompt = encode(tokenizer, "once upon a time")
     engine = sd_engine(loaded, perturbed, serial=False, k_config=(1, 1, 1), multi_candidate=False)
     samples = sample_three(engine, prompt, PARAMS["t1.0"], 4000)
