@@ -197,8 +197,17 @@ def test_pools_learn_across_calls(loaded, small_tree):
     assert engine.generate(requests)[0].token_ids == first.token_ids
 
 
-@pytest.mark.parametrize("params_name", list(PARAMS))
-@pytest.mark.parametrize("name", ["stand", "seed_stand"])
+@pytest.mark.parametrize(
+    "name, params_name",
+    [
+        ("stand", "t1.0"),
+        ("stand", "t0.7-k20-p0.9"),
+        ("seed_stand", "t1.0"),
+        ("seed_stand", "t0.7-k20-p0.9"),
+        ("pld", "t1.0"),
+        ("recycling", "t0.7-k20-p0.9"),
+    ],
+)
 def test_sampling_follows_the_target(tiny_model, tokenizer, loaded, small_tree, name, params_name):
     """8,000 seeded 3-token runs sharing one pool; tolerance as in test_speculative."""
     params = PARAMS[params_name]
@@ -206,7 +215,8 @@ def test_sampling_follows_the_target(tiny_model, tokenizer, loaded, small_tree, 
     engine = engine_for(loaded, name, small_tree, verify_batch=64)
     samples = sample_three(engine, prompt, params, 8000)
     stats = engine.total_stats
-    assert stats.accepted_tokens > 0.05 * stats.verify_steps  # stochastic drafts do get accepted
+    # Drafts do get accepted, so the rule's both paths are exercised.
+    assert stats.accepted_tokens > (0.05 * stats.verify_steps if name in ("stand", "seed_stand") else 0)
     check_three_tokens(tiny_model, prompt, params, samples, len(tokenizer))
 
 
