@@ -67,3 +67,17 @@ def test_bench_rejects_unknown_decoder():
     _, container = compose_bench()
     with pytest.raises(ConfigError, match=r"bench\.decoders has 'nope'"):
         decoder_configs(container, ["hf", "nope"], has_draft=False)
+
+
+def test_scaling_grid(long_context):
+    from tot.bench import scaling, scaling_table
+
+    run_cfg, container = compose_bench()
+    configs, _ = decoder_configs(container, ["ar", "stand"], has_draft=False)
+    rows = scaling(run_cfg, configs, long_context, None, trajectories=[1, 2], temperatures=[0.0, 1.0], progress=False)
+    assert [(r["temperature"], r["trajectories"], r["decoder"]) for r in rows] == [
+        (t, n, d) for t in (0.0, 1.0) for n in (1, 2) for d in ("ar", "stand")
+    ]
+    assert all(r["acceptance_length"] >= 1.0 for r in rows)
+    assert all(r["speedup_vs_ar"] == pytest.approx(1.0) for r in rows if r["decoder"] == "ar")
+    assert scaling_table(rows).count("`stand`") == 4

@@ -6,7 +6,9 @@ per engine. Reported per decoder: wall time (whole run and per phase), tokens, t
 over `hf` and `ar`, acceptance length, target forwards per token, target busy fraction and the peak
 KV-cache memory. At temperature 0 every decoder's trees must equal `hf`'s (the lossless invariant):
 a difference is printed and the command exits with status 1. Writes bench.json, bench.md and, when
-matplotlib is installed, bench.png into the run directory.
+matplotlib is installed, bench.png into the run directory. `bench.scaling=true` instead measures
+acceptance length and speedup over `ar` for `bench.scaling_decoders` on a grid of trajectories per
+step (`bench.trajectories`) and temperatures (`bench.temperatures`): scaling.json and scaling.md.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import hydra
@@ -23,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from decoding.cli import check_overrides, fail, quiet_transformers
-from decoding.config import DECODERS, MODEL_DRAFTING, DecoderConfig
+from decoding.config import DECODERS, MODEL_DRAFTING, DecoderConfig, as_float, as_int
 from decoding.engine import Engine
 from decoding.errors import BackendError, ConfigError
 from decoding.models import LoadedModel, load_draft, load_model
@@ -137,6 +139,50 @@ def _row(name: str, t: Tally, engine: Engine) -> dict:
     }
 
 
+def scaling(
+    cfg: RunConfig,
+    configs: dict[str, DecoderConfig],
+    target: LoadedModel,
+    draft: LoadedModel | None,
+    trajectories: list[int],
+    temperatures: list[float],
+    progress: bool = True,
+) -> list[dict]:
+    """Acceptance length and speedup over `ar` as the trajectories per thought step
+    (`search.n_thoughts`) and the temperature grow: one benchmark per (temperature, n)."""
+    rows = []
+    for t in temperatures:
+        for n in trajectories:
+            cell = replace(
+                cfg,
+                bfs=replace(cfg.bfs, n_thoughts=n, breadth=min(cfg.bfs.breadth, n)),
+                gen=replace(cfg.gen, temperature=t, eval_temperature=t),
+            )
+            result = bench(cell, configs, target, draft, progress=progress)
+            for r in result["decoders"].values():
+                rows.append(
+                    {
+                        "temperature": t,
+                        "trajectories": n,
+                        "decoder": r["decoder"],
+                        "acceptance_length": r["acceptance_length"],
+                        "tokens_per_s": r["tokens_per_s"],
+                        "speedup_vs_ar": r.get("speedup_vs_ar", 0.0),
+                    }
+                )
+    return rows
+
+
+def scaling_table(rows: list[dict]) -> str:
+    lines = ["| temperature | trajectories | decoder | acceptance length | tokens/s | vs ar |", "|" + "---|" * 6]
+    for r in rows:
+        lines.append(
+            f"| {r['temperature']} | {r['trajectories']} | `{r['decoder']}` | {r['acceptance_length']:.2f} "
+            f"| {r['tokens_per_s']:.1f} | {r['speedup_vs_ar']:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
 def table(result: dict) -> str:
     head = (
         "| decoder | tokens | wall (s) | tokens/s | vs hf | vs ar | acceptance length | target forwards / token "
@@ -192,14 +238,29 @@ def main(cfg: DictConfig) -> None:
         container = OmegaConf.to_container(cfg, resolve=True)
         names = list(container["bench"]["decoders"])
         has_draft = bool((container.get("draft") or {}).get("path"))
+        scale = bool(container["bench"].get("scaling"))
+        if scale:
+            names = list(container["bench"]["scaling_decoders"])
+            trajectories = [as_int("bench.trajectories", n) for n in container["bench"]["trajectories"]]
+            temperatures = [as_float("bench.temperatures", t) for t in container["bench"]["temperatures"]]
         configs, skipped = decoder_configs(container, names, has_draft)
         target = load_model(run_cfg.model)
         draft_spec = next((c.draft for c in configs.values() if c.draft), None)
         draft = load_draft(draft_spec, target) if draft_spec else None
-        result = bench(run_cfg, configs, target, draft)
+        if scale:
+            rows = scaling(run_cfg, configs, target, draft, trajectories, temperatures)
+        else:
+            result = bench(run_cfg, configs, target, draft)
     except (ConfigError, DataError, BackendError) as e:
         fail(str(e).splitlines()[0])
     out = Path(HydraConfig.get().runtime.output_dir)
+    if scale:
+        (out / "scaling.json").write_text(json.dumps(rows, indent=2) + "\n")
+        text = scaling_table(rows)
+        (out / "scaling.md").write_text(text + "\n")
+        print(text)
+        print(f"written to {out}")
+        return
     result["skipped"] = skipped
     (out / "bench.json").write_text(json.dumps(result, indent=2) + "\n")
     text = table(result)
