@@ -58,7 +58,7 @@ class PLDDrafter:
         return trees
 
     def update(self, rows: list[int], verdicts: list[Verdict]) -> None:
-        pass
+        """Nothing to learn: drafts come from each sequence's own context."""
 
     def retain(self, rows: list[int]) -> None:
-        pass
+        """No per-row state to drop."""

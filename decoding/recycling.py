@@ -71,4 +71,4 @@ class RecyclingDrafter:
                 self.successors[full[base + j - 1]] = succ
 
     def retain(self, rows: list[int]) -> None:
-        pass
+        """The successor table is shared by all rows: nothing per row to drop."""

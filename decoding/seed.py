@@ -18,11 +18,11 @@ from typing import Literal
 from decoding.draft_tree import DraftTree
 from decoding.kv_cache import RowKVCache
 from decoding.sequence import Sequence
-from decoding.speculative import Drafter
+from decoding.speculative import Drafter, add_sequence_totals, begin, verify_and_commit
 from decoding.stopping import Detokenizer
 from decoding.target import Target
 from decoding.types import DecodeStats
-from decoding.verify import Verdict, verify
+from decoding.verify import Verdict
 
 State = Literal["drafting", "queued", "verifying", "done"]
 
@@ -118,13 +118,7 @@ class SeedDecoder:
     def run(self, seqs: list[Sequence]) -> DecodeStats:
         stats = DecodeStats()
         forwards = self.target.forwards
-        t0 = time.perf_counter()
-        capacity = max(len(s.prompt) + s.rule.max_new_tokens for s in seqs) + self.drafter.max_nodes + 1
-        cache, pending = self.target.start([s.prompt for s in seqs], capacity)
-        stats.verify_s += time.perf_counter() - t0
-        t0 = time.perf_counter()
-        self.drafter.start(seqs, capacity)
-        stats.draft_s += time.perf_counter() - t0
+        cache, pending = begin(self.target, self.drafter, seqs, stats)
         rounds = Rounds.start(len(seqs))
         self.last_rounds = rounds
         draft_stats = DecodeStats()
@@ -147,11 +141,7 @@ class SeedDecoder:
         self._draft_once(rounds, draft_stats, wait=False)  # the last verdicts, for drafters that learn
         stats += draft_stats
         stats.target_forwards += self.target.forwards - forwards
-        stats.generated_tokens = sum(s.stats.generated_tokens for s in seqs)
-        stats.drafted_tokens = sum(s.stats.drafted_tokens for s in seqs)
-        stats.accepted_tokens = sum(s.stats.accepted_tokens for s in seqs)
-        stats.verify_steps = sum(s.stats.verify_steps for s in seqs)
-        return stats
+        return add_sequence_totals(stats, seqs)
 
     def _draft_loop(self, rounds: Rounds, stats: DecodeStats, failure: list[BaseException]) -> None:
         try:
@@ -191,24 +181,10 @@ class SeedDecoder:
         rows = [q.row for q in batch]
         stats.queue_wait_s += sum(t0 - q.since for q in batch)
         stats.verified_drafts += len(batch)
-        packed, verdicts = verify(
-            self.target,
-            cache,
-            [pending[i] for i in rows],
-            [q.tree for q in batch],
-            [seqs[i].params for i in rows],
-            [seqs[i].generator for i in rows],
-            rows=None if rows == list(range(cache.batch)) else rows,
-        )
+        # Rows never leave this cache (a call's sequences keep their rows), so sequence i is row i.
+        trees = [q.tree for q in batch]
+        verdicts = verify_and_commit(self.target, self.tokenizer, cache, seqs, rows, rows, trees, pending)
         t1 = time.perf_counter()
-        done = []
-        for b, (i, v) in enumerate(zip(rows, verdicts)):
-            s = seqs[i]
-            v.kept = s.commit(v.tokens, self.tokenizer, drafted=len(v.tree), accepted=len(v.path))
-            if not s.done:
-                cache.keep(i, packed.committed(b, v.path))
-                pending[i] = [v.token]
-            done.append(s.done)
-        rounds.verified(rows, verdicts, done)
+        rounds.verified(rows, verdicts, [seqs[i].done for i in rows])
         stats.verify_s += t1 - t0
         stats.other_s += time.perf_counter() - t1

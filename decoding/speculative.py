@@ -14,6 +14,7 @@ from typing import Protocol
 import torch
 
 from decoding.draft_tree import DraftTree
+from decoding.kv_cache import RowKVCache
 from decoding.sequence import Sequence
 from decoding.stopping import Detokenizer
 from decoding.target import Target
@@ -45,16 +46,69 @@ class NoDrafter:
     max_nodes = 0
 
     def start(self, seqs: list[Sequence], capacity: int) -> None:
-        pass
+        """No state: nothing to set up."""
 
     def draft(self, rows: list[int]) -> list[DraftTree]:
         return [DraftTree() for _ in rows]
 
     def update(self, rows: list[int], verdicts: list[Verdict]) -> None:
-        pass
+        """Nothing to learn."""
 
     def retain(self, rows: list[int]) -> None:
-        pass
+        """No per-row state to drop."""
+
+
+def begin(
+    target: Target, drafter: Drafter, seqs: list[Sequence], stats: DecodeStats
+) -> tuple[RowKVCache, list[list[int]]]:
+    """Caches for a set of sequences (the target's, the drafter's) and each one's pending tokens."""
+    t0 = time.perf_counter()
+    capacity = max(len(s.prompt) + s.rule.max_new_tokens for s in seqs) + drafter.max_nodes + 1
+    cache, pending = target.start([s.prompt for s in seqs], capacity)
+    stats.verify_s += time.perf_counter() - t0
+    t0 = time.perf_counter()
+    drafter.start(seqs, capacity)
+    stats.draft_s += time.perf_counter() - t0
+    return cache, pending
+
+
+def verify_and_commit(
+    target: Target,
+    tokenizer: Detokenizer,
+    cache: RowKVCache,
+    seqs: list[Sequence],
+    rows: list[int],
+    cache_rows: list[int],
+    trees: list[DraftTree],
+    pending: list[list[int]],
+) -> list[Verdict]:
+    """Verify the trees of sequences `rows` (held in cache rows `cache_rows`) in one forward and
+    commit what each accepted: tokens to the sequence, the accepted path to the cache."""
+    packed, verdicts = verify(
+        target,
+        cache,
+        [pending[i] for i in rows],
+        trees,
+        [seqs[i].params for i in rows],
+        [seqs[i].generator for i in rows],
+        rows=None if cache_rows == list(range(cache.batch)) else cache_rows,
+    )
+    for b, (i, pos, v) in enumerate(zip(rows, cache_rows, verdicts)):
+        s = seqs[i]
+        v.kept = s.commit(v.tokens, tokenizer, drafted=len(v.tree), accepted=len(v.path))
+        if not s.done:
+            cache.keep(pos, packed.committed(b, v.path))
+            pending[i] = [v.token]
+    return verdicts
+
+
+def add_sequence_totals(stats: DecodeStats, seqs: list[Sequence]) -> DecodeStats:
+    """A call's token counts are its sequences' (the time and forward counts are the call's own)."""
+    stats.generated_tokens = sum(s.stats.generated_tokens for s in seqs)
+    stats.drafted_tokens = sum(s.stats.drafted_tokens for s in seqs)
+    stats.accepted_tokens = sum(s.stats.accepted_tokens for s in seqs)
+    stats.verify_steps = sum(s.stats.verify_steps for s in seqs)
+    return stats
 
 
 class SpecDecoder:
@@ -75,44 +129,21 @@ class SpecDecoder:
         stats = DecodeStats()
         for group in [[s] for s in seqs] if self.serial else [seqs]:
             self._decode(group, stats)
-        stats.generated_tokens = sum(s.stats.generated_tokens for s in seqs)
-        stats.drafted_tokens = sum(s.stats.drafted_tokens for s in seqs)
-        stats.accepted_tokens = sum(s.stats.accepted_tokens for s in seqs)
-        stats.verify_steps = sum(s.stats.verify_steps for s in seqs)
-        return stats
+        return add_sequence_totals(stats, seqs)
 
     def _decode(self, seqs: list[Sequence], stats: DecodeStats) -> None:
         forwards = self.target.forwards
-        t0 = time.perf_counter()
-        capacity = max(len(s.prompt) + s.rule.max_new_tokens for s in seqs) + self.drafter.max_nodes + 1
-        cache, pending = self.target.start([s.prompt for s in seqs], capacity)
-        stats.verify_s += time.perf_counter() - t0
-        t0 = time.perf_counter()
-        self.drafter.start(seqs, capacity)
-        stats.draft_s += time.perf_counter() - t0
+        cache, pending = begin(self.target, self.drafter, seqs, stats)
         live = list(range(len(seqs)))
         while live:
             t0 = time.perf_counter()
             trees = self.drafter.draft(live)
             assert all(len(t) <= self.drafter.max_nodes for t in trees), "a tree exceeds the drafter's max_nodes"
             t1 = time.perf_counter()
-            packed, verdicts = verify(
-                self.target,
-                cache,
-                [pending[i] for i in live],
-                trees,
-                [seqs[i].params for i in live],
-                [seqs[i].generator for i in live],
-            )
+            positions = list(range(len(live)))  # finished rows leave the cache, so row b is live[b]
+            verdicts = verify_and_commit(self.target, self.tokenizer, cache, seqs, live, positions, trees, pending)
             t2 = time.perf_counter()
-            going = []
-            for b, (i, v) in enumerate(zip(live, verdicts)):
-                s = seqs[i]
-                v.kept = s.commit(v.tokens, self.tokenizer, drafted=len(v.tree), accepted=len(v.path))
-                if not s.done:
-                    cache.keep(b, packed.committed(b, v.path))
-                    pending[i] = [v.token]
-                    going.append(b)
+            going = [b for b, i in enumerate(live) if not seqs[i].done]
             self.drafter.update(live, verdicts)
             if len(going) < len(live):
                 # A finished row leaves the batch so it costs nothing in later forwards.

@@ -317,4 +317,4 @@ class NGramDrafter:
                 pool.add(full[max(0, base + j - pool.max_n) : base + j], ids[j], probs[j])
 
     def retain(self, rows: list[int]) -> None:
-        pass
+        """Pools are per group, kept across calls: nothing per row to drop."""

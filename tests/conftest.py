@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import string
 
 import pytest
@@ -112,3 +113,13 @@ def make_engine(loaded: LoadedModel):
         return Engine(model or loaded, decoder)
 
     return make
+
+
+@pytest.fixture(scope="session")
+def perturbed(tiny_model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast) -> LoadedModel:
+    """A draft model close to the target but not equal: some drafts accepted, some rejected."""
+    model = copy.deepcopy(tiny_model)
+    g = torch.Generator().manual_seed(7)
+    for p in model.parameters():
+        p.add_(0.08 * p.std() * torch.randn(p.shape, generator=g))
+    return LoadedModel(model, tokenizer, torch.device("cpu"), False, "perturbed")

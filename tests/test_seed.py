@@ -6,27 +6,15 @@ import random
 import time
 
 import pytest
-import torch
 from test_decoders import BUDGETS, EOS_ID, PROMPTS, _stop_string_case, encode, reference_greedy
 from test_speculative import PARAMS, RULES, ScriptedDrafter, check_three_tokens, sample_three
 
 from decoding.config import DecoderConfig
 from decoding.draft_model import SpecOptions
 from decoding.engine import Engine
-from decoding.models import LoadedModel, ModelSpec
+from decoding.models import ModelSpec
 from decoding.seed import Rounds, SeedDecoder, SeedOptions
 from decoding.types import GenRequest
-
-
-@pytest.fixture(scope="module")
-def perturbed(tiny_model, tokenizer) -> LoadedModel:
-    import copy
-
-    model = copy.deepcopy(tiny_model)
-    g = torch.Generator().manual_seed(7)
-    for p in model.parameters():
-        p.add_(0.08 * p.std() * torch.randn(p.shape, generator=g))
-    return LoadedModel(model, tokenizer, torch.device("cpu"), False, "perturbed")
 
 
 def seed_engine(loaded, draft, k_config=(2, 2, 1), verify_batch=1, overlap=False, **options) -> Engine:

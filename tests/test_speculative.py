@@ -36,16 +36,6 @@ GREEDY = SamplingParams()
 
 
 @pytest.fixture(scope="module")
-def perturbed(tiny_model, tokenizer) -> LoadedModel:
-    """A draft model close to the target but not equal: some drafts accepted, some rejected."""
-    model = copy.deepcopy(tiny_model)
-    g = torch.Generator().manual_seed(7)
-    for p in model.parameters():
-        p.add_(0.08 * p.std() * torch.randn(p.shape, generator=g))
-    return LoadedModel(model, tokenizer, torch.device("cpu"), False, "perturbed")
-
-
-@pytest.fixture(scope="module")
 def unrelated(tokenizer) -> LoadedModel:
     """A draft model with other random weights: its drafts are almost always rejected."""
     from conftest import build_model
@@ -171,10 +161,10 @@ class ScriptedDrafter:
         return tree
 
     def update(self, rows, verdicts):
-        pass
+        """Scripted drafts learn nothing."""
 
     def retain(self, rows):
-        pass
+        """No per-row state."""
 
 
 def ragged_requests():
