@@ -60,6 +60,8 @@ class DataSpec:
 class Task(Protocol):
     name: str
     depth: int
+    n_evaluate: int  # evaluator samples per state; the state's value is their mean
+    judge_metric: str  # the name judge_prompt's mean score gets in results and summaries
 
     def load(self, data: DataSpec) -> list[Problem]: ...
 
@@ -79,16 +81,58 @@ class Task(Protocol):
         """The value of a state from the evaluator's reply (without its prefix)."""
         ...
 
+    def is_terminal(self, problem: Problem, steps: list[str]) -> bool:
+        """Whether the path `steps` is finished before the depth limit (it is not extended further)."""
+        ...
+
     def answer(self, problem: Problem, steps: list[str]) -> str: ...
 
     def is_correct(self, problem: Problem, answer: str) -> bool: ...
 
+    def metrics(self, problem: Problem, answer: str) -> dict[str, float]:
+        """Scores of an answer that code computes, beside `correct` (e.g. a constraint check)."""
+        ...
 
-def read_jsonl(path: Path, required: tuple[str, ...]) -> list[tuple[int, dict]]:
+    def judge_prompt(self, problem: Problem, answer: str) -> Prompt | None:
+        """A prompt whose replies score the answer (`judge_metric`, by parse_value), or None when code
+        scores the task alone."""
+        ...
+
+
+class TaskDefaults:
+    """What most tasks share: `n_evaluate` evaluator samples per state (averaged), paths that run to
+    the depth limit, and scoring by code alone."""
+
+    n_evaluate: int = 1
+    judge_metric: str = "judge_score"
+
+    def is_terminal(self, problem: Problem, steps: list[str]) -> bool:
+        return False
+
+    def metrics(self, problem: Problem, answer: str) -> dict[str, float]:
+        return {}
+
+    def judge_prompt(self, problem: Problem, answer: str) -> Prompt | None:
+        return None
+
+
+def check_positive(task: str, **values: int) -> None:
+    for key, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise DataError(f"task.{key}={value!r} must be a positive integer (task={task})")
+
+
+def read_jsonl(
+    path: Path,
+    required: tuple[str, ...] = (),
+    expected: str = "an existing JSONL file, or leave data.path unset",
+    key: str = "data.path",
+) -> list[tuple[int, dict]]:
     """(line number, record) pairs of a JSONL file; a missing file or a bad line is a DataError
-    naming file and line."""
+    naming the file (as the config `key` that gave it, if any), the line, and what it should hold."""
+    name = f"{key}={path}" if key else str(path)
     if not path.is_file():
-        raise DataError(f"data.path={path} does not exist; give an existing JSONL file or leave data.path unset")
+        raise DataError(f"{name} does not exist; give {expected}")
     records = []
     with path.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -98,10 +142,12 @@ def read_jsonl(path: Path, required: tuple[str, ...]) -> list[tuple[int, dict]]:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg}); fix or remove that line") from None
-            missing = [k for k in required if not isinstance(rec, dict) or k not in rec]
+            if not isinstance(rec, dict):
+                raise DataError(f"{path}:{lineno}: not a JSON object; the file should be {expected}")
+            missing = [k for k in required if k not in rec]
             if missing:
                 raise DataError(f"{path}:{lineno}: record has no {', '.join(missing)}; each line needs {required}")
             records.append((lineno, rec))
     if not records:
-        raise DataError(f"data.path={path} holds no records")
+        raise DataError(f"{name} holds no records; give {expected}")
     return records

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from tasks.base import DataError, DataSpec, Problem, Prompt, read_jsonl
+from tasks.base import DataError, DataSpec, Problem, Prompt, TaskDefaults, check_positive, read_jsonl
 
 FINAL_PREFIX = "The answer is"
 SCORE_PREFIX = "Score:"
@@ -58,9 +58,13 @@ def parse_value(text: str) -> float:
 
 
 @dataclass
-class GSM8K:
+class GSM8K(TaskDefaults):
     depth: int = 4
+    n_evaluate: int = 1
     name: str = "gsm8k"
+
+    def __post_init__(self) -> None:
+        check_positive(self.name, depth=self.depth, n_evaluate=self.n_evaluate)
 
     def load(self, data: DataSpec) -> list[Problem]:
         if data.path:

@@ -30,11 +30,11 @@ from decoding.engine import Engine
 from decoding.errors import BackendError, ConfigError
 from decoding.models import LoadedModel, load_draft, load_model
 from decoding.types import DecodeStats, GenRequest
-from tasks import make_task
 from tasks.base import DataError
 from tot.compare import first_difference
 from tot.config import RunConfig
-from tot.search import BFS, PHASES
+from tot.run import build_task, make_search
+from tot.search import PHASES
 from tot.tree import ReasoningTree
 
 
@@ -70,9 +70,9 @@ def bench(
     draft: LoadedModel | None,
     progress: bool = True,
 ) -> dict:
-    task = make_task(cfg.task, cfg.depth)
+    task = build_task(cfg)
     problems = task.load(cfg.data)
-    search = BFS(task, cfg.bfs, cfg.gen, cfg.seed)
+    search = make_search(cfg, task)
     engines = {name: Engine(target, c, draft if c.draft else None) for name, c in configs.items()}
     for engine in engines.values():  # warm-up: first-call allocations and kernel choices
         engine.generate([GenRequest("Say hello.", max_new_tokens=8, group="warm-up")])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -10,9 +10,13 @@ from decoding.config import DecoderConfig, as_float, as_int
 from decoding.errors import ConfigError
 from decoding.models import ModelSpec
 from tasks import TASKS, DataSpec
+from tot.dvts import DVTSSettings
 from tot.search import BFSSettings, GenSettings
 
-SEARCHES = ("bfs",)
+SEARCHES = ("bfs", "dvts")
+AGGREGATES = ("best", "vote")
+# Keys of `task:` that are not options of the task object itself.
+TASK_RUN_KEYS = ("name", "depth", "judge", "max_thought_tokens", "max_eval_tokens")
 
 __all__ = ["ConfigError", "RunConfig"]
 
@@ -23,11 +27,14 @@ class RunConfig:
     depth: int
     search: str
     bfs: BFSSettings
+    dvts: DVTSSettings
     decoder: DecoderConfig
     model: ModelSpec
     data: DataSpec
     gen: GenSettings
     seed: int
+    task_options: dict = field(default_factory=dict)  # task.<key> options of the task itself
+    judge: ModelSpec | None = None  # task.judge.path: a separate model scores final answers
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -42,6 +49,7 @@ class RunConfig:
                 f"search.breadth={self.bfs.breadth} exceeds search.n_thoughts={self.bfs.n_thoughts}; "
                 "BFS keeps at most the b best of n thoughts per state, so set breadth <= n_thoughts"
             )
+        self._check_dvts()
         _positive("gen.max_thought_tokens", self.gen.max_thought_tokens)
         _positive("gen.max_eval_tokens", self.gen.max_eval_tokens)
         for key, t in (("gen.temperature", self.gen.temperature), ("gen.eval_temperature", self.gen.eval_temperature)):
@@ -52,6 +60,19 @@ class RunConfig:
         if self.gen.top_k < 0:
             raise ConfigError(f"gen.top_k={self.gen.top_k} is negative; use 0 to turn top-k off")
 
+    def _check_dvts(self) -> None:
+        d = self.dvts
+        _positive("search.n", d.n)
+        _positive("search.beam_width", d.beam_width)
+        if d.n % d.beam_width:
+            fix = d.n - d.n % d.beam_width or d.beam_width
+            raise ConfigError(
+                f"search.n={d.n} is not a multiple of search.beam_width={d.beam_width}; DVTS splits n "
+                f"trajectories into n / beam_width subtrees, so use e.g. search.n={fix}"
+            )
+        if d.aggregate not in AGGREGATES:
+            raise ConfigError(f"search.aggregate={d.aggregate} is not one of {', '.join(AGGREGATES)}")
+
     @classmethod
     def from_omegaconf(cls, cfg: DictConfig) -> RunConfig:
         try:
@@ -61,10 +82,8 @@ class RunConfig:
                 task=c["task"]["name"],
                 depth=as_int("task.depth", c["task"]["depth"]),
                 search=c["search"]["name"],
-                bfs=BFSSettings(
-                    n_thoughts=as_int("search.n_thoughts", c["search"]["n_thoughts"]),
-                    breadth=as_int("search.breadth", c["search"]["breadth"]),
-                ),
+                bfs=_bfs(c["search"]),
+                dvts=_dvts(c["search"]),
                 decoder=DecoderConfig.from_container(c),
                 model=ModelSpec(**{k: str(v) for k, v in c["model"].items() if k != "name" and v is not None}),
                 data=DataSpec(
@@ -83,9 +102,39 @@ class RunConfig:
                     eval_temperature=as_float("gen.eval_temperature", c["gen"]["eval_temperature"]),
                 ),
                 seed=as_int("gen.seed", c["gen"]["seed"]),
+                task_options={k: v for k, v in c["task"].items() if k not in TASK_RUN_KEYS},
+                judge=_judge(c),
             )
         except KeyError as e:
             raise ConfigError(f"config key {e} is missing; start from conf/config.yaml") from None
+
+
+def _bfs(search: dict) -> BFSSettings:
+    if search["name"] != "bfs":
+        return BFSSettings()
+    return BFSSettings(
+        n_thoughts=as_int("search.n_thoughts", search["n_thoughts"]),
+        breadth=as_int("search.breadth", search["breadth"]),
+    )
+
+
+def _dvts(search: dict) -> DVTSSettings:
+    if search["name"] != "dvts":
+        return DVTSSettings()
+    return DVTSSettings(
+        n=as_int("search.n", search["n"]),
+        beam_width=as_int("search.beam_width", search["beam_width"]),
+        aggregate=str(search["aggregate"]),
+    )
+
+
+def _judge(c: dict) -> ModelSpec | None:
+    """The judge model: task.judge.path, loaded like the target (model.device, model.dtype...)."""
+    path = (c["task"].get("judge") or {}).get("path")
+    if not path:
+        return None
+    model = {k: str(v) for k, v in c["model"].items() if k not in ("name", "path") and v is not None}
+    return ModelSpec(path=str(path), **model, key="task.judge")
 
 
 def _positive(key: str, value: int) -> None:

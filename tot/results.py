@@ -69,11 +69,17 @@ def summarize(records: list[dict], header: dict) -> dict:
         p["target_busy_fraction"] = phase_stats[name].target_busy_fraction
     wall = sum(r["wall_s"] for r in records)
     n = len(records)
+    metric_values: dict[str, list[float]] = {}
+    for r in records:
+        for k, v in r.get("metrics", {}).items():
+            metric_values.setdefault(k, []).append(float(v))
     return {
         **header,
         "n_problems": n,
         "n_correct": sum(bool(r["correct"]) for r in records),
         "accuracy": sum(bool(r["correct"]) for r in records) / n if n else 0.0,
+        # The task's own scores (e.g. the judge's coherency), each a mean over the problems that have it.
+        "metrics": {k: sum(v) / len(v) for k, v in metric_values.items()},
         "generated_tokens": total.generated_tokens,
         "target_forwards": total.target_forwards,
         "forwards_per_token": total.forwards_per_token,

@@ -10,12 +10,14 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from decoding.config import DecoderConfig
 from decoding.engine import Engine
 from decoding.models import load_draft, load_model
-from tasks import make_task
+from tasks import Problem, Task, make_task
 from tot.config import RunConfig
+from tot.dvts import DVTS
 from tot.results import ResultStore, summarize
-from tot.search import BFS, Generator
+from tot.search import BFS, Generator, request_seed
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +25,7 @@ log = logging.getLogger(__name__)
 def run(cfg: RunConfig, out_dir: Path, engine: Generator | None = None, progress: bool = True) -> dict:
     """Run (or resume) every selected problem into out_dir and return the summary."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    task = make_task(cfg.task, cfg.depth)
+    task = build_task(cfg)
     problems = task.load(cfg.data)
     store = ResultStore(out_dir)
     done = store.done
@@ -40,7 +42,8 @@ def run(cfg: RunConfig, out_dir: Path, engine: Generator | None = None, progress
     selected = {p.id for p in problems}
     if todo:
         engine = engine or make_engine(cfg)
-        search = BFS(task, cfg.bfs, cfg.gen, cfg.seed)
+        judge = make_judge(cfg, engine)
+        search = make_search(cfg, task)
         bar = tqdm(todo, desc=f"{cfg.task}/{cfg.decoder.name}", unit="problem", disable=not progress)
         for problem in bar:
             t0 = time.perf_counter()
@@ -56,6 +59,7 @@ def run(cfg: RunConfig, out_dir: Path, engine: Generator | None = None, progress
                     "answer": sol.answer,
                     "gold": problem.gold,
                     "correct": task.is_correct(problem, sol.answer),
+                    "metrics": score(cfg, task, problem, sol.answer, judge),
                     "tokens": tokens,
                     "wall_s": wall,
                     "phases": phases,
@@ -69,9 +73,44 @@ def run(cfg: RunConfig, out_dir: Path, engine: Generator | None = None, progress
     return summary
 
 
+def build_task(cfg: RunConfig) -> Task:
+    return make_task(cfg.task, cfg.depth, cfg.task_options)
+
+
+def make_search(cfg: RunConfig, task: Task) -> BFS | DVTS:
+    if cfg.search == "dvts":
+        return DVTS(task, cfg.dvts, cfg.gen, cfg.seed)
+    return BFS(task, cfg.bfs, cfg.gen, cfg.seed)
+
+
+def make_judge(cfg: RunConfig, engine: Generator) -> Generator:
+    """The model that scores final answers: task.judge.path, else the target (through the run's
+    engine: its decoding is lossless, so the judgement is the target's)."""
+    if cfg.judge is None:
+        return engine
+    return Engine(load_model(cfg.judge), DecoderConfig(name="ar"))
+
+
+def score(cfg: RunConfig, task: Task, problem: Problem, answer: str, judge: Generator) -> dict[str, float]:
+    """The task's code-computed metrics, plus the judge's mean score over task.n_evaluate samples."""
+    metrics = task.metrics(problem, answer)
+    prompt = task.judge_prompt(problem, answer)
+    if prompt is not None:
+        requests = [
+            cfg.gen.request(
+                prompt, group=f"{problem.id}/judge", seed=request_seed(cfg.seed, problem.id, "judge", j), evaluate=True
+            )
+            for j in range(task.n_evaluate)
+        ]
+        replies = judge.generate(requests)
+        metrics[task.judge_metric] = sum(task.parse_value(r.text) for r in replies) / len(replies)
+    return metrics
+
+
 def summary_line(s: dict) -> str:
+    metrics = "".join(f", {k} {v:.3f}" for k, v in s.get("metrics", {}).items())
     return (
-        f"{s['task']} {s['search']} decoder={s['decoder']}: accuracy {s['accuracy']:.3f} "
+        f"{s['task']} {s['search']} decoder={s['decoder']}: accuracy {s['accuracy']:.3f}{metrics} "
         f"({s['n_correct']}/{s['n_problems']}), {s['generated_tokens']} tokens in {s['wall_s']:.1f}s "
         f"= {s['tokens_per_s']:.1f} tok/s, tau {s['acceptance_length']:.2f}, "
         f"{s['forwards_per_token']:.3f} target forwards/token"

@@ -85,55 +85,92 @@ def request_seed(seed: int, *parts: object) -> int:
     return zlib.crc32("/".join(map(str, (seed, *parts))).encode())
 
 
+class Step:
+    """Thought generation and state evaluation for one problem's tree: every batch of requests goes to
+    the engine in one call, its cost added to the phase's stats."""
+
+    def __init__(self, task: Task, gen: GenSettings, seed: int, problem: Problem, engine: Generator) -> None:
+        self.task, self.gen, self.seed, self.problem, self.engine = task, gen, seed, problem, engine
+        self.tree = ReasoningTree(problem.question)
+        self.phases = {p: PhaseStats() for p in PHASES}
+
+    def expand(self, parents: list[tuple[int, int, str]], group: str | None = None) -> list[int]:
+        """Sample n thoughts from each (state, n, seed key) in one call, in the given group (default:
+        the thoughts of one state share a group). Returns the new nodes in request order."""
+        task, gen, tree, pid = self.task, self.gen, self.tree, self.problem.id
+        requests, of = [], []
+        for state, n, key in parents:
+            prompt = task.generator_prompt(self.problem, tree.steps(state))
+            for i in range(n):
+                seed = request_seed(self.seed, pid, state, *([key] if key else []), i)
+                requests.append(gen.request(prompt, group=group or f"{pid}/{state}", seed=seed))
+                of.append(state)
+        outputs = self._call(requests, "generate")
+        children = []
+        for parent, out in zip(of, outputs):
+            text = task.parse_thought(self.problem, tree.steps(parent), out.text)
+            child = tree.add(parent, text, raw=out.text, tokens=len(out.token_ids))
+            tree[child]["terminal"] = self.finished(child)
+            children.append(child)
+        return children
+
+    def evaluate(self, nodes: list[int], group: str) -> None:
+        """Value each node: the mean of task.n_evaluate evaluator samples, all nodes in one call."""
+        task, pid, k = self.task, self.problem.id, self.task.n_evaluate
+        requests = [
+            self.gen.request(
+                task.evaluator_prompt(self.problem, self.tree.steps(c)),
+                group=group,
+                # Sample 0 keeps the seed a single evaluation always had.
+                seed=request_seed(self.seed, pid, c, "eval", *([j] if j else [])),
+                evaluate=True,
+            )
+            for c in nodes
+            for j in range(k)
+        ]
+        outputs = self._call(requests, "evaluate")
+        for i, c in enumerate(nodes):
+            texts = [o.text for o in outputs[i * k : (i + 1) * k]]
+            self.tree[c]["value"] = sum(map(task.parse_value, texts)) / k
+            self.tree[c]["evaluation"] = texts[0] if k == 1 else texts
+
+    def finished(self, node: int) -> bool:
+        """A path ends at the depth limit or where the task says it is complete."""
+        steps = self.tree.steps(node)
+        return len(steps) >= self.task.depth or self.task.is_terminal(self.problem, steps)
+
+    def solution(self, best: int) -> Solution:
+        self.tree.mark_answer(best)
+        return Solution(self.task.answer(self.problem, self.tree.steps(best)), self.tree, self.phases)
+
+    def _call(self, requests: list[GenRequest], phase: str) -> list[GenResult]:
+        stats = self.phases[phase]
+        t0 = time.perf_counter()
+        outputs = self.engine.generate(requests)
+        stats.wall_s += time.perf_counter() - t0
+        stats.decode += self.engine.last_stats
+        stats.calls += 1
+        return outputs
+
+
 class BFS:
     def __init__(self, task: Task, settings: BFSSettings, gen: GenSettings, seed: int) -> None:
         self.task, self.settings, self.gen, self.seed = task, settings, gen, seed
 
     def solve(self, problem: Problem, engine: Generator) -> Solution:
-        task, gen = self.task, self.gen
-        tree = ReasoningTree(problem.question)
-        phases = {p: PhaseStats() for p in PHASES}
+        step = Step(self.task, self.gen, self.seed, problem, engine)
+        tree = step.tree
         frontier = [tree.root]
-        for depth in range(1, task.depth + 1):
-            gen_requests, parents = [], []
-            for state in frontier:
-                prompt = task.generator_prompt(problem, tree.steps(state))
-                for i in range(self.settings.n_thoughts):
-                    seed = request_seed(self.seed, problem.id, state, i)
-                    gen_requests.append(gen.request(prompt, group=f"{problem.id}/{state}", seed=seed))
-                    parents.append(state)
-            outputs = self._call(engine, gen_requests, phases["generate"])
-            children = []
-            for parent, out in zip(parents, outputs):
-                text = task.parse_thought(problem, tree.steps(parent), out.text)
-                children.append(tree.add(parent, text, raw=out.text, tokens=len(out.token_ids)))
-
-            eval_requests = [
-                gen.request(
-                    task.evaluator_prompt(problem, tree.steps(c)),
-                    group=f"{problem.id}/d{depth}/eval",
-                    seed=request_seed(self.seed, problem.id, c, "eval"),
-                    evaluate=True,
-                )
-                for c in children
-            ]
-            for c, out in zip(children, self._call(engine, eval_requests, phases["evaluate"])):
-                tree[c]["value"] = task.parse_value(out.text)
-                tree[c]["evaluation"] = out.text
-
-            # Stable sort: among equal values the earlier-generated thought wins, deterministically.
-            frontier = sorted(children, key=lambda c: -tree[c]["value"])[: self.settings.breadth]
+        for depth in range(1, self.task.depth + 1):
+            # Finished states are not extended; they compete with the new thoughts for the frontier.
+            done = [s for s in frontier if s != tree.root and tree[s]["terminal"]]
+            open_ = [s for s in frontier if s not in done]
+            if not open_:
+                break
+            children = step.expand([(s, self.settings.n_thoughts, "") for s in open_])
+            step.evaluate(children, group=f"{problem.id}/d{depth}/eval")
+            # Stable sort: among equal values the earlier thought wins, deterministically.
+            frontier = sorted(done + children, key=lambda c: -tree[c]["value"])[: self.settings.breadth]
             for c in frontier:
                 tree[c]["chosen"] = True
-        best = frontier[0]
-        tree.mark_answer(best)
-        return Solution(task.answer(problem, tree.steps(best)), tree, phases)
-
-    @staticmethod
-    def _call(engine: Generator, requests: list[GenRequest], phase: PhaseStats) -> list[GenResult]:
-        t0 = time.perf_counter()
-        outputs = engine.generate(requests)
-        phase.wall_s += time.perf_counter() - t0
-        phase.decode += engine.last_stats
-        phase.calls += 1
-        return outputs
+        return step.solution(frontier[0])

@@ -1,0 +1,72 @@
+"""DVTS, diverse verifier tree search (Beeching et al. 2024), as STAND runs it (section 5.3, A.2).
+
+`n` trajectories are split into n / beam_width independent subtrees. At each step every live subtree
+samples `beam_width` candidate next steps from its current state, the task's state evaluator (the
+verifier) values them, and the best candidate becomes the subtree's state; a subtree whose state is
+finished stops. The answer is the best final value, or a majority vote over subtrees weighted by
+their final values. The candidates of all subtrees go to the engine in one call per step, so that
+STAND's pools see the sibling trajectories of the same problem.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Literal
+
+from tasks.base import Problem, Task
+from tot.search import Generator, GenSettings, Solution, Step
+
+Aggregate = Literal["best", "vote"]
+
+
+@dataclass(frozen=True)
+class DVTSSettings:
+    n: int = 4
+    beam_width: int = 2
+    aggregate: Aggregate = "best"
+
+    @property
+    def subtrees(self) -> int:
+        return self.n // self.beam_width
+
+
+class DVTS:
+    def __init__(self, task: Task, settings: DVTSSettings, gen: GenSettings, seed: int) -> None:
+        self.task, self.settings, self.gen, self.seed = task, settings, gen, seed
+
+    def solve(self, problem: Problem, engine: Generator) -> Solution:
+        step = Step(self.task, self.gen, self.seed, problem, engine)
+        tree, width = step.tree, self.settings.beam_width
+        current = [tree.root] * self.settings.subtrees
+        live = list(range(self.settings.subtrees))
+        for depth in range(1, self.task.depth + 1):
+            if not live:
+                break
+            # The seed key names the subtree: subtrees that start from the same state sample apart.
+            children = step.expand([(current[k], width, f"s{k}") for k in live], group=f"{problem.id}/d{depth}")
+            step.evaluate(children, group=f"{problem.id}/d{depth}/eval")
+            for i, k in enumerate(live):
+                candidates = children[i * width : (i + 1) * width]
+                for c in candidates:
+                    tree[c]["subtree"] = k
+                current[k] = max(candidates, key=lambda c: tree[c]["value"])  # the first of equals
+                tree[current[k]]["chosen"] = True
+            live = [k for k in live if not tree[current[k]]["terminal"]]
+        return step.solution(self.choose(step, current))
+
+    def choose(self, step: Step, leaves: list[int]) -> int:
+        """The subtree state whose answer wins: the best value, or the largest summed value of an
+        answer (ties: more subtrees, then the earlier subtree); within the answer, its best state."""
+        tree = step.tree
+        if self.settings.aggregate == "best":
+            return max(leaves, key=lambda s: tree[s]["value"])
+        weight: dict[str, float] = defaultdict(float)
+        count: dict[str, int] = defaultdict(int)
+        answers = [step.task.answer(step.problem, tree.steps(s)) for s in leaves]
+        for s, a in zip(leaves, answers):
+            weight[a] += tree[s]["value"]
+            count[a] += 1
+        order = {a: -i for i, a in reversed(list(enumerate(answers)))}
+        winner = max(weight, key=lambda a: (weight[a], count[a], order[a]))
+        return max((s for s, a in zip(leaves, answers) if a == winner), key=lambda s: tree[s]["value"])
