@@ -29,7 +29,7 @@ def fail(message: str) -> NoReturn:
 def check_overrides(argv: list[str], config_name: str, groups: tuple[str, ...]) -> None:
     """Name an unknown config group choice or key in one line, before Hydra prints its own long error."""
     overrides = [a for a in argv if "=" in a and not a.startswith("-")]
-    chosen = {}
+    chosen: dict[str, list[str]] = {}
     for arg in overrides:
         key, _, value = arg.partition("=")
         if key in groups:
@@ -38,15 +38,18 @@ def check_overrides(argv: list[str], config_name: str, groups: tuple[str, ...]) 
             for choice in value.split(","):
                 if choice not in known:
                     fail(f"{key}={choice} is unknown; choose one of {', '.join(known)}")
-            chosen[key] = value.split(",")[0]
+            chosen[key] = value.split(",")
     keys = [a.partition("=")[0] for a in overrides]
-    keys = [k for k in keys if k not in groups and not k.startswith(("+", "~", "hydra."))]
+    keys = [k for k in keys if k not in groups and not k.startswith(("+", "~", "hydra.", "hydra/"))]
     if not keys:
         return
+    # A sweep over a group (task=gsm8k,blocksworld) may set keys that only some of its choices have.
+    first = {k: v[0] for k, v in chosen.items()}
+    variants = [first] + [{**first, k: c} for k, v in chosen.items() for c in v[1:]]
     with initialize_config_module(config_module="conf", version_base="1.3"):
-        cfg = compose(config_name=config_name, overrides=[f"{k}={v}" for k, v in chosen.items()])
+        cfgs = [compose(config_name=config_name, overrides=[f"{k}={v}" for k, v in o.items()]) for o in variants]
     for key in keys:
-        if not _has_key(cfg, key):
+        if not any(_has_key(cfg, key) for cfg in cfgs):
             fail(
                 f"{key} is not a config key; see the configuration reference in README.md (or add one with +{key}=...)"
             )

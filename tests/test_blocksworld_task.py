@@ -66,6 +66,9 @@ def test_parse_thought_and_value(task):
         == "unstack the orange block from on top of the yellow block"
     )
     assert task.parse_thought(p, [], " jump around\n") == "jump around"
+    run_on = "Unstack the red block from on top of the blue block, then stack the blue block on the red block"
+    assert task.parse_thought(p, [], run_on) == "unstack the red block from on top of the blue block"
+    assert task.parse_thought(p, [], "First, pick up the blue block and stack it") == "pick up the blue block"
     assert task.parse_thought(p, [], "") == ""
     assert task.parse_value(" good") == 1.0
     assert task.parse_value(" Good.") == 1.0

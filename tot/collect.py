@@ -16,6 +16,7 @@ from pathlib import Path
 COLUMNS = (
     "run",
     "task",
+    "search",
     "decoder",
     "n_problems",
     "accuracy",
@@ -43,14 +44,15 @@ def collect(root: Path) -> list[dict]:
 
 
 def combine(rows: list[dict]) -> list[dict]:
-    """Runs of one (task, decoder, model), such as the shards of one job, summed into one row."""
+    """Runs of one (task, search, decoder, model), such as the shards of one job, summed into one row."""
     groups: dict[tuple, dict] = {}
     for r in rows:
-        key = (r["task"], r["decoder"], r["model"])
+        key = (r["task"], r["search"], r["decoder"], r["model"])
         g = groups.setdefault(
             key,
             {
                 "task": r["task"],
+                "search": r["search"],
                 "decoder": r["decoder"],
                 "model": r["model"],
                 "runs": 0,
@@ -75,6 +77,7 @@ def combine(rows: list[dict]) -> list[dict]:
             {
                 "run": f"{g['runs']} run(s)",
                 "task": g["task"],
+                "search": g["search"],
                 "decoder": g["decoder"],
                 "n_problems": g["n_problems"],
                 "accuracy": g["n_correct"] / g["n_problems"] if g["n_problems"] else 0.0,
@@ -108,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: no summary.json under {args.root}; give the folder of finished tot.solve runs", file=sys.stderr)
         return 2
     combined = combine(rows)
-    text = markdown(rows) + "\n\nCombined by task, decoder and model:\n\n" + markdown(combined)
+    text = markdown(rows) + "\n\nCombined by task, search, decoder and model:\n\n" + markdown(combined)
     (args.root / "collected.md").write_text(text + "\n")
     (args.root / "collected.json").write_text(json.dumps({"runs": rows, "combined": combined}, indent=2) + "\n")
     print(text)

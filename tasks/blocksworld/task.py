@@ -8,6 +8,7 @@ A run scores a problem as solved when its plan, checked by the simulator, reache
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,6 +36,7 @@ RULES = (
     "put down or stack a block that I am holding. I can only stack a block on top of a clear block. After "
     "I put down or stack a block my hand is empty."
 )
+_CLAUSE = re.compile(r"[,;]|\band then\b|\bthen\b|\band\b", re.IGNORECASE)
 # Demonstrations come from their own generated problems, never from the problems being solved.
 DEMO_SEED = 1_000_003
 
@@ -125,10 +127,15 @@ class Blocksworld(TaskDefaults):
         )
 
     def parse_thought(self, problem: Problem, steps: list[str], text: str) -> str:
-        """An action in its canonical words (so equal actions read alike), else the reply's first line."""
+        """The reply's first action in canonical words (so equal actions read alike): its first line,
+        or else the first clause of it that is one action (a model may run on: "unstack ..., then ...");
+        without any, the first line as written."""
         line = text.strip().splitlines()[0] if text.strip() else ""
-        action = parse_action(line)
-        return render_action(action) if action is not None else line
+        for clause in [line, *_CLAUSE.split(line)]:
+            action = parse_action(clause)
+            if action is not None:
+                return render_action(action)
+        return line
 
     def is_terminal(self, problem: Problem, steps: list[str]) -> bool:
         """Finished once the goal holds, or dead once an action cannot be applied."""
