@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from decoding.aded import AdedOptions
 from decoding.draft_model import SpecOptions
 from decoding.errors import ConfigError
 from decoding.models import ModelSpec
@@ -13,7 +14,7 @@ from decoding.recycling import RecyclingOptions
 from decoding.seed import SeedOptions
 from decoding.stand import StandOptions
 
-DECODERS = ("hf", "ar", "sd", "seed", "pld", "recycling", "stand", "seed_stand")
+DECODERS = ("hf", "ar", "sd", "seed", "pld", "recycling", "stand", "seed_stand", "aded")
 # Decoders that draft with a model (`draft.path`).
 MODEL_DRAFTING = ("sd", "seed")
 
@@ -26,6 +27,7 @@ class DecoderConfig:
     stand: StandOptions = field(default_factory=StandOptions)
     pld: PLDOptions = field(default_factory=PLDOptions)
     recycling: RecyclingOptions = field(default_factory=RecyclingOptions)
+    aded: AdedOptions = field(default_factory=AdedOptions)
     draft: ModelSpec | None = None  # path "self" drafts with the target itself
 
     def __post_init__(self) -> None:
@@ -57,6 +59,7 @@ class DecoderConfig:
                 without_replacement=_bool(
                     f"{name_for_spec}.without_replacement", own.get("without_replacement", spec.without_replacement)
                 ),
+                **_tree_policy_options(name_for_spec, own, spec),
                 key=name_for_spec,
             )
         seed = SeedOptions()
@@ -90,6 +93,7 @@ class DecoderConfig:
         recycling = RecyclingOptions()
         if name == "recycling":
             recycling = RecyclingOptions(as_int("recycling.top_k", (c.get("recycling") or {}).get("top_k", 8)))
+        aded = AdedOptions.from_dict(c.get("aded") or {}) if name == "aded" else AdedOptions()
         draft_cfg = c.get("draft") or {}
         draft = None
         if draft_cfg.get("path") not in (None, ""):
@@ -102,9 +106,23 @@ class DecoderConfig:
             stand=stand,
             pld=pld,
             recycling=recycling,
+            aded=aded,
             # seed_stand drafts with a model too when one is configured (the union of both trees).
             draft=draft if name in MODEL_DRAFTING or name == "seed_stand" else None,
         )
+
+
+def _tree_policy_options(key: str, own: dict[str, Any], spec: SpecOptions) -> dict[str, Any]:
+    """`<key>.tree_policy` and its options (decoding/tree_policy.py); SpecOptions checks the combinations."""
+    tree, ratio = own.get("tree"), own.get("pct_ratio")
+    return {
+        "tree_policy": str(own.get("tree_policy", spec.tree_policy)),
+        "tree": None if tree in (None, "") else str(tree),
+        "pct_top_k": as_int(f"{key}.pct_top_k", own.get("pct_top_k", spec.pct_top_k)),
+        "pct_max_depth": as_int(f"{key}.pct_max_depth", own.get("pct_max_depth", spec.pct_max_depth)),
+        "pct_threshold": as_float(f"{key}.pct_threshold", own.get("pct_threshold", spec.pct_threshold)),
+        "pct_ratio": None if ratio is None else as_float(f"{key}.pct_ratio", ratio),
+    }
 
 
 def _bool(key: str, value: object) -> bool:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import time
 from typing import Protocol
 
+from decoding.aded import AdedDrafter
 from decoding.config import DECODERS, DecoderConfig
-from decoding.draft_model import ModelDrafter
+from decoding.draft_model import ModelDrafter, SpecOptions
+from decoding.edd import EddDrafter, EddModel
 from decoding.errors import BackendError
 from decoding.hf import HFDecoder
 from decoding.models import LoadedModel
@@ -15,7 +17,7 @@ from decoding.recycling import RecyclingDrafter
 from decoding.sampling import SamplingParams
 from decoding.seed import SeedDecoder
 from decoding.sequence import Sequence
-from decoding.speculative import NoDrafter, SpecDecoder
+from decoding.speculative import Drafter, NoDrafter, SpecDecoder
 from decoding.stand import NGramDrafter, StaticTree
 from decoding.stopping import Detokenizer, StopRule, final_text
 from decoding.target import Target
@@ -39,8 +41,7 @@ def make_decoder(config: DecoderConfig, target: Target, tokenizer: Detokenizer, 
     if config.name in ("sd", "seed"):
         if draft is None:
             raise BackendError(f"decoder={config.name} needs a draft model (draft.path)")
-        # A Target of its own (its own forward count), also when drafting with the target's weights.
-        drafter = ModelDrafter(Target(draft.model), config.spec, _vocab_size(target))
+        drafter = _model_drafter(draft, target, config.spec)
         if config.name == "seed":
             return SeedDecoder(target, tokenizer, drafter, config.seed)
         return SpecDecoder("sd", target, tokenizer, drafter, serial=True)
@@ -49,17 +50,27 @@ def make_decoder(config: DecoderConfig, target: Target, tokenizer: Detokenizer, 
         if config.name == "seed_stand":
             drafter = ngram
             if draft is not None:
-                model = ModelDrafter(Target(draft.model), config.spec, _vocab_size(target))
-                drafter = UnionDrafter([model, ngram])
+                drafter = UnionDrafter([_model_drafter(draft, target, config.spec), ngram])
             return SeedDecoder(target, tokenizer, drafter, config.seed, name="seed_stand")
         return SpecDecoder("stand", target, tokenizer, ngram)
     if config.name == "pld":
         return SpecDecoder("pld", target, tokenizer, PLDDrafter(config.pld))
+    if config.name == "aded":  # aded.corpus, if any, is tokenised here with the target's tokenizer
+        return SpecDecoder("aded", target, tokenizer, AdedDrafter(config.aded, tokenizer))
     if config.name == "recycling":
         return SpecDecoder(
             "recycling", target, tokenizer, RecyclingDrafter(config.recycling, StaticTree.load(config.stand.tree))
         )
     raise BackendError(f"decoder={config.name!r} is not one of {', '.join(DECODERS)}")
+
+
+def _model_drafter(draft: LoadedModel, target: Target, spec: SpecOptions) -> Drafter:
+    """The drafter of a loaded draft model: an EDD (draft.path=edd) reads the target's hidden states;
+    any other causal LM gets a Target of its own (its own forward count), also for the target's weights."""
+    if isinstance(draft.model, EddModel):
+        return EddDrafter(draft.model, target, spec)
+    # The target too: tree_policy=pct measures s_d / s_t against it at start-up.
+    return ModelDrafter(Target(draft.model), spec, _vocab_size(target), target=target)
 
 
 def _vocab_size(target: Target) -> int:

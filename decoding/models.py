@@ -46,6 +46,7 @@ class LoadedModel:
     device: torch.device
     use_chat_template: bool
     source: str
+    name: str = ""  # the model.path it was loaded from (what the EDD cache is keyed by)
 
 
 def default_cache_dir() -> Path:
@@ -89,13 +90,18 @@ def load_model(spec: ModelSpec) -> LoadedModel:
     use_chat = has_template if spec.chat_template == "auto" else str(spec.chat_template).lower() == "true"
     if use_chat and not has_template:
         raise BackendError(f"{spec.key}.chat_template=true but {spec.path} has no chat template; use auto or false")
-    return LoadedModel(model, tokenizer, device, use_chat, str(source))
+    return LoadedModel(model, tokenizer, device, use_chat, str(source), spec.path)
 
 
 def load_draft(spec: ModelSpec, target: LoadedModel) -> LoadedModel:
-    """The draft model for speculative decoders; `self` drafts with the target model itself."""
+    """The draft model for speculative decoders; `self` drafts with the target model itself, `edd`
+    with the EDD trained for it."""
     if spec.path == "self":
         return target
+    if spec.path == "edd":  # the EDD draft decoder trained for this target (python -m decoding.train_edd)
+        from decoding.edd import load_edd
+
+        return load_edd(spec, target)
     draft = load_model(spec)
     if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():  # type: ignore[attr-defined]
         raise BackendError(

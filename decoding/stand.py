@@ -204,9 +204,14 @@ class Pools:
             return ""
         return group.split("/", 1)[0] if self.options.scope == "problem" else group
 
+    def new(self) -> LogitNGram:
+        """An empty pool (other drafters keep their own statistics in the same scheme)."""
+        return LogitNGram(top=TOP, capacity=self.options.capacity)
+
     def get(self, group: str) -> LogitNGram:
         key = self.key(group)
-        pool = self.pools.pop(key, None) or LogitNGram(top=TOP, capacity=self.options.capacity)
+        pool = self.pools.pop(key, None)
+        pool = self.new() if pool is None else pool
         self.pools[key] = pool
         while len(self.pools) > self.options.max_pools:
             old, _ = self.pools.popitem(last=False)

@@ -27,7 +27,9 @@ class PrefixStore:
 
     def __init__(self, max_entries: int = 8) -> None:
         self.max_entries = max_entries
-        self.entries: OrderedDict[tuple[int, ...], tuple[list[torch.Tensor], list[torch.Tensor]]] = OrderedDict()
+        # prefix -> (keys, values, hidden states of the captured layer or None)
+        self.entries: OrderedDict[tuple[int, ...], tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor | None]]
+        self.entries = OrderedDict()
 
     def longest(self, tokens: tuple[int, ...]) -> tuple[int, ...]:
         """The longest stored prefix of `tokens` (empty if none)."""
@@ -37,8 +39,9 @@ class PrefixStore:
                 best = key
         return best
 
-    def restore(self, key: tuple[int, ...], cache: RowKVCache) -> None:
-        keys, values = self.entries[key]
+    def restore(self, key: tuple[int, ...], cache: RowKVCache) -> torch.Tensor | None:
+        """Put the prefix into row 0 of the cache; returns its hidden states if they were stored."""
+        keys, values, hidden = self.entries[key]
         self.entries.move_to_end(key)
         n = len(key)
         for dst, src in zip(cache.keys, keys):
@@ -46,10 +49,12 @@ class PrefixStore:
         for dst, src in zip(cache.values, values):
             dst[0, :, :n] = src
         cache.lens[0] = n
+        return hidden
 
-    def store(self, key: tuple[int, ...], cache: RowKVCache) -> None:
+    def store(self, key: tuple[int, ...], cache: RowKVCache, hidden: torch.Tensor | None = None) -> None:
         n = len(key)
-        self.entries[key] = ([k[0, :, :n].clone() for k in cache.keys], [v[0, :, :n].clone() for v in cache.values])
+        keys = [k[0, :, :n].clone() for k in cache.keys]
+        self.entries[key] = (keys, [v[0, :, :n].clone() for v in cache.values], hidden)
         self.entries.move_to_end(key)
         while len(self.entries) > self.max_entries:
             self.entries.popitem(last=False)
@@ -71,6 +76,21 @@ class Target:
         self.forwards = 0
         self.peak_cache_bytes = 0
         self.prefixes = PrefixStore()
+        # Hidden-state capture for drafters that read them (EDD): off unless capture_hidden is called.
+        self.hidden_layer: int | None = None
+        self.last_hidden: torch.Tensor | None = None  # [B, T, H]: that layer's output in the latest forward
+        self.start_hidden: torch.Tensor | None = None  # [S, H]: of the prefix the latest `start` shared
+
+    def capture_hidden(self, layer: int) -> None:
+        """Keep the output of decoder layer `layer` (negative: from the end) of every forward in
+        `last_hidden`, and of the shared prefix of every `start` in `start_hidden`. Outputs do not
+        change; stored prefixes (which lack hidden states) are dropped."""
+        n = len(decoder_layers(self.model))
+        self.hidden_layer = layer % n
+        self.prefixes = PrefixStore(self.prefixes.max_entries)
+
+    def _keep_hidden(self, module: torch.nn.Module, args: object, output: object) -> None:
+        self.last_hidden = output[0] if isinstance(output, tuple) else output  # type: ignore[assignment]
 
     @property
     def max_length(self) -> int:
@@ -102,14 +122,21 @@ class Target:
         self.peak_cache_bytes = max(self.peak_cache_bytes, cache.nbytes)
         mask = cache.attention_mask(tree.to(self.device), self.dtype)
         positions = cache.row_lens()[:, None] + depth.to(self.device)
-        out = self.model(
-            input_ids=tokens,
-            attention_mask=mask,
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=0 if logits_at is None else logits_at.to(self.device),
-        )
+        hook = None
+        if self.hidden_layer is not None:
+            hook = decoder_layers(self.model)[self.hidden_layer].register_forward_hook(self._keep_hidden)
+        try:
+            out = self.model(
+                input_ids=tokens,
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=0 if logits_at is None else logits_at.to(self.device),
+            )
+        finally:
+            if hook is not None:
+                hook.remove()
         self.forwards += 1
         return out.logits
 
@@ -125,11 +152,14 @@ class Target:
         shared = min(_common_prefix_len(prompts), min(len(p) for p in prompts) - 1)
         head = tuple(prompts[0][:shared])
         reuse = self.prefixes.longest(head)
+        capture = self.hidden_layer is not None
+        self.start_hidden = None
+        if capture:
+            self.start_hidden = torch.zeros(0, self.config.hidden_size, dtype=self.dtype, device=self.device)
         if shared < MIN_SHARED_PREFIX and not reuse:
             return self.new_cache(len(prompts), capacity), [list(p) for p in prompts]
         cache = self.new_cache(1, capacity)
-        if reuse:
-            self.prefixes.restore(reuse, cache)
+        hidden = [self.prefixes.restore(reuse, cache)] if reuse else []
         rest = list(head[len(reuse) :])
         if rest:
             causal = torch.ones(len(rest), len(rest), dtype=torch.bool).tril()[None]
@@ -137,7 +167,11 @@ class Target:
                 cache, torch.tensor([rest]), causal, torch.arange(len(rest))[None], logits_at=torch.tensor([0])
             )
             cache.advance(torch.tensor([len(rest)]))
-            self.prefixes.store(head, cache)
+            if capture:
+                hidden.append(self.last_hidden[0])  # type: ignore[index]
+            self.prefixes.store(head, cache, torch.cat(hidden) if capture else None)
+        if capture:
+            self.start_hidden = torch.cat(hidden) if hidden else self.start_hidden
         cache.select_rows(torch.zeros(len(prompts), dtype=torch.long))
         return cache, [list(p[shared:]) for p in prompts]
 
@@ -170,3 +204,11 @@ class Target:
             cache.select_rows(index)
             next_logits = next_logits.index_select(0, index.to(next_logits.device))
         return cache, next_logits
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The decoder layers of a `transformers` causal LM (model.model.layers for Llama-like models)."""
+    layers = getattr(model.get_decoder(), "layers", None)  # type: ignore[operator]
+    if layers is None:
+        raise ValueError(f"{type(model).__name__} has no decoder layer list (get_decoder().layers)")
+    return layers

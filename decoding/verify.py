@@ -72,6 +72,9 @@ class Verdict:
     probs: torch.Tensor | None
     logits: torch.Tensor  # raw target logits at the same places
     kept: int = 0  # tokens the sequence kept (stop rules may cut the accepted run); set on commit
+    # With Target.capture_hidden: the captured layer's hidden states of the tokens this step put in
+    # the target's cache (the pending tokens, then the accepted path) [P + len(path), H]; EDD reads them.
+    hidden: torch.Tensor | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -99,6 +102,7 @@ def verify(
     packed = pack(pending, trees)
     keep = torch.arange(packed.n_pending - 1, packed.tokens.shape[1])
     logits = target.forward(cache, packed.tokens, packed.see, packed.depth, logits_at=keep, rows=rows)
+    hidden = target.last_hidden if target.hidden_layer is not None else None
     verdicts = []
     for b, (tree, p, g) in enumerate(zip(trees, params, generators)):
         row = logits[b, : 1 + len(tree)]
@@ -109,5 +113,6 @@ def verify(
             # On the CPU, where the request's generator lives: the acceptance walk is scalar work.
             probs = process_logits(row[None], [p])[0].cpu()
             path, token = walk(tree, probs, None, g)
-        verdicts.append(Verdict(tree, path, token, probs, row))
+        kept_hidden = None if hidden is None else hidden[b, packed.committed(b, path)]
+        verdicts.append(Verdict(tree, path, token, probs, row, hidden=kept_hidden))
     return packed, verdicts

@@ -36,10 +36,11 @@ def test_bench_every_decoder_lossless(long_context):
     result = bench(run_cfg, configs, long_context, None, progress=False)
     assert result["lossless_checked"] and result["mismatches"] == []
     rows = result["decoders"]
-    assert list(rows) == ["hf", "ar", "pld", "recycling", "stand", "seed_stand"]
+    assert list(rows) == ["hf", "ar", "pld", "recycling", "stand", "seed_stand", "aded"]
     assert rows["hf"]["speedup_vs_hf"] == pytest.approx(1.0)
     assert all(r["tokens"] == rows["hf"]["tokens"] > 0 for r in rows.values())
     assert all(r["peak_kv_mb"] > 0 for n, r in rows.items() if n != "hf")
+    assert result["process_peak_rss_mb"] > 100  # the process holds at least torch and a model
     text = table(result)
     assert text.count("\n") == 1 + len(rows) and "`seed_stand`" in text
 
@@ -81,3 +82,39 @@ def test_scaling_grid(long_context):
     assert all(r["acceptance_length"] >= 1.0 for r in rows)
     assert all(r["speedup_vs_ar"] == pytest.approx(1.0) for r in rows if r["decoder"] == "ar")
     assert scaling_table(rows).count("`stand`") == 4
+
+
+def test_bench_variants(long_context, tmp_path):
+    """`bench.variants`: one decoder with other options under its own name, in the same run (lossless check too)."""
+    from decoding.draft_tree import k_config_parents
+    from decoding.stand import StaticTree
+
+    tree = tmp_path / "chain.json"
+    StaticTree(tuple(k_config_parents((1, 1, 1))), {}).save(tree)
+    variants = (
+        "bench.variants={stand_chain: {decoder: stand, stand.tree: '" + str(tree) + "'}, "
+        "sd_pct: ['decoder=sd', 'sd.tree_policy=pct', 'sd.pct_ratio=0.2'], "
+        "sd_wr: {decoder: sd, sd.without_replacement: true}}"
+    )
+    run_cfg, container = compose_bench("gen.temperature=0", "bench.decoders=[hf,stand]", "draft.path=self", variants)
+    configs, skipped = decoder_configs(container, ["hf", "stand"], False, container["bench"]["variants"])
+    assert skipped == ["sd_pct", "sd_wr"]  # no draft model configured
+    configs, skipped = decoder_configs(container, ["hf", "stand"], True, container["bench"]["variants"])
+    assert list(configs) == ["hf", "stand", "stand_chain", "sd_pct", "sd_wr"] and not skipped
+    assert configs["stand_chain"].stand.tree == str(tree) and configs["stand"].stand.tree == "default"
+    assert configs["sd_pct"].spec.tree_policy == "pct" and configs["sd_pct"].spec.pct_ratio == 0.2
+    assert configs["sd_wr"].spec.without_replacement and configs["sd_wr"].name == "sd"
+    result = bench(run_cfg, configs, long_context, long_context, progress=False)
+    assert result["lossless_checked"] and result["mismatches"] == []
+    assert list(result["decoders"]) == list(configs) and "`sd_pct`" in table(result)
+    for overrides, message in (
+        ({"sd.tree_policy": "pct"}, r"bench\.variants\.v does not say which decoder"),
+        ({"decoder": "sd", "gen.temperature": 1.0}, r"bench\.variants\.v sets gen\.temperature: every decoder"),
+        ({"decoder": "sd", "sd.nope": 1}, r"bench\.variants\.v sets sd\.nope, which is not a config key"),
+        ({"decoder": "sd", "sd.tree_policy": "x"}, r"bench\.variants\.v: sd\.tree_policy=x is not one of"),
+        ("decoder=sd", r"bench\.variants\.v='decoder=sd' must be a list of overrides"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            decoder_configs(container, [], True, {"v": overrides})
+    with pytest.raises(ConfigError, match=r"bench\.variants\.stand is also in bench\.decoders"):
+        decoder_configs(container, ["stand"], True, {"stand": {"decoder": "stand"}})

@@ -9,17 +9,23 @@ a difference is printed and the command exits with status 1. Writes bench.json, 
 matplotlib is installed, bench.png into the run directory. `bench.scaling=true` instead measures
 acceptance length and speedup over `ar` for `bench.scaling_decoders` on a grid of trajectories per
 step (`bench.trajectories`) and temperatures (`bench.temperatures`): scaling.json and scaling.md.
+`bench.variants` adds runs of one decoder with other options (tree policies, rules) under their own
+names, e.g. bench.variants='{sd_pct: {decoder: sd, sd.tree_policy: pct}}'.
 """
 
 from __future__ import annotations
 
+import copy
 import json
+import resource
 import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import hydra
+import torch
+import yaml
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
@@ -33,7 +39,7 @@ from decoding.types import DecodeStats, GenRequest
 from tasks.base import DataError
 from tot.compare import first_difference
 from tot.config import RunConfig
-from tot.run import build_task, make_search
+from tot.run import build_task, make_search, score
 from tot.search import PHASES
 from tot.tree import ReasoningTree
 
@@ -48,10 +54,15 @@ class Tally:
     decode: DecodeStats = field(default_factory=DecodeStats)
     trees: dict[str, ReasoningTree] = field(default_factory=dict)
     correct: int = 0
+    peak_device_bytes: int = 0  # CUDA only: the most memory allocated while this decoder ran
+    metrics: dict[str, list[float]] = field(default_factory=dict)  # the task's scores per problem
 
 
-def decoder_configs(container: dict, names: list[str], has_draft: bool) -> tuple[dict[str, DecoderConfig], list[str]]:
-    """Each named decoder's config from the run's options; those needing a missing draft model are skipped."""
+def decoder_configs(
+    container: dict, names: list[str], has_draft: bool, variants: dict | None = None
+) -> tuple[dict[str, DecoderConfig], list[str]]:
+    """Each named decoder's config from the run's options, then each of `bench.variants` (a name ->
+    one decoder with some of its options changed); those needing a missing draft model are skipped."""
     configs, skipped = {}, []
     for name in names:
         if name not in DECODERS:
@@ -60,7 +71,48 @@ def decoder_configs(container: dict, names: list[str], has_draft: bool) -> tuple
             skipped.append(name)
             continue
         configs[name] = DecoderConfig.from_container({**container, "decoder": {"name": name}})
+    for name, overrides in (variants or {}).items():
+        if name in names:
+            raise ConfigError(f"bench.variants.{name} is also in bench.decoders; give the variant another name")
+        c = variant_container(container, name, overrides)
+        if c["decoder"]["name"] in MODEL_DRAFTING and not has_draft:
+            skipped.append(name)
+            continue
+        try:
+            configs[name] = DecoderConfig.from_container(c)
+        except ConfigError as e:
+            raise ConfigError(f"bench.variants.{name}: {e}") from None
     return configs, skipped
+
+
+# What every decoder of one bench shares (the problems, sampling, models): a variant may not change it.
+SHARED = ("task", "search", "data", "gen", "model", "draft", "bench")
+
+
+def variant_container(container: dict, name: str, overrides: object) -> dict:
+    """The run's options with one variant's overrides applied: a list such as
+    [decoder=sd, sd.tree_policy=pct] (values parsed as YAML) or a mapping {decoder: sd, sd.tree_policy: pct}."""
+    if isinstance(overrides, dict):
+        items = [(str(k), v) for k, v in overrides.items()]
+    elif isinstance(overrides, list) and all(isinstance(o, str) and "=" in o for o in overrides):
+        items = [(k.strip(), yaml.safe_load(v)) for k, _, v in (o.partition("=") for o in overrides)]
+    else:
+        raise ConfigError(
+            f"bench.variants.{name}={overrides!r} must be a list of overrides such as "
+            "['decoder=sd','sd.tree_policy=pct'] or a mapping such as {decoder: sd, sd.tree_policy: pct}"
+        )
+    if "decoder" not in dict(items):
+        raise ConfigError(f"bench.variants.{name} does not say which decoder it runs; add decoder=<one of bench's>")
+    cfg = OmegaConf.create(copy.deepcopy(container))
+    absent = object()
+    for key, value in items:
+        key = "decoder.name" if key == "decoder" else key
+        if key.split(".")[0] in SHARED:
+            raise ConfigError(f"bench.variants.{name} sets {key}: every decoder of a bench shares {', '.join(SHARED)}")
+        if OmegaConf.select(cfg, key, default=absent) is absent:
+            raise ConfigError(f"bench.variants.{name} sets {key}, which is not a config key")
+        OmegaConf.update(cfg, key, value, merge=False)
+    return OmegaConf.to_container(cfg)
 
 
 def bench(
@@ -80,16 +132,26 @@ def bench(
     bar = tqdm(problems, desc=f"bench {cfg.task}", unit="problem", disable=not progress)
     for problem in bar:
         for name, engine in engines.items():
+            cuda = engine.target.device.type == "cuda"
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(engine.target.device)
             t0 = time.perf_counter()
             sol = search.solve(problem, engine)
             tally = tallies[name]
             tally.wall_s += time.perf_counter() - t0
+            if cuda:
+                tally.peak_device_bytes = max(
+                    tally.peak_device_bytes, torch.cuda.max_memory_allocated(engine.target.device)
+                )
             for phase, stats in sol.phases.items():
                 tally.phase_wall_s[phase] += stats.wall_s
                 tally.phase_tokens[phase] += stats.decode.generated_tokens
                 tally.decode += stats.decode
             tally.trees[problem.id] = sol.tree
             tally.correct += bool(task.is_correct(problem, sol.answer))
+            # Scored after the clock stops: a judge's calls are not part of building the tree.
+            for key, value in score(cfg, task, problem, sol.answer, engine).items():
+                tally.metrics.setdefault(key, []).append(value)
     rows = {name: _row(name, t, engines[name]) for name, t in tallies.items()}
     for base in ("hf", "ar"):
         if base in rows:
@@ -112,8 +174,16 @@ def bench(
         "temperature": cfg.gen.temperature,
         "lossless_checked": greedy and "hf" in tallies,
         "mismatches": mismatches,
+        # All decoders share one process (and the model's weights), so host memory is one figure.
+        "process_peak_rss_mb": peak_rss_mb(),
         "decoders": rows,
     }
+
+
+def peak_rss_mb() -> float:
+    """The process's peak resident memory so far (Linux reports kilobytes, macOS bytes)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10
 
 
 def _row(name: str, t: Tally, engine: Engine) -> dict:
@@ -121,6 +191,7 @@ def _row(name: str, t: Tally, engine: Engine) -> dict:
     return {
         "decoder": name,
         "problems_correct": t.correct,
+        "metrics": {k: sum(v) / len(v) for k, v in t.metrics.items()},
         "tokens": tokens,
         "wall_s": t.wall_s,
         "tokens_per_s": tokens / t.wall_s if t.wall_s else 0.0,
@@ -136,6 +207,7 @@ def _row(name: str, t: Tally, engine: Engine) -> dict:
         "forwards_per_token": t.decode.forwards_per_token,
         "target_busy_fraction": t.decode.target_busy_fraction,
         "peak_kv_mb": engine.peak_cache_bytes() / 2**20,
+        "peak_device_mb": t.peak_device_bytes / 2**20,
     }
 
 
@@ -185,14 +257,16 @@ def scaling_table(rows: list[dict]) -> str:
 
 def table(result: dict) -> str:
     head = (
-        "| decoder | tokens | wall (s) | tokens/s | vs hf | vs ar | acceptance length | target forwards / token "
-        "| target busy | thought gen. tok/s | evaluation tok/s | peak KV (MB) |"
+        "| decoder | solved | tokens | wall (s) | tokens/s | vs hf | vs ar | acceptance length "
+        "| target forwards / token | target busy | thought gen. tok/s | evaluation tok/s | peak KV (MB) |"
     )
-    lines = [head, "|" + "---|" * 12]
+    lines = [head, "|" + "---|" * 13]
+    n = len(result["problems"])
     for r in result["decoders"].values():
         ph = r["phases"]
         lines.append(
-            f"| `{r['decoder']}` | {r['tokens']} | {r['wall_s']:.1f} | {r['tokens_per_s']:.1f} "
+            f"| `{r['decoder']}` | {r['problems_correct']}/{n} | {r['tokens']} | {r['wall_s']:.1f} "
+            f"| {r['tokens_per_s']:.1f} "
             f"| {_ratio(r, 'hf')} | {_ratio(r, 'ar')} | {r['acceptance_length']:.2f} | {r['forwards_per_token']:.3f} "
             f"| {r['target_busy_fraction']:.2f} | {ph['generate']['tokens_per_s']:.1f} "
             f"| {ph['evaluate']['tokens_per_s']:.1f} | {r['peak_kv_mb']:.0f} |"
@@ -243,7 +317,7 @@ def main(cfg: DictConfig) -> None:
             names = list(container["bench"]["scaling_decoders"])
             trajectories = [as_int("bench.trajectories", n) for n in container["bench"]["trajectories"]]
             temperatures = [as_float("bench.temperatures", t) for t in container["bench"]["temperatures"]]
-        configs, skipped = decoder_configs(container, names, has_draft)
+        configs, skipped = decoder_configs(container, names, has_draft, container["bench"].get("variants") or {})
         target = load_model(run_cfg.model)
         draft_spec = next((c.draft for c in configs.values() if c.draft), None)
         draft = load_draft(draft_spec, target) if draft_spec else None
@@ -266,6 +340,10 @@ def main(cfg: DictConfig) -> None:
     text = table(result)
     (out / "bench.md").write_text(text + "\n")
     print(text)
+    for r in result["decoders"].values():
+        if r["metrics"]:
+            print(f"{r['decoder']} scores: " + ", ".join(f"{k} {v:.3f}" for k, v in r["metrics"].items()))
+    print(f"process peak memory {result['process_peak_rss_mb']:.0f} MB (all decoders, one process)")
     if skipped:
         print(f"skipped {', '.join(skipped)}: they need a draft model (draft.path=...)")
     if plot(result, out / "bench.png"):

@@ -1,0 +1,397 @@
+"""`python -m decoding.sequoia_tree`: Sequoia's draft tree for a drafter, sized for this machine (Hydra).
+
+1. Measures the acceptance vector: ToT runs over calibration problems with the drafter on a wide
+   static tree (`sequoia.calibration`, a k_config shape), counting per sibling rank how often the
+   k-th child of a reached node was accepted given that the earlier ones were rejected (an empty slot
+   counts as not accepted). `sequoia.drafter=stand` drafts with STAND's N-gram pools
+   (`decoder=stand`, the wide tree as `stand.tree`); `model` with the draft model in `draft.path`
+   (`decoder=sd`, the wide tree as `sd.k_config`). The draft time per tree level is measured too.
+2. Measures what a verification forward costs here (`decoding.profile`'s timer; or reads
+   `sequoia.profile=PATH`, a `python -m decoding.profile out=PATH` file).
+3. Picks the budget and depth that maximise Sequoia's speedup (decoding/sequoia.py: `choose`) and
+   writes the tree as JSON ({"parents": [...], "meta": {...how it was made...}}), loadable as
+   `stand.tree=PATH` and as `sd.tree_policy=sequoia sd.tree=PATH` (or `seed.*`).
+
+`sequoia.from_counts=TREE` re-solves from the counts and draft time a tree file recorded, without
+decoding again (e.g. for another profile, such as a GPU's, or other limits).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from decoding.cli import check_overrides, fail, quiet_transformers
+from decoding.config import as_int
+from decoding.draft_tree import DraftTree, k_config_parents
+from decoding.engine import Engine
+from decoding.errors import BackendError, ConfigError
+from decoding.models import LoadedModel
+from decoding.profile import ProfileConfig, profile
+from decoding.sequence import Sequence
+from decoding.sequoia import Choice, CostCurve, RankCounts, choose, marginal
+from decoding.speculative import Drafter
+from decoding.stand import StaticTree
+from decoding.verify import Verdict
+from tasks.base import DataError
+from tot.config import RunConfig
+from tot.run import make_engine, run, summary_line
+
+DRAFTERS = {"stand": "stand", "model": "sd"}  # sequoia.drafter -> the decoder calibrated
+
+
+@dataclass(frozen=True)
+class SequoiaOptions:
+    drafter: str = "stand"
+    calibration: tuple[int, ...] = (8, 2, 2)
+    profile: str | None = None
+    tree_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    context: int = 300
+    repeats: int = 5
+    batch: int = 1
+    max_budget: int = 64
+    max_depth: int = 8
+    out: str = "sequoia_tree.json"
+    from_counts: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.drafter not in DRAFTERS:
+            raise ConfigError(f"sequoia.drafter={self.drafter} is not one of {', '.join(DRAFTERS)}")
+        if not self.calibration or any(k < 1 for k in self.calibration):
+            raise ConfigError(
+                f"sequoia.calibration={list(self.calibration)} must list positive children counts per depth, "
+                "e.g. [8,2,2] (the widest level sets how many sibling ranks are measured)"
+            )
+        for key in ("context", "repeats", "batch", "max_budget", "max_depth"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"sequoia.{key}={getattr(self, key)} must be a positive integer")
+        if not self.tree_sizes or any(t < 1 for t in self.tree_sizes):
+            raise ConfigError(f"sequoia.tree_sizes={list(self.tree_sizes)} must list positive tree sizes")
+
+    @classmethod
+    def from_container(cls, c: dict) -> SequoiaOptions:
+        def ints(key: str) -> tuple[int, ...]:
+            value = c.get(key, getattr(cls, key))
+            if not isinstance(value, (list, tuple)):
+                raise ConfigError(f"sequoia.{key}={value!r} must be a list such as [8,2,2]")
+            return tuple(as_int(f"sequoia.{key}", v) for v in value)
+
+        def text(key: str) -> str | None:
+            value = c.get(key, getattr(cls, key))
+            return None if value in (None, "") else str(value)
+
+        scalars = {k: as_int(f"sequoia.{k}", c.get(k, getattr(cls, k))) for k in ("context", "repeats", "batch")}
+        limits = {k: as_int(f"sequoia.{k}", c.get(k, getattr(cls, k))) for k in ("max_budget", "max_depth")}
+        return cls(
+            drafter=str(c.get("drafter", cls.drafter)),
+            calibration=ints("calibration"),
+            profile=text("profile"),
+            tree_sizes=ints("tree_sizes"),
+            out=str(c.get("out", cls.out)),
+            from_counts=text("from_counts"),
+            **scalars,
+            **limits,
+        )
+
+
+# --- calibration -----------------------------------------------------------------------------------------
+
+
+class RankRecorder:
+    """A drafter that drafts through another one and counts, per sibling rank, what was accepted."""
+
+    def __init__(self, inner: Drafter, slots: tuple[int, ...]) -> None:
+        self.inner = inner
+        self.slots = slots
+        self.counts = RankCounts()
+        self.max_nodes = inner.max_nodes
+        self.trees: dict[int, tuple[DraftTree, int]] = {}
+        self.seqs: list[Sequence] = []
+        self.draft_s = 0.0
+        self.levels = 0  # draft levels over all calls (the deepest tree of a call: levels are batched)
+        self.steps = 0
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)  # e.g. `model`, for the engine's cache accounting
+
+    def start(self, seqs: list[Sequence], capacity: int) -> None:
+        self.seqs = seqs
+        self.trees = {}
+        self.inner.start(seqs, capacity)
+
+    def draft(self, rows: list[int]) -> list[DraftTree]:
+        rooms = [s.rule.max_new_tokens - len(s.generated) - 1 for s in (self.seqs[i] for i in rows)]
+        t0 = time.perf_counter()
+        trees = self.inner.draft(rows)
+        levels = max((max(t.depths(), default=0) for t in trees), default=0)
+        if levels:
+            self.draft_s += time.perf_counter() - t0
+            self.levels += levels
+        for i, tree, room in zip(rows, trees, rooms):
+            self.trees[i] = (tree, room)
+        return trees
+
+    def update(self, rows: list[int], verdicts: list[Verdict]) -> None:
+        for i, v in zip(rows, verdicts):
+            tree, room = self.trees.pop(i)
+            self.counts.observe(tree, v.path, self.slots, room)
+            self.steps += 1
+        self.inner.update(rows, verdicts)
+
+    def retain(self, rows: list[int]) -> None:
+        self.inner.retain(rows)
+
+    @property
+    def draft_ms_per_level(self) -> float:
+        return 1000 * self.draft_s / self.levels if self.levels else 0.0
+
+
+def calibration_config(cfg: DictConfig, opts: SequoiaOptions, run_dir: Path) -> DictConfig:
+    """The run's config with the drafter's decoder drafting the wide calibration tree."""
+    cfg = cfg.copy()
+    name = DRAFTERS[opts.drafter]
+    OmegaConf.update(cfg, "decoder.name", name)
+    if name == "stand":
+        path = run_dir / "calibration_tree.json"
+        run_dir.mkdir(parents=True, exist_ok=True)
+        StaticTree(tuple(k_config_parents(opts.calibration)), {"made_by": "sequoia calibration"}).save(path)
+        OmegaConf.update(cfg, "stand.tree", str(path))
+    else:
+        if not OmegaConf.select(cfg, "draft.path"):
+            raise ConfigError(
+                "sequoia.drafter=model measures a draft model: set draft.path=<model sharing the target's "
+                "tokenizer> (or draft.path=self)"
+            )
+        OmegaConf.update(cfg, "sd.k_config", list(opts.calibration))
+        OmegaConf.update(cfg, "sd.tree_policy", "k_config")
+        OmegaConf.update(cfg, "sd.multi_candidate", True)
+    return cfg
+
+
+def calibrate(
+    run_cfg: RunConfig, engine: Engine, opts: SequoiaOptions, run_dir: Path, progress: bool = True
+) -> tuple[RankRecorder, dict]:
+    """ToT over the calibration problems with the drafter recorded: (RankRecorder, the run's summary)."""
+    decoder = engine.decoder
+    recorder = RankRecorder(decoder.drafter, opts.calibration)
+    decoder.drafter = recorder
+    summary = run(run_cfg, run_dir, engine=engine, progress=progress)
+    if not recorder.steps:
+        raise ConfigError(
+            f"nothing was drafted over {summary['n_problems']} problems (already done in {run_dir}?); "
+            "use a new hydra.run.dir or more problems (data.limit)"
+        )
+    return recorder, summary
+
+
+# --- costs and the tree ----------------------------------------------------------------------------------
+
+
+def read_profile(path: str, batch: int) -> tuple[CostCurve, list[dict]]:
+    try:
+        rows = json.loads(Path(path).read_text())["rows"]
+        return CostCurve.from_profile(rows, batch), rows
+    except FileNotFoundError:
+        raise ConfigError(
+            f"sequoia.profile={path} does not exist; write one with python -m decoding.profile out={path}"
+        ) from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(
+            f"sequoia.profile={path} is not a usable decoding.profile file ({e}); "
+            f"rerun python -m decoding.profile batch_sizes=[{batch}] out={path}, or set sequoia.batch"
+        ) from None
+
+
+def measure_profile(
+    engine: Engine, opts: SequoiaOptions, run_cfg: RunConfig, run_dir: Path
+) -> tuple[CostCurve, list[dict]]:
+    pcfg = ProfileConfig(run_cfg.model, opts.tree_sizes, (opts.batch,), opts.context, opts.repeats, None)
+    rows = profile(pcfg, engine.target)
+    (run_dir / "profile.json").write_text(json.dumps({"model": run_cfg.model.path, "rows": rows}, indent=2) + "\n")
+    return CostCurve.from_profile(rows, opts.batch), rows
+
+
+@dataclass
+class Made:
+    tree: StaticTree
+    choice: Choice
+    ar_ms: float | None
+    accept: list[float] = field(default_factory=list)
+
+
+def make_tree(
+    counts: RankCounts, draft_ms: float, curve: CostCurve, opts: SequoiaOptions, source: str, meta: dict
+) -> Made:
+    """Sequoia's hardware-aware tree from measured counts and costs, with how it was made in its meta."""
+    accept = counts.accept_vector()
+    if not any(accept):
+        raise ConfigError("no drafted token was accepted during calibration: there is nothing to build a tree from")
+    budget = min(opts.max_budget, curve.tokens[-1] - 1)
+    try:
+        table = choose(accept, curve, draft_ms, budget, opts.max_depth)
+    except ValueError as e:
+        raise ConfigError(f"sequoia.profile: {e}; measure sizes from 1 (python -m decoding.profile)") from None
+    best = table.best
+    ar_ms = curve(1) if curve.covers(1) else None
+    ranked: dict[tuple[int, ...], Choice] = {}  # the distinct trees, fastest first
+    for c in sorted(table.rows, key=lambda c: -c.tokens_per_ms):
+        ranked.setdefault(c.tree.parents, c)
+    meta = {
+        **meta,
+        "accept": [round(a, 6) for a in accept],
+        "accept_meaning": "per sibling rank: P(the k-th child is accepted | the earlier ones were rejected)",
+        "sequoia_p": [round(p, 6) for p in marginal(accept)],
+        "counts": {"tried": counts.tried, "accepted": counts.accepted},
+        "budget": best.budget,
+        "depth": best.depth,
+        "nodes": len(best.tree),
+        "tree_depth": best.tree.depth,
+        "expected_tokens": round(best.tree.expected_tokens, 6),
+        "expected_accepted": round(best.tree.expected_accepted, 6),
+        "cost_model": {
+            "formula": "maximise G / (depth * draft_ms_per_level + verify_ms(nodes + 1)) (Sequoia section 4.1)",
+            "draft_ms_per_level": round(draft_ms, 4),
+            "verify": {"source": source, "batch": curve.batch, "tree_tokens": list(curve.tokens), "ms": list(curve.ms)},
+            "step_ms": round(best.step_ms, 3),
+            "predicted_tokens_per_s": round(1000 * best.tokens_per_ms, 2),
+            "predicted_speedup_vs_one_token_steps": None if ar_ms is None else round(best.speedup_vs(ar_ms), 3),
+        },
+        "best_candidates": [
+            {
+                "budget": c.budget,
+                "depth": c.depth,
+                "nodes": len(c.tree),
+                "expected_tokens": round(c.tree.expected_tokens, 4),
+                "step_ms": round(c.step_ms, 2),
+            }
+            for c in list(ranked.values())[:8]
+        ],
+    }
+    return Made(StaticTree(best.tree.parents, meta), best, ar_ms, accept)
+
+
+def from_counts(source: Path, opts: SequoiaOptions) -> Made:
+    """Re-solve from what a tree file of this command recorded (no decoding)."""
+    meta = dict(StaticTree.load(str(source), key="sequoia.from_counts").meta)
+    try:
+        counts = RankCounts(list(meta["counts"]["tried"]), list(meta["counts"]["accepted"]))
+        draft_ms = float(meta["cost_model"]["draft_ms_per_level"])
+        verify = meta["cost_model"]["verify"]
+    except (KeyError, TypeError):
+        raise ConfigError(
+            f"sequoia.from_counts={source} has no recorded counts; give a tree written by this command"
+        ) from None
+    if opts.profile:
+        curve, _ = read_profile(opts.profile, opts.batch)
+        where = opts.profile
+    else:
+        curve = CostCurve(tuple(verify["tree_tokens"]), tuple(verify["ms"]), int(verify["batch"]))
+        where = f"{verify['source']} (recorded in {source})"
+    keep = {k: v for k, v in meta.items() if k in ("made_by", "drafter", "model", "draft", "task", "data", "search")}
+    return make_tree(counts, draft_ms, curve, opts, where, {**keep, "resolved_from": str(source)})
+
+
+def build(
+    cfg: DictConfig,
+    run_dir: Path,
+    target: LoadedModel | None = None,
+    draft: LoadedModel | None = None,
+    progress: bool = True,
+) -> tuple[Made, dict]:
+    """The whole command on a composed config; `target` / `draft`: models already loaded (tests)."""
+    opts = SequoiaOptions.from_container(OmegaConf.to_container(cfg.sequoia, resolve=True))
+    if opts.from_counts:
+        return from_counts(Path(opts.from_counts), opts), {}
+    run_cfg = RunConfig.from_omegaconf(calibration_config(cfg, opts, run_dir))
+    if opts.profile:  # read before any model is loaded: a bad file fails at once
+        curve, _ = read_profile(opts.profile, opts.batch)
+        source = opts.profile
+    if target is None:
+        engine = make_engine(run_cfg)
+    else:
+        engine = Engine(target, run_cfg.decoder, draft if run_cfg.decoder.draft else None)
+    if not opts.profile:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        curve, _ = measure_profile(engine, opts, run_cfg, run_dir)
+        source = f"measured here ({run_dir / 'profile.json'}), median of {opts.repeats}, context {opts.context}"
+    recorder, summary = calibrate(run_cfg, engine, opts, run_dir, progress)
+    dec = run_cfg.decoder
+    if run_cfg.gen.temperature == 0:
+        draw = "top"
+    else:
+        draw = dec.spec.draw if opts.drafter == "model" else ("without_replacement" if dec.stand.stochastic else "top")
+    meta = {
+        "made_by": "python -m decoding.sequoia_tree",
+        "date": datetime.date.today().isoformat(),
+        "drafter": opts.drafter,
+        "decoder": run_cfg.decoder.name,
+        "draw": draw,  # how siblings were drawn (decoding/acceptance.py): the rates hold for this rule
+        "model": run_cfg.model.path,
+        "draft": None if run_cfg.decoder.draft is None else run_cfg.decoder.draft.path,
+        "calibration": list(opts.calibration),
+        "calibration_steps": recorder.steps,
+        "calibration_acceptance_length": summary["acceptance_length"],
+        "task": run_cfg.task,
+        "data": {"path": run_cfg.data.path, "offset": run_cfg.data.offset, "limit": run_cfg.data.limit},
+        "temperature": run_cfg.gen.temperature,
+        "search": {"n_thoughts": run_cfg.bfs.n_thoughts, "breadth": run_cfg.bfs.breadth, "depth": run_cfg.depth},
+    }
+    return make_tree(recorder.counts, recorder.draft_ms_per_level, curve, opts, source, meta), summary
+
+
+def report(made: Made) -> list[str]:
+    meta = made.tree.meta
+    cost = meta["cost_model"]
+    accept = " ".join(f"{a:.3f}" for a in made.accept)
+    lines = [
+        f"acceptance by sibling rank (given the earlier ones rejected): {accept} "
+        f"({meta['counts']['tried'][0]} trials at rank 1)",
+        f"verification cost at batch {cost['verify']['batch']}: "
+        + ", ".join(f"T={t} {ms:.1f} ms" for t, ms in zip(cost["verify"]["tree_tokens"], cost["verify"]["ms"])),
+        f"chosen: budget {meta['budget']}, depth {meta['depth']} -> {meta['nodes']} nodes, depth "
+        f"{meta['tree_depth']}, expected {meta['expected_tokens']:.3f} tokens per step; "
+        f"{cost['step_ms']:.1f} ms per step ({cost['draft_ms_per_level']:.2f} ms per draft level) = "
+        f"{cost['predicted_tokens_per_s']:.1f} tok/s predicted"
+        + (
+            ""
+            if cost["predicted_speedup_vs_one_token_steps"] is None
+            else f", {cost['predicted_speedup_vs_one_token_steps']:.2f}x one-token steps"
+        ),
+    ]
+    return lines
+
+
+@hydra.main(config_path="pkg://conf", config_name="sequoia_tree", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    quiet_transformers()
+    try:
+        made, summary = build(cfg, Path(HydraConfig.get().runtime.output_dir))
+        out = Path(str(cfg.sequoia.out))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        made.tree.save(out)
+    except (ConfigError, DataError, BackendError) as e:
+        fail(str(e).splitlines()[0])
+    if summary:
+        print("calibration: " + summary_line(summary))
+    for line in report(made):
+        print(line)
+    print(
+        f"tree of {len(made.tree)} nodes written to {out} (stand.tree={out}, or sd.tree_policy=sequoia sd.tree={out})"
+    )
+
+
+def cli() -> None:
+    check_overrides(sys.argv[1:], "sequoia_tree", ("task", "search", "decoder", "model"))
+    main()
+
+
+if __name__ == "__main__":
+    cli()
