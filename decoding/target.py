@@ -152,11 +152,17 @@ class Target:
         shared = min(_common_prefix_len(prompts), min(len(p) for p in prompts) - 1)
         head = tuple(prompts[0][:shared])
         reuse = self.prefixes.longest(head)
+        if shared < MIN_SHARED_PREFIX and not reuse:
+            shared = 0
+        # A scheduler may verify a row's first draft (its whole pending part, left-padded) in one
+        # forward with rows already far along: every row's slots then span the widest pending part
+        # past the longest row, so the cache needs that much room beyond `capacity`.
+        capacity += max(len(p) for p in prompts) - shared
         capture = self.hidden_layer is not None
         self.start_hidden = None
         if capture:
             self.start_hidden = torch.zeros(0, self.config.hidden_size, dtype=self.dtype, device=self.device)
-        if shared < MIN_SHARED_PREFIX and not reuse:
+        if not shared:
             return self.new_cache(len(prompts), capacity), [list(p) for p in prompts]
         cache = self.new_cache(1, capacity)
         hidden = [self.prefixes.restore(reuse, cache)] if reuse else []

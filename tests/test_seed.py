@@ -206,3 +206,20 @@ def test_union_sampling_follows_the_target(tiny_model, tokenizer, loaded, pertur
     samples = sample_three(engine, prompt, params, 8000)
     assert engine.total_stats.accepted_tokens > 0
     check_three_tokens(tiny_model, prompt, params, samples, len(tokenizer))
+
+
+@pytest.mark.parametrize("decoder", ["seed_stand", "seed"])
+def test_first_draft_verified_beside_rows_far_along(tiny_model, tokenizer, loaded, decoder):
+    """More rows than seed.verify_batch, each with a long unshared prompt part: a row's first
+    verification (its whole pending part) shares a forward with rows already a round along. The
+    cache must hold that (it once ran out of positions on Creative Writing's evaluations)."""
+    head = "Rate this passage. "
+    bodies = [" ".join(f"word{i}x{j}" for j in range(40 + (9 if i == 8 else 0))) for i in range(9)]
+    prompts = [head + b for b in bodies]
+    requests = [GenRequest(p, max_new_tokens=6, temperature=0.0, group="g") for p in prompts]
+    refs = [reference_greedy(tiny_model, encode(tokenizer, p), 6, {EOS_ID}) for p in prompts]
+    if decoder == "seed":
+        engine = seed_engine(loaded, loaded, (2, 2, 1), 8, False)
+    else:
+        engine = Engine(loaded, DecoderConfig(name="seed_stand", seed=SeedOptions(verify_batch=8)))
+    assert [r.token_ids for r in engine.generate(requests)] == refs
