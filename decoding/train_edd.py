@@ -206,10 +206,10 @@ def build_corpus(cfg: TrainConfig, engine: Engine, progress: bool = True) -> lis
     path.parent.mkdir(parents=True, exist_ok=True)
     bar = tqdm(plan, desc="corpus", unit="chunk", disable=not progress)
     for source, task, chunk, problems in bar:
-        new = rollout(task, source, problems, engine, cfg)
+        new = [{"chunk": chunk, **d} for d in rollout(task, source, problems, engine, cfg)]
         with path.open("a", encoding="utf-8") as f:
             for d in new:
-                f.write(json.dumps({"chunk": chunk, **d}) + "\n")
+                f.write(json.dumps(d) + "\n")
         docs += new
         bar.set_postfix(texts=len(docs), tokens=sum(len(d["ids"]) for d in docs))
     return docs

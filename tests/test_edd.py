@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -158,6 +159,32 @@ def test_training_lowers_the_heldout_kl(trained):
     assert last < 0.6 * first, (first, last)
     assert summary["heldout_top1"] > 0.05
     assert summary["heldout_texts"] > 0 and summary["train_texts"] > summary["heldout_texts"]
+
+
+def test_corpus_rollouts_are_cached_per_chunk(tmp_path, tokenizer):
+    """ToT-BFS rollouts of the bundled GSM8K problems on a tiny model; a rerun decodes nothing."""
+    from conftest import build_model
+
+    from decoding.train_edd import Source, build_corpus, build_features
+    from tasks import DataSpec
+
+    model = LoadedModel(build_model(len(tokenizer), max_positions=4096), tokenizer, torch.device("cpu"), False, "t")
+    source = Source("gsm8k", 2, DataSpec(limit=3), max_thought_tokens=6, max_eval_tokens=4)
+    cfg = replace(train_config(tmp_path, steps=1), sources=(source,), n_thoughts=2, problems_per_call=2)
+    docs = build_corpus(cfg, Engine(model, "ar"), progress=False)
+    # 3 problems x 2 depths x (2 thoughts + 2 evaluations), in chunks of 2 and 1 problems.
+    assert len(docs) == 3 * 2 * 4 and {d["chunk"] for d in docs} == {"gsm8k/0", "gsm8k/2"}
+    assert all(len(d["ids"]) > d["prompt_len"] for d in docs)
+
+    class NoDecoding:
+        def generate(self, requests):
+            raise AssertionError("a rerun decodes nothing")
+
+    assert build_corpus(cfg, NoDecoding(), progress=False) == docs
+    examples = build_features(cfg, model, docs, progress=False)
+    # Samples of one prompt whose windows differ only in their short replies are kept once.
+    assert 0 < len(examples) < len(docs)
+    assert all(e.hidden.shape == (len(e.ids), 64) for e in examples)
 
 
 def test_heldout_split_is_by_problem(tiny_examples):
