@@ -98,7 +98,12 @@ class DecoderConfig:
         draft = None
         if draft_cfg.get("path") not in (None, ""):
             known = {"path", "device", "dtype", "cache_dir"}
-            draft = ModelSpec(**{k: str(v) for k, v in draft_cfg.items() if k in known and v is not None}, key="draft")
+            vocab = draft_cfg.get("vocab")
+            draft = ModelSpec(
+                **{k: str(v) for k, v in draft_cfg.items() if k in known and v is not None},
+                key="draft",
+                vocab=None if vocab is None else as_int("draft.vocab", vocab),
+            )
         return cls(
             name=name,
             spec=spec,

@@ -17,10 +17,13 @@ The drafter only proposes: the target verifies every tree, so outputs stay the t
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import re
 import statistics
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -39,6 +42,8 @@ from decoding.verify import Verdict
 
 CONFIG_FILE = "edd_config.json"
 WEIGHTS_FILE = "edd_state.pt"
+log = logging.getLogger(__name__)
+VOCAB_FILE = "draft_vocab.pt"  # token ids by descending frequency in the training corpus (draft.vocab)
 
 
 @dataclass(frozen=True)
@@ -133,6 +138,17 @@ class EddModel(torch.nn.Module):
             for p in m.parameters():
                 p.requires_grad_(False)
 
+    def vocab_rows(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The LM head's rows (weight, bias) for the draft vocabulary `ids` (draft.vocab, FR-Spec's
+        frequency-ranked draft vocabulary): on a CPU the head's weights dominate a one-layer forward,
+        and reading a few thousand rows instead of the whole vocabulary makes a draft level several
+        times cheaper. Lossless: the other tokens get draft probability 0, which the acceptance rules
+        allow (they are never drafted, and the target's residual keeps their mass)."""
+        head = self.shared[1]
+        ids = ids.to(head.weight.device)
+        bias = getattr(head, "bias", None)
+        return head.weight[ids].contiguous(), None if bias is None else bias[ids].contiguous()
+
     @property
     def device(self) -> torch.device:
         return self.base.norm.weight.device
@@ -144,8 +160,11 @@ class EddModel(torch.nn.Module):
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.shared[0](tokens.to(self.device))
 
-    def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.shared[1](hidden)
+    def head(self, hidden: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
+        """Logits over the whole vocabulary, or over a draft vocabulary's `vocab_rows` (in its order)."""
+        if rows is None:
+            return self.shared[1](hidden)
+        return torch.nn.functional.linear(hidden, *rows)
 
     def forward(
         self,
@@ -154,8 +173,10 @@ class EddModel(torch.nn.Module):
         positions: torch.Tensor,
         cache: RowKVCache | None = None,
         logits_at: torch.Tensor | None = None,
+        head_rows: tuple[torch.Tensor, torch.Tensor | None] | None = None,
     ) -> torch.Tensor:
-        """Logits [B, K, V] at the columns `logits_at` (default: all) of embeds [B, T, H].
+        """Logits [B, K, V] at the columns `logits_at` (default: all) of embeds [B, T, H] (V: the
+        draft vocabulary's size with `head_rows`).
 
         mask: additive [B or 1, 1, T, kv_len]; positions [B or 1, T].
         """
@@ -169,7 +190,7 @@ class EddModel(torch.nn.Module):
         hidden = out.last_hidden_state
         if logits_at is not None:
             hidden = hidden[:, logits_at.to(hidden.device)]
-        return self.head(hidden)
+        return self.head(hidden, head_rows)
 
     def new_cache(self, batch: int, capacity: int) -> RowKVCache:
         n_layers, n_kv, head_dim = cache_geometry(self.lm_config)
@@ -185,12 +206,13 @@ class EddModel(torch.nn.Module):
         logits_at: torch.Tensor,
         offset: int = 0,
         rows: list[int] | None = None,
+        head_rows: tuple[torch.Tensor, torch.Tensor | None] | None = None,
     ) -> torch.Tensor:
         """A forward over the per-row cache, as Target.forward does for the target."""
         cache.prepare(embeds.shape[1], offset, rows)
         mask = cache.attention_mask(tree.to(self.device), self.dtype)
         positions = cache.row_lens()[:, None] + depth.to(self.device)
-        return self(embeds.to(self.device, self.dtype), mask, positions, cache, logits_at)
+        return self(embeds.to(self.device, self.dtype), mask, positions, cache, logits_at, head_rows)
 
     def trained_state(self) -> dict[str, torch.Tensor]:
         return {k: v for k, v in self.state_dict().items() if "rotary" not in k}
@@ -217,15 +239,18 @@ def edd_dir(target_name: str, cache_dir: str | Path | None = None) -> Path:
     return root / "edd" / safe
 
 
-def save_edd(model: EddModel, path: Path, extra: dict | None = None) -> None:
-    """A directory with the EDD config (JSON, with `extra`, e.g. training notes) and its weights,
-    written to a temporary name and renamed so that an interrupted save leaves the old one."""
+def save_edd(model: EddModel, path: Path, extra: dict | None = None, vocab: torch.Tensor | None = None) -> None:
+    """A directory with the EDD config (JSON, with `extra`, e.g. training notes), its weights and
+    `vocab` (token ids by descending corpus frequency, for draft.vocab), written to a temporary name
+    and renamed so that an interrupted save leaves the old one."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
     meta = {"edd": asdict(model.config), "model": model.lm_config.to_dict(), **(extra or {})}
     (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=2, default=str) + "\n", encoding="utf-8")
     torch.save({k: v.detach().cpu() for k, v in model.trained_state().items()}, tmp / WEIGHTS_FILE)
+    if vocab is not None:
+        torch.save(vocab.detach().cpu().long(), tmp / VOCAB_FILE)
     if path.exists():
         old = path.with_name(path.name + ".old")
         path.rename(old)
@@ -270,6 +295,30 @@ def load_edd(spec: ModelSpec, target: LoadedModel) -> LoadedModel:
     return LoadedModel(model, target.tokenizer, target.device, target.use_chat_template, str(path), "edd")
 
 
+@functools.lru_cache(maxsize=8)  # engines are made per call: read (and report) a ranking once
+def draft_vocab(path: Path | str, size: int) -> torch.Tensor:
+    """The `size` most frequent tokens of the EDD's training corpus (all it saw, if fewer)."""
+    f = Path(path) / VOCAB_FILE
+    if not f.is_file():
+        raise BackendError(
+            f"draft.vocab={size}: the EDD in {path} has no token ranking ({VOCAB_FILE}); rerun "
+            "`python -m decoding.train_edd` (it reuses its corpus and checkpoint) to write it, or set draft.vocab=null"
+        )
+    ranking = torch.load(f, weights_only=True)
+    if size > len(ranking):
+        log.info("draft.vocab=%d: the EDD's corpus has %d distinct tokens; drafting over those", size, len(ranking))
+    return ranking[:size]
+
+
+def vocab_ranking(texts: list[list[int]], vocab_size: int) -> torch.Tensor:
+    """Token ids seen in `texts`, most frequent first (ties: smaller id first)."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for ids in texts:
+        counts += torch.bincount(torch.tensor(ids, dtype=torch.long), minlength=vocab_size)[:vocab_size]
+    order = torch.argsort(-counts, stable=True)  # stable: ties keep id order
+    return order[counts[order] > 0]
+
+
 # --- drafting -----------------------------------------------------------------------------------
 
 
@@ -283,13 +332,20 @@ class EddDrafter:
     longer than the EDD was trained on, or has no room left, gets an empty tree this round.
     """
 
-    def __init__(self, edd: EddModel, target: Target, options: SpecOptions) -> None:
+    def __init__(self, edd: EddModel, target: Target, options: SpecOptions, vocab: torch.Tensor | None = None) -> None:
         self.edd = edd
         self.target = target
+        # draft.vocab: the corpus's most frequent tokens, to which each call adds its prompts' tokens and
+        # every token committed since (None: the whole vocabulary); `head_rows` are the head's rows for it.
+        self.base_vocab = vocab
+        self.vocab_set: set[int] = set() if vocab is None else set(vocab.tolist())
+        self.vocab = vocab
+        self.head_rows = None if vocab is None else edd.vocab_rows(vocab)
         if options.tree_policy == "pct" and options.pct_ratio is None:
             options = replace(options, pct_ratio=self._measure_ratio())
         self.policy = make_policy(options, target, target)
         self.max_nodes = self.policy.max_nodes
+        self.vocab_size = int(edd.shared[1].weight.shape[0])
         target.capture_hidden(edd.config.layer)
         self.seqs: list[Sequence] = []
         self.known: dict[int, int] = {}
@@ -316,6 +372,7 @@ class EddDrafter:
                 torch.ones(1, 1, 1, dtype=torch.bool),
                 torch.zeros(1, 1, dtype=torch.long),
                 torch.tensor([0]),
+                head_rows=self.head_rows,
             )
             if i:
                 times.append(time.perf_counter() - t0)
@@ -325,6 +382,9 @@ class EddDrafter:
 
     def start(self, seqs: list[Sequence], capacity: int) -> None:
         self.seqs = seqs
+        if self.base_vocab is not None:
+            self.vocab_set, self.vocab = set(self.base_vocab.tolist()), None
+            self._extend_vocab(t for s in seqs for t in s.prompt)
         head = self.target.start_hidden
         n = 0 if head is None else len(head)
         # The soft prompt (<= capacity) plus one draft's uncommitted slots: pads, queue, block, tree.
@@ -341,12 +401,22 @@ class EddDrafter:
         self.queue = {i: [] for i in range(len(seqs))}
         self.position = {i: i for i in range(len(seqs))}
 
+    def _extend_vocab(self, tokens: Iterable[int]) -> None:
+        """Add `tokens` to the draft vocabulary (and the head's rows for it) if any are new."""
+        new = set(tokens) - self.vocab_set
+        if new or self.vocab is None:
+            self.vocab_set |= new
+            self.vocab = torch.tensor(sorted(self.vocab_set), dtype=torch.long)
+            self.head_rows = self.edd.vocab_rows(self.vocab)
+
     def draft(self, rows: list[int]) -> list[DraftTree]:
         trees = [DraftTree() for _ in rows]
         active = []
         for b, i in enumerate(rows):
             seq = self.seqs[i]
             block = (seq.prompt + seq.generated)[self.known[i] :]
+            if self.base_vocab is not None:
+                self._extend_vocab(block)  # the tokens committed since the last draft
             # A step commits at most the accepted path plus one token (as ModelDrafter).
             room = seq.rule.max_new_tokens - len(seq.generated) - 1
             if room >= 1 and 1 <= len(block) <= self.edd.config.max_block:
@@ -379,7 +449,9 @@ class EddDrafter:
             depth[b, pad:] = torch.arange(width - pad)
         positions = [self.position[i] for _, i, _, _ in active]
         cache_rows = None if positions == list(range(self.cache.batch)) else positions
-        logits = edd.step(self.cache, embeds, see, depth, torch.tensor([width - 1]), rows=cache_rows)
+        logits = edd.step(
+            self.cache, embeds, see, depth, torch.tensor([width - 1]), rows=cache_rows, head_rows=self.head_rows
+        )
         seqs = [self.seqs[i] for _, i, _, _ in active]
         growths = [self.policy.grow(s.params.greedy, s.draft_generator, room) for s, (*_, room) in zip(seqs, active)]
         slots: list[dict[int, int]] = [{} for _ in active]
@@ -388,7 +460,7 @@ class EddDrafter:
             # logits[b, j]: the EDD's next-token logits at row b's frontier node j.
             for b, g in enumerate(growths):
                 if g.frontier:
-                    g.next_level(_dists(logits[b, : len(g.frontier)], seqs[b].params))
+                    g.next_level(_dists(logits[b, : len(g.frontier)], seqs[b].params, self.vocab, self.vocab_size))
             frontier = [g.frontier for g in growths]
             if not any(frontier):
                 break
@@ -402,7 +474,9 @@ class EddDrafter:
                 [width - pads[b] + level for b in range(batch)],
             )
             n = tokens.shape[1]
-            logits = edd.step(self.cache, edd.embed(tokens), see, depth, torch.arange(n), written, cache_rows)
+            logits = edd.step(
+                self.cache, edd.embed(tokens), see, depth, torch.arange(n), written, cache_rows, self.head_rows
+            )
             written += n
             level += 1
         # The queued hidden states join the soft prompt; the block and the tree never do.
@@ -428,8 +502,14 @@ class EddDrafter:
         self.position = {i: pos for pos, i in enumerate(order)}
 
 
-def _dists(logits: torch.Tensor, params: SamplingParams) -> list[torch.Tensor]:
-    """Draft distributions [V] on the CPU for logits [n, V]: the plain softmax at temperature 0 (for
-    ranking and confidences), above it the processed distribution the draws follow."""
+def _dists(
+    logits: torch.Tensor, params: SamplingParams, ids: torch.Tensor | None, vocab_size: int
+) -> list[torch.Tensor]:
+    """Draft distributions [V] on the CPU for logits [n, V] (or [n, len(ids)] over the draft
+    vocabulary `ids`, the rest of the vocabulary at -inf: probability 0): the plain softmax at
+    temperature 0 (for ranking and confidences), above it the processed distribution the draws follow."""
+    if ids is not None:
+        full = logits.new_full((logits.shape[0], vocab_size), float("-inf"))
+        logits = full.index_copy_(1, ids.to(logits.device), logits)
     q = logits.float().softmax(-1) if params.greedy else process_logits(logits[None], [params])[0]
     return list(q.cpu().unbind(0))

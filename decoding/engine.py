@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Protocol
 
 from decoding.aded import AdedDrafter
 from decoding.config import DECODERS, DecoderConfig
 from decoding.draft_model import ModelDrafter, SpecOptions
-from decoding.edd import EddDrafter, EddModel
+from decoding.edd import EddDrafter, EddModel, draft_vocab
 from decoding.errors import BackendError
 from decoding.hf import HFDecoder
-from decoding.models import LoadedModel
+from decoding.models import LoadedModel, ModelSpec
 from decoding.pld import PLDDrafter
 from decoding.recycling import RecyclingDrafter
 from decoding.sampling import SamplingParams
@@ -41,7 +42,7 @@ def make_decoder(config: DecoderConfig, target: Target, tokenizer: Detokenizer, 
     if config.name in ("sd", "seed"):
         if draft is None:
             raise BackendError(f"decoder={config.name} needs a draft model (draft.path)")
-        drafter = _model_drafter(draft, target, config.spec)
+        drafter = _model_drafter(draft, target, config.spec, config.draft)
         if config.name == "seed":
             return SeedDecoder(target, tokenizer, drafter, config.seed)
         return SpecDecoder("sd", target, tokenizer, drafter, serial=True)
@@ -50,7 +51,7 @@ def make_decoder(config: DecoderConfig, target: Target, tokenizer: Detokenizer, 
         if config.name == "seed_stand":
             drafter = ngram
             if draft is not None:
-                drafter = UnionDrafter([_model_drafter(draft, target, config.spec), ngram])
+                drafter = UnionDrafter([_model_drafter(draft, target, config.spec, config.draft), ngram])
             return SeedDecoder(target, tokenizer, drafter, config.seed, name="seed_stand")
         return SpecDecoder("stand", target, tokenizer, ngram)
     if config.name == "pld":
@@ -64,11 +65,14 @@ def make_decoder(config: DecoderConfig, target: Target, tokenizer: Detokenizer, 
     raise BackendError(f"decoder={config.name!r} is not one of {', '.join(DECODERS)}")
 
 
-def _model_drafter(draft: LoadedModel, target: Target, spec: SpecOptions) -> Drafter:
-    """The drafter of a loaded draft model: an EDD (draft.path=edd) reads the target's hidden states;
-    any other causal LM gets a Target of its own (its own forward count), also for the target's weights."""
+def _model_drafter(draft: LoadedModel, target: Target, spec: SpecOptions, draft_spec: ModelSpec | None) -> Drafter:
+    """The drafter of a loaded draft model: an EDD (draft.path=edd) reads the target's hidden states,
+    over its draft vocabulary when draft.vocab is set; any other causal LM gets a Target of its own
+    (its own forward count), also for the target's weights."""
     if isinstance(draft.model, EddModel):
-        return EddDrafter(draft.model, target, spec)
+        size = None if draft_spec is None else draft_spec.vocab
+        vocab = None if size is None else draft_vocab(Path(draft.source), size)
+        return EddDrafter(draft.model, target, spec, vocab)
     # The target too: tree_policy=pct measures s_d / s_t against it at start-up.
     return ModelDrafter(Target(draft.model), spec, _vocab_size(target), target=target)
 

@@ -29,8 +29,14 @@ class ModelSpec:
     chat_template: str = "auto"
     cache_dir: str = ""
     key: str = "model"  # the config namespace (model or draft), for error messages
+    vocab: int | None = None  # draft.vocab: an EDD drafts over its corpus's `vocab` most frequent tokens
 
     def __post_init__(self) -> None:
+        if self.vocab is not None and (self.path != "edd" or self.vocab < 1):
+            raise BackendError(
+                f"{self.key}.vocab={self.vocab}: a draft vocabulary is a positive number of tokens for "
+                f"{self.key}.path=edd (its training corpus ranks them); set {self.key}.vocab=null"
+            )
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise BackendError(f"{self.key}.device={self.device!r} is not one of auto, cpu, cuda, cuda:N")
         if self.dtype not in ("auto", *DTYPES):

@@ -11,7 +11,8 @@
    P_edd) at every token; AdamW, warmup then cosine decay; a held-out split of the problems gives the
    held-out KL (and top-1 agreement with the target) every `train.eval_every` steps; a checkpoint
    every `train.checkpoint_every` steps, resumed on a rerun.
-4. The trained EDD goes to <model cache>/edd/<model.path>/ (or `out`), where draft.path=edd finds it.
+4. The trained EDD goes to <model cache>/edd/<model.path>/ (or `out`), where draft.path=edd finds it,
+   with the corpus's tokens ranked by frequency (draft.vocab drafts over the most frequent ones).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from tqdm import tqdm
 
 from decoding.cli import check_overrides, fail, quiet_transformers
 from decoding.config import as_float, as_int
-from decoding.edd import EddConfig, EddModel, dual_block_mask, edd_dir, kl_to_target, save_edd
+from decoding.edd import EddConfig, EddModel, dual_block_mask, edd_dir, kl_to_target, save_edd, vocab_ranking
 from decoding.engine import Engine
 from decoding.errors import BackendError, ConfigError
 from decoding.models import LoadedModel, ModelSpec, load_model
@@ -405,8 +406,15 @@ def lr_at(step: int, s: TrainSettings) -> float:
     return s.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
 
 
-def train(cfg: TrainConfig, target: LoadedModel, examples: list[Example], progress: bool = True) -> dict:
-    """Train (or resume) an EDD and save it to cfg.out; returns the training summary."""
+def train(
+    cfg: TrainConfig,
+    target: LoadedModel,
+    examples: list[Example],
+    progress: bool = True,
+    vocab: torch.Tensor | None = None,
+) -> dict:
+    """Train (or resume) an EDD and save it to cfg.out with `vocab`, the corpus's token ranking
+    (draft.vocab); returns the training summary."""
     s = cfg.train
     torch.manual_seed(s.seed)
     edd = EddModel(EddConfig(cfg.model.path, cfg.layer, s.min_block, s.max_block, cfg.init_layer), target.model).train()
@@ -483,7 +491,7 @@ def train(cfg: TrainConfig, target: LoadedModel, examples: list[Example], progre
         "train_s_this_run": time.perf_counter() - t0,
         "settings": asdict(s),
     }
-    save_edd(edd.eval(), cfg.out, {"training": summary})
+    save_edd(edd.eval(), cfg.out, {"training": summary}, vocab)
     return summary
 
 
@@ -512,7 +520,8 @@ def run(cfg: TrainConfig, progress: bool = True) -> dict:
         f"({sum(len(d['ids']) - d['prompt_len'] for d in docs)} generated)"
     )
     examples = build_features(cfg, target, docs, progress)
-    summary = train(cfg, target, examples, progress)
+    vocab_size = int(target.model.get_output_embeddings().weight.shape[0])
+    summary = train(cfg, target, examples, progress, vocab_ranking([d["ids"] for d in docs], vocab_size))
     summary["total_s"] = time.perf_counter() - t0
     return summary
 

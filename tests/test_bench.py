@@ -113,8 +113,14 @@ def test_bench_variants(long_context, tmp_path):
         ({"decoder": "sd", "sd.nope": 1}, r"bench\.variants\.v sets sd\.nope, which is not a config key"),
         ({"decoder": "sd", "sd.tree_policy": "x"}, r"bench\.variants\.v: sd\.tree_policy=x is not one of"),
         ("decoder=sd", r"bench\.variants\.v='decoder=sd' must be a list of overrides"),
+        ({"decoder": "sd", "draft.path": "x"}, r"bench\.variants\.v sets draft\.path: every decoder"),
+        ({"decoder": "sd", "draft.vocab": 8}, r"bench\.variants\.v: draft\.vocab=8: .*draft\.path=edd"),
     ):
         with pytest.raises(ConfigError, match=message):
             decoder_configs(container, [], True, {"v": overrides})
+    # draft.vocab changes how a decoder uses the shared EDD, not the model: a variant may set it.
+    _, edd = compose_bench("draft.path=edd", "bench.variants={sd_vocab: {decoder: sd, draft.vocab: 8}}")
+    configs, _ = decoder_configs(edd, ["sd"], True, edd["bench"]["variants"])
+    assert configs["sd"].draft.vocab is None and configs["sd_vocab"].draft.vocab == 8
     with pytest.raises(ConfigError, match=r"bench\.variants\.stand is also in bench\.decoders"):
         decoder_configs(container, ["stand"], True, {"stand": {"decoder": "stand"}})

@@ -63,6 +63,7 @@ def cli_cases(tmp_path_factory, tiny_model, tokenizer):
         "depth": (["task.depth=0"], "task.depth=0"),
         "max_thought_tokens": (["gen.max_thought_tokens=0"], "gen.max_thought_tokens=0"),
         "temperature": (["gen.temperature=-1"], "gen.temperature=-1"),
+        "draft_vocab": (["decoder=sd", "draft.path=self", "draft.vocab=64"], "draft.vocab=64"),
         "model_path": (["model.path=/nonexistent/model/dir"], "model.path='/nonexistent/model/dir'"),
         "context": ([f"model.path={tiny}", "data.limit=1"], f"exceeds the model's context of {CONTEXT} tokens"),
     }
@@ -99,6 +100,7 @@ CASE_NAMES = [
     "depth",
     "max_thought_tokens",
     "temperature",
+    "draft_vocab",
     "model_path",
     "context",
 ]

@@ -19,11 +19,13 @@ from decoding.edd import (
     EddConfig,
     EddDrafter,
     EddModel,
+    draft_vocab,
     dual_block_mask,
     edd_dir,
     load_edd,
     load_edd_model,
     save_edd,
+    vocab_ranking,
 )
 from decoding.engine import Engine
 from decoding.errors import BackendError
@@ -147,7 +149,8 @@ def trained(one_thread, tmp_path_factory, loaded, tiny_examples) -> tuple[dict, 
     """A briefly trained EDD for the tiny target (and its training summary): 300 steps, about 15 s."""
     root = tmp_path_factory.mktemp("edd")
     cfg = train_config(root, steps=300)
-    summary = train(cfg, loaded, tiny_examples, progress=False)
+    vocab = vocab_ranking([e.ids.tolist() for e in tiny_examples], len(loaded.tokenizer))
+    summary = train(cfg, loaded, tiny_examples, progress=False, vocab=vocab)
     edd = load_edd_model(cfg.out, loaded.model)
     return summary, LoadedModel(edd, loaded.tokenizer, loaded.device, False, str(cfg.out), "edd")
 
@@ -378,6 +381,76 @@ def test_sampling_follows_the_target(tiny_model, tokenizer, loaded, trained, rul
     params = PARAMS[params_name]
     prompt = encode(tokenizer, "once upon a time")
     engine = edd_engine(loaded, draft, "sd", **EDD_RULES[rule])
+    engine.decoder = SpecDecoder("batched-edd", engine.target, tokenizer, engine.decoder.drafter)
+    samples = sample_three(engine, prompt, params, 8000)
+    stats = engine.total_stats
+    assert stats.accepted_tokens > 0 and stats.accepted_tokens < stats.drafted_tokens
+    check_three_tokens(tiny_model, prompt, params, samples, len(tokenizer))
+
+
+# --- draft.vocab: drafting over the corpus's most frequent tokens ---------------------------------
+
+
+def test_vocab_ranking_orders_by_count_then_id():
+    ranking = vocab_ranking([[5, 3, 5, 7], [3, 5, 9], [7]], 10)
+    assert ranking.tolist() == [5, 3, 7, 9]  # 5 thrice; 3 and 7 twice (3 first); 9 once; unseen left out
+
+
+def test_draft_vocab_is_the_saved_ranking_cut(trained, tmp_path):
+    _, draft = trained
+    full = torch.load(f"{draft.source}/draft_vocab.pt")
+    assert draft_vocab(draft.source, 10).tolist() == full[:10].tolist()
+    assert len(draft_vocab(draft.source, 10**6)) == len(full)  # more than the corpus saw: all it saw
+    with pytest.raises(BackendError, match=r"rerun `python -m decoding.train_edd`"):
+        draft_vocab(tmp_path, 10)
+    with pytest.raises(BackendError, match=r"draft.vocab=8: .*draft.path=edd"):
+        ModelSpec("some/model", key="draft", vocab=8)
+
+
+def test_vocab_head_rows_give_the_full_heads_logits(trained):
+    _, draft = trained
+    edd = draft.model
+    ids = draft_vocab(draft.source, 20)
+    hidden = torch.randn(3, edd.lm_config.hidden_size)
+    with torch.inference_mode():
+        torch.testing.assert_close(edd.head(hidden, edd.vocab_rows(ids)), edd.head(hidden)[:, ids])
+
+
+def vocab_engine(loaded, draft, name, size, **options) -> Engine:
+    spec = SpecOptions(key=name, **options)
+    cfg = DecoderConfig(name, spec, SeedOptions(2), draft=ModelSpec("edd", key="draft", vocab=size))
+    return Engine(loaded, cfg, draft)
+
+
+@pytest.mark.parametrize("name", ["sd", "seed"])
+def test_greedy_identity_with_a_draft_vocabulary(tiny_model, tokenizer, loaded, trained, name):
+    """A draft vocabulary of half the corpus's tokens, grown by the prompts' tokens and those the
+    target commits: the output is still generate's."""
+    _, draft = trained
+    size = len(torch.load(f"{draft.source}/draft_vocab.pt")) // 2
+    specs, requests = ragged()
+    refs = [reference_greedy(tiny_model, encode(tokenizer, p), m, {EOS_ID}) for p, m in specs]
+    engine = vocab_engine(loaded, draft, name, size)
+    results = engine.generate(requests)
+    assert [r.token_ids for r in results] == refs
+    drafter = engine.decoder.drafter
+    base, vocab = set(drafter.base_vocab.tolist()), set(drafter.vocab.tolist())
+    assert len(base) == size and sum(r.stats.accepted_tokens for r in results) > 0
+    # The target said tokens outside the corpus's ranking (so the test can tell); the vocabulary took
+    # them in, and every prompt token.
+    said = {t for r in results for t in r.token_ids}
+    assert said - base and (said - base) & vocab
+    assert {t for p, _ in specs for t in encode(tokenizer, p)} <= vocab
+
+
+@pytest.mark.parametrize("rule", ["multi", "without-replacement"])
+def test_sampling_follows_the_target_with_a_draft_vocabulary(tiny_model, tokenizer, loaded, trained, rule):
+    """8,000 seeded 3-token samples at temperature 1.0 with a draft vocabulary of 16 tokens (most of the
+    target's mass lies outside it: the residual must supply it); tolerance as in test_speculative.py."""
+    _, draft = trained
+    params = PARAMS["t1.0"]
+    prompt = encode(tokenizer, "once upon a time")
+    engine = vocab_engine(loaded, draft, "sd", 16, **RULES[rule])
     engine.decoder = SpecDecoder("batched-edd", engine.target, tokenizer, engine.decoder.drafter)
     samples = sample_three(engine, prompt, params, 8000)
     stats = engine.total_stats

@@ -80,13 +80,15 @@ def decoder_configs(
             continue
         try:
             configs[name] = DecoderConfig.from_container(c)
-        except ConfigError as e:
+        except (ConfigError, BackendError) as e:
             raise ConfigError(f"bench.variants.{name}: {e}") from None
     return configs, skipped
 
 
 # What every decoder of one bench shares (the problems, sampling, models): a variant may not change it.
 SHARED = ("task", "search", "data", "gen", "model", "draft", "bench")
+# Shared-group keys a variant may still set: they change how a decoder uses the loaded models, not the models.
+PER_DECODER = ("draft.vocab",)
 
 
 def variant_container(container: dict, name: str, overrides: object) -> dict:
@@ -107,8 +109,11 @@ def variant_container(container: dict, name: str, overrides: object) -> dict:
     absent = object()
     for key, value in items:
         key = "decoder.name" if key == "decoder" else key
-        if key.split(".")[0] in SHARED:
-            raise ConfigError(f"bench.variants.{name} sets {key}: every decoder of a bench shares {', '.join(SHARED)}")
+        if key.split(".")[0] in SHARED and key not in PER_DECODER:
+            raise ConfigError(
+                f"bench.variants.{name} sets {key}: every decoder of a bench shares {', '.join(SHARED)} "
+                f"(but for {', '.join(PER_DECODER)})"
+            )
         if OmegaConf.select(cfg, key, default=absent) is absent:
             raise ConfigError(f"bench.variants.{name} sets {key}, which is not a config key")
         OmegaConf.update(cfg, key, value, merge=False)
