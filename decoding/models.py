@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from decoding.errors import BackendError
+from decoding.prepack import prepack_linears
 
 log = logging.getLogger(__name__)
 
@@ -30,8 +31,14 @@ class ModelSpec:
     cache_dir: str = ""
     key: str = "model"  # the config namespace (model or draft), for error messages
     vocab: int | None = None  # draft.vocab: an EDD drafts over its corpus's `vocab` most frequent tokens
+    prepack: bool = True  # CPU float32: linear layers get a prepacked weight copy (decoding/prepack.py)
 
     def __post_init__(self) -> None:
+        # Config values arrive as strings (ModelSpec(**{k: str(v)})).
+        prepack = {"true": True, "false": False}.get(str(self.prepack).lower())
+        if prepack is None:
+            raise BackendError(f"{self.key}.prepack={self.prepack!r} must be true or false")
+        object.__setattr__(self, "prepack", prepack)
         if self.vocab is not None and (self.path != "edd" or self.vocab < 1):
             raise BackendError(
                 f"{self.key}.vocab={self.vocab}: a draft vocabulary is a positive number of tokens for "
@@ -91,7 +98,15 @@ def load_model(spec: ModelSpec) -> LoadedModel:
             f"checkpoint directory, a Hugging Face id with network access, or the embedded {spec.key}.path=smollm2-135m"
         ) from e
     model.to(device).eval()
-    log.info("loaded %s in %.1fs on %s (%s)", source, time.perf_counter() - t0, device, dtype)
+    packed = prepack_linears(model) if spec.prepack else 0
+    log.info(
+        "loaded %s in %.1fs on %s (%s%s)",
+        source,
+        time.perf_counter() - t0,
+        device,
+        dtype,
+        f", {packed} linear layers prepacked" if packed else "",
+    )
     has_template = getattr(tokenizer, "chat_template", None) is not None
     use_chat = has_template if spec.chat_template == "auto" else str(spec.chat_template).lower() == "true"
     if use_chat and not has_template:
