@@ -34,6 +34,7 @@ from decoding.draft_tree import DraftTree
 from decoding.errors import BackendError
 from decoding.kv_cache import RowKVCache, cache_geometry
 from decoding.models import LoadedModel, ModelSpec, default_cache_dir
+from decoding.prepack import prepack_linears
 from decoding.sampling import SamplingParams, process_logits
 from decoding.sequence import Sequence
 from decoding.target import Target, decoder_layers
@@ -292,6 +293,8 @@ def load_edd(spec: ModelSpec, target: LoadedModel) -> LoadedModel:
             f"train one with `python -m decoding.train_edd model.path={name}`"
         )
     model = load_edd_model(path, target.model)
+    if spec.prepack:  # frozen from here on, like the target (its LM head is the target's, prepacked with it)
+        prepack_linears(model)
     return LoadedModel(model, target.tokenizer, target.device, target.use_chat_template, str(path), "edd")
 
 
