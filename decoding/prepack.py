@@ -22,7 +22,10 @@ class PrepackedLinear(torch.nn.Linear):
     packed: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is None or torch.is_grad_enabled() or x.numel() == x.shape[-1] or x.dtype != torch.float32:
+        # The copy serves CPU float32 inference over several rows only (a model moved or cast later,
+        # or being trained, takes the plain path).
+        plain = self.packed is None or torch.is_grad_enabled() or x.numel() == x.shape[-1]
+        if plain or x.dtype != torch.float32 or x.device.type != "cpu" or self.weight.device.type != "cpu":
             return super().forward(x)
         shape = x.shape
         y = torch.ops.aten.mkldnn_linear(x.reshape(-1, shape[-1]).to_mkldnn(), *self.packed).to_dense()
