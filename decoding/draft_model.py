@@ -22,7 +22,7 @@ from decoding.sampling import SamplingParams, process_logits
 from decoding.sequence import Sequence
 from decoding.stand import StaticTree
 from decoding.target import Target
-from decoding.tree_policy import PCTPolicy, StaticPolicy, TreePolicy, level_inputs, measure_ratio
+from decoding.tree_policy import PCTPolicy, StaticPolicy, TreePolicy, grow_levels, measure_ratio
 from decoding.verify import Verdict, pack
 
 log = logging.getLogger(__name__)
@@ -175,7 +175,6 @@ class ModelDrafter:
         logits = self.model.forward(
             self.cache, packed.tokens, packed.see, packed.depth, logits_at=torch.tensor([p - 1]), rows=cache_rows
         )
-        depth0 = [len(self.pending[i]) - 1 for i in rows]
         # A step commits at most the accepted path plus one token, so nodes deeper than a row's
         # remaining budget minus one could never be kept (and could pass the model's context).
         growths = [
@@ -186,29 +185,18 @@ class ModelDrafter:
             )
             for b, i in enumerate(rows)
         ]
-        slots: list[dict[int, int]] = [{} for _ in rows]
-        written = p
-        level = 0
-        while True:
-            # logits[b, j] is the draft model's next-token logits at row b's frontier node j.
-            for b, g in enumerate(growths):
-                if g.frontier:
-                    g.next_level(self._dists(logits[b, : len(g.frontier)], params[b]))
-            nxt = [g.frontier for g in growths]
-            if not any(nxt):
-                break
-            # Score the new frontier: each node sees its row's pending tokens and its own ancestors.
-            tokens, see, depth = level_inputs(
-                [g.tree for g in growths],
-                nxt,
-                slots,
-                written,
-                [range(packed.pads[b], p) for b in range(batch)],
-                [depth0[b] + level + 1 for b in range(batch)],
-            )
-            logits = self.model.forward(self.cache, tokens, see, depth, offset=written, rows=cache_rows)
-            written += tokens.shape[1]
-            level += 1
+        # Each node sees its row's pending tokens and its own ancestors; the first level sits one past them.
+        slots = grow_levels(
+            growths,
+            logits,
+            lambda b, lg: self._dists(lg, params[b]),
+            lambda tokens, see, depth, offset: self.model.forward(
+                self.cache, tokens, see, depth, offset=offset, rows=cache_rows
+            ),
+            [range(packed.pads[b], p) for b in range(batch)],
+            [len(self.pending[i]) for i in rows],
+            p,
+        )
         for b, i in enumerate(rows):
             self.drafted[i] = _Drafted(list(range(packed.pads[b], p)), slots[b])
         return [g.tree for g in growths]

@@ -38,7 +38,7 @@ from decoding.prepack import prepack_linears
 from decoding.sampling import SamplingParams, process_logits
 from decoding.sequence import Sequence
 from decoding.target import Target, decoder_layers
-from decoding.tree_policy import level_inputs
+from decoding.tree_policy import grow_levels
 from decoding.verify import Verdict
 
 CONFIG_FILE = "edd_config.json"
@@ -457,31 +457,21 @@ class EddDrafter:
         )
         seqs = [self.seqs[i] for _, i, _, _ in active]
         growths = [self.policy.grow(s.params.greedy, s.draft_generator, room) for s, (*_, room) in zip(seqs, active)]
-        slots: list[dict[int, int]] = [{} for _ in active]
-        written, level = width, 0
-        while True:
-            # logits[b, j]: the EDD's next-token logits at row b's frontier node j.
-            for b, g in enumerate(growths):
-                if g.frontier:
-                    g.next_level(_dists(logits[b, : len(g.frontier)], seqs[b].params, self.vocab, self.vocab_size))
-            frontier = [g.frontier for g in growths]
-            if not any(frontier):
-                break
-            # Tree nodes belong to the block: they see its columns (the queue's too) and their ancestors.
-            tokens, see, depth = level_inputs(
-                [g.tree for g in growths],
-                frontier,
-                slots,
-                written,
-                [range(pads[b], width) for b in range(batch)],
-                [width - pads[b] + level for b in range(batch)],
-            )
-            n = tokens.shape[1]
-            logits = edd.step(
-                self.cache, edd.embed(tokens), see, depth, torch.arange(n), written, cache_rows, self.head_rows
-            )
-            written += n
-            level += 1
+
+        def level(tokens: torch.Tensor, see: torch.Tensor, depth: torch.Tensor, offset: int) -> torch.Tensor:
+            every = torch.arange(tokens.shape[1])
+            return edd.step(self.cache, edd.embed(tokens), see, depth, every, offset, cache_rows, self.head_rows)
+
+        # Tree nodes belong to the block: they see its columns (the queue's too) and their ancestors.
+        grow_levels(
+            growths,
+            logits,
+            lambda b, lg: _dists(lg, seqs[b].params, self.vocab, self.vocab_size),
+            level,
+            [range(pads[b], width) for b in range(batch)],
+            [width - pads[b] for b in range(batch)],
+            width,
+        )
         # The queued hidden states join the soft prompt; the block and the tree never do.
         for b, (_, i, _, _) in enumerate(active):
             if k[b]:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -86,6 +86,38 @@ def level_inputs(
             offsets[b, j] = depth[b]
             slots[b][node] = written + j
     return tokens, see, offsets
+
+
+def grow_levels(
+    growths: list[Growth],
+    logits: torch.Tensor,
+    dists: Callable[[int, torch.Tensor], list[torch.Tensor]],
+    forward: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor],
+    context: list[range],
+    first_depth: list[int],
+    written: int,
+) -> list[dict[int, int]]:
+    """Grow several rows' trees level by level, one draft forward per level, until every frontier is
+    empty. `logits[b, j]`: the draft's next-token logits at row b's frontier node j (the root's
+    first); `dists(b, logits)` turns them into the distributions the row's growth draws from;
+    `forward(tokens, see, depth, offset)` scores a level (see `level_inputs`) whose slots start at
+    `offset`, after `written` uncommitted ones; the first level sits at `first_depth[b]`. Returns
+    each row's node -> cache slot."""
+    slots: list[dict[int, int]] = [{} for _ in growths]
+    level = 0
+    while True:
+        for b, g in enumerate(growths):
+            if g.frontier:
+                g.next_level(dists(b, logits[b, : len(g.frontier)]))
+        frontier = [g.frontier for g in growths]
+        if not any(frontier):
+            return slots
+        tokens, see, depth = level_inputs(
+            [g.tree for g in growths], frontier, slots, written, context, [d + level for d in first_depth]
+        )
+        logits = forward(tokens, see, depth, written)
+        written += tokens.shape[1]
+        level += 1
 
 
 # --- static shapes: k_config trees, Sequoia trees ------------------------------------------------------
