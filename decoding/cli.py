@@ -4,12 +4,26 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Callable
 from importlib import resources
 from typing import NoReturn
 
+import hydra
 from hydra import compose, initialize_config_module
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
+
+# Config keys renamed on 2026-11-23 (issue 15): an old key gets one line naming the new one.
+RENAMED = {
+    "stand.seed_prompt": "stand.prime_with_prompt",
+    "aded.seed_prompt": "aded.prime_with_prompt",
+    **{f"sequoia.{k}": f"calibrate.{k}" for k in ("drafter", "calibration", "profile", "tree_sizes", "context")},
+    **{f"sequoia.{k}": f"calibrate.{k}" for k in ("repeats", "batch", "max_budget", "max_depth", "out")},
+    "sequoia.from_counts": "calibrate.from_counts",
+    "optimize.nodes": "calibrate.nodes",
+    "optimize.out": "calibrate.out",
+    "optimize.from_hits": "calibrate.from_counts",
+}
 
 
 def quiet_transformers() -> None:
@@ -24,6 +38,27 @@ def fail(message: str) -> NoReturn:
     """Bad input ends with one line naming the value and the fix, and exit status 2."""
     print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+def hydra_command(
+    config_name: str, groups: tuple[str, ...] = ()
+) -> Callable[[Callable[[DictConfig], None]], Callable[[], None]]:
+    """The one way a command starts: its overrides checked (one line naming a bad key or group
+    choice, exit 2, before Hydra's long errors), library chatter off, then Hydra with
+    conf/<config_name>.yaml. `groups` are the config groups the command's overrides may choose."""
+
+    def wrap(body: Callable[[DictConfig], None]) -> Callable[[], None]:
+        run = hydra.main(config_path="pkg://conf", config_name=config_name, version_base="1.3")(body)
+
+        def command() -> None:
+            check_overrides(sys.argv[1:], config_name, groups)
+            quiet_transformers()
+            run()
+
+        command.__doc__ = body.__doc__
+        return command
+
+    return wrap
 
 
 def check_overrides(argv: list[str], config_name: str, groups: tuple[str, ...]) -> None:
@@ -41,6 +76,9 @@ def check_overrides(argv: list[str], config_name: str, groups: tuple[str, ...]) 
             chosen[key] = value.split(",")
     keys = [a.partition("=")[0] for a in overrides]
     keys = [k for k in keys if k not in groups and not k.startswith(("+", "~", "hydra.", "hydra/"))]
+    for key in keys:
+        if key in RENAMED:
+            fail(f"{key} was renamed {RENAMED[key]}; use {RENAMED[key]}=...")
     if not keys:
         return
     # A sweep over a group (task=gsm8k,blocksworld) may set keys that only some of its choices have.
@@ -50,9 +88,7 @@ def check_overrides(argv: list[str], config_name: str, groups: tuple[str, ...]) 
         cfgs = [compose(config_name=config_name, overrides=[f"{k}={v}" for k, v in o.items()]) for o in variants]
     for key in keys:
         if not any(_has_key(cfg, key) for cfg in cfgs):
-            fail(
-                f"{key} is not a config key; see the configuration reference in README.md (or add one with +{key}=...)"
-            )
+            fail(f"{key} is not a config key; see docs/configuration.md (or add one with +{key}=...)")
 
 
 def _has_key(cfg: DictConfig, key: str) -> bool:

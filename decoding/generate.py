@@ -9,23 +9,23 @@ skips the prompts already there. A summary of the decode statistics goes to `<ou
 from __future__ import annotations
 
 import json
-import sys
 import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
-import hydra
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 from tqdm import tqdm
 
-from decoding.cli import check_overrides, fail, quiet_transformers
-from decoding.config import DecoderConfig, as_float, as_int
+from decoding.cli import fail, hydra_command
+from decoding.config import DecoderConfig
+from decoding.core.errors import BackendError, ConfigError
+from decoding.core.models import ModelSpec, load_model
+from decoding.core.options import as_float, as_int
+from decoding.core.values import DecodeStats, GenRequest
+from decoding.drafters.load import load_draft
 from decoding.engine import Engine
-from decoding.errors import BackendError, ConfigError
-from decoding.models import ModelSpec, load_draft, load_model
-from decoding.types import DecodeStats, GenRequest
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ class GenerateConfig:
             prompts=Path(str(c["prompts"])),
             out=Path(str(c["out"])),
             decoder=DecoderConfig.from_container(c),
-            model=ModelSpec(**{k: str(v) for k, v in c["model"].items() if k != "name" and v is not None}),
+            model=ModelSpec.from_config(c["model"]),
             temperature=as_float("gen.temperature", gen["temperature"]),
             top_p=as_float("gen.top_p", gen["top_p"]),
             top_k=as_int("gen.top_k", gen["top_k"]),
@@ -201,9 +201,8 @@ def summary_line(s: dict) -> str:
     )
 
 
-@hydra.main(config_path="pkg://conf", config_name="generate", version_base="1.3")
+@hydra_command("generate", groups=("decoder", "model"))
 def main(cfg: DictConfig) -> None:
-    quiet_transformers()
     try:
         gcfg = GenerateConfig.from_omegaconf(cfg)
         read_prompts(gcfg.prompts)  # bad input fails before a model is loaded
@@ -215,10 +214,5 @@ def main(cfg: DictConfig) -> None:
     print(summary_line(summary))
 
 
-def cli() -> None:
-    check_overrides(sys.argv[1:], "generate", ("decoder", "model"))
-    main()
-
-
 if __name__ == "__main__":
-    cli()
+    main()

@@ -10,8 +10,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from decoding.core.models import LoadedModel
 from decoding.engine import Engine
-from decoding.models import LoadedModel
 
 SPECIALS = ("<pad>", "<bos>", "<eos>")  # ids 0, 1, 2
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2

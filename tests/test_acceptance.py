@@ -7,8 +7,8 @@ import itertools
 import pytest
 import torch
 
-from decoding.acceptance import acceptance_chain, choose, residual, walk
-from decoding.draft_tree import ROOT, DraftTree, k_config_parents
+from decoding.core.acceptance import acceptance_chain, choose, residual, walk
+from decoding.core.draft_tree import ROOT, DraftTree, k_config_parents
 
 V = 5
 
@@ -163,8 +163,8 @@ def test_k_config_rejects_bad_values():
 def test_grafted_sources_are_exact():
     """Children from two drafters at one node (a model's iid draw and an N-gram's draws without
     replacement), each with its own proposal: the rule still returns exactly p."""
-    from decoding.acceptance import chain, node_proposals
-    from decoding.draft_tree import graft
+    from decoding.core.acceptance import chain, node_proposals
+    from decoding.core.draft_tree import graft
 
     p, q0, q1 = dist(20, 1), dist(21), dist(22, 2)
     total = torch.zeros(V, dtype=torch.float64)

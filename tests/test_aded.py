@@ -11,12 +11,12 @@ from test_decoders import encode
 from test_speculative import PARAMS, check_three_tokens, sample_three
 from test_stand import greedy_case
 
-from decoding.aded import AdedDrafter, AdedOptions, Node, Search, TriGram, exploration, most_visited, puct
 from decoding.config import DecoderConfig
-from decoding.draft_tree import ROOT
+from decoding.core.draft_tree import ROOT
+from decoding.core.errors import ConfigError
+from decoding.core.values import GenRequest
+from decoding.drafters.aded import AdedDrafter, AdedOptions, Node, Search, TriGram, exploration, most_visited, puct
 from decoding.engine import Engine
-from decoding.errors import ConfigError
-from decoding.types import GenRequest
 
 # --- the tri-gram matrix -------------------------------------------------------------------------------
 
@@ -159,14 +159,14 @@ def test_tree_respects_the_budget(max_nodes, max_depth, top_k):
     "values, pattern",
     [
         ({"iterations": 0}, r"aded\.iterations=0 must be a positive integer"),
-        ({"max_nodes": 2.5}, r"aded\.max_nodes=2\.5 must be a positive integer"),
+        ({"max_nodes": 2.5}, r"aded\.max_nodes=2\.5 is not an integer"),
         ({"c2": 0}, r"aded\.c1=2\.414 and aded\.c2=0\.0"),
         ({"c1": "big"}, r"aded\.c1='big' is not a number"),
         ({"scope": "galaxy"}, r"aded\.scope='galaxy' is not one of group, problem, run"),
         ({"update_weight": -1}, r"aded\.update_weight=-1\.0 must be positive"),
-        ({"seed_prompt": "yes"}, r"aded\.seed_prompt='yes' must be true or false"),
+        ({"prime_with_prompt": "yes"}, r"aded\.prime_with_prompt='yes' must be true or false"),
         ({"corpus": "/no/such/file.txt"}, r"aded\.corpus=/no/such/file\.txt is not a file"),
-        ({"depth": 3}, r"aded\.depth is not an option of decoder=aded"),
+        ({"depth": 3}, r"aded\.depth is not an option of aded"),
     ],
 )
 def test_config_errors_name_the_key(values, pattern):
@@ -204,7 +204,7 @@ def test_greedy_identity(tiny_model, tokenizer, loaded, scope):
 
 
 def test_matrix_learns_across_calls(loaded):
-    engine = engine_for(loaded, scope="run", seed_prompt=False)
+    engine = engine_for(loaded, scope="run", prime_with_prompt=False)
     requests = [GenRequest("once upon a time", max_new_tokens=40, group="g")]
     first = engine.generate(requests)[0]
     assert engine.last_stats.acceptance_length < 2.0
@@ -221,7 +221,7 @@ def test_corpus_initialises_the_matrix(tmp_path, tiny_model, tokenizer, loaded):
     (tmp_path / "corpus.txt").write_text(f"something else\n\n{text}\n")
     (tmp_path / "corpus.jsonl").write_text(json.dumps({"id": 1, "text": text}) + "\n")
     for name in ("corpus.txt", "corpus.jsonl"):
-        engine = engine_for(loaded, corpus=str(tmp_path / name), seed_prompt=False)
+        engine = engine_for(loaded, corpus=str(tmp_path / name), prime_with_prompt=False)
         assert engine.generate([GenRequest(tuple(prompt), max_new_tokens=24)])[0].token_ids == ref
         assert engine.last_stats.acceptance_length > 3.0
     (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\nnot json\n')

@@ -8,8 +8,8 @@ from conftest import build_model
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from decoding.errors import ConfigError
-from decoding.models import LoadedModel
+from decoding.core.errors import ConfigError
+from decoding.core.models import LoadedModel
 from tot.bench import bench, decoder_configs, table
 from tot.config import RunConfig
 
@@ -49,9 +49,9 @@ def test_bench_reports_a_difference(long_context, monkeypatch):
     """The check can fail: a decoder whose output differs from hf's is named."""
     run_cfg, container = compose_bench("gen.temperature=0", "bench.decoders=[hf,ar]")
     configs, _ = decoder_configs(container, ["hf", "ar"], has_draft=False)
-    from decoding.speculative import SpecDecoder
+    from decoding.schedules.batch import BatchDecoder
 
-    original = SpecDecoder.run
+    original = BatchDecoder.run
 
     def off_by_one(self, seqs):
         stats = original(self, seqs)
@@ -59,7 +59,7 @@ def test_bench_reports_a_difference(long_context, monkeypatch):
             s.generated[-1] = (s.generated[-1] + 1) % 300
         return stats
 
-    monkeypatch.setattr(SpecDecoder, "run", off_by_one)
+    monkeypatch.setattr(BatchDecoder, "run", off_by_one)
     result = bench(run_cfg, configs, long_context, None, progress=False)
     assert result["mismatches"] and result["mismatches"][0].startswith("ar on ")
 
@@ -86,8 +86,8 @@ def test_scaling_grid(long_context):
 
 def test_bench_variants(long_context, tmp_path):
     """`bench.variants`: one decoder with other options under its own name, in the same run (lossless check too)."""
-    from decoding.draft_tree import k_config_parents
-    from decoding.stand import StaticTree
+    from decoding.core.draft_tree import k_config_parents
+    from decoding.trees.static import StaticTree
 
     tree = tmp_path / "chain.json"
     StaticTree(tuple(k_config_parents((1, 1, 1))), {}).save(tree)
@@ -102,8 +102,8 @@ def test_bench_variants(long_context, tmp_path):
     configs, skipped = decoder_configs(container, ["hf", "stand"], True, container["bench"]["variants"])
     assert list(configs) == ["hf", "stand", "stand_chain", "sd_pct", "sd_wr"] and not skipped
     assert configs["stand_chain"].stand.tree == str(tree) and configs["stand"].stand.tree == "default"
-    assert configs["sd_pct"].spec.tree_policy == "pct" and configs["sd_pct"].spec.pct_ratio == 0.2
-    assert configs["sd_wr"].spec.without_replacement and configs["sd_wr"].name == "sd"
+    assert configs["sd_pct"].draft_tree.tree_policy == "pct" and configs["sd_pct"].draft_tree.pct_ratio == 0.2
+    assert configs["sd_wr"].draft_tree.without_replacement and configs["sd_wr"].name == "sd"
     result = bench(run_cfg, configs, long_context, long_context, progress=False)
     assert result["lossless_checked"] and result["mismatches"] == []
     assert list(result["decoders"]) == list(configs) and "`sd_pct`" in table(result)

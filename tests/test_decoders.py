@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from decoding.sampling import SamplingParams, process_logits
-from decoding.types import GenRequest
+from decoding.core.sampling import SamplingParams, process_logits
+from decoding.core.values import GenRequest
 
 EOS_ID = 2  # the tiny tokenizer's <eos> (tests/conftest.py)
 

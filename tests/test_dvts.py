@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from decoding.types import DecodeStats, GenRequest, GenResult
+from decoding.core.values import DecodeStats, GenRequest, GenResult
 from tasks.base import Problem, Prompt, TaskDefaults
 from tot.config import ConfigError
 from tot.dvts import DVTS, DVTSSettings

@@ -1,5 +1,5 @@
-"""EDD (decoding/edd.py, decoding/train_edd.py) on tiny models: the dual-block mask, training, save/load,
-and drafting with sd and seed, lossless at temperature 0 and above."""
+"""EDD (decoding/edd/, decoding/drafters/edd.py, tot/train_edd.py) on tiny models: the dual-block mask,
+training, save/load, and drafting with sd and seed, lossless at temperature 0 and above."""
 
 from __future__ import annotations
 
@@ -9,15 +9,20 @@ from dataclasses import replace
 
 import pytest
 import torch
+from helpers import prefill
 from test_cli import REPO, subprocess_env
 from test_decoders import BUDGETS, EOS_ID, PROMPTS, _stop_string_case, encode, reference_greedy
 from test_speculative import PARAMS, RULES, check_three_tokens, sample_three
 
 from decoding.config import DecoderConfig
-from decoding.draft_model import SpecOptions
-from decoding.edd import (
+from decoding.core.errors import BackendError
+from decoding.core.models import LoadedModel, ModelSpec
+from decoding.core.runner import ModelRunner
+from decoding.core.values import GenRequest
+from decoding.drafters.edd import EddDrafter
+from decoding.drafters.load import load_draft
+from decoding.edd.model import (
     EddConfig,
-    EddDrafter,
     EddModel,
     draft_vocab,
     dual_block_mask,
@@ -27,14 +32,12 @@ from decoding.edd import (
     save_edd,
     vocab_ranking,
 )
+from decoding.edd.train import Example, TrainSettings, evaluate, split, target_features, train
 from decoding.engine import Engine
-from decoding.errors import BackendError
-from decoding.models import LoadedModel, ModelSpec, load_draft
-from decoding.seed import SeedOptions
-from decoding.speculative import SpecDecoder
-from decoding.target import Target
-from decoding.train_edd import Example, TrainConfig, TrainSettings, evaluate, split, target_features, train
-from decoding.types import GenRequest
+from decoding.schedules.batch import BatchDecoder
+from decoding.schedules.seed import SeedOptions
+from decoding.trees.policies import DraftTreeOptions
+from tot.train_edd import TrainConfig
 
 LAYER = -1  # the tiny target has 2 layers: its last one's output is the soft prompt
 
@@ -168,8 +171,9 @@ def test_corpus_rollouts_are_cached_per_chunk(tmp_path, tokenizer):
     """ToT-BFS rollouts of the bundled GSM8K problems on a tiny model; a rerun decodes nothing."""
     from conftest import build_model
 
-    from decoding.train_edd import Source, build_corpus, build_features
+    from decoding.edd.train import build_features
     from tasks import DataSpec
+    from tot.train_edd import Source, build_corpus
 
     model = LoadedModel(build_model(len(tokenizer), max_positions=4096), tokenizer, torch.device("cpu"), False, "t")
     source = Source("gsm8k", 2, DataSpec(limit=3), max_thought_tokens=6, max_eval_tokens=4)
@@ -198,7 +202,7 @@ def test_heldout_split_is_by_problem(tiny_examples):
 
 def test_training_resumes_from_its_checkpoint(tmp_path, loaded, tiny_examples, monkeypatch):
     """A run killed after its step-10 checkpoint and rerun ends with the weights of an uninterrupted run."""
-    import decoding.train_edd as train_edd
+    import decoding.edd.train as train_edd
 
     whole = train_config(tmp_path / "a", steps=20, checkpoint_every=10)
     train(whole, loaded, tiny_examples, progress=False)
@@ -249,7 +253,7 @@ def test_draft_path_edd_finds_the_cache_or_names_the_command(tmp_path, loaded, t
     _, loaded_edd = trained
     target = LoadedModel(loaded.model, loaded.tokenizer, loaded.device, False, "tiny", "my/tiny")
     spec = ModelSpec("edd", cache_dir=str(tmp_path), key="draft")
-    with pytest.raises(BackendError, match=r"python -m decoding.train_edd model.path=my/tiny"):
+    with pytest.raises(BackendError, match=r"python -m tot.train_edd model.path=my/tiny"):
         load_draft(spec, target)
     save_edd(loaded_edd.model, edd_dir("my/tiny", tmp_path))
     draft = load_draft(spec, target)
@@ -292,7 +296,7 @@ class CheckedEddDrafter(EddDrafter):
 
 
 def edd_engine(loaded, draft, name="sd", k_config=(2, 2, 1), verify_batch=2, **options) -> Engine:
-    spec = SpecOptions(k_config=k_config, key=name, **options)
+    spec = DraftTreeOptions(k_config=k_config, key=name, **options)
     cfg = DecoderConfig(name, spec, SeedOptions(verify_batch), draft=ModelSpec("edd", key="draft"))
     return Engine(loaded, cfg, draft)
 
@@ -305,10 +309,10 @@ def ragged():
 def test_the_drafters_soft_prompt_cache_equals_a_fresh_forward(loaded, tokenizer, trained):
     _, draft = trained
     engine = Engine(loaded, "ar")
-    drafter = CheckedEddDrafter(draft.model, engine.target, SpecOptions((2, 2, 1)))
-    engine.decoder = SpecDecoder("checked", engine.target, tokenizer, drafter)
+    drafter = CheckedEddDrafter(draft.model, engine.target, DraftTreeOptions((2, 2, 1)))
+    engine.decoder = BatchDecoder("checked", engine.target, tokenizer, drafter)
     CheckedEddDrafter.checks = 0
-    # Shared prefixes (fanned out by Target.start) and ragged rows that finish at different times.
+    # Shared prefixes (fanned out by ModelRunner.start) and ragged rows that finish at different times.
     prompts = ["once upon a time there was a cat", "once upon a time there was a dog", "the cat", "a"]
     engine.generate([GenRequest(p, max_new_tokens=m) for p, m in zip(prompts, (30, 12, 20, 25))])
     assert CheckedEddDrafter.checks >= 20
@@ -347,7 +351,7 @@ def test_seed_stand_grafts_edd_and_ngram_trees(tiny_model, tokenizer, loaded, tr
     _, draft = trained
     specs, requests = ragged()
     refs = [reference_greedy(tiny_model, encode(tokenizer, p), m, {EOS_ID}) for p, m in specs]
-    cfg = DecoderConfig("seed_stand", SpecOptions(key="seed"), SeedOptions(2), draft=ModelSpec("edd", key="draft"))
+    cfg = DecoderConfig("seed_stand", DraftTreeOptions(key="seed"), SeedOptions(2), draft=ModelSpec("edd", key="draft"))
     engine = Engine(loaded, cfg, draft)
     assert [r.token_ids for r in engine.generate(requests)] == refs
     assert isinstance(engine.decoder.drafter.drafters[0], EddDrafter)
@@ -363,7 +367,7 @@ def test_untrained_edd_is_still_lossless(tiny_model, tokenizer, loaded):
 
 
 def test_other_drafters_leave_hidden_capture_off(loaded, perturbed):
-    engine = Engine(loaded, DecoderConfig("sd", SpecOptions(), draft=ModelSpec("x", key="draft")), perturbed)
+    engine = Engine(loaded, DecoderConfig("sd", DraftTreeOptions(), draft=ModelSpec("x", key="draft")), perturbed)
     engine.generate([GenRequest("the cat", max_new_tokens=5)])
     assert engine.target.hidden_layer is None and engine.target.last_hidden is None
 
@@ -381,7 +385,7 @@ def test_sampling_follows_the_target(tiny_model, tokenizer, loaded, trained, rul
     params = PARAMS[params_name]
     prompt = encode(tokenizer, "once upon a time")
     engine = edd_engine(loaded, draft, "sd", **EDD_RULES[rule])
-    engine.decoder = SpecDecoder("batched-edd", engine.target, tokenizer, engine.decoder.drafter)
+    engine.decoder = BatchDecoder("batched-edd", engine.target, tokenizer, engine.decoder.drafter)
     samples = sample_three(engine, prompt, params, 8000)
     stats = engine.total_stats
     assert stats.accepted_tokens > 0 and stats.accepted_tokens < stats.drafted_tokens
@@ -401,7 +405,7 @@ def test_draft_vocab_is_the_saved_ranking_cut(trained, tmp_path):
     full = torch.load(f"{draft.source}/draft_vocab.pt")
     assert draft_vocab(draft.source, 10).tolist() == full[:10].tolist()
     assert len(draft_vocab(draft.source, 10**6)) == len(full)  # more than the corpus saw: all it saw
-    with pytest.raises(BackendError, match=r"rerun `python -m decoding.train_edd`"):
+    with pytest.raises(BackendError, match=r"rerun `python -m tot.train_edd`"):
         draft_vocab(tmp_path, 10)
     with pytest.raises(BackendError, match=r"draft.vocab=8: .*draft.path=edd"):
         ModelSpec("some/model", key="draft", vocab=8)
@@ -417,7 +421,7 @@ def test_vocab_head_rows_give_the_full_heads_logits(trained):
 
 
 def vocab_engine(loaded, draft, name, size, **options) -> Engine:
-    spec = SpecOptions(key=name, **options)
+    spec = DraftTreeOptions(key=name, **options)
     cfg = DecoderConfig(name, spec, SeedOptions(2), draft=ModelSpec("edd", key="draft", vocab=size))
     return Engine(loaded, cfg, draft)
 
@@ -451,7 +455,7 @@ def test_sampling_follows_the_target_with_a_draft_vocabulary(tiny_model, tokeniz
     params = PARAMS["t1.0"]
     prompt = encode(tokenizer, "once upon a time")
     engine = vocab_engine(loaded, draft, "sd", 16, **RULES[rule])
-    engine.decoder = SpecDecoder("batched-edd", engine.target, tokenizer, engine.decoder.drafter)
+    engine.decoder = BatchDecoder("batched-edd", engine.target, tokenizer, engine.decoder.drafter)
     samples = sample_three(engine, prompt, params, 8000)
     stats = engine.total_stats
     assert stats.accepted_tokens > 0 and stats.accepted_tokens < stats.drafted_tokens
@@ -473,7 +477,7 @@ def cli_errors():
     }
 
     def run(args):
-        cmd = [sys.executable, "-m", "decoding.train_edd", *args]
+        cmd = [sys.executable, "-m", "tot.train_edd", *args]
         return subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)
 
     from concurrent.futures import ThreadPoolExecutor
@@ -506,9 +510,9 @@ def test_evaluate_is_token_weighted(trained, tiny_examples):
 
 def test_target_hidden_capture_does_not_change_logits(tiny_model, tokenizer):
     prompt = encode(tokenizer, "once upon a time there was a cat")
-    target = Target(tiny_model)
+    target = ModelRunner(tiny_model)
     target.capture_hidden(LAYER)
-    _, logits = target.prefill([prompt], capacity=64)
-    _, ref = Target(tiny_model).prefill([prompt], capacity=64)
+    _, logits = prefill(target, [prompt], capacity=64)
+    _, ref = prefill(ModelRunner(tiny_model), [prompt], capacity=64)
     assert torch.equal(logits, ref)
     assert target.last_hidden.shape == (1, len(prompt), tiny_model.config.hidden_size)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decoding.errors import BackendError, ConfigError
-from decoding.models import LoadedModel, ModelSpec, load_model
-from decoding.types import GenRequest
+from decoding.core.errors import BackendError, ConfigError
+from decoding.core.models import LoadedModel, ModelSpec, load_model
+from decoding.core.values import GenRequest
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""RowKVCache + Target.forward against plain full forwards of the model (no cache).
+"""RowKVCache + ModelRunner.forward against plain full forwards of the model (no cache).
 
 Every check compares the logits a cached, batched, ragged or tree-shaped forward gives a token with
 the logits of one plain `model(input_ids)` call over that token's whole sequence (prompt, committed
@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import prefill
 
-from decoding.kv_cache import RowKVCache, cache_geometry
-from decoding.target import Target
+from decoding.core.kv_cache import RowKVCache, cache_geometry
+from decoding.core.runner import ModelRunner
 
 ATOL = 1e-4
 RTOL = 1e-4
@@ -25,8 +26,8 @@ PROMPTS = [
 
 
 @pytest.fixture()
-def target(tiny_model) -> Target:
-    return Target(tiny_model)
+def target(tiny_model) -> ModelRunner:
+    return ModelRunner(tiny_model)
 
 
 def plain_logits(model, seq: list[int]) -> torch.Tensor:
@@ -70,7 +71,7 @@ def path(parents: list[int], t: int) -> list[int]:
     return out[::-1]
 
 
-def step(target: Target, cache: RowKVCache, tokens: list[int]) -> torch.Tensor:
+def step(target: ModelRunner, cache: RowKVCache, tokens: list[int]) -> torch.Tensor:
     """One plain decoding step (one new token per row), committed; returns logits [B, V]."""
     n = len(tokens)
     tree, depth = chain(n, 1)
@@ -80,7 +81,7 @@ def step(target: Target, cache: RowKVCache, tokens: list[int]) -> torch.Tensor:
 
 
 def test_prefill_and_steps_match_plain_forward(tiny_model, target):
-    cache, logits = target.prefill(PROMPTS, capacity=32)
+    cache, logits = prefill(target, PROMPTS, capacity=32)
     assert cache.lens.tolist() == [len(p) for p in PROMPTS]
     seqs = [list(p) for p in PROMPTS]
     for b, s in enumerate(seqs):
@@ -109,7 +110,7 @@ def test_ragged_forward_gives_every_real_position_its_plain_logits(tiny_model, t
 
 
 def test_tree_forward_matches_plain_forward_of_each_path(tiny_model, target):
-    cache, _ = target.prefill(PROMPTS[:2], capacity=32)
+    cache, _ = prefill(target, PROMPTS[:2], capacity=32)
     # Row 0: x with two children y1, y2, and z under y2. Row 1: x, y under x, z under y, w a sibling of y.
     parents = [[-1, 0, 0, 2], [-1, 0, 1, 0]]
     tokens = torch.tensor([[40, 41, 42, 43], [140, 141, 142, 143]])
@@ -124,7 +125,7 @@ def test_tree_forward_matches_plain_forward_of_each_path(tiny_model, target):
 
 
 def test_tree_forward_logits_at_subset(tiny_model, target):
-    cache, _ = target.prefill(PROMPTS[:2], capacity=32)
+    cache, _ = prefill(target, PROMPTS[:2], capacity=32)
     parents = [-1, 0, 0, 1]
     tree, depth = tree_from_parents(parents)
     tokens = torch.tensor([[50, 51, 52, 53], [60, 61, 62, 63]])
@@ -137,7 +138,7 @@ def test_tree_forward_logits_at_subset(tiny_model, target):
 
 
 def test_keep_accepted_path_then_continue(tiny_model, target):
-    cache, _ = target.prefill(PROMPTS, capacity=32)
+    cache, _ = prefill(target, PROMPTS, capacity=32)
     parents = [[-1, 0, 0, 2], [-1, 0, 1, 0], [-1, 0, 0, 1]]
     tokens = torch.tensor([[40, 41, 42, 43], [140, 141, 142, 143], [240, 241, 242, 243]])
     trees, depths = zip(*(tree_from_parents(p) for p in parents))
@@ -161,7 +162,7 @@ def test_keep_accepted_path_then_continue(tiny_model, target):
 
 def test_keep_then_second_tree(tiny_model, target):
     """Two rounds of tree verification: the second tree is written over the first one's rejected slots."""
-    cache, _ = target.prefill(PROMPTS[:2], capacity=32)
+    cache, _ = prefill(target, PROMPTS[:2], capacity=32)
     parents = [-1, 0, 0, 1, 2]
     tree, depth = tree_from_parents(parents)
     trees, depths = tree.expand(2, -1, -1), depth.expand(2, -1)
@@ -179,7 +180,7 @@ def test_keep_then_second_tree(tiny_model, target):
 
 
 def test_select_rows_drops_and_repeats_rows(tiny_model, target):
-    cache, _ = target.prefill(PROMPTS, capacity=32)
+    cache, _ = prefill(target, PROMPTS, capacity=32)
     seqs = [list(p) for p in PROMPTS]
     first = [11, 22, 33]
     step(target, cache, first)
@@ -209,7 +210,7 @@ def test_prefill_computes_distinct_prompts_once_and_fans_out(tiny_model, target)
 
     handle = tiny_model.register_forward_pre_hook(spy, with_kwargs=True)
     try:
-        cache, logits = target.prefill(prompts, capacity=24)
+        cache, logits = prefill(target, prompts, capacity=24)
     finally:
         handle.remove()
     assert target.forwards == 1
@@ -219,7 +220,7 @@ def test_prefill_computes_distinct_prompts_once_and_fans_out(tiny_model, target)
 
     # Same as prefilling each prompt on its own: logits and the cached keys/values.
     for row, p in enumerate(prompts):
-        alone, alone_logits = Target(tiny_model).prefill([p], capacity=24)
+        alone, alone_logits = prefill(ModelRunner(tiny_model), [p], capacity=24)
         assert_close(logits[row], alone_logits[0])
         for layer in range(len(cache)):
             assert_close(cache.keys[layer][row, :, : len(p)], alone.keys[layer][0, :, : len(p)])
@@ -234,7 +235,7 @@ def test_prefill_computes_distinct_prompts_once_and_fans_out(tiny_model, target)
 
 def test_prefill_all_identical_prompts(tiny_model, target):
     prompts = [PROMPTS[1]] * 4
-    cache, logits = target.prefill(prompts, capacity=16)
+    cache, logits = prefill(target, prompts, capacity=16)
     assert cache.batch == 4
     expected = plain_logits(tiny_model, PROMPTS[1])[-1]
     for row in range(4):
@@ -244,7 +245,7 @@ def test_prefill_all_identical_prompts(tiny_model, target):
 def test_prefill_keeps_order_of_distinct_prompts(tiny_model, target):
     """Distinct prompts that share a last index (equal lengths) each get their own logits, in order."""
     prompts = [[9, 8, 7, 6], [6, 7, 8, 9], [5, 5], [9, 8, 7, 6, 5]]
-    _, logits = target.prefill(prompts, capacity=16)
+    _, logits = prefill(target, prompts, capacity=16)
     for row, p in enumerate(prompts):
         assert_close(logits[row], plain_logits(tiny_model, p)[-1])
 

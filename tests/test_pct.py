@@ -10,12 +10,12 @@ from test_seed import requests_for, seed_engine
 from test_sequoia import decoder_from, drafted_trees
 from test_speculative import PARAMS, check_three_tokens, ragged_requests, sample_three, sd_engine
 
-from decoding.draft_model import ModelDrafter, SpecOptions
-from decoding.draft_tree import ROOT, DraftTree
-from decoding.errors import ConfigError
-from decoding.target import Target
-from decoding.tree_policy import PCTPolicy, pct_max_nodes
-from decoding.types import GenRequest
+from decoding.core.draft_tree import ROOT, DraftTree
+from decoding.core.errors import ConfigError
+from decoding.core.runner import ModelRunner
+from decoding.core.values import GenRequest
+from decoding.drafters.draft_model import ModelDrafter
+from decoding.trees.policies import DraftTreeOptions, PCTPolicy, pct_max_nodes
 
 V = 12
 
@@ -143,7 +143,7 @@ def test_ratio_measured_at_start_up(tiny_model, tokenizer, loaded, perturbed):
     assert 0.2 < policy.ratio < 5
     assert [r.token_ids for r in engine.generate(requests)] == refs
     with pytest.raises(ValueError, match="measures s_d / s_t against the target"):
-        ModelDrafter(Target(perturbed.model), SpecOptions(tree_policy="pct"), len(tokenizer))
+        ModelDrafter(ModelRunner(perturbed.model), DraftTreeOptions(tree_policy="pct"), len(tokenizer))
 
 
 @pytest.mark.parametrize("params_name", list(PARAMS))
@@ -161,9 +161,9 @@ def test_sampling_follows_the_target(tiny_model, tokenizer, loaded, perturbed, p
 
 
 def test_config():
-    spec = decoder_from("decoder=sd", "sd.tree_policy=pct", "sd.pct_ratio=0.25", "sd.pct_top_k=3").spec
+    spec = decoder_from("decoder=sd", "sd.tree_policy=pct", "sd.pct_ratio=0.25", "sd.pct_top_k=3").draft_tree
     assert (spec.tree_policy, spec.pct_ratio, spec.pct_top_k, spec.draw) == ("pct", 0.25, 3, "top")
-    assert decoder_from("decoder=seed", "seed.tree_policy=pct").spec.pct_ratio is None  # measured at start-up
+    assert decoder_from("decoder=seed", "seed.tree_policy=pct").draft_tree.pct_ratio is None  # measured at start-up
     cases = {
         ("decoder=sd", "sd.tree_policy=pct", "sd.pct_threshold=0"): r"sd\.pct_threshold=0\.0 must be in \(0, 1\)",
         ("decoder=seed", "seed.tree_policy=pct", "seed.pct_top_k=0"): r"seed\.pct_top_k=0 .* must be positive",

@@ -10,13 +10,13 @@ import torch
 from test_decoders import BUDGETS, EOS_ID, PROMPTS, encode, reference_greedy
 
 from decoding.config import DecoderConfig
-from decoding.draft_model import SpecOptions
+from decoding.core.errors import BackendError
+from decoding.core.models import LoadedModel, ModelSpec, load_model
+from decoding.core.prepack import PrepackedLinear, prepack_linears, prepack_supported
+from decoding.core.values import GenRequest
 from decoding.engine import Engine
-from decoding.errors import BackendError
-from decoding.models import LoadedModel, ModelSpec, load_model
-from decoding.prepack import PrepackedLinear, prepack_linears, prepack_supported
-from decoding.seed import SeedOptions
-from decoding.types import GenRequest
+from decoding.schedules.seed import SeedOptions
+from decoding.trees.policies import DraftTreeOptions
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN (mkldnn)")
 
@@ -67,7 +67,7 @@ def test_decoders_on_a_prepacked_target_return_generates_greedy_output(packed_mo
     loaded = LoadedModel(packed_model, tokenizer, torch.device("cpu"), use_chat_template=False, source="packed")
     refs = [reference_greedy(packed_model, encode(tokenizer, p), m, {EOS_ID}) for p, m in zip(PROMPTS, BUDGETS)]
     requests = [GenRequest(p, max_new_tokens=m) for p, m in zip(PROMPTS, BUDGETS)]
-    sd = DecoderConfig("sd", SpecOptions((2, 2, 1)), SeedOptions(2), draft=ModelSpec("self", key="draft"))
+    sd = DecoderConfig("sd", DraftTreeOptions((2, 2, 1)), SeedOptions(2), draft=ModelSpec("self", key="draft"))
     configs = ["ar", "stand", "seed_stand", sd]
     for config in configs:
         engine = Engine(loaded, config, loaded)  # sd drafts with the target itself

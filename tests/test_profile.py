@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from decoding.errors import ConfigError
-from decoding.models import ModelSpec
-from decoding.profile import ProfileConfig, profile, table
-from decoding.target import Target
+from decoding.core.errors import ConfigError
+from decoding.core.models import ModelSpec
+from decoding.core.runner import ModelRunner
+from decoding.profile_forward import ProfileConfig, profile, table
 
 
 def test_profile_measures_every_cell(tiny_model):
     cfg = ProfileConfig(ModelSpec(), tree_sizes=(1, 4, 16), batch_sizes=(1, 3), context=20, repeats=2, out=None)
-    target = Target(tiny_model)
+    target = ModelRunner(tiny_model)
     rows = profile(cfg, target)
     assert [(r["batch"], r["tree_tokens"]) for r in rows] == [(1, 1), (1, 4), (1, 16), (3, 1), (3, 4), (3, 16)]
     assert all(r["ms"] > 0 and r["ms_min"] <= r["ms"] for r in rows)

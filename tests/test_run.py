@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_module
 
-from decoding.errors import BackendError
-from decoding.types import DecodeStats, GenRequest, GenResult
+from decoding.core.errors import BackendError
+from decoding.core.values import DecodeStats, GenRequest, GenResult
 from tasks.base import DataError
 from tasks.gsm8k import FINAL_PREFIX, SCORE_PREFIX
 from tot.config import ConfigError, RunConfig
@@ -290,7 +290,7 @@ def test_decoder_config_errors(overrides, named):
 
 def test_decoder_config():
     cfg = make_config("decoder=sd", "draft.path=self", "sd.k_config=[1,1,1]", "sd.multi_candidate=false")
-    assert cfg.decoder.name == "sd" and cfg.decoder.spec.k_config == (1, 1, 1)
+    assert cfg.decoder.name == "sd" and cfg.decoder.draft_tree.k_config == (1, 1, 1)
     assert cfg.decoder.draft is not None and cfg.decoder.draft.path == "self"
     assert make_config("decoder=ar", "draft.path=self").decoder.draft is None  # ar drafts nothing
     # seed_stand (the default) drafts with a model too when one is configured.

@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from decoding.sampling import SamplingParams, make_generator, process_logits, sample
-from decoding.stopping import StopRule, final_text
+from decoding.core.sampling import SamplingParams, process_logits
+from decoding.core.stopping import StopRule, final_text
 
 PARAM_SETS = [
     SamplingParams(temperature=1.0),
@@ -81,19 +81,6 @@ def test_process_logits_does_not_modify_input():
     before = logits.clone()
     process_logits(logits, [SamplingParams(0.5, top_k=3), SamplingParams(0.0)])
     assert torch.equal(logits, before)
-
-
-def test_sample_uses_one_generator_per_row():
-    probs = torch.full((3, 64), 1 / 64)
-    a = sample(probs, [make_generator(5), make_generator(6), make_generator(7)])
-    # Row 1 alone with the same seed draws the same token: rows do not share randomness.
-    b = sample(probs[1:2], [make_generator(6)])
-    assert a[1] == b[0]
-    many = torch.stack([sample(probs[:1], [make_generator(s)]) for s in range(40)])
-    assert len(set(many.flatten().tolist())) > 10
-    onehot = torch.zeros(2, 64)
-    onehot[0, 17] = onehot[1, 3] = 1.0
-    assert sample(onehot, [make_generator(0), make_generator(1)]).tolist() == [17, 3]
 
 
 # --- the stop rule -------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from decoding.types import DecodeStats, GenRequest, GenResult
+from decoding.core.values import DecodeStats, GenRequest, GenResult
 from tasks.base import Problem
 from tasks.gsm8k import FINAL_PREFIX, GSM8K, SCORE_PREFIX
 from tot.search import BFS, BFSSettings, GenSettings, request_seed

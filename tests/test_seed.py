@@ -10,17 +10,17 @@ from test_decoders import BUDGETS, EOS_ID, PROMPTS, _stop_string_case, encode, r
 from test_speculative import PARAMS, RULES, ScriptedDrafter, check_three_tokens, sample_three
 
 from decoding.config import DecoderConfig
-from decoding.draft_model import SpecOptions
+from decoding.core.models import ModelSpec
+from decoding.core.values import GenRequest
 from decoding.engine import Engine
-from decoding.models import ModelSpec
-from decoding.seed import Rounds, SeedDecoder, SeedOptions
-from decoding.types import GenRequest
+from decoding.schedules.seed import Rounds, SeedDecoder, SeedOptions
+from decoding.trees.policies import DraftTreeOptions
 
 
 def seed_engine(loaded, draft, k_config=(2, 2, 1), verify_batch=1, overlap=False, **options) -> Engine:
     cfg = DecoderConfig(
         "seed",
-        SpecOptions(k_config=k_config, key="seed", **options),
+        DraftTreeOptions(k_config=k_config, key="seed", **options),
         SeedOptions(verify_batch, overlap),
         draft=ModelSpec(key="draft"),
     )
@@ -166,11 +166,11 @@ def test_sampling_follows_the_target(tiny_model, tokenizer, loaded, perturbed, r
 
 
 def union_engine(loaded, draft, tree: str, verify_batch: int = 4) -> Engine:
-    from decoding.stand import StandOptions
+    from decoding.drafters.stand import StandOptions
 
     cfg = DecoderConfig(
         "seed_stand",
-        SpecOptions(k_config=(2, 1), key="seed"),
+        DraftTreeOptions(k_config=(2, 1), key="seed"),
         SeedOptions(verify_batch),
         stand=StandOptions(tree=tree),
         draft=ModelSpec(key="draft"),
@@ -180,8 +180,8 @@ def union_engine(loaded, draft, tree: str, verify_batch: int = 4) -> Engine:
 
 @pytest.fixture(scope="module")
 def chain_tree(tmp_path_factory) -> str:
-    from decoding.draft_tree import k_config_parents
-    from decoding.stand import StaticTree
+    from decoding.core.draft_tree import k_config_parents
+    from decoding.trees.static import StaticTree
 
     path = tmp_path_factory.mktemp("trees") / "chain.json"
     StaticTree(tuple(k_config_parents((2, 1, 1))), {"made_by": "test"}).save(path)

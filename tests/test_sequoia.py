@@ -19,10 +19,12 @@ from test_seed import requests_for, seed_engine
 from test_speculative import PARAMS, check_three_tokens, ragged_requests, sample_three, sd_engine
 
 from decoding.config import DecoderConfig
-from decoding.draft_tree import ROOT, DraftTree
-from decoding.errors import ConfigError
-from decoding.models import LoadedModel
-from decoding.sequoia import (
+from decoding.core.draft_tree import ROOT, DraftTree
+from decoding.core.errors import ConfigError
+from decoding.core.models import LoadedModel
+from decoding.core.values import GenRequest
+from decoding.trees.policies import StaticPolicy
+from decoding.trees.sequoia import (
     CostCurve,
     RankCounts,
     SequoiaDP,
@@ -32,10 +34,8 @@ from decoding.sequoia import (
     optimal_tree,
     tree_depth,
 )
-from decoding.sequoia_tree import SequoiaOptions, build, read_profile
-from decoding.stand import StaticTree
-from decoding.tree_policy import StaticPolicy
-from decoding.types import GenRequest
+from decoding.trees.static import StaticTree
+from tot.calibrate_tree import CalibrateOptions, build, read_profile
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -165,7 +165,7 @@ def test_cost_curve_interpolates_and_reads_profiles(tmp_path):
     path.write_text(json.dumps({"model": "x", "rows": rows}))
     curve, _ = read_profile(str(path), 4)
     assert curve.tokens == (1, 2, 4) and curve.ms == (40.0, 80.0, 160.0) and curve.batch == 4
-    with pytest.raises(ConfigError, match=r"sequoia.profile=.* not a usable .*batches \[1, 4\]"):
+    with pytest.raises(ConfigError, match=r"calibrate.profile=.* not a usable .*batches \[1, 4\]"):
         read_profile(str(path), 8)
     with pytest.raises(ConfigError, match="does not exist"):
         read_profile(str(tmp_path / "nope.json"), 1)
@@ -281,9 +281,9 @@ def decoder_from(*overrides: str) -> DecoderConfig:
 
 
 def test_config_errors(tmp_path, sequoia_file):
-    spec = decoder_from("decoder=sd", "sd.tree_policy=sequoia", f"sd.tree={sequoia_file}").spec
+    spec = decoder_from("decoder=sd", "sd.tree_policy=sequoia", f"sd.tree={sequoia_file}").draft_tree
     assert spec.tree_policy == "sequoia" and spec.parents == StaticTree.load(sequoia_file).parents
-    seed = decoder_from("decoder=seed", "seed.tree_policy=sequoia", f"seed.tree={sequoia_file}").spec
+    seed = decoder_from("decoder=seed", "seed.tree_policy=sequoia", f"seed.tree={sequoia_file}").draft_tree
     assert seed.key == "seed" and seed.tree == sequoia_file
     cases = {
         ("decoder=sd", "sd.tree_policy=nope"): r"sd\.tree_policy=nope is not one of k_config, sequoia, pct",
@@ -298,9 +298,9 @@ def test_config_errors(tmp_path, sequoia_file):
         with pytest.raises(ConfigError, match=message):
             decoder_from(*overrides)
     with pytest.raises(ConfigError, match=r"sequoia\.drafter=nope is not one of stand, model"):
-        SequoiaOptions(drafter="nope")
+        CalibrateOptions(drafter="nope")
     with pytest.raises(ConfigError, match=r"sequoia\.calibration=\[0\]"):
-        SequoiaOptions(calibration=(0,))
+        CalibrateOptions(calibration=(0,))
 
 
 # --- the command -------------------------------------------------------------------------------------------
@@ -313,9 +313,9 @@ SMALL = [
     "search.n_thoughts=2",
     "gen.max_thought_tokens=12",
     "gen.max_eval_tokens=4",
-    "sequoia.calibration=[4,2]",
-    "sequoia.max_budget=12",
-    "sequoia.max_depth=4",
+    "calibrate.calibration=[4,2]",
+    "calibrate.max_budget=12",
+    "calibrate.max_depth=4",
 ]
 
 
@@ -327,7 +327,7 @@ def long_context(tokenizer) -> LoadedModel:
 
 def compose_command(*overrides: str):
     with initialize_config_module(config_module="conf", version_base="1.3"):
-        return compose(config_name="sequoia_tree", overrides=[*SMALL, *overrides])
+        return compose(config_name="calibrate_tree", overrides=[*SMALL, *overrides])
 
 
 @pytest.fixture(scope="module")
@@ -339,7 +339,7 @@ def profile_file(tmp_path_factory) -> str:
 
 
 def test_command_stand(tmp_path, long_context, profile_file):
-    cfg = compose_command(f"sequoia.profile={profile_file}", "gen.temperature=0.7")
+    cfg = compose_command(f"calibrate.profile={profile_file}", "gen.temperature=0.7")
     made, summary = build(cfg, tmp_path / "run", target=long_context, progress=False)
     meta = made.tree.meta
     assert summary["n_problems"] == 1 and meta["drafter"] == "stand" and meta["decoder"] == "stand"
@@ -355,19 +355,21 @@ def test_command_stand(tmp_path, long_context, profile_file):
     made.tree.save(out)
     # Loadable as STAND's tree and as the draft model's Sequoia tree.
     assert StaticTree.load(str(out)).parents == made.tree.parents
-    assert decoder_from("decoder=sd", "sd.tree_policy=sequoia", f"sd.tree={out}").spec.parents == made.tree.parents
+    assert (
+        decoder_from("decoder=sd", "sd.tree_policy=sequoia", f"sd.tree={out}").draft_tree.parents == made.tree.parents
+    )
     # Re-solved from the recorded counts without decoding: the same tree for the same costs.
-    again, _ = build(compose_command(f"sequoia.from_counts={out}"), tmp_path / "again")
+    again, _ = build(compose_command(f"calibrate.from_counts={out}"), tmp_path / "again")
     assert again.tree.parents == made.tree.parents and again.tree.meta["resolved_from"] == str(out)
 
 
 def test_command_model_measures_the_profile(tmp_path, long_context):
     cfg = compose_command(
-        "sequoia.drafter=model",
+        "calibrate.drafter=model",
         "draft.path=self",
         "gen.temperature=0",
-        "sequoia.tree_sizes=[1,2,4,8]",
-        "sequoia.repeats=2",
+        "calibrate.tree_sizes=[1,2,4,8]",
+        "calibrate.repeats=2",
     )
     made, _ = build(cfg, tmp_path / "run", target=long_context, draft=long_context, progress=False)
     meta = made.tree.meta
@@ -382,21 +384,21 @@ def test_command_model_measures_the_profile(tmp_path, long_context):
 
 def test_command_errors(tmp_path):
     with pytest.raises(ConfigError, match=r"sequoia\.drafter=model measures a draft model: set draft\.path"):
-        build(compose_command("sequoia.drafter=model"), tmp_path)
+        build(compose_command("calibrate.drafter=model"), tmp_path)
     with pytest.raises(ConfigError, match=r"sequoia\.profile=.*does not exist"):
-        build(compose_command(f"sequoia.profile={tmp_path / 'none.json'}"), tmp_path)
+        build(compose_command(f"calibrate.profile={tmp_path / 'none.json'}"), tmp_path)
     with pytest.raises(ConfigError, match="has no recorded counts"):
         StaticTree((ROOT,), {}).save(tmp_path / "plain.json")
-        build(compose_command(f"sequoia.from_counts={tmp_path / 'plain.json'}"), tmp_path)
+        build(compose_command(f"calibrate.from_counts={tmp_path / 'plain.json'}"), tmp_path)
 
 
 def test_command_line_exit_status():
     result = subprocess.run(
-        [sys.executable, "-m", "decoding.sequoia_tree", "sequoia.drafter=nope"],
+        [sys.executable, "-m", "tot.calibrate_tree", "calibrate.drafter=nope"],
         capture_output=True,
         text=True,
         cwd=REPO,
         timeout=120,
     )
     assert result.returncode == 2
-    assert result.stderr.strip().splitlines()[-1] == "error: sequoia.drafter=nope is not one of stand, model"
+    assert result.stderr.strip().splitlines()[-1] == "error: calibrate.drafter=nope is not one of stand, model"

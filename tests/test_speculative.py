@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from helpers import prefill
 from test_decoders import (
     BUDGETS,
     EOS_ID,
@@ -21,15 +22,16 @@ from test_decoders import (
 )
 
 from decoding.config import DecoderConfig
-from decoding.draft_model import ModelDrafter, SpecOptions
-from decoding.draft_tree import DraftTree, k_config_parents
+from decoding.core.draft_tree import DraftTree, k_config_parents
+from decoding.core.models import LoadedModel, ModelSpec
+from decoding.core.runner import ModelRunner
+from decoding.core.sampling import SamplingParams
+from decoding.core.values import GenRequest
+from decoding.core.verify import verify
+from decoding.drafters.draft_model import ModelDrafter
 from decoding.engine import Engine
-from decoding.models import LoadedModel, ModelSpec
-from decoding.sampling import SamplingParams
-from decoding.speculative import SpecDecoder
-from decoding.target import Target
-from decoding.types import GenRequest
-from decoding.verify import verify
+from decoding.schedules.batch import BatchDecoder
+from decoding.trees.policies import DraftTreeOptions
 
 K_CONFIGS = [(1, 1, 1), (2, 2, 1), (4, 2, 1), (3,)]
 GREEDY = SamplingParams()
@@ -44,12 +46,12 @@ def unrelated(tokenizer) -> LoadedModel:
 
 
 def sd_engine(loaded: LoadedModel, draft: LoadedModel, k_config=(2, 2, 1), serial=True, **options) -> Engine:
-    spec = SpecOptions(k_config=k_config, **options)
+    spec = DraftTreeOptions(k_config=k_config, **options)
     engine = Engine(loaded, DecoderConfig("sd", spec, draft=ModelSpec("draft", key="draft")), draft)
     if not serial:
         # The same loop and drafter with every sequence in one batch (the shape SEED and STAND use).
-        drafter = ModelDrafter(Target(draft.model), spec, len(loaded.tokenizer))
-        engine.decoder = SpecDecoder("batched-sd", engine.target, loaded.tokenizer, drafter)
+        drafter = ModelDrafter(ModelRunner(draft.model), spec, len(loaded.tokenizer))
+        engine.decoder = BatchDecoder("batched-sd", engine.target, loaded.tokenizer, drafter)
     return engine
 
 
@@ -88,7 +90,7 @@ PROMPT_SETS = {
 @pytest.mark.parametrize("case", list(PROMPT_SETS))
 def test_tree_verification_logits_equal_sequential_decoding(tiny_model, tokenizer, case):
     """Tolerance 1e-4 on logits (float32; the tiny model's logits are of order 1-10)."""
-    target = Target(tiny_model)
+    target = ModelRunner(tiny_model)
     prompts = [encode(tokenizer, p) for p in PROMPT_SETS[case]]
     cache, pending = target.start(prompts, capacity=64)
     shared = {"ragged": 0, "repeated": len(prompts[0]) - 1, "shared-prefix": len(prompts[2]) - 1}[case]
@@ -184,7 +186,7 @@ def test_greedy_identity_scripted_drafters(tiny_model, tokenizer, loaded, kind, 
     refs.append(gen[:n])
     engine = Engine(loaded, "ar")
     drafter = ScriptedDrafter(refs, k_config, kind, len(tokenizer))
-    engine.decoder = SpecDecoder("scripted", engine.target, tokenizer, drafter)
+    engine.decoder = BatchDecoder("scripted", engine.target, tokenizer, drafter)
     results = engine.generate(requests)
     assert [r.token_ids for r in results] == refs
     assert results[-1].finish_reason == "stop"
@@ -276,7 +278,7 @@ class CheckedDrafter(ModelDrafter):
             assert self.pending[i] == context[n:]
             if n == 0:  # the first step feeds the whole prompt
                 continue
-            fresh, _ = Target(self.model.model).prefill([context[:n]], capacity=n + 1)
+            fresh, _ = prefill(ModelRunner(self.model.model), [context[:n]], capacity=n + 1)
             for k_row, k_fresh in zip(self.cache.keys, fresh.keys):
                 assert torch.allclose(k_row[b, :, :n], k_fresh[0, :, :n], atol=1e-5)
             for v_row, v_fresh in zip(self.cache.values, fresh.values):
@@ -287,10 +289,10 @@ class CheckedDrafter(ModelDrafter):
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_draft_cache_stays_consistent(loaded, tokenizer, perturbed, temperature):
-    spec = SpecOptions(k_config=(2, 2, 1))
+    spec = DraftTreeOptions(k_config=(2, 2, 1))
     engine = Engine(loaded, "ar")
-    drafter = CheckedDrafter(Target(perturbed.model), spec, len(tokenizer))
-    engine.decoder = SpecDecoder("checked", engine.target, tokenizer, drafter)
+    drafter = CheckedDrafter(ModelRunner(perturbed.model), spec, len(tokenizer))
+    engine.decoder = BatchDecoder("checked", engine.target, tokenizer, drafter)
     requests = [
         GenRequest(p, max_new_tokens=30, temperature=temperature, seed=s)
         for s, p in enumerate(["the cat", "the cat", "hello world and more", "a", "the cat"])
@@ -383,7 +385,7 @@ def test_sampling_with_deterministic_drafts(tiny_model, tokenizer, loaded):
     engine = Engine(loaded, "ar")
     drafter = TopDrafter([[]], (1,), "top", len(tokenizer))
     drafter.max_nodes = 6
-    engine.decoder = SpecDecoder("top", engine.target, tokenizer, drafter)
+    engine.decoder = BatchDecoder("top", engine.target, tokenizer, drafter)
     samples = sample_three(engine, prompt, params, 8000)
     assert engine.total_stats.accepted_tokens > 0
     check_three_tokens(tiny_model, prompt, params, samples, len(tokenizer))
@@ -391,12 +393,12 @@ def test_sampling_with_deterministic_drafts(tiny_model, tokenizer, loaded):
 
 def test_statistical_check_can_fail(tiny_model, tokenizer, loaded, perturbed, monkeypatch):
     """Accepting every draft (no rejection test) samples the draft, not the target: caught."""
-    import decoding.acceptance
+    import decoding.core.acceptance
 
     def accept_all(p, candidates, props):
         return [1.0] * len(candidates), p.double()
 
-    monkeypatch.setattr(decoding.acceptance, "chain", accept_all)
+    monkeypatch.setattr(decoding.core.acceptance, "chain", accept_all)
     prompt = encode(tokenizer, "once upon a time")
     engine = sd_engine(loaded, perturbed, serial=False, k_config=(1, 1, 1), multi_candidate=False)
     samples = sample_three(engine, prompt, PARAMS["t1.0"], 4000)
@@ -407,7 +409,7 @@ def test_statistical_check_can_fail(tiny_model, tokenizer, loaded, perturbed, mo
 def test_prefix_kept_across_calls(tiny_model, tokenizer):
     """A call whose prompts extend an earlier call's computes only the new part of the prefix, and
     the cache holds what a fresh computation gives (tolerance 1e-5)."""
-    target = Target(tiny_model)
+    target = ModelRunner(tiny_model)
     first = encode(tokenizer, LONG + " and a dog")
     target.start([first, first], capacity=64)
     second = first + encode(tokenizer, " who liked to run")
@@ -415,7 +417,7 @@ def test_prefix_kept_across_calls(tiny_model, tokenizer):
     cache, pending = target.start([second, [*second, 5]], capacity=64)
     assert target.forwards == before + 1  # only the tokens after the stored prefix
     assert pending == [second[-1:], [second[-1], 5]]
-    fresh, _ = Target(tiny_model).prefill([second[:-1]], capacity=64)
+    fresh, _ = prefill(ModelRunner(tiny_model), [second[:-1]], capacity=64)
     n = len(second) - 1
     for k_row, k_fresh in zip(cache.keys, fresh.keys):
         assert torch.allclose(k_row[1, :, :n], k_fresh[0, :, :n], atol=1e-5)

@@ -12,14 +12,16 @@ from test_decoders import BUDGETS, EOS_ID, PROMPTS, _stop_string_case, encode, r
 from test_speculative import PARAMS, check_three_tokens, sample_three
 
 from decoding.config import DecoderConfig
-from decoding.draft_tree import ROOT, k_config_parents
+from decoding.core.draft_tree import ROOT, k_config_parents
+from decoding.core.errors import ConfigError
+from decoding.core.values import GenRequest
+from decoding.drafters.ngram import LogitNGram
+from decoding.drafters.pld import lookup
+from decoding.drafters.pools import Pools
+from decoding.drafters.stand import GumbelNoise, StandOptions, gumbel_top_k
 from decoding.engine import Engine
-from decoding.errors import ConfigError
-from decoding.ngram import LogitNGram
-from decoding.pld import lookup
-from decoding.seed import SeedOptions
-from decoding.stand import GumbelNoise, Pools, StandOptions, StaticTree, gumbel_top_k, initial_tree, prune
-from decoding.types import GenRequest
+from decoding.schedules.seed import SeedOptions
+from decoding.trees.static import StaticTree, initial_tree, prune
 
 # --- the pool ----------------------------------------------------------------------------------------
 
@@ -61,9 +63,9 @@ def test_capacity_evicts():
     assert pool.lookup([49, 50]) is not None  # the latest survives
 
 
-def test_prompt_seeding():
+def test_prompt_priming():
     pool = LogitNGram()
-    pool.seed([3, 4, 5, 3, 4])
+    pool.prime([3, 4, 5, 3, 4])
     assert list(pool.lookup([3, 4]).ids) == [5]
     assert list(pool.lookup([9, 3]).ids) == [4]
 
@@ -71,7 +73,7 @@ def test_prompt_seeding():
 def test_pools_are_isolated_by_scope():
     groups = ["p1/a", "p1/b", "p2/a"]
     for scope, shared in (("group", [False, False]), ("problem", [True, False]), ("run", [True, True])):
-        pools = Pools(StandOptions(scope=scope))
+        pools = Pools(scope, 256, LogitNGram)
         pools.get("p1/a").add([1, 2], [3], [1.0])
         for g, expect in zip(groups[1:], shared):
             assert (pools.get(g).lookup([1, 2]) is not None) == expect, (scope, g)
@@ -222,7 +224,7 @@ def test_sampling_follows_the_target(tiny_model, tokenizer, loaded, small_tree, 
 
 def test_sparse_draft_distributions_are_exact():
     """The (ids, probs) form N-gram drafts carry gives the same acceptance as the dense vector."""
-    from decoding.acceptance import acceptance_chain
+    from decoding.core.acceptance import acceptance_chain
 
     p = torch.tensor([0.1, 0.4, 0.2, 0.3], dtype=torch.float64)
     ids, probs = [3, 1], [0.7, 0.3]
@@ -234,20 +236,20 @@ def test_sparse_draft_distributions_are_exact():
 
 
 def test_reprune_from_recorded_hits(tmp_path):
-    """`tot.optimize_tree optimize.from_hits=...` re-cuts a tree from the hits it recorded."""
-    from tot.optimize_tree import reprune
+    """`tot.calibrate_tree calibrate.method=prune calibrate.from_counts=...` re-cuts a tree from its recorded hits."""
+    from tot.calibrate_tree import reprune
 
     initial = initial_tree()
     hits = {0: 50, 8: 40, 1: 30, 9: 5, 2: 2}  # node 8 is node 0's first child
     assert initial.parents[8] == 0
     made = prune(initial, hits, 4, {"initial_tree": "initial", "hits": {str(k): v for k, v in hits.items()}})
     made.save(tmp_path / "made.json")
-    small = reprune(tmp_path / "made.json", 2, tmp_path / "small.json")
+    small = reprune(tmp_path / "made.json", 2)
     assert small.parents == (ROOT, 0)  # nodes 0 and 8, renumbered
     assert StaticTree.load(str(tmp_path / "small.json")).meta["nodes"] == 2
     with pytest.raises(ConfigError, match="has no recorded hits"):
         StaticTree(tuple(k_config_parents((2,))), {}).save(tmp_path / "plain.json")
-        reprune(tmp_path / "plain.json", 2, tmp_path / "x.json")
+        reprune(tmp_path / "plain.json", 2)
 
 
 def test_shipped_default_tree():

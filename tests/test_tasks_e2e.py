@@ -9,8 +9,8 @@ import pytest
 import torch
 from conftest import build_model
 
+from decoding.core.models import LoadedModel
 from decoding.engine import Engine
-from decoding.models import LoadedModel
 from tot.run import run
 from tot.show import load_tree
 

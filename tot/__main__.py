@@ -1,3 +1,3 @@
-from tot.solve import cli
+from tot.solve import main
 
-cli()
+main()

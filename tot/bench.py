@@ -23,19 +23,21 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import hydra
 import torch
 import yaml
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from decoding.cli import check_overrides, fail, quiet_transformers
-from decoding.config import DECODERS, MODEL_DRAFTING, DecoderConfig, as_float, as_int
+from decoding.cli import fail, hydra_command
+from decoding.config import DecoderConfig
+from decoding.core.errors import BackendError, ConfigError
+from decoding.core.models import LoadedModel, load_model
+from decoding.core.options import as_float, as_int
+from decoding.core.values import DecodeStats, GenRequest
+from decoding.decoders import DECODERS
+from decoding.drafters.load import load_draft
 from decoding.engine import Engine
-from decoding.errors import BackendError, ConfigError
-from decoding.models import LoadedModel, load_draft, load_model
-from decoding.types import DecodeStats, GenRequest
 from tasks.base import DataError
 from tot.compare import first_difference
 from tot.config import RunConfig
@@ -67,7 +69,7 @@ def decoder_configs(
     for name in names:
         if name not in DECODERS:
             raise ConfigError(f"bench.decoders has {name!r}, which is not one of {', '.join(DECODERS)}")
-        if name in MODEL_DRAFTING and not has_draft:
+        if DECODERS[name].draft_model == "required" and not has_draft:
             skipped.append(name)
             continue
         configs[name] = DecoderConfig.from_container({**container, "decoder": {"name": name}})
@@ -75,7 +77,8 @@ def decoder_configs(
         if name in names:
             raise ConfigError(f"bench.variants.{name} is also in bench.decoders; give the variant another name")
         c = variant_container(container, name, overrides)
-        if c["decoder"]["name"] in MODEL_DRAFTING and not has_draft:
+        kind = DECODERS.get(c["decoder"]["name"])
+        if kind is not None and kind.draft_model == "required" and not has_draft:
             skipped.append(name)
             continue
         try:
@@ -309,9 +312,8 @@ def plot(result: dict, path: Path) -> bool:
     return True
 
 
-@hydra.main(config_path="pkg://conf", config_name="bench", version_base="1.3")
+@hydra_command("bench", groups=("task", "search", "decoder", "model"))
 def main(cfg: DictConfig) -> None:
-    quiet_transformers()
     try:
         run_cfg = RunConfig.from_omegaconf(cfg)
         container = OmegaConf.to_container(cfg, resolve=True)
@@ -360,10 +362,5 @@ def main(cfg: DictConfig) -> None:
         sys.exit(1)
 
 
-def cli() -> None:
-    check_overrides(sys.argv[1:], "bench", ("task", "search", "decoder", "model"))
-    main()
-
-
 if __name__ == "__main__":
-    cli()
+    main()

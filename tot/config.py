@@ -6,9 +6,10 @@ from dataclasses import dataclass, field
 
 from omegaconf import DictConfig, OmegaConf
 
-from decoding.config import DecoderConfig, as_float, as_int
-from decoding.errors import ConfigError
-from decoding.models import ModelSpec
+from decoding.config import DecoderConfig
+from decoding.core.errors import ConfigError
+from decoding.core.models import ModelSpec
+from decoding.core.options import as_float, as_int
 from tasks import TASKS, DataSpec
 from tot.dvts import DVTSSettings
 from tot.search import BFSSettings, GenSettings
@@ -85,7 +86,7 @@ class RunConfig:
                 bfs=_bfs(c["search"]),
                 dvts=_dvts(c["search"]),
                 decoder=DecoderConfig.from_container(c),
-                model=ModelSpec(**{k: str(v) for k, v in c["model"].items() if k != "name" and v is not None}),
+                model=ModelSpec.from_config(c["model"]),
                 data=DataSpec(
                     path=data.get("path"),
                     limit=None if data.get("limit") is None else as_int("data.limit", data["limit"]),
@@ -133,8 +134,7 @@ def _judge(c: dict) -> ModelSpec | None:
     path = (c["task"].get("judge") or {}).get("path")
     if not path:
         return None
-    model = {k: str(v) for k, v in c["model"].items() if k not in ("name", "path") and v is not None}
-    return ModelSpec(path=str(path), **model, key="task.judge")
+    return ModelSpec.from_config({**c["model"], "path": str(path)}, "task.judge")
 
 
 def _positive(key: str, value: int) -> None:

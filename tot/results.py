@@ -10,7 +10,7 @@ import json
 import re
 from pathlib import Path
 
-from decoding.types import DecodeStats
+from decoding.core.values import DecodeStats
 
 
 class ResultStore:

@@ -11,8 +11,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from decoding.config import DecoderConfig
+from decoding.core.models import load_model
+from decoding.drafters.load import load_draft
 from decoding.engine import Engine
-from decoding.models import load_draft, load_model
 from tasks import Problem, Task, make_task
 from tot.config import RunConfig
 from tot.dvts import DVTS

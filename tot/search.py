@@ -10,7 +10,7 @@ import time
 import zlib
 from dataclasses import dataclass, field
 
-from decoding.types import DecodeStats, GenRequest, GenResult
+from decoding.core.values import DecodeStats, GenRequest, GenResult
 from tasks.base import Problem, Prompt, Task
 from tot.tree import ReasoningTree
 

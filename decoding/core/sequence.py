@@ -1,0 +1,70 @@
+"""The decode state of one request, shared by every decoder."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from decoding.core.sampling import SamplingParams, make_generator
+from decoding.core.stopping import Detokenizer, StopRule
+from decoding.core.values import DecodeStats, FinishReason
+
+DRAFT_SEED_SALT = 0x5EED_D4AF7
+
+
+@dataclass
+class Sequence:
+    prompt: list[int]
+    rule: StopRule
+    params: SamplingParams
+    generator: torch.Generator
+    # Drafting draws its own random numbers, so that the target's stream stays that of the request.
+    draft_generator: torch.Generator
+    group: str = ""  # trajectories of one ToT step share cross-trajectory draft statistics
+    generated: list[int] = field(default_factory=list)
+    reason: FinishReason | None = None
+    stats: DecodeStats = field(default_factory=DecodeStats)
+    _checked: int = 0
+
+    @classmethod
+    def create(cls, prompt: list[int], rule: StopRule, params: SamplingParams, seed: int, group: str = "") -> Sequence:
+        return cls(
+            prompt=prompt,
+            group=group,
+            rule=rule,
+            params=params,
+            generator=make_generator(seed),
+            draft_generator=make_generator(seed ^ DRAFT_SEED_SALT),
+        )
+
+    @property
+    def done(self) -> bool:
+        return self.reason is not None
+
+    @property
+    def room(self) -> int:
+        """The deepest draft node worth drafting: a step commits at most the accepted path plus the
+        target's own token, so deeper nodes could never be kept (and could pass the model's context)."""
+        return self.rule.max_new_tokens - len(self.generated) - 1
+
+    def commit(self, tokens: list[int], tokenizer: Detokenizer, drafted: int = 0, accepted: int = 0) -> int:
+        """Append tokens accepted in one verification step, stopping where plain decoding would.
+
+        `drafted` is the size of the draft tree verified, `accepted` how many of its tokens the
+        target kept (tokens[:accepted]; the last token is the target's own). Returns how many
+        tokens were kept.
+        """
+        before = len(self.generated)
+        self.generated.extend(tokens)
+        n, reason = self.rule.check(self.generated, tokenizer, start=self._checked)
+        del self.generated[n:]
+        self._checked = n
+        self.reason = reason
+        kept = n - before
+        self.stats.generated_tokens += kept
+        self.stats.drafted_tokens += drafted
+        self.stats.accepted_tokens += min(accepted, kept)
+        self.stats.verify_steps += 1
+        self.stats.target_forwards += 1
+        return kept

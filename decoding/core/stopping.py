@@ -1,0 +1,55 @@
+"""When a sequence ends: EOS, a stop string, or its token budget. One rule for every decoder."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from decoding.core.values import FinishReason
+
+
+class Detokenizer(Protocol):
+    def decode(self, ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+@dataclass(frozen=True)
+class StopRule:
+    eos_ids: frozenset[int]
+    stop: tuple[str, ...]
+    max_new_tokens: int
+
+    def check(self, generated: list[int], tokenizer: Detokenizer, start: int = 0) -> tuple[int, FinishReason | None]:
+        """Where the sequence ends, if it has.
+
+        Returns (n, reason): keep the first n generated tokens; reason is None while it goes on.
+        Checked left to right so a decoder that commits several tokens at once (speculative
+        decoding) stops exactly where one-token-at-a-time decoding would have. Tokens before `start` were
+        checked by an earlier call.
+        """
+        for i in range(start, len(generated)):
+            t = generated[i]
+            if t in self.eos_ids:
+                return i + 1, "eos"
+            if self.stop and self._ends_in_stop(generated[: i + 1], tokenizer):
+                return i + 1, "stop"
+            if i + 1 >= self.max_new_tokens:
+                return i + 1, "length"
+        return len(generated), None
+
+    def _ends_in_stop(self, ids: list[int], tokenizer: Detokenizer) -> bool:
+        # A stop string can only have appeared with the last token, so look at a tail long enough
+        # to hold the longest stop string (each token decodes to at least one character, or to a
+        # partial byte that the next token completes).
+        longest = max(len(s) for s in self.stop)
+        tail = tokenizer.decode(ids[-(longest + 2) :], skip_special_tokens=True)
+        prev = tokenizer.decode(ids[-(longest + 2) : -1], skip_special_tokens=True) if len(ids) > 1 else ""
+        return any(s in tail and s not in prev for s in self.stop)
+
+
+def final_text(generated: list[int], reason: FinishReason | None, stop: tuple[str, ...], tokenizer: Detokenizer) -> str:
+    """The text a caller sees: special tokens dropped, and cut before the stop string that ended it."""
+    text = tokenizer.decode(generated, skip_special_tokens=True)
+    if reason == "stop":
+        cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=len(text))
+        text = text[:cut]
+    return text

@@ -1,0 +1,104 @@
+"""The tables of the backend's plug-ins: every decoder is a schedule plus a drafter.
+
+Adding a drafter is one file in decoding/drafters/, one entry in `DRAFTERS`, one entry in
+`DECODERS` (its name, schedule, option sections) and one yaml in conf/decoder/ (its options go in
+conf/decoding/options.yaml and a field of `DecoderConfig`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+from decoding.core.errors import BackendError
+from decoding.core.models import LoadedModel
+from decoding.core.runner import ModelRunner
+from decoding.core.stopping import Detokenizer
+from decoding.drafters.aded import AdedDrafter
+from decoding.drafters.base import Drafter, NoDrafter
+from decoding.drafters.draft_model import ModelDrafter
+from decoding.drafters.edd import EddDrafter
+from decoding.drafters.pld import PLDDrafter
+from decoding.drafters.recycling import RecyclingDrafter
+from decoding.drafters.stand import StandDrafter
+from decoding.drafters.union import UnionDrafter
+from decoding.edd.model import EddModel, draft_vocab
+from decoding.schedules.base import Decoder
+from decoding.schedules.batch import BatchDecoder
+from decoding.schedules.hf import HFDecoder
+from decoding.schedules.seed import SeedDecoder
+from decoding.trees.static import StaticTree
+
+if TYPE_CHECKING:  # the config reads this module's tables; builders only read its fields
+    from decoding.config import DecoderConfig
+
+DraftModel = Literal["none", "required", "optional"]
+DrafterFactory = Callable[["DecoderConfig", ModelRunner, Detokenizer, "LoadedModel | None"], Drafter]
+Schedule = Callable[[str, "DecoderConfig", ModelRunner, Detokenizer, Drafter], Decoder]
+
+
+@dataclass(frozen=True)
+class DecoderKind:
+    schedule: str  # a key of SCHEDULES
+    drafter: str  # a key of DRAFTERS
+    options: tuple[str, ...] = ()  # the DecoderConfig fields (config namespaces) it reads
+    draft_model: DraftModel = "none"  # optional: with draft.path set, the model's tree joins the drafter's
+    tree_section: str = ""  # the namespace of its draft-model tree options (sd or seed)
+
+
+def model_drafter(
+    config: DecoderConfig, target: ModelRunner, tokenizer: Detokenizer, draft: LoadedModel | None
+) -> Drafter:
+    """The drafter of a loaded draft model: an EDD (draft.path=edd) reads the target's hidden states,
+    over its draft vocabulary when draft.vocab is set; any other causal LM gets a runner of its own
+    (its own forward count), also for the target's weights."""
+    if draft is None:
+        raise BackendError(f"decoder={config.name} needs a draft model (draft.path)")
+    if isinstance(draft.model, EddModel):
+        size = None if config.draft is None else config.draft.vocab
+        vocab = None if size is None else draft_vocab(Path(draft.source), size)
+        return EddDrafter(draft.model, target, config.draft_tree, vocab)
+    # The target too: tree_policy=pct measures s_d / s_t against it at start-up.
+    return ModelDrafter(ModelRunner(draft.model), config.draft_tree, target.vocab_size, target=target)
+
+
+DRAFTERS: dict[str, DrafterFactory] = {
+    "none": lambda c, target, tok, draft: NoDrafter(),
+    "model": model_drafter,
+    "stand": lambda c, target, tok, draft: StandDrafter(c.stand, StaticTree.load(c.stand.tree), target.vocab_size),
+    "pld": lambda c, target, tok, draft: PLDDrafter(c.pld),
+    # aded.corpus, if any, is tokenised with the target's tokenizer
+    "aded": lambda c, target, tok, draft: AdedDrafter(c.aded, tok),
+    "recycling": lambda c, target, tok, draft: RecyclingDrafter(c.recycling, StaticTree.load(c.stand.tree)),
+}
+
+SCHEDULES: dict[str, Schedule] = {
+    "hf": lambda name, c, target, tok, drafter: HFDecoder(target, tok),
+    "batch": lambda name, c, target, tok, drafter: BatchDecoder(name, target, tok, drafter),
+    "serial": lambda name, c, target, tok, drafter: BatchDecoder(name, target, tok, drafter, serial=True),
+    "seed": lambda name, c, target, tok, drafter: SeedDecoder(target, tok, drafter, c.seed, name=name),
+}
+
+DECODERS: dict[str, DecoderKind] = {
+    "hf": DecoderKind("hf", "none"),
+    "ar": DecoderKind("batch", "none"),
+    "sd": DecoderKind("serial", "model", ("draft_tree",), "required", "sd"),
+    "seed": DecoderKind("seed", "model", ("draft_tree", "seed"), "required", "seed"),
+    "pld": DecoderKind("batch", "pld", ("pld",)),
+    "recycling": DecoderKind("batch", "recycling", ("recycling", "stand")),
+    "stand": DecoderKind("batch", "stand", ("stand",)),
+    "seed_stand": DecoderKind("seed", "stand", ("draft_tree", "seed", "stand"), "optional", "seed"),
+    "aded": DecoderKind("batch", "aded", ("aded",)),
+}
+
+
+def make_decoder(
+    config: DecoderConfig, target: ModelRunner, tokenizer: Detokenizer, draft: LoadedModel | None
+) -> Decoder:
+    kind = DECODERS[config.name]
+    drafter = DRAFTERS[kind.drafter](config, target, tokenizer, draft)
+    if kind.draft_model == "optional" and draft is not None:
+        drafter = UnionDrafter([model_drafter(config, target, tokenizer, draft), drafter])
+    return SCHEDULES[kind.schedule](config.name, config, target, tokenizer, drafter)

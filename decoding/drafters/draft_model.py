@@ -1,0 +1,145 @@
+"""The draft-model drafter: a small causal LM (or the target itself) grows a draft tree level by level.
+
+The tree's shape comes from a tree policy (decoding/tree_policy.py): a k_config tree (SEED's
+children per depth), a static Sequoia tree from a file (`python -m decoding.sequoia_tree`), or
+EDD's pruned candidate tree (PCT), grown from the draft model's confidences. The draft model keeps
+its own per-row KV cache in step with what the target accepted: each tree is grown level by level
+(one batched draft forward per level, each level seeing the levels above it through the cache's
+uncommitted slots), and after verification only the accepted nodes the draft model already
+computed are kept; the rest (a leaf, the bonus token) is fed next time.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from dataclasses import dataclass
+
+import torch
+
+from decoding.core.draft_tree import DraftTree
+from decoding.core.runner import ModelRunner
+from decoding.core.sampling import SamplingParams, draft_dists
+from decoding.core.sequence import Sequence
+from decoding.core.timing import speed_ratio, time_forward
+from decoding.core.verify import Verdict, pack
+from decoding.trees.policies import DraftTreeOptions, grow_levels, make_policy
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Drafted:
+    """Where a row's last tree lives in the draft cache, for keeping the accepted path after."""
+
+    pending_cols: list[int]  # uncommitted slots of the row's pending tokens
+    slots: dict[int, int]  # tree node -> uncommitted slot (the nodes the draft model computed)
+
+
+class ModelDrafter:
+    """Draft trees from a draft model, shaped by the tree policy of `options`.
+
+    `target` is needed only to measure PCT's s_d / s_t at start-up (when `pct_ratio` is not given).
+    """
+
+    def __init__(
+        self, model: ModelRunner, options: DraftTreeOptions, vocab_size: int, target: ModelRunner | None = None
+    ) -> None:
+        self.model = model
+        self.options = options
+        self.vocab_size = vocab_size
+        self.target = target
+        self.policy = make_policy(options, self._measure_ratio)
+        self.max_nodes = self.policy.max_nodes
+        self.seqs: list[Sequence] = []
+        self.pending: dict[int, list[int]] = {}  # per row: tokens accepted but not in the draft cache
+        self.position: dict[int, int] = {}  # per row: its row in the draft cache
+        self.drafted: dict[int, _Drafted] = {}
+
+    def start(self, seqs: list[Sequence], capacity: int) -> None:
+        self.seqs = seqs
+        self.cache, pending = self.model.start([s.prompt for s in seqs], capacity)
+        self.pending = dict(enumerate(pending))
+        self.position = {i: i for i in range(len(seqs))}
+        self.drafted = {}
+
+    def _measure_ratio(self, context: int = 64, repeats: int = 5) -> float:
+        """PCT's s_d / s_t on this machine: one forward of each model of one token after `context`."""
+        if self.target is None:
+            raise ValueError("PCT measures s_d / s_t against the target: pass target= or set pct_ratio")
+        s_d = statistics.median(time_forward(self.model, context, 1, 1, repeats))
+        ratio, s_t = speed_ratio(s_d, self.target, context, repeats)
+        log.info(
+            "PCT: s_d / s_t = %.3f (draft %.1f ms, target %.1f ms per forward, measured at start-up)", ratio, s_d, s_t
+        )
+        return ratio
+
+    def peak_cache_bytes(self) -> int:
+        return self.model.peak_cache_bytes
+
+    def _cache_rows(self, rows: list[int]) -> list[int] | None:
+        positions = [self.position[i] for i in rows]
+        return None if positions == list(range(self.cache.batch)) else positions
+
+    def draft(self, rows: list[int]) -> list[DraftTree]:
+        """Trees for the given rows (any subset: a scheduler drafts the rows that wait to draft)."""
+        batch = len(rows)
+        params = [self.seqs[i].params for i in rows]
+        cache_rows = self._cache_rows(rows)
+        packed = pack([self.pending[i] for i in rows], [DraftTree() for _ in rows])
+        p = packed.n_pending
+        logits = self.model.forward(
+            self.cache, packed.tokens, packed.see, packed.depth, logits_at=torch.tensor([p - 1]), rows=cache_rows
+        )
+        growths = [
+            self.policy.grow(params[b].greedy, self.seqs[i].draft_generator, self.seqs[i].room)
+            for b, i in enumerate(rows)
+        ]
+        # Each node sees its row's pending tokens and its own ancestors; the first level sits one past them.
+        slots = grow_levels(
+            growths,
+            logits,
+            lambda b, lg: self._dists(lg, params[b]),
+            lambda tokens, see, depth, offset: self.model.forward(
+                self.cache, tokens, see, depth, offset=offset, rows=cache_rows
+            ),
+            [range(packed.pads[b], p) for b in range(batch)],
+            [len(self.pending[i]) for i in rows],
+            p,
+        )
+        for b, i in enumerate(rows):
+            self.drafted[i] = _Drafted(list(range(packed.pads[b], p)), slots[b])
+        return [g.tree for g in growths]
+
+    def _dists(self, logits: torch.Tensor, params: SamplingParams) -> list[torch.Tensor]:
+        return draft_dists(self._fit_vocab(logits), params)
+
+    def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        # A draft model's embedding may be padded past the target's vocabulary, or short of it.
+        v = logits.shape[-1]
+        if v == self.vocab_size:
+            return logits
+        if v > self.vocab_size:
+            return logits[..., : self.vocab_size]
+        return torch.nn.functional.pad(logits, (0, self.vocab_size - v), value=float("-inf"))
+
+    def update(self, rows: list[int], verdicts: list[Verdict]) -> None:
+        for i, v in zip(rows, verdicts):
+            drafted = self.drafted.pop(i)
+            seq = self.seqs[i]
+            if seq.done:
+                continue
+            # Accepted nodes the draft model computed form a prefix of the path (the shallower
+            # levels). A path from another drafter (a grafted tree) keeps none of them.
+            computed = [n for n in v.path if n in drafted.slots]
+            pos = self.position[i]
+            self.cache.keep(pos, drafted.pending_cols + [drafted.slots[n] for n in computed])
+            # Everything committed that the draft cache lacks is fed next time.
+            self.pending[i] = (seq.prompt + seq.generated)[int(self.cache.lens[pos]) :]
+
+    def retain(self, rows: list[int]) -> None:
+        """Drop every other row from the draft cache (a finished sequence costs nothing more)."""
+        order = sorted(rows, key=self.position.__getitem__)
+        self.cache.select_rows(torch.tensor([self.position[i] for i in order], dtype=torch.long))
+        self.position = {i: pos for pos, i in enumerate(order)}
+        self.pending = {i: self.pending[i] for i in order}

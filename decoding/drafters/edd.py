@@ -1,0 +1,196 @@
+"""The EDD drafter: trees from the Effective Draft Decoder (decoding/edd/model.py), which reads the
+target's hidden states of the committed tokens as a soft prompt.
+
+Drafting mirrors the training mask: the soft prompt holds the hidden states of every committed
+token (the target computes them while verifying, `Verdict.hidden`); the tokens after them (the
+bonus token, then the tree) form the current block, which sees the whole soft prompt and its own
+tokens only. The EDD keeps the soft prompt's keys/values in its own per-row cache, appends the newly
+committed hidden states with each draft's first forward, and grows its tree one forward per level.
+The drafter only proposes: the target verifies every tree, so outputs stay the target's.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable
+
+import torch
+
+from decoding.core.draft_tree import DraftTree
+from decoding.core.errors import BackendError
+from decoding.core.runner import ModelRunner
+from decoding.core.sampling import SamplingParams, draft_dists
+from decoding.core.sequence import Sequence
+from decoding.core.timing import speed_ratio, timed_ms
+from decoding.core.verify import Verdict
+from decoding.edd.model import EddModel
+from decoding.trees.policies import DraftTreeOptions, grow_levels, make_policy
+
+
+class EddDrafter:
+    """Drafts trees with an EDD from the target's hidden states of the committed tokens; the tree's
+    shape is the tree policy of `options` (decoding/trees/policies.py: k_config, sequoia or pct).
+
+    Per row: `known` tokens of the context have hidden states (the target's cache length); those
+    not yet fed to the EDD wait in `queue`; the rest of the context (the bonus token, or on the first
+    round the prompt's tail the target has not read) is the current block. A row whose block is
+    longer than the EDD was trained on, or has no room left, gets an empty tree this round.
+    """
+
+    def __init__(
+        self, edd: EddModel, target: ModelRunner, options: DraftTreeOptions, vocab: torch.Tensor | None = None
+    ) -> None:
+        self.edd = edd
+        self.target = target
+        # draft.vocab: the corpus's most frequent tokens, to which each call adds its prompts' tokens and
+        # every token committed since (None: the whole vocabulary); `head_rows` are the head's rows for it.
+        self.base_vocab = vocab
+        self.vocab_set: set[int] = set() if vocab is None else set(vocab.tolist())
+        self.vocab = vocab
+        self.head_rows = None if vocab is None else edd.vocab_rows(vocab)
+        self.policy = make_policy(options, self._measure_ratio)
+        self.max_nodes = self.policy.max_nodes
+        self.vocab_size = int(edd.shared[1].weight.shape[0])
+        target.capture_hidden(edd.config.layer)
+        self.seqs: list[Sequence] = []
+        self.known: dict[int, int] = {}
+        self.queue: dict[int, list[torch.Tensor]] = {}
+        self.position: dict[int, int] = {}
+
+    def _measure_ratio(self, context: int = 64, repeats: int = 5) -> float:
+        """PCT's s_d / s_t here: one EDD forward (one token after a soft prompt of `context`) against
+        one target verification forward of one token, medians of `repeats`."""
+        cache = self.edd.new_cache(1, context + 2)
+        size = self.edd.lm_config.hidden_size
+        prompt = torch.zeros(1, context, size)
+        causal = torch.ones(context, context, dtype=torch.bool).tril()[None]
+        self.edd.step(cache, prompt, causal, torch.arange(context)[None], torch.zeros(0, dtype=torch.long))
+        cache.advance(torch.tensor([context]))
+        token, one = self.edd.embed(torch.tensor([[7]])), torch.ones(1, 1, 1, dtype=torch.bool)
+        at, depth = torch.tensor([0]), torch.zeros(1, 1, dtype=torch.long)
+        times = timed_ms(lambda: self.edd.step(cache, token, one, depth, at, head_rows=self.head_rows), repeats)
+        return speed_ratio(statistics.median(times), self.target, context, repeats)[0]
+
+    def peak_cache_bytes(self) -> int:
+        return 0  # the soft prompt's cache is one layer's: not counted beside the target's
+
+    def start(self, seqs: list[Sequence], capacity: int) -> None:
+        self.seqs = seqs
+        if self.base_vocab is not None:
+            self.vocab_set, self.vocab = set(self.base_vocab.tolist()), None
+            self._extend_vocab(t for s in seqs for t in s.prompt)
+        head = self.target.start_hidden
+        n = 0 if head is None else len(head)
+        # The soft prompt (<= capacity) plus one draft's uncommitted slots: pads, queue, block, tree.
+        room = 2 * capacity + self.edd.config.max_block + self.max_nodes
+        if n:
+            self.cache = self.edd.new_cache(1, room)
+            causal = torch.ones(n, n, dtype=torch.bool).tril()[None]
+            self.edd.step(self.cache, head[None], causal, torch.arange(n)[None], torch.zeros(0, dtype=torch.long))
+            self.cache.advance(torch.tensor([n]))
+            self.cache.select_rows(torch.zeros(len(seqs), dtype=torch.long))
+        else:
+            self.cache = self.edd.new_cache(len(seqs), room)
+        self.known = dict.fromkeys(range(len(seqs)), n)
+        self.queue = {i: [] for i in range(len(seqs))}
+        self.position = {i: i for i in range(len(seqs))}
+
+    def _extend_vocab(self, tokens: Iterable[int]) -> None:
+        """Add `tokens` to the draft vocabulary (and the head's rows for it) if any are new."""
+        new = set(tokens) - self.vocab_set
+        if new or self.vocab is None:
+            self.vocab_set |= new
+            self.vocab = torch.tensor(sorted(self.vocab_set), dtype=torch.long)
+            self.head_rows = self.edd.vocab_rows(self.vocab)
+
+    def draft(self, rows: list[int]) -> list[DraftTree]:
+        trees = [DraftTree() for _ in rows]
+        active = []
+        for b, i in enumerate(rows):
+            seq = self.seqs[i]
+            block = (seq.prompt + seq.generated)[self.known[i] :]
+            if self.base_vocab is not None:
+                self._extend_vocab(block)  # the tokens committed since the last draft
+            room = seq.room
+            if room >= 1 and 1 <= len(block) <= self.edd.config.max_block:
+                active.append((b, i, block, room))
+        if active:
+            for (b, _, _, _), tree in zip(active, self._grow(active)):
+                trees[b] = tree
+        return trees
+
+    @torch.inference_mode()
+    def _grow(self, active: list[tuple[int, int, list[int], int]]) -> list[DraftTree]:
+        edd = self.edd
+        batch = len(active)
+        queued = [torch.cat(self.queue[i]) if self.queue[i] else None for _, i, _, _ in active]
+        k = [0 if q is None else len(q) for q in queued]
+        width = max(kb + len(block) for kb, (_, _, block, _) in zip(k, active))
+        embeds = torch.zeros(batch, width, edd.lm_config.hidden_size, dtype=edd.dtype, device=edd.device)
+        see = torch.eye(width, dtype=torch.bool).repeat(batch, 1, 1)
+        depth = torch.zeros(batch, width, dtype=torch.long)
+        pads = []
+        for b, ((_, _, block, _), q) in enumerate(zip(active, queued)):
+            # [pad, queued hidden states, block tokens]: one causal run (the block sees every
+            # hidden state before it, the soft prompt stays causal).
+            pad = width - k[b] - len(block)
+            pads.append(pad)
+            if q is not None:
+                embeds[b, pad : pad + k[b]] = q.to(edd.device, edd.dtype)
+            embeds[b, pad + k[b] :] = edd.embed(torch.tensor(block))
+            see[b, pad:, pad:] = torch.ones(width - pad, width - pad, dtype=torch.bool).tril()
+            depth[b, pad:] = torch.arange(width - pad)
+        positions = [self.position[i] for _, i, _, _ in active]
+        cache_rows = None if positions == list(range(self.cache.batch)) else positions
+        logits = edd.step(
+            self.cache, embeds, see, depth, torch.tensor([width - 1]), rows=cache_rows, head_rows=self.head_rows
+        )
+        seqs = [self.seqs[i] for _, i, _, _ in active]
+        growths = [self.policy.grow(s.params.greedy, s.draft_generator, room) for s, (*_, room) in zip(seqs, active)]
+
+        def level(tokens: torch.Tensor, see: torch.Tensor, depth: torch.Tensor, offset: int) -> torch.Tensor:
+            every = torch.arange(tokens.shape[1])
+            return edd.step(self.cache, edd.embed(tokens), see, depth, every, offset, cache_rows, self.head_rows)
+
+        # Tree nodes belong to the block: they see its columns (the queue's too) and their ancestors.
+        grow_levels(
+            growths,
+            logits,
+            lambda b, lg: _dists(lg, seqs[b].params, self.vocab, self.vocab_size),
+            level,
+            [range(pads[b], width) for b in range(batch)],
+            [width - pads[b] for b in range(batch)],
+            width,
+        )
+        # The queued hidden states join the soft prompt; the block and the tree never do.
+        for b, (_, i, _, _) in enumerate(active):
+            if k[b]:
+                self.cache.keep(self.position[i], list(range(pads[b], pads[b] + k[b])))
+            self.queue[i] = []
+        return [g.tree for g in growths]
+
+    def update(self, rows: list[int], verdicts: list[Verdict]) -> None:
+        for i, v in zip(rows, verdicts):
+            if self.seqs[i].done:
+                continue
+            if v.hidden is None:
+                raise BackendError("the EDD drafter needs the target's hidden states (ModelRunner.capture_hidden)")
+            self.queue[i].append(v.hidden)
+            self.known[i] += len(v.hidden)
+
+    def retain(self, rows: list[int]) -> None:
+        """Drop every other row from the EDD cache."""
+        order = sorted(rows, key=self.position.__getitem__)
+        self.cache.select_rows(torch.tensor([self.position[i] for i in order], dtype=torch.long))
+        self.position = {i: pos for pos, i in enumerate(order)}
+
+
+def _dists(
+    logits: torch.Tensor, params: SamplingParams, ids: torch.Tensor | None, vocab_size: int
+) -> list[torch.Tensor]:
+    """Draft distributions for logits [n, V], or [n, len(ids)] over the draft vocabulary `ids` (the
+    rest of the vocabulary at -inf: probability 0)."""
+    if ids is not None:
+        full = logits.new_full((logits.shape[0], vocab_size), float("-inf"))
+        logits = full.index_copy_(1, ids.to(logits.device), logits)
+    return draft_dists(logits, params)

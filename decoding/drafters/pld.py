@@ -1,0 +1,66 @@
+"""Prompt lookup decoding (PLD): draft the continuation of the last n-gram's previous occurrence.
+
+A baseline in the drafter slot: model-free like STAND, but deterministic and looking only at the
+sequence's own context (prompt and generated text), with no cross-trajectory statistics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from decoding.core.draft_tree import ROOT, DraftTree
+from decoding.core.errors import ConfigError
+from decoding.core.sequence import Sequence
+from decoding.core.verify import Verdict
+
+
+@dataclass(frozen=True)
+class PLDOptions:
+    max_ngram: int = 3  # longest n-gram matched (then shorter ones)
+    num_draft: int = 10  # tokens drafted after a match (a chain)
+
+    def __post_init__(self) -> None:
+        if self.max_ngram < 1 or self.num_draft < 1:
+            raise ConfigError(f"pld.max_ngram={self.max_ngram} and pld.num_draft={self.num_draft} must be positive")
+
+
+def lookup(context: list[int], max_ngram: int, num_draft: int) -> list[int]:
+    """The tokens after the latest earlier occurrence of the context's last n tokens, longest n first."""
+    size = len(context)
+    for n in range(min(max_ngram, size - 1), 0, -1):
+        tail = context[-n:]
+        for start in range(size - n - 1, -1, -1):
+            if context[start : start + n] == tail:
+                return context[start + n : start + n + num_draft]
+    return []
+
+
+class PLDDrafter:
+    def __init__(self, options: PLDOptions) -> None:
+        self.options = options
+        self.max_nodes = options.num_draft
+        self.seqs: list[Sequence] = []
+
+    def start(self, seqs: list[Sequence], capacity: int) -> None:
+        self.seqs = seqs
+
+    def draft(self, rows: list[int]) -> list[DraftTree]:
+        trees = []
+        for i in rows:
+            seq = self.seqs[i]
+            tokens = lookup(seq.prompt + seq.generated, self.options.max_ngram, min(self.options.num_draft, seq.room))
+            tree = DraftTree(draw="top")
+            parent = ROOT
+            for t in tokens:
+                parent = tree.add(t, parent)
+            trees.append(tree)
+        return trees
+
+    def update(self, rows: list[int], verdicts: list[Verdict]) -> None:
+        """Nothing to learn: drafts come from each sequence's own context."""
+
+    def retain(self, rows: list[int]) -> None:
+        """No per-row state to drop."""
+
+    def peak_cache_bytes(self) -> int:
+        return 0  # no model, no KV cache

@@ -1,0 +1,53 @@
+"""Draft statistics kept per scope across engine calls (STAND's N-gram pools, ADED's tri-gram matrices).
+
+The trajectories of one ToT step share a pool (`GenRequest.group`), or all steps of a problem
+(groups are `<problem>/<step>`), or the whole run; the least recently used pools are evicted.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Generic, Literal, Protocol, TypeVar
+
+Scope = Literal["group", "problem", "run"]
+
+
+class Pool(Protocol):
+    def prime(self, tokens: Sequence[int]) -> None:
+        """Count a prompt's own statistics, so that drafts may copy from it."""
+
+
+P = TypeVar("P", bound=Pool)
+
+
+class Pools(Generic[P]):
+    def __init__(self, scope: Scope, max_pools: int, new: Callable[[], P]) -> None:
+        self.scope = scope
+        self.max_pools = max_pools
+        self.new = new
+        self.pools: OrderedDict[str, P] = OrderedDict()
+        self.primed: dict[str, set[tuple[int, ...]]] = {}  # per pool: the prompts counted already
+
+    def key(self, group: str) -> str:
+        if self.scope == "run":
+            return ""
+        return group.split("/", 1)[0] if self.scope == "problem" else group
+
+    def get(self, group: str) -> P:
+        key = self.key(group)
+        pool = self.pools.pop(key, None)
+        pool = self.new() if pool is None else pool
+        self.pools[key] = pool
+        while len(self.pools) > self.max_pools:
+            old, _ = self.pools.popitem(last=False)
+            self.primed.pop(old, None)
+        return pool
+
+    def prime(self, group: str, prompt: list[int]) -> None:
+        """Count a prompt into its group's pool once, however many sequences share it."""
+        key = self.key(group)
+        done = self.primed.setdefault(key, set())
+        if tuple(prompt) not in done:
+            done.add(tuple(prompt))
+            self.get(group).prime(prompt)

@@ -1,0 +1,71 @@
+"""A Token-Recycling-style drafter: each token's latest top-k successors, filled into a static tree.
+
+A baseline in the drafter slot: model-free and deterministic. After every verification the
+successor list of each committed token is replaced (not averaged, unlike STAND) by the target's
+top-k next tokens at that position; the table is kept across calls and shared by all sequences.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from decoding.core.draft_tree import ROOT, DraftTree
+from decoding.core.errors import ConfigError
+from decoding.core.sequence import Sequence
+from decoding.core.verify import Verdict
+from decoding.trees.static import StaticTree
+
+
+@dataclass(frozen=True)
+class RecyclingOptions:
+    top_k: int = 8  # successors kept per token
+
+    def __post_init__(self) -> None:
+        if self.top_k < 1:
+            raise ConfigError(f"recycling.top_k={self.top_k} must be a positive integer")
+
+
+class RecyclingDrafter:
+    def __init__(self, options: RecyclingOptions, tree: StaticTree) -> None:
+        self.options = options
+        self.tree = tree
+        self.max_nodes = len(tree)
+        self.successors: dict[int, list[int]] = {}
+        self.seqs: list[Sequence] = []
+
+    def start(self, seqs: list[Sequence], capacity: int) -> None:
+        self.seqs = seqs
+
+    def draft(self, rows: list[int]) -> list[DraftTree]:
+        return [self._draft(self.seqs[i]) for i in rows]
+
+    def _draft(self, seq: Sequence) -> DraftTree:
+        tree = DraftTree(draw="top")
+        last = (seq.prompt + seq.generated)[-1]
+
+        def children(node: int, k: int) -> list[tuple[int, float] | None]:
+            token = last if node == ROOT else tree.tokens[node]
+            return [(t, 1.0) for t in self.successors.get(token, [])[:k]]
+
+        tree.shape_nodes = self.tree.fill(tree, seq.room, children)
+        return tree
+
+    def update(self, rows: list[int], verdicts: list[Verdict]) -> None:
+        for i, v in zip(rows, verdicts):
+            if v.kept <= 0:
+                continue
+            seq = self.seqs[i]
+            full = seq.prompt + seq.generated
+            base = len(full) - v.kept
+            at = v.kept_rows()
+            top = torch.topk(v.logits[at], self.options.top_k).indices.tolist()
+            for j, succ in enumerate(top):
+                self.successors[full[base + j - 1]] = succ
+
+    def retain(self, rows: list[int]) -> None:
+        """The successor table is shared by all rows: nothing per row to drop."""
+
+    def peak_cache_bytes(self) -> int:
+        return 0  # no model, no KV cache

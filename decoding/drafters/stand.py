@@ -1,0 +1,154 @@
+"""STAND's model-free drafter (STAND, section 4.2): draft trees from the logit N-gram pool.
+
+The trajectories of one ToT step share a pool (`GenRequest.group`; or a whole problem, or the
+whole run): every committed position adds the target distribution the verifier already computed,
+so a trajectory drafts from what the others produced. A static tree topology is filled from the
+root down: at each node the longest matching context gives up to 10 candidates, and the node's
+children take them in order, sampled without replacement by Gumbel-top-k (stochastic drafting,
+verified by Sequoia's rule) or by rank (deterministic, and always at temperature 0). A node whose
+context matches nothing ends its branch, so trees shrink where the pool knows nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from decoding.core.draft_tree import DraftTree
+from decoding.core.errors import ConfigError
+from decoding.core.sequence import Sequence
+from decoding.core.verify import Verdict
+from decoding.drafters.ngram import LogitNGram
+from decoding.drafters.pools import Pools, Scope
+from decoding.trees.static import StaticTree
+
+TOP = 10  # candidates stored per context (STAND: top-10)
+
+
+@dataclass(frozen=True)
+class StandOptions:
+    tree: str = "default"  # a tree shipped in decoding/trees/ (by name) or a JSON file path
+    scope: Scope = "group"
+    prime_with_prompt: bool = True  # the pool starts with the prompt's N-grams: drafts may copy from it
+    stochastic: bool = True  # Gumbel-top-k drafting at temperature > 0 (false: by rank)
+    capacity: int = 200_000  # entries per pool
+    max_pools: int = 256  # pools kept (least recently used evicted)
+    min_path_prob: float = 0.0  # drop nodes whose draft probability of being reached is lower
+    key: str = "stand"
+
+    def __post_init__(self) -> None:
+        if self.scope not in ("group", "problem", "run"):
+            raise ConfigError(f"{self.key}.scope={self.scope!r} is not one of group, problem, run")
+        if not 0 <= self.min_path_prob < 1:
+            raise ConfigError(f"{self.key}.min_path_prob={self.min_path_prob} must be in [0, 1)")
+        if self.capacity < 1 or self.max_pools < 1:
+            raise ConfigError(f"{self.key}.capacity and {self.key}.max_pools must be positive integers")
+
+
+class GumbelNoise:
+    """Gumbel noise drawn in blocks and used up in order (STAND caches it rather than sampling
+    per node); refreshed from the sequence's draft generator when exhausted."""
+
+    def __init__(self, generator: torch.Generator, block: int = 4096) -> None:
+        self.generator = generator
+        self.block = block
+        self.values: list[float] = []
+        self.pos = 0
+
+    def take(self, n: int) -> list[float]:
+        if self.pos + n > len(self.values):
+            u = torch.rand(self.block, generator=self.generator, dtype=torch.float64).clamp_min(1e-300)
+            self.values = (-torch.log(-torch.log(u))).tolist()
+            self.pos = 0
+        out = self.values[self.pos : self.pos + n]
+        self.pos += n
+        return out
+
+
+def gumbel_top_k(ids: list[int], probs: list[float], k: int, noise: GumbelNoise) -> list[int]:
+    """k of the candidates sampled without replacement in proportion to probs, in draw order."""
+    live = [(i, p) for i, p in zip(ids, probs) if p > 0]
+    g = noise.take(len(live))
+    scored = sorted(((math.log(p) + gi, i) for (i, p), gi in zip(live, g)), reverse=True)
+    return [i for _, i in scored[:k]]
+
+
+class StandDrafter:
+    """STAND drafting from the group's pool into a static tree (see the module docstring)."""
+
+    def __init__(self, options: StandOptions, tree: StaticTree, vocab_size: int) -> None:
+        self.options = options
+        self.tree = tree
+        self.vocab_size = vocab_size
+        self.max_nodes = len(tree)
+        self.pools = Pools(options.scope, options.max_pools, lambda: LogitNGram(top=TOP, capacity=options.capacity))
+        self.seqs: list[Sequence] = []
+        self.noise: dict[int, GumbelNoise] = {}
+
+    def start(self, seqs: list[Sequence], capacity: int) -> None:
+        self.seqs = seqs
+        self.noise = {}
+        if self.options.prime_with_prompt:
+            for s in seqs:
+                self.pools.prime(s.group, s.prompt)
+
+    def draft(self, rows: list[int]) -> list[DraftTree]:
+        return [self._draft(i) for i in rows]
+
+    def _draft(self, i: int) -> DraftTree:
+        seq = self.seqs[i]
+        pool = self.pools.get(seq.group)
+        stochastic = not seq.params.greedy and self.options.stochastic
+        tree = DraftTree(draw="without_replacement" if stochastic else "top")
+        context = (seq.prompt + seq.generated)[-pool.max_n :]
+
+        def children(node: int, k: int) -> list[tuple[int, float] | None]:
+            path = tree.path(node)
+            entry = pool.lookup((context + [tree.tokens[n] for n in path])[-pool.max_n :])
+            if entry is None:
+                return []
+            ids, probs = list(entry.ids), list(entry.probs)
+            total = sum(probs)
+            if total <= 0:
+                return []
+            probs = [p / total for p in probs]
+            if stochastic:
+                noise = self.noise.setdefault(i, GumbelNoise(seq.draft_generator))
+                picks = gumbel_top_k(ids, probs, k, noise)
+                tree.dists[node] = (ids, probs)
+            else:
+                picks = ids[:k]
+            prob_of = dict(zip(ids, probs))
+            reach = math.prod(tree.probs[n] for n in path)  # the draft probability of reaching `node`
+            # Children unlikely to be reached are not worth their verification cost (EDD's pruned tree).
+            return [None if reach * prob_of[t] < self.options.min_path_prob else (t, prob_of[t]) for t in picks]
+
+        tree.shape_nodes = self.tree.fill(tree, seq.room, children)
+        return tree
+
+    def update(self, rows: list[int], verdicts: list[Verdict]) -> None:
+        for i, v in zip(rows, verdicts):
+            if v.kept <= 0:
+                continue
+            seq = self.seqs[i]
+            full = seq.prompt + seq.generated
+            base = len(full) - v.kept  # the first token committed by this step
+            at = v.kept_rows()
+            if v.probs is None:
+                # Greedy rows: rank the next tokens by the target's own softmax (any ranking is lossless
+                # at temperature 0, and a one-hot would leave a single candidate per context).
+                top = torch.topk(v.logits[at].float().softmax(-1), TOP)
+            else:
+                top = torch.topk(v.probs[at], min(TOP, v.probs.shape[-1]))
+            ids, probs = top.indices.tolist(), top.values.tolist()
+            pool = self.pools.get(seq.group)
+            for j in range(len(at)):
+                pool.add(full[max(0, base + j - pool.max_n) : base + j], ids[j], probs[j])
+
+    def retain(self, rows: list[int]) -> None:
+        """Pools are per group, kept across calls: nothing per row to drop."""
+
+    def peak_cache_bytes(self) -> int:
+        return 0  # no model, no KV cache

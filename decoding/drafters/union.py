@@ -1,0 +1,69 @@
+"""Several drafters at once: their trees grafted under one root, verified in one forward.
+
+`seed_stand` with a draft model drafts from the union of the model's k_config tree and STAND's
+N-gram tree. Each drafter learns from a verification as if it had drafted alone: the accepted path
+is given to the drafter whose subtree it lies in; the others see no accepted node of theirs and
+catch up from the committed tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from decoding.core.draft_tree import DraftTree, graft
+from decoding.core.sequence import Sequence
+from decoding.core.verify import Verdict
+from decoding.drafters.base import Drafter
+
+
+class UnionDrafter:
+    def __init__(self, drafters: list[Drafter]) -> None:
+        self.drafters = drafters
+        self.max_nodes = sum(d.max_nodes for d in drafters)
+        self.where: dict[int, tuple[list[DraftTree], list[list[int]]]] = {}
+
+    def start(self, seqs: list[Sequence], capacity: int) -> None:
+        for d in self.drafters:
+            d.start(seqs, capacity)
+
+    def draft(self, rows: list[int]) -> list[DraftTree]:
+        per_drafter = [d.draft(rows) for d in self.drafters]
+        out = []
+        for b, i in enumerate(rows):
+            trees = [t[b] for t in per_drafter]
+            merged, where = graft(trees)
+            self.where[i] = (trees, where)
+            out.append(merged)
+        return out
+
+    def update(self, rows: list[int], verdicts: list[Verdict]) -> None:
+        for k, drafter in enumerate(self.drafters):
+            drafter.update(rows, [self._as_drafted_by(k, i, v) for i, v in zip(rows, verdicts)])
+        for i in rows:
+            self.where.pop(i, None)
+
+    def _as_drafted_by(self, k: int, row: int, v: Verdict) -> Verdict:
+        """The verification as drafter k would have seen it on its own tree."""
+        trees, where = self.where[row]
+        back = {merged: own for own, merged in enumerate(where[k])}
+        own_path = [back[n] for n in v.path] if v.path and v.path[0] in back else []
+        rows_needed = [0, *(1 + n for n in v.path)] if own_path else [0]
+        shape = (1 + len(trees[k]), v.logits.shape[-1])
+        logits = torch.zeros(shape, dtype=v.logits.dtype)
+        logits[[0, *(1 + n for n in own_path)]] = v.logits[rows_needed].cpu()
+        probs = None
+        if v.probs is not None:
+            probs = torch.zeros(shape, dtype=v.probs.dtype)
+            probs[[0, *(1 + n for n in own_path)]] = v.probs[rows_needed]
+        # Without its own path a drafter learns only the first committed position (kept_rows()
+        # stops at the path's end; `kept` still locates the committed tokens).
+        return replace(v, tree=trees[k], path=own_path, probs=probs, logits=logits)
+
+    def retain(self, rows: list[int]) -> None:
+        for d in self.drafters:
+            d.retain(rows)
+
+    def peak_cache_bytes(self) -> int:
+        return sum(d.peak_cache_bytes() for d in self.drafters)

@@ -1,0 +1,112 @@
+"""`python -m decoding.profile_forward`: what one verification forward costs on this machine (Hydra).
+
+Times one target forward that scores a draft tree of T tokens for each of B rows after a committed
+context, for every (T, B) asked, and prints ms per forward with the ratio to T=1, B=1. Tree-shape
+and schedule choices (Sequoia's hardware-aware budget, PCT's s_d / s_t, SEED's verify batch) read
+these measured costs rather than typed-in ones. `out=PATH` also writes the rows as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from decoding.cli import fail, hydra_command
+from decoding.core.errors import BackendError, ConfigError
+from decoding.core.models import ModelSpec, load_model
+from decoding.core.options import as_int
+from decoding.core.runner import ModelRunner
+from decoding.core.timing import time_forward
+
+
+@dataclass(frozen=True)
+class ProfileConfig:
+    model: ModelSpec
+    tree_sizes: tuple[int, ...]
+    batch_sizes: tuple[int, ...]
+    context: int
+    repeats: int
+    out: str | None
+
+    def __post_init__(self) -> None:
+        for key, values in (("tree_sizes", self.tree_sizes), ("batch_sizes", self.batch_sizes)):
+            if not values or any(v < 1 for v in values):
+                raise ConfigError(f"{key}={list(values)} must be a non-empty list of positive integers")
+        if self.context < 1 or self.repeats < 1:
+            raise ConfigError(f"context={self.context} and repeats={self.repeats} must be positive integers")
+
+    @classmethod
+    def from_omegaconf(cls, cfg: DictConfig) -> ProfileConfig:
+        c = OmegaConf.to_container(cfg, resolve=True)
+        return cls(
+            model=ModelSpec.from_config(c["model"]),
+            tree_sizes=tuple(as_int("tree_sizes", v) for v in _list("tree_sizes", c["tree_sizes"])),
+            batch_sizes=tuple(as_int("batch_sizes", v) for v in _list("batch_sizes", c["batch_sizes"])),
+            context=as_int("context", c["context"]),
+            repeats=as_int("repeats", c["repeats"]),
+            out=c.get("out"),
+        )
+
+
+def _list(key: str, value: object) -> list:
+    if not isinstance(value, list):
+        raise ConfigError(f"{key}={value!r} must be a list such as [1,4,16,64]")
+    return value
+
+
+def profile(cfg: ProfileConfig, target: ModelRunner) -> list[dict]:
+    rows = []
+    for batch in cfg.batch_sizes:
+        for size in cfg.tree_sizes:
+            times = time_forward(target, cfg.context, size, batch, cfg.repeats)
+            rows.append(
+                {
+                    "batch": batch,
+                    "tree_tokens": size,
+                    "ms": statistics.median(times),
+                    "ms_min": min(times),
+                    "context": cfg.context,
+                }
+            )
+    base = next((r["ms"] for r in rows if r["batch"] == 1 and r["tree_tokens"] == 1), rows[0]["ms"])
+    for r in rows:
+        r["relative"] = r["ms"] / base
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    sizes = sorted({r["tree_tokens"] for r in rows})
+    lines = ["| batch | " + " | ".join(f"T={t}" for t in sizes) + " |", "|---" * (len(sizes) + 1) + "|"]
+    for batch in sorted({r["batch"] for r in rows}):
+        cells = {r["tree_tokens"]: r for r in rows if r["batch"] == batch}
+        lines.append(
+            f"| {batch} | " + " | ".join(f"{cells[t]['ms']:.1f} ms ({cells[t]['relative']:.2f}x)" for t in sizes) + " |"
+        )
+    return "\n".join(lines)
+
+
+@hydra_command("profile_forward", groups=("model",))
+def main(cfg: DictConfig) -> None:
+    try:
+        pcfg = ProfileConfig.from_omegaconf(cfg)
+        loaded = load_model(pcfg.model)
+    except (ConfigError, BackendError) as e:
+        fail(str(e).splitlines()[0])
+    target = ModelRunner(loaded.model)
+    print(
+        f"verification forward, {loaded.source} on {loaded.device} ({torch.get_num_threads()} threads), "
+        f"context {pcfg.context} tokens, median of {pcfg.repeats}; T = tree tokens per row incl. the root"
+    )
+    rows = profile(pcfg, target)
+    print(table(rows))
+    if pcfg.out:
+        Path(pcfg.out).write_text(json.dumps({"model": loaded.source, "rows": rows}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""What every schedule shares: the `Decoder` protocol, setting up a call's caches, and one
+verify-and-commit step (verification and acceptance are the core's, so every schedule is lossless)."""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+from decoding.core.draft_tree import DraftTree
+from decoding.core.kv_cache import RowKVCache
+from decoding.core.runner import ModelRunner
+from decoding.core.sequence import Sequence
+from decoding.core.stopping import Detokenizer
+from decoding.core.values import DecodeStats
+from decoding.core.verify import Verdict, verify
+from decoding.drafters.base import Drafter
+
+
+class Decoder(Protocol):
+    """Decodes sequences in place (fills `generated` and `reason`) and reports the call's cost."""
+
+    name: str
+    drafter: Drafter
+
+    def run(self, seqs: list[Sequence]) -> DecodeStats: ...
+
+
+def begin(
+    target: ModelRunner, drafter: Drafter, seqs: list[Sequence], stats: DecodeStats
+) -> tuple[RowKVCache, list[list[int]]]:
+    """Caches for a set of sequences (the target's, the drafter's) and each one's pending tokens."""
+    t0 = time.perf_counter()
+    capacity = max(len(s.prompt) + s.rule.max_new_tokens for s in seqs) + drafter.max_nodes + 1
+    cache, pending = target.start([s.prompt for s in seqs], capacity)
+    stats.verify_s += time.perf_counter() - t0
+    t0 = time.perf_counter()
+    drafter.start(seqs, capacity)
+    stats.draft_s += time.perf_counter() - t0
+    return cache, pending
+
+
+def verify_and_commit(
+    target: ModelRunner,
+    tokenizer: Detokenizer,
+    cache: RowKVCache,
+    seqs: list[Sequence],
+    rows: list[int],
+    cache_rows: list[int],
+    trees: list[DraftTree],
+    pending: list[list[int]],
+) -> list[Verdict]:
+    """Verify the trees of sequences `rows` (held in cache rows `cache_rows`) in one forward and
+    commit what each accepted: tokens to the sequence, the accepted path to the cache."""
+    packed, verdicts = verify(
+        target,
+        cache,
+        [pending[i] for i in rows],
+        trees,
+        [seqs[i].params for i in rows],
+        [seqs[i].generator for i in rows],
+        rows=None if cache_rows == list(range(cache.batch)) else cache_rows,
+    )
+    for b, (i, pos, v) in enumerate(zip(rows, cache_rows, verdicts)):
+        s = seqs[i]
+        v.kept = s.commit(v.tokens, tokenizer, drafted=len(v.tree), accepted=len(v.path))
+        if not s.done:
+            cache.keep(pos, packed.committed(b, v.path))
+            pending[i] = [v.token]
+    return verdicts
+
+
+def add_sequence_totals(stats: DecodeStats, seqs: list[Sequence]) -> DecodeStats:
+    """A call's token counts are its sequences' (the time and forward counts are the call's own)."""
+    stats.generated_tokens = sum(s.stats.generated_tokens for s in seqs)
+    stats.drafted_tokens = sum(s.stats.drafted_tokens for s in seqs)
+    stats.accepted_tokens = sum(s.stats.accepted_tokens for s in seqs)
+    stats.verify_steps = sum(s.stats.verify_steps for s in seqs)
+    return stats

@@ -1,0 +1,66 @@
+"""The decode loop every token-level decoder shares: draft, verify, commit, repeat.
+
+Decoders differ only in the pieces plugged in here: the drafter (none for `ar`, a draft model for
+`sd`, N-gram pools for `stand`) and the schedule (all sequences in one batch, or one at a time).
+Autoregressive decoding is the case of an empty tree: the target scores the pending token and the
+"bonus" token it samples is the next token.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from decoding.core.runner import ModelRunner
+from decoding.core.sequence import Sequence
+from decoding.core.stopping import Detokenizer
+from decoding.core.values import DecodeStats
+from decoding.drafters.base import Drafter
+from decoding.schedules.base import add_sequence_totals, begin, verify_and_commit
+
+
+class BatchDecoder:
+    """Decodes sequences by rounds of draft-then-verify until each one stops.
+
+    serial=False: every sequence in flight shares each target forward (`ar`, `stand`).
+    serial=True: one sequence at a time, as SEED's SD / MCSD baselines run.
+    """
+
+    def __init__(self, name: str, target: ModelRunner, tokenizer: Detokenizer, drafter: Drafter, serial: bool = False):
+        self.name = name
+        self.target = target
+        self.tokenizer = tokenizer
+        self.drafter = drafter
+        self.serial = serial
+
+    def run(self, seqs: list[Sequence]) -> DecodeStats:
+        stats = DecodeStats()
+        for group in [[s] for s in seqs] if self.serial else [seqs]:
+            self._decode(group, stats)
+        return add_sequence_totals(stats, seqs)
+
+    def _decode(self, seqs: list[Sequence], stats: DecodeStats) -> None:
+        forwards = self.target.forwards
+        cache, pending = begin(self.target, self.drafter, seqs, stats)
+        live = list(range(len(seqs)))
+        while live:
+            t0 = time.perf_counter()
+            trees = self.drafter.draft(live)
+            assert all(len(t) <= self.drafter.max_nodes for t in trees), "a tree exceeds the drafter's max_nodes"
+            t1 = time.perf_counter()
+            positions = list(range(len(live)))  # finished rows leave the cache, so row b is live[b]
+            verdicts = verify_and_commit(self.target, self.tokenizer, cache, seqs, live, positions, trees, pending)
+            t2 = time.perf_counter()
+            going = [b for b, i in enumerate(live) if not seqs[i].done]
+            self.drafter.update(live, verdicts)
+            if len(going) < len(live):
+                # A finished row leaves the batch so it costs nothing in later forwards.
+                cache.select_rows(torch.tensor(going, dtype=torch.long))
+                live = [live[b] for b in going]
+                self.drafter.retain(live)
+            t3 = time.perf_counter()
+            stats.draft_s += t1 - t0
+            stats.verify_s += t2 - t1
+            stats.other_s += t3 - t2
+        stats.target_forwards += self.target.forwards - forwards

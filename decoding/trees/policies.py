@@ -1,0 +1,359 @@
+"""Tree policies: which children a draft tree gets, level by level, from the drafter's distributions.
+
+A drafter that grows its tree one level per forward (the draft model in decoding/drafters/draft_model.py, or
+any other drafter with a next-token distribution per node) asks its policy for one `Growth` per tree
+and loops until the growth wants nothing more:
+
+    growth = policy.grow(greedy, generator, max_depth)
+    while growth.frontier:                 # nodes whose draft distributions the next level needs
+        growth.next_level([q(node) for node in growth.frontier])   # adds their children
+    tree = growth.tree                     # a DraftTree, ready for verification
+
+`frontier` starts as [ROOT] (the distribution after the sequence's pending tokens) and always lists
+nodes of one depth, so a drafter can score each level in one batched forward. Nodes that are not in
+a frontier are leaves: a drafter never needs their distributions. Each q is a probability vector
+[V] on the CPU: at temperature > 0 the processed draft distribution the draws follow (it is kept
+in the tree as the proposal the acceptance rule needs), at temperature 0 the plain softmax (used to
+rank candidates and as PCT's confidences).
+
+Losslessness (decoding/core/acceptance.py): children drawn with draw "iid" or "without_replacement" must
+really be draws from q, so how many a node gets may not depend on what was drawn; a static shape
+guarantees that. Children chosen by rank (top-k) are point masses (draw "top"), verified exactly
+for any choice that depends on draft-side information only, which is what lets PCT decide the
+shape from the draft's confidences.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from decoding.core.draft_tree import ROOT, DraftTree, Draw, k_config_parents
+from decoding.core.errors import ConfigError
+from decoding.trees.static import StaticTree
+
+
+class Growth(Protocol):
+    tree: DraftTree
+    frontier: list[int]
+
+    def next_level(self, dists: list[torch.Tensor]) -> None: ...
+
+
+class TreePolicy(Protocol):
+    name: str
+    max_nodes: int  # no tree it grows is larger (the drafter's max_nodes)
+
+    def grow(self, greedy: bool, generator: torch.Generator | None, max_depth: int) -> Growth: ...
+
+
+def draw_children(q: torch.Tensor, k: int, draw: Draw, generator: torch.Generator | None) -> list[int]:
+    """k children of one node from q, drawn the way `draw` tells the acceptance rule they were."""
+    if draw == "top":
+        return torch.topk(q, min(k, q.shape[-1])).indices.tolist()
+    if draw == "without_replacement":
+        k = min(k, int((q > 0).sum()))
+        return torch.multinomial(q, k, replacement=False, generator=generator).tolist()
+    return torch.multinomial(q, k, replacement=True, generator=generator).tolist()
+
+
+def level_inputs(
+    trees: list[DraftTree],
+    frontier: list[list[int]],
+    slots: list[dict[int, int]],
+    written: int,
+    context: list[range],
+    depth: list[int],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inputs of the forward that scores a level of several growing trees (tokens [B, W], see
+    [B, W, written + W], position offsets [B, W]): one column per frontier node, padded to the widest
+    row; a node sees its row's `context` columns, its ancestors' slots and itself, at offset
+    `depth[b]`. Each node's slot (written + column) is recorded in `slots[b]`, for its descendants
+    and for keeping the accepted path afterwards."""
+    batch, width = len(trees), max(len(f) for f in frontier)
+    tokens = torch.zeros(batch, width, dtype=torch.long)
+    see = torch.zeros(batch, width, written + width, dtype=torch.bool)
+    offsets = torch.zeros(batch, width, dtype=torch.long)
+    for b, tree in enumerate(trees):
+        see[b, torch.arange(width), written + torch.arange(width)] = True
+        for j, node in enumerate(frontier[b]):
+            tokens[b, j] = tree.tokens[node]
+            see[b, j, context[b].start : context[b].stop] = True
+            for anc in tree.path(node)[:-1]:
+                see[b, j, slots[b][anc]] = True
+            offsets[b, j] = depth[b]
+            slots[b][node] = written + j
+    return tokens, see, offsets
+
+
+def grow_levels(
+    growths: list[Growth],
+    logits: torch.Tensor,
+    dists: Callable[[int, torch.Tensor], list[torch.Tensor]],
+    forward: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor],
+    context: list[range],
+    first_depth: list[int],
+    written: int,
+) -> list[dict[int, int]]:
+    """Grow several rows' trees level by level, one draft forward per level, until every frontier is
+    empty. `logits[b, j]`: the draft's next-token logits at row b's frontier node j (the root's
+    first); `dists(b, logits)` turns them into the distributions the row's growth draws from;
+    `forward(tokens, see, depth, offset)` scores a level (see `level_inputs`) whose slots start at
+    `offset`, after `written` uncommitted ones; the first level sits at `first_depth[b]`. Returns
+    each row's node -> cache slot."""
+    slots: list[dict[int, int]] = [{} for _ in growths]
+    level = 0
+    while True:
+        for b, g in enumerate(growths):
+            if g.frontier:
+                g.next_level(dists(b, logits[b, : len(g.frontier)]))
+        frontier = [g.frontier for g in growths]
+        if not any(frontier):
+            return slots
+        tokens, see, depth = level_inputs(
+            [g.tree for g in growths], frontier, slots, written, context, [d + level for d in first_depth]
+        )
+        logits = forward(tokens, see, depth, written)
+        written += tokens.shape[1]
+        level += 1
+
+
+# --- static shapes: k_config trees, Sequoia trees ------------------------------------------------------
+
+
+class StaticPolicy:
+    """A fixed shape (parents first, siblings in rank order): every drafted node gets the children
+    its static node has, drawn by rank at temperature 0 and from q (`stochastic`) above."""
+
+    def __init__(self, parents: Sequence[int], stochastic: Draw = "iid", name: str = "static") -> None:
+        self.name = name
+        self.parents = tuple(parents)
+        self.kids: dict[int, list[int]] = {}
+        for i, p in enumerate(self.parents):
+            if not (p == ROOT or 0 <= p < i):
+                raise ValueError(f"node {i} has parent {p}: nodes must be listed parents first")
+            self.kids.setdefault(p, []).append(i)
+        self.stochastic = stochastic
+        self.max_nodes = len(self.parents)
+
+    def grow(self, greedy: bool, generator: torch.Generator | None, max_depth: int) -> StaticGrowth:
+        return StaticGrowth(self, "top" if greedy else self.stochastic, generator, max_depth)
+
+
+class StaticGrowth:
+    def __init__(self, policy: StaticPolicy, draw: Draw, generator: torch.Generator | None, max_depth: int) -> None:
+        self.policy = policy
+        self.tree = DraftTree(draw=draw)
+        self.generator = generator
+        self.max_depth = max_depth
+        self.static_of: dict[int, int] = {ROOT: ROOT}  # drafted node -> its node in the static shape
+        self.level = 0  # depth of the frontier
+        self.frontier = [ROOT] if ROOT in policy.kids and max_depth >= 1 else []
+
+    def next_level(self, dists: list[torch.Tensor]) -> None:
+        assert len(dists) == len(self.frontier), "one draft distribution per frontier node"
+        nxt = []
+        for node, q in zip(self.frontier, dists):
+            kids = self.policy.kids[self.static_of[node]]
+            picks = draw_children(q, len(kids), self.tree.draw, self.generator)
+            if self.tree.draw != "top":
+                self.tree.dists[node] = q
+            # Fewer picks than slots (q's support used up without replacement): the last slots and
+            # their subtrees stay empty, which keeps the rest a valid draw.
+            for token, s_child in zip(picks, kids):
+                child = self.tree.add(token, node, float(q[token]))
+                self.static_of[child] = s_child
+                self.tree.shape_nodes.append(s_child)
+                if s_child in self.policy.kids and self.level + 1 < self.max_depth:
+                    nxt.append(child)
+        self.level += 1
+        self.frontier = nxt
+
+
+# --- PCT: EDD's pruned candidate tree ------------------------------------------------------------------
+
+
+class PCTPolicy:
+    """EDD's Pruned Candidate Tree (EDD section 3.2): level by level, each expandable node gets its
+    top-k draft candidates; a node's confidence is the product of draft probabilities along its path
+    (EDD: the draft's confidence is calibrated with acceptance, so it estimates the chance that the
+    node is accepted). A node is expanded only while its confidence is at least s_d / s_t (the draft
+    and target forward times: below that, drafting its children is expected to cost more time than
+    it saves, eq. 5), never beyond `max_depth`; leaves whose confidence is under `threshold` are
+    pruned. Confidence only falls along a path, so a node under the threshold would end as a pruned
+    leaf with its whole subtree: it is simply never added.
+
+    Children are the top-k, chosen deterministically (draw "top", verified as point masses): the
+    shape depends on the drawn tokens' probabilities, which only a deterministic choice allows.
+    """
+
+    name = "pct"
+
+    def __init__(self, top_k: int, max_depth: int, threshold: float, ratio: float) -> None:
+        if top_k < 1 or max_depth < 1:
+            raise ValueError(f"top_k={top_k} and max_depth={max_depth} must be positive")
+        if not 0 < threshold < 1:
+            raise ValueError(f"threshold={threshold} must be in (0, 1)")
+        if ratio <= 0:
+            raise ValueError(f"s_d / s_t = {ratio} must be positive")
+        self.top_k, self.max_depth, self.threshold, self.ratio = top_k, max_depth, threshold, ratio
+        self.max_nodes = pct_max_nodes(top_k, max_depth, threshold, ratio)
+
+    def grow(self, greedy: bool, generator: torch.Generator | None, max_depth: int) -> PCTGrowth:
+        return PCTGrowth(self, min(max_depth, self.max_depth))
+
+
+def pct_max_nodes(top_k: int, max_depth: int, threshold: float, ratio: float) -> int:
+    """The most nodes a PCT tree can have. The confidences of one depth's nodes sum to at most 1, so a
+    depth holds at most 1 / threshold nodes and at most 1 / ratio of them are expanded."""
+    total, expanded = 0, 1 if ratio <= 1 else 0
+    for _ in range(max_depth):
+        nodes = min(top_k * expanded, math.floor(1 / threshold))
+        total += nodes
+        expanded = min(nodes, math.floor(1 / ratio))
+    return total
+
+
+class PCTGrowth:
+    def __init__(self, policy: PCTPolicy, max_depth: int) -> None:
+        self.policy = policy
+        self.tree = DraftTree(draw="top")
+        self.max_depth = max_depth
+        self.confidence: dict[int, float] = {ROOT: 1.0}
+        self.level = 0
+        self.frontier = [ROOT] if max_depth >= 1 and policy.ratio <= 1.0 else []
+
+    def next_level(self, dists: list[torch.Tensor]) -> None:
+        assert len(dists) == len(self.frontier), "one draft distribution per frontier node"
+        pol = self.policy
+        nxt = []
+        for node, q in zip(self.frontier, dists):
+            top = torch.topk(q, min(pol.top_k, q.shape[-1]))
+            for token, prob in zip(top.indices.tolist(), top.values.tolist()):
+                conf = self.confidence[node] * prob
+                # Ranked by probability: once one is under the threshold, so are the rest.
+                if conf < pol.threshold or len(self.tree) >= pol.max_nodes:
+                    break
+                child = self.tree.add(token, node, prob)
+                self.confidence[child] = conf
+                if conf >= pol.ratio and self.level + 1 < self.max_depth:
+                    nxt.append(child)
+        self.level += 1
+        self.frontier = nxt
+
+
+# --- options ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DraftTreeOptions:
+    """The draft-model tree's shape and verification rule (`sd.*`, `seed.*`: sd, seed, seed_stand with a draft)."""
+
+    k_config: tuple[int, ...] = (2, 2, 1)
+    multi_candidate: bool = True
+    without_replacement: bool = False
+    tree_policy: str = "k_config"  # k_config | sequoia (the static tree in `tree`) | pct (EDD's pruned tree)
+    tree: str | None = None  # sequoia: a tree JSON ({"parents": [...]}) or a tree shipped in decoding/trees/
+    pct_top_k: int = 5  # pct: candidates per expanded node (EDD's expansion width)
+    pct_max_depth: int = 10  # pct: deepest drafted level (EDD: 10)
+    pct_threshold: float = 0.01  # pct: leaves whose path confidence is lower are pruned (EDD: 0.01)
+    pct_ratio: float | None = None  # pct: s_d / s_t; None: measured at start-up (core/timing.speed_ratio)
+    key: str = "sd"  # the config namespace, for error messages
+
+    def __post_init__(self) -> None:
+        key = self.key
+        k = list(self.k_config)
+        if not k or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in k):
+            raise ConfigError(
+                f"{key}.k_config={k} must list positive children counts per depth, e.g. [2,2,1] or [1,1,1]"
+            )
+        if self.tree_policy not in TREE_POLICIES:
+            raise ConfigError(f"{key}.tree_policy={self.tree_policy} is not one of {', '.join(TREE_POLICIES)}")
+        if self.tree_policy == "k_config" and not self.multi_candidate and max(k) > 1:
+            raise ConfigError(
+                f"{key}.k_config={k} drafts several candidates per position, which needs "
+                f"{key}.multi_candidate=true; single-candidate SD drafts a chain such as {key}.k_config=[1,1,1]"
+            )
+        if self.tree_policy == "sequoia":
+            if not self.tree:
+                raise ConfigError(
+                    f"{key}.tree_policy=sequoia needs {key}.tree=PATH, a tree JSON written by "
+                    "python -m tot.calibrate_tree calibrate.drafter=model"
+                )
+            widest = max((len(v) for v in StaticTree.load(self.tree, key=key).children().values()), default=0)
+            if not self.multi_candidate and widest > 1:
+                raise ConfigError(
+                    f"{key}.tree={self.tree} has nodes with {widest} children, which needs {key}.multi_candidate=true"
+                )
+        if self.tree_policy == "pct":
+            self._check_pct()
+
+    def _check_pct(self) -> None:
+        key = self.key
+        if self.pct_top_k < 1 or self.pct_max_depth < 1:
+            raise ConfigError(
+                f"{key}.pct_top_k={self.pct_top_k} and {key}.pct_max_depth={self.pct_max_depth} "
+                "must be positive integers (EDD: 5 and 10)"
+            )
+        if not 0 < self.pct_threshold < 1:
+            raise ConfigError(
+                f"{key}.pct_threshold={self.pct_threshold} must be in (0, 1) (EDD: 0.01): leaves whose "
+                "confidence is lower are pruned, and it bounds the tree (at most 1/threshold nodes per depth)"
+            )
+        if self.pct_ratio is not None and self.pct_ratio <= 0:
+            raise ConfigError(
+                f"{key}.pct_ratio={self.pct_ratio} must be positive, or null to measure s_d / s_t at start-up"
+            )
+        if not self.multi_candidate and self.pct_top_k > 1:
+            raise ConfigError(
+                f"{key}.tree_policy=pct with {key}.pct_top_k={self.pct_top_k} drafts several candidates per "
+                f"node, which needs {key}.multi_candidate=true (or {key}.pct_top_k=1 for a chain)"
+            )
+        if self.without_replacement:
+            raise ConfigError(
+                f"{key}.tree_policy=pct takes the top-k candidates deterministically (verified as point "
+                f"masses), so {key}.without_replacement=true does not apply; set {key}.without_replacement=false"
+            )
+
+    @property
+    def parents(self) -> tuple[int, ...]:
+        """The static shape of the k_config and sequoia policies."""
+        if self.tree_policy == "sequoia" and self.tree:
+            return StaticTree.load(self.tree, key=self.key).parents
+        return tuple(k_config_parents(self.k_config))
+
+    @property
+    def draw(self) -> Draw:
+        """How children are drawn at temperature > 0 (at temperature 0 always by rank, "top")."""
+        if self.tree_policy == "pct":
+            return "top"
+        return "without_replacement" if self.without_replacement else "iid"
+
+
+# --- the table: tree policy name -> the policy it builds -------------------------------------------------
+
+
+def _static(options: DraftTreeOptions, ratio: Callable[[], float]) -> TreePolicy:
+    return StaticPolicy(options.parents, options.draw, name=options.tree_policy)
+
+
+def _pct(options: DraftTreeOptions, ratio: Callable[[], float]) -> TreePolicy:
+    s = options.pct_ratio if options.pct_ratio is not None else ratio()
+    return PCTPolicy(options.pct_top_k, options.pct_max_depth, options.pct_threshold, s)
+
+
+# `ratio` measures s_d / s_t on this machine; only PCT reads it, and only when pct_ratio is not given.
+TREE_POLICIES: dict[str, Callable[[DraftTreeOptions, Callable[[], float]], TreePolicy]] = {
+    "k_config": _static,  # SEED's children per depth
+    "sequoia": _static,  # a static tree from a file (python -m tot.calibrate_tree)
+    "pct": _pct,  # EDD's pruned candidate tree
+}
+
+
+def make_policy(options: DraftTreeOptions, ratio: Callable[[], float]) -> TreePolicy:
+    """The tree policy the options name."""
+    return TREE_POLICIES[options.tree_policy](options, ratio)

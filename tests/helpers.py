@@ -1,0 +1,39 @@
+"""Test-only helpers: what the tests need of the backend that the backend itself does not."""
+
+from __future__ import annotations
+
+import torch
+
+from decoding.core.kv_cache import RowKVCache
+from decoding.core.runner import ModelRunner
+
+
+def prefill(runner: ModelRunner, prompts: list[list[int]], capacity: int) -> tuple[RowKVCache, torch.Tensor]:
+    """Cache each prompt and return the next-token logits [B, V].
+
+    Identical prompts (the n samples of one thought step) are computed once and fanned out.
+    Ragged prompts are padded on the right; a pad slot lies past its row's length, so it is
+    never seen and is overwritten by the next forward.
+    """
+    unique: dict[tuple[int, ...], int] = {}
+    fan_out = [unique.setdefault(tuple(p), len(unique)) for p in prompts]
+    distinct = list(unique)
+    lengths = torch.tensor([len(p) for p in distinct])
+    width = int(lengths.max())
+    tokens = torch.zeros(len(distinct), width, dtype=torch.long)
+    for i, p in enumerate(distinct):
+        tokens[i, : len(p)] = torch.tensor(p)
+    causal = torch.ones(width, width, dtype=torch.bool).tril().expand(len(distinct), -1, -1)
+    depth = torch.arange(width).expand(len(distinct), -1)
+    last = lengths - 1
+    keep = torch.unique(last)
+    cache = runner.new_cache(len(distinct), capacity)
+    logits = runner.forward(cache, tokens, causal, depth, logits_at=keep)
+    cache.advance(lengths)
+    rows = torch.arange(len(distinct))
+    next_logits = logits[rows, torch.searchsorted(keep, last).to(logits.device)]
+    index = torch.tensor(fan_out)
+    if len(distinct) != len(prompts) or fan_out != list(range(len(prompts))):
+        cache.select_rows(index)
+        next_logits = next_logits.index_select(0, index.to(next_logits.device))
+    return cache, next_logits

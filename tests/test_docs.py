@@ -1,0 +1,108 @@
+"""The README and docs/ stay true to the code: the configuration reference is the yaml's, links resolve."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from conf import reference
+
+ROOT = Path(__file__).resolve().parent.parent
+OPTIONS = ROOT / "conf" / "decoding" / "options.yaml"
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+README_MAX_LINES = 220
+
+
+def _flat_keys(node: yaml.Node, prefix: str = "") -> dict[str, int]:
+    """Every key of a composed yaml mapping, dotted, with the line it is on (PyYAML, independent of
+    conf.reference's own line parsing)."""
+    keys: dict[str, int] = {}
+    for key_node, value_node in node.value:
+        dotted = f"{prefix}{key_node.value}"
+        keys[dotted] = key_node.start_mark.line
+        if isinstance(value_node, yaml.MappingNode):
+            keys.update(_flat_keys(value_node, f"{dotted}."))
+    return keys
+
+
+def _rows(markdown: str) -> dict[str, tuple[str, str]]:
+    """key -> (default, meaning) of the reference's rows; the first row of a key wins (the sections
+    come in a fixed order, options.yaml's before any command's)."""
+    rows: dict[str, tuple[str, str]] = {}
+    for line in markdown.splitlines():
+        cells = re.split(r"(?<!\\)\|", line)
+        if len(cells) == 5 and cells[1].strip().startswith("`"):
+            key, default, meaning = (_unescape(c.strip()) for c in cells[1:4])
+            rows.setdefault(key.strip("`"), (default.strip("`"), meaning))
+    return rows
+
+
+def _unescape(markdown: str) -> str:
+    return markdown.replace("\\|", "|").replace("&lt;", "<")
+
+
+def _lookup(values: dict[str, Any], key: str) -> Any:
+    for part in key.split("."):
+        values = values[part]
+    return values
+
+
+def _trailing_comment(line: str) -> str:
+    return line.split(" #", 1)[1].strip() if " #" in line else ""
+
+
+def test_configuration_reference_is_generated() -> None:
+    written = (ROOT / "docs" / "configuration.md").read_text()
+    assert written == reference.render(), (
+        "docs/configuration.md differs from the yaml comments: run `python -m conf.reference --write`"
+    )
+
+
+def test_every_decoder_option_is_in_the_reference_with_its_comment() -> None:
+    text = OPTIONS.read_text()
+    lines = text.splitlines()
+    rows = _rows(reference.render())
+    values = yaml.safe_load(text)
+    for key, line_no in _flat_keys(yaml.compose(text)).items():
+        value = _lookup(values, key)
+        if isinstance(value, dict) and not _trailing_comment(lines[line_no]):
+            continue  # a section without a comment of its own: its keys carry the full path
+        assert key in rows, f"{key} (conf/decoding/options.yaml) is missing from the reference"
+        default, meaning = rows[key]
+        assert _trailing_comment(lines[line_no]) in meaning, f"{key}: the yaml's comment is not in the reference"
+        if not isinstance(value, dict):
+            assert yaml.safe_load(default) == value, f"{key}: reference default {default!r}, yaml {value!r}"
+
+
+def test_continuation_comments_are_in_the_reference() -> None:
+    rendered = _unescape(reference.render())
+    for line in OPTIONS.read_text().splitlines():
+        stripped = line.strip()
+        if stripped.startswith("#") and line.startswith(" "):
+            assert stripped.lstrip("#").strip() in rendered, f"comment line not in the reference: {stripped}"
+
+
+def test_relative_links_resolve() -> None:
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    broken = []
+    for page in pages:
+        for target in LINK.findall(page.read_text()):
+            path = target.split("#", 1)[0]
+            if path and not re.match(r"^[a-z]+:", path) and not (page.parent / path).exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+    assert not broken, "links to missing files: " + ", ".join(broken)
+
+
+def test_readme_links_every_doc() -> None:
+    readme = ROOT / "README.md"
+    linked = {(readme.parent / t.split("#", 1)[0]).resolve() for t in LINK.findall(readme.read_text())}
+    missing = [p.name for p in sorted((ROOT / "docs").glob("*.md")) if p.resolve() not in linked]
+    assert not missing, f"docs not linked from README.md: {missing}"
+
+
+def test_readme_is_a_front_page() -> None:
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines; move detail to docs/"
