@@ -17,7 +17,7 @@ from pathlib import Path
 CONF = Path(__file__).resolve().parent
 OUT = CONF.parent / "docs" / "configuration.md"
 GROUPS = (("model", "Models"), ("search", "Searches"), ("task", "Tasks"))
-FIRST_COMMANDS = ("bench.yaml", "generate.yaml")  # the other commands follow in name order
+FIRST_COMMANDS = ("bench.yaml", "generate.yaml")  # the most used after tot.solve; the rest in name order
 
 KEY = re.compile(r"^(?P<indent> *)(?P<key>[A-Za-z_][\w-]*) *:(?: +(?P<rest>.*))?$")
 COMMENT = re.compile(r"^(?P<indent> *)#(?P<text>.*)$")
@@ -116,7 +116,7 @@ def split_comment(rest: str, offset: int = 0) -> tuple[str, str, int]:
     for i, ch in enumerate(rest):
         if quote:
             quote = "" if ch == quote else quote
-        elif ch in "'\"":
+        elif ch in "'\"" and (i == 0 or rest[i - 1] in " [{,:"):  # `target's` quotes nothing
             quote = ch
         elif ch == "#" and (i == 0 or rest[i - 1] in " \t"):
             return rest[:i].strip(), rest[i + 1 :].strip(), offset + i
@@ -143,9 +143,13 @@ def _outside_code(text: str, escape: dict[str, str]) -> str:
     return "`".join(parts)
 
 
+def _text(text: str) -> str:
+    return _outside_code(text, {"<": "&lt;"})
+
+
 def _cell(text: str) -> str:
     # In a table `|` ends the cell even inside a code span.
-    return _outside_code(text, {"<": "&lt;"}).replace("|", "\\|")
+    return _text(text).replace("|", "\\|")
 
 
 def _code(value: str) -> str:
@@ -167,7 +171,7 @@ def _meaning(entry: Entry, conf_dir: Path) -> str:
 def render_file(conf: ConfFile, conf_dir: Path, level: str = "##") -> str:
     lines = [f"{level} {conf.path.relative_to(conf_dir.parent).as_posix()}", ""]
     if conf.header:
-        lines += [_outside_code(conf.header, {"<": "&lt;"}), ""]
+        lines += [_text(conf.header), ""]
     if conf.entries:
         lines += ["| key | default | meaning |", "|---|---|---|"]
         lines += [f"| `{e.key}` | {_code(e.default or '')} | {_meaning(e, conf_dir)} |" for e in conf.entries]

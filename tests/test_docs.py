@@ -85,15 +85,24 @@ def test_continuation_comments_are_in_the_reference() -> None:
             assert stripped.lstrip("#").strip() in rendered, f"comment line not in the reference: {stripped}"
 
 
+def _anchors(page: Path) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped, spaces to hyphens."""
+    headings = re.findall(r"^#+ (.+)$", re.sub(r"```.*?```", "", page.read_text(), flags=re.S), flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in headings}
+
+
+def _broken(page: Path, target: str) -> bool:
+    path, _, anchor = target.partition("#")
+    if re.match(r"^[a-z]+:", path):
+        return False  # a web address: not checked offline
+    linked = page.parent / path if path else page
+    return not linked.exists() or (bool(anchor) and linked.suffix == ".md" and anchor not in _anchors(linked))
+
+
 def test_relative_links_resolve() -> None:
     pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-    broken = []
-    for page in pages:
-        for target in LINK.findall(page.read_text()):
-            path = target.split("#", 1)[0]
-            if path and not re.match(r"^[a-z]+:", path) and not (page.parent / path).exists():
-                broken.append(f"{page.relative_to(ROOT)}: {target}")
-    assert not broken, "links to missing files: " + ", ".join(broken)
+    broken = [f"{p.relative_to(ROOT)}: {t}" for p in pages for t in LINK.findall(p.read_text()) if _broken(p, t)]
+    assert not broken, "links to missing files or headings: " + ", ".join(broken)
 
 
 def test_readme_links_every_doc() -> None:

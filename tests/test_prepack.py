@@ -79,7 +79,7 @@ def test_model_prepack_option(tmp_path, tiny_model, tokenizer):
 
     path = save_tiny_checkpoint(tmp_path / "tiny", tiny_model, tokenizer)
     on = load_model(ModelSpec(str(path), device="cpu", dtype="float32")).model
-    off = load_model(ModelSpec(str(path), device="cpu", dtype="float32", prepack="False")).model
+    off = load_model(ModelSpec(str(path), device="cpu", dtype="float32", prepack=False)).model
     assert any(isinstance(m, PrepackedLinear) for m in on.modules())
     assert not any(isinstance(m, PrepackedLinear) for m in off.modules())
     assert prepack_supported(on) and not prepack_supported(on.to(torch.bfloat16))

@@ -22,6 +22,7 @@ from decoding.config import DecoderConfig
 from decoding.core.draft_tree import ROOT, DraftTree
 from decoding.core.errors import ConfigError
 from decoding.core.models import LoadedModel
+from decoding.core.options import from_dict
 from decoding.core.values import GenRequest
 from decoding.trees.policies import StaticPolicy
 from decoding.trees.sequoia import (
@@ -297,10 +298,12 @@ def test_config_errors(tmp_path, sequoia_file):
     for overrides, message in cases.items():
         with pytest.raises(ConfigError, match=message):
             decoder_from(*overrides)
-    with pytest.raises(ConfigError, match=r"sequoia\.drafter=nope is not one of stand, model"):
-        CalibrateOptions(drafter="nope")
-    with pytest.raises(ConfigError, match=r"sequoia\.calibration=\[0\]"):
+    with pytest.raises(ConfigError, match=r"calibrate\.drafter='nope' is not one of stand, model"):
+        from_dict(CalibrateOptions, {"drafter": "nope"}, "calibrate")
+    with pytest.raises(ConfigError, match=r"calibrate\.calibration=\[0\]"):
         CalibrateOptions(calibration=(0,))
+    with pytest.raises(ConfigError, match=r"calibrate\.method=prune prunes STAND's initial tree"):
+        CalibrateOptions(method="prune", drafter="model")
 
 
 # --- the command -------------------------------------------------------------------------------------------
@@ -383,7 +386,7 @@ def test_command_model_measures_the_profile(tmp_path, long_context):
 
 
 def test_command_errors(tmp_path):
-    with pytest.raises(ConfigError, match=r"sequoia\.drafter=model measures a draft model: set draft\.path"):
+    with pytest.raises(ConfigError, match=r"calibrate\.drafter=model measures a draft model: set draft\.path"):
         build(compose_command("calibrate.drafter=model"), tmp_path)
     with pytest.raises(ConfigError, match=r"sequoia\.profile=.*does not exist"):
         build(compose_command(f"calibrate.profile={tmp_path / 'none.json'}"), tmp_path)
@@ -401,4 +404,4 @@ def test_command_line_exit_status():
         timeout=120,
     )
     assert result.returncode == 2
-    assert result.stderr.strip().splitlines()[-1] == "error: calibrate.drafter=nope is not one of stand, model"
+    assert result.stderr.strip().splitlines()[-1] == "error: calibrate.drafter='nope' is not one of stand, model"

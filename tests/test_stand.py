@@ -246,7 +246,7 @@ def test_reprune_from_recorded_hits(tmp_path):
     made.save(tmp_path / "made.json")
     small = reprune(tmp_path / "made.json", 2)
     assert small.parents == (ROOT, 0)  # nodes 0 and 8, renumbered
-    assert StaticTree.load(str(tmp_path / "small.json")).meta["nodes"] == 2
+    assert small.meta["nodes"] == 2 and small.meta["repruned_from"] == str(tmp_path / "made.json")
     with pytest.raises(ConfigError, match="has no recorded hits"):
         StaticTree(tuple(k_config_parents((2,))), {}).save(tmp_path / "plain.json")
         reprune(tmp_path / "plain.json", 2)

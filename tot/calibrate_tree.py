@@ -142,7 +142,7 @@ def read_profile(path: str, batch: int) -> tuple[CostCurve, list[dict]]:
         ) from None
     except (ValueError, KeyError, TypeError) as e:
         raise ConfigError(
-            f"calibrate.profile={path} is not a usable decoding.profile file ({e}); "
+            f"calibrate.profile={path} is not a usable decoding.profile_forward file ({e}); "
             f"rerun python -m decoding.profile_forward batch_sizes=[{batch}] out={path}, or set sequoia.batch"
         ) from None
 

@@ -13,8 +13,8 @@ from decoding.core.options import as_float, as_int
 from tasks import TASKS, DataSpec
 from tot.dvts import DVTSSettings
 from tot.search import BFSSettings, GenSettings
+from tot.searches import SEARCHES
 
-SEARCHES = ("bfs", "dvts")
 AGGREGATES = ("best", "vote")
 # Keys of `task:` that are not options of the task object itself.
 TASK_RUN_KEYS = ("name", "depth", "judge", "max_thought_tokens", "max_eval_tokens")
@@ -36,6 +36,11 @@ class RunConfig:
     seed: int
     task_options: dict = field(default_factory=dict)  # task.<key> options of the task itself
     judge: ModelSpec | None = None  # task.judge.path: a separate model scores final answers
+
+    @property
+    def search_settings(self) -> BFSSettings | DVTSSettings:
+        """The chosen search's own settings (`search.*` read for it)."""
+        return self.dvts if self.search == "dvts" else self.bfs
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:

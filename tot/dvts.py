@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from tasks.base import Problem, Task
-from tot.search import Generator, GenSettings, Solution, Step
+from tot.search import GenerationEngine, GenSettings, Solution, Step
 
 Aggregate = Literal["best", "vote"]
 
@@ -35,7 +35,7 @@ class DVTS:
     def __init__(self, task: Task, settings: DVTSSettings, gen: GenSettings, seed: int) -> None:
         self.task, self.settings, self.gen, self.seed = task, settings, gen, seed
 
-    def solve(self, problem: Problem, engine: Generator) -> Solution:
+    def solve(self, problem: Problem, engine: GenerationEngine) -> Solution:
         step = Step(self.task, self.gen, self.seed, problem, engine)
         tree, width = step.tree, self.settings.beam_width
         current = [tree.root] * self.settings.subtrees

@@ -16,14 +16,14 @@ from decoding.drafters.load import load_draft
 from decoding.engine import Engine
 from tasks import Problem, Task, make_task
 from tot.config import RunConfig
-from tot.dvts import DVTS
 from tot.results import ResultStore, summarize
-from tot.search import BFS, Generator, request_seed
+from tot.search import GenerationEngine, Search, request_seed
+from tot.searches import SEARCHES
 
 log = logging.getLogger(__name__)
 
 
-def run(cfg: RunConfig, out_dir: Path, engine: Generator | None = None, progress: bool = True) -> dict:
+def run(cfg: RunConfig, out_dir: Path, engine: GenerationEngine | None = None, progress: bool = True) -> dict:
     """Run (or resume) every selected problem into out_dir and return the summary."""
     out_dir.mkdir(parents=True, exist_ok=True)
     task = build_task(cfg)
@@ -78,13 +78,11 @@ def build_task(cfg: RunConfig) -> Task:
     return make_task(cfg.task, cfg.depth, cfg.task_options)
 
 
-def make_search(cfg: RunConfig, task: Task) -> BFS | DVTS:
-    if cfg.search == "dvts":
-        return DVTS(task, cfg.dvts, cfg.gen, cfg.seed)
-    return BFS(task, cfg.bfs, cfg.gen, cfg.seed)
+def make_search(cfg: RunConfig, task: Task) -> Search:
+    return SEARCHES[cfg.search](task, cfg.search_settings, cfg.gen, cfg.seed)
 
 
-def make_judge(cfg: RunConfig, engine: Generator) -> Generator:
+def make_judge(cfg: RunConfig, engine: GenerationEngine) -> GenerationEngine:
     """The model that scores final answers: task.judge.path, else the target (through the run's
     engine: its decoding is lossless, so the judgement is the target's)."""
     if cfg.judge is None:
@@ -92,7 +90,7 @@ def make_judge(cfg: RunConfig, engine: Generator) -> Generator:
     return Engine(load_model(cfg.judge), DecoderConfig(name="ar"))
 
 
-def score(cfg: RunConfig, task: Task, problem: Problem, answer: str, judge: Generator) -> dict[str, float]:
+def score(cfg: RunConfig, task: Task, problem: Problem, answer: str, judge: GenerationEngine) -> dict[str, float]:
     """The task's code-computed metrics, plus the judge's mean score over task.n_evaluate samples."""
     metrics = task.metrics(problem, answer)
     prompt = task.judge_prompt(problem, answer)

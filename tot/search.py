@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 import zlib
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from decoding.core.values import DecodeStats, GenRequest, GenResult
 from tasks.base import Problem, Prompt, Task
@@ -71,12 +72,17 @@ class Solution:
     phases: dict[str, PhaseStats]
 
 
-class Generator:
-    """Something with Engine.generate and the stats of its latest call (the engine, or a fake)."""
+class GenerationEngine(Protocol):
+    """What a search needs of an engine: `generate` and the stats of its latest call
+    (decoding.Engine, or a scripted fake in the tests)."""
 
     last_stats: DecodeStats
 
     def generate(self, requests: list[GenRequest]) -> list[GenResult]: ...
+
+
+class Search(Protocol):
+    def solve(self, problem: Problem, engine: GenerationEngine) -> Solution: ...
 
 
 def request_seed(seed: int, *parts: object) -> int:
@@ -89,7 +95,7 @@ class Step:
     """Thought generation and state evaluation for one problem's tree: every batch of requests goes to
     the engine in one call, its cost added to the phase's stats."""
 
-    def __init__(self, task: Task, gen: GenSettings, seed: int, problem: Problem, engine: Generator) -> None:
+    def __init__(self, task: Task, gen: GenSettings, seed: int, problem: Problem, engine: GenerationEngine) -> None:
         self.task, self.gen, self.seed, self.problem, self.engine = task, gen, seed, problem, engine
         self.tree = ReasoningTree(problem.question)
         self.phases = {p: PhaseStats() for p in PHASES}
@@ -157,7 +163,7 @@ class BFS:
     def __init__(self, task: Task, settings: BFSSettings, gen: GenSettings, seed: int) -> None:
         self.task, self.settings, self.gen, self.seed = task, settings, gen, seed
 
-    def solve(self, problem: Problem, engine: Generator) -> Solution:
+    def solve(self, problem: Problem, engine: GenerationEngine) -> Solution:
         step = Step(self.task, self.gen, self.seed, problem, engine)
         tree = step.tree
         frontier = [tree.root]

@@ -12,7 +12,7 @@ appendix F.1.1, finds the tree of at most `budget` drafted nodes and depth at mo
 maximises it; `choose` then picks the (budget, depth) of the fastest tree on measured costs.
 
 Counting conventions: `budget` counts drafted nodes (the root, the sequence's last token, is not one);
-a verification forward scores `budget + 1` tokens per row, which is what `decoding.profile` calls T;
+a verification forward scores `budget + 1` tokens per row, which is what `decoding.profile_forward` calls T;
 `depth` counts drafted levels, i.e. draft steps (forwards of a draft model) per tree.
 """
 
@@ -175,7 +175,7 @@ class CostCurve:
 
     @classmethod
     def from_profile(cls, rows: list[dict], batch: int) -> CostCurve:
-        """From the rows `python -m decoding.profile out=...` writes, at one batch size."""
+        """From the rows `python -m decoding.profile_forward out=...` writes, at one batch size."""
         mine = sorted((int(r["tree_tokens"]), float(r["ms"])) for r in rows if int(r["batch"]) == batch)
         if not mine:
             have = sorted({int(r["batch"]) for r in rows})

@@ -1,0 +1,99 @@
+"""The architecture as a test: the project's import graph, read from the source with `ast`, has no
+cycle between modules, `decoding` imports neither `tot` nor `tasks`, and adding a decoder touches one
+table (no if-chain over decoder names)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import networkx as nx
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("decoding", "tot", "tasks", "conf")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def runtime_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+    """Every import the module runs (function-level ones too); `if TYPE_CHECKING:` blocks only name types."""
+    skipped: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skipped.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    return [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) and id(n) not in skipped]
+
+
+def import_graph() -> nx.DiGraph:
+    files = {module_name(p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
+    graph = nx.DiGraph()
+    graph.add_nodes_from(files)
+    for name, path in files.items():
+        for node in runtime_imports(ast.parse(path.read_text())):
+            targets = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [f"{node.module}.{a.name}" for a in node.names]
+                if node.level == 0 and node.module
+                else []
+            )
+            for target in targets:
+                # `from pkg import mod` imports the module; `from mod import name` the module itself.
+                while target and target not in files:
+                    target = target.rpartition(".")[0]
+                if target and target != name:
+                    graph.add_edge(name, target)
+    return graph
+
+
+def test_graph_sees_the_project():
+    graph = import_graph()
+    assert {"decoding.engine", "decoding.core.verify", "tot.run", "tasks.gsm8k"} <= set(graph)
+    assert graph.has_edge("decoding.engine", "decoding.decoders")
+
+
+def test_no_import_cycles():
+    cycles = list(nx.simple_cycles(import_graph()))
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join([*c, c[0]]) for c in cycles[:5])
+
+
+def test_decoding_imports_neither_tot_nor_tasks():
+    bad = [
+        (a, b) for a, b in import_graph().edges if a.split(".")[0] == "decoding" and b.split(".")[0] in ("tot", "tasks")
+    ]
+    assert not bad, f"decoding imports the application: {bad}"
+
+
+def test_layers_point_one_way():
+    """core imports no other layer of decoding; trees only core; drafters no schedule."""
+    below = {
+        "decoding.core": ("decoding.core",),
+        "decoding.trees": ("decoding.core", "decoding.trees"),
+        "decoding.edd": ("decoding.core", "decoding.trees", "decoding.edd"),
+        "decoding.drafters": ("decoding.core", "decoding.trees", "decoding.edd", "decoding.drafters"),
+    }
+    bad = []
+    for a, b in import_graph().edges:
+        for layer, allowed in below.items():
+            if a.startswith(layer + ".") and b.startswith("decoding") and not b.startswith(allowed):
+                bad.append((a, b))
+    assert not bad, f"imports that run up a layer: {bad}"
+
+
+def test_make_decoder_has_no_chain_over_names():
+    source = (ROOT / "decoding" / "decoders.py").read_text()
+    fn = next(n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef) and n.name == "make_decoder")
+    compares = [ast.unparse(n) for n in ast.walk(fn) if isinstance(n, ast.Compare) and "name" in ast.unparse(n)]
+    assert not compares, f"make_decoder compares names ({compares}): add the decoder to DECODERS instead"
+
+
+def test_every_decoder_has_a_yaml_and_every_yaml_a_decoder():
+    from decoding.decoders import DECODERS, DRAFTERS, SCHEDULES
+
+    yamls = {p.stem for p in (ROOT / "conf" / "decoder").glob("*.yaml")}
+    assert yamls == set(DECODERS)
+    for name, kind in DECODERS.items():
+        assert kind.schedule in SCHEDULES and kind.drafter in DRAFTERS, name
