@@ -388,7 +388,7 @@ def test_command_model_measures_the_profile(tmp_path, long_context):
 def test_command_errors(tmp_path):
     with pytest.raises(ConfigError, match=r"calibrate\.drafter=model measures a draft model: set draft\.path"):
         build(compose_command("calibrate.drafter=model"), tmp_path)
-    with pytest.raises(ConfigError, match=r"sequoia\.profile=.*does not exist"):
+    with pytest.raises(ConfigError, match=r"calibrate\.profile=.*does not exist"):
         build(compose_command(f"calibrate.profile={tmp_path / 'none.json'}"), tmp_path)
     with pytest.raises(ConfigError, match="has no recorded counts"):
         StaticTree((ROOT,), {}).save(tmp_path / "plain.json")
