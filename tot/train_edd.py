@@ -1,19 +1,10 @@
 """`python -m tot.train_edd`: train the EDD draft decoder of a target model (Hydra, conf/train_edd.yaml).
 
-The corpus is built here, from ToT searches; features and training are decoding/edd/train.py.
 1. Corpus: ToT-BFS rollouts (n thoughts per state, the best kept) of the tasks' problems, decoded by the
    target itself with the project's Engine (decoder ar); every prompt plus its continuation is one
    text. Written per chunk of problems to <work_dir>/corpus-<hash>.jsonl, so a rerun reuses it.
-2. Features: for each text (its last `train.seq_len` tokens) the target's hidden states after layer
-   `edd.layer` (the soft prompt) and its final hidden states (the LM head of which gives the target's
-   distribution, for the KL), cached to <work_dir>/features-<hash>.pt.
-3. Training (paper section 3.1): the EDD reads [H; T] under the dual-block mask with a block length
-   drawn uniformly from [train.min_block, train.max_block] each step, and minimises KL(P_target ||
-   P_edd) at every token; AdamW, warmup then cosine decay; a held-out split of the problems gives the
-   held-out KL (and top-1 agreement with the target) every `train.eval_every` steps; a checkpoint
-   every `train.checkpoint_every` steps, resumed on a rerun.
-4. The trained EDD goes to <model cache>/edd/<model.path>/ (or `out`), where draft.path=edd finds it,
-   with the corpus's tokens ranked by frequency (draft.vocab drafts over the most frequent ones).
+2-4. Features, training and saving: decoding/edd/train.py. The trained EDD goes to
+   <model cache>/edd/<model.path>/ (or `out`), where draft.path=edd finds it.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from decoding.core.draft_tree import DraftTree
+from decoding.core.draft_tree import ROOT, DraftTree
 from decoding.core.errors import ConfigError
 from decoding.core.sequence import Sequence
 from decoding.core.verify import Verdict
@@ -102,11 +102,17 @@ class StandDrafter:
         pool = self.pools.get(seq.group)
         stochastic = not seq.params.greedy and self.options.stochastic
         tree = DraftTree(draw="without_replacement" if stochastic else "top")
-        context = (seq.prompt + seq.generated)[-pool.max_n :]
+        # Per drafted node: its lookup context and the draft probability of reaching it. A node is
+        # expanded only after its parent was, so each is one step from its parent's (no path walks).
+        contexts = {ROOT: (seq.prompt + seq.generated)[-pool.max_n :]}
+        reach = {ROOT: 1.0}
 
         def children(node: int, k: int) -> list[tuple[int, float] | None]:
-            path = tree.path(node)
-            entry = pool.lookup((context + [tree.tokens[n] for n in path])[-pool.max_n :])
+            if node not in contexts:
+                parent = tree.parents[node]
+                contexts[node] = (contexts[parent] + [tree.tokens[node]])[-pool.max_n :]
+                reach[node] = reach[parent] * tree.probs[node]
+            entry = pool.lookup(contexts[node])
             if entry is None:
                 return []
             ids, probs = list(entry.ids), list(entry.probs)
@@ -121,9 +127,9 @@ class StandDrafter:
             else:
                 picks = ids[:k]
             prob_of = dict(zip(ids, probs))
-            reach = math.prod(tree.probs[n] for n in path)  # the draft probability of reaching `node`
             # Children unlikely to be reached are not worth their verification cost (EDD's pruned tree).
-            return [None if reach * prob_of[t] < self.options.min_path_prob else (t, prob_of[t]) for t in picks]
+            low = self.options.min_path_prob
+            return [None if reach[node] * prob_of[t] < low else (t, prob_of[t]) for t in picks]
 
         tree.shape_nodes = self.tree.fill(tree, seq.room, children)
         return tree
