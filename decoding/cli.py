@@ -23,6 +23,8 @@ RENAMED = {
     "optimize.nodes": "calibrate.nodes",
     "optimize.out": "calibrate.out",
     "optimize.from_hits": "calibrate.from_counts",
+    "model.dtype": "model.weights",
+    "draft.dtype": "draft.weights",
 }
 
 

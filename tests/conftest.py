@@ -10,7 +10,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from decoding.core.models import LoadedModel
+from decoding.core.models import LoadedModel, prepare_for_inference
 from decoding.engine import Engine
 
 SPECIALS = ("<pad>", "<bos>", "<eos>")  # ids 0, 1, 2
@@ -92,6 +92,8 @@ def build_model(vocab_size: int, seed: int = 0, max_positions: int = 512) -> Lla
     model = LlamaForCausalLM(config).eval()
     for p in model.parameters():
         p.requires_grad_(False)
+    # The default CPU path of load_model: bfloat16 weights, the batch-invariant attention.
+    prepare_for_inference(model, torch.device("cpu"), "bfloat16", "invariant")
     return model
 
 

@@ -267,7 +267,7 @@ def test_draft_path_edd_finds_the_cache_or_names_the_command(tmp_path, loaded, t
 class CheckedEddDrafter(EddDrafter):
     """At every draft, the greedy root candidate and its confidence equal an EDD forward computed from
     scratch: the target's hidden states of the whole committed context as the soft prompt, then the
-    current block (tolerance 1e-4)."""
+    current block (tolerance 2e-3, ties within 4e-3 not compared: the models run in bfloat16)."""
 
     checks = 0
 
@@ -289,8 +289,10 @@ class CheckedEddDrafter(EddDrafter):
                 logits = self.edd(embeds, mask, torch.arange(width)[None], logits_at=torch.tensor([width - 1]))
             probs = logits[0, 0].softmax(-1)
             first = tree.children(-1)[0]
-            assert tree.tokens[first] == int(probs.argmax())
-            assert tree.probs[first] == pytest.approx(float(probs.max()), abs=1e-4)
+            top = probs.float().topk(2).values
+            if top[0] - top[1] > 4e-3:  # the draft model's bfloat16 sdpa forward is not batch-invariant
+                assert tree.tokens[first] == int(probs.argmax())
+            assert tree.probs[first] == pytest.approx(float(probs.max()), abs=2e-3)
             type(self).checks += 1
         return trees
 
@@ -415,7 +417,7 @@ def test_vocab_head_rows_give_the_full_heads_logits(trained):
     _, draft = trained
     edd = draft.model
     ids = draft_vocab(draft.source, 20)
-    hidden = torch.randn(3, edd.lm_config.hidden_size)
+    hidden = torch.randn(3, edd.lm_config.hidden_size).to(edd.dtype)
     with torch.inference_mode():
         torch.testing.assert_close(edd.head(hidden, edd.vocab_rows(ids)), edd.head(hidden)[:, ids])
 

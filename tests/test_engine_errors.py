@@ -73,7 +73,8 @@ def test_sd_without_draft_model_names_the_fix(loaded):
     "kwargs, named",
     [
         ({"device": "tpu"}, "model.device='tpu'"),
-        ({"dtype": "float8"}, "model.dtype='float8'"),
+        ({"weights": "float8"}, "model.weights='float8'"),
+        ({"attention": "flash"}, "model.attention='flash'"),
         ({"chat_template": "maybe"}, "model.chat_template='maybe'"),
     ],
 )

@@ -22,20 +22,26 @@ pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason
 
 
 @pytest.fixture(scope="module")
-def packed_model(tiny_model):
-    model = copy.deepcopy(tiny_model)
+def float32_model(tiny_model):
+    """Prepacking serves model.weights=float32 (the tiny model is prepared as the bfloat16 default)."""
+    return copy.deepcopy(tiny_model).float()
+
+
+@pytest.fixture(scope="module")
+def packed_model(float32_model):
+    model = copy.deepcopy(float32_model)
     n_linear = sum(type(m) is torch.nn.Linear for m in model.modules())
     assert prepack_linears(model) == n_linear > 0
     return model
 
 
-def test_prepacked_logits_equal_the_plain_ones(tiny_model, packed_model):
+def test_prepacked_logits_equal_the_plain_ones(float32_model, packed_model):
     assert sum(isinstance(m, PrepackedLinear) for m in packed_model.modules()) > 0
-    assert packed_model.state_dict().keys() == tiny_model.state_dict().keys()
+    assert packed_model.state_dict().keys() == float32_model.state_dict().keys()
     ids = torch.randint(3, 100, (3, 17))
     with torch.inference_mode():
         for x in (ids, ids[:1, :1], ids[:, :1]):  # many rows, one row (the plain path), a batch of one token
-            torch.testing.assert_close(packed_model(x).logits, tiny_model(x).logits, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(packed_model(x).logits, float32_model(x).logits, atol=1e-4, rtol=1e-4)
 
 
 def test_the_packed_path_is_taken_only_for_inference_over_several_rows(packed_model, monkeypatch):
@@ -78,8 +84,8 @@ def test_model_prepack_option(tmp_path, tiny_model, tokenizer):
     from test_cli import save_tiny_checkpoint
 
     path = save_tiny_checkpoint(tmp_path / "tiny", tiny_model, tokenizer)
-    on = load_model(ModelSpec(str(path), device="cpu", dtype="float32")).model
-    off = load_model(ModelSpec(str(path), device="cpu", dtype="float32", prepack=False)).model
+    on = load_model(ModelSpec(str(path), device="cpu", weights="float32")).model
+    off = load_model(ModelSpec(str(path), device="cpu", weights="float32", prepack=False)).model
     assert any(isinstance(m, PrepackedLinear) for m in on.modules())
     assert not any(isinstance(m, PrepackedLinear) for m in off.modules())
     assert prepack_supported(on) and not prepack_supported(on.to(torch.bfloat16))

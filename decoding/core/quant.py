@@ -1,0 +1,179 @@
+"""GGUF weights in their own 4-bit format, through torch's int4 group-wise CPU kernel.
+
+A GGUF file's 4-bit tensors (Q4_0, Q4_1, Q4_K) store, per group of 32 weights along the input
+dimension, a 4-bit code q in 0..15 and a scale and minimum with w = scale * q + minimum (Q4_0:
+minimum = -8 scale; Q4_K: scale and minimum are 6-bit multiples of the super-block's two fp16
+factors). torch's kernel (`_weight_int4pack_mm_for_cpu`, group 32) computes with (q - 8) * s + z,
+so s = scale and z = minimum + 8 scale. What is rounded: s and z are stored in bfloat16 (8
+significant bits; GGUF's fp16 scales have 11), z after an exact-or-float32 sum; Q4_0's z is exactly
+0. The codes are the file's own. Activations are bfloat16. `Int4Linear.dequantized` is the matrix
+the kernel multiplies by, and tests/test_quant.py checks it against the file.
+
+Every other tensor type (Q8_0, Q6_K, F16, ...) runs in bfloat16: `transformers` dequantizes it to
+float32 and it is rounded once. The kernel gives a row the same bits whatever the number of rows
+(measured for 1-600 rows), which the batch-invariant forward rests on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from decoding.core.errors import BackendError
+
+GROUP = 32  # the kernel's group size along the input dimension, GGUF's 4-bit block (or sub-block)
+INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+# Types `transformers` (gguf-py) dequantizes, run in bfloat16.
+DEQUANTIZED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q5_K", "Q6_K", "Q8_K")
+
+
+class Int4Linear(torch.nn.Module):
+    """A linear layer y = x W^T (+ b) with W held as 4-bit codes and bfloat16 group scales/zeros."""
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = codes.shape
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1))
+        zero = minimum.float() + 8 * scale.float()
+        # [groups, out, 2]: the kernel's layout.
+        self.register_buffer("scales_zeros", torch.stack([scale.float().t(), zero.t()], -1).to(torch.bfloat16))
+        self.register_buffer("codes", codes.to(torch.uint8), persistent=False)
+        self.bias = None if bias is None else torch.nn.Parameter(bias.to(torch.bfloat16), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1]).to(torch.bfloat16)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scales_zeros)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 matrix [out, in] the kernel multiplies by: (q - 8) * s + z per group."""
+        s = self.scales_zeros[..., 0].float().t().repeat_interleave(GROUP, 1)
+        z = self.scales_zeros[..., 1].float().t().repeat_interleave(GROUP, 1)
+        return (self.codes.float() - 8) * s + z
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int4 group {GROUP}"
+
+
+def kernel_fits(module: torch.nn.Module | None) -> bool:
+    """Whether the int4 kernel can run this layer (its packing wants groups of 32 in, 16s out)."""
+    return type(module) is torch.nn.Linear and module.in_features % GROUP == 0 and module.out_features % 16 == 0
+
+
+@dataclass(frozen=True)
+class Int4Blocks:
+    """A GGUF 4-bit tensor decoded: codes [N, K] in 0..15, scale and minimum [N, K / 32] (float32)."""
+
+    codes: np.ndarray
+    scale: np.ndarray
+    minimum: np.ndarray
+
+    def weights(self) -> np.ndarray:
+        """w = scale * q + minimum, float32 (as gguf-py dequantizes Q4_1 and Q4_K)."""
+        return self.codes * np.repeat(self.scale, GROUP, 1) + np.repeat(self.minimum, GROUP, 1)
+
+    def permute_rows(self, permute: callable) -> Int4Blocks:  # type: ignore[valid-type]
+        return Int4Blocks(permute(self.codes), permute(self.scale), permute(self.minimum))
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """Bytes [..., 16 * n] -> codes [..., 32 * n]: each 16 bytes hold 32 codes, low nibbles first."""
+    lead = qs.shape[:-1]
+    q = qs.reshape(*lead, -1, 1, 16) >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)
+    return (q & np.uint8(0x0F)).reshape(*lead, -1)
+
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(raw).view(np.float16).astype(np.float32)[..., 0]
+
+
+def decode_int4(data: np.ndarray, type_name: str, n_out: int, n_in: int) -> Int4Blocks:
+    """Decode a GGUF tensor's raw bytes [N, bytes per row] of a 4-bit type."""
+    rows = data.reshape(n_out, -1)
+    if type_name in ("Q4_0", "Q4_1"):
+        per = 18 if type_name == "Q4_0" else 20
+        blocks = rows.reshape(n_out, n_in // GROUP, per)
+        scale = _f16(blocks[..., 0:2])
+        minimum = -8 * scale if type_name == "Q4_0" else _f16(blocks[..., 2:4])
+        codes = _nibbles(blocks[..., per - 16 :]).reshape(n_out, n_in)
+        return Int4Blocks(codes, scale, minimum)
+    if type_name == "Q4_K":
+        blocks = rows.reshape(n_out, n_in // 256, 144)
+        d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
+        sc, mn = _k_scale_min(blocks[..., 4:16])
+        # Each 32 bytes hold two sub-blocks: low nibbles the first, high nibbles the second.
+        qs = blocks[..., 16:].reshape(n_out, n_in // 256, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(2, 1)
+        codes = (qs & np.uint8(0x0F)).reshape(n_out, n_in)
+        scale = (d[..., None] * sc).reshape(n_out, -1)
+        minimum = -(dmin[..., None] * mn).reshape(n_out, -1)
+        return Int4Blocks(codes, scale, minimum)
+    raise BackendError(f"{type_name} is not a 4-bit GGUF type this loader decodes ({', '.join(INT4_TYPES)})")
+
+
+def _k_scale_min(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's 12 bytes of 6-bit scales and minimums of 8 sub-blocks -> two float32 arrays [..., 8]."""
+    p = packed.reshape(*packed.shape[:-1], 3, 4)
+    d, m, md = p[..., 0, :], p[..., 1, :], p[..., 2, :]
+    sc = np.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], -1)
+    mn = np.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], -1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def check_types(path: Path, key: str) -> dict[str, int]:
+    """Tensor types of a GGUF file and how many tensors have each; an error names an unsupported one."""
+    from gguf import GGUFReader
+
+    counts: dict[str, int] = {}
+    for tensor in GGUFReader(str(path)).tensors:
+        name = tensor.tensor_type.name
+        if name not in INT4_TYPES + DEQUANTIZED_TYPES:
+            raise BackendError(
+                f"{key}.path={path}: tensor {tensor.name} has GGUF type {name}, which this loader does not run "
+                f"(supported: {', '.join(INT4_TYPES + DEQUANTIZED_TYPES)}); convert the file with llama.cpp's "
+                "llama-quantize to Q4_K_M or Q8_0"
+            )
+        counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+@torch.no_grad()
+def quantize_from_gguf(model: torch.nn.Module, path: Path) -> int:
+    """Replace the model's linear layers whose GGUF tensors are 4-bit by `Int4Linear`s built from
+    the file's own codes (the rest of the model runs in bfloat16); returns how many."""
+    from gguf import GGUFReader
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        TensorProcessor,
+        get_gguf_hf_weights_map,
+    )
+
+    config = model.config
+    processor = TENSOR_PROCESSORS.get(config.model_type, TensorProcessor)(config=config.to_dict())
+    names = get_gguf_hf_weights_map(model, processor)
+    modules = dict(model.named_modules())
+    replaced = 0
+    for tensor in GGUFReader(str(path)).tensors:
+        hf_name = names.get(tensor.name, "")
+        module = modules.get(hf_name.removesuffix(".weight"))
+        kind = tensor.tensor_type.name
+        if kind not in INT4_TYPES or not kernel_fits(module):
+            continue
+        blocks = decode_int4(np.asarray(tensor.data), kind, module.out_features, module.in_features)
+        # The converter permuted q/k rows for llama.cpp's rotary layout; undo it as transformers does.
+        blocks = blocks.permute_rows(lambda a, n=tensor.name: processor.process(a, n).weights)
+        parent, _, child = hf_name.removesuffix(".weight").rpartition(".")
+        int4 = Int4Linear(
+            torch.from_numpy(np.ascontiguousarray(blocks.codes)),
+            torch.from_numpy(np.ascontiguousarray(blocks.scale)),
+            torch.from_numpy(np.ascontiguousarray(blocks.minimum)),
+            module.bias,
+        )
+        setattr(modules[parent] if parent else model, child, int4)
+        replaced += 1
+    return replaced

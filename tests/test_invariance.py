@@ -1,0 +1,105 @@
+"""The default forward is batch- and tree-invariant, bitwise: a token's logits are the same scored
+alone one at a time, as a chunk, beside 7 other rows of other lengths, inside a 16-node draft tree,
+and when a subset of the cache's rows is verified in place. Checked for the bfloat16 default of a
+checkpoint and for the GGUF int4 path (tests/test_quant.py builds its tiny int4 model)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_quant import int4_copy
+
+from decoding.core.draft_tree import ROOT, DraftTree
+from decoding.core.runner import ModelRunner
+from decoding.core.verify import pack
+
+PROMPT = [5 + (7 * i) % 90 for i in range(21)]
+CONTINUATION = [11, 42, 17, 63, 8, 29]  # the pending token, then 5 tokens scored after it
+
+
+@pytest.fixture(scope="module", params=["bfloat16", "gguf-int4"])
+def runner(request, tiny_model) -> ModelRunner:
+    return ModelRunner(tiny_model if request.param == "bfloat16" else int4_copy(tiny_model))
+
+
+def _run(runner: ModelRunner, prompts: list[list[int]], steps) -> list[torch.Tensor]:
+    """Prefill ragged prompts in one forward, then call steps(cache) -> list of logits."""
+    cache = runner.new_cache(len(prompts), 128)
+    width = max(len(p) for p in prompts)
+    tokens = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = torch.tensor(p)
+    causal = torch.ones(width, width, dtype=torch.bool).tril().expand(len(prompts), -1, -1)
+    runner.forward(cache, tokens, causal, torch.arange(width).expand(len(prompts), -1))
+    cache.advance(torch.tensor([len(p) for p in prompts]))
+    return steps(cache)
+
+
+def _one_at_a_time(runner, cache, row_tokens: list[list[int]], rows: list[int] | None = None) -> list[torch.Tensor]:
+    """Feed each row's tokens one per forward; logits [B, V] per step."""
+    out = []
+    one = torch.ones(len(row_tokens), 1, 1, dtype=torch.bool)
+    for step in range(len(row_tokens[0])):
+        tokens = torch.tensor([[t[step]] for t in row_tokens])
+        depth = torch.zeros(len(row_tokens), 1, dtype=torch.long)
+        out.append(runner.forward(cache, tokens, one, depth, rows=rows)[:, 0])
+        advance = torch.zeros(cache.batch, dtype=torch.long)
+        advance[rows if rows is not None else slice(None)] = 1
+        cache.advance(advance)
+    return out
+
+
+def reference(runner: ModelRunner) -> torch.Tensor:
+    """The continuation scored alone, one token per forward: [len(CONTINUATION), V]."""
+    return torch.stack(_run(runner, [PROMPT], lambda c: [x[0] for x in _one_at_a_time(runner, c, [CONTINUATION])]))
+
+
+def test_a_chunk_equals_one_token_at_a_time(runner):
+    def chunk(cache):
+        n = len(CONTINUATION)
+        causal = torch.ones(1, n, n, dtype=torch.bool).tril()
+        return list(runner.forward(cache, torch.tensor([CONTINUATION]), causal, torch.arange(n)[None])[0])
+
+    assert torch.equal(torch.stack(_run(runner, [PROMPT], chunk)), reference(runner))
+
+
+def test_beside_seven_rows_of_other_lengths(runner):
+    g = torch.Generator().manual_seed(1)
+    others = [torch.randint(3, 100, (int(n),), generator=g).tolist() for n in (3, 40, 9, 1, 33, 17, 26)]
+    prompts = [*others[:3], PROMPT, *others[3:]]
+    conts = [torch.randint(3, 100, (len(CONTINUATION),), generator=g).tolist() for _ in prompts]
+    conts[3] = CONTINUATION
+    got = _run(runner, prompts, lambda c: [x[3] for x in _one_at_a_time(runner, c, conts)])
+    assert torch.equal(torch.stack(got), reference(runner))
+
+
+def test_verifying_some_rows_in_place(runner):
+    """Rows 3 and 5 of 8 verified alone (SEED's verifier): the cache rows are read where they lie."""
+    prompts = [PROMPT[: 5 + i] for i in range(8)]
+    prompts[3] = PROMPT
+    conts = [CONTINUATION, list(reversed(CONTINUATION))]
+    got = _run(runner, prompts, lambda c: [x[0] for x in _one_at_a_time(runner, c, conts, rows=[3, 5])])
+    assert torch.equal(torch.stack(got), reference(runner))
+
+
+def test_inside_a_sixteen_node_tree(runner):
+    """The continuation is one path of a 16-node tree whose levels interleave it with siblings."""
+    tree = DraftTree()
+    parent, path = ROOT, []
+    g = torch.Generator().manual_seed(2)
+    for token in CONTINUATION[1:]:
+        for _ in range(2):  # siblings before the path's node, so its slots are not consecutive
+            tree.add(int(torch.randint(3, 100, (1,), generator=g)), parent)
+        parent = tree.add(token, parent)
+        path.append(parent)
+    while len(tree) < 16:
+        tree.add(int(torch.randint(3, 100, (1,), generator=g)), path[len(tree) % len(path)])
+    # Nodes must be listed parents-first, which `add` keeps; the tree has 16 nodes plus the root.
+    packed = pack([[CONTINUATION[0]]], [tree])
+
+    def in_tree(cache):
+        logits = runner.forward(cache, packed.tokens, packed.see, packed.depth)[0]
+        return [logits[packed.n_pending - 1]] + [logits[packed.n_pending + i] for i in path]
+
+    assert len(tree) == 16
+    assert torch.equal(torch.stack(_run(runner, [PROMPT], in_tree)), reference(runner))

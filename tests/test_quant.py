@@ -1,0 +1,131 @@
+"""decoding/core/quant.py: GGUF 4-bit blocks decoded as gguf-py dequantizes them, the stated rounding
+of their scales for torch's int4 kernel, a row's output independent of the number of rows, and an
+unsupported tensor type named in one line."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFWriter, dequantize, quantize
+
+from decoding.core.errors import BackendError
+from decoding.core.quant import GROUP, Int4Linear, check_types, decode_int4, kernel_fits
+
+RNG = np.random.default_rng(0)
+
+
+def _gguf_bytes(weights: np.ndarray, kind: str) -> np.ndarray:
+    return quantize(weights.astype(np.float32), GGMLQuantizationType[kind])
+
+
+def int4_linear(linear: torch.nn.Linear, kind: str = "Q4_1") -> Int4Linear:
+    """The layer as a GGUF file would ship it in `kind`, run by the int4 kernel."""
+    w = linear.weight.detach().float().numpy()
+    blocks = decode_int4(_gguf_bytes(w, kind), kind, *w.shape)
+    t = [torch.from_numpy(np.ascontiguousarray(a)) for a in (blocks.codes, blocks.scale, blocks.minimum)]
+    return Int4Linear(*t, linear.bias)
+
+
+def int4_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of a tiny model whose decoder linear layers are Q4_1 GGUF blocks (the LM head stays)."""
+    model = copy.deepcopy(model)
+    for name, module in list(model.named_modules()):
+        if name != "lm_head" and kernel_fits(module):
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, int4_linear(module))
+    return model
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+def test_decoded_blocks_equal_gguf_dequantization(kind):
+    w = RNG.normal(size=(48, 256)).astype(np.float32)
+    raw = _gguf_bytes(w, kind)
+    blocks = decode_int4(raw, kind, 48, 256)
+    assert blocks.codes.min() >= 0 and blocks.codes.max() <= 15
+    assert np.array_equal(blocks.weights(), dequantize(raw, GGMLQuantizationType[kind]).reshape(48, 256))
+
+
+def test_q4_k_blocks_equal_gguf_dequantization():
+    """Q4_K (super-blocks of 256 with 6-bit sub-block scales and minimums), from random bytes."""
+    n_out, n_in = 8, 512
+    raw = RNG.integers(0, 256, size=(n_out, n_in // 256, 144), dtype=np.uint8)
+    for offset in (0, 2):  # d and dmin: finite fp16 values
+        raw[..., offset : offset + 2] = (
+            RNG.uniform(0.001, 0.05, size=(n_out, n_in // 256)).astype(np.float16).view(np.uint8).reshape(n_out, -1, 2)
+        )
+    raw = raw.reshape(n_out, -1)
+    blocks = decode_int4(raw, "Q4_K", n_out, n_in)
+    expected = dequantize(raw, GGMLQuantizationType.Q4_K).reshape(n_out, n_in)
+    np.testing.assert_allclose(blocks.weights(), expected, rtol=0, atol=1e-6)
+
+
+def test_kernel_weights_are_the_files_with_bfloat16_scales():
+    """What is rounded: scale and zero (= minimum + 8 scale) to bfloat16; the codes are the file's."""
+    linear = torch.nn.Linear(128, 48, bias=False)
+    layer = int4_linear(linear)
+    w = linear.weight.detach().numpy()
+    blocks = decode_int4(_gguf_bytes(w, "Q4_1"), "Q4_1", 48, 128)
+    scale = torch.from_numpy(blocks.scale).to(torch.bfloat16).float().repeat_interleave(GROUP, 1)
+    zero = torch.from_numpy(blocks.minimum + 8 * blocks.scale).to(torch.bfloat16).float().repeat_interleave(GROUP, 1)
+    codes = torch.from_numpy(blocks.codes.astype(np.float32))
+    assert torch.equal(layer.dequantized(), (codes - 8) * scale + zero)
+    # bfloat16 keeps 8 significant bits: each weight is within 2^-8 of |scale| * 15 + |zero| of the file's.
+    bound = (scale.abs() * 15 + zero.abs()) * 2**-8
+    assert ((layer.dequantized() - torch.from_numpy(blocks.weights())).abs() <= bound).all()
+    x = torch.randn(5, 128).to(torch.bfloat16)
+    expected = x.float() @ layer.dequantized().t()
+    torch.testing.assert_close(layer(x).float(), expected, atol=0.05, rtol=0.02)
+
+
+def test_a_rows_output_does_not_depend_on_the_number_of_rows():
+    layer = int4_linear(torch.nn.Linear(256, 96))
+    x = torch.randn(300, 256).to(torch.bfloat16)
+    alone = layer(x[:1])
+    for m in (2, 3, 7, 8, 16, 31, 32, 33, 64, 100, 300):
+        assert torch.equal(layer(x[:m])[:1], alone), m
+
+
+def test_unsupported_gguf_type_is_named(tmp_path):
+    path = tmp_path / "odd.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_tensor("blk.0.attn_q.weight", np.zeros((4, 66), dtype=np.uint8), raw_dtype=GGMLQuantizationType.IQ2_XXS)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(BackendError, match=r"tensor blk\.0\.attn_q\.weight has GGUF type IQ2_XXS") as info:
+        check_types(path, "model")
+    assert "\n" not in str(info.value)
+
+
+@pytest.fixture(scope="module")
+def int4_loaded(tiny_model, tokenizer):
+    from decoding.core.models import LoadedModel
+
+    return LoadedModel(int4_copy(tiny_model), tokenizer, torch.device("cpu"), use_chat_template=False, source="int4")
+
+
+@pytest.mark.parametrize("decoder", ["hf", "ar", "stand", "seed_stand", "pld", "recycling", "aded", "sd", "seed"])
+def test_every_decoder_on_int4_weights_returns_generates_greedy_output(int4_loaded, tokenizer, decoder):
+    from test_decoders import BUDGETS, PROMPTS, encode, reference_greedy
+
+    from decoding.config import DecoderConfig
+    from decoding.core.models import ModelSpec
+    from decoding.core.values import GenRequest
+    from decoding.engine import Engine
+    from decoding.schedules.seed import SeedOptions
+    from decoding.trees.policies import DraftTreeOptions
+
+    model = int4_loaded.model
+    assert sum(isinstance(m, Int4Linear) for m in model.modules()) > 0
+    refs = [reference_greedy(model, encode(tokenizer, p), m, {2}) for p, m in zip(PROMPTS, BUDGETS)]
+    config = decoder
+    if decoder in ("sd", "seed"):  # draft with the target itself
+        tree = DraftTreeOptions((2, 2, 1), key=decoder)
+        config = DecoderConfig(decoder, tree, SeedOptions(2), draft=ModelSpec("self", key="draft"))
+    engine = Engine(int4_loaded, config, int4_loaded if decoder in ("sd", "seed") else None)
+    results = engine.generate([GenRequest(p, max_new_tokens=m) for p, m in zip(PROMPTS, BUDGETS)])
+    assert [r.token_ids for r in results] == refs
