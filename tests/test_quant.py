@@ -129,3 +129,15 @@ def test_every_decoder_on_int4_weights_returns_generates_greedy_output(int4_load
     engine = Engine(int4_loaded, config, int4_loaded if decoder in ("sd", "seed") else None)
     results = engine.generate([GenRequest(p, max_new_tokens=m) for p, m in zip(PROMPTS, BUDGETS)])
     assert [r.token_ids for r in results] == refs
+
+
+def test_an_int4_layer_loads_into_a_plain_copy(tiny_model):
+    """EDD starts its layer from a target layer: an int4 target's layer loads as its dequantized matrices."""
+    from decoding.core.quant import dense_state_dict
+
+    layer = int4_copy(tiny_model).model.layers[0]
+    plain = copy.deepcopy(tiny_model.model.layers[0])
+    plain.load_state_dict(dense_state_dict(layer))
+    assert torch.equal(plain.self_attn.q_proj.weight.float(), layer.self_attn.q_proj.dequantized())
+    x = torch.randn(1, 5, tiny_model.config.hidden_size).to(torch.bfloat16)
+    torch.testing.assert_close(plain.mlp(x), layer.mlp(x), atol=0.05, rtol=0.05)

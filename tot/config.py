@@ -135,7 +135,7 @@ def _dvts(search: dict) -> DVTSSettings:
 
 
 def _judge(c: dict) -> ModelSpec | None:
-    """The judge model: task.judge.path, loaded like the target (model.device, model.dtype...)."""
+    """The judge model: task.judge.path, loaded like the target (model.device, model.weights...)."""
     path = (c["task"].get("judge") or {}).get("path")
     if not path:
         return None

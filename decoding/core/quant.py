@@ -66,6 +66,18 @@ def kernel_fits(module: torch.nn.Module | None) -> bool:
     return type(module) is torch.nn.Linear and module.in_features % GROUP == 0 and module.out_features % 16 == 0
 
 
+def dense_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The module's state dict with each `Int4Linear` as the plain `weight` (and `bias`) of the
+    matrix it multiplies by: what a bfloat16 copy of the layer loads (EDD starts from a target layer)."""
+    int4 = {name: m for name, m in module.named_modules() if isinstance(m, Int4Linear)}
+    state = {k: v for k, v in module.state_dict().items() if k.rpartition(".")[0] not in int4}
+    for name, layer in int4.items():
+        state[f"{name}.weight"] = layer.dequantized().to(torch.bfloat16)
+        if layer.bias is not None:
+            state[f"{name}.bias"] = layer.bias
+    return state
+
+
 @dataclass(frozen=True)
 class Int4Blocks:
     """A GGUF 4-bit tensor decoded: codes [N, K] in 0..15, scale and minimum [N, K / 32] (float32)."""

@@ -31,6 +31,7 @@ from decoding.core.errors import BackendError
 from decoding.core.kv_cache import RowKVCache
 from decoding.core.models import LoadedModel, ModelSpec, default_cache_dir
 from decoding.core.prepack import prepack_linears
+from decoding.core.quant import dense_state_dict
 from decoding.core.runner import decoder_layers
 
 CONFIG_FILE = "edd_config.json"
@@ -124,7 +125,7 @@ class EddModel(torch.nn.Module):
         target_base = target_model.get_decoder()
         self.base.norm.load_state_dict(target_base.norm.state_dict())
         if config.init_layer is not None:
-            self.base.layers[0].load_state_dict(decoder_layers(target_model)[config.init_layer].state_dict())
+            self.base.layers[0].load_state_dict(dense_state_dict(decoder_layers(target_model)[config.init_layer]))
         # A tuple keeps the shared modules out of this module's parameters and state dict.
         self.shared = (target_model.get_input_embeddings(), target_model.get_output_embeddings())
         for m in self.shared:
