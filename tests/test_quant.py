@@ -142,3 +142,23 @@ def test_an_int4_layer_loads_into_a_plain_copy(tiny_model):
     assert torch.equal(plain.self_attn.q_proj.weight, expected)
     x = torch.randn(1, 5, tiny_model.config.hidden_size).to(torch.bfloat16)
     torch.testing.assert_close(plain.mlp(x), layer.mlp(x), atol=0.05, rtol=0.05)
+
+
+@pytest.mark.parametrize("decoder", ["ar", "seed_stand"])
+def test_sampling_on_int4_weights_follows_the_targets_distribution(int4_loaded, tokenizer, decoder):
+    """8,000 seeded first tokens at temperature 1.0 match the int4 model's own distribution (the
+    tolerance is test_decoders' total-variation bound); a 0.8 temperature is rejected by it."""
+    from test_decoders import empirical, encode, target_probs, tvd, tvd_tolerance
+
+    from decoding.core.sampling import SamplingParams
+    from decoding.core.values import GenRequest
+    from decoding.engine import Engine
+
+    n, prompt, params = 8000, encode(tokenizer, "once upon a time"), SamplingParams(temperature=1.0)
+    engine = Engine(int4_loaded, decoder)
+    requests = [GenRequest(tuple(prompt), max_new_tokens=3, temperature=1.0, seed=s) for s in range(n)]
+    first = [r.token_ids[0] for r in engine.generate(requests)]
+    emp, p = empirical(first, len(tokenizer)), target_probs(int4_loaded.model, prompt, params)
+    tol = tvd_tolerance(p, n)
+    assert tvd(emp, p) < tol
+    assert tvd(emp, target_probs(int4_loaded.model, prompt, SamplingParams(temperature=0.8))) > tol
