@@ -1,9 +1,11 @@
 """`python -m decoding.profile_forward`: what one verification forward costs on this machine (Hydra).
 
 Times one target forward that scores a draft tree of T tokens for each of B rows after a committed
-context, for every (T, B) asked, and prints ms per forward with the ratio to T=1, B=1. Tree-shape
-and schedule choices (Sequoia's hardware-aware budget, PCT's s_d / s_t, SEED's verify batch) read
-these measured costs rather than typed-in ones. `out=PATH` also writes the rows as JSON.
+context, for every (T, B) asked, as the decoders call it (ModelRunner over a row KV cache), and
+prints ms per forward with the ratio to T=1, B=1; then, with `split=true`, where each forward's time
+goes (linears, attention, LM head, the rest, read from torch.profiler). Tree-shape and schedule
+choices (Sequoia's hardware-aware budget, PCT's s_d / s_t, SEED's verify batch) read these measured
+costs rather than typed-in ones. `out=PATH` also writes the rows as JSON.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from decoding.core.errors import BackendError, ConfigError
 from decoding.core.models import ModelSpec, load_model
 from decoding.core.options import as_int
 from decoding.core.runner import ModelRunner
-from decoding.core.timing import time_forward
+from decoding.core.time_split import PARTS, time_split
+from decoding.core.timing import timed_ms, verification
 
 
 @dataclass(frozen=True)
@@ -32,11 +35,14 @@ class ProfileConfig:
     context: int
     repeats: int
     out: str | None
+    split: bool = True
 
     def __post_init__(self) -> None:
         for key, values in (("tree_sizes", self.tree_sizes), ("batch_sizes", self.batch_sizes)):
             if not values or any(v < 1 for v in values):
                 raise ConfigError(f"{key}={list(values)} must be a non-empty list of positive integers")
+        if not isinstance(self.split, bool):
+            raise ConfigError(f"split={self.split!r} must be true or false")
         if self.context < 1 or self.repeats < 1:
             raise ConfigError(f"context={self.context} and repeats={self.repeats} must be positive integers")
 
@@ -50,6 +56,7 @@ class ProfileConfig:
             context=as_int("context", c["context"]),
             repeats=as_int("repeats", c["repeats"]),
             out=c.get("out"),
+            split=c.get("split", True),
         )
 
 
@@ -63,16 +70,13 @@ def profile(cfg: ProfileConfig, target: ModelRunner) -> list[dict]:
     rows = []
     for batch in cfg.batch_sizes:
         for size in cfg.tree_sizes:
-            times = time_forward(target, cfg.context, size, batch, cfg.repeats)
-            rows.append(
-                {
-                    "batch": batch,
-                    "tree_tokens": size,
-                    "ms": statistics.median(times),
-                    "ms_min": min(times),
-                    "context": cfg.context,
-                }
-            )
+            step = verification(target, cfg.context, size, batch)
+            times = timed_ms(step, cfg.repeats, target.device)
+            row = {"batch": batch, "tree_tokens": size, "ms": statistics.median(times), "ms_min": min(times)}
+            row["context"] = cfg.context
+            if cfg.split:
+                row["split"] = time_split(target.model, step, cfg.repeats)
+            rows.append(row)
     base = next((r["ms"] for r in rows if r["batch"] == 1 and r["tree_tokens"] == 1), rows[0]["ms"])
     for r in rows:
         r["relative"] = r["ms"] / base
@@ -90,6 +94,15 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def split_table(rows: list[dict]) -> str:
+    """ms per forward in each part: the profiled fractions applied to the unprofiled median."""
+    lines = ["| batch x T | ms | " + " | ".join(PARTS) + " |", "|---" * (len(PARTS) + 2) + "|"]
+    for r in rows:
+        parts = " | ".join(f"{r['ms'] * r['split'][p]:.1f} ({100 * r['split'][p]:.0f}%)" for p in PARTS)
+        lines.append(f"| {r['batch']} x {r['tree_tokens']} | {r['ms']:.1f} | {parts} |")
+    return "\n".join(lines)
+
+
 @hydra_command("profile_forward", groups=("model",))
 def main(cfg: DictConfig) -> None:
     try:
@@ -104,6 +117,9 @@ def main(cfg: DictConfig) -> None:
     )
     rows = profile(pcfg, target)
     print(table(rows))
+    if pcfg.split:
+        print("\nwhere the time goes (ms, torch.profiler's shares of the median above)")
+        print(split_table(rows))
     if pcfg.out:
         Path(pcfg.out).write_text(json.dumps({"model": loaded.source, "rows": rows}, indent=2) + "\n")
 

@@ -205,10 +205,10 @@ def test_prefill_computes_distinct_prompts_once_and_fans_out(tiny_model, target)
     prompts = [a, b, a, a, c, b]
     shapes = []
 
-    def spy(module, args, kwargs):
-        shapes.append(tuple(kwargs["input_ids"].shape))
+    def spy(module, args):  # the token embedding: every forward path starts there
+        shapes.append(tuple(args[0].shape))
 
-    handle = tiny_model.register_forward_pre_hook(spy, with_kwargs=True)
+    handle = tiny_model.get_input_embeddings().register_forward_pre_hook(spy)
     try:
         cache, logits = prefill(target, prompts, capacity=24)
     finally:

@@ -1,4 +1,4 @@
-"""`python -m decoding.profile` on the tiny model: every (tree size, batch) cell is measured."""
+"""`python -m decoding.profile_forward` on the tiny model: every (tree size, batch) cell is measured, and split."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import pytest
 from decoding.core.errors import ConfigError
 from decoding.core.models import ModelSpec
 from decoding.core.runner import ModelRunner
-from decoding.profile_forward import ProfileConfig, profile, table
+from decoding.core.time_split import PARTS
+from decoding.profile_forward import ProfileConfig, profile, split_table, table
 
 
 def test_profile_measures_every_cell(tiny_model):
@@ -17,10 +18,22 @@ def test_profile_measures_every_cell(tiny_model):
     assert [(r["batch"], r["tree_tokens"]) for r in rows] == [(1, 1), (1, 4), (1, 16), (3, 1), (3, 4), (3, 16)]
     assert all(r["ms"] > 0 and r["ms_min"] <= r["ms"] for r in rows)
     assert rows[0]["relative"] == 1.0
-    assert target.forwards == 6 * (1 + 1 + 2)  # per cell: the context, a warm-up, two timed forwards
+    # per cell: the context, a warm-up, two timed forwards; then a warm-up and two profiled ones
+    assert target.forwards == 6 * (1 + 1 + 2 + 1 + 2)
     text = table(rows)
     assert text.splitlines()[0] == "| batch | T=1 | T=4 | T=16 |"
     assert len(text.splitlines()) == 4
+    for r in rows:  # the parts are shares of the forward: each measured, together the whole
+        assert set(r["split"]) == set(PARTS) and all(v >= 0 for v in r["split"].values())
+        assert r["split"]["linears"] > 0 and r["split"]["attention"] > 0 and r["split"]["lm_head"] > 0
+        assert sum(r["split"].values()) == pytest.approx(1.0)
+    assert split_table(rows).splitlines()[2].startswith("| 1 x 1 | ")
+
+
+def test_profile_without_the_split(tiny_model):
+    cfg = ProfileConfig(ModelSpec(), (1,), (1,), context=20, repeats=2, out=None, split=False)
+    target = ModelRunner(tiny_model)
+    assert "split" not in profile(cfg, target)[0] and target.forwards == 1 + 1 + 2
 
 
 def test_profile_rejects_bad_sizes():

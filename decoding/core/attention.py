@@ -7,55 +7,19 @@ the number of rows (bfloat16 and int4 weights on this CPU, see decoding/core/qua
 decoders lossless by construction. The kernel reads the KV cache in place: no float mask over the
 longest row, no gather of the verified rows.
 
-It is compiled on first use with the machine's C++ compiler (about a minute, cached by torch under
-TORCH_EXTENSIONS_DIR).
+Its kernel is compiled on first use (decoding/core/kernels.py).
 """
 
 from __future__ import annotations
 
-import functools
-import logging
-import os
-import sysconfig
-import time
-from pathlib import Path
-from types import ModuleType
-
 import torch
 
+from decoding.core import kernels
 from decoding.core.errors import BackendError
-
-log = logging.getLogger(__name__)
 
 CHOICE = "invariant"  # the model.attention value
 NAME = "tot_invariant"  # the `attn_implementation` name models are switched to
-SOURCE = Path(__file__).parent / "csrc" / "attention.cpp"
 _EMPTY = torch.empty(0)
-
-
-@functools.cache
-def kernel() -> ModuleType:
-    """The compiled extension (built once per machine and torch version)."""
-    from torch.utils import cpp_extension
-
-    # torch runs `ninja` from PATH; the pip-installed one lies beside this interpreter, which a
-    # script run as .venv/bin/python does not have on PATH.
-    scripts = sysconfig.get_path("scripts")
-    if scripts not in os.environ.get("PATH", "").split(os.pathsep):
-        os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
-    t0 = time.perf_counter()
-    flags = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
-    try:
-        module = cpp_extension.load(
-            name="tot_attention", sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"]
-        )
-    except (RuntimeError, OSError, ImportError) as e:
-        raise BackendError(
-            f"model.attention=invariant needs a C++ compiler to build {SOURCE.name} ({str(e).splitlines()[0][:160]}); "
-            "install g++ (Debian: apt install g++) or use model.attention=sdpa"
-        ) from e
-    log.info("attention kernel ready in %.1fs", time.perf_counter() - t0)
-    return module
 
 
 def invariant_attention(
@@ -79,7 +43,7 @@ def invariant_attention(
         mask = mask == 0  # an additive float mask: 0 where visible
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     rows = _EMPTY if kv_rows is None else kv_rows
-    return kernel().attend(query, key, value, mask, rows, float(scale)), None
+    return kernels.load().attend(query, key, value, mask, rows, float(scale)), None
 
 
 def register() -> None:

@@ -32,9 +32,16 @@ class RowKVCache:
         capacity: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        keys_by_position: bool = False,
     ) -> None:
         shape = (batch, n_kv_heads, capacity, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        if keys_by_position:
+            # Stored [B, H_kv, D, capacity] and seen through a transposed view: the invariant
+            # attention reads a block of positions of one dimension as a vector, with no transpose.
+            store = (batch, n_kv_heads, head_dim, capacity)
+            self.keys = [torch.zeros(store, dtype=dtype, device=device).transpose(2, 3) for _ in range(n_layers)]
+        else:
+            self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.lens = torch.zeros(batch, dtype=torch.long, device=device)
         self._slots: torch.Tensor | None = None
@@ -45,11 +52,17 @@ class RowKVCache:
 
     @classmethod
     def for_model(
-        cls, config: object, batch: int, capacity: int, dtype: torch.dtype, device: torch.device | str
+        cls,
+        config: object,
+        batch: int,
+        capacity: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        keys_by_position: bool = False,
     ) -> RowKVCache:
         """An empty cache shaped for a `transformers` model config (layers, KV heads, head size)."""
         n_layers, n_kv, head_dim = cache_geometry(config)
-        return cls(n_layers, batch, n_kv, head_dim, capacity, dtype, device)
+        return cls(n_layers, batch, n_kv, head_dim, capacity, dtype, device, keys_by_position)
 
     @property
     def batch(self) -> int:
@@ -90,19 +103,28 @@ class RowKVCache:
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object, **kwargs: object
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The `transformers` Cache entry point: store this layer's new keys/values, return all of them."""
-        assert self._slots is not None, "call prepare() before a forward"
         k, v = self.keys[layer_idx], self.values[layer_idx]
-        every = torch.arange(self.batch, device=self.lens.device)
-        rows = (every if self._rows is None else self._rows)[:, None]
+        rows, slots = self.write_index()
         # Advanced indices around a slice put the indexed dims first: [B, T, H, D].
-        k[rows, :, self._slots] = key_states.transpose(1, 2).to(k.dtype)
-        v[rows, :, self._slots] = value_states.transpose(1, 2).to(v.dtype)
+        k[rows, :, slots] = key_states.transpose(1, 2).to(k.dtype)
+        v[rows, :, slots] = value_states.transpose(1, 2).to(v.dtype)
         if self._rows is None or not self._gather:
             return k[:, :, : self._kv_len], v[:, :, : self._kv_len]
         first, n = int(self._rows[0]), len(self._rows)
         if torch.equal(self._rows, torch.arange(first, first + n, device=self._rows.device)):
             return k[first : first + n, :, : self._kv_len], v[first : first + n, :, : self._kv_len]  # a view
         return k[self._rows, :, : self._kv_len], v[self._rows, :, : self._kv_len]
+
+    def write_index(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where the prepared forward writes: cache rows [B, 1] and slots [B, T] (index keys[l][rows, :, slots])."""
+        assert self._slots is not None, "call prepare() before a forward"
+        rows = torch.arange(self.batch, device=self.lens.device) if self._rows is None else self._rows
+        return rows[:, None], self._slots
+
+    @property
+    def kv_len(self) -> int:
+        """Positions the prepared forward attends over (the longest row's, with its new slots)."""
+        return self._kv_len
 
     def attention_mask(self, tree: torch.Tensor) -> torch.Tensor:
         """Boolean mask [B, 1, T, kv_len] (True: visible) for the prepared forward.
@@ -139,7 +161,11 @@ class RowKVCache:
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep (or repeat) rows: drop finished sequences, or fan one prefilled prompt out to n rows."""
         index = index.to(self.lens.device)
-        self.keys = [k.index_select(0, index) for k in self.keys]
+        # Keys stored by position stay so: rows are selected from the storage, not the view.
+        self.keys = [
+            k.transpose(2, 3).index_select(0, index).transpose(2, 3) if _by_position(k) else k.index_select(0, index)
+            for k in self.keys
+        ]
         self.values = [v.index_select(0, index) for v in self.values]
         self.lens = self.lens.index_select(0, index)
         self._slots = None
@@ -151,6 +177,11 @@ class RowKVCache:
 
     def __len__(self) -> int:
         return len(self.keys)
+
+
+def _by_position(keys: torch.Tensor) -> bool:
+    """Whether a layer's keys [B, H, L, D] are stored with positions contiguous (a transposed view)."""
+    return keys.stride(2) == 1 and keys.shape[3] > 1
 
 
 def cache_geometry(config: object) -> tuple[int, int, int]:

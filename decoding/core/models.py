@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from decoding.core import attention
+from decoding.core import attention, kernels
 from decoding.core.errors import BackendError
 from decoding.core.options import from_dict
 from decoding.core.prepack import prepack_linears
@@ -133,7 +133,7 @@ def prepare_for_inference(
         done.append(f"{quantize_from_gguf(model, gguf)} linear layers in the GGUF's int4")
     if attn == attention.CHOICE:
         attention.register()
-        attention.kernel()  # build it now: a missing compiler is a load-time error
+        kernels.load()  # build it now: a missing compiler is a load-time error
     model.set_attn_implementation(attention.NAME if attn == attention.CHOICE else attn)
     done.append(f"{attn} attention")
     packed = prepack_linears(model) if prepack else 0

@@ -6,7 +6,7 @@ from collections import OrderedDict
 
 import torch
 
-from decoding.core import attention
+from decoding.core import attention, llama
 from decoding.core.kv_cache import RowKVCache
 
 MIN_SHARED_PREFIX = 8  # shorter common prefixes are simply fed with each row
@@ -77,6 +77,7 @@ class ModelRunner:
         impl = getattr(model.config, "_attn_implementation", "sdpa")
         self.reads_rows_in_place = impl == attention.NAME  # the kernel takes the verified rows' indices
         self.additive_mask = impl == "eager"  # eager attention adds its mask (a boolean one is misread)
+        self.layers = llama.Layers.of(model)  # the same forward without transformers' plumbing, or None
         self.forwards = 0
         self.peak_cache_bytes = 0
         self.prefixes = PrefixStore()
@@ -107,7 +108,9 @@ class ModelRunner:
         return int(getattr(self.config, "max_position_embeddings", 0) or 1 << 30)
 
     def new_cache(self, batch: int, capacity: int) -> RowKVCache:
-        return RowKVCache.for_model(self.config, batch, capacity, self.dtype, self.device)
+        return RowKVCache.for_model(
+            self.config, batch, capacity, self.dtype, self.device, keys_by_position=self.reads_rows_in_place
+        )
 
     @torch.inference_mode()
     def forward(
@@ -135,8 +138,28 @@ class ModelRunner:
             mask = torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill_(
                 ~mask, torch.finfo(self.dtype).min
             )
-        extra = {"kv_rows": torch.tensor(rows, dtype=torch.long)} if in_place else {}
+        kv_rows = torch.tensor(rows, dtype=torch.long) if in_place else None
         positions = cache.row_lens()[:, None] + depth.to(self.device)
+        keep = None if logits_at is None else logits_at.to(self.device)
+        if self.layers is not None:
+            logits, hidden = self.layers.forward(cache, tokens, mask, positions, kv_rows, keep, self.hidden_layer)
+            if self.hidden_layer is not None:
+                self.last_hidden = hidden
+        else:
+            logits = self._transformers_forward(cache, tokens, mask, positions, kv_rows, keep)
+        self.forwards += 1
+        return logits
+
+    def _transformers_forward(
+        self,
+        cache: RowKVCache,
+        tokens: torch.Tensor,
+        mask: torch.Tensor,
+        positions: torch.Tensor,
+        kv_rows: torch.Tensor | None,
+        logits_at: torch.Tensor | None,
+    ) -> torch.Tensor:
+        extra = {} if kv_rows is None else {"kv_rows": kv_rows}
         hook = None
         if self.hidden_layer is not None:
             hook = decoder_layers(self.model)[self.hidden_layer].register_forward_hook(self._keep_hidden)
@@ -147,13 +170,12 @@ class ModelRunner:
                 position_ids=positions,
                 past_key_values=cache,
                 use_cache=True,
-                logits_to_keep=0 if logits_at is None else logits_at.to(self.device),
+                logits_to_keep=0 if logits_at is None else logits_at,
                 **extra,
             )
         finally:
             if hook is not None:
                 hook.remove()
-        self.forwards += 1
         return out.logits
 
     def start(self, prompts: list[list[int]], capacity: int) -> tuple[RowKVCache, list[list[int]]]:

@@ -37,6 +37,12 @@ def chain_tree(size: int, vocab: int) -> DraftTree:
 
 def time_forward(target: ModelRunner, context: int, tree_size: int, batch: int, repeats: int) -> list[float]:
     """Milliseconds of each of `repeats` verification forwards (after one warm-up)."""
+    return timed_ms(verification(target, context, tree_size, batch), repeats, target.device)
+
+
+def verification(target: ModelRunner, context: int, tree_size: int, batch: int) -> Callable[[], object]:
+    """A verification forward as the decoders call it, ready to repeat: `batch` rows that hold
+    `context` committed tokens each score a tree of `tree_size` tokens (the pending root included)."""
     capacity = context + tree_size + 2
     cache = target.new_cache(batch, capacity)
     vocab = int(target.config.vocab_size)
@@ -47,9 +53,7 @@ def time_forward(target: ModelRunner, context: int, tree_size: int, batch: int, 
     tree = chain_tree(tree_size - 1, vocab)  # the root (pending token) plus tree_size - 1 drafted nodes
     packed = pack([[7]] * batch, [tree] * batch)
     keep = torch.arange(0, packed.tokens.shape[1])
-    return timed_ms(
-        lambda: target.forward(cache, packed.tokens, packed.see, packed.depth, logits_at=keep), repeats, target.device
-    )
+    return lambda: target.forward(cache, packed.tokens, packed.see, packed.depth, logits_at=keep)
 
 
 def speed_ratio(draft_ms: float, target: ModelRunner, context: int = 64, repeats: int = 5) -> tuple[float, float]:

@@ -44,19 +44,23 @@ class BatchDecoder:
         forwards = self.target.forwards
         cache, pending = begin(self.target, self.drafter, seqs, stats)
         live = list(range(len(seqs)))
+        # A finished row must cost nothing in later forwards: an attention that reads the verified
+        # rows in place just leaves it out (cache row b stays sequence b); otherwise it leaves the
+        # cache, which copies every other row.
+        in_place = self.target.reads_rows_in_place
         while live:
             t0 = time.perf_counter()
             trees = self.drafter.draft(live)
             assert all(len(t) <= self.drafter.max_nodes for t in trees), "a tree exceeds the drafter's max_nodes"
             t1 = time.perf_counter()
-            positions = list(range(len(live)))  # finished rows leave the cache, so row b is live[b]
+            positions = live if in_place else list(range(len(live)))
             verdicts = verify_and_commit(self.target, self.tokenizer, cache, seqs, live, positions, trees, pending)
             t2 = time.perf_counter()
             going = [b for b, i in enumerate(live) if not seqs[i].done]
             self.drafter.update(live, verdicts)
             if len(going) < len(live):
-                # A finished row leaves the batch so it costs nothing in later forwards.
-                cache.select_rows(torch.tensor(going, dtype=torch.long))
+                if not in_place:
+                    cache.select_rows(torch.tensor(going, dtype=torch.long))
                 live = [live[b] for b in going]
                 self.drafter.retain(live)
             t3 = time.perf_counter()

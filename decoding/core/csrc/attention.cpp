@@ -7,10 +7,13 @@
 // or across the head dimension, never across a reduction, and no reduction is split by the number
 // of rows, queries or positions. So a query's output has the same bits
 // alone, beside other rows of any length, or inside a draft tree (its ancestors are the chain it
-// would have had). Built with -ffp-contract=off: the only fused multiply-adds are the explicit
+// would have had). Keys may be stored with positions contiguous (the RowKVCache) or with dimensions
+// contiguous (transformers' DynamicCache): both are widened block by block into the same [D][64]
+// float layout, so both give the same bits. Built with -ffp-contract=off: the only fused multiply-adds are the explicit
 // std::fma calls, the same in vector and scalar code.
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
+
+#include "kernels.h"
 
 #include <algorithm>
 #include <cmath>
@@ -40,7 +43,7 @@ inline float fixed_exp(float x) {
   return x < -87.0f ? 0.0f : p * __builtin_bit_cast(float, bits);
 }
 
-// Widen n values (n a multiple of W; the caller pads) to float.
+// Widen n values to float (bfloat16 through its bits: a shift the compiler vectorizes).
 template <typename scalar_t>
 inline void widen(const scalar_t* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
@@ -48,146 +51,190 @@ inline void widen(const scalar_t* src, float* dst, int64_t n) {
 template <>
 inline void widen<at::BFloat16>(const at::BFloat16* src, float* dst, int64_t n) {
   const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
-  for (int64_t i = 0; i < n; ++i) {
-    dst[i] = __builtin_bit_cast(float, static_cast<uint32_t>(bits[i]) << 16);
-  }
+  for (int64_t i = 0; i < n; ++i) dst[i] = __builtin_bit_cast(float, static_cast<uint32_t>(bits[i]) << 16);
 }
 
-// One (row, key/value head) task: its G * T queries against the row's L positions. C = padded
-// head dimension / W. Each score is one chain of fused multiply-adds over d in order (lanes run
-// across positions); each output lane is one chain over the positions in order.
+constexpr int64_t BL = U * W;  // positions per key block
+constexpr int64_t QC = 16;     // queries per task at most (tasks split a row's queries, never a reduction)
+
+// One task: queries [j0, j1) of one (row, key/value head), G * T of them in all, against the row's
+// L positions. Keys are read through strides: the RowKVCache stores them position-contiguous
+// (ksl == 1), so a block of BL positions is widened with vector loads; keys stored [L][D]
+// (transformers' DynamicCache) are transposed block by block. Either way each score is one chain
+// of fused multiply-adds over d in order with lanes across positions, the same bits.
+template <typename scalar_t>
+struct Task {
+  const scalar_t *q, *k, *v;
+  scalar_t* out;
+  int64_t qs1, qs2, ksl, ksd, vs2, os1, os2;  // strides: query head/token, key position/dim, value
+                                              // position, output token/head
+  const bool* mask;                           // null: causal
+  int64_t ms2, ms3, G, T, L, D, j0, j1;
+  float scale;
+};
+
+struct Scratch {
+  std::vector<float> qf, kblk, vf, p, allow;
+};
+
+// sum_l w[l] * v[l] over the visible positions in order: C vectors of W lanes across d.
+template <int C, typename value_t>
+inline void weighted_values(const float* w, const value_t* v, int64_t vs, int64_t L, float* out, float& sum) {
+  float acc[C][W] = {};
+  sum = 0.0f;
+  for (int64_t l = 0; l < L; ++l) {
+    const float wl = w[l];
+    if (wl == 0.0f) continue;  // adds nothing
+    sum = sum + wl;
+    float vl[C * W];
+    widen(v + l * vs, vl, C * W);
+    for (int c = 0; c < C; ++c)
+      for (int64_t i = 0; i < W; ++i) acc[c][i] = std::fma(wl, vl[c * W + i], acc[c][i]);
+  }
+  for (int c = 0; c < C; ++c)
+    for (int64_t i = 0; i < W; ++i) out[c * W + i] = acc[c][i];
+}
+
 template <int C, typename scalar_t>
-void attend_task(const scalar_t* qb, int64_t qs1, int64_t qs2, const scalar_t* kb, int64_t ks2,
-                 const scalar_t* vb, int64_t vs2, const bool* mrow0, int64_t ms2, int64_t ms3, bool has_mask,
-                 int64_t G, int64_t T, int64_t L, int64_t D, float scale, scalar_t* ob, int64_t os1, int64_t os2,
-                 std::vector<float>& qf, std::vector<float>& kt, std::vector<float>& vf, std::vector<float>& p,
-                 std::vector<float>& allow, std::vector<float>& row) {
+void attend_task(const Task<scalar_t>& a, Scratch& s) {
   constexpr int64_t Dp = C * W;
-  const int64_t nq = G * T, Lr = (L + U * W - 1) / (U * W) * (U * W);
-  const int64_t Lp = Lr + W;  // the row stride of the transposed keys: not a multiple of 4 KiB (cache sets)
-  qf.assign(nq * Dp, 0.0f);
-  kt.assign(D * Lp, 0.0f);
-  vf.resize(L * Dp);
-  p.assign(nq * Lp, 0.0f);
-  allow.assign(nq * Lr, 0.0f);  // 1 where the query sees the position, else 0
-  row.assign(Dp, 0.0f);
+  const int64_t nq = a.j1 - a.j0, L = a.L, D = a.D, Lr = (L + BL - 1) / BL * BL;
+  const int64_t Lp = Lr + W;  // the row stride of scores: not a multiple of 4 KiB (cache sets)
+  s.qf.assign(nq * Dp, 0.0f);
+  s.kblk.resize(D * BL);
+  s.p.assign(nq * Lp, 0.0f);
+  s.allow.assign(nq * Lr, 0.0f);  // 1 where the query sees the position, else 0
   for (int64_t j = 0; j < nq; ++j) {
-    const int64_t g = j / T, t = j % T;
-    widen(qb + g * qs1 + t * qs2, qf.data() + j * Dp, D);
-    float* a = allow.data() + j * Lr;
-    if (has_mask) {
-      const bool* mrow = mrow0 + t * ms2;
-      for (int64_t l = 0; l < L; ++l) a[l] = mrow[l * ms3] ? 1.0f : 0.0f;
+    const int64_t g = (a.j0 + j) / a.T, t = (a.j0 + j) % a.T;
+    widen(a.q + g * a.qs1 + t * a.qs2, s.qf.data() + j * Dp, D);
+    float* al = s.allow.data() + j * Lr;
+    if (a.mask != nullptr) {
+      const bool* mrow = a.mask + t * a.ms2;
+      for (int64_t l = 0; l < L; ++l) al[l] = mrow[l * a.ms3] ? 1.0f : 0.0f;
     } else {
-      for (int64_t l = 0; l <= L - T + t; ++l) a[l] = 1.0f;
+      for (int64_t l = 0; l <= L - a.T + t; ++l) al[l] = 1.0f;
     }
   }
-  for (int64_t l = 0; l < L; ++l) {  // keys transposed to [D][Lp], values widened to [L][Dp]
-    widen(kb + l * ks2, row.data(), D);
-    for (int64_t d = 0; d < D; ++d) kt[d * Lp + l] = row[d];
-    widen(vb + l * vs2, vf.data() + l * Dp, D);
-    for (int64_t d = D; d < Dp; ++d) vf[l * Dp + d] = 0.0f;
-  }
-  // Scores, U * W positions at a time (independent chains), for one query at a time.
-  for (int64_t j = 0; j < nq; ++j) {
-    const float* qj = qf.data() + j * Dp;
-    float* pj = p.data() + j * Lp;
-    for (int64_t l0 = 0; l0 < Lr; l0 += U * W) {
+  // Scores, a block of BL positions at a time: the block's keys as [D][BL] floats (zero past L),
+  // then every query over them, U * W positions as independent chains.
+  float* kb = s.kblk.data();
+  for (int64_t l0 = 0; l0 < Lr; l0 += BL) {
+    const int64_t n = std::min(BL, L - l0);
+    if (a.ksl == 1) {
+      for (int64_t d = 0; d < D; ++d) {
+        widen(a.k + d * a.ksd + l0, kb + d * BL, n);
+        for (int64_t l = n; l < BL; ++l) kb[d * BL + l] = 0.0f;
+      }
+    } else {
+      float row[Dp];
+      for (int64_t l = 0; l < BL; ++l) {
+        if (l < n) widen(a.k + (l0 + l) * a.ksl, row, D);
+        for (int64_t d = 0; d < D; ++d) kb[d * BL + l] = l < n ? row[d] : 0.0f;
+      }
+    }
+    for (int64_t j = 0; j < nq; ++j) {
+      const float* qj = s.qf.data() + j * Dp;
       float acc[U][W];
       for (int64_t u = 0; u < U; ++u)
-        for (int64_t i = 0; i < W; ++i) acc[u][i] = qj[0] * kt[l0 + u * W + i];
+        for (int64_t i = 0; i < W; ++i) acc[u][i] = qj[0] * kb[u * W + i];
       for (int64_t d = 1; d < D; ++d) {
         const float qd = qj[d];
-        const float* kd = kt.data() + d * Lp + l0;
+        const float* kd = kb + d * BL;
         for (int64_t u = 0; u < U; ++u)
           for (int64_t i = 0; i < W; ++i) acc[u][i] = std::fma(qd, kd[u * W + i], acc[u][i]);
       }
+      float* pj = s.p.data() + j * Lp + l0;
       for (int64_t u = 0; u < U; ++u)
-        for (int64_t i = 0; i < W; ++i) pj[l0 + u * W + i] = acc[u][i] * scale;
+        for (int64_t i = 0; i < W; ++i) pj[u * W + i] = acc[u][i] * a.scale;
     }
   }
+  const bool direct = D == Dp;  // values read in place; else widened into rows padded to Dp
+  if (!direct) {
+    s.vf.assign(L * Dp, 0.0f);
+    for (int64_t l = 0; l < L; ++l) widen(a.v + l * a.vs2, s.vf.data() + l * Dp, D);
+  }
   for (int64_t j = 0; j < nq; ++j) {
-    float* __restrict pj = p.data() + j * Lp;
-    const float* __restrict a = allow.data() + j * Lr;
+    float* __restrict pj = s.p.data() + j * Lp;
+    const float* __restrict al = s.allow.data() + j * Lr;
     const float hidden = -std::numeric_limits<float>::infinity();
     float lane_max[W];
     for (int64_t i = 0; i < W; ++i) lane_max[i] = hidden;
-    for (int64_t l = 0; l < Lr; ++l)  // a maximum is exact in any order
-      lane_max[l % W] = std::max(lane_max[l % W], a[l] != 0.0f ? pj[l] : hidden);
+    for (int64_t l0 = 0; l0 < Lr; l0 += W)  // a maximum is exact in any order
+      for (int64_t i = 0; i < W; ++i) lane_max[i] = std::max(lane_max[i], al[l0 + i] != 0.0f ? pj[l0 + i] : hidden);
     float m = hidden;
     for (int64_t i = 0; i < W; ++i) m = std::max(m, lane_max[i]);
     // Softmax weights, exactly 0 where hidden (clamped first: a hidden score may exceed the maximum).
-    for (int64_t l = 0; l < Lr; ++l) pj[l] = fixed_exp(std::min(pj[l] - m, 0.0f)) * a[l];
-    // Their sum and the weighted values, positions in order.
-    float sum = 0.0f;
-    float acc[C][W] = {};
-    for (int64_t l = 0; l < L; ++l) {
-      const float w = pj[l];
-      if (w == 0.0f) continue;  // adds nothing
-      sum = sum + w;
-      const float* vl = vf.data() + l * Dp;
-      for (int c = 0; c < C; ++c)
-        for (int64_t i = 0; i < W; ++i) acc[c][i] = std::fma(w, vl[c * W + i], acc[c][i]);
+    for (int64_t l = 0; l < Lr; ++l) pj[l] = fixed_exp(std::min(pj[l] - m, 0.0f)) * al[l];
+    float o[Dp], sum;
+    if (direct) {
+      weighted_values<C>(pj, a.v, a.vs2, L, o, sum);
+    } else {
+      weighted_values<C>(pj, s.vf.data(), Dp, L, o, sum);
     }
-    const int64_t g = j / T, t = j % T;
-    scalar_t* dst = ob + t * os1 + g * os2;
-    const float s = sum > 0.0f ? sum : 1.0f;  // no visible position: zeros
-    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(acc[d / W][d % W] / s);
+    const int64_t g = (a.j0 + j) / a.T, t = (a.j0 + j) % a.T;
+    scalar_t* dst = a.out + t * a.os1 + g * a.os2;
+    const float sc = sum > 0.0f ? sum : 1.0f;  // no visible position: zeros
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(o[d] / sc);
   }
 }
 
 template <typename scalar_t>
 void attend_kernel(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                    const torch::Tensor& mask, bool has_mask, const torch::Tensor& rows, bool has_rows,
-                   double scale_d, torch::Tensor& out) {
+                   double scale, torch::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3);
-  const int64_t Hk = k.size(1), L = k.size(2), G = H / Hk;
-  const int64_t chunks = (D + W - 1) / W;
-  TORCH_CHECK(chunks == 1 || chunks == 2 || chunks == 4 || chunks == 8 || chunks == 16,
+  const int64_t Hk = k.size(1), G = H / Hk, nq = G * T, chunks_per_head = (nq + QC - 1) / QC;
+  const int64_t C = (D + W - 1) / W;
+  TORCH_CHECK(C == 1 || C == 2 || C == 4 || C == 8 || C == 16,
               "attend: head dimension ", D, " is not supported (up to 256, in steps of 16, 32, 64 or 128)");
-  const float scale = static_cast<float>(scale_d);
-  const scalar_t* qp = q.data_ptr<scalar_t>();
-  const scalar_t* kp = k.data_ptr<scalar_t>();
-  const scalar_t* vp = v.data_ptr<scalar_t>();
-  scalar_t* op = out.data_ptr<scalar_t>();
-  const bool* mp = has_mask ? mask.data_ptr<bool>() : nullptr;
-  const int64_t ms0 = has_mask ? mask.stride(0) : 0, ms2 = has_mask ? mask.stride(2) : 0,
-                ms3 = has_mask ? mask.stride(3) : 0;
   const int64_t* rp = has_rows ? rows.data_ptr<int64_t>() : nullptr;
-
-  at::parallel_for(0, B * Hk, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf, kt, vf, p, allow, row;
+  Task<scalar_t> base{};
+  base.qs1 = q.stride(1);
+  base.qs2 = q.stride(2);
+  base.ksl = k.stride(2);
+  base.ksd = k.stride(3);
+  base.vs2 = v.stride(2);
+  base.os1 = out.stride(1);
+  base.os2 = out.stride(2);
+  base.ms2 = has_mask ? mask.stride(2) : 0;
+  base.ms3 = has_mask ? mask.stride(3) : 0;
+  base.G = G;
+  base.T = T;
+  base.L = k.size(2);
+  base.D = D;
+  base.scale = static_cast<float>(scale);
+  at::parallel_for(0, B * Hk * chunks_per_head, 1, [&](int64_t begin, int64_t end) {
+    Scratch s;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / Hk, hk = task % Hk;
-      const int64_t r = has_rows ? rp[b] : b;
-      const scalar_t* qb = qp + b * q.stride(0) + hk * G * q.stride(1);
-      const scalar_t* kb = kp + r * k.stride(0) + hk * k.stride(1);
-      const scalar_t* vb = vp + r * v.stride(0) + hk * v.stride(1);
-      scalar_t* ob = op + b * out.stride(0) + hk * G * out.stride(2);
-      const bool* mrow = has_mask ? mp + b * ms0 : nullptr;
-#define TOT_TASK(CC)                                                                                        \
-  attend_task<CC, scalar_t>(qb, q.stride(1), q.stride(2), kb, k.stride(2), vb, v.stride(2), mrow, ms2, ms3, \
-                            has_mask, G, T, L, D, scale, ob, out.stride(1), out.stride(2), qf, kt, vf, p,    \
-                            allow, row)
-      switch (chunks) {
-        case 1: TOT_TASK(1); break;
-        case 2: TOT_TASK(2); break;
-        case 4: TOT_TASK(4); break;
-        case 8: TOT_TASK(8); break;
-        default: TOT_TASK(16); break;
+      const int64_t b = task / (Hk * chunks_per_head), hk = task / chunks_per_head % Hk;
+      const int64_t chunk = task % chunks_per_head, r = has_rows ? rp[b] : b;
+      Task<scalar_t> a = base;
+      a.q = q.data_ptr<scalar_t>() + b * q.stride(0) + hk * G * q.stride(1);
+      a.k = k.data_ptr<scalar_t>() + r * k.stride(0) + hk * k.stride(1);
+      a.v = v.data_ptr<scalar_t>() + r * v.stride(0) + hk * v.stride(1);
+      a.out = out.data_ptr<scalar_t>() + b * out.stride(0) + hk * G * out.stride(2);
+      a.mask = has_mask ? mask.data_ptr<bool>() + b * mask.stride(0) : nullptr;
+      a.j0 = chunk * QC;
+      a.j1 = std::min(nq, a.j0 + QC);
+      switch (C) {
+        case 1: attend_task<1>(a, s); break;
+        case 2: attend_task<2>(a, s); break;
+        case 4: attend_task<4>(a, s); break;
+        case 8: attend_task<8>(a, s); break;
+        default: attend_task<16>(a, s); break;
       }
-#undef TOT_TASK
     }
   });
 }
 
 }  // namespace
 
-// q [B, H, T, D]; k, v [Bk, Hk, L, D] (any strides); mask bool [B or 1, 1, T, L] or empty for
+// q [B, H, T, D]; k, v [Bk, Hk, L, D] (keys with positions or dimensions contiguous); mask bool [B or 1, 1, T, L] or empty for
 // causal (query t sees positions up to L - T + t); rows [B] int64: the k/v row of each query row
 // (empty: the same row). Returns [B, T, H, D] in q's dtype.
 torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor mask, torch::Tensor rows,
                      double scale) {
+  RECORD_FUNCTION("tot::attend", std::vector<c10::IValue>());  // seen by torch.profiler (decoding.profile_forward)
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "attend: q, k, v must be 4D");
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "attend: CPU tensors only");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(), "attend: one dtype");
@@ -196,7 +243,7 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::T
   const bool has_mask = mask.numel() > 0, has_rows = rows.numel() > 0;
   // Rows of the head dimension are read as vectors.
   if (q.stride(3) != 1) q = q.contiguous();
-  if (k.stride(3) != 1) k = k.contiguous();
+  if (k.stride(3) != 1 && k.stride(2) != 1) k = k.contiguous();  // keys: either dimension contiguous
   if (v.stride(3) != 1) v = v.contiguous();
   if (has_mask) {
     TORCH_CHECK(mask.scalar_type() == torch::kBool && mask.dim() == 4 && mask.size(1) == 1, "attend: mask");
@@ -214,5 +261,3 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::T
   });
   return out;
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("attend", &attend, "batch-invariant attention (CPU)"); }

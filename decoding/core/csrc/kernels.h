@@ -1,0 +1,15 @@
+// The CPU kernels of decoding/core/kernels.py: one extension module, bound in module.cpp.
+#pragma once
+#include <torch/extension.h>
+
+#include <vector>
+
+torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor mask, torch::Tensor rows,
+                     double scale);
+
+std::vector<at::Tensor> decoder_layers(at::Tensor h, const std::vector<at::Tensor>& weights, double eps,
+                                       int64_t head_dim, double scaling, const at::Tensor& cos,
+                                       const at::Tensor& sin, const std::vector<at::Tensor>& keys,
+                                       const std::vector<at::Tensor>& values, const at::Tensor& rows,
+                                       const at::Tensor& slots, int64_t kv_len, const at::Tensor& mask,
+                                       const at::Tensor& kv_rows, int64_t capture);

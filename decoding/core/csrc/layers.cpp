@@ -1,0 +1,67 @@
+// The decoder layers of a Llama-family model, one call per forward (decoding/core/llama.py).
+//
+// Each layer runs the ATen ops that transformers' LlamaDecoderLayer runs through its modules, in
+// the same order and dtypes (RMSNorm in float32, rotary embedding, the linears as Int4Linear or
+// nn.Linear compute them, the invariant attention, SiLU MLP, residual adds), so the result has the
+// same bits; only the Python between the ops is gone, which at one row cost more than the
+// arithmetic.
+#include "kernels.h"
+
+namespace {
+
+// Int4Linear.forward / nn.Linear: [w, scales_zeros, bias] with scales_zeros empty for a dense weight.
+at::Tensor linear(const at::Tensor& x, const at::Tensor* w) {
+  if (w[1].numel() == 0) return at::linear(x, w[0], w[2].numel() ? c10::optional<at::Tensor>(w[2]) : c10::nullopt);
+  const int64_t out_features = w[1].size(1);
+  at::Tensor y = at::_weight_int4pack_mm_for_cpu(x.reshape({-1, x.size(-1)}).to(at::kBFloat16), w[0], 32, w[1]);
+  if (w[2].numel()) y = y + w[2];
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
+  shape.push_back(out_features);
+  return y.reshape(shape);
+}
+
+// LlamaRMSNorm.forward
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const at::Tensor xf = x.to(at::kFloat);
+  const at::Tensor variance = xf.pow(2).mean(-1, true);
+  return weight * (xf * at::rsqrt(variance + eps)).to(x.scalar_type());
+}
+
+// apply_rotary_pos_emb for one tensor (rotate_half inlined)
+at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t half = x.size(-1) / 2;
+  return (x * cos) + (at::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1) * sin);
+}
+
+}  // namespace
+
+std::vector<at::Tensor> decoder_layers(at::Tensor h, const std::vector<at::Tensor>& weights, double eps,
+                                       int64_t head_dim, double scaling, const at::Tensor& cos,
+                                       const at::Tensor& sin, const std::vector<at::Tensor>& keys,
+                                       const std::vector<at::Tensor>& values, const at::Tensor& rows,
+                                       const at::Tensor& slots, int64_t kv_len, const at::Tensor& mask,
+                                       const at::Tensor& kv_rows, int64_t capture) {
+  constexpr size_t PER_LAYER = 2 + 7 * 3;  // two norm weights, then q, k, v, o, gate, up, down
+  TORCH_CHECK(weights.size() == keys.size() * PER_LAYER && keys.size() == values.size(), "decoder_layers: weights");
+  const int64_t batch = h.size(0), n_new = h.size(1);
+  const c10::List<c10::optional<at::Tensor>> where({rows, c10::nullopt, slots});
+  at::Tensor hidden;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    const at::Tensor* w = weights.data() + i * PER_LAYER;
+    const at::Tensor x = rms_norm(h, w[0], eps);
+    const std::vector<int64_t> shape{batch, n_new, -1, head_dim};
+    const at::Tensor q = rotate(linear(x, w + 2).view(shape).transpose(1, 2), cos, sin);
+    const at::Tensor k = rotate(linear(x, w + 5).view(shape).transpose(1, 2), cos, sin);
+    const at::Tensor v = linear(x, w + 8).view(shape).transpose(1, 2);
+    // RowKVCache.update, in place: this forward's slots of each row, then every row up to kv_len.
+    keys[i].index_put_(where, k.transpose(1, 2).to(keys[i].scalar_type()));
+    values[i].index_put_(where, v.transpose(1, 2).to(values[i].scalar_type()));
+    const at::Tensor out = attend(q, keys[i].slice(2, 0, kv_len), values[i].slice(2, 0, kv_len), mask, kv_rows,
+                                  scaling);
+    h = h + linear(out.reshape({batch, n_new, -1}), w + 11);
+    const at::Tensor y = rms_norm(h, w[1], eps);
+    h = h + linear(at::silu(linear(y, w + 14)) * linear(y, w + 17), w + 20);
+    if (static_cast<int64_t>(i) == capture) hidden = h;
+  }
+  return {h, hidden.defined() ? hidden : at::Tensor()};
+}

@@ -1,0 +1,51 @@
+"""The project's CPU kernels (decoding/core/csrc): the invariant attention and the Llama decoder
+layers, one extension module compiled on first use with the machine's C++ compiler (about a minute
+on 2 cores, cached by torch under TORCH_EXTENSIONS_DIR)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import sysconfig
+import time
+from pathlib import Path
+from types import ModuleType
+
+from decoding.core.errors import BackendError
+
+log = logging.getLogger(__name__)
+
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = ("attention.cpp", "layers.cpp", "module.cpp")
+# -ffp-contract=off: the only fused multiply-adds are the explicit ones (attention.cpp's header);
+# -fno-trapping-math lets floor and selects vectorize; neither changes a value.
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fopenmp"]
+
+
+@functools.cache
+def load() -> ModuleType:
+    """The compiled extension (built once per machine, torch version and source)."""
+    from torch.utils import cpp_extension
+
+    # torch runs `ninja` from PATH; the pip-installed one lies beside this interpreter, which a
+    # script run as .venv/bin/python does not have on PATH.
+    scripts = sysconfig.get_path("scripts")
+    if scripts not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
+    t0 = time.perf_counter()
+    try:
+        module = cpp_extension.load(
+            name="tot_kernels",
+            sources=[str(CSRC / s) for s in SOURCES],
+            extra_cflags=FLAGS,
+            extra_include_paths=[str(CSRC)],
+            extra_ldflags=["-fopenmp"],
+        )
+    except (RuntimeError, OSError, ImportError) as e:
+        raise BackendError(
+            f"model.attention=invariant needs a C++ compiler to build {CSRC} ({str(e).splitlines()[0][:160]}); "
+            "install g++ (Debian: apt install g++) or use model.attention=sdpa"
+        ) from e
+    log.info("CPU kernels ready in %.1fs", time.perf_counter() - t0)
+    return module

@@ -1,0 +1,65 @@
+"""Where a forward's time goes (linears, attention, LM head, the rest), read from torch.profiler."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+PARTS = ("linears", "attention", "lm_head", "other")
+# Operators whose own time is a projection's matrix product (int4 kernel, dense and oneDNN paths).
+LINEAR_OPS = {
+    "aten::_weight_int4pack_mm_for_cpu",
+    "aten::mm",
+    "aten::addmm",
+    "aten::bmm",
+    "aten::mkldnn_linear",
+    "aten::_weight_int8pack_mm",
+}
+# The attention kernels: the invariant one (decoding/core/csrc) or torch's fused one, with callees.
+ATTENTION_OPS = {"tot::attend", "aten::scaled_dot_product_attention"}
+HEAD = "tot::lm_head"
+
+
+def time_split(model: torch.nn.Module, step: Callable[[], object], repeats: int) -> dict[str, float]:
+    """Fractions of `repeats` calls of `step` (forwards of `model`) spent in each of PARTS.
+
+    The LM head is marked by a profiler range around `model`'s output embedding while profiling;
+    its matrix product is taken out of `linears`. Attention is the invariant kernel or torch's
+    scaled_dot_product_attention with what it calls (eager attention's matmuls count as linears).
+    """
+    head = model.get_output_embeddings()
+    ranges: list[record_function] = []
+
+    def enter(*_: object) -> None:
+        ranges.append(record_function(HEAD))
+        ranges[-1].__enter__()
+
+    def leave(*_: object) -> None:
+        ranges.pop().__exit__(None, None, None)
+
+    hooks = [head.register_forward_pre_hook(enter), head.register_forward_hook(leave)]
+    try:
+        step()  # warm-up outside the profile
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            t0 = time.perf_counter()
+            for _ in range(repeats):
+                step()
+            wall = time.perf_counter() - t0
+    finally:
+        for h in hooks:
+            h.remove()
+    us = {part: 0.0 for part in PARTS}
+    for event in prof.key_averages():
+        if event.key in LINEAR_OPS:
+            us["linears"] += event.self_cpu_time_total
+        elif event.key in ATTENTION_OPS:
+            us["attention"] += event.cpu_time_total if event.key.startswith("aten::") else event.self_cpu_time_total
+        elif event.key == HEAD:
+            us["lm_head"] += event.cpu_time_total
+    us["linears"] = max(0.0, us["linears"] - us["lm_head"])
+    total = wall * 1e6
+    us["other"] = max(0.0, total - us["linears"] - us["attention"] - us["lm_head"])
+    return {part: us[part] / total for part in PARTS}

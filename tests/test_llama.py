@@ -1,0 +1,89 @@
+"""The Llama forward of decoding/core/llama.py (decoder layers in one C++ call) computes the bits of
+the `transformers` forward of the same loaded model: prefill of ragged rows, a decode step, a draft
+tree, a subset of rows verified in place, the captured hidden states; and it is used only where it
+would. Also the key layout the invariant attention reads (positions contiguous) survives the cache's
+row operations."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from test_quant import int4_copy
+
+from decoding.core.draft_tree import ROOT, DraftTree
+from decoding.core.kv_cache import RowKVCache
+from decoding.core.llama import Layers
+from decoding.core.models import prepare_for_inference
+from decoding.core.runner import ModelRunner, PrefixStore
+from decoding.core.verify import pack
+
+PROMPTS = [[5 + (7 * i + j) % 90 for i in range(n)] for j, n in enumerate((9, 23, 70))]
+
+
+@pytest.fixture(scope="module", params=["bfloat16", "gguf-int4"])
+def model(request, tiny_model) -> torch.nn.Module:
+    return tiny_model if request.param == "bfloat16" else int4_copy(tiny_model)
+
+
+def _forwards(runner: ModelRunner) -> list[torch.Tensor]:
+    """Logits and hidden states of a prefill, a decode step, a tree and an in-place subset verify."""
+    runner.capture_hidden(0)
+    cache = runner.new_cache(len(PROMPTS), 160)
+    fill = pack(PROMPTS, [DraftTree()] * len(PROMPTS))
+    out = [runner.forward(cache, fill.tokens, fill.see, fill.depth), runner.last_hidden]
+    cache.advance(torch.tensor([len(p) for p in PROMPTS]))
+    one = torch.ones(3, 1, 1, dtype=torch.bool)
+    out.append(runner.forward(cache, torch.tensor([[4], [5], [6]]), one, torch.zeros(3, 1, dtype=torch.long)))
+    cache.advance(torch.ones(3, dtype=torch.long))
+    tree = DraftTree()
+    a = tree.add(11, ROOT)
+    tree.add(12, ROOT)
+    tree.add(13, a)
+    packed = pack([[7]] * 3, [tree] * 3)
+    out += [runner.forward(cache, packed.tokens, packed.see, packed.depth), runner.last_hidden]
+    some = pack([[8], [9]], [tree] * 2)
+    out.append(runner.forward(cache, some.tokens, some.see, some.depth, rows=[2, 0]))
+    return out
+
+
+def test_the_layers_compute_the_transformers_forward_bitwise(model):
+    runner = ModelRunner(model)
+    assert runner.layers is not None
+    fast = _forwards(runner)
+    runner.layers = None  # the same runner through model(...)
+    reference = _forwards(runner)
+    for got, want in zip(fast, reference, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_other_models_keep_the_transformers_forward(tiny_model):
+    sdpa = copy.deepcopy(tiny_model)
+    sdpa.config._attn_implementation = "sdpa"
+    assert Layers.of(sdpa) is None
+    prepacked = copy.deepcopy(tiny_model).float()
+    prepare_for_inference(prepacked, torch.device("cpu"), "float32", "invariant", prepack=True)
+    assert Layers.of(prepacked) is None  # PrepackedLinear is not a projection the C++ layers know
+    assert Layers.of(tiny_model) is not None
+
+
+def test_keys_stored_by_position_keep_their_layout_and_values():
+    cache = RowKVCache(2, 3, 2, 16, 40, torch.bfloat16, "cpu", keys_by_position=True)
+    assert cache.keys[0].shape == (3, 2, 40, 16) and cache.keys[0].stride(2) == 1
+    for k in cache.keys:
+        k.copy_(torch.randn(k.shape))
+    before = [k[[2, 0, 0]].clone() for k in cache.keys]
+    cache.select_rows(torch.tensor([2, 0, 0]))
+    for k, want in zip(cache.keys, before):
+        assert k.stride(2) == 1 and torch.equal(k, want)
+    cache.lens[:] = torch.tensor([5, 6, 7])
+    src = [k[1, :, 6:9].clone() for k in cache.keys]
+    cache.prepare(3)
+    cache.keep(1, [0, 2])
+    assert all(torch.equal(k[1, :, 6], s[:, 0]) and torch.equal(k[1, :, 7], s[:, 2]) for k, s in zip(cache.keys, src))
+    store = PrefixStore()
+    store.store((1, 2, 3, 4, 5), cache)
+    fresh = RowKVCache(2, 1, 2, 16, 40, torch.bfloat16, "cpu", keys_by_position=True)
+    store.restore((1, 2, 3, 4, 5), fresh)
+    assert all(torch.equal(f[0, :, :5], k[0, :, :5]) for f, k in zip(fresh.keys, cache.keys))
