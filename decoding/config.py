@@ -14,6 +14,7 @@ from decoding.drafters.aded import AdedOptions
 from decoding.drafters.pld import PLDOptions
 from decoding.drafters.recycling import RecyclingOptions
 from decoding.drafters.stand import StandOptions
+from decoding.schedules.base import VerifyOptions
 from decoding.schedules.seed import SeedOptions
 from decoding.trees.policies import DraftTreeOptions
 
@@ -29,6 +30,7 @@ class DecoderConfig:
     pld: PLDOptions = field(default_factory=PLDOptions)
     recycling: RecyclingOptions = field(default_factory=RecyclingOptions)
     aded: AdedOptions = field(default_factory=AdedOptions)
+    verify: VerifyOptions = field(default_factory=VerifyOptions)
     draft: ModelSpec | None = None  # path "self" drafts with the target itself
 
     def __post_init__(self) -> None:

@@ -76,21 +76,21 @@ DRAFTERS: dict[str, DrafterFactory] = {
 
 SCHEDULES: dict[str, Schedule] = {
     "hf": lambda name, c, target, tok, drafter: HFDecoder(target, tok),
-    "batch": lambda name, c, target, tok, drafter: BatchDecoder(name, target, tok, drafter),
-    "serial": lambda name, c, target, tok, drafter: BatchDecoder(name, target, tok, drafter, serial=True),
-    "seed": lambda name, c, target, tok, drafter: SeedDecoder(target, tok, drafter, c.seed, name=name),
+    "batch": lambda name, c, target, tok, drafter: BatchDecoder(name, target, tok, drafter, verify=c.verify),
+    "serial": lambda name, c, target, tok, drafter: BatchDecoder(name, target, tok, drafter, True, c.verify),
+    "seed": lambda name, c, target, tok, drafter: SeedDecoder(target, tok, drafter, c.seed, name, c.verify),
 }
 
 DECODERS: dict[str, DecoderKind] = {
     "hf": DecoderKind("hf", "none"),
     "ar": DecoderKind("batch", "none"),
-    "sd": DecoderKind("serial", "model", ("draft_tree",), "required", "sd"),
-    "seed": DecoderKind("seed", "model", ("draft_tree", "seed"), "required", "seed"),
-    "pld": DecoderKind("batch", "pld", ("pld",)),
-    "recycling": DecoderKind("batch", "recycling", ("recycling", "stand")),
-    "stand": DecoderKind("batch", "stand", ("stand",)),
-    "seed_stand": DecoderKind("seed", "stand", ("draft_tree", "seed", "stand"), "optional", "seed"),
-    "aded": DecoderKind("batch", "aded", ("aded",)),
+    "sd": DecoderKind("serial", "model", ("draft_tree", "verify"), "required", "sd"),
+    "seed": DecoderKind("seed", "model", ("draft_tree", "seed", "verify"), "required", "seed"),
+    "pld": DecoderKind("batch", "pld", ("pld", "verify")),
+    "recycling": DecoderKind("batch", "recycling", ("recycling", "stand", "verify")),
+    "stand": DecoderKind("batch", "stand", ("stand", "verify")),
+    "seed_stand": DecoderKind("seed", "stand", ("draft_tree", "seed", "stand", "verify"), "optional", "seed"),
+    "aded": DecoderKind("batch", "aded", ("aded", "verify")),
 }
 
 

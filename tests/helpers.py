@@ -6,6 +6,11 @@ import torch
 
 from decoding.core.kv_cache import RowKVCache
 from decoding.core.runner import ModelRunner
+from decoding.schedules.base import VerifyOptions
+
+# verify.max_tokens=null: trees verified whole however many rows share a forward (tests of tree
+# verification; the default cuts them to 16 tokens per forward on a CPU).
+UNCAPPED = VerifyOptions(None)
 
 
 def prefill(runner: ModelRunner, prompts: list[list[int]], capacity: int) -> tuple[RowKVCache, torch.Tensor]:

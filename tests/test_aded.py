@@ -7,6 +7,7 @@ import math
 import random
 
 import pytest
+from helpers import UNCAPPED
 from test_decoders import encode
 from test_speculative import PARAMS, check_three_tokens, sample_three
 from test_stand import greedy_case
@@ -187,7 +188,7 @@ TEST_OPTIONS = {"iterations": 16, "max_nodes": 8, "max_depth": 4, "top_k": 3}
 
 
 def engine_for(loaded, **options) -> Engine:
-    return Engine(loaded, DecoderConfig("aded", aded=AdedOptions(**{**TEST_OPTIONS, **options})))
+    return Engine(loaded, DecoderConfig("aded", aded=AdedOptions(**{**TEST_OPTIONS, **options}), verify=UNCAPPED))
 
 
 @pytest.mark.parametrize("scope", ["group", "problem", "run"])

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from helpers import prefill
+from helpers import UNCAPPED, prefill
 from test_cli import REPO, subprocess_env
 from test_decoders import BUDGETS, EOS_ID, PROMPTS, _stop_string_case, encode, reference_greedy
 from test_speculative import PARAMS, RULES, check_three_tokens, sample_three
@@ -299,7 +299,7 @@ class CheckedEddDrafter(EddDrafter):
 
 def edd_engine(loaded, draft, name="sd", k_config=(2, 2, 1), verify_batch=2, **options) -> Engine:
     spec = DraftTreeOptions(k_config=k_config, key=name, **options)
-    cfg = DecoderConfig(name, spec, SeedOptions(verify_batch), draft=ModelSpec("edd", key="draft"))
+    cfg = DecoderConfig(name, spec, SeedOptions(verify_batch), draft=ModelSpec("edd", key="draft"), verify=UNCAPPED)
     return Engine(loaded, cfg, draft)
 
 
@@ -353,7 +353,9 @@ def test_seed_stand_grafts_edd_and_ngram_trees(tiny_model, tokenizer, loaded, tr
     _, draft = trained
     specs, requests = ragged()
     refs = [reference_greedy(tiny_model, encode(tokenizer, p), m, {EOS_ID}) for p, m in specs]
-    cfg = DecoderConfig("seed_stand", DraftTreeOptions(key="seed"), SeedOptions(2), draft=ModelSpec("edd", key="draft"))
+    cfg = DecoderConfig(
+        "seed_stand", DraftTreeOptions(key="seed"), SeedOptions(2), draft=ModelSpec("edd", key="draft"), verify=UNCAPPED
+    )
     engine = Engine(loaded, cfg, draft)
     assert [r.token_ids for r in engine.generate(requests)] == refs
     assert isinstance(engine.decoder.drafter.drafters[0], EddDrafter)
@@ -369,7 +371,9 @@ def test_untrained_edd_is_still_lossless(tiny_model, tokenizer, loaded):
 
 
 def test_other_drafters_leave_hidden_capture_off(loaded, perturbed):
-    engine = Engine(loaded, DecoderConfig("sd", DraftTreeOptions(), draft=ModelSpec("x", key="draft")), perturbed)
+    engine = Engine(
+        loaded, DecoderConfig("sd", DraftTreeOptions(), draft=ModelSpec("x", key="draft"), verify=UNCAPPED), perturbed
+    )
     engine.generate([GenRequest("the cat", max_new_tokens=5)])
     assert engine.target.hidden_layer is None and engine.target.last_hidden is None
 
@@ -424,7 +428,7 @@ def test_vocab_head_rows_give_the_full_heads_logits(trained):
 
 def vocab_engine(loaded, draft, name, size, **options) -> Engine:
     spec = DraftTreeOptions(key=name, **options)
-    cfg = DecoderConfig(name, spec, SeedOptions(2), draft=ModelSpec("edd", key="draft", vocab=size))
+    cfg = DecoderConfig(name, spec, SeedOptions(2), draft=ModelSpec("edd", key="draft", vocab=size), verify=UNCAPPED)
     return Engine(loaded, cfg, draft)
 
 

@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+from helpers import UNCAPPED
 from test_decoders import BUDGETS, EOS_ID, PROMPTS, encode, reference_greedy
 
 from decoding.config import DecoderConfig
@@ -73,7 +74,9 @@ def test_decoders_on_a_prepacked_target_return_generates_greedy_output(packed_mo
     loaded = LoadedModel(packed_model, tokenizer, torch.device("cpu"), use_chat_template=False, source="packed")
     refs = [reference_greedy(packed_model, encode(tokenizer, p), m, {EOS_ID}) for p, m in zip(PROMPTS, BUDGETS)]
     requests = [GenRequest(p, max_new_tokens=m) for p, m in zip(PROMPTS, BUDGETS)]
-    sd = DecoderConfig("sd", DraftTreeOptions((2, 2, 1)), SeedOptions(2), draft=ModelSpec("self", key="draft"))
+    sd = DecoderConfig(
+        "sd", DraftTreeOptions((2, 2, 1)), SeedOptions(2), draft=ModelSpec("self", key="draft"), verify=UNCAPPED
+    )
     configs = ["ar", "stand", "seed_stand", sd]
     for config in configs:
         engine = Engine(loaded, config, loaded)  # sd drafts with the target itself

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter, dequantize, quantize
+from helpers import UNCAPPED
 
 from decoding.core.errors import BackendError
 from decoding.core.quant import GROUP, Int4Linear, check_types, decode_int4, kernel_fits
@@ -125,7 +126,7 @@ def test_every_decoder_on_int4_weights_returns_generates_greedy_output(int4_load
     config = decoder
     if decoder in ("sd", "seed"):  # draft with the target itself
         tree = DraftTreeOptions((2, 2, 1), key=decoder)
-        config = DecoderConfig(decoder, tree, SeedOptions(2), draft=ModelSpec("self", key="draft"))
+        config = DecoderConfig(decoder, tree, SeedOptions(2), draft=ModelSpec("self", key="draft"), verify=UNCAPPED)
     engine = Engine(int4_loaded, config, int4_loaded if decoder in ("sd", "seed") else None)
     results = engine.generate([GenRequest(p, max_new_tokens=m) for p, m in zip(PROMPTS, BUDGETS)])
     assert [r.token_ids for r in results] == refs

@@ -6,6 +6,7 @@ import random
 import time
 
 import pytest
+from helpers import UNCAPPED
 from test_decoders import BUDGETS, EOS_ID, PROMPTS, _stop_string_case, encode, reference_greedy
 from test_speculative import PARAMS, RULES, ScriptedDrafter, check_three_tokens, sample_three
 
@@ -23,6 +24,7 @@ def seed_engine(loaded, draft, k_config=(2, 2, 1), verify_batch=1, overlap=False
         DraftTreeOptions(k_config=k_config, key="seed", **options),
         SeedOptions(verify_batch, overlap),
         draft=ModelSpec(key="draft"),
+        verify=UNCAPPED,
     )
     return Engine(loaded, cfg, draft)
 
@@ -174,6 +176,7 @@ def union_engine(loaded, draft, tree: str, verify_batch: int = 4) -> Engine:
         SeedOptions(verify_batch),
         stand=StandOptions(tree=tree),
         draft=ModelSpec(key="draft"),
+        verify=UNCAPPED,
     )
     return Engine(loaded, cfg, draft)
 
@@ -221,5 +224,5 @@ def test_first_draft_verified_beside_rows_far_along(tiny_model, tokenizer, loade
     if decoder == "seed":
         engine = seed_engine(loaded, loaded, (2, 2, 1), 8, False)
     else:
-        engine = Engine(loaded, DecoderConfig(name="seed_stand", seed=SeedOptions(verify_batch=8)))
+        engine = Engine(loaded, DecoderConfig(name="seed_stand", seed=SeedOptions(verify_batch=8), verify=UNCAPPED))
     assert [r.token_ids for r in engine.generate(requests)] == refs

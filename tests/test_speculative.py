@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from helpers import prefill
+from helpers import UNCAPPED, prefill
 from test_decoders import (
     BUDGETS,
     EOS_ID,
@@ -22,7 +22,8 @@ from test_decoders import (
 )
 
 from decoding.config import DecoderConfig
-from decoding.core.draft_tree import DraftTree, k_config_parents
+from decoding.core.draft_tree import ROOT, DraftTree, k_config_parents
+from decoding.core.errors import ConfigError
 from decoding.core.models import LoadedModel, ModelSpec
 from decoding.core.runner import ModelRunner
 from decoding.core.sampling import SamplingParams
@@ -30,6 +31,7 @@ from decoding.core.values import GenRequest
 from decoding.core.verify import verify
 from decoding.drafters.draft_model import ModelDrafter
 from decoding.engine import Engine
+from decoding.schedules.base import VerifyOptions, cut_to_budget
 from decoding.schedules.batch import BatchDecoder
 from decoding.trees.policies import DraftTreeOptions
 
@@ -47,7 +49,7 @@ def unrelated(tokenizer) -> LoadedModel:
 
 def sd_engine(loaded: LoadedModel, draft: LoadedModel, k_config=(2, 2, 1), serial=True, **options) -> Engine:
     spec = DraftTreeOptions(k_config=k_config, **options)
-    engine = Engine(loaded, DecoderConfig("sd", spec, draft=ModelSpec("draft", key="draft")), draft)
+    engine = Engine(loaded, DecoderConfig("sd", spec, draft=ModelSpec("draft", key="draft"), verify=UNCAPPED), draft)
     if not serial:
         # The same loop and drafter with every sequence in one batch (the shape SEED and STAND use).
         drafter = ModelDrafter(ModelRunner(draft.model), spec, len(loaded.tokenizer))
@@ -421,3 +423,41 @@ def test_prefix_kept_across_calls(tiny_model, tokenizer):
     n = len(second) - 1
     for k_row, k_fresh in zip(cache.keys, fresh.keys):
         assert torch.allclose(k_row[1, :, :n], k_fresh[0, :, :n], atol=1e-5)
+
+
+# --- a forward's token budget ---------------------------------------------------------------------------
+
+
+def test_a_tree_prefix_is_the_tree_drawn_up_to_that_node():
+    tree = DraftTree(draw="without_replacement")
+    a = tree.add(5, ROOT, 0.5)
+    b = tree.add(6, ROOT, 0.3)
+    tree.add(7, a, 0.9)
+    tree.add(8, b, 0.2)
+    tree.dists = {ROOT: ([5, 6], [0.5, 0.3]), a: ([7], [0.9]), b: ([8], [0.2])}
+    tree.shape_nodes = [0, 1, 2, 3]
+    cut = tree.prefix(3)
+    assert (cut.tokens, cut.parents, cut.probs, cut.shape_nodes) == (
+        [5, 6, 7],
+        [ROOT, ROOT, a],
+        [0.5, 0.3, 0.9],
+        [0, 1, 2],
+    )
+    assert set(cut.dists) == {ROOT, a, b} and cut.draw == "without_replacement"
+    assert set(tree.prefix(1).dists) == {ROOT, a} and tree.prefix(4) is tree and len(tree.prefix(0)) == 0
+
+
+def test_trees_are_cut_to_the_forward_budget():
+    trees = [DraftTree() for _ in range(3)]
+    for t in trees:
+        for _ in range(9):
+            t.add(1, len(t) - 1)
+    assert [len(t) for t in cut_to_budget(trees, 16)] == [4, 4, 4]  # 16 // 3 tokens per row, the root one of them
+    assert [len(t) for t in cut_to_budget(trees * 8, 16)] == [0] * 24
+    assert cut_to_budget(trees, None) is trees
+    assert VerifyOptions().budget(torch.device("cpu")) == 16 and VerifyOptions().budget(torch.device("cuda")) is None
+    assert (
+        VerifyOptions(None).budget(torch.device("cpu")) is None and VerifyOptions(40).budget(torch.device("cpu")) == 40
+    )
+    with pytest.raises(ConfigError, match=r"verify.max_tokens=0 must be a positive number of tokens, auto or null"):
+        VerifyOptions(0)

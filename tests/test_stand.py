@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from helpers import UNCAPPED
 from test_decoders import BUDGETS, EOS_ID, PROMPTS, _stop_string_case, encode, reference_greedy
 from test_speculative import PARAMS, check_three_tokens, sample_three
 
@@ -20,6 +21,7 @@ from decoding.drafters.pld import lookup
 from decoding.drafters.pools import Pools
 from decoding.drafters.stand import GumbelNoise, StandOptions, gumbel_top_k
 from decoding.engine import Engine
+from decoding.schedules.base import VerifyOptions
 from decoding.schedules.seed import SeedOptions
 from decoding.trees.static import StaticTree, initial_tree, prune
 
@@ -156,8 +158,10 @@ def small_tree(tmp_path_factory) -> str:
     return str(path)
 
 
-def engine_for(loaded, name: str, tree: str, verify_batch: int = 8, **stand) -> Engine:
-    cfg = DecoderConfig(name, seed=SeedOptions(verify_batch), stand=StandOptions(tree=tree, **stand))
+def engine_for(
+    loaded, name: str, tree: str, verify_batch: int = 8, verify: VerifyOptions = UNCAPPED, **stand
+) -> Engine:
+    cfg = DecoderConfig(name, seed=SeedOptions(verify_batch), stand=StandOptions(tree=tree, **stand), verify=verify)
     return Engine(loaded, cfg)
 
 
@@ -219,6 +223,33 @@ def test_sampling_follows_the_target(tiny_model, tokenizer, loaded, small_tree, 
     stats = engine.total_stats
     # Drafts do get accepted, so the rule's both paths are exercised.
     assert stats.accepted_tokens > (0.05 * stats.verify_steps if name in ("stand", "seed_stand") else 0)
+    check_three_tokens(tiny_model, prompt, params, samples, len(tokenizer))
+
+
+# --- a forward's token budget (verify.max_tokens) ------------------------------------------------------
+
+
+@pytest.mark.parametrize("name, verify_batch", [("stand", 8), ("seed_stand", 3)])
+def test_greedy_identity_with_trees_cut_to_the_budget(tiny_model, tokenizer, loaded, small_tree, name, verify_batch):
+    """12 tokens per forward: 7 rows verify their roots only, rows drafting again as others finish."""
+    requests, refs = greedy_case(tiny_model, tokenizer)
+    engine = engine_for(loaded, name, small_tree, verify_batch, verify=VerifyOptions(12))
+    for _ in range(2):
+        assert [r.token_ids for r in engine.generate(requests)] == refs
+    assert engine.last_stats.drafted_tokens > 0
+
+
+@pytest.mark.parametrize("params_name", list(PARAMS))
+def test_sampling_follows_the_target_with_cut_trees(tiny_model, tokenizer, loaded, small_tree, params_name):
+    """8,000 seeded runs, two rows per forward with 5 tokens: each 7-node tree is cut to its first
+    node (two rows) or first four (one row), mid-way through a run of siblings."""
+    params = PARAMS[params_name]
+    prompt = encode(tokenizer, "once upon a time")
+    engine = engine_for(loaded, "seed_stand", small_tree, verify_batch=2, verify=VerifyOptions(5))
+    samples = sample_three(engine, prompt, params, 8000)
+    stats = engine.total_stats
+    assert stats.accepted_tokens > 0.05 * stats.verify_steps
+    assert stats.drafted_tokens <= 4 * stats.verify_steps
     check_three_tokens(tiny_model, prompt, params, samples, len(tokenizer))
 
 

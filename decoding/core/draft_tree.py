@@ -55,6 +55,27 @@ class DraftTree:
         self.probs.append(float(prob))
         return len(self.tokens) - 1
 
+    def prefix(self, n: int) -> DraftTree:
+        """The tree of its first n nodes. Nodes are parents-first and siblings in draw order, so
+        this is the tree the drafter would have drawn had it stopped after n nodes: each node keeps
+        its parent, each parent a first run of its children (verification stays lossless)."""
+        if n >= len(self):
+            return self
+
+        def kept(dists: dict[int, DraftDist]) -> dict[int, DraftDist]:
+            return {k: v for k, v in dists.items() if k < n}  # ROOT (-1) included
+
+        return DraftTree(
+            tokens=self.tokens[:n],
+            parents=self.parents[:n],
+            probs=self.probs[:n],
+            draw=self.draw,
+            dists=kept(self.dists),
+            sources=self.sources[:n],
+            parts={s: (draw, kept(dists)) for s, (draw, dists) in self.parts.items()},
+            shape_nodes=self.shape_nodes[:n],
+        )
+
     def children(self, node: int) -> list[int]:
         return [i for i, p in enumerate(self.parents) if p == node]
 

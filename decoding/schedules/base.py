@@ -4,9 +4,13 @@ verify-and-commit step (verification and acceptance are the core's, so every sch
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Protocol
 
+import torch
+
 from decoding.core.draft_tree import DraftTree
+from decoding.core.errors import ConfigError
 from decoding.core.kv_cache import RowKVCache
 from decoding.core.runner import ModelRunner
 from decoding.core.sequence import Sequence
@@ -23,6 +27,42 @@ class Decoder(Protocol):
     drafter: Drafter
 
     def run(self, seqs: list[Sequence]) -> DecodeStats: ...
+
+
+# verify.max_tokens=auto on a CPU: there a forward's cost grows with the tokens it scores (8 rows x
+# 4 tokens cost 2.3x 8 x 1 with the embedded model's int4 layers), and 16 scored the most tokens
+# per second in docs/performance.md's measurement; a GPU scores small trees at about one token's cost.
+CPU_MAX_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class VerifyOptions:
+    """The `verify:` section: how much one verification forward scores, for every speculative decoder."""
+
+    max_tokens: int | str | None = "auto"
+
+    def __post_init__(self) -> None:
+        ok = self.max_tokens in (None, "auto") or (
+            isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool) and self.max_tokens > 0
+        )
+        if not ok:
+            raise ConfigError(
+                f"verify.max_tokens={self.max_tokens!r} must be a positive number of tokens, auto or null (no cap)"
+            )
+
+    def budget(self, device: torch.device) -> int | None:
+        """Tree tokens (roots included) one forward may score, or None for no cap."""
+        if self.max_tokens == "auto":
+            return CPU_MAX_TOKENS if device.type == "cpu" else None
+        return self.max_tokens  # type: ignore[return-value]
+
+
+def cut_to_budget(trees: list[DraftTree], budget: int | None) -> list[DraftTree]:
+    """Each row's tree cut to its first budget / rows - 1 nodes (at least the root is scored)."""
+    if budget is None:
+        return trees
+    nodes = max(0, budget // len(trees) - 1)
+    return [t.prefix(nodes) for t in trees]
 
 
 def begin(
@@ -48,9 +88,12 @@ def verify_and_commit(
     cache_rows: list[int],
     trees: list[DraftTree],
     pending: list[list[int]],
+    budget: int | None = None,
 ) -> list[Verdict]:
-    """Verify the trees of sequences `rows` (held in cache rows `cache_rows`) in one forward and
-    commit what each accepted: tokens to the sequence, the accepted path to the cache."""
+    """Verify the trees of sequences `rows` (held in cache rows `cache_rows`) in one forward, cut to
+    `budget` tree tokens in all (cut_to_budget), and commit what each accepted: tokens to the
+    sequence, the accepted path to the cache."""
+    trees = cut_to_budget(trees, budget)
     packed, verdicts = verify(
         target,
         cache,

@@ -17,7 +17,7 @@ from decoding.core.sequence import Sequence
 from decoding.core.stopping import Detokenizer
 from decoding.core.values import DecodeStats
 from decoding.drafters.base import Drafter
-from decoding.schedules.base import add_sequence_totals, begin, verify_and_commit
+from decoding.schedules.base import VerifyOptions, add_sequence_totals, begin, verify_and_commit
 
 
 class BatchDecoder:
@@ -27,12 +27,21 @@ class BatchDecoder:
     serial=True: one sequence at a time, as SEED's SD / MCSD baselines run.
     """
 
-    def __init__(self, name: str, target: ModelRunner, tokenizer: Detokenizer, drafter: Drafter, serial: bool = False):
+    def __init__(
+        self,
+        name: str,
+        target: ModelRunner,
+        tokenizer: Detokenizer,
+        drafter: Drafter,
+        serial: bool = False,
+        verify: VerifyOptions | None = None,  # None: no cap on a forward's tokens
+    ):
         self.name = name
         self.target = target
         self.tokenizer = tokenizer
         self.drafter = drafter
         self.serial = serial
+        self.budget = None if verify is None else verify.budget(target.device)
 
     def run(self, seqs: list[Sequence]) -> DecodeStats:
         stats = DecodeStats()
@@ -54,7 +63,9 @@ class BatchDecoder:
             assert all(len(t) <= self.drafter.max_nodes for t in trees), "a tree exceeds the drafter's max_nodes"
             t1 = time.perf_counter()
             positions = live if in_place else list(range(len(live)))
-            verdicts = verify_and_commit(self.target, self.tokenizer, cache, seqs, live, positions, trees, pending)
+            verdicts = verify_and_commit(
+                self.target, self.tokenizer, cache, seqs, live, positions, trees, pending, self.budget
+            )
             t2 = time.perf_counter()
             going = [b for b, i in enumerate(live) if not seqs[i].done]
             self.drafter.update(live, verdicts)

@@ -24,7 +24,7 @@ from decoding.core.stopping import Detokenizer
 from decoding.core.values import DecodeStats
 from decoding.core.verify import Verdict
 from decoding.drafters.base import Drafter
-from decoding.schedules.base import add_sequence_totals, begin, verify_and_commit
+from decoding.schedules.base import VerifyOptions, add_sequence_totals, begin, verify_and_commit
 
 State = Literal["drafting", "queued", "verifying", "done"]
 
@@ -114,13 +114,20 @@ class Rounds:
 
 class SeedDecoder:
     def __init__(
-        self, target: ModelRunner, tokenizer: Detokenizer, drafter: Drafter, options: SeedOptions, name: str = "seed"
+        self,
+        target: ModelRunner,
+        tokenizer: Detokenizer,
+        drafter: Drafter,
+        options: SeedOptions,
+        name: str = "seed",
+        verify: VerifyOptions | None = None,  # None: no cap on a forward's tokens
     ) -> None:
         self.name = name
         self.target = target
         self.tokenizer = tokenizer
         self.drafter = drafter
         self.options = options
+        self.budget = None if verify is None else verify.budget(target.device)
         self.last_rounds: Rounds | None = None
 
     def run(self, seqs: list[Sequence]) -> DecodeStats:
@@ -191,7 +198,7 @@ class SeedDecoder:
         stats.verified_drafts += len(batch)
         # Rows never leave this cache (a call's sequences keep their rows), so sequence i is row i.
         trees = [q.tree for q in batch]
-        verdicts = verify_and_commit(self.target, self.tokenizer, cache, seqs, rows, rows, trees, pending)
+        verdicts = verify_and_commit(self.target, self.tokenizer, cache, seqs, rows, rows, trees, pending, self.budget)
         t1 = time.perf_counter()
         rounds.verified(rows, verdicts, [seqs[i].done for i in rows])
         stats.verify_s += t1 - t0
