@@ -16,13 +16,18 @@ float32 and it is rounded once. The kernel gives a row the same bits whatever th
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from decoding.core.errors import BackendError
+
+if TYPE_CHECKING:
+    from gguf import GGUFReader
 
 GROUP = 32  # the kernel's group size along the input dimension, GGUF's 4-bit block (or sub-block)
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
@@ -137,12 +142,38 @@ def _k_scale_min(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc.astype(np.float32), mn.astype(np.float32)
 
 
-def check_types(path: Path, key: str) -> dict[str, int]:
-    """Tensor types of a GGUF file and how many tensors have each; an error names an unsupported one."""
+def read_gguf(path: Path) -> GGUFReader:
+    """The file's reader (parsing its metadata takes seconds: read once per load, see _reader)."""
+    return _reader(str(path), path.stat().st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=1)
+def _reader(path: str, mtime_ns: int) -> GGUFReader:
     from gguf import GGUFReader
 
+    return GGUFReader(path)
+
+
+class _TopLevel:
+    """What transformers' get_gguf_hf_weights_map reads of a model, without the submodules it would
+    also walk (each walk builds gguf's name table again: 8 s for the embedded model's 397 modules);
+    the top level's names are the ones the state dict uses."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.config = model.config
+        self._state = model.state_dict()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self._state
+
+    def named_children(self) -> list:
+        return []
+
+
+def check_types(path: Path, key: str) -> dict[str, int]:
+    """Tensor types of a GGUF file and how many tensors have each; an error names an unsupported one."""
     counts: dict[str, int] = {}
-    for tensor in GGUFReader(str(path)).tensors:
+    for tensor in read_gguf(path).tensors:
         name = tensor.tensor_type.name
         if name not in INT4_TYPES + DEQUANTIZED_TYPES:
             raise BackendError(
@@ -158,7 +189,6 @@ def check_types(path: Path, key: str) -> dict[str, int]:
 def quantize_from_gguf(model: torch.nn.Module, path: Path) -> int:
     """Replace the model's linear layers whose GGUF tensors are 4-bit by `Int4Linear`s built from
     the file's own codes (the rest of the model runs in bfloat16); returns how many."""
-    from gguf import GGUFReader
     from transformers.modeling_gguf_pytorch_utils import (
         TENSOR_PROCESSORS,
         TensorProcessor,
@@ -167,10 +197,10 @@ def quantize_from_gguf(model: torch.nn.Module, path: Path) -> int:
 
     config = model.config
     processor = TENSOR_PROCESSORS.get(config.model_type, TensorProcessor)(config=config.to_dict())
-    names = get_gguf_hf_weights_map(model, processor)
+    names = get_gguf_hf_weights_map(_TopLevel(model), processor)
     modules = dict(model.named_modules())
     replaced = 0
-    for tensor in GGUFReader(str(path)).tensors:
+    for tensor in read_gguf(path).tensors:
         hf_name = names.get(tensor.name, "")
         module = modules.get(hf_name.removesuffix(".weight"))
         kind = tensor.tensor_type.name
