@@ -319,6 +319,9 @@ def test_ar_decode_stats(make_engine):
     # One batched forward per step of the longest sequence (the prefill yields the first token).
     assert stats.target_forwards == max(lengths) == engine.target.forwards
     assert stats.target_forwards < stats.generated_tokens
+    # Each forward scores every live row once: a row is in as many forwards as it has tokens.
+    assert stats.target_rows == sum(lengths) and stats.rows_per_forward == sum(lengths) / max(lengths)
+    assert stats.prompt_tokens == sum(len(engine.encode(r.prompt)) for r in requests)
     assert stats.drafted_tokens == stats.accepted_tokens == 0
     assert stats.wall_s > 0
     for r in results:
@@ -331,6 +334,20 @@ def test_ar_decode_stats(make_engine):
     assert engine.last_stats.generated_tokens == 0
 
 
+def test_shared_prompt_tokens_are_computed_once(make_engine):
+    engine = make_engine("ar")
+    prompt = "once upon a time there was a cat who sat"
+    n = len(engine.encode(prompt))
+    requests = [GenRequest(prompt, max_new_tokens=m, temperature=1.0, seed=m) for m in (3, 5, 7)]
+    lengths = [len(r.token_ids) for r in engine.generate(requests)]
+    stats = engine.last_stats
+    # All but the last prompt token once (one row, one forward), then each row's last token.
+    assert (stats.prompt_tokens, stats.prompt_tokens_computed) == (3 * n, n - 1 + 3)
+    assert stats.target_forwards == 1 + max(lengths) and stats.target_rows == 1 + sum(lengths)
+    engine.generate(requests)  # the prefix is stored: only the rows' last tokens are computed
+    assert (engine.last_stats.prompt_tokens, engine.last_stats.prompt_tokens_computed) == (3 * n, 3)
+
+
 def test_hf_decode_stats(make_engine):
     requests = [GenRequest(p, max_new_tokens=m) for p, m in zip(PROMPTS[:3], BUDGETS[:3])]
     engine = make_engine("hf")
@@ -340,3 +357,4 @@ def test_hf_decode_stats(make_engine):
     assert engine.last_stats.acceptance_length == 1.0
     # generate runs one forward per new token, one sequence at a time.
     assert engine.last_stats.target_forwards == total
+    assert engine.last_stats.rows_per_forward == 1.0

@@ -3,14 +3,16 @@
 Every decoder gets its own engine on the same loaded model(s); problems are interleaved (problem 1
 with every decoder, then problem 2, ...) so that machine drift hits all alike, after a warm-up call
 per engine. Reported per decoder: wall time (whole run and per phase), tokens, tokens/s, speedup
-over `hf` and `ar`, acceptance length, target forwards per token, target busy fraction and the peak
-KV-cache memory. At temperature 0 every decoder's trees must equal `hf`'s (the lossless invariant):
-a difference is printed and the command exits with status 1. Writes bench.json, bench.md and, when
-matplotlib is installed, bench.png into the run directory. `bench.scaling=true` instead measures
-acceptance length and speedup over `ar` for `bench.scaling_decoders` on a grid of trajectories per
-step (`bench.trajectories`) and temperatures (`bench.temperatures`): scaling.json and scaling.md.
-`bench.variants` adds runs of one decoder with other options (tree policies, rules) under their own
-names, e.g. bench.variants='{sd_pct: {decoder: sd, sd.tree_policy: pct}}'.
+over `hf` and `ar`, acceptance length, target forwards per token, rows per forward (how full the
+target's batches were), prompt tokens computed against requested (what prefix sharing saved), target
+busy fraction and the peak KV-cache memory. At temperature 0 every decoder's trees must equal `hf`'s
+(the lossless invariant): a difference is printed and the command exits with status 1. Writes
+bench.json, bench.md and, when matplotlib is installed, bench.png into the run directory.
+`bench.scaling=true` instead measures acceptance length and speedup over `ar` for
+`bench.scaling_decoders` on a grid of trajectories per step (`bench.trajectories`) and temperatures
+(`bench.temperatures`): scaling.json and scaling.md. `bench.variants` adds runs of one decoder with
+other options (tree policies, rules) under their own names, e.g. bench.variants='{sd_pct: {decoder:
+sd, sd.tree_policy: pct}}'.
 """
 
 from __future__ import annotations
@@ -213,6 +215,9 @@ def _row(name: str, t: Tally, engine: Engine) -> dict:
         },
         "acceptance_length": t.decode.acceptance_length,
         "forwards_per_token": t.decode.forwards_per_token,
+        "rows_per_forward": t.decode.rows_per_forward,
+        "prompt_tokens": t.decode.prompt_tokens,
+        "prompt_tokens_computed": t.decode.prompt_tokens_computed,
         "target_busy_fraction": t.decode.target_busy_fraction,
         "peak_kv_mb": engine.peak_cache_bytes() / 2**20,
         "peak_device_mb": t.peak_device_bytes / 2**20,
@@ -266,9 +271,10 @@ def scaling_table(rows: list[dict]) -> str:
 def table(result: dict) -> str:
     head = (
         "| decoder | solved | tokens | wall (s) | tokens/s | vs hf | vs ar | acceptance length "
-        "| target forwards / token | target busy | thought gen. tok/s | evaluation tok/s | peak KV (MB) |"
+        "| target forwards / token | rows / forward | prompt tokens computed / requested | target busy "
+        "| thought gen. tok/s | evaluation tok/s | peak KV (MB) |"
     )
-    lines = [head, "|" + "---|" * 13]
+    lines = [head, "|" + "---|" * 15]
     n = len(result["problems"])
     for r in result["decoders"].values():
         ph = r["phases"]
@@ -276,6 +282,7 @@ def table(result: dict) -> str:
             f"| `{r['decoder']}` | {r['problems_correct']}/{n} | {r['tokens']} | {r['wall_s']:.1f} "
             f"| {r['tokens_per_s']:.1f} "
             f"| {_ratio(r, 'hf')} | {_ratio(r, 'ar')} | {r['acceptance_length']:.2f} | {r['forwards_per_token']:.3f} "
+            f"| {r['rows_per_forward']:.2f} | {r['prompt_tokens_computed']} / {r['prompt_tokens']} "
             f"| {r['target_busy_fraction']:.2f} | {ph['generate']['tokens_per_s']:.1f} "
             f"| {ph['evaluate']['tokens_per_s']:.1f} | {r['peak_kv_mb']:.0f} |"
         )

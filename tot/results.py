@@ -83,6 +83,10 @@ def summarize(records: list[dict], header: dict) -> dict:
         "generated_tokens": total.generated_tokens,
         "target_forwards": total.target_forwards,
         "forwards_per_token": total.forwards_per_token,
+        # How full the target's forwards were, and how much prompt work prefix sharing saved.
+        "rows_per_forward": total.rows_per_forward,
+        "prompt_tokens": total.prompt_tokens,
+        "prompt_tokens_computed": total.prompt_tokens_computed,
         "acceptance_length": total.acceptance_length,
         "drafted_tokens": total.drafted_tokens,
         "accepted_tokens": total.accepted_tokens,

@@ -79,6 +79,8 @@ class ModelRunner:
         self.additive_mask = impl == "eager"  # eager attention adds its mask (a boolean one is misread)
         self.layers = llama.Layers.of(model)  # the same forward without transformers' plumbing, or None
         self.forwards = 0
+        self.rows = 0  # sequences scored, summed over forwards
+        self.prompt_tokens_computed = 0  # prompt tokens `start` computed or left pending
         self.peak_cache_bytes = 0
         self.prefixes = PrefixStore()
         # Hidden-state capture for drafters that read them (EDD): off unless capture_hidden is called.
@@ -148,6 +150,7 @@ class ModelRunner:
         else:
             logits = self._transformers_forward(cache, tokens, mask, positions, kv_rows, keep)
         self.forwards += 1
+        self.rows += tokens.shape[0]
         return logits
 
     def _transformers_forward(
@@ -201,6 +204,7 @@ class ModelRunner:
         if capture:
             self.start_hidden = torch.zeros(0, self.config.hidden_size, dtype=self.dtype, device=self.device)
         if not shared:
+            self.prompt_tokens_computed += sum(len(p) for p in prompts)
             return self.new_cache(len(prompts), capacity), [list(p) for p in prompts]
         cache = self.new_cache(1, capacity)
         hidden = [self.prefixes.restore(reuse, cache)] if reuse else []
@@ -217,6 +221,7 @@ class ModelRunner:
         if capture:
             self.start_hidden = torch.cat(hidden) if hidden else self.start_hidden
         cache.select_rows(torch.zeros(len(prompts), dtype=torch.long))
+        self.prompt_tokens_computed += len(rest) + sum(len(p) - shared for p in prompts)
         return cache, [list(p[shared:]) for p in prompts]
 
 

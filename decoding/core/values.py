@@ -58,6 +58,9 @@ class DecodeStats:
 
     generated_tokens: int = 0
     target_forwards: int = 0
+    target_rows: int = 0  # sequences scored, summed over target forwards
+    prompt_tokens: int = 0  # prompt tokens of the call's sequences
+    prompt_tokens_computed: int = 0  # of them, those the target computed (shared prefixes once, reuse skipped)
     verify_steps: int = 0
     drafted_tokens: int = 0
     accepted_tokens: int = 0
@@ -99,6 +102,11 @@ class DecodeStats:
     def acceptance_length(self) -> float:
         """Tokens committed per sequence per verification step, bonus token included."""
         return self.generated_tokens / self.verify_steps if self.verify_steps else 0.0
+
+    @property
+    def rows_per_forward(self) -> float:
+        """Sequences a target forward scored on average: how full the batches were."""
+        return self.target_rows / self.target_forwards if self.target_forwards else 0.0
 
     @property
     def forwards_per_token(self) -> float:

@@ -71,7 +71,10 @@ def begin(
     """Caches for a set of sequences (the target's, the drafter's) and each one's pending tokens."""
     t0 = time.perf_counter()
     capacity = max(len(s.prompt) + s.rule.max_new_tokens for s in seqs) + drafter.max_nodes + 1
+    computed = target.prompt_tokens_computed
     cache, pending = target.start([s.prompt for s in seqs], capacity)
+    stats.prompt_tokens += sum(len(s.prompt) for s in seqs)
+    stats.prompt_tokens_computed += target.prompt_tokens_computed - computed
     stats.verify_s += time.perf_counter() - t0
     t0 = time.perf_counter()
     drafter.start(seqs, capacity)

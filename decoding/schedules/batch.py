@@ -50,7 +50,7 @@ class BatchDecoder:
         return add_sequence_totals(stats, seqs)
 
     def _decode(self, seqs: list[Sequence], stats: DecodeStats) -> None:
-        forwards = self.target.forwards
+        forwards, rows = self.target.forwards, self.target.rows
         cache, pending = begin(self.target, self.drafter, seqs, stats)
         live = list(range(len(seqs)))
         # A finished row must cost nothing in later forwards: an attention that reads the verified
@@ -79,3 +79,4 @@ class BatchDecoder:
             stats.verify_s += t2 - t1
             stats.other_s += t3 - t2
         stats.target_forwards += self.target.forwards - forwards
+        stats.target_rows += self.target.rows - rows

@@ -78,6 +78,9 @@ class HFDecoder:
             s.stats.verify_steps = s.stats.target_forwards = s.stats.generated_tokens
             stats.verify_steps += s.stats.generated_tokens
             stats.target_forwards += s.stats.generated_tokens
+            stats.target_rows += s.stats.generated_tokens  # one sequence per forward
+            stats.prompt_tokens += len(s.prompt)
+            stats.prompt_tokens_computed += len(s.prompt)  # no prefix reuse
             stats.generated_tokens += s.stats.generated_tokens
             stats.verify_s += time.perf_counter() - t0
         return stats

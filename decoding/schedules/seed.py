@@ -132,7 +132,7 @@ class SeedDecoder:
 
     def run(self, seqs: list[Sequence]) -> DecodeStats:
         stats = DecodeStats()
-        forwards = self.target.forwards
+        forwards, rows = self.target.forwards, self.target.rows
         cache, pending = begin(self.target, self.drafter, seqs, stats)
         rounds = Rounds.start(len(seqs))
         self.last_rounds = rounds
@@ -156,6 +156,7 @@ class SeedDecoder:
         self._draft_once(rounds, draft_stats, wait=False)  # the last verdicts, for drafters that learn
         stats += draft_stats
         stats.target_forwards += self.target.forwards - forwards
+        stats.target_rows += self.target.rows - rows
         return add_sequence_totals(stats, seqs)
 
     def _draft_loop(self, rounds: Rounds, stats: DecodeStats, failure: list[BaseException]) -> None:
