@@ -85,5 +85,5 @@ def test_keys_stored_by_position_keep_their_layout_and_values():
     store = PrefixStore()
     store.store((1, 2, 3, 4, 5), cache)
     fresh = RowKVCache(2, 1, 2, 16, 40, torch.bfloat16, "cpu", keys_by_position=True)
-    store.restore((1, 2, 3, 4, 5), fresh)
+    store.restore((1, 2, 3, 4, 5), fresh, 0, 0, 5)
     assert all(torch.equal(f[0, :, :5], k[0, :, :5]) for f, k in zip(fresh.keys, cache.keys))

@@ -25,7 +25,7 @@ from decoding.config import DecoderConfig
 from decoding.core.draft_tree import ROOT, DraftTree, k_config_parents
 from decoding.core.errors import ConfigError
 from decoding.core.models import LoadedModel, ModelSpec
-from decoding.core.runner import ModelRunner
+from decoding.core.runner import ModelRunner, PrefixStore
 from decoding.core.sampling import SamplingParams
 from decoding.core.values import GenRequest
 from decoding.core.verify import verify
@@ -423,6 +423,50 @@ def test_prefix_kept_across_calls(tiny_model, tokenizer):
     n = len(second) - 1
     for k_row, k_fresh in zip(cache.keys, fresh.keys):
         assert torch.allclose(k_row[1, :, :n], k_fresh[0, :, :n], atol=1e-5)
+
+
+def test_each_row_reuses_the_longest_stored_prefix_of_its_own_prompt(tiny_model, tokenizer):
+    """Rows whose prompts diverge after the common part each take their own longest stored prefix
+    (also a prefix of a longer stored sequence, cut where it diverges); the cache holds bitwise what
+    a fresh computation gives, and only the rest is computed."""
+    target = ModelRunner(tiny_model)
+    base = encode(tokenizer, LONG)
+    a = base + encode(tokenizer, " and a dog who liked to run")
+    b = base + encode(tokenizer, " on a warm mat by the door")
+    target.start([a, [*a, 7]], capacity=64)  # stores a[:-1]
+    cache, _ = target.start([b, [*b, 9]], capacity=64)  # stores the common part of b's prompts
+    target.remember(cache, [b, [*b, 9]])  # the call's rows as committed (b[:-1] each)
+    a2 = [*a[:-3], 11, 12]  # diverges from the stored `a` three tokens before its end
+    prompts = [[*base, 13], a2, [*b, 17, 18]]
+    computed = target.prompt_tokens_computed
+    cache, pending = target.start(prompts, capacity=64)
+    reused = [len(base), len(a) - 3, len(b) - 1]
+    assert pending == [p[n:] for p, n in zip(prompts, reused)]
+    assert cache.lens.tolist() == reused
+    assert target.prompt_tokens_computed - computed == sum(len(p) for p in pending)
+    for row, (p, n) in enumerate(zip(prompts, reused)):
+        fresh, _ = prefill(ModelRunner(tiny_model), [p[:n]], capacity=64)
+        for k_row, k_fresh in zip(cache.keys + cache.values, fresh.keys + fresh.values):
+            assert torch.equal(k_row[row, :, :n], k_fresh[0, :, :n])
+
+
+def test_prefix_store_drops_covered_sequences_and_stays_under_its_cap(tiny_model):
+    target = ModelRunner(tiny_model)
+    cache = target.new_cache(3, 60)
+    cache.lens[:] = 55
+    per_token = sum(k[0, :, :1].nbytes + v[0, :, :1].nbytes for k, v in zip(cache.keys, cache.values))
+    store = PrefixStore(max_bytes=50 * per_token)
+    store.store(tuple(range(10)), cache, 0)
+    store.store(tuple(range(20)), cache, 1)  # extends the first: it replaces it
+    assert list(store.entries) == [tuple(range(20))] and store.nbytes == 20 * per_token
+    assert store.match([0, 1, 2, 99]) == (tuple(range(20)), 3) and store.match([5, 6]) == ((), 0)
+    store.store(tuple(range(100, 125)), cache, 2)
+    store.match(list(range(20)))  # a match does not refresh; a restore does
+    store.restore(tuple(range(20)), cache, 0, 0, 4)
+    store.store(tuple(range(200, 215)), cache, 2)  # 60 tokens > 50: the least recently used goes
+    assert list(store.entries) == [tuple(range(20)), tuple(range(200, 215))] and store.nbytes == 35 * per_token
+    store.store(tuple(range(300, 351)), cache, 2)  # larger than the whole cap: not stored
+    assert tuple(range(300, 351)) not in store.entries and store.nbytes <= store.max_bytes
 
 
 # --- a forward's token budget ---------------------------------------------------------------------------

@@ -20,45 +20,81 @@ def _common_prefix_len(prompts: list[list[int]]) -> int:
     return n
 
 
-class PrefixStore:
-    """Keys/values of recently computed prompt prefixes (one row each), least recently used evicted.
+def _shared_len(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    """Length of the common prefix (binary search on slice equality: compared in C, not per token)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
-    A 300-token prefix of the embedded model takes about 14 MB.
+
+class PrefixStore:
+    """Keys/values of token sequences computed before (one row each), for any prefix of them.
+
+    The KV of a sequence's first n tokens is its cache up to n (attention is causal, and the
+    invariant forward gives a token the same bits whatever else was computed with it), so a new
+    prompt reuses the longest prefix it shares with any stored sequence. Least recently used
+    sequences are evicted past `max_bytes` in all; a stored sequence that is a prefix of a new one
+    is dropped. A 300-token sequence of the embedded model takes about 7 MB.
     """
 
-    def __init__(self, max_entries: int = 8) -> None:
-        self.max_entries = max_entries
-        # prefix -> (keys, values, hidden states of the captured layer or None)
+    def __init__(self, max_bytes: int = 1 << 30) -> None:
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        # tokens -> (keys, values, hidden states of the captured layer or None)
         self.entries: OrderedDict[tuple[int, ...], tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor | None]]
         self.entries = OrderedDict()
 
-    def longest(self, tokens: tuple[int, ...]) -> tuple[int, ...]:
-        """The longest stored prefix of `tokens` (empty if none)."""
-        best: tuple[int, ...] = ()
+    def match(self, tokens: tuple[int, ...] | list[int]) -> tuple[tuple[int, ...], int]:
+        """The stored sequence sharing the longest prefix with `tokens`, and that prefix's length."""
+        tokens = tuple(tokens)
+        best: tuple[tuple[int, ...], int] = ((), 0)
         for key in self.entries:
-            if len(best) < len(key) <= len(tokens) and tokens[: len(key)] == key:
-                best = key
+            n = _shared_len(key, tokens) if key and tokens and key[0] == tokens[0] else 0
+            if n > best[1]:
+                best = (key, n)
         return best
 
-    def restore(self, key: tuple[int, ...], cache: RowKVCache) -> torch.Tensor | None:
-        """Put the prefix into row 0 of the cache; returns its hidden states if they were stored."""
+    def restore(self, key: tuple[int, ...], cache: RowKVCache, row: int, start: int, end: int) -> torch.Tensor | None:
+        """Copy positions [start, end) of a stored sequence into a cache row, which then holds `end`
+        committed tokens; returns the stored hidden states of those positions (or None)."""
         keys, values, hidden = self.entries[key]
         self.entries.move_to_end(key)
-        n = len(key)
         for dst, src in zip(cache.keys, keys):
-            dst[0, :, :n] = src
+            dst[row, :, start:end] = src[:, start:end]
         for dst, src in zip(cache.values, values):
-            dst[0, :, :n] = src
-        cache.lens[0] = n
-        return hidden
+            dst[row, :, start:end] = src[:, start:end]
+        cache.lens[row] = end
+        return None if hidden is None else hidden[start:end]
 
-    def store(self, key: tuple[int, ...], cache: RowKVCache, hidden: torch.Tensor | None = None) -> None:
+    def store(self, key: tuple[int, ...], cache: RowKVCache, row: int = 0, hidden: torch.Tensor | None = None) -> None:
+        """Keep the first len(key) committed positions of a cache row as the KV of `key`."""
         n = len(key)
-        keys = [k[0, :, :n].clone() for k in cache.keys]
-        self.entries[key] = (keys, [v[0, :, :n].clone() for v in cache.values], hidden)
-        self.entries.move_to_end(key)
-        while len(self.entries) > self.max_entries:
-            self.entries.popitem(last=False)
+        assert n <= int(cache.lens[row]), "only committed positions can be stored"
+        if key in self.entries:
+            self.entries.move_to_end(key)
+            return
+        if not n:
+            return
+        keys = [k[row, :, :n].clone() for k in cache.keys]
+        values = [v[row, :, :n].clone() for v in cache.values]
+        size = sum(t.nbytes for t in keys + values)
+        if size > self.max_bytes:
+            return
+        for old in [k for k in self.entries if len(k) <= n and key[: len(k)] == k]:
+            self._drop(old)  # its KV is a prefix of this one's
+        self.entries[key] = (keys, values, hidden)
+        self.nbytes += size
+        while self.nbytes > self.max_bytes:
+            self._drop(next(iter(self.entries)))
+
+    def _drop(self, key: tuple[int, ...]) -> None:
+        keys, values, _ = self.entries.pop(key)
+        self.nbytes -= sum(t.nbytes for t in keys + values)
 
 
 class ModelRunner:
@@ -94,7 +130,7 @@ class ModelRunner:
         change; stored prefixes (which lack hidden states) are dropped."""
         n = len(decoder_layers(self.model))
         self.hidden_layer = layer % n
-        self.prefixes = PrefixStore(self.prefixes.max_entries)
+        self.prefixes = PrefixStore(self.prefixes.max_bytes)
 
     def _keep_hidden(self, module: torch.nn.Module, args: object, output: object) -> None:
         self.last_hidden = output[0] if isinstance(output, tuple) else output  # type: ignore[assignment]
@@ -186,13 +222,14 @@ class ModelRunner:
 
         ToT prompts share long prefixes: the n trajectories of a thought step have one prompt, the
         evaluator prompts of a step share the question and the path so far, and the next step's
-        prompts extend this step's. The prefix common to all prompts (all but one token of it at
-        least) is computed once and fanned out to every row, reusing the longest prefix an earlier
-        call computed; what differs stays pending, fed with each row's first draft.
+        prompts extend this step's prompts and thoughts. The prefix common to all prompts (all but
+        one token of it at least) is computed once and fanned out to every row, after the longest
+        part of it an earlier call stored; then each row takes the longest stored prefix of its own
+        prompt beyond that. What is left stays pending, fed with each row's first draft.
         """
         shared = min(_common_prefix_len(prompts), min(len(p) for p in prompts) - 1)
         head = tuple(prompts[0][:shared])
-        reuse = self.prefixes.longest(head)
+        reuse_key, reuse = self.prefixes.match(head)
         if shared < MIN_SHARED_PREFIX and not reuse:
             shared = 0
         # A scheduler may verify a row's first draft (its whole pending part, left-padded) in one
@@ -204,25 +241,43 @@ class ModelRunner:
         if capture:
             self.start_hidden = torch.zeros(0, self.config.hidden_size, dtype=self.dtype, device=self.device)
         if not shared:
-            self.prompt_tokens_computed += sum(len(p) for p in prompts)
-            return self.new_cache(len(prompts), capacity), [list(p) for p in prompts]
-        cache = self.new_cache(1, capacity)
-        hidden = [self.prefixes.restore(reuse, cache)] if reuse else []
-        rest = list(head[len(reuse) :])
-        if rest:
-            causal = torch.ones(len(rest), len(rest), dtype=torch.bool).tril()[None]
-            self.forward(
-                cache, torch.tensor([rest]), causal, torch.arange(len(rest))[None], logits_at=torch.tensor([0])
-            )
-            cache.advance(torch.tensor([len(rest)]))
+            cache = self.new_cache(len(prompts), capacity)
+        else:
+            cache = self.new_cache(1, capacity)
+            hidden = [self.prefixes.restore(reuse_key, cache, 0, 0, reuse)] if reuse else []
+            rest = list(head[reuse:])
+            if rest:
+                causal = torch.ones(len(rest), len(rest), dtype=torch.bool).tril()[None]
+                self.forward(
+                    cache, torch.tensor([rest]), causal, torch.arange(len(rest))[None], logits_at=torch.tensor([0])
+                )
+                cache.advance(torch.tensor([len(rest)]))
+                if capture:
+                    hidden.append(self.last_hidden[0])  # type: ignore[index]
+                self.prefixes.store(head, cache, 0, torch.cat(hidden) if capture else None)
+                self.prompt_tokens_computed += len(rest)
             if capture:
-                hidden.append(self.last_hidden[0])  # type: ignore[index]
-            self.prefixes.store(head, cache, torch.cat(hidden) if capture else None)
-        if capture:
-            self.start_hidden = torch.cat(hidden) if hidden else self.start_hidden
-        cache.select_rows(torch.zeros(len(prompts), dtype=torch.long))
-        self.prompt_tokens_computed += len(rest) + sum(len(p) - shared for p in prompts)
-        return cache, [list(p[shared:]) for p in prompts]
+                self.start_hidden = torch.cat(hidden) if hidden else self.start_hidden
+            cache.select_rows(torch.zeros(len(prompts), dtype=torch.long))
+        done = [shared] * len(prompts)
+        if not capture:  # (a drafter reading hidden states needs them for every prompt position)
+            for b, p in enumerate(prompts):
+                key, n = self.prefixes.match(p[:-1])
+                if n > shared:
+                    self.prefixes.restore(key, cache, b, shared, n)
+                    done[b] = n
+        pending = [list(p[n:]) for p, n in zip(prompts, done)]
+        self.prompt_tokens_computed += sum(len(p) for p in pending)
+        return cache, pending
+
+    def remember(self, cache: RowKVCache, sequences: list[list[int]]) -> None:
+        """Store what a call's rows committed (prompt and generated tokens, row b = sequences[b])
+        for later prompts that extend them: the next step's prompts continue this step's thoughts."""
+        if self.hidden_layer is not None:
+            return
+        for b, tokens in enumerate(sequences):
+            n = int(cache.lens[b])
+            self.prefixes.store(tuple(tokens[:n]), cache, b)
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:

@@ -78,5 +78,7 @@ class BatchDecoder:
             stats.draft_s += t1 - t0
             stats.verify_s += t2 - t1
             stats.other_s += t3 - t2
+        if in_place:  # every row still holds what it committed: later prompts may extend it
+            self.target.remember(cache, [s.prompt + s.generated for s in seqs])
         stats.target_forwards += self.target.forwards - forwards
         stats.target_rows += self.target.rows - rows

@@ -155,6 +155,7 @@ class SeedDecoder:
                 raise failure[0]
         self._draft_once(rounds, draft_stats, wait=False)  # the last verdicts, for drafters that learn
         stats += draft_stats
+        self.target.remember(cache, [s.prompt + s.generated for s in seqs])  # rows never left the cache
         stats.target_forwards += self.target.forwards - forwards
         stats.target_rows += self.target.rows - rows
         return add_sequence_totals(stats, seqs)
