@@ -197,7 +197,8 @@ def summary_line(s: dict) -> str:
     return (
         f"decoder={s['decoder']}: {s['completions']} completions ({s['skipped_done']} prompts already done), "
         f"{s['generated_tokens']} tokens in {s['wall_s']:.1f}s = {s['tokens_per_s']:.1f} tok/s, "
-        f"acceptance length {s['acceptance_length']:.2f}, {s['forwards_per_token']:.3f} target forwards/token"
+        f"acceptance length {s['acceptance_length']:.2f}, {s['forwards_per_token']:.3f} target forwards/token, "
+        f"{s['rows_per_forward']:.2f} rows/forward"
     )
 
 

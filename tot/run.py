@@ -112,7 +112,8 @@ def summary_line(s: dict) -> str:
         f"{s['task']} {s['search']} decoder={s['decoder']}: accuracy {s['accuracy']:.3f}{metrics} "
         f"({s['n_correct']}/{s['n_problems']}), {s['generated_tokens']} tokens in {s['wall_s']:.1f}s "
         f"= {s['tokens_per_s']:.1f} tok/s, tau {s['acceptance_length']:.2f}, "
-        f"{s['forwards_per_token']:.3f} target forwards/token"
+        f"{s['forwards_per_token']:.3f} target forwards/token, {s['rows_per_forward']:.2f} rows/forward, "
+        f"{s['prompt_tokens_computed']}/{s['prompt_tokens']} prompt tokens computed"
     )
 
 

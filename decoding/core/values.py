@@ -122,6 +122,7 @@ class DecodeStats:
         d["wall_s"] = self.wall_s
         d["acceptance_length"] = self.acceptance_length
         d["forwards_per_token"] = self.forwards_per_token
+        d["rows_per_forward"] = self.rows_per_forward
         d["target_busy_fraction"] = self.target_busy_fraction
         d["mean_queue_wait_s"] = self.mean_queue_wait_s
         d["drafts_per_round"] = self.drafts_per_round
