@@ -16,7 +16,6 @@ LINEAR_OPS = {
     "aten::addmm",
     "aten::bmm",
     "aten::mkldnn_linear",
-    "aten::_weight_int8pack_mm",
 }
 # The attention kernels: the invariant one (decoding/core/csrc) or torch's fused one, with callees.
 ATTENTION_OPS = {"tot::attend", "aten::scaled_dot_product_attention"}

@@ -30,8 +30,9 @@ class Decoder(Protocol):
 
 
 # verify.max_tokens=auto on a CPU: there a forward's cost grows with the tokens it scores (8 rows x
-# 4 tokens cost 2.3x 8 x 1 with the embedded model's int4 layers), and 16 scored the most tokens
-# per second in docs/performance.md's measurement; a GPU scores small trees at about one token's cost.
+# 4 tokens cost 2.3x 8 x 1 with the embedded model's int4 layers) and, by that cost table, trees stop
+# paying at about 16 tokens per forward (measured end to end: within noise of no cap, see
+# docs/performance.md); a GPU scores small trees at about one token's cost.
 CPU_MAX_TOKENS = 16
 
 
