@@ -16,7 +16,8 @@ from decoding.core.draft_tree import ROOT, DraftTree
 from decoding.core.kv_cache import RowKVCache
 from decoding.core.llama import Layers
 from decoding.core.models import prepare_for_inference
-from decoding.core.runner import ModelRunner, PrefixStore
+from decoding.core.prefix_cache import PrefixCache
+from decoding.core.runner import ModelRunner
 from decoding.core.verify import pack
 
 PROMPTS = [[5 + (7 * i + j) % 90 for i in range(n)] for j, n in enumerate((9, 23, 70))]
@@ -82,8 +83,8 @@ def test_keys_stored_by_position_keep_their_layout_and_values():
     cache.prepare(3)
     cache.keep(1, [0, 2])
     assert all(torch.equal(k[1, :, 6], s[:, 0]) and torch.equal(k[1, :, 7], s[:, 2]) for k, s in zip(cache.keys, src))
-    store = PrefixStore()
+    store = PrefixCache()
     store.store((1, 2, 3, 4, 5), cache)
     fresh = RowKVCache(2, 1, 2, 16, 40, torch.bfloat16, "cpu", keys_by_position=True)
-    store.restore((1, 2, 3, 4, 5), fresh, 0, 0, 5)
+    store.restore(store.match((1, 2, 3, 4, 5)), fresh, 0, 0, 5)
     assert all(torch.equal(f[0, :, :5], k[0, :, :5]) for f, k in zip(fresh.keys, cache.keys))

@@ -25,7 +25,8 @@ from decoding.config import DecoderConfig
 from decoding.core.draft_tree import ROOT, DraftTree, k_config_parents
 from decoding.core.errors import ConfigError
 from decoding.core.models import LoadedModel, ModelSpec
-from decoding.core.runner import ModelRunner, PrefixStore
+from decoding.core.prefix_cache import PrefixCache
+from decoding.core.runner import ModelRunner
 from decoding.core.sampling import SamplingParams
 from decoding.core.values import GenRequest
 from decoding.core.verify import verify
@@ -450,23 +451,35 @@ def test_each_row_reuses_the_longest_stored_prefix_of_its_own_prompt(tiny_model,
             assert torch.equal(k_row[row, :, :n], k_fresh[0, :, :n])
 
 
-def test_prefix_store_drops_covered_sequences_and_stays_under_its_cap(tiny_model):
+def test_prefix_cache_is_a_radix_tree_under_its_cap(tiny_model):
+    """Shared prefixes are stored once (edges split where sequences diverge), a match may end inside
+    an edge, the restored KV is the row's own, and least recently used leaves go past the cap."""
     target = ModelRunner(tiny_model)
     cache = target.new_cache(3, 60)
     cache.lens[:] = 55
+    for k in cache.keys + cache.values:
+        k.copy_(torch.randn(k.shape))
     per_token = sum(k[0, :, :1].nbytes + v[0, :, :1].nbytes for k, v in zip(cache.keys, cache.values))
-    store = PrefixStore(max_bytes=50 * per_token)
-    store.store(tuple(range(10)), cache, 0)
-    store.store(tuple(range(20)), cache, 1)  # extends the first: it replaces it
-    assert list(store.entries) == [tuple(range(20))] and store.nbytes == 20 * per_token
-    assert store.match([0, 1, 2, 99]) == (tuple(range(20)), 3) and store.match([5, 6]) == ((), 0)
-    store.store(tuple(range(100, 125)), cache, 2)
-    store.match(list(range(20)))  # a match does not refresh; a restore does
-    store.restore(tuple(range(20)), cache, 0, 0, 4)
-    store.store(tuple(range(200, 215)), cache, 2)  # 60 tokens > 50: the least recently used goes
-    assert list(store.entries) == [tuple(range(20)), tuple(range(200, 215))] and store.nbytes == 35 * per_token
-    store.store(tuple(range(300, 351)), cache, 2)  # larger than the whole cap: not stored
-    assert tuple(range(300, 351)) not in store.entries and store.nbytes <= store.max_bytes
+    store = PrefixCache(max_bytes=50 * per_token)
+    a, b = tuple(range(20)), (*range(12), 99, 98)
+    store.store(a[:10], cache, 0)
+    store.store(a, cache, 0)  # extends the stored sequence: only the last 10 tokens are added
+    assert store.sequences() == [a] and store.nbytes == 20 * per_token
+    store.store(b, cache, 1)  # shares 12 tokens: the edge splits, 2 tokens are added
+    assert sorted(store.sequences()) == sorted([a, b]) and store.nbytes == 22 * per_token
+    match = store.match([*range(15), 7])
+    assert match.length == 15
+    fresh = target.new_cache(1, 60)
+    store.restore(match, fresh, 0, 3, 15)
+    for got, want in zip(fresh.keys + fresh.values, cache.keys + cache.values):
+        assert torch.equal(got[0, :, 3:15], want[0, :, 3:15])
+    assert int(fresh.lens[0]) == 15 and store.match([5, 6]).length == 0
+    c = tuple(range(100, 130))
+    store.match(a)  # a is now more recently used than b
+    store.store(c, cache, 2)  # 52 tokens > 50: the least recently used leaf (b's 2 tokens) goes
+    assert sorted(store.sequences()) == sorted([a, c]) and store.nbytes == 50 * per_token
+    store.store(tuple(range(200, 251)), cache, 2)  # larger than the whole cap: not stored
+    assert store.nbytes <= store.max_bytes and tuple(range(200, 251)) not in store.sequences()
 
 
 # --- a forward's token budget ---------------------------------------------------------------------------

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import torch
 
 from decoding.core import attention, llama
 from decoding.core.kv_cache import RowKVCache
+from decoding.core.prefix_cache import PrefixCache
 
 MIN_SHARED_PREFIX = 8  # shorter common prefixes are simply fed with each row
 
@@ -18,83 +17,6 @@ def _common_prefix_len(prompts: list[list[int]]) -> int:
     for p in prompts[1:]:
         n = next((i for i in range(n) if p[i] != first[i]), n)
     return n
-
-
-def _shared_len(a: tuple[int, ...], b: tuple[int, ...]) -> int:
-    """Length of the common prefix (binary search on slice equality: compared in C, not per token)."""
-    lo, hi = 0, min(len(a), len(b))
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
-class PrefixStore:
-    """Keys/values of token sequences computed before (one row each), for any prefix of them.
-
-    The KV of a sequence's first n tokens is its cache up to n (attention is causal, and the
-    invariant forward gives a token the same bits whatever else was computed with it), so a new
-    prompt reuses the longest prefix it shares with any stored sequence. Least recently used
-    sequences are evicted past `max_bytes` in all; a stored sequence that is a prefix of a new one
-    is dropped. A 300-token sequence of the embedded model takes about 7 MB.
-    """
-
-    def __init__(self, max_bytes: int = 1 << 30) -> None:
-        self.max_bytes = max_bytes
-        self.nbytes = 0
-        # tokens -> (keys, values, hidden states of the captured layer or None)
-        self.entries: OrderedDict[tuple[int, ...], tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor | None]]
-        self.entries = OrderedDict()
-
-    def match(self, tokens: tuple[int, ...] | list[int]) -> tuple[tuple[int, ...], int]:
-        """The stored sequence sharing the longest prefix with `tokens`, and that prefix's length."""
-        tokens = tuple(tokens)
-        best: tuple[tuple[int, ...], int] = ((), 0)
-        for key in self.entries:
-            n = _shared_len(key, tokens) if key and tokens and key[0] == tokens[0] else 0
-            if n > best[1]:
-                best = (key, n)
-        return best
-
-    def restore(self, key: tuple[int, ...], cache: RowKVCache, row: int, start: int, end: int) -> torch.Tensor | None:
-        """Copy positions [start, end) of a stored sequence into a cache row, which then holds `end`
-        committed tokens; returns the stored hidden states of those positions (or None)."""
-        keys, values, hidden = self.entries[key]
-        self.entries.move_to_end(key)
-        for dst, src in zip(cache.keys, keys):
-            dst[row, :, start:end] = src[:, start:end]
-        for dst, src in zip(cache.values, values):
-            dst[row, :, start:end] = src[:, start:end]
-        cache.lens[row] = end
-        return None if hidden is None else hidden[start:end]
-
-    def store(self, key: tuple[int, ...], cache: RowKVCache, row: int = 0, hidden: torch.Tensor | None = None) -> None:
-        """Keep the first len(key) committed positions of a cache row as the KV of `key`."""
-        n = len(key)
-        assert n <= int(cache.lens[row]), "only committed positions can be stored"
-        if key in self.entries:
-            self.entries.move_to_end(key)
-            return
-        if not n:
-            return
-        keys = [k[row, :, :n].clone() for k in cache.keys]
-        values = [v[row, :, :n].clone() for v in cache.values]
-        size = sum(t.nbytes for t in keys + values)
-        if size > self.max_bytes:
-            return
-        for old in [k for k in self.entries if len(k) <= n and key[: len(k)] == k]:
-            self._drop(old)  # its KV is a prefix of this one's
-        self.entries[key] = (keys, values, hidden)
-        self.nbytes += size
-        while self.nbytes > self.max_bytes:
-            self._drop(next(iter(self.entries)))
-
-    def _drop(self, key: tuple[int, ...]) -> None:
-        keys, values, _ = self.entries.pop(key)
-        self.nbytes -= sum(t.nbytes for t in keys + values)
 
 
 class ModelRunner:
@@ -118,7 +40,7 @@ class ModelRunner:
         self.rows = 0  # sequences scored, summed over forwards
         self.prompt_tokens_computed = 0  # prompt tokens `start` computed or left pending
         self.peak_cache_bytes = 0
-        self.prefixes = PrefixStore()
+        self.prefixes = PrefixCache()
         # Hidden-state capture for drafters that read them (EDD): off unless capture_hidden is called.
         self.hidden_layer: int | None = None
         self.last_hidden: torch.Tensor | None = None  # [B, T, H]: that layer's output in the latest forward
@@ -130,7 +52,7 @@ class ModelRunner:
         change; stored prefixes (which lack hidden states) are dropped."""
         n = len(decoder_layers(self.model))
         self.hidden_layer = layer % n
-        self.prefixes = PrefixStore(self.prefixes.max_bytes)
+        self.prefixes = PrefixCache(self.prefixes.max_bytes)
 
     def _keep_hidden(self, module: torch.nn.Module, args: object, output: object) -> None:
         self.last_hidden = output[0] if isinstance(output, tuple) else output  # type: ignore[assignment]
@@ -229,7 +151,8 @@ class ModelRunner:
         """
         shared = min(_common_prefix_len(prompts), min(len(p) for p in prompts) - 1)
         head = tuple(prompts[0][:shared])
-        reuse_key, reuse = self.prefixes.match(head)
+        reused = self.prefixes.match(head)
+        reuse = reused.length
         if shared < MIN_SHARED_PREFIX and not reuse:
             shared = 0
         # A scheduler may verify a row's first draft (its whole pending part, left-padded) in one
@@ -244,7 +167,7 @@ class ModelRunner:
             cache = self.new_cache(len(prompts), capacity)
         else:
             cache = self.new_cache(1, capacity)
-            hidden = [self.prefixes.restore(reuse_key, cache, 0, 0, reuse)] if reuse else []
+            hidden = [self.prefixes.restore(reused, cache, 0, 0, reuse)] if reuse else []
             rest = list(head[reuse:])
             if rest:
                 causal = torch.ones(len(rest), len(rest), dtype=torch.bool).tril()[None]
@@ -262,10 +185,10 @@ class ModelRunner:
         done = [shared] * len(prompts)
         if not capture:  # (a drafter reading hidden states needs them for every prompt position)
             for b, p in enumerate(prompts):
-                key, n = self.prefixes.match(p[:-1])
-                if n > shared:
-                    self.prefixes.restore(key, cache, b, shared, n)
-                    done[b] = n
+                own = self.prefixes.match(p[:-1])
+                if own.length > shared:
+                    self.prefixes.restore(own, cache, b, shared, own.length)
+                    done[b] = own.length
         pending = [list(p[n:]) for p, n in zip(prompts, done)]
         self.prompt_tokens_computed += sum(len(p) for p in pending)
         return cache, pending
