@@ -348,6 +348,29 @@ def test_shared_prompt_tokens_are_computed_once(make_engine):
     assert (engine.last_stats.prompt_tokens, engine.last_stats.prompt_tokens_computed) == (3 * n, 3)
 
 
+@pytest.mark.parametrize("decoder", ["ar", "seed_stand"])
+def test_reused_prefixes_change_no_sample(make_engine, decoder):
+    """Sampled continuations are the same whether their prompts' KV is computed afresh or restored
+    from what earlier calls stored (their prompts and their outputs): the restored KV has the bits.
+    Both engines below start with empty drafter pools; one gets the stored prefixes of a warm one."""
+    first = [
+        GenRequest("once upon a time there was a cat", max_new_tokens=12, temperature=1.0, seed=s) for s in range(3)
+    ]
+    warm = make_engine(decoder)
+    outs = warm.generate(first)
+    longer = [
+        GenRequest(r.prompt + o.text + " and", max_new_tokens=8, temperature=1.0, seed=7) for r, o in zip(first, outs)
+    ]
+    longer.append(GenRequest("the dog", max_new_tokens=8, temperature=1.0, seed=8))
+    reusing = make_engine(decoder)
+    reusing.target.prefixes = warm.target.prefixes
+    reused = reusing.generate(longer)
+    assert reusing.last_stats.prompt_tokens_computed < reusing.last_stats.prompt_tokens
+    fresh = make_engine(decoder)
+    assert [r.token_ids for r in reused] == [r.token_ids for r in fresh.generate(longer)]
+    assert fresh.last_stats.prompt_tokens_computed > reusing.last_stats.prompt_tokens_computed
+
+
 def test_hf_decode_stats(make_engine):
     requests = [GenRequest(p, max_new_tokens=m) for p, m in zip(PROMPTS[:3], BUDGETS[:3])]
     engine = make_engine("hf")
