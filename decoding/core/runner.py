@@ -6,16 +6,16 @@ import torch
 
 from decoding.core import attention, llama
 from decoding.core.kv_cache import RowKVCache
-from decoding.core.prefix_cache import PrefixCache
+from decoding.core.prefix_cache import PrefixCache, shared_len
 
 MIN_SHARED_PREFIX = 8  # shorter common prefixes are simply fed with each row
 
 
 def _common_prefix_len(prompts: list[list[int]]) -> int:
-    first = prompts[0]
-    n = min(len(p) for p in prompts)
+    first = tuple(prompts[0])
+    n = len(first)
     for p in prompts[1:]:
-        n = next((i for i in range(n) if p[i] != first[i]), n)
+        n = shared_len(first[:n], tuple(p))
     return n
 
 
@@ -185,6 +185,8 @@ class ModelRunner:
         done = [shared] * len(prompts)
         if not capture:  # (a drafter reading hidden states needs them for every prompt position)
             for b, p in enumerate(prompts):
+                if len(p) - 1 <= shared:
+                    continue  # nothing of its own to look up (the n samples of one prompt)
                 own = self.prefixes.match(p[:-1])
                 if own.length > shared:
                     self.prefixes.restore(own, cache, b, shared, own.length)
