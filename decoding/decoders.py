@@ -26,9 +26,8 @@ from decoding.drafters.stand import StandDrafter
 from decoding.drafters.union import UnionDrafter
 from decoding.edd.model import EddModel, draft_vocab
 from decoding.schedules.base import Decoder
-from decoding.schedules.batch import BatchDecoder
 from decoding.schedules.hf import HFDecoder
-from decoding.schedules.seed import SeedDecoder
+from decoding.schedules.scheduler import Scheduler
 from decoding.trees.static import StaticTree
 
 if TYPE_CHECKING:  # the config reads this module's tables; builders only read its fields
@@ -76,9 +75,14 @@ DRAFTERS: dict[str, DrafterFactory] = {
 
 SCHEDULES: dict[str, Schedule] = {
     "hf": lambda name, c, target, tok, drafter: HFDecoder(target, tok),
-    "batch": lambda name, c, target, tok, drafter: BatchDecoder(name, target, tok, drafter, verify=c.verify),
-    "serial": lambda name, c, target, tok, drafter: BatchDecoder(name, target, tok, drafter, True, c.verify),
-    "seed": lambda name, c, target, tok, drafter: SeedDecoder(target, tok, drafter, c.seed, name, c.verify),
+    # Every sequence in flight in each forward (`ar`, `stand`, ...).
+    "batch": lambda name, c, target, tok, drafter: Scheduler(name, target, tok, drafter, verify=c.verify),
+    # One sequence at a time, as SEED's SD / MCSD baselines run.
+    "serial": lambda name, c, target, tok, drafter: Scheduler(name, target, tok, drafter, max_live=1, verify=c.verify),
+    # SEED's rounds: up to verify_batch queued drafts per forward, drafting beside it with overlap.
+    "seed": lambda name, c, target, tok, drafter: Scheduler(
+        name, target, tok, drafter, c.seed.verify_batch, c.seed.overlap, verify=c.verify
+    ),
 }
 
 DECODERS: dict[str, DecoderKind] = {

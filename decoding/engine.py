@@ -1,8 +1,17 @@
-"""The backend's front door: `Engine.generate(list[GenRequest]) -> list[GenResult]`."""
+"""The backend's front door: `await Engine.agenerate(requests)` from searches running at once, and
+`Engine.generate(requests)`, the synchronous convenience for scripts and notebooks.
+
+Many callers share one running batch: a call's sequences join the decoder's batch between two
+steps (forwards) and its awaiter wakes when the last of them stops, while the other calls' rows go
+on decoding. The engine steps the decoder only when every caller woken by the previous step has
+had its turn to submit, so what runs together is decided by the searches, not by timing.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import time
+from dataclasses import dataclass, field, fields, replace
 
 from decoding.config import DecoderConfig
 from decoding.core.errors import BackendError
@@ -13,13 +22,34 @@ from decoding.core.sequence import Sequence
 from decoding.core.stopping import StopRule, final_text
 from decoding.core.values import DecodeStats, GenRequest, GenResult
 from decoding.decoders import make_decoder
+from decoding.schedules.base import add_sequence_totals
+
+
+@dataclass
+class Completion:
+    """What one `agenerate` call returns: its results, and its cost: its sequences' tokens, and its
+    share of every step it was part of (time, forwards, rows, prompt tokens computed), in proportion
+    to its live sequences in that step, so that the shares of all calls add up to the engine's cost."""
+
+    results: list[GenResult]
+    stats: DecodeStats
+
+
+@dataclass(eq=False)
+class _Call:
+    requests: list[GenRequest]
+    seqs: list[Sequence]
+    future: asyncio.Future[Completion]
+    started: float
+    live: int
+    stats: DecodeStats = field(default_factory=DecodeStats)
 
 
 class Engine:
-    """Tokenizes requests, hands them all to one decoder at once, and detokenizes the results.
+    """Tokenizes requests, hands them to one decoder, and detokenizes the results.
 
-    `last_stats` holds the cost of the latest call as a whole (a batched forward counts once);
-    each result's own stats count that sequence's tokens and verification steps.
+    `last_stats` holds the cost of the latest `generate` call as a whole (a batched forward counts
+    once); each result's own stats count that sequence's tokens and verification steps.
     """
 
     def __init__(
@@ -33,6 +63,9 @@ class Engine:
         self.eos_ids = _eos_ids(loaded)
         self.last_stats = DecodeStats()
         self.total_stats = DecodeStats()
+        self._arrived: list[_Call] = []
+        self._calls: dict[int, _Call] = {}  # id(sequence) -> its call, while it decodes
+        self._driver: asyncio.Task[None] | None = None
 
     def peak_cache_bytes(self) -> int:
         """The largest KV caches this engine's decoder has held: the target's, plus the draft model's."""
@@ -50,13 +83,100 @@ class Engine:
         return self.tokenizer(prompt + prefix)["input_ids"]
 
     def generate(self, requests: list[GenRequest]) -> list[GenResult]:
+        if self._driver is not None and not self._driver.done():
+            raise BackendError("the engine is serving awaited calls: use `await engine.agenerate(...)` there")
         if not requests:
             self.last_stats = DecodeStats()
             return []
         t0 = time.perf_counter()
         seqs = [self._sequence(r) for r in requests]
         stats = self.decoder.run(seqs)
-        results = [
+        self.last_stats = self._finish(seqs, requests, stats, t0).stats
+        self.total_stats += self.last_stats
+        return self._results(seqs, requests)
+
+    async def agenerate(self, requests: list[GenRequest]) -> Completion:
+        """Decode `requests` in the running batch, beside every other call in flight."""
+        if not requests:
+            return Completion([], DecodeStats())
+        seqs = [self._sequence(r) for r in requests]
+        loop = asyncio.get_running_loop()
+        call = _Call(requests, seqs, loop.create_future(), time.perf_counter(), len(seqs))
+        self._arrived.append(call)
+        if self._driver is None or self._driver.done():
+            self._driver = loop.create_task(self._drive())
+        return await call.future
+
+    async def _drive(self) -> None:
+        try:
+            while True:
+                await self._settle()
+                for call in self._arrived:
+                    self.decoder.admit(call.seqs)
+                    call.stats.prompt_tokens = sum(len(s.prompt) for s in call.seqs)
+                    self._calls.update((id(s), call) for s in call.seqs)
+                self._arrived = []
+                if not self.decoder.busy:
+                    return
+                before = replace(self.decoder.stats)
+                finished = self.decoder.step()
+                self._share(self.decoder.stats - before)
+                for s in finished:
+                    call = self._calls.pop(id(s))
+                    call.live -= 1
+                    if call.live == 0:
+                        done = self._finish(call.seqs, call.requests, call.stats, call.started)
+                        self.total_stats += done.stats
+                        call.future.set_result(done)
+        except BaseException as e:  # every caller hears of it
+            for call in [*self._arrived, *{id(c): c for c in self._calls.values()}.values()]:
+                if not call.future.done():
+                    call.future.set_exception(e)
+            self._arrived, self._calls = [], {}
+            if not isinstance(e, Exception):
+                raise
+
+    async def _settle(self) -> None:
+        """Yield until the callers woken by the last step have submitted what they send next."""
+        n = -1
+        while n != len(self._arrived):
+            n = len(self._arrived)
+            for _ in range(4):
+                await asyncio.sleep(0)
+
+    def _share(self, step: DecodeStats) -> None:
+        """A step's cost, shared by the live calls in proportion to their live sequences (whole
+        forwards and rows by largest remainder, so the shares add up)."""
+        step.prompt_tokens = 0  # counted per call, exactly
+        calls = list({id(c): c for c in self._calls.values()}.values())
+        weights = [c.live for c in calls]
+        total = sum(weights)
+        if not total:
+            return
+        for f in fields(DecodeStats):
+            value = getattr(step, f.name)
+            if not value:
+                continue
+            if isinstance(value, int):
+                parts: list[float] = list(apportion(value, weights))
+            else:
+                parts = [value * w / total for w in weights]
+            for call, part in zip(calls, parts):
+                setattr(call.stats, f.name, getattr(call.stats, f.name) + part)
+
+    def _finish(self, seqs: list[Sequence], requests: list[GenRequest], stats: DecodeStats, t0: float) -> Completion:
+        stats = add_sequence_totals(stats, seqs)
+        # Tokenizing and detokenizing is part of what a call costs.
+        results = self._results(seqs, requests)
+        elapsed = time.perf_counter() - t0
+        stats.other_s += max(0.0, elapsed - (stats.draft_s + stats.verify_s + stats.other_s))
+        stats.elapsed_s = elapsed
+        stats.sequences = len(seqs)
+        stats.sequence_acceptance_sum = sum(s.stats.acceptance_length for s in seqs)
+        return Completion(results, stats)
+
+    def _results(self, seqs: list[Sequence], requests: list[GenRequest]) -> list[GenResult]:
+        return [
             GenResult(
                 text=final_text(s.generated, s.reason, r.stop, self.tokenizer),
                 token_ids=list(s.generated),
@@ -65,15 +185,6 @@ class Engine:
             )
             for s, r in zip(seqs, requests)
         ]
-        # Tokenizing and detokenizing is part of what a call costs.
-        elapsed = time.perf_counter() - t0
-        stats.other_s += max(0.0, elapsed - (stats.draft_s + stats.verify_s + stats.other_s))
-        stats.elapsed_s = elapsed
-        stats.sequences = len(seqs)
-        stats.sequence_acceptance_sum = sum(s.stats.acceptance_length for s in seqs)
-        self.last_stats = stats
-        self.total_stats += stats
-        return results
 
     def _sequence(self, r: GenRequest) -> Sequence:
         ids = self.encode(r.prompt, r.prefix)
@@ -88,6 +199,17 @@ class Engine:
             )
         rule = StopRule(self.eos_ids, r.stop, r.max_new_tokens)
         return Sequence.create(ids, rule, SamplingParams(r.temperature, r.top_k, r.top_p), r.seed, r.group)
+
+
+def apportion(total: int, weights: list[int]) -> list[int]:
+    """`total` split in proportion to `weights` in whole units that add up to it (largest remainder,
+    ties to the earlier weight)."""
+    whole = sum(weights)
+    exact = [total * w / whole for w in weights]
+    parts = [int(x) for x in exact]
+    for i in sorted(range(len(weights)), key=lambda i: -(exact[i] - parts[i]))[: total - sum(parts)]:
+        parts[i] += 1
+    return parts
 
 
 def _eos_ids(loaded: LoadedModel) -> frozenset[int]:

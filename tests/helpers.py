@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import torch
 
 from decoding.core.kv_cache import RowKVCache
 from decoding.core.runner import ModelRunner
+from decoding.core.values import GenRequest
+from decoding.engine import Completion
 from decoding.schedules.base import VerifyOptions
 
 # verify.max_tokens=null: trees verified whole however many rows share a forward (tests of tree
@@ -42,3 +46,13 @@ def prefill(runner: ModelRunner, prompts: list[list[int]], capacity: int) -> tup
         cache.select_rows(index)
         next_logits = next_logits.index_select(0, index.to(next_logits.device))
     return cache, next_logits
+
+
+class AwaitableFake:
+    """Gives a scripted fake engine (its `generate` and `last_stats`) the awaitable call searches
+    make; each call yields once first, as a real engine's caller waits for a step."""
+
+    async def agenerate(self, requests: list[GenRequest]) -> Completion:
+        await asyncio.sleep(0)
+        results = self.generate(requests)  # type: ignore[attr-defined]
+        return Completion(results, self.last_stats)  # type: ignore[attr-defined]

@@ -49,17 +49,17 @@ def test_bench_reports_a_difference(long_context, monkeypatch):
     """The check can fail: a decoder whose output differs from hf's is named."""
     run_cfg, container = compose_bench("gen.temperature=0", "bench.decoders=[hf,ar]")
     configs, _ = decoder_configs(container, ["hf", "ar"], has_draft=False)
-    from decoding.schedules.batch import BatchDecoder
+    from decoding.schedules.scheduler import Scheduler
 
-    original = BatchDecoder.run
+    original = Scheduler.step
 
-    def off_by_one(self, seqs):
-        stats = original(self, seqs)
-        for s in seqs:
+    def off_by_one(self):
+        finished = original(self)
+        for s in finished:
             s.generated[-1] = (s.generated[-1] + 1) % 300
-        return stats
+        return finished
 
-    monkeypatch.setattr(BatchDecoder, "run", off_by_one)
+    monkeypatch.setattr(Scheduler, "step", off_by_one)
     result = bench(run_cfg, configs, long_context, None, progress=False)
     assert result["mismatches"] and result["mismatches"][0].startswith("ar on ")
 

@@ -131,8 +131,9 @@ def test_eos_mid_batch(tiny_model, tokenizer, make_engine, monkeypatch):
         assert reasons == ["eos", "length", "length", "length", "length", "length", "eos"], decoder
         assert len(results[0].token_ids) == k + 1 < BUDGETS[0]
         if decoder == "ar":
-            # The EOS row left the batch; the others went on: one forward per token of the longest row.
-            assert engine.last_stats.target_forwards == max(len(r) for r in refs)
+            # The EOS row left the batch; the others went on: one forward per token of the longest row,
+            # after one forward computing every prompt.
+            assert engine.last_stats.target_forwards == max(len(r) for r in refs) + 1
 
 
 def _stop_string_case(tiny_model, tokenizer):
@@ -316,11 +317,14 @@ def test_ar_decode_stats(make_engine):
     assert stats.generated_tokens == sum(lengths)
     assert stats.acceptance_length == 1.0
     assert stats.verify_steps == sum(lengths)
-    # One batched forward per step of the longest sequence (the prefill yields the first token).
-    assert stats.target_forwards == max(lengths) == engine.target.forwards
+    # One forward computing the prompts but their last tokens (of the rows with more than one), then
+    # one batched forward per step of the longest sequence (the first yields the first tokens).
+    prefilled = sum(len(engine.encode(r.prompt)) > 1 for r in requests)
+    assert stats.target_forwards == max(lengths) + 1 == engine.target.forwards
     assert stats.target_forwards < stats.generated_tokens
     # Each forward scores every live row once: a row is in as many forwards as it has tokens.
-    assert stats.target_rows == sum(lengths) and stats.rows_per_forward == sum(lengths) / max(lengths)
+    assert stats.target_rows == sum(lengths) + prefilled
+    assert stats.rows_per_forward == (sum(lengths) + prefilled) / (max(lengths) + 1)
     assert stats.prompt_tokens == sum(len(engine.encode(r.prompt)) for r in requests)
     assert stats.drafted_tokens == stats.accepted_tokens == 0
     assert stats.wall_s > 0
@@ -329,7 +333,8 @@ def test_ar_decode_stats(make_engine):
         assert r.stats.acceptance_length == 1.0
     engine.generate(requests[:2])
     assert engine.total_stats.generated_tokens == sum(lengths) + sum(lengths[:2])
-    assert engine.total_stats.target_forwards == max(lengths) + max(lengths[:2])
+    # The second call's prompts are stored: nothing to compute before its first step.
+    assert engine.total_stats.target_forwards == max(lengths) + 1 + max(lengths[:2])
     assert engine.generate([]) == []
     assert engine.last_stats.generated_tokens == 0
 

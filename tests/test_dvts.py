@@ -6,12 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import pytest
+from helpers import AwaitableFake
 
 from decoding.core.values import DecodeStats, GenRequest, GenResult
 from tasks.base import Problem, Prompt, TaskDefaults
 from tot.config import ConfigError
 from tot.dvts import DVTS, DVTSSettings
-from tot.search import GenSettings
+from tot.search import GenSettings, run_sync
 
 PROBLEM = Problem(id="p", question="q", gold="")
 
@@ -50,13 +51,17 @@ class ScriptTask(TaskDefaults):
         return False
 
 
-class ScriptEngine:
+class ScriptEngine(AwaitableFake):
     def __init__(self, task: ScriptTask) -> None:
         self.task, self.thoughts, self.calls = task, 0, []
         self.last_stats = DecodeStats()
 
     def generate(self, requests: list[GenRequest]) -> list[GenResult]:
-        self.calls.append(list(requests))
+        # `calls`: runs of calls of one kind (thoughts "G" or evaluations "E"), a step as the engine sees it.
+        if self.calls and (self.calls[-1][0].prefix == "E") == (requests[0].prefix == "E"):
+            self.calls[-1].extend(requests)
+        else:
+            self.calls.append(list(requests))
         out = []
         for r in requests:
             if r.prefix == "E":
@@ -71,9 +76,8 @@ class ScriptEngine:
 def solve(values, n=4, width=2, aggregate="best", depth=3, **task_kw):
     task = ScriptTask(values=values, depth=depth, **task_kw)
     engine = ScriptEngine(task)
-    sol = DVTS(task, DVTSSettings(n=n, beam_width=width, aggregate=aggregate), GenSettings(), seed=0).solve(
-        PROBLEM, engine
-    )
+    dvts = DVTS(task, DVTSSettings(n=n, beam_width=width, aggregate=aggregate), GenSettings(), seed=0)
+    sol = run_sync(dvts.solve(PROBLEM, engine))
     return sol, engine
 
 

@@ -34,7 +34,7 @@ from decoding.edd.model import (
 )
 from decoding.edd.train import Example, TrainSettings, evaluate, split, target_features, train
 from decoding.engine import Engine
-from decoding.schedules.batch import BatchDecoder
+from decoding.schedules.scheduler import Scheduler
 from decoding.schedules.seed import SeedOptions
 from decoding.trees.policies import DraftTreeOptions
 from tot.train_edd import TrainConfig
@@ -312,7 +312,7 @@ def test_the_drafters_soft_prompt_cache_equals_a_fresh_forward(loaded, tokenizer
     _, draft = trained
     engine = Engine(loaded, "ar")
     drafter = CheckedEddDrafter(draft.model, engine.target, DraftTreeOptions((2, 2, 1)))
-    engine.decoder = BatchDecoder("checked", engine.target, tokenizer, drafter)
+    engine.decoder = Scheduler("checked", engine.target, tokenizer, drafter)
     CheckedEddDrafter.checks = 0
     # Shared prefixes (fanned out by ModelRunner.start) and ragged rows that finish at different times.
     prompts = ["once upon a time there was a cat", "once upon a time there was a dog", "the cat", "a"]
@@ -391,7 +391,7 @@ def test_sampling_follows_the_target(tiny_model, tokenizer, loaded, trained, rul
     params = PARAMS[params_name]
     prompt = encode(tokenizer, "once upon a time")
     engine = edd_engine(loaded, draft, "sd", **EDD_RULES[rule])
-    engine.decoder = BatchDecoder("batched-edd", engine.target, tokenizer, engine.decoder.drafter)
+    engine.decoder = Scheduler("batched-edd", engine.target, tokenizer, engine.decoder.drafter)
     samples = sample_three(engine, prompt, params, 8000)
     stats = engine.total_stats
     assert stats.accepted_tokens > 0 and stats.accepted_tokens < stats.drafted_tokens
@@ -461,7 +461,7 @@ def test_sampling_follows_the_target_with_a_draft_vocabulary(tiny_model, tokeniz
     params = PARAMS["t1.0"]
     prompt = encode(tokenizer, "once upon a time")
     engine = vocab_engine(loaded, draft, "sd", 16, **RULES[rule])
-    engine.decoder = BatchDecoder("batched-edd", engine.target, tokenizer, engine.decoder.drafter)
+    engine.decoder = Scheduler("batched-edd", engine.target, tokenizer, engine.decoder.drafter)
     samples = sample_three(engine, prompt, params, 8000)
     stats = engine.total_stats
     assert stats.accepted_tokens > 0 and stats.accepted_tokens < stats.drafted_tokens

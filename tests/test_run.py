@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+from helpers import AwaitableFake
 from hydra import compose, initialize_config_module
 
 from decoding.core.errors import BackendError
@@ -28,7 +29,7 @@ def make_config(*overrides: str) -> RunConfig:
     return RunConfig.from_omegaconf(cfg)
 
 
-class FakeEngine:
+class FakeEngine(AwaitableFake):
     """Deterministic replies: thoughts of 3 tokens, "The answer is 12." at the last step, "Score: 7"."""
 
     def __init__(self) -> None:
@@ -94,13 +95,13 @@ def check_complete(out: Path, ids: list[str] = IDS) -> dict:
 
 
 def test_run_writes_outputs(tmp_path):
-    cfg = make_config()
+    cfg = make_config("run.concurrency=1")  # problems one by one: results in order
     assert cfg.task == "gsm8k" and cfg.depth == 4 and cfg.bfs.n_thoughts == 3 and cfg.bfs.breadth == 1
     engine = FakeEngine()
     out = tmp_path / "run"
     summary = run(cfg, out, engine=engine, progress=False)
     assert engine.problems == IDS
-    assert engine.calls == 6 * 2 * 4
+    assert engine.calls == 6 * 6 * 4  # per depth: 3 thoughts and 3 evaluations, each its own call
 
     records = read_results(out)
     assert [r["id"] for r in records] == IDS
@@ -137,14 +138,16 @@ def test_run_writes_outputs(tmp_path):
         "smollm2-135m",
     )
     assert summary["accuracy"] == pytest.approx(2 / 6)
-    assert summary["target_forwards"] == 6 * 8 * 2
+    assert summary["target_forwards"] == 6 * 24 * 2
     assert summary["acceptance_length"] == 1.0
     assert summary["tokens_per_s"] > 0
-    assert summary["wall_s"] == pytest.approx(sum(r["wall_s"] for r in records))
+    # The run's wall time: the problems' shares since the one before finished.
+    assert summary["wall_s"] == pytest.approx(sum(r["wall_share_s"] for r in records))
+    assert summary["concurrency"] == 1
     assert summary["phases"]["generate"]["tokens"] == 6 * GEN_TOKENS
     assert summary["phases"]["evaluate"]["tokens"] == 6 * EVAL_TOKENS
     for phase in ("generate", "evaluate"):
-        assert summary["phases"][phase]["wall_s"] >= 0
+        assert summary["phases"][phase]["engine_s"] >= 0
     assert "accuracy 0.333 (2/6)" in summary_line(summary)
 
     tree = json.loads((out / "trees" / "bundled-1.json").read_text())
@@ -171,7 +174,7 @@ def test_run_limit_offset(tmp_path):
 
 
 def test_resume_after_kill(tmp_path):
-    cfg = make_config()
+    cfg = make_config("run.concurrency=1")  # problems one by one: results in order
     out = tmp_path / "run"
     killed = KilledEngine("bundled-3", at=5)  # in problem 3's depth-3 thought generation
     with pytest.raises(Killed):
@@ -183,13 +186,37 @@ def test_resume_after_kill(tmp_path):
     counting = FakeEngine()
     run(cfg, out, engine=counting, progress=False)
     assert counting.problems == IDS[2:]
-    assert counting.calls == 4 * 2 * 4
+    assert counting.calls == 4 * 6 * 4
     assert [r["id"] for r in read_results(out)] == IDS
     check_complete(out)
 
 
+def test_resume_after_kill_with_problems_in_flight(tmp_path):
+    """Killed while four problems are in flight: the finished ones stay written, a rerun does the
+    rest once each, and the results equal an uninterrupted run's."""
+    cfg = make_config("run.concurrency=4")
+    out = tmp_path / "run"
+    killed = KilledEngine("bundled-5", at=7)
+    with pytest.raises(Killed):
+        run(cfg, out, engine=killed, progress=False)
+    first = [r["id"] for r in read_results(out)]
+    assert killed.problems[:4] == IDS[:4] and "bundled-5" in killed.problems  # several were in flight
+    assert 0 < len(first) < len(IDS) and "bundled-5" not in first
+    counting = FakeEngine()
+    run(cfg, out, engine=counting, progress=False)
+    assert sorted(counting.problems) == sorted(set(IDS) - set(first))  # nothing repeated
+    check_complete(out)
+    whole = tmp_path / "whole"
+    run(cfg, whole, engine=FakeEngine(), progress=False)
+    strip = {"wall_s", "wall_share_s", "phases"}
+    by_id = {r["id"]: {k: v for k, v in r.items() if k not in strip} for r in read_results(whole)}
+    assert {r["id"]: {k: v for k, v in r.items() if k not in strip} for r in read_results(out)} == by_id
+    for pid in IDS:
+        assert (out / "trees" / f"{pid}.json").read_text() == (whole / "trees" / f"{pid}.json").read_text()
+
+
 def test_resume_drops_truncated_line(tmp_path):
-    cfg = make_config()
+    cfg = make_config("run.concurrency=1")  # problems one by one: results in order
     out = tmp_path / "run"
     run(cfg, out, engine=FakeEngine(), progress=False)
     lines = (out / "results.jsonl").read_text().splitlines(keepends=True)
@@ -205,7 +232,7 @@ def test_resume_drops_truncated_line(tmp_path):
 
 def test_resume_with_truncated_line_then_kill_again(tmp_path):
     # The cut line must be gone before new lines are appended, or a new record would be glued to it.
-    cfg = make_config()
+    cfg = make_config("run.concurrency=1")  # problems one by one: results in order
     out = tmp_path / "run"
     with pytest.raises(Killed):
         run(cfg, out, engine=KilledEngine("bundled-4", at=1), progress=False)

@@ -7,30 +7,37 @@ import re
 from collections import Counter
 
 import pytest
+from helpers import AwaitableFake
 
 from decoding.core.values import DecodeStats, GenRequest, GenResult
 from tasks.base import Problem
 from tasks.gsm8k import FINAL_PREFIX, GSM8K, SCORE_PREFIX
-from tot.search import BFS, BFSSettings, GenSettings, request_seed
+from tot.search import BFS, BFSSettings, GenSettings, request_seed, run_sync
 from tot.tree import ReasoningTree
 
 PROBLEM = Problem(id="p", question="A shop sells 3 boxes of 4 pens. How many pens does it sell?", gold="12")
 _LAST_STEP = re.compile(r"is:\n(.*)\n\n")
 
 
-class ScriptedEngine:
+class ScriptedEngine(AwaitableFake):
     """Thought k (k counts thought requests in the order they arrive) is " #k", or " k." for a final
     answer; an evaluation of thought k replies with the score scores[k] (or the text scores[k]).
-    Records every call."""
+    Records every call in `raw_calls`, and in `calls` the runs of calls of one kind (thoughts or
+    evaluations): a search step's batch as the engine sees it."""
 
     def __init__(self, scores: dict[int, float]) -> None:
         self.scores = scores
         self.calls: list[list[GenRequest]] = []
+        self.raw_calls: list[list[GenRequest]] = []
         self.thoughts = 0
         self.last_stats = DecodeStats()
 
     def generate(self, requests: list[GenRequest]) -> list[GenResult]:
-        self.calls.append(list(requests))
+        self.raw_calls.append(list(requests))
+        if self.calls and is_eval(self.calls[-1][0]) == is_eval(requests[0]):
+            self.calls[-1].extend(requests)
+        else:
+            self.calls.append(list(requests))
         results = []
         for r in requests:
             if r.prefix == SCORE_PREFIX:
@@ -62,7 +69,7 @@ GEN = GenSettings(temperature=0.6, top_p=0.9, top_k=5, max_thought_tokens=40, ma
 
 def solve(scores=SCORES, depth=3, n=3, b=2, seed=0, gen=GEN, problem=PROBLEM):
     engine = ScriptedEngine(scores)
-    sol = BFS(GSM8K(depth=depth), BFSSettings(n_thoughts=n, breadth=b), gen, seed).solve(problem, engine)
+    sol = run_sync(BFS(GSM8K(depth=depth), BFSSettings(n_thoughts=n, breadth=b), gen, seed).solve(problem, engine))
     return sol, engine
 
 
@@ -70,11 +77,13 @@ def node(k: int) -> int:
     return k + 1
 
 
-def test_one_call_per_phase_per_depth():
+def test_one_batch_per_phase_per_depth():
     _, engine = solve()
     sizes = [(len(c), {is_eval(r) for r in c}) for c in engine.calls]
-    # depth 1 expands the root only (n requests); later depths b*n; each followed by one evaluation call.
+    # depth 1 expands the root only (n requests); later depths b*n; each followed by their evaluations.
     assert sizes == [(3, {False}), (3, {True}), (6, {False}), (6, {True}), (6, {False}), (6, {True})]
+    # Each thought is its own call, and so is each evaluation: sent as soon as its thought is done.
+    assert all(len(c) == 1 for c in engine.raw_calls)
 
 
 def test_thought_requests():
@@ -183,13 +192,13 @@ def test_unparseable_values_count_as_zero():
 def test_phase_stats():
     sol, _ = solve()
     gen, ev = sol.phases["generate"], sol.phases["evaluate"]
-    assert gen.calls == ev.calls == 3
+    assert gen.calls == ev.calls == 3 + 6 + 6  # one call per thought, one per evaluation
     assert gen.decode.generated_tokens == (3 + 6 + 6) * 3
     assert ev.decode.generated_tokens == (3 + 6 + 6) * 2
-    assert gen.decode.target_forwards == (3 + 1) + (6 + 1) * 2
-    assert gen.wall_s >= 0 and ev.wall_s >= 0
+    assert gen.decode.target_forwards == (3 + 6 + 6) * 2  # the fake's: len(requests) + 1 per call
+    assert gen.engine_s >= 0 and ev.engine_s >= 0
     d = gen.to_dict()
-    assert d["tokens"] == 45 and d["calls"] == 3
+    assert d["tokens"] == 45 and d["calls"] == 15
     assert d["decode_generated_tokens"] == 45 and d["decode_acceptance_length"] == 1.0
 
 

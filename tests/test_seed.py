@@ -14,7 +14,8 @@ from decoding.config import DecoderConfig
 from decoding.core.models import ModelSpec
 from decoding.core.values import GenRequest
 from decoding.engine import Engine
-from decoding.schedules.seed import Rounds, SeedDecoder, SeedOptions
+from decoding.schedules.scheduler import Rounds, Scheduler
+from decoding.schedules.seed import SeedOptions
 from decoding.trees.policies import DraftTreeOptions
 
 
@@ -71,9 +72,8 @@ def test_scheduler_statistics(loaded):
     engine = seed_engine(loaded, loaded, (1, 1, 1), verify_batch=1, multi_candidate=False)
     results = engine.generate(requests)
     stats = engine.last_stats
-    # verify_batch 1: one target forward per queued draft (no separate prefill: with a one-token
-    # prompt among them, every prompt is fed with its first draft).
-    assert stats.target_forwards == stats.verified_drafts
+    # verify_batch 1: one target forward per queued draft, after one computing every prompt.
+    assert stats.target_forwards == stats.verified_drafts + 1
     assert stats.acceptance_length > 3.0  # the target drafting for itself at temperature 0
     assert stats.mean_queue_wait_s > 0 and stats.drafts_per_round >= 1
     assert stats.sequences == 6
@@ -106,18 +106,27 @@ class SlowScriptedDrafter(ScriptedDrafter):
 
 
 def check_schedule(log: list[tuple[str, int]], n: int) -> None:
-    """Every row cycles queued -> verifying -> drafting|done, ends done, and the queue is FCFS."""
-    state = {i: "drafting" for i in range(n)}
+    """Every row is admitted, cycles queued -> verifying -> drafting|done, ends done, and the queue
+    is FCFS."""
+    state: dict[int, str] = {}
     arrivals, served = [], []
     for event, row in log:
-        expected = {"queued": "drafting", "verifying": "queued", "drafting": "verifying", "done": "verifying"}
-        assert state[row] == expected[event], (event, row, state[row])
+        expected = {
+            "admitted": None,
+            "queued": "drafting",
+            "verifying": "queued",
+            "drafting": "verifying",
+            "done": "verifying",
+        }
+        assert state.get(row) == expected[event], (event, row, state.get(row))
+        if event == "admitted":
+            event = "drafting"
         state[row] = event
         if event == "queued":
             arrivals.append(row)
         if event == "verifying":
             served.append(row)
-    assert all(s == "done" for s in state.values())
+    assert len(state) == n and all(s == "done" for s in state.values())
     assert served == arrivals  # first come, first served
 
 
@@ -127,21 +136,25 @@ def test_schedule_properties(tiny_model, tokenizer, loaded, verify_batch, overla
     specs, requests = requests_for(8)
     refs = [reference_greedy(tiny_model, encode(tokenizer, p), m, {EOS_ID}) for p, m in specs]
     engine = Engine(loaded, "ar")
-    decoder = SeedDecoder(engine.target, tokenizer, None, SeedOptions(verify_batch, overlap))  # type: ignore[arg-type]
-    decoder.drafter = SlowScriptedDrafter(refs, lambda: decoder.last_rounds, vocab=len(tokenizer))
+    drafter = SlowScriptedDrafter(refs, lambda: decoder.rounds, vocab=len(tokenizer))
+    decoder = Scheduler("seed", engine.target, tokenizer, drafter, verify_batch, overlap)
     engine.decoder = decoder
     results = engine.generate(requests)
     assert [r.token_ids for r in results] == refs
-    check_schedule(decoder.last_rounds.log, len(requests))
-    assert engine.last_stats.verified_drafts == sum(1 for e, _ in decoder.last_rounds.log if e == "verifying")
+    check_schedule(decoder.rounds.log, len(requests))
+    assert engine.last_stats.verified_drafts == sum(1 for e, _ in decoder.rounds.log if e == "verifying")
 
 
 def test_check_schedule_catches_violations():
     with pytest.raises(AssertionError):
-        check_schedule([("queued", 0), ("queued", 1), ("verifying", 1), ("done", 1), ("verifying", 0), ("done", 0)], 2)
+        log = [("queued", 0), ("queued", 1), ("verifying", 1), ("done", 1), ("verifying", 0), ("done", 0)]
+        check_schedule([("admitted", 0), ("admitted", 1), *log], 2)
     with pytest.raises(AssertionError):
-        check_schedule([("queued", 0), ("verifying", 0), ("drafting", 0)], 1)  # never finished
-    rounds = Rounds.start(1)
+        check_schedule([("admitted", 0), ("queued", 0), ("verifying", 0), ("drafting", 0)], 1)  # never finished
+    with pytest.raises(AssertionError):
+        check_schedule([("queued", 0), ("verifying", 0), ("done", 0)], 1)  # never admitted
+    rounds = Rounds()
+    rounds.arrive([0])
     with pytest.raises(AssertionError, match="drafted while queued"):
         rounds.enqueue([0], [None])  # type: ignore[list-item]
         rounds.enqueue([0], [None])  # type: ignore[list-item]

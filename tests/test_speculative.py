@@ -33,7 +33,7 @@ from decoding.core.verify import verify
 from decoding.drafters.draft_model import ModelDrafter
 from decoding.engine import Engine
 from decoding.schedules.base import VerifyOptions, cut_to_budget
-from decoding.schedules.batch import BatchDecoder
+from decoding.schedules.scheduler import Scheduler
 from decoding.trees.policies import DraftTreeOptions
 
 K_CONFIGS = [(1, 1, 1), (2, 2, 1), (4, 2, 1), (3,)]
@@ -54,7 +54,7 @@ def sd_engine(loaded: LoadedModel, draft: LoadedModel, k_config=(2, 2, 1), seria
     if not serial:
         # The same loop and drafter with every sequence in one batch (the shape SEED and STAND use).
         drafter = ModelDrafter(ModelRunner(draft.model), spec, len(loaded.tokenizer))
-        engine.decoder = BatchDecoder("batched-sd", engine.target, loaded.tokenizer, drafter)
+        engine.decoder = Scheduler("batched-sd", engine.target, loaded.tokenizer, drafter)
     return engine
 
 
@@ -95,10 +95,12 @@ def test_tree_verification_logits_equal_sequential_decoding(tiny_model, tokenize
     """Tolerance 1e-4 on logits (float32; the tiny model's logits are of order 1-10)."""
     target = ModelRunner(tiny_model)
     prompts = [encode(tokenizer, p) for p in PROMPT_SETS[case]]
-    cache, pending = target.start(prompts, capacity=64)
-    shared = {"ragged": 0, "repeated": len(prompts[0]) - 1, "shared-prefix": len(prompts[2]) - 1}[case]
-    assert [len(p) for p in pending] == [len(p) - shared for p in prompts]
-    assert cache.lens.tolist() == [shared] * 3
+    if case == "ragged":  # every whole prompt fed with its first tree (left-padded pending tokens)
+        cache, pending = target.new_cache(3, 64), [list(p) for p in prompts]
+    else:  # admitted: each row's prompt computed but its last token, shared parts once
+        cache, pending = target.start(prompts, capacity=64)
+        assert pending == [p[-1:] for p in prompts]
+        assert cache.lens.tolist() == [len(p) - 1 for p in prompts]
     g = torch.Generator().manual_seed(0)
     shapes = [(2, 1), (1, 1, 1), (4, 2, 1)]
     contexts = [list(p) for p in prompts]
@@ -136,14 +138,20 @@ class ScriptedDrafter:
         self.max_nodes = len(self.parents)
         self.g = torch.Generator().manual_seed(1)
 
-    def start(self, seqs, capacity):
-        self.seqs = seqs
+    def admit(self, rows, seqs):
+        self.seqs = getattr(self, "seqs", {})
+        self.seqs.update(zip(rows, seqs))
+        self.row_of_seq = getattr(self, "row_of_seq", {})
+        self.order = getattr(self, "order", 0)
+        for row in rows:  # the i-th sequence ever admitted follows refs[i]
+            self.row_of_seq[row] = self.order
+            self.order += 1
 
     def draft(self, rows):
         return [self._tree(i) for i in rows]
 
     def _tree(self, i: int) -> DraftTree:
-        ref, pos = self.refs[i], len(self.seqs[i].generated)
+        ref, pos = self.refs[self.row_of_seq[i]], len(self.seqs[i].generated)
         tree = DraftTree(draw=self.draw)
         on_path = {-1: True}
         depth = {-1: 0}
@@ -168,8 +176,8 @@ class ScriptedDrafter:
     def update(self, rows, verdicts):
         """Scripted drafts learn nothing."""
 
-    def retain(self, rows):
-        """No per-row state."""
+    def release(self, rows):
+        """No per-row state that matters."""
 
 
 def ragged_requests():
@@ -189,7 +197,7 @@ def test_greedy_identity_scripted_drafters(tiny_model, tokenizer, loaded, kind, 
     refs.append(gen[:n])
     engine = Engine(loaded, "ar")
     drafter = ScriptedDrafter(refs, k_config, kind, len(tokenizer))
-    engine.decoder = BatchDecoder("scripted", engine.target, tokenizer, drafter)
+    engine.decoder = Scheduler("scripted", engine.target, tokenizer, drafter)
     results = engine.generate(requests)
     assert [r.token_ids for r in results] == refs
     assert results[-1].finish_reason == "stop"
@@ -273,13 +281,13 @@ class CheckedDrafter(ModelDrafter):
 
     def draft(self, rows):
         for i in rows:
-            b = self.position[i]
+            b = i  # the draft cache's row i is the target's row i
             seq = self.seqs[i]
             context = seq.prompt + seq.generated
             n = int(self.cache.lens[b])
             assert n + len(self.pending[i]) == len(context)
             assert self.pending[i] == context[n:]
-            if n == 0:  # the first step feeds the whole prompt
+            if n == 0:  # a one-token prompt: nothing in the cache yet
                 continue
             fresh, _ = prefill(ModelRunner(self.model.model), [context[:n]], capacity=n + 1)
             for k_row, k_fresh in zip(self.cache.keys, fresh.keys):
@@ -295,7 +303,7 @@ def test_draft_cache_stays_consistent(loaded, tokenizer, perturbed, temperature)
     spec = DraftTreeOptions(k_config=(2, 2, 1))
     engine = Engine(loaded, "ar")
     drafter = CheckedDrafter(ModelRunner(perturbed.model), spec, len(tokenizer))
-    engine.decoder = BatchDecoder("checked", engine.target, tokenizer, drafter)
+    engine.decoder = Scheduler("checked", engine.target, tokenizer, drafter)
     requests = [
         GenRequest(p, max_new_tokens=30, temperature=temperature, seed=s)
         for s, p in enumerate(["the cat", "the cat", "hello world and more", "a", "the cat"])
@@ -388,7 +396,7 @@ def test_sampling_with_deterministic_drafts(tiny_model, tokenizer, loaded):
     engine = Engine(loaded, "ar")
     drafter = TopDrafter([[]], (1,), "top", len(tokenizer))
     drafter.max_nodes = 6
-    engine.decoder = BatchDecoder("top", engine.target, tokenizer, drafter)
+    engine.decoder = Scheduler("top", engine.target, tokenizer, drafter)
     samples = sample_three(engine, prompt, params, 8000)
     assert engine.total_stats.accepted_tokens > 0
     check_three_tokens(tiny_model, prompt, params, samples, len(tokenizer))
@@ -418,8 +426,9 @@ def test_prefix_kept_across_calls(tiny_model, tokenizer):
     second = first + encode(tokenizer, " who liked to run")
     before = target.forwards
     cache, pending = target.start([second, [*second, 5]], capacity=64)
-    assert target.forwards == before + 1  # only the tokens after the stored prefix
-    assert pending == [second[-1:], [second[-1], 5]]
+    # The shared prefix's tokens after the stored part in one forward, then row 1's own token.
+    assert target.forwards == before + 2
+    assert pending == [second[-1:], [5]]
     fresh, _ = prefill(ModelRunner(tiny_model), [second[:-1]], capacity=64)
     n = len(second) - 1
     for k_row, k_fresh in zip(cache.keys, fresh.keys):
@@ -436,16 +445,17 @@ def test_each_row_reuses_the_longest_stored_prefix_of_its_own_prompt(tiny_model,
     b = base + encode(tokenizer, " on a warm mat by the door")
     target.start([a, [*a, 7]], capacity=64)  # stores a[:-1]
     cache, _ = target.start([b, [*b, 9]], capacity=64)  # stores the common part of b's prompts
-    target.remember(cache, [b, [*b, 9]])  # the call's rows as committed (b[:-1] each)
+    target.remember(cache, 1, [*b, 9])  # row 1 as committed (b, each row's prompt but its last token)
     a2 = [*a[:-3], 11, 12]  # diverges from the stored `a` three tokens before its end
     prompts = [[*base, 13], a2, [*b, 17, 18]]
     computed = target.prompt_tokens_computed
     cache, pending = target.start(prompts, capacity=64)
-    reused = [len(base), len(a) - 3, len(b) - 1]
-    assert pending == [p[n:] for p, n in zip(prompts, reused)]
-    assert cache.lens.tolist() == reused
-    assert target.prompt_tokens_computed - computed == sum(len(p) for p in pending)
-    for row, (p, n) in enumerate(zip(prompts, reused)):
+    reused = [len(base), len(a) - 3, len(b)]
+    assert pending == [p[-1:] for p in prompts]
+    assert cache.lens.tolist() == [len(p) - 1 for p in prompts]
+    assert target.prompt_tokens_computed - computed == sum(len(p) - n for p, n in zip(prompts, reused))
+    for row, p in enumerate(prompts):
+        n = len(p) - 1
         fresh, _ = prefill(ModelRunner(tiny_model), [p[:n]], capacity=64)
         for k_row, k_fresh in zip(cache.keys + cache.values, fresh.keys + fresh.values):
             assert torch.equal(k_row[row, :, :n], k_fresh[0, :, :n])

@@ -1,8 +1,10 @@
 """`python -m tot.bench`: decoders compared on the same ToT problems, in one process (Hydra).
 
-Every decoder gets its own engine on the same loaded model(s); problems are interleaved (problem 1
-with every decoder, then problem 2, ...) so that machine drift hits all alike, after a warm-up call
-per engine. Reported per decoder: wall time (whole run and per phase), tokens, tokens/s, speedup
+Every decoder gets its own engine on the same loaded model(s) and searches `run.concurrency`
+problems at once (a variant may set its own, e.g. bench.variants='{ar_1: {decoder: ar,
+run.concurrency: 1}}'); problems are interleaved in chunks (the first chunk with every decoder, then
+the next, ...) so that machine drift hits all alike, after a warm-up call per engine. Reported per
+decoder: wall time (whole run and per phase), tokens, tokens/s, speedup
 over `hf` and `ar`, acceptance length, target forwards per token, rows per forward (how full the
 target's batches were), prompt tokens computed against requested (what prefix sharing saved), target
 busy fraction and the peak KV-cache memory. At temperature 0 every decoder's trees must equal `hf`'s
@@ -40,11 +42,11 @@ from decoding.core.values import DecodeStats, GenRequest
 from decoding.decoders import DECODERS
 from decoding.drafters.load import load_draft
 from decoding.engine import Engine
-from tasks.base import DataError
+from tasks.base import DataError, Problem, Task
 from tot.compare import first_difference
 from tot.config import RunConfig
-from tot.run import build_task, make_search, score
-from tot.search import PHASES
+from tot.run import build_task, make_search, score, solve_all
+from tot.search import PHASES, Search, Solution, run_sync
 from tot.tree import ReasoningTree
 
 
@@ -53,7 +55,7 @@ class Tally:
     """One decoder's totals over the problems."""
 
     wall_s: float = 0.0
-    phase_wall_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    phase_engine_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     phase_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PHASES, 0))
     decode: DecodeStats = field(default_factory=DecodeStats)
     trees: dict[str, ReasoningTree] = field(default_factory=dict)
@@ -131,38 +133,27 @@ def bench(
     target: LoadedModel,
     draft: LoadedModel | None,
     progress: bool = True,
+    concurrency: dict[str, int] | None = None,
 ) -> dict:
+    """Every decoder on the same problems; `concurrency`: problems in flight per decoder (default
+    the run's `run.concurrency` for all)."""
     task = build_task(cfg)
     problems = task.load(cfg.data)
     search = make_search(cfg, task)
+    at_once = {name: (concurrency or {}).get(name, cfg.concurrency) for name in configs}
     engines = {name: Engine(target, c, draft if c.draft else None) for name, c in configs.items()}
     for engine in engines.values():  # warm-up: first-call allocations and kernel choices
         engine.generate([GenRequest("Say hello.", max_new_tokens=8, group="warm-up")])
     tallies = {name: Tally() for name in engines}
-    bar = tqdm(problems, desc=f"bench {cfg.task}", unit="problem", disable=not progress)
-    for problem in bar:
-        for name, engine in engines.items():
-            cuda = engine.target.device.type == "cuda"
-            if cuda:
-                torch.cuda.reset_peak_memory_stats(engine.target.device)
-            t0 = time.perf_counter()
-            sol = search.solve(problem, engine)
-            tally = tallies[name]
-            tally.wall_s += time.perf_counter() - t0
-            if cuda:
-                tally.peak_device_bytes = max(
-                    tally.peak_device_bytes, torch.cuda.max_memory_allocated(engine.target.device)
-                )
-            for phase, stats in sol.phases.items():
-                tally.phase_wall_s[phase] += stats.wall_s
-                tally.phase_tokens[phase] += stats.decode.generated_tokens
-                tally.decode += stats.decode
-            tally.trees[problem.id] = sol.tree
-            tally.correct += bool(task.is_correct(problem, sol.answer))
-            # Scored after the clock stops: a judge's calls are not part of building the tree.
-            for key, value in score(cfg, task, problem, sol.answer, engine).items():
-                tally.metrics.setdefault(key, []).append(value)
-    rows = {name: _row(name, t, engines[name]) for name, t in tallies.items()}
+    # Problems go in chunks as large as the largest concurrency, each chunk through every decoder in
+    # turn, so that machine drift hits all decoders alike.
+    size = max(at_once.values())
+    chunks = [problems[i : i + size] for i in range(0, len(problems), size)]
+    bar = tqdm(total=len(problems) * len(engines), desc=f"bench {cfg.task}", unit="run", disable=not progress)
+    with bar:
+        for chunk in chunks:
+            _bench_chunk(chunk, engines, tallies, at_once, search, task, cfg, bar)
+    rows = {name: {**_row(name, t, engines[name]), "concurrency": at_once[name]} for name, t in tallies.items()}
     for base in ("hf", "ar"):
         if base in rows:
             for r in rows.values():
@@ -190,6 +181,60 @@ def bench(
     }
 
 
+def _bench_chunk(
+    chunk: list[Problem],
+    engines: dict[str, Engine],
+    tallies: dict[str, Tally],
+    at_once: dict[str, int],
+    search: Search,
+    task: Task,
+    cfg: RunConfig,
+    bar: tqdm,
+) -> None:
+    """Some problems through every decoder in turn, each decoder searching `at_once` of them at a time."""
+    for name, engine in engines.items():
+        tally = tallies[name]
+        cuda = engine.target.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(engine.target.device)
+        solutions: dict[str, Solution] = {}
+
+        async def solve(problem: Problem, engine: Engine = engine, solutions: dict = solutions) -> None:
+            solutions[problem.id] = await search.solve(problem, engine)
+            bar.update()
+
+        t0 = time.perf_counter()
+        run_sync(solve_all(chunk, solve, at_once[name]))
+        tally.wall_s += time.perf_counter() - t0
+        if cuda:
+            tally.peak_device_bytes = max(
+                tally.peak_device_bytes, torch.cuda.max_memory_allocated(engine.target.device)
+            )
+        for problem in chunk:
+            sol = solutions[problem.id]
+            for phase, stats in sol.phases.items():
+                tally.phase_engine_s[phase] += stats.engine_s
+                tally.phase_tokens[phase] += stats.decode.generated_tokens
+                tally.decode += stats.decode
+            tally.trees[problem.id] = sol.tree
+            tally.correct += bool(task.is_correct(problem, sol.answer))
+            # Scored after the clock stops: a judge's calls are not part of building the tree.
+            for key, value in run_sync(score(cfg, task, problem, sol.answer, engine)).items():
+                tally.metrics.setdefault(key, []).append(value)
+
+
+def concurrencies(container: dict, names: list[str]) -> dict[str, int]:
+    """Problems in flight per bench entry: `run.concurrency`, or a variant's own."""
+    variants = container["bench"].get("variants") or {}
+    out = {}
+    for name in names:
+        c = variant_container(container, name, variants[name]) if name in variants else container
+        out[name] = as_int("run.concurrency", c["run"]["concurrency"])
+        if out[name] < 1:
+            raise ConfigError(f"run.concurrency={out[name]} (for {name}) must be a positive integer")
+    return out
+
+
 def peak_rss_mb() -> float:
     """The process's peak resident memory so far (Linux reports kilobytes, macOS bytes)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -207,9 +252,9 @@ def _row(name: str, t: Tally, engine: Engine) -> dict:
         "tokens_per_s": tokens / t.wall_s if t.wall_s else 0.0,
         "phases": {
             p: {
-                "wall_s": t.phase_wall_s[p],
+                "engine_s": t.phase_engine_s[p],
                 "tokens": t.phase_tokens[p],
-                "tokens_per_s": t.phase_tokens[p] / t.phase_wall_s[p] if t.phase_wall_s[p] else 0.0,
+                "tokens_per_s": t.phase_tokens[p] / t.phase_engine_s[p] if t.phase_engine_s[p] else 0.0,
             }
             for p in PHASES
         },
@@ -270,16 +315,17 @@ def scaling_table(rows: list[dict]) -> str:
 
 def table(result: dict) -> str:
     head = (
-        "| decoder | solved | tokens | wall (s) | tokens/s | vs hf | vs ar | acceptance length "
+        "| decoder | problems at once | solved | tokens | wall (s) | tokens/s | vs hf | vs ar | acceptance length "
         "| target forwards / token | rows / forward | prompt tokens computed / requested | target busy "
         "| thought gen. tok/s | evaluation tok/s | peak KV (MB) |"
     )
-    lines = [head, "|" + "---|" * 15]
+    lines = [head, "|" + "---|" * 16]
     n = len(result["problems"])
     for r in result["decoders"].values():
         ph = r["phases"]
         lines.append(
-            f"| `{r['decoder']}` | {r['problems_correct']}/{n} | {r['tokens']} | {r['wall_s']:.1f} "
+            f"| `{r['decoder']}` | {r.get('concurrency', 1)} | {r['problems_correct']}/{n} | {r['tokens']} "
+            f"| {r['wall_s']:.1f} "
             f"| {r['tokens_per_s']:.1f} "
             f"| {_ratio(r, 'hf')} | {_ratio(r, 'ar')} | {r['acceptance_length']:.2f} | {r['forwards_per_token']:.3f} "
             f"| {r['rows_per_forward']:.2f} | {r['prompt_tokens_computed']} / {r['prompt_tokens']} "
@@ -338,7 +384,7 @@ def main(cfg: DictConfig) -> None:
         if scale:
             rows = scaling(run_cfg, configs, target, draft, trajectories, temperatures)
         else:
-            result = bench(run_cfg, configs, target, draft)
+            result = bench(run_cfg, configs, target, draft, concurrency=concurrencies(container, list(configs)))
     except (ConfigError, DataError, BackendError) as e:
         fail(str(e).splitlines()[0])
     out = Path(HydraConfig.get().runtime.output_dir)

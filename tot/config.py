@@ -36,6 +36,7 @@ class RunConfig:
     seed: int
     task_options: dict = field(default_factory=dict)  # task.<key> options of the task itself
     judge: ModelSpec | None = None  # task.judge.path: a separate model scores final answers
+    concurrency: int = 1  # run.concurrency: problems searched at once over the one engine
 
     @property
     def search_settings(self) -> BFSSettings | DVTSSettings:
@@ -48,6 +49,7 @@ class RunConfig:
         if self.search not in SEARCHES:
             raise ConfigError(f"search={self.search} is not one of {', '.join(SEARCHES)}")
         _positive("task.depth", self.depth)
+        _positive("run.concurrency", self.concurrency)
         _positive("search.n_thoughts", self.bfs.n_thoughts)
         _positive("search.breadth", self.bfs.breadth)
         if self.bfs.breadth > self.bfs.n_thoughts:
@@ -110,6 +112,7 @@ class RunConfig:
                 seed=as_int("gen.seed", c["gen"]["seed"]),
                 task_options={k: v for k, v in c["task"].items() if k not in TASK_RUN_KEYS},
                 judge=_judge(c),
+                concurrency=as_int("run.concurrency", c["run"]["concurrency"]),
             )
         except KeyError as e:
             raise ConfigError(f"config key {e} is missing; start from conf/config.yaml") from None

@@ -4,8 +4,8 @@
 samples `beam_width` candidate next steps from its current state, the task's state evaluator (the
 verifier) values them, and the best candidate becomes the subtree's state; a subtree whose state is
 finished stops. The answer is the best final value, or a majority vote over subtrees weighted by
-their final values. The candidates of all subtrees go to the engine in one call per step, so that
-STAND's pools see the sibling trajectories of the same problem.
+their final values. The candidates of all subtrees share one group per step, so that STAND's pools see
+the sibling trajectories of the same problem.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class DVTS:
     def __init__(self, task: Task, settings: DVTSSettings, gen: GenSettings, seed: int) -> None:
         self.task, self.settings, self.gen, self.seed = task, settings, gen, seed
 
-    def solve(self, problem: Problem, engine: GenerationEngine) -> Solution:
+    async def solve(self, problem: Problem, engine: GenerationEngine) -> Solution:
         step = Step(self.task, self.gen, self.seed, problem, engine)
         tree, width = step.tree, self.settings.beam_width
         current = [tree.root] * self.settings.subtrees
@@ -44,8 +44,11 @@ class DVTS:
             if not live:
                 break
             # The seed key names the subtree: subtrees that start from the same state sample apart.
-            children = step.expand([(current[k], width, f"s{k}") for k in live], group=f"{problem.id}/d{depth}")
-            step.evaluate(children, group=f"{problem.id}/d{depth}/eval")
+            children = await step.grow(
+                [(current[k], width, f"s{k}") for k in live],
+                f"{problem.id}/d{depth}/eval",
+                group=f"{problem.id}/d{depth}",
+            )
             for i, k in enumerate(live):
                 candidates = children[i * width : (i + 1) * width]
                 for c in candidates:

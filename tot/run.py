@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -17,7 +19,7 @@ from decoding.engine import Engine
 from tasks import Problem, Task, make_task
 from tot.config import RunConfig
 from tot.results import ResultStore, summarize
-from tot.search import GenerationEngine, Search, request_seed
+from tot.search import GenerationEngine, Search, request_seed, run_sync
 from tot.searches import SEARCHES
 
 log = logging.getLogger(__name__)
@@ -38,6 +40,7 @@ def run(cfg: RunConfig, out_dir: Path, engine: GenerationEngine | None = None, p
         "search": cfg.search,
         "decoder": cfg.decoder.name,
         "model": cfg.model.path,
+        "concurrency": cfg.concurrency,
         "config": json.loads(json.dumps(asdict(cfg), default=str)),
     }
     selected = {p.id for p in problems}
@@ -45,13 +48,15 @@ def run(cfg: RunConfig, out_dir: Path, engine: GenerationEngine | None = None, p
         engine = engine or make_engine(cfg)
         judge = make_judge(cfg, engine)
         search = make_search(cfg, task)
-        bar = tqdm(todo, desc=f"{cfg.task}/{cfg.decoder.name}", unit="problem", disable=not progress)
-        for problem in bar:
+        bar = tqdm(total=len(todo), desc=f"{cfg.task}/{cfg.decoder.name}", unit="problem", disable=not progress)
+        clock = [time.perf_counter()]  # when the latest problem finished (or the run started)
+
+        async def solve(problem: Problem) -> None:
             t0 = time.perf_counter()
-            sol = search.solve(problem, engine)
-            wall = time.perf_counter() - t0
+            sol = await search.solve(problem, engine)
+            metrics = await score(cfg, task, problem, sol.answer, judge)
+            now = time.perf_counter()
             phases = {k: v.to_dict() for k, v in sol.phases.items()}
-            tokens = sum(p["tokens"] for p in phases.values())
             sol.tree.save(store.tree_path(problem.id))
             store.append(
                 {
@@ -60,18 +65,40 @@ def run(cfg: RunConfig, out_dir: Path, engine: GenerationEngine | None = None, p
                     "answer": sol.answer,
                     "gold": problem.gold,
                     "correct": task.is_correct(problem, sol.answer),
-                    "metrics": score(cfg, task, problem, sol.answer, judge),
-                    "tokens": tokens,
-                    "wall_s": wall,
+                    "metrics": metrics,
+                    "tokens": sum(p["tokens"] for p in phases.values()),
+                    "wall_s": now - t0,  # this problem's latency (problems in flight overlap)
+                    # The run's wall time since the previous problem finished: these add up to the
+                    # run's wall time, whatever the concurrency.
+                    "wall_share_s": now - clock[0],
                     "phases": phases,
                 }
             )
+            clock[0] = now
             summary = summarize([r for r in store.records if r["id"] in selected], header)
             _write_json(out_dir / "summary.json", summary)
+            bar.update()
             bar.set_postfix(acc=f"{summary['accuracy']:.2f}", tok_s=f"{summary['tokens_per_s']:.1f}")
+
+        try:
+            run_sync(solve_all(todo, solve, cfg.concurrency))
+        finally:
+            bar.close()  # before any error line is printed
     summary = summarize([r for r in store.records if r["id"] in selected], header)
     _write_json(out_dir / "summary.json", summary)
     return summary
+
+
+async def solve_all(problems: list[Problem], solve: Callable[[Problem], Awaitable[None]], concurrency: int) -> None:
+    """`solve` every problem, at most `concurrency` at once, started in order: a problem's requests
+    share the engine's forwards with those of the others in flight."""
+    slots = asyncio.Semaphore(concurrency)
+
+    async def one(problem: Problem) -> None:
+        async with slots:
+            await solve(problem)
+
+    await asyncio.gather(*(one(p) for p in problems))
 
 
 def build_task(cfg: RunConfig) -> Task:
@@ -90,7 +117,7 @@ def make_judge(cfg: RunConfig, engine: GenerationEngine) -> GenerationEngine:
     return Engine(load_model(cfg.judge), DecoderConfig(name="ar"))
 
 
-def score(cfg: RunConfig, task: Task, problem: Problem, answer: str, judge: GenerationEngine) -> dict[str, float]:
+async def score(cfg: RunConfig, task: Task, problem: Problem, answer: str, judge: GenerationEngine) -> dict[str, float]:
     """The task's code-computed metrics, plus the judge's mean score over task.n_evaluate samples."""
     metrics = task.metrics(problem, answer)
     prompt = task.judge_prompt(problem, answer)
@@ -101,7 +128,7 @@ def score(cfg: RunConfig, task: Task, problem: Problem, answer: str, judge: Gene
             )
             for j in range(task.n_evaluate)
         ]
-        replies = judge.generate(requests)
+        replies = (await judge.agenerate(requests)).results
         metrics[task.judge_metric] = sum(task.parse_value(r.text) for r in replies) / len(replies)
     return metrics
 
@@ -113,7 +140,8 @@ def summary_line(s: dict) -> str:
         f"({s['n_correct']}/{s['n_problems']}), {s['generated_tokens']} tokens in {s['wall_s']:.1f}s "
         f"= {s['tokens_per_s']:.1f} tok/s, tau {s['acceptance_length']:.2f}, "
         f"{s['forwards_per_token']:.3f} target forwards/token, {s['rows_per_forward']:.2f} rows/forward, "
-        f"{s['prompt_tokens_computed']}/{s['prompt_tokens']} prompt tokens computed"
+        f"{s['prompt_tokens_computed']}/{s['prompt_tokens']} prompt tokens computed, "
+        f"{s.get('concurrency', 1)} problems at once"
     )
 
 

@@ -1,21 +1,29 @@
 """ToT-BFS (SEED Algorithm 2): generate n thoughts per frontier state, value them, keep the best b.
 
-Every request of one step goes to the engine in one call, so the backend sees all sequences of
-the step at once: the n samples of one state share a `group` (the same prompt, n trajectories).
+A search is a coroutine: it submits requests and awaits them, so that several problems run at once
+over one engine and the engine's batch stays full. Each thought is its own request, and its
+evaluation is sent as soon as that thought is done, beside the other thoughts still decoding; the
+n samples of one state share a `group` (the same prompt, n trajectories). The tree does not depend
+on the order in which requests finish: node ids are given in request order before any is sent, and
+each request's seed comes from its place in the tree.
 """
 
 from __future__ import annotations
 
-import time
+import asyncio
 import zlib
+from collections.abc import Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from decoding.core.values import DecodeStats, GenRequest, GenResult
+from decoding.engine import Completion
 from tasks.base import Problem, Prompt, Task
 from tot.tree import ReasoningTree
 
 PHASES = ("generate", "evaluate")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -50,16 +58,20 @@ class BFSSettings:
 
 @dataclass
 class PhaseStats:
-    """Decode cost and wall time of one phase (thought generation or state evaluation)."""
+    """Decode cost of one phase (thought generation or state evaluation): its calls' shares of the
+    engine's steps; `engine_s` is their time (phases and problems overlap in wall-clock time)."""
 
     decode: DecodeStats = field(default_factory=DecodeStats)
-    wall_s: float = 0.0
     calls: int = 0
+
+    @property
+    def engine_s(self) -> float:
+        return self.decode.draft_s + self.decode.verify_s + self.decode.other_s
 
     def to_dict(self) -> dict:
         return {
             "tokens": self.decode.generated_tokens,
-            "wall_s": self.wall_s,
+            "engine_s": self.engine_s,
             "calls": self.calls,
             **{f"decode_{k}": v for k, v in self.decode.to_dict().items()},
         }
@@ -73,16 +85,25 @@ class Solution:
 
 
 class GenerationEngine(Protocol):
-    """What a search needs of an engine: `generate` and the stats of its latest call
-    (decoding.Engine, or a scripted fake in the tests)."""
+    """What a search needs of an engine: a call it can await beside other calls, returning the
+    results and the call's share of the cost (decoding.Engine, or a scripted fake in the tests)."""
 
-    last_stats: DecodeStats
-
-    def generate(self, requests: list[GenRequest]) -> list[GenResult]: ...
+    async def agenerate(self, requests: list[GenRequest]) -> Completion: ...
 
 
 class Search(Protocol):
-    def solve(self, problem: Problem, engine: GenerationEngine) -> Solution: ...
+    async def solve(self, problem: Problem, engine: GenerationEngine) -> Solution: ...
+
+
+def run_sync(coro: Coroutine[object, object, T]) -> T:
+    """Run a search (or several) to the end from synchronous code, also where an event loop is
+    already running (a notebook cell), by running it on a loop of its own in a thread."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
 
 
 def request_seed(seed: int, *parts: object) -> int:
@@ -92,36 +113,41 @@ def request_seed(seed: int, *parts: object) -> int:
 
 
 class Step:
-    """Thought generation and state evaluation for one problem's tree: every batch of requests goes to
-    the engine in one call, its cost added to the phase's stats."""
+    """Thought generation and state evaluation for one problem's tree, each call's cost added to
+    its phase's stats."""
 
     def __init__(self, task: Task, gen: GenSettings, seed: int, problem: Problem, engine: GenerationEngine) -> None:
         self.task, self.gen, self.seed, self.problem, self.engine = task, gen, seed, problem, engine
         self.tree = ReasoningTree(problem.question)
         self.phases = {p: PhaseStats() for p in PHASES}
 
-    def expand(self, parents: list[tuple[int, int, str]], group: str | None = None) -> list[int]:
-        """Sample n thoughts from each (state, n, seed key) in one call, in the given group (default:
-        the thoughts of one state share a group). Returns the new nodes in request order."""
+    async def grow(self, parents: list[tuple[int, int, str]], eval_group: str, group: str | None = None) -> list[int]:
+        """Sample n thoughts from each (state, n, seed key), in `group` (default: the thoughts of one
+        state share a group), and value each thought (in `eval_group`) as soon as it is done.
+        Returns the new nodes in request order."""
         task, gen, tree, pid = self.task, self.gen, self.tree, self.problem.id
-        requests, of = [], []
+        thoughts = []
         for state, n, key in parents:
             prompt = task.generator_prompt(self.problem, tree.steps(state))
             for i in range(n):
                 seed = request_seed(self.seed, pid, state, *([key] if key else []), i)
-                requests.append(gen.request(prompt, group=group or f"{pid}/{state}", seed=seed))
-                of.append(state)
-        outputs = self._call(requests, "generate")
-        children = []
-        for parent, out in zip(of, outputs):
-            text = task.parse_thought(self.problem, tree.steps(parent), out.text)
-            child = tree.add(parent, text, raw=out.text, tokens=len(out.token_ids))
-            tree[child]["terminal"] = self.finished(child)
-            children.append(child)
-        return children
+                child = tree.add(state, "", raw="", tokens=0)  # its id fixed before anything runs
+                thoughts.append((child, gen.request(prompt, group=group or f"{pid}/{state}", seed=seed)))
+        await asyncio.gather(*(self._thought(child, request, eval_group) for child, request in thoughts))
+        return [child for child, _ in thoughts]
 
-    def evaluate(self, nodes: list[int], group: str) -> None:
-        """Value each node: the mean of task.n_evaluate evaluator samples, all nodes in one call."""
+    async def _thought(self, child: int, request: GenRequest, eval_group: str) -> None:
+        (out,) = await self._call([request], "generate")
+        steps = self.tree.steps(child)[:-1]
+        node = self.tree[child]
+        node.update(
+            text=self.task.parse_thought(self.problem, steps, out.text), raw=out.text, tokens=len(out.token_ids)
+        )
+        node["terminal"] = self.finished(child)
+        await self.evaluate([child], eval_group)
+
+    async def evaluate(self, nodes: list[int], group: str) -> None:
+        """Value each node: the mean of task.n_evaluate evaluator samples, all in one call."""
         task, pid, k = self.task, self.problem.id, self.task.n_evaluate
         requests = [
             self.gen.request(
@@ -134,7 +160,7 @@ class Step:
             for c in nodes
             for j in range(k)
         ]
-        outputs = self._call(requests, "evaluate")
+        outputs = await self._call(requests, "evaluate")
         for i, c in enumerate(nodes):
             texts = [o.text for o in outputs[i * k : (i + 1) * k]]
             self.tree[c]["value"] = sum(map(task.parse_value, texts)) / k
@@ -149,21 +175,18 @@ class Step:
         self.tree.mark_answer(best)
         return Solution(self.task.answer(self.problem, self.tree.steps(best)), self.tree, self.phases)
 
-    def _call(self, requests: list[GenRequest], phase: str) -> list[GenResult]:
-        stats = self.phases[phase]
-        t0 = time.perf_counter()
-        outputs = self.engine.generate(requests)
-        stats.wall_s += time.perf_counter() - t0
-        stats.decode += self.engine.last_stats
-        stats.calls += 1
-        return outputs
+    async def _call(self, requests: list[GenRequest], phase: str) -> list[GenResult]:
+        done = await self.engine.agenerate(requests)
+        self.phases[phase].decode += done.stats
+        self.phases[phase].calls += 1
+        return done.results
 
 
 class BFS:
     def __init__(self, task: Task, settings: BFSSettings, gen: GenSettings, seed: int) -> None:
         self.task, self.settings, self.gen, self.seed = task, settings, gen, seed
 
-    def solve(self, problem: Problem, engine: GenerationEngine) -> Solution:
+    async def solve(self, problem: Problem, engine: GenerationEngine) -> Solution:
         step = Step(self.task, self.gen, self.seed, problem, engine)
         tree = step.tree
         frontier = [tree.root]
@@ -173,8 +196,9 @@ class BFS:
             open_ = [s for s in frontier if s not in done]
             if not open_:
                 break
-            children = step.expand([(s, self.settings.n_thoughts, "") for s in open_])
-            step.evaluate(children, group=f"{problem.id}/d{depth}/eval")
+            children = await step.grow(
+                [(s, self.settings.n_thoughts, "") for s in open_], f"{problem.id}/d{depth}/eval"
+            )
             # Stable sort: among equal values the earlier thought wins, deterministically.
             frontier = sorted(done + children, key=lambda c: -tree[c]["value"])[: self.settings.breadth]
             for c in frontier:

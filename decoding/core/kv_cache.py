@@ -158,6 +158,36 @@ class RowKVCache:
                 v[row, :, dst] = v[row, :, src]
         self.lens[row] += len(new_indices)
 
+    def reserve(self, batch: int, capacity: int) -> None:
+        """Grow (never shrink) to at least `batch` rows of `capacity` positions, keeping what is
+        stored: a pool of rows that sequences join and leave (the new rows are empty)."""
+        if batch <= self.batch and capacity <= self.capacity:
+            return
+        batch, capacity = max(batch, self.batch), max(capacity, self.capacity)
+        b, c = self.batch, self.capacity
+
+        def grown(t: torch.Tensor) -> torch.Tensor:
+            if _by_position(t):
+                store = t.new_zeros(batch, t.shape[1], t.shape[3], capacity)
+                store[:b, :, :, :c] = t.transpose(2, 3)
+                return store.transpose(2, 3)
+            out = t.new_zeros(batch, t.shape[1], capacity, t.shape[3])
+            out[:b, :, :c] = t
+            return out
+
+        self.keys = [grown(k) for k in self.keys]
+        self.values = [grown(v) for v in self.values]
+        self.lens = torch.cat([self.lens, self.lens.new_zeros(batch - b)])
+        self._slots = None
+        self._rows = None
+
+    def copy_prefix(self, src: RowKVCache, src_row: int, rows: list[int], n: int) -> None:
+        """Rows `rows` become the first n committed positions of `src`'s row src_row."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.lens.device)
+        for dst, s in zip(self.keys + self.values, src.keys + src.values):
+            dst[index, :, :n] = s[src_row, :, :n]
+        self.lens[index] = n
+
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep (or repeat) rows: drop finished sequences, or fan one prefilled prompt out to n rows."""
         index = index.to(self.lens.device)

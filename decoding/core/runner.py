@@ -5,8 +5,10 @@ from __future__ import annotations
 import torch
 
 from decoding.core import attention, llama
+from decoding.core.draft_tree import DraftTree
 from decoding.core.kv_cache import RowKVCache
-from decoding.core.prefix_cache import PrefixCache, shared_len
+from decoding.core.packing import pack
+from decoding.core.prefix_cache import Match, PrefixCache, shared_len
 
 MIN_SHARED_PREFIX = 8  # shorter common prefixes are simply fed with each row
 
@@ -140,69 +142,110 @@ class ModelRunner:
         return out.logits
 
     def start(self, prompts: list[list[int]], capacity: int) -> tuple[RowKVCache, list[list[int]]]:
-        """A cache for the prompts and, per row, the tokens still to feed (`pending`).
+        """A cache for the prompts, row b = prompts[b], and per row the tokens still to feed; a row
+        then holds `capacity` positions past its prompt's fed part."""
+        cache = self.new_cache(0, 1)
+        return cache, self.admit(cache, list(range(len(prompts))), prompts, capacity - max(map(len, prompts)))
+
+    def admit(self, cache: RowKVCache, rows: list[int], prompts: list[list[int]], room: int) -> list[list[int]]:
+        """Put the prompts into cache rows `rows` (grown as needed, with `room` positions per row past
+        its prompt) and return, per row, the tokens still to feed: the last one only.
 
         ToT prompts share long prefixes: the n trajectories of a thought step have one prompt, the
         evaluator prompts of a step share the question and the path so far, and the next step's
-        prompts extend this step's prompts and thoughts. The prefix common to all prompts (all but
-        one token of it at least) is computed once and fanned out to every row, after the longest
-        part of it an earlier call stored; then each row takes the longest stored prefix of its own
-        prompt beyond that. What is left stays pending, fed with each row's first draft.
+        prompts extend this step's prompts and thoughts. The prefix common to the admitted prompts
+        (all but one token of it at least) is computed once, after the longest part of it stored
+        before; then each row takes the longest stored prefix of its own prompt beyond that, and
+        the rest is computed for all rows in one forward. So a row joins a running batch with one
+        pending token, like the rows already decoding.
+
+        With hidden-state capture (an EDD drafter reads the states of every prompt position) rows
+        take only the common prefix, the rest stays pending and is fed with each row's first draft
+        (then its states come back with the verdict); `start_hidden` holds the common prefix's.
         """
         shared = min(_common_prefix_len(prompts), min(len(p) for p in prompts) - 1)
         head = tuple(prompts[0][:shared])
         reused = self.prefixes.match(head)
-        reuse = reused.length
-        if shared < MIN_SHARED_PREFIX and not reuse:
+        if shared < MIN_SHARED_PREFIX and not reused.length:
             shared = 0
-        # A scheduler may verify a row's first draft (its whole pending part, left-padded) in one
-        # forward with rows already far along: every row's slots then span the widest pending part
-        # past the longest row, so the cache needs that much room beyond `capacity`.
-        capacity += max(len(p) for p in prompts) - shared
+        capture = self.hidden_layer is not None
+        longest = max(len(p) for p in prompts)
+        # Captured rows verify their first draft with the whole pending part, left-padded, beside
+        # rows far along: their slots then span the widest pending part past the longest row.
+        cache.reserve(max(rows) + 1, longest + room + (longest if capture else 1))
+        self.peak_cache_bytes = max(self.peak_cache_bytes, cache.nbytes)
+        done = self._admit_head(cache, rows, head[:shared], reused)
+        if not capture:
+            for row, p in zip(rows, prompts):
+                if len(p) - 1 > shared:
+                    own = self.prefixes.match(p[:-1])
+                    if own.length > shared:
+                        self.prefixes.restore(own, cache, row, shared, own.length)
+                        done[row] = own.length
+        pending = [list(p[done[row] :]) for row, p in zip(rows, prompts)]
+        self.prompt_tokens_computed += sum(len(p) for p in pending)
+        if not capture:
+            # One left-padded forward: a row's slots run to its stored length plus the widest part.
+            width = max(len(p) for p in pending)
+            cache.reserve(cache.batch, max(done.values()) + width)
+            self.peak_cache_bytes = max(self.peak_cache_bytes, cache.nbytes)
+            self._prefill(cache, rows, pending)
+            for row, p, rest in zip(rows, prompts, pending):
+                if len(rest) > 1:
+                    self.prefixes.store(tuple(p[:-1]), cache, row)
+            pending = [rest[-1:] for rest in pending]
+        return pending
+
+    def _admit_head(self, cache: RowKVCache, rows: list[int], head: tuple[int, ...], reused: Match) -> dict[int, int]:
+        """Rows `rows` start with `head`'s KV (computed once past its stored part); their lengths."""
         capture = self.hidden_layer is not None
         self.start_hidden = None
         if capture:
             self.start_hidden = torch.zeros(0, self.config.hidden_size, dtype=self.dtype, device=self.device)
-        if not shared:
-            cache = self.new_cache(len(prompts), capacity)
-        else:
-            cache = self.new_cache(1, capacity)
-            hidden = [self.prefixes.restore(reused, cache, 0, 0, reuse)] if reuse else []
-            rest = list(head[reuse:])
-            if rest:
-                causal = torch.ones(len(rest), len(rest), dtype=torch.bool).tril()[None]
-                self.forward(
-                    cache, torch.tensor([rest]), causal, torch.arange(len(rest))[None], logits_at=torch.tensor([0])
-                )
-                cache.advance(torch.tensor([len(rest)]))
-                if capture:
-                    hidden.append(self.last_hidden[0])  # type: ignore[index]
-                self.prefixes.store(head, cache, 0, torch.cat(hidden) if capture else None)
-                self.prompt_tokens_computed += len(rest)
+        if not head:
+            cache.lens[rows] = 0
+            return dict.fromkeys(rows, 0)
+        scratch = self.new_cache(1, len(head) + 1)
+        reuse = reused.length
+        hidden = [self.prefixes.restore(reused, scratch, 0, 0, reuse)] if reuse else []
+        rest = list(head[reuse:])
+        if rest:
+            causal = torch.ones(len(rest), len(rest), dtype=torch.bool).tril()[None]
+            self.forward(
+                scratch, torch.tensor([rest]), causal, torch.arange(len(rest))[None], logits_at=torch.tensor([0])
+            )
+            scratch.advance(torch.tensor([len(rest)]))
             if capture:
-                self.start_hidden = torch.cat(hidden) if hidden else self.start_hidden
-            cache.select_rows(torch.zeros(len(prompts), dtype=torch.long))
-        done = [shared] * len(prompts)
-        if not capture:  # (a drafter reading hidden states needs them for every prompt position)
-            for b, p in enumerate(prompts):
-                if len(p) - 1 <= shared:
-                    continue  # nothing of its own to look up (the n samples of one prompt)
-                own = self.prefixes.match(p[:-1])
-                if own.length > shared:
-                    self.prefixes.restore(own, cache, b, shared, own.length)
-                    done[b] = own.length
-        pending = [list(p[n:]) for p, n in zip(prompts, done)]
-        self.prompt_tokens_computed += sum(len(p) for p in pending)
-        return cache, pending
+                hidden.append(self.last_hidden[0])  # type: ignore[index]
+            self.prefixes.store(head, scratch, 0, torch.cat(hidden) if capture else None)
+            self.prompt_tokens_computed += len(rest)
+        if capture and hidden:
+            self.start_hidden = torch.cat(hidden)
+        cache.copy_prefix(scratch, 0, rows, len(head))
+        return dict.fromkeys(rows, len(head))
 
-    def remember(self, cache: RowKVCache, sequences: list[list[int]]) -> None:
-        """Store what a call's rows committed (prompt and generated tokens, row b = sequences[b])
-        for later prompts that extend them: the next step's prompts continue this step's thoughts."""
-        if self.hidden_layer is not None:
+    def _prefill(self, cache: RowKVCache, rows: list[int], pending: list[list[int]]) -> None:
+        """Compute every row's pending tokens but the last, all rows in one forward (left-padded)."""
+        todo = [(row, p[:-1]) for row, p in zip(rows, pending) if len(p) > 1]
+        if not todo:
             return
-        for b, tokens in enumerate(sequences):
-            n = int(cache.lens[b])
-            self.prefixes.store(tuple(tokens[:n]), cache, b)
+        packed = pack([p for _, p in todo], [DraftTree() for _ in todo])
+        self.forward(
+            cache,
+            packed.tokens,
+            packed.see,
+            packed.depth,
+            logits_at=torch.tensor([packed.n_pending - 1]),
+            rows=[row for row, _ in todo],
+        )
+        for b, (row, _) in enumerate(todo):
+            cache.keep(row, packed.committed(b, []))
+
+    def remember(self, cache: RowKVCache, row: int, tokens: list[int]) -> None:
+        """Store what a row committed (its prompt and generated tokens) for later prompts that extend
+        it: the next step's prompts continue this step's thoughts."""
+        if self.hidden_layer is None:
+            self.prefixes.store(tuple(tokens[: int(cache.lens[row])]), cache, row)
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:

@@ -117,6 +117,9 @@ class DecodeStats:
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
         return self
 
+    def __sub__(self, other: DecodeStats) -> DecodeStats:
+        return DecodeStats(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)})
+
     def to_dict(self) -> dict[str, float]:
         d: dict[str, float] = {f.name: getattr(self, f.name) for f in fields(self)}
         d["wall_s"] = self.wall_s

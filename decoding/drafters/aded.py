@@ -340,10 +340,10 @@ class AdedDrafter:
         self.matrices = Pools(
             options.scope, options.max_pools, lambda: TriGram(options.top_k, options.capacity, base=corpus)
         )
-        self.seqs: list[Sequence] = []
+        self.seqs: dict[int, Sequence] = {}
 
-    def start(self, seqs: list[Sequence], capacity: int) -> None:
-        self.seqs = seqs
+    def admit(self, rows: list[int], seqs: list[Sequence]) -> None:
+        self.seqs.update(zip(rows, seqs))
         if self.options.prime_with_prompt:
             for s in seqs:
                 self.matrices.prime(s.group, s.prompt)
@@ -365,8 +365,10 @@ class AdedDrafter:
                 seq = self.seqs[i]
                 self.matrices.get(seq.group).update(last_tokens(seq, v.kept + 2), self.options.update_weight)
 
-    def retain(self, rows: list[int]) -> None:
-        """Matrices are per group / problem / run, kept across calls: nothing per row to drop."""
+    def release(self, rows: list[int]) -> None:
+        """Matrices are per group / problem / run, kept across calls: only the rows' sequences go."""
+        for row in rows:
+            del self.seqs[row]
 
     def peak_cache_bytes(self) -> int:
         return 0  # no model, no KV cache

@@ -12,19 +12,20 @@ from decoding.core.verify import Verdict
 class Drafter(Protocol):
     """Proposes a draft tree per live sequence and learns from what the target accepted.
 
-    Rows are the indices of sequences in the list given to `start`; `draft` and `update` receive
-    the live rows in the order of the target cache's rows, and `retain` the rows that go on.
+    Rows are the target KV pool's rows: `admit` gives sequences their rows as they join the running
+    batch, `draft` and `update` receive some of the live rows, and `release` the rows whose
+    sequences left (a later `admit` may reuse them).
     """
 
     max_nodes: int
 
-    def start(self, seqs: list[Sequence], capacity: int) -> None: ...
+    def admit(self, rows: list[int], seqs: list[Sequence]) -> None: ...
 
     def draft(self, rows: list[int]) -> list[DraftTree]: ...
 
     def update(self, rows: list[int], verdicts: list[Verdict]) -> None: ...
 
-    def retain(self, rows: list[int]) -> None: ...
+    def release(self, rows: list[int]) -> None: ...
 
     def peak_cache_bytes(self) -> int:
         """The largest KV cache the drafter's own model has held (0 for model-free drafters)."""
@@ -36,7 +37,7 @@ class NoDrafter:
 
     max_nodes = 0
 
-    def start(self, seqs: list[Sequence], capacity: int) -> None:
+    def admit(self, rows: list[int], seqs: list[Sequence]) -> None:
         """No state: nothing to set up."""
 
     def draft(self, rows: list[int]) -> list[DraftTree]:
@@ -45,7 +46,7 @@ class NoDrafter:
     def update(self, rows: list[int], verdicts: list[Verdict]) -> None:
         """Nothing to learn."""
 
-    def retain(self, rows: list[int]) -> None:
+    def release(self, rows: list[int]) -> None:
         """No per-row state to drop."""
 
     def peak_cache_bytes(self) -> int:

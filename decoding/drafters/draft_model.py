@@ -51,17 +51,15 @@ class ModelDrafter:
         self.target = target
         self.policy = make_policy(options, self._measure_ratio)
         self.max_nodes = self.policy.max_nodes
-        self.seqs: list[Sequence] = []
+        self.seqs: dict[int, Sequence] = {}
+        self.cache = model.new_cache(0, 1)  # row i: the draft model's cache of the target's row i
         self.pending: dict[int, list[int]] = {}  # per row: tokens accepted but not in the draft cache
-        self.position: dict[int, int] = {}  # per row: its row in the draft cache
         self.drafted: dict[int, _Drafted] = {}
 
-    def start(self, seqs: list[Sequence], capacity: int) -> None:
-        self.seqs = seqs
-        self.cache, pending = self.model.start([s.prompt for s in seqs], capacity)
-        self.pending = dict(enumerate(pending))
-        self.position = {i: i for i in range(len(seqs))}
-        self.drafted = {}
+    def admit(self, rows: list[int], seqs: list[Sequence]) -> None:
+        self.seqs.update(zip(rows, seqs))
+        room = max(s.rule.max_new_tokens for s in seqs) + self.max_nodes + 1
+        self.pending.update(zip(rows, self.model.admit(self.cache, rows, [s.prompt for s in seqs], room)))
 
     def _measure_ratio(self, context: int = 64, repeats: int = 5) -> float:
         """PCT's s_d / s_t on this machine: one forward of each model of one token after `context`."""
@@ -78,8 +76,7 @@ class ModelDrafter:
         return self.model.peak_cache_bytes
 
     def _cache_rows(self, rows: list[int]) -> list[int] | None:
-        positions = [self.position[i] for i in rows]
-        return None if positions == list(range(self.cache.batch)) else positions
+        return None if rows == list(range(self.cache.batch)) else rows
 
     def draft(self, rows: list[int]) -> list[DraftTree]:
         """Trees for the given rows (any subset: a scheduler drafts the rows that wait to draft)."""
@@ -132,14 +129,12 @@ class ModelDrafter:
             # Accepted nodes the draft model computed form a prefix of the path (the shallower
             # levels). A path from another drafter (a grafted tree) keeps none of them.
             computed = [n for n in v.path if n in drafted.slots]
-            pos = self.position[i]
-            self.cache.keep(pos, drafted.pending_cols + [drafted.slots[n] for n in computed])
+            self.cache.keep(i, drafted.pending_cols + [drafted.slots[n] for n in computed])
             # Everything committed that the draft cache lacks is fed next time.
-            self.pending[i] = (seq.prompt + seq.generated)[int(self.cache.lens[pos]) :]
+            self.pending[i] = (seq.prompt + seq.generated)[int(self.cache.lens[i]) :]
 
-    def retain(self, rows: list[int]) -> None:
-        """Drop every other row from the draft cache (a finished sequence costs nothing more)."""
-        order = sorted(rows, key=self.position.__getitem__)
-        self.cache.select_rows(torch.tensor([self.position[i] for i in order], dtype=torch.long))
-        self.position = {i: pos for pos, i in enumerate(order)}
-        self.pending = {i: self.pending[i] for i in order}
+    def release(self, rows: list[int]) -> None:
+        """A left row's cache row is simply admitted again later: nothing is copied."""
+        for i in rows:
+            del self.seqs[i], self.pending[i]
+            self.drafted.pop(i, None)

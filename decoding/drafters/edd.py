@@ -52,10 +52,10 @@ class EddDrafter:
         self.max_nodes = self.policy.max_nodes
         self.vocab_size = int(edd.shared[1].weight.shape[0])
         target.capture_hidden(edd.config.layer)
-        self.seqs: list[Sequence] = []
+        self.seqs: dict[int, Sequence] = {}
         self.known: dict[int, int] = {}
         self.queue: dict[int, list[torch.Tensor]] = {}
-        self.position: dict[int, int] = {}
+        self.cache = edd.new_cache(0, 1)  # row i: the soft prompt of the target's row i
 
     def _measure_ratio(self, context: int = 64, repeats: int = 5) -> float:
         """PCT's s_d / s_t here: one EDD forward (one token after a soft prompt of `context`) against
@@ -74,26 +74,28 @@ class EddDrafter:
     def peak_cache_bytes(self) -> int:
         return 0  # the soft prompt's cache is one layer's: not counted beside the target's
 
-    def start(self, seqs: list[Sequence], capacity: int) -> None:
-        self.seqs = seqs
+    def admit(self, rows: list[int], seqs: list[Sequence]) -> None:
+        """The rows' soft prompts start with the hidden states of the prefix the target's admission
+        shared (`start_hidden`); the rest of each prompt comes with its first verdict."""
+        self.seqs.update(zip(rows, seqs))
         if self.base_vocab is not None:
-            self.vocab_set, self.vocab = set(self.base_vocab.tolist()), None
             self._extend_vocab(t for s in seqs for t in s.prompt)
         head = self.target.start_hidden
         n = 0 if head is None else len(head)
+        capacity = max(len(s.prompt) + s.rule.max_new_tokens for s in seqs) + self.max_nodes + 1
         # The soft prompt (<= capacity) plus one draft's uncommitted slots: pads, queue, block, tree.
-        room = 2 * capacity + self.edd.config.max_block + self.max_nodes
+        self.cache.reserve(max(rows) + 1, 2 * capacity + self.edd.config.max_block + self.max_nodes)
         if n:
-            self.cache = self.edd.new_cache(1, room)
+            scratch = self.edd.new_cache(1, n)
             causal = torch.ones(n, n, dtype=torch.bool).tril()[None]
-            self.edd.step(self.cache, head[None], causal, torch.arange(n)[None], torch.zeros(0, dtype=torch.long))
-            self.cache.advance(torch.tensor([n]))
-            self.cache.select_rows(torch.zeros(len(seqs), dtype=torch.long))
+            self.edd.step(scratch, head[None], causal, torch.arange(n)[None], torch.zeros(0, dtype=torch.long))
+            scratch.advance(torch.tensor([n]))
+            self.cache.copy_prefix(scratch, 0, rows, n)
         else:
-            self.cache = self.edd.new_cache(len(seqs), room)
-        self.known = dict.fromkeys(range(len(seqs)), n)
-        self.queue = {i: [] for i in range(len(seqs))}
-        self.position = {i: i for i in range(len(seqs))}
+            self.cache.lens[rows] = 0
+        for row in rows:
+            self.known[row] = n
+            self.queue[row] = []
 
     def _extend_vocab(self, tokens: Iterable[int]) -> None:
         """Add `tokens` to the draft vocabulary (and the head's rows for it) if any are new."""
@@ -140,7 +142,7 @@ class EddDrafter:
             embeds[b, pad + k[b] :] = edd.embed(torch.tensor(block))
             see[b, pad:, pad:] = torch.ones(width - pad, width - pad, dtype=torch.bool).tril()
             depth[b, pad:] = torch.arange(width - pad)
-        positions = [self.position[i] for _, i, _, _ in active]
+        positions = [i for _, i, _, _ in active]
         cache_rows = None if positions == list(range(self.cache.batch)) else positions
         logits = edd.step(
             self.cache, embeds, see, depth, torch.tensor([width - 1]), rows=cache_rows, head_rows=self.head_rows
@@ -165,7 +167,7 @@ class EddDrafter:
         # The queued hidden states join the soft prompt; the block and the tree never do.
         for b, (_, i, _, _) in enumerate(active):
             if k[b]:
-                self.cache.keep(self.position[i], list(range(pads[b], pads[b] + k[b])))
+                self.cache.keep(i, list(range(pads[b], pads[b] + k[b])))
             self.queue[i] = []
         return [g.tree for g in growths]
 
@@ -178,11 +180,9 @@ class EddDrafter:
             self.queue[i].append(v.hidden)
             self.known[i] += len(v.hidden)
 
-    def retain(self, rows: list[int]) -> None:
-        """Drop every other row from the EDD cache."""
-        order = sorted(rows, key=self.position.__getitem__)
-        self.cache.select_rows(torch.tensor([self.position[i] for i in order], dtype=torch.long))
-        self.position = {i: pos for pos, i in enumerate(order)}
+    def release(self, rows: list[int]) -> None:
+        for i in rows:
+            del self.seqs[i], self.known[i], self.queue[i]
 
 
 def _dists(

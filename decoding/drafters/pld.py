@@ -39,10 +39,10 @@ class PLDDrafter:
     def __init__(self, options: PLDOptions) -> None:
         self.options = options
         self.max_nodes = options.num_draft
-        self.seqs: list[Sequence] = []
+        self.seqs: dict[int, Sequence] = {}
 
-    def start(self, seqs: list[Sequence], capacity: int) -> None:
-        self.seqs = seqs
+    def admit(self, rows: list[int], seqs: list[Sequence]) -> None:
+        self.seqs.update(zip(rows, seqs))
 
     def draft(self, rows: list[int]) -> list[DraftTree]:
         trees = []
@@ -59,8 +59,9 @@ class PLDDrafter:
     def update(self, rows: list[int], verdicts: list[Verdict]) -> None:
         """Nothing to learn: drafts come from each sequence's own context."""
 
-    def retain(self, rows: list[int]) -> None:
-        """No per-row state to drop."""
+    def release(self, rows: list[int]) -> None:
+        for row in rows:
+            del self.seqs[row]
 
     def peak_cache_bytes(self) -> int:
         return 0  # no model, no KV cache

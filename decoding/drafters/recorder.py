@@ -32,12 +32,11 @@ class CalibrationRecorder:
         self.draft_s = 0.0
         self.levels = 0  # draft levels over all calls (the deepest tree of a call: levels are batched)
         self.trees: dict[int, tuple[DraftTree, int]] = {}
-        self.seqs: list[Sequence] = []
+        self.seqs: dict[int, Sequence] = {}
 
-    def start(self, seqs: list[Sequence], capacity: int) -> None:
-        self.seqs = seqs
-        self.trees = {}
-        self.inner.start(seqs, capacity)
+    def admit(self, rows: list[int], seqs: list[Sequence]) -> None:
+        self.seqs.update(zip(rows, seqs))
+        self.inner.admit(rows, seqs)
 
     def draft(self, rows: list[int]) -> list[DraftTree]:
         rooms = [self.seqs[i].room for i in rows]
@@ -60,8 +59,11 @@ class CalibrationRecorder:
             self.steps += 1
         self.inner.update(rows, verdicts)
 
-    def retain(self, rows: list[int]) -> None:
-        self.inner.retain(rows)
+    def release(self, rows: list[int]) -> None:
+        for row in rows:
+            del self.seqs[row]
+            self.trees.pop(row, None)
+        self.inner.release(rows)
 
     def peak_cache_bytes(self) -> int:
         return self.inner.peak_cache_bytes()

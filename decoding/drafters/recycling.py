@@ -33,10 +33,10 @@ class RecyclingDrafter:
         self.tree = tree
         self.max_nodes = len(tree)
         self.successors: dict[int, list[int]] = {}
-        self.seqs: list[Sequence] = []
+        self.seqs: dict[int, Sequence] = {}
 
-    def start(self, seqs: list[Sequence], capacity: int) -> None:
-        self.seqs = seqs
+    def admit(self, rows: list[int], seqs: list[Sequence]) -> None:
+        self.seqs.update(zip(rows, seqs))
 
     def draft(self, rows: list[int]) -> list[DraftTree]:
         return [self._draft(self.seqs[i]) for i in rows]
@@ -64,8 +64,10 @@ class RecyclingDrafter:
             for j, succ in enumerate(top):
                 self.successors[full[base + j - 1]] = succ
 
-    def retain(self, rows: list[int]) -> None:
-        """The successor table is shared by all rows: nothing per row to drop."""
+    def release(self, rows: list[int]) -> None:
+        """The successor table is shared by all rows: only the rows' sequences go."""
+        for row in rows:
+            del self.seqs[row]
 
     def peak_cache_bytes(self) -> int:
         return 0  # no model, no KV cache

@@ -84,14 +84,14 @@ class StandDrafter:
         self.vocab_size = vocab_size
         self.max_nodes = len(tree)
         self.pools = Pools(options.scope, options.max_pools, lambda: LogitNGram(top=TOP, capacity=options.capacity))
-        self.seqs: list[Sequence] = []
+        self.seqs: dict[int, Sequence] = {}
         self.noise: dict[int, GumbelNoise] = {}
 
-    def start(self, seqs: list[Sequence], capacity: int) -> None:
-        self.seqs = seqs
-        self.noise = {}
-        if self.options.prime_with_prompt:
-            for s in seqs:
+    def admit(self, rows: list[int], seqs: list[Sequence]) -> None:
+        for row, s in zip(rows, seqs):
+            self.seqs[row] = s
+            self.noise.pop(row, None)
+            if self.options.prime_with_prompt:
                 self.pools.prime(s.group, s.prompt)
 
     def draft(self, rows: list[int]) -> list[DraftTree]:
@@ -153,8 +153,11 @@ class StandDrafter:
             for j in range(len(at)):
                 pool.add(full[max(0, base + j - pool.max_n) : base + j], ids[j], probs[j])
 
-    def retain(self, rows: list[int]) -> None:
-        """Pools are per group, kept across calls: nothing per row to drop."""
+    def release(self, rows: list[int]) -> None:
+        """Pools are per group, kept across calls: only the rows' sequences and noise go."""
+        for row in rows:
+            del self.seqs[row]
+            self.noise.pop(row, None)
 
     def peak_cache_bytes(self) -> int:
         return 0  # no model, no KV cache

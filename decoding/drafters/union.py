@@ -24,9 +24,9 @@ class UnionDrafter:
         self.max_nodes = sum(d.max_nodes for d in drafters)
         self.where: dict[int, tuple[list[DraftTree], list[list[int]]]] = {}
 
-    def start(self, seqs: list[Sequence], capacity: int) -> None:
+    def admit(self, rows: list[int], seqs: list[Sequence]) -> None:
         for d in self.drafters:
-            d.start(seqs, capacity)
+            d.admit(rows, seqs)
 
     def draft(self, rows: list[int]) -> list[DraftTree]:
         per_drafter = [d.draft(rows) for d in self.drafters]
@@ -61,9 +61,9 @@ class UnionDrafter:
         # stops at the path's end; `kept` still locates the committed tokens).
         return replace(v, tree=trees[k], path=own_path, probs=probs, logits=logits)
 
-    def retain(self, rows: list[int]) -> None:
+    def release(self, rows: list[int]) -> None:
         for d in self.drafters:
-            d.retain(rows)
+            d.release(rows)
 
     def peak_cache_bytes(self) -> int:
         return sum(d.peak_cache_bytes() for d in self.drafters)

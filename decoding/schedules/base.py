@@ -1,10 +1,9 @@
-"""What every schedule shares: the `Decoder` protocol, setting up a call's caches, and one
+"""What every schedule shares: the `Decoder` protocol, running sequences to the end, and one
 verify-and-commit step (verification and acceptance are the core's, so every schedule is lossless)."""
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -21,12 +20,39 @@ from decoding.drafters.base import Drafter
 
 
 class Decoder(Protocol):
-    """Decodes sequences in place (fills `generated` and `reason`) and reports the call's cost."""
+    """Decodes sequences that join between steps (continuous batching) and reports what it cost.
+
+    `admit` queues sequences; each `step` (one target forward, more or less) advances the live ones
+    and returns those that stopped (`generated` and `reason` filled in place); `busy` says whether
+    any is queued or live. `stats` holds the running totals of every step: time, forwards, rows,
+    prompt tokens (token counts live in each sequence's own stats). `run` is the synchronous
+    convenience: admit, step until idle, the call's cost.
+    """
 
     name: str
     drafter: Drafter
+    stats: DecodeStats
+
+    @property
+    def busy(self) -> bool: ...
+
+    @property
+    def live(self) -> int: ...
+
+    def admit(self, seqs: list[Sequence]) -> None: ...
+
+    def step(self) -> list[Sequence]: ...
 
     def run(self, seqs: list[Sequence]) -> DecodeStats: ...
+
+
+def run_to_end(decoder: Decoder, seqs: list[Sequence]) -> DecodeStats:
+    """Decode `seqs` (and whatever else the decoder has live) until idle; their cost."""
+    before = replace(decoder.stats)
+    decoder.admit(seqs)
+    while decoder.busy:
+        decoder.step()
+    return add_sequence_totals(decoder.stats - before, seqs)
 
 
 # verify.max_tokens=auto on a CPU: there a forward's cost grows with the tokens it scores (8 rows x
@@ -66,53 +92,35 @@ def cut_to_budget(trees: list[DraftTree], budget: int | None) -> list[DraftTree]
     return [t.prefix(nodes) for t in trees]
 
 
-def begin(
-    target: ModelRunner, drafter: Drafter, seqs: list[Sequence], stats: DecodeStats
-) -> tuple[RowKVCache, list[list[int]]]:
-    """Caches for a set of sequences (the target's, the drafter's) and each one's pending tokens."""
-    t0 = time.perf_counter()
-    capacity = max(len(s.prompt) + s.rule.max_new_tokens for s in seqs) + drafter.max_nodes + 1
-    computed = target.prompt_tokens_computed
-    cache, pending = target.start([s.prompt for s in seqs], capacity)
-    stats.prompt_tokens += sum(len(s.prompt) for s in seqs)
-    stats.prompt_tokens_computed += target.prompt_tokens_computed - computed
-    stats.verify_s += time.perf_counter() - t0
-    t0 = time.perf_counter()
-    drafter.start(seqs, capacity)
-    stats.draft_s += time.perf_counter() - t0
-    return cache, pending
-
-
 def verify_and_commit(
     target: ModelRunner,
     tokenizer: Detokenizer,
     cache: RowKVCache,
-    seqs: list[Sequence],
+    seqs: dict[int, Sequence],
     rows: list[int],
-    cache_rows: list[int],
     trees: list[DraftTree],
-    pending: list[list[int]],
+    pending: dict[int, list[int]],
     budget: int | None = None,
 ) -> list[Verdict]:
-    """Verify the trees of sequences `rows` (held in cache rows `cache_rows`) in one forward, cut to
-    `budget` tree tokens in all (cut_to_budget), and commit what each accepted: tokens to the
-    sequence, the accepted path to the cache."""
+    """Verify the trees of the sequences in cache rows `rows` in one forward, cut to `budget` tree
+    tokens in all (cut_to_budget), and commit what each accepted: tokens to the sequence, the
+    accepted path to the cache."""
     trees = cut_to_budget(trees, budget)
     packed, verdicts = verify(
         target,
         cache,
-        [pending[i] for i in rows],
+        [pending[r] for r in rows],
         trees,
-        [seqs[i].params for i in rows],
-        [seqs[i].generator for i in rows],
-        rows=None if cache_rows == list(range(cache.batch)) else cache_rows,
+        [seqs[r].params for r in rows],
+        [seqs[r].generator for r in rows],
+        rows=None if rows == list(range(cache.batch)) else rows,
     )
-    for b, (i, pos, v) in enumerate(zip(rows, cache_rows, verdicts)):
-        s = seqs[i]
+    for b, (r, v) in enumerate(zip(rows, verdicts)):
+        s = seqs[r]
         v.kept = s.commit(v.tokens, tokenizer, drafted=len(v.tree), accepted=len(v.path))
         if not s.done:
-            cache.keep(pos, packed.committed(b, v.path))
-            pending[i] = [v.token]
+            cache.keep(r, packed.committed(b, v.path))
+            pending[r] = [v.token]
     return verdicts
 
 

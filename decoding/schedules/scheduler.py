@@ -1,0 +1,312 @@
+"""The one decode loop of every token-level decoder: continuous batching in SEED's rounds.
+
+Sequences join the running batch between target forwards (`admit`, then each `step` gives waiting
+sequences a row of the KV pool) and leave it when they stop, freeing their row for the next one
+without copying any other row. Every step is a round of SEED's Algorithm 1: the rows waiting to
+draft draft (one batched drafter call), their drafts join a first-come-first-served verify queue,
+and up to `verify_batch` queued drafts are verified in one target forward (all of them by default:
+`ar`, `stand`, ...; 8 for `seed` / `seed_stand`); a verified row goes back to drafting. With
+`overlap` a thread drafts beside the verifier, as SEED's parallel draft processes do.
+
+Autoregressive decoding is the case of an empty tree: the target scores the pending token and the
+"bonus" token it samples is the next token. Verification and acceptance are the core's
+(decoding/core/verify.py), so every schedule is lossless.
+"""
+
+from __future__ import annotations
+
+import heapq
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Literal
+
+from decoding.core.draft_tree import DraftTree
+from decoding.core.runner import ModelRunner
+from decoding.core.sequence import Sequence
+from decoding.core.stopping import Detokenizer
+from decoding.core.values import DecodeStats
+from decoding.core.verify import Verdict
+from decoding.drafters.base import Drafter
+from decoding.schedules.base import VerifyOptions, run_to_end, verify_and_commit
+
+State = Literal["drafting", "queued", "verifying"]
+
+
+@dataclass
+class _Queued:
+    row: int
+    tree: DraftTree
+    since: float
+
+
+@dataclass
+class Rounds:
+    """Algorithm 1's draft label map and FCFS verify queue, safe to share between two threads.
+
+    Each live row is in exactly one state: drafting (the drafter may draft it), queued (its draft
+    waits for the target), or verifying. A row drafts again only after its draft was verified, and
+    the queue is served in arrival order, so none is starved. The drafter hears of rows that
+    arrived, verdicts and rows that left when it next drafts (in its own thread with `overlap`);
+    a left row is free for a new sequence once the drafter has let it go.
+    """
+
+    state: dict[int, State] = field(default_factory=dict)
+    queue: deque[_Queued] = field(default_factory=deque)
+    arrivals: list[int] = field(default_factory=list)  # admitted rows the drafter has not seen
+    verdicts: dict[int, Verdict] = field(default_factory=dict)  # verified, not yet seen by the drafter
+    gone: list[int] = field(default_factory=list)  # rows that left, not yet released by the drafter
+    free: list[int] = field(default_factory=list)  # a heap: rows to admit into, lowest first
+    size: int = 0  # rows the pool has handed out so far
+    cond: threading.Condition = field(default_factory=threading.Condition)
+    log: list[tuple[str, int]] = field(default_factory=list)  # (event, row), for tests
+
+    @property
+    def finished(self) -> bool:
+        """No live row and nothing left for the drafter to hear."""
+        return not (self.state or self.arrivals or self.verdicts or self.gone)
+
+    def take_row(self) -> int:
+        with self.cond:
+            if self.free:
+                return heapq.heappop(self.free)
+            self.size += 1
+            return self.size - 1
+
+    def arrive(self, rows: list[int]) -> None:
+        with self.cond:
+            for row in rows:
+                self.state[row] = "drafting"
+                self.log.append(("admitted", row))
+            self.arrivals.extend(rows)
+            self.cond.notify_all()
+
+    def take_drafting(self, wait: bool) -> tuple[list[int], list[int], dict[int, Verdict], list[int]]:
+        """(arrived rows, rows to draft, verdicts, left rows) the drafter has not seen; blocks
+        until there is something if `wait`."""
+        with self.cond:
+            while wait and not self.finished and not self._for_drafter():
+                self.cond.wait()
+            arrivals, verdicts, gone = self.arrivals, self.verdicts, self.gone
+            self.arrivals, self.verdicts, self.gone = [], {}, []
+            rows = [r for r, s in self.state.items() if s == "drafting"]
+            return arrivals, rows, verdicts, gone
+
+    def _for_drafter(self) -> bool:
+        return bool(self.arrivals or self.verdicts or self.gone) or "drafting" in self.state.values()
+
+    def enqueue(self, rows: list[int], trees: list[DraftTree]) -> None:
+        now = time.perf_counter()
+        with self.cond:
+            for row, tree in zip(rows, trees):
+                assert self.state[row] == "drafting", f"row {row} drafted while {self.state[row]}"
+                self.state[row] = "queued"
+                self.queue.append(_Queued(row, tree, now))
+                self.log.append(("queued", row))
+            self.cond.notify_all()
+
+    def take_queued(self, k: int | None, wait: bool) -> list[_Queued]:
+        """Up to k drafts (None: all) from the front of the queue (blocks until one is there if `wait`)."""
+        with self.cond:
+            while wait and not self.queue and self.state:
+                self.cond.wait()
+            n = len(self.queue) if k is None else min(k, len(self.queue))
+            batch = [self.queue.popleft() for _ in range(n)]
+            for q in batch:
+                assert self.state[q.row] == "queued"
+                self.state[q.row] = "verifying"
+                self.log.append(("verifying", q.row))
+            return batch
+
+    def verified(self, rows: list[int], verdicts: list[Verdict], done: list[bool]) -> None:
+        with self.cond:
+            for row, v, d in zip(rows, verdicts, done):
+                assert self.state[row] == "verifying"
+                self.verdicts[row] = v
+                if d:
+                    del self.state[row]
+                    self.gone.append(row)
+                else:
+                    self.state[row] = "drafting"
+                self.log.append(("done" if d else "drafting", row))
+            self.cond.notify_all()
+
+    def released(self, rows: list[int]) -> None:
+        with self.cond:
+            for row in rows:
+                heapq.heappush(self.free, row)
+
+    def fail(self) -> None:
+        """Wake and stop everyone: the drafter thread failed."""
+        with self.cond:
+            self.state.clear()
+            self.queue.clear()
+            self.arrivals, self.verdicts, self.gone = [], {}, []
+            self.cond.notify_all()
+
+
+class Scheduler:
+    """Decodes sequences that come and go, in rounds of draft-then-verify.
+
+    verify_batch: queued drafts verified per target forward (None: all of them).
+    overlap: draft in a thread while the target verifies.
+    max_live: sequences decoding at once (1: one at a time, as SEED's SD / MCSD baselines run).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        target: ModelRunner,
+        tokenizer: Detokenizer,
+        drafter: Drafter,
+        verify_batch: int | None = None,
+        overlap: bool = False,
+        max_live: int | None = None,
+        verify: VerifyOptions | None = None,  # None: no cap on a forward's tokens
+    ) -> None:
+        self.name = name
+        self.target = target
+        self.tokenizer = tokenizer
+        self.drafter = drafter
+        self.verify_batch = verify_batch
+        self.overlap = overlap
+        self.max_live = max_live
+        self.budget = None if verify is None else verify.budget(target.device)
+        self.cache = target.new_cache(0, 1)  # the KV pool: row r holds live sequence seqs[r]
+        self.seqs: dict[int, Sequence] = {}
+        self.pending: dict[int, list[int]] = {}
+        self.waiting: deque[Sequence] = deque()
+        self.rounds = Rounds()
+        self.stats = DecodeStats()  # running totals over every step (tokens are counted per call)
+        self._thread: threading.Thread | None = None
+        self._thread_running = False
+        self._failure: list[BaseException] = []
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.seqs or self.waiting)
+
+    @property
+    def live(self) -> int:
+        return len(self.seqs)
+
+    def admit(self, seqs: list[Sequence]) -> None:
+        """Queue sequences: they take rows at the start of the next step."""
+        self.waiting.extend(seqs)
+
+    def run(self, seqs: list[Sequence]) -> DecodeStats:
+        return run_to_end(self, seqs)
+
+    def step(self) -> list[Sequence]:
+        """Admit waiting sequences, draft, verify one batch of queued drafts; the sequences that stopped."""
+        forwards, rows = self.target.forwards, self.target.rows
+        self._fill()
+        finished: list[Sequence] = []
+        if self.overlap:
+            self._ensure_drafting_thread()
+        if not self.overlap:
+            self._draft_once(wait=False)
+        batch = self.rounds.take_queued(self.verify_batch, wait=self.overlap)
+        if self._failure:
+            raise self._failure[0]
+        if batch:
+            finished = self._verify(batch)
+        if not self.overlap:
+            self._draft_once(wait=False, draft=False)  # the verdicts, for drafters that learn; free rows
+        elif not self.busy and self._thread is not None:
+            self._thread.join()  # it ends once the drafter has heard everything
+            self._thread = None
+            if self._failure:
+                raise self._failure[0]
+        self.stats.target_forwards += self.target.forwards - forwards
+        self.stats.target_rows += self.target.rows - rows
+        return finished
+
+    def _fill(self) -> None:
+        room = len(self.waiting) if self.max_live is None else self.max_live - len(self.seqs)
+        new = [self.waiting.popleft() for _ in range(max(0, min(room, len(self.waiting))))]
+        if not new:
+            return
+        t0 = time.perf_counter()
+        rows = [self.rounds.take_row() for _ in new]
+        computed = self.target.prompt_tokens_computed
+        room = max(s.rule.max_new_tokens for s in new) + self.drafter.max_nodes + 1
+        pending = self.target.admit(self.cache, rows, [s.prompt for s in new], room)
+        self.stats.prompt_tokens += sum(len(s.prompt) for s in new)
+        self.stats.prompt_tokens_computed += self.target.prompt_tokens_computed - computed
+        self.seqs.update(zip(rows, new))
+        self.pending.update(zip(rows, pending))
+        self.rounds.arrive(rows)
+        self.stats.verify_s += time.perf_counter() - t0
+
+    def _ensure_drafting_thread(self) -> None:
+        # The thread ends once the drafter has heard everything and no row is live; it decides so
+        # under the rounds' lock, so rows admitted before this check are never left undrafted.
+        with self.rounds.cond:
+            if self._thread is not None and self._thread_running:
+                return
+            self._thread_running = True
+        if self._thread is not None:
+            self._thread.join()
+        self._thread = threading.Thread(target=self._draft_loop, daemon=True)
+        self._thread.start()
+
+    def _draft_loop(self) -> None:
+        try:
+            while True:
+                self._draft_once(wait=True)
+                with self.rounds.cond:
+                    if self.rounds.finished:
+                        self._thread_running = False
+                        return
+        except BaseException as e:  # surfaced in the verifying thread
+            self._failure.append(e)
+            with self.rounds.cond:
+                self._thread_running = False
+            self.rounds.fail()
+
+    def _draft_once(self, wait: bool, draft: bool = True) -> None:
+        arrivals, rows, verdicts, gone = self.rounds.take_drafting(wait)
+        if not draft:
+            rows = []
+        t0 = time.perf_counter()
+        if arrivals:
+            self.drafter.admit(arrivals, [self.seqs[r] for r in arrivals])
+        if verdicts:
+            # The drafter learns what was accepted before it drafts those rows again.
+            self.drafter.update(list(verdicts), list(verdicts.values()))
+        if gone:
+            self.drafter.release(gone)
+            self.rounds.released(gone)
+        if rows:
+            trees = self.drafter.draft(rows)
+            assert all(len(t) <= self.drafter.max_nodes for t in trees), "a tree exceeds the drafter's max_nodes"
+            self.stats.draft_calls += 1
+            self.stats.drafted_rows += len(rows)
+        self.stats.draft_s += time.perf_counter() - t0
+        if rows:
+            self.rounds.enqueue(rows, trees)
+
+    def _verify(self, batch: list[_Queued]) -> list[Sequence]:
+        t0 = time.perf_counter()
+        rows = [q.row for q in batch]
+        self.stats.queue_wait_s += sum(t0 - q.since for q in batch)
+        self.stats.verified_drafts += len(batch)
+        trees = [q.tree for q in batch]
+        verdicts = verify_and_commit(
+            self.target, self.tokenizer, self.cache, self.seqs, rows, trees, self.pending, self.budget
+        )
+        t1 = time.perf_counter()
+        finished = []
+        for row in rows:
+            s = self.seqs[row]
+            if s.done:
+                # What it committed stays for later prompts that extend it (the next step's thoughts).
+                self.target.remember(self.cache, row, s.prompt + s.generated)
+                finished.append(self.seqs.pop(row))
+                del self.pending[row]
+        self.rounds.verified(rows, verdicts, [self.seqs.get(r) is None for r in rows])
+        self.stats.verify_s += t1 - t0
+        self.stats.other_s += time.perf_counter() - t1
+        return finished

@@ -1,0 +1,130 @@
+"""Continuous batching: sequences join the running batch between forwards and leave it when they
+stop, for every decoder; awaited calls share one engine; searches over it give the same trees
+however many problems run at once."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from test_decoders import EOS_ID, encode, reference_greedy
+
+from decoding.config import DecoderConfig
+from decoding.core.models import ModelSpec
+from decoding.core.values import GenRequest
+from decoding.decoders import DECODERS
+from decoding.engine import Engine, apportion
+from tasks.base import Problem
+from tasks.gsm8k import GSM8K
+from tot.search import BFS, BFSSettings, GenSettings, run_sync
+
+SPECS = [
+    ("the cat", 18),
+    ("hello world and more", 6),
+    ("a", 25),
+    ("the cat", 9),
+    ("once upon a time", 12),
+    ("the dog sat on the mat", 20),
+    ("hello world and more", 14),
+]
+
+
+def engine_for(name: str, loaded, perturbed) -> Engine:
+    draft = perturbed if DECODERS[name].draft_model == "required" else None
+    return Engine(loaded, DecoderConfig(name, draft=ModelSpec(key="draft") if draft else None), draft)
+
+
+@pytest.mark.parametrize("name", list(DECODERS))
+def test_rows_join_and_leave_mid_decode(name, tiny_model, tokenizer, loaded, perturbed):
+    """Sequences admitted while others decode, into rows that finished sequences left, come out as
+    `transformers` greedy decoding gives them (the default verify budget cuts the trees too)."""
+    refs = [reference_greedy(tiny_model, encode(tokenizer, p), m, {EOS_ID}) for p, m in SPECS]
+    engine = engine_for(name, loaded, perturbed)
+    decoder = engine.decoder
+    seqs = [engine._sequence(GenRequest(p, max_new_tokens=m)) for p, m in SPECS]
+    arrivals = {0: seqs[:2], 2: seqs[2:4], 4: seqs[4:5], 9: seqs[5:]}
+    joined_mid_decode, finished, step = 0, [], 0
+    while decoder.busy or step <= max(arrivals):
+        if step in arrivals:
+            joined_mid_decode += decoder.live > 0
+            decoder.admit(arrivals[step])
+        finished += decoder.step() if decoder.busy else []
+        step += 1
+    assert [s.generated for s in seqs] == refs
+    assert sorted(map(id, finished)) == sorted(map(id, seqs))  # each reported once, when it stopped
+    if name != "hf":  # (hf decodes each sequence whole within one step)
+        assert joined_mid_decode >= 2
+        log = decoder.rounds.log
+        reused = [r for i, (e, r) in enumerate(log) if e == "admitted" and ("done", r) in log[:i]]
+        assert reused, "no row was reused after its sequence left"
+        assert decoder.rounds.size < len(seqs)  # the pool holds fewer rows than sequences seen
+
+
+@pytest.mark.parametrize("name", ["ar", "seed_stand", "sd"])
+def test_awaited_calls_share_the_engine(name, tiny_model, tokenizer, loaded, perturbed):
+    """Two callers submit one request after another; each call joins while the other's decode:
+    greedy outputs are `transformers`', and the calls' cost shares add up to the engine's."""
+    refs = [reference_greedy(tiny_model, encode(tokenizer, p), m, {EOS_ID}) for p, m in SPECS]
+    engine = engine_for(name, loaded, perturbed)
+    forwards, rows = engine.target.forwards, engine.target.rows
+
+    async def chain(specs):
+        return [await engine.agenerate([GenRequest(p, max_new_tokens=m)]) for p, m in specs]
+
+    async def both():
+        return await asyncio.gather(chain(SPECS[:4]), chain(SPECS[4:]))
+
+    first, second = run_sync(both())
+    done = first + second
+    assert [c.results[0].token_ids for c in done] == refs
+    shares = sum((c.stats.target_forwards for c in done), 0)
+    assert shares == engine.target.forwards - forwards
+    assert sum(c.stats.target_rows for c in done) == engine.target.rows - rows
+    assert sum(c.stats.generated_tokens for c in done) == sum(map(len, refs))
+    assert engine.total_stats.target_forwards == shares
+    # The synchronous call works on the same engine once the awaited ones are done.
+    assert engine.generate([GenRequest("the cat", max_new_tokens=18)])[0].token_ids == refs[0]
+
+
+def test_apportion_adds_up():
+    assert apportion(7, [1, 1, 1]) == [3, 2, 2]
+    assert apportion(1, [1, 3]) == [0, 1]
+    assert apportion(10, [5, 0, 5]) == [5, 0, 5]
+    assert sum(apportion(13, [3, 4, 2, 9])) == 13
+
+
+PROBLEMS = [
+    Problem(id=f"p{i}", question=q, gold="0")
+    for i, q in enumerate(["Tom has 3 apples and buys 4 more.", "A box holds 6 eggs.", "Sam runs 2 miles.", "x"])
+]
+
+
+def trees_at(engine: Engine, concurrency: int, temperature: float) -> dict[str, str]:
+    gen = GenSettings(temperature, max_thought_tokens=12, max_eval_tokens=6, eval_temperature=temperature)
+    search = BFS(GSM8K(depth=2), BFSSettings(n_thoughts=3, breadth=2), gen, seed=5)
+    slots = asyncio.Semaphore(concurrency)
+
+    async def one(problem: Problem) -> tuple[str, str]:
+        async with slots:
+            sol = await search.solve(problem, engine)
+            return problem.id, json.dumps(sol.tree.to_dict(), sort_keys=True)
+
+    async def every() -> list[tuple[str, str]]:
+        return await asyncio.gather(*(one(p) for p in PROBLEMS))
+
+    return dict(run_sync(every()))
+
+
+@pytest.mark.parametrize(
+    "name, temperature",
+    [("ar", 0.0), ("seed_stand", 0.0), ("ar", 0.8)],
+    ids=["ar-greedy", "seed_stand-greedy", "ar-sampled"],
+)
+def test_same_trees_whatever_the_concurrency(name, temperature, loaded, perturbed):
+    """Four problems one at a time and all at once give the same trees (per-request seeds, logits that
+    do not depend on the batch), and the concurrent run fills the forwards more."""
+    alone = engine_for(name, loaded, perturbed)
+    together = engine_for(name, loaded, perturbed)
+    assert trees_at(alone, 1, temperature) == trees_at(together, 4, temperature)
+    assert together.total_stats.rows_per_forward > alone.total_stats.rows_per_forward
