@@ -40,7 +40,6 @@ class _Call:
     requests: list[GenRequest]
     seqs: list[Sequence]
     future: asyncio.Future[Completion]
-    started: float
     live: int
     stats: DecodeStats = field(default_factory=DecodeStats)
 
@@ -91,7 +90,8 @@ class Engine:
         t0 = time.perf_counter()
         seqs = [self._sequence(r) for r in requests]
         stats = self.decoder.run(seqs)
-        self.last_stats = self._finish(seqs, requests, stats, t0).stats
+        # Tokenizing and detokenizing is part of what a call costs.
+        self.last_stats = self._finish(seqs, requests, stats, time.perf_counter() - t0).stats
         self.total_stats += self.last_stats
         return self._results(seqs, requests)
 
@@ -101,7 +101,7 @@ class Engine:
             return Completion([], DecodeStats())
         seqs = [self._sequence(r) for r in requests]
         loop = asyncio.get_running_loop()
-        call = _Call(requests, seqs, loop.create_future(), time.perf_counter(), len(seqs))
+        call = _Call(requests, seqs, loop.create_future(), len(seqs))
         self._arrived.append(call)
         if self._driver is None or self._driver.done():
             self._driver = loop.create_task(self._drive())
@@ -125,7 +125,9 @@ class Engine:
                     call = self._calls.pop(id(s))
                     call.live -= 1
                     if call.live == 0:
-                        done = self._finish(call.seqs, call.requests, call.stats, call.started)
+                        # Its time is its share of the steps (draft, verify, other): no wall-clock
+                        # figure, as calls in flight overlap.
+                        done = self._finish(call.seqs, call.requests, call.stats, None)
                         self.total_stats += done.stats
                         call.future.set_result(done)
         except BaseException as e:  # every caller hears of it
@@ -164,13 +166,14 @@ class Engine:
             for call, part in zip(calls, parts):
                 setattr(call.stats, f.name, getattr(call.stats, f.name) + part)
 
-    def _finish(self, seqs: list[Sequence], requests: list[GenRequest], stats: DecodeStats, t0: float) -> Completion:
+    def _finish(
+        self, seqs: list[Sequence], requests: list[GenRequest], stats: DecodeStats, elapsed: float | None
+    ) -> Completion:
         stats = add_sequence_totals(stats, seqs)
-        # Tokenizing and detokenizing is part of what a call costs.
         results = self._results(seqs, requests)
-        elapsed = time.perf_counter() - t0
-        stats.other_s += max(0.0, elapsed - (stats.draft_s + stats.verify_s + stats.other_s))
-        stats.elapsed_s = elapsed
+        if elapsed is not None:
+            stats.other_s += max(0.0, elapsed - (stats.draft_s + stats.verify_s + stats.other_s))
+            stats.elapsed_s = elapsed
         stats.sequences = len(seqs)
         stats.sequence_acceptance_sum = sum(s.stats.acceptance_length for s in seqs)
         return Completion(results, stats)

@@ -55,7 +55,7 @@ class Match:
 
 
 class PrefixCache:
-    def __init__(self, max_bytes: int = 1 << 30) -> None:
+    def __init__(self, max_bytes: int = 4 << 30) -> None:
         self.max_bytes = max_bytes
         self.nbytes = 0
         self.root = _Node((), [], [], None)
