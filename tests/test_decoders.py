@@ -317,9 +317,9 @@ def test_ar_decode_stats(make_engine):
     assert stats.generated_tokens == sum(lengths)
     assert stats.acceptance_length == 1.0
     assert stats.verify_steps == sum(lengths)
-    # One forward computing the prompts but their last tokens (of the rows with more than one), then
-    # one batched forward per step of the longest sequence (the first yields the first tokens).
-    prefilled = sum(len(engine.encode(r.prompt)) > 1 for r in requests)
+    # One forward computing the prompts but their last tokens (each distinct prompt of more than one
+    # once), then one batched forward per step of the longest sequence (the first yields the first tokens).
+    prefilled = len({tuple(engine.encode(r.prompt)) for r in requests if len(engine.encode(r.prompt)) > 1})
     assert stats.target_forwards == max(lengths) + 1 == engine.target.forwards
     assert stats.target_forwards < stats.generated_tokens
     # Each forward scores every live row once: a row is in as many forwards as it has tokens.

@@ -175,26 +175,36 @@ class ModelRunner:
         cache.reserve(max(rows) + 1, longest + room + (longest if capture else 1))
         self.peak_cache_bytes = max(self.peak_cache_bytes, cache.nbytes)
         done = self._admit_head(cache, rows, head[:shared], reused)
-        if not capture:
-            for row, p in zip(rows, prompts):
-                if len(p) - 1 > shared:
-                    own = self.prefixes.match(p[:-1])
-                    if own.length > shared:
-                        self.prefixes.restore(own, cache, row, shared, own.length)
-                        done[row] = own.length
-        pending = [list(p[done[row] :]) for row, p in zip(rows, prompts)]
-        self.prompt_tokens_computed += sum(len(p) for p in pending)
-        if not capture:
-            # One left-padded forward: a row's slots run to its stored length plus the widest part.
-            width = max(len(p) for p in pending)
-            cache.reserve(cache.batch, max(done.values()) + width)
-            self.peak_cache_bytes = max(self.peak_cache_bytes, cache.nbytes)
-            self._prefill(cache, rows, pending)
-            for row, p, rest in zip(rows, prompts, pending):
-                if len(rest) > 1:
-                    self.prefixes.store(tuple(p[:-1]), cache, row)
-            pending = [rest[-1:] for rest in pending]
-        return pending
+        if capture:
+            pending = [list(p[done[row] :]) for row, p in zip(rows, prompts)]
+            self.prompt_tokens_computed += sum(len(p) for p in pending)
+            return pending
+        # A prompt admitted twice (the n samples of one state, beside other problems' prompts) is
+        # computed once and copied.
+        first: dict[tuple[int, ...], int] = {}
+        copies: list[tuple[int, int, int]] = []  # (row, the row it copies, positions)
+        computed: list[tuple[int, list[int], list[int]]] = []  # (row, prompt, the tokens it computes)
+        for row, p in zip(rows, prompts):
+            if (twin := first.setdefault(tuple(p), row)) != row:
+                copies.append((row, twin, len(p) - 1))
+                continue
+            if len(p) - 1 > shared:
+                own = self.prefixes.match(p[:-1])
+                if own.length > shared:
+                    self.prefixes.restore(own, cache, row, shared, own.length)
+                    done[row] = own.length
+            computed.append((row, p, list(p[done[row] :])))
+        self.prompt_tokens_computed += sum(len(rest) for *_, rest in computed) + len(copies)
+        # One left-padded forward: a row's slots run to its stored length plus the widest part.
+        cache.reserve(cache.batch, max(done.values()) + max(len(rest) for *_, rest in computed))
+        self.peak_cache_bytes = max(self.peak_cache_bytes, cache.nbytes)
+        self._prefill(cache, [row for row, *_ in computed], [rest for *_, rest in computed])
+        for row, twin, n in copies:
+            cache.copy_prefix(cache, twin, [row], n)
+        for row, p, rest in computed:
+            if len(rest) > 1:
+                self.prefixes.store(tuple(p[:-1]), cache, row)
+        return [p[-1:] for p in prompts]
 
     def _admit_head(self, cache: RowKVCache, rows: list[int], head: tuple[int, ...], reused: Match) -> dict[int, int]:
         """Rows `rows` start with `head`'s KV (computed once past its stored part); their lengths."""
