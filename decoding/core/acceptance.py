@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from decoding.core.draft_tree import ROOT, DraftDist, DraftTree, Draw
+from decoding.core.sampling import draw
 
 
 def dense(q: DraftDist, vocab: int) -> torch.Tensor:
@@ -101,7 +102,7 @@ def sample_chain(
     for i, a in enumerate(accept):
         if a >= 1.0 or float(torch.rand((), generator=generator, dtype=torch.float64)) < a:
             return i, candidates[i]
-    return None, int(torch.multinomial(r.float(), 1, generator=generator))
+    return None, draw(r, generator)
 
 
 def node_proposals(tree: DraftTree, node: int, children: list[int], vocab: int) -> list[torch.Tensor]:
@@ -145,7 +146,7 @@ def walk(
             assert probs is not None
             p = probs[node + 1]
             if not children:
-                return path, int(torch.multinomial(p.float(), 1, generator=generator))
+                return path, draw(p, generator)
             cands = [tree.tokens[c] for c in children]
             idx, token = sample_chain(p, cands, node_proposals(tree, node, children, p.shape[-1]), generator)
             if idx is None:
