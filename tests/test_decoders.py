@@ -386,3 +386,14 @@ def test_hf_decode_stats(make_engine):
     # generate runs one forward per new token, one sequence at a time.
     assert engine.last_stats.target_forwards == total
     assert engine.last_stats.rows_per_forward == 1.0
+
+
+def test_ar_samples_what_hf_samples(make_engine):
+    """At temperature > 0 a row without a draft draws as `transformers` sampling does (the same
+    logits bits, torch.multinomial on the request's seed), so `ar` gives `hf`'s very samples."""
+    requests = [
+        GenRequest(p, max_new_tokens=m, temperature=0.9, seed=i) for i, (p, m) in enumerate(zip(PROMPTS, BUDGETS))
+    ]
+    ar = [r.token_ids for r in make_engine("ar").generate(requests)]
+    assert ar == [r.token_ids for r in make_engine("hf").generate(requests)]
+    assert len({tuple(t) for t in ar}) > 1

@@ -146,6 +146,10 @@ def walk(
             assert probs is not None
             p = probs[node + 1]
             if not children:
+                if not len(tree):
+                    # No draft: sample as plain decoding does (torch.multinomial draws from the
+                    # generator what transformers' sampling draws), so `ar` reproduces `hf`'s samples.
+                    return path, int(torch.multinomial(p.float(), 1, generator=generator))
                 return path, draw(p, generator)
             cands = [tree.tokens[c] for c in children]
             idx, token = sample_chain(p, cands, node_proposals(tree, node, children, p.shape[-1]), generator)
