@@ -130,11 +130,12 @@ class Engine:
                         done = self._finish(call.seqs, call.requests, call.stats, None)
                         self.total_stats += done.stats
                         call.future.set_result(done)
-        except BaseException as e:  # every caller hears of it
+        except BaseException as e:  # every caller hears of it, and the batch starts clean next time
             for call in [*self._arrived, *{id(c): c for c in self._calls.values()}.values()]:
                 if not call.future.done():
                     call.future.set_exception(e)
             self._arrived, self._calls = [], {}
+            self.decoder.clear()
             if not isinstance(e, Exception):
                 raise
 

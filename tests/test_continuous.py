@@ -128,3 +128,28 @@ def test_same_trees_whatever_the_concurrency(name, temperature, loaded, perturbe
     together = engine_for(name, loaded, perturbed)
     assert trees_at(alone, 1, temperature) == trees_at(together, 4, temperature)
     assert together.total_stats.rows_per_forward > alone.total_stats.rows_per_forward
+
+
+@pytest.mark.parametrize("name", ["ar", "seed_stand"])
+def test_a_failed_search_leaves_a_clean_engine(name, tiny_model, tokenizer, loaded, perturbed):
+    """A search that fails while other calls decode cancels them; the engine's next calls decode on a
+    clean batch (nothing of the abandoned sequences left over) with the same greedy outputs."""
+    refs = [reference_greedy(tiny_model, encode(tokenizer, p), m, {EOS_ID}) for p, m in SPECS]
+    engine = engine_for(name, loaded, perturbed)
+
+    async def failing():
+        await engine.agenerate([GenRequest("a", max_new_tokens=2)])
+        raise RuntimeError("a task's parser failed")
+
+    async def both():
+        await asyncio.gather(engine.agenerate([GenRequest("the cat", max_new_tokens=40)]), failing())
+
+    with pytest.raises(RuntimeError, match="parser failed"):
+        run_sync(both())
+    assert not engine.decoder.busy
+
+    async def again():
+        return await engine.agenerate([GenRequest(p, max_new_tokens=m) for p, m in SPECS])
+
+    assert [r.token_ids for r in run_sync(again()).results] == refs
+    assert [r.token_ids for r in engine.generate([GenRequest(p, max_new_tokens=m) for p, m in SPECS])] == refs

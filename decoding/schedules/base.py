@@ -43,6 +43,10 @@ class Decoder(Protocol):
 
     def step(self) -> list[Sequence]: ...
 
+    def clear(self) -> None:
+        """Drop every queued and live sequence (their callers are gone)."""
+        ...
+
     def run(self, seqs: list[Sequence]) -> DecodeStats: ...
 
 

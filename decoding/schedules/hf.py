@@ -48,6 +48,9 @@ class HFDecoder:
     def admit(self, seqs: list[Sequence]) -> None:
         self.waiting.extend(seqs)
 
+    def clear(self) -> None:
+        self.waiting.clear()
+
     def run(self, seqs: list[Sequence]) -> DecodeStats:
         return run_to_end(self, seqs)
 

@@ -181,6 +181,7 @@ class Scheduler:
         self.stats = DecodeStats()  # running totals over every step (tokens are counted per call)
         self._thread: threading.Thread | None = None
         self._thread_running = False
+        self._drafter_rows: set[int] = set()  # rows the drafter holds state for
         self._failure: list[BaseException] = []
 
     @property
@@ -197,6 +198,21 @@ class Scheduler:
 
     def run(self, seqs: list[Sequence]) -> DecodeStats:
         return run_to_end(self, seqs)
+
+    def clear(self) -> None:
+        """Drop every queued and live sequence (their callers are gone: an error or a cancel), so
+        that the next call starts on a clean batch; what the drafter learned stays."""
+        self.rounds.fail()  # wakes a drafting thread, which then ends
+        if self._thread is not None:
+            self._thread.join()
+            self._thread, self._thread_running = None, False
+        self.drafter.release(sorted(self._drafter_rows))
+        self._drafter_rows.clear()
+        self.seqs.clear()
+        self.pending.clear()
+        self.waiting.clear()
+        self.rounds = Rounds()
+        self._failure.clear()
 
     def step(self) -> list[Sequence]:
         """Admit waiting sequences, draft, verify one batch of queued drafts; the sequences that stopped."""
@@ -273,11 +289,13 @@ class Scheduler:
         t0 = time.perf_counter()
         if arrivals:
             self.drafter.admit(arrivals, [self.seqs[r] for r in arrivals])
+            self._drafter_rows.update(arrivals)
         if verdicts:
             # The drafter learns what was accepted before it drafts those rows again.
             self.drafter.update(list(verdicts), list(verdicts.values()))
         if gone:
             self.drafter.release(gone)
+            self._drafter_rows.difference_update(gone)
             self.rounds.released(gone)
         if rows:
             trees = self.drafter.draft(rows)
