@@ -13,8 +13,9 @@ from decoding.engine import Completion
 from decoding.schedules.base import VerifyOptions
 
 # verify.max_tokens=null: trees verified whole however many rows share a forward (tests of tree
-# verification; the default cuts them to 16 tokens per forward on a CPU).
-UNCAPPED = VerifyOptions(None)
+# verification; the default cuts them to 16 tokens per forward on a CPU), with the rejection rules
+# at temperature > 0 (verify.match_samples=false), which those tests check.
+UNCAPPED = VerifyOptions(None, match_samples=False)
 
 
 def prefill(runner: ModelRunner, prompts: list[list[int]], capacity: int) -> tuple[RowKVCache, torch.Tensor]:

@@ -118,8 +118,8 @@ def trees_at(engine: Engine, concurrency: int, temperature: float) -> dict[str, 
 
 @pytest.mark.parametrize(
     "name, temperature",
-    [("ar", 0.0), ("seed_stand", 0.0), ("ar", 0.8)],
-    ids=["ar-greedy", "seed_stand-greedy", "ar-sampled"],
+    [("ar", 0.0), ("seed_stand", 0.0), ("ar", 0.8), ("seed_stand", 0.8)],
+    ids=["ar-greedy", "seed_stand-greedy", "ar-sampled", "seed_stand-sampled"],
 )
 def test_same_trees_whatever_the_concurrency(name, temperature, loaded, perturbed):
     """Four problems one at a time and all at once give the same trees (per-request seeds, logits that
@@ -153,3 +153,30 @@ def test_a_failed_search_leaves_a_clean_engine(name, tiny_model, tokenizer, load
 
     assert [r.token_ids for r in run_sync(again()).results] == refs
     assert [r.token_ids for r in engine.generate([GenRequest(p, max_new_tokens=m) for p, m in SPECS])] == refs
+
+
+@pytest.mark.parametrize("name", list(DECODERS))
+def test_sampled_outputs_are_plain_decodings_samples(name, loaded, perturbed):
+    """At temperature > 0 (with top-k and top-p) every decoder, rows joining mid-decode, returns the
+    very tokens `hf` samples for the same request seeds (verify.match_samples, the default): what
+    was drafted, and what else ran, changes no output."""
+    specs = [(p, m, 0.9, 40, 0.95) for p, m in SPECS] + [("the cat", 30, 1.3, 0, 1.0)]
+    requests = [
+        GenRequest(p, max_new_tokens=m, temperature=t, top_k=k, top_p=q, seed=i)
+        for i, (p, m, t, k, q) in enumerate(specs)
+    ]
+    plain = [r.token_ids for r in engine_for("hf", loaded, perturbed).generate(requests)]
+    assert len({tuple(t) for t in plain}) == len(plain)
+    engine = engine_for(name, loaded, perturbed)
+
+    async def staggered():
+        async def later(i, r):
+            for _ in range(8 * i):  # joins after others have taken some steps
+                await asyncio.sleep(0)
+            return (await engine.agenerate([r])).results[0].token_ids
+
+        return await asyncio.gather(*(later(i, r) for i, r in enumerate(requests)))
+
+    assert run_sync(staggered()) == plain
+    if name in ("sd", "seed"):  # (the model-free drafters find little to accept in this random text)
+        assert engine.total_stats.accepted_tokens > 0  # drafts were accepted, and changed nothing

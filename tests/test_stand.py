@@ -245,7 +245,7 @@ def test_sampling_follows_the_target_with_cut_trees(tiny_model, tokenizer, loade
     node (two rows) or first four (one row), mid-way through a run of siblings."""
     params = PARAMS[params_name]
     prompt = encode(tokenizer, "once upon a time")
-    engine = engine_for(loaded, "seed_stand", small_tree, verify_batch=2, verify=VerifyOptions(5))
+    engine = engine_for(loaded, "seed_stand", small_tree, verify_batch=2, verify=VerifyOptions(5, match_samples=False))
     samples = sample_three(engine, prompt, params, 8000)
     stats = engine.total_stats
     assert stats.accepted_tokens > 0.05 * stats.verify_steps

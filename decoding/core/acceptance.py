@@ -121,13 +121,23 @@ def node_proposals(tree: DraftTree, node: int, children: list[int], vocab: int) 
 
 
 def walk(
-    tree: DraftTree, probs: torch.Tensor | None, argmax: list[int] | None, generator: torch.Generator
+    tree: DraftTree,
+    probs: torch.Tensor | None,
+    argmax: list[int] | None,
+    generator: torch.Generator,
+    match_samples: bool = False,
 ) -> tuple[list[int], int]:
     """Verify one tree: the accepted nodes from the root down, and the token after them.
 
     Row 0 of probs [1 + N, V] (or of argmax, for greedy rows) is the target at the root, row 1 + i
     at node i. The token after the accepted path is the bonus token when the path ends at a leaf,
     the residual's draw when the candidates at its end were all rejected.
+
+    match_samples: the target samples each position itself, as plain decoding does (one
+    torch.multinomial draw per committed token, in order, from the request's generator), and a
+    child is accepted when it is that token: the output is then plain decoding's very samples,
+    whatever was drafted (a candidate set C is accepted with probability p(C), all a lossless rule
+    can accept of a fixed C; drafts sampled from a q close to p lose against the rejection rules).
     """
     kids: dict[int, list[int]] = {}
     for i, par in enumerate(tree.parents):
@@ -136,8 +146,12 @@ def walk(
     node = ROOT
     while True:
         children = kids.get(node, [])
-        if argmax is not None:
-            want = argmax[node + 1]
+        if argmax is not None or match_samples:
+            if argmax is not None:
+                want = argmax[node + 1]
+            else:
+                assert probs is not None
+                want = int(torch.multinomial(probs[node + 1].float(), 1, generator=generator))
             match = next((c for c in children if tree.tokens[c] == want), None)
             if match is None:
                 return path, want

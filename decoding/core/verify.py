@@ -51,8 +51,10 @@ def verify(
     params: list[SamplingParams],
     generators: list[torch.Generator],
     rows: list[int] | None = None,
+    match_samples: bool = False,
 ) -> tuple[Packed, list[Verdict]]:
-    """Score every row's tree in one forward and run the acceptance rule on each.
+    """Score every row's tree in one forward and run the acceptance rule on each (`match_samples`:
+    see acceptance.walk).
 
     `rows` are the cache rows verified (default: all, in order). The cache holds the new entries
     uncommitted; the caller commits `packed.committed(b, path)` for the rows that go on.
@@ -70,7 +72,7 @@ def verify(
         else:
             # On the CPU, where the request's generator lives: the acceptance walk is scalar work.
             probs = process_logits(row[None], [p])[0].cpu()
-            path, token = walk(tree, probs, None, g)
+            path, token = walk(tree, probs, None, g, match_samples)
         kept_hidden = None if hidden is None else hidden[b, packed.committed(b, path)]
         verdicts.append(Verdict(tree, path, token, probs, row, hidden=kept_hidden))
     return packed, verdicts

@@ -71,6 +71,11 @@ class VerifyOptions:
     """The `verify:` section: how much one verification forward scores, for every speculative decoder."""
 
     max_tokens: int | str | None = "auto"
+    # At temperature > 0 the target samples each position as plain decoding does and a drafted token
+    # is accepted when it is that sample: outputs are `ar`'s (and `hf`'s) very samples whatever was
+    # drafted, with whom and how much ran at once. false: the rejection rules (sd.multi_candidate,
+    # without_replacement), which accept more of drafts sampled close to the target, draw less.
+    match_samples: bool = True
 
     def __post_init__(self) -> None:
         ok = self.max_tokens in (None, "auto") or (
@@ -80,6 +85,8 @@ class VerifyOptions:
             raise ConfigError(
                 f"verify.max_tokens={self.max_tokens!r} must be a positive number of tokens, auto or null (no cap)"
             )
+        if not isinstance(self.match_samples, bool):
+            raise ConfigError(f"verify.match_samples={self.match_samples!r} must be true or false")
 
     def budget(self, device: torch.device) -> int | None:
         """Tree tokens (roots included) one forward may score, or None for no cap."""
@@ -105,6 +112,7 @@ def verify_and_commit(
     trees: list[DraftTree],
     pending: dict[int, list[int]],
     budget: int | None = None,
+    match_samples: bool = False,
 ) -> list[Verdict]:
     """Verify the trees of the sequences in cache rows `rows` in one forward, cut to `budget` tree
     tokens in all (cut_to_budget), and commit what each accepted: tokens to the sequence, the
@@ -118,6 +126,7 @@ def verify_and_commit(
         [seqs[r].params for r in rows],
         [seqs[r].generator for r in rows],
         rows=None if rows == list(range(cache.batch)) else rows,
+        match_samples=match_samples,
     )
     for b, (r, v) in enumerate(zip(rows, verdicts)):
         s = seqs[r]

@@ -173,6 +173,7 @@ class Scheduler:
         self.overlap = overlap
         self.max_live = max_live
         self.budget = None if verify is None else verify.budget(target.device)
+        self.match_samples = verify is not None and verify.match_samples
         self.cache = target.new_cache(0, 1)  # the KV pool: row r holds live sequence seqs[r]
         self.seqs: dict[int, Sequence] = {}
         self.pending: dict[int, list[int]] = {}
@@ -312,8 +313,9 @@ class Scheduler:
         self.stats.queue_wait_s += sum(t0 - q.since for q in batch)
         self.stats.verified_drafts += len(batch)
         trees = [q.tree for q in batch]
+        cache, seqs, pending = self.cache, self.seqs, self.pending
         verdicts = verify_and_commit(
-            self.target, self.tokenizer, self.cache, self.seqs, rows, trees, self.pending, self.budget
+            self.target, self.tokenizer, cache, seqs, rows, trees, pending, self.budget, self.match_samples
         )
         t1 = time.perf_counter()
         finished = []
