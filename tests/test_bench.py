@@ -29,8 +29,10 @@ def compose_bench(*overrides: str):
     return RunConfig.from_omegaconf(cfg), OmegaConf.to_container(cfg, resolve=True)
 
 
-def test_bench_every_decoder_lossless(long_context):
-    run_cfg, container = compose_bench("gen.temperature=0")
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_bench_every_decoder_lossless(long_context, temperature):
+    """Same trees as hf's at temperature 0, and sampled (verify.match_samples, the default)."""
+    run_cfg, container = compose_bench(f"gen.temperature={temperature}")
     configs, skipped = decoder_configs(container, container["bench"]["decoders"], has_draft=False)
     assert skipped == ["sd", "seed"]  # no draft model configured
     result = bench(run_cfg, configs, long_context, None, progress=False)
