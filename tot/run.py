@@ -141,7 +141,7 @@ def summary_line(s: dict) -> str:
         f"= {s['tokens_per_s']:.1f} tok/s, tau {s['acceptance_length']:.2f}, "
         f"{s['forwards_per_token']:.3f} target forwards/token, {s['rows_per_forward']:.2f} rows/forward, "
         f"{s['prompt_tokens_computed']}/{s['prompt_tokens']} prompt tokens computed, "
-        f"{s.get('concurrency', 1)} problems at once"
+        f"run.concurrency={s.get('concurrency', 1)}"
     )
 
 
