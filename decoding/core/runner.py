@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import torch
 
 from decoding.core import attention, llama
@@ -43,6 +45,7 @@ class ModelRunner:
         self.prompt_tokens_computed = 0  # prompt tokens `start` computed or left pending
         self.peak_cache_bytes = 0
         self.prefixes = PrefixCache()
+        self._sampling_pool: ThreadPoolExecutor | None = None
         # Hidden-state capture for drafters that read them (EDD): off unless capture_hidden is called.
         self.hidden_layer: int | None = None
         self.last_hidden: torch.Tensor | None = None  # [B, T, H]: that layer's output in the latest forward
@@ -58,6 +61,13 @@ class ModelRunner:
 
     def _keep_hidden(self, module: torch.nn.Module, args: object, output: object) -> None:
         self.last_hidden = output[0] if isinstance(output, tuple) else output  # type: ignore[assignment]
+
+    @property
+    def sampling_pool(self) -> ThreadPoolExecutor:
+        """Threads that decide sampled rows side by side (one per intra-op torch thread)."""
+        if self._sampling_pool is None:
+            self._sampling_pool = ThreadPoolExecutor(max(1, torch.get_num_threads()), "tot-sampling")
+        return self._sampling_pool
 
     @property
     def vocab_size(self) -> int:
