@@ -163,7 +163,7 @@ class Scheduler:
         verify_batch: int | None = None,
         overlap: bool = False,
         max_live: int | None = None,
-        verify: VerifyOptions | None = None,  # None: no cap on a forward's tokens
+        verify: VerifyOptions | None = None,  # None: no cap on a forward's tokens, the rejection rules
     ) -> None:
         self.name = name
         self.target = target
@@ -222,7 +222,7 @@ class Scheduler:
         finished: list[Sequence] = []
         if self.overlap:
             self._ensure_drafting_thread()
-        if not self.overlap:
+        else:
             self._draft_once(wait=False)
         batch = self.rounds.take_queued(self.verify_batch, wait=self.overlap)
         if self._failure:
