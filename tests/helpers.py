@@ -49,6 +49,13 @@ def prefill(runner: ModelRunner, prompts: list[list[int]], capacity: int) -> tup
     return cache, next_logits
 
 
+def admit_prompts(runner: ModelRunner, prompts: list[list[int]], capacity: int) -> tuple[RowKVCache, list[list[int]]]:
+    """A cache holding the prompts as the schedulers admit them (row b = prompts[b]) and per row the
+    tokens still to feed; a row then holds `capacity` positions past its prompt's fed part."""
+    cache = runner.new_cache(0, 1)
+    return cache, runner.admit(cache, list(range(len(prompts))), prompts, capacity - max(map(len, prompts)))
+
+
 class AwaitableFake:
     """Gives a scripted fake engine (its `generate` and `last_stats`) the awaitable call searches
     make; each call yields once first, as a real engine's caller waits for a step."""

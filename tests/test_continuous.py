@@ -17,6 +17,7 @@ from decoding.decoders import DECODERS
 from decoding.engine import Engine, apportion
 from tasks.base import Problem
 from tasks.gsm8k import GSM8K
+from tot.run import solve_all
 from tot.search import BFS, BFSSettings, GenSettings, run_sync
 
 SPECS = [
@@ -103,17 +104,13 @@ PROBLEMS = [
 def trees_at(engine: Engine, concurrency: int, temperature: float) -> dict[str, str]:
     gen = GenSettings(temperature, max_thought_tokens=12, max_eval_tokens=6, eval_temperature=temperature)
     search = BFS(GSM8K(depth=2), BFSSettings(n_thoughts=3, breadth=2), gen, seed=5)
-    slots = asyncio.Semaphore(concurrency)
+    trees: dict[str, str] = {}
 
-    async def one(problem: Problem) -> tuple[str, str]:
-        async with slots:
-            sol = await search.solve(problem, engine)
-            return problem.id, json.dumps(sol.tree.to_dict(), sort_keys=True)
+    async def one(problem: Problem) -> None:
+        trees[problem.id] = json.dumps((await search.solve(problem, engine)).tree.to_dict(), sort_keys=True)
 
-    async def every() -> list[tuple[str, str]]:
-        return await asyncio.gather(*(one(p) for p in PROBLEMS))
-
-    return dict(run_sync(every()))
+    run_sync(solve_all(PROBLEMS, one, concurrency))
+    return trees
 
 
 @pytest.mark.parametrize(

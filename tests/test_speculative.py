@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from helpers import UNCAPPED, prefill
+from helpers import UNCAPPED, admit_prompts, prefill
 from test_decoders import (
     BUDGETS,
     EOS_ID,
@@ -98,7 +98,7 @@ def test_tree_verification_logits_equal_sequential_decoding(tiny_model, tokenize
     if case == "ragged":  # every whole prompt fed with its first tree (left-padded pending tokens)
         cache, pending = target.new_cache(3, 64), [list(p) for p in prompts]
     else:  # admitted: each row's prompt computed but its last token, shared parts once
-        cache, pending = target.start(prompts, capacity=64)
+        cache, pending = admit_prompts(target, prompts, capacity=64)
         assert pending == [p[-1:] for p in prompts]
         assert cache.lens.tolist() == [len(p) - 1 for p in prompts]
     g = torch.Generator().manual_seed(0)
@@ -422,10 +422,10 @@ def test_prefix_kept_across_calls(tiny_model, tokenizer):
     the cache holds what a fresh computation gives (tolerance 1e-5)."""
     target = ModelRunner(tiny_model)
     first = encode(tokenizer, LONG + " and a dog")
-    target.start([first, first], capacity=64)
+    admit_prompts(target, [first, first], capacity=64)
     second = first + encode(tokenizer, " who liked to run")
     before = target.forwards
-    cache, pending = target.start([second, [*second, 5]], capacity=64)
+    cache, pending = admit_prompts(target, [second, [*second, 5]], capacity=64)
     # The shared prefix's tokens after the stored part in one forward, then row 1's own token.
     assert target.forwards == before + 2
     assert pending == [second[-1:], [5]]
@@ -443,13 +443,13 @@ def test_each_row_reuses_the_longest_stored_prefix_of_its_own_prompt(tiny_model,
     base = encode(tokenizer, LONG)
     a = base + encode(tokenizer, " and a dog who liked to run")
     b = base + encode(tokenizer, " on a warm mat by the door")
-    target.start([a, [*a, 7]], capacity=64)  # stores a[:-1]
-    cache, _ = target.start([b, [*b, 9]], capacity=64)  # stores the common part of b's prompts
+    admit_prompts(target, [a, [*a, 7]], capacity=64)  # stores a[:-1]
+    cache, _ = admit_prompts(target, [b, [*b, 9]], capacity=64)  # stores the common part of b's prompts
     target.remember(cache, 1, [*b, 9])  # row 1 as committed (b, each row's prompt but its last token)
     a2 = [*a[:-3], 11, 12]  # diverges from the stored `a` three tokens before its end
     prompts = [[*base, 13], a2, [*b, 17, 18]]
     computed = target.prompt_tokens_computed
-    cache, pending = target.start(prompts, capacity=64)
+    cache, pending = admit_prompts(target, prompts, capacity=64)
     reused = [len(base), len(a) - 3, len(b)]
     assert pending == [p[-1:] for p in prompts]
     assert cache.lens.tolist() == [len(p) - 1 for p in prompts]

@@ -134,11 +134,14 @@ def walk(
     the residual's draw when the candidates at its end were all rejected.
 
     match_samples: the target samples each position itself, as plain decoding does (one
-    torch.multinomial draw per committed token, in order, from the request's generator), and a
+    torch.multinomial draw per committed token, in order, from the request's generator: what
+    `transformers` sampling draws), and a
     child is accepted when it is that token: the output is then plain decoding's very samples,
     whatever was drafted (a candidate set C is accepted with probability p(C), all a lossless rule
     can accept of a fixed C; drafts sampled from a q close to p lose against the rejection rules).
     """
+    # A row without a draft samples as plain decoding does, whatever the rule: `ar` draws `hf`'s samples.
+    match_samples = match_samples or not len(tree)
     kids: dict[int, list[int]] = {}
     for i, par in enumerate(tree.parents):
         kids.setdefault(par, []).append(i)
@@ -160,10 +163,6 @@ def walk(
             assert probs is not None
             p = probs[node + 1]
             if not children:
-                if not len(tree):
-                    # No draft: sample as plain decoding does (torch.multinomial draws from the
-                    # generator what transformers' sampling draws), so `ar` reproduces `hf`'s samples.
-                    return path, int(torch.multinomial(p.float(), 1, generator=generator))
                 return path, draw(p, generator)
             cands = [tree.tokens[c] for c in children]
             idx, token = sample_chain(p, cands, node_proposals(tree, node, children, p.shape[-1]), generator)

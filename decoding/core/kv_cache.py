@@ -189,7 +189,7 @@ class RowKVCache:
         self.lens[index] = n
 
     def select_rows(self, index: torch.Tensor) -> None:
-        """Keep (or repeat) rows: drop finished sequences, or fan one prefilled prompt out to n rows."""
+        """Keep (or repeat) rows, as a cache of just those rows (a copy of each)."""
         index = index.to(self.lens.device)
         # Keys stored by position stay so: rows are selected from the storage, not the view.
         self.keys = [

@@ -42,18 +42,18 @@ class ModelRunner:
         self.layers = llama.Layers.of(model)  # the same forward without transformers' plumbing, or None
         self.forwards = 0
         self.rows = 0  # sequences scored, summed over forwards
-        self.prompt_tokens_computed = 0  # prompt tokens `start` computed or left pending
+        self.prompt_tokens_computed = 0  # prompt tokens `admit` computed or left pending
         self.peak_cache_bytes = 0
         self.prefixes = PrefixCache()
         self._sampling_pool: ThreadPoolExecutor | None = None
         # Hidden-state capture for drafters that read them (EDD): off unless capture_hidden is called.
         self.hidden_layer: int | None = None
         self.last_hidden: torch.Tensor | None = None  # [B, T, H]: that layer's output in the latest forward
-        self.start_hidden: torch.Tensor | None = None  # [S, H]: of the prefix the latest `start` shared
+        self.start_hidden: torch.Tensor | None = None  # [S, H]: of the prefix the latest `admit` shared
 
     def capture_hidden(self, layer: int) -> None:
         """Keep the output of decoder layer `layer` (negative: from the end) of every forward in
-        `last_hidden`, and of the shared prefix of every `start` in `start_hidden`. Outputs do not
+        `last_hidden`, and of the shared prefix of every `admit` in `start_hidden`. Outputs do not
         change; stored prefixes (which lack hidden states) are dropped."""
         n = len(decoder_layers(self.model))
         self.hidden_layer = layer % n
@@ -150,12 +150,6 @@ class ModelRunner:
             if hook is not None:
                 hook.remove()
         return out.logits
-
-    def start(self, prompts: list[list[int]], capacity: int) -> tuple[RowKVCache, list[list[int]]]:
-        """A cache for the prompts, row b = prompts[b], and per row the tokens still to feed; a row
-        then holds `capacity` positions past its prompt's fed part."""
-        cache = self.new_cache(0, 1)
-        return cache, self.admit(cache, list(range(len(prompts))), prompts, capacity - max(map(len, prompts)))
 
     def admit(self, cache: RowKVCache, rows: list[int], prompts: list[list[int]], room: int) -> list[list[int]]:
         """Put the prompts into cache rows `rows` (grown as needed, with `room` positions per row past
