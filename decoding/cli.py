@@ -28,11 +28,13 @@ RENAMED = {
 }
 
 
-def quiet_transformers() -> None:
+def quiet_libraries() -> None:
     """Keep a command's output to its own lines: no weight-loading bars or library warnings."""
     import transformers
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
+    for name in ("httpx", "httpx2", "openai"):  # decoder=server: not a log line per request
+        logging.getLogger(name).setLevel(logging.WARNING)
     transformers.utils.logging.disable_progress_bar()
 
 
@@ -54,7 +56,7 @@ def hydra_command(
 
         def command() -> None:
             check_overrides(sys.argv[1:], config_name, groups)
-            quiet_transformers()
+            quiet_libraries()
             run()
 
         command.__doc__ = body.__doc__

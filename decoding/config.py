@@ -16,7 +16,11 @@ from decoding.drafters.recycling import RecyclingOptions
 from decoding.drafters.stand import StandOptions
 from decoding.schedules.base import VerifyOptions
 from decoding.schedules.seed import SeedOptions
+from decoding.server import NAME as SERVER
+from decoding.server import ServerOptions
 from decoding.trees.policies import DraftTreeOptions
+
+CHOICES = (*DECODERS, SERVER)  # decoder=...: the in-process decoders, and a server's engine
 
 
 @dataclass(frozen=True)
@@ -32,10 +36,15 @@ class DecoderConfig:
     aded: AdedOptions = field(default_factory=AdedOptions)
     verify: VerifyOptions = field(default_factory=VerifyOptions)
     draft: ModelSpec | None = None  # path "self" drafts with the target itself
+    server: ServerOptions | None = None  # decoder=server: the serving engine to send requests to
 
     def __post_init__(self) -> None:
+        if self.name == SERVER:
+            if self.server is None:
+                raise ConfigError("decoder=server needs the server: options (server.url, server.model, ...)")
+            return
         if self.name not in DECODERS:
-            raise ConfigError(f"decoder={self.name} is not one of {', '.join(DECODERS)}")
+            raise ConfigError(f"decoder={self.name} is not one of {', '.join(CHOICES)}")
         if DECODERS[self.name].draft_model == "required" and self.draft is None:
             raise ConfigError(
                 f"decoder={self.name} drafts with a draft model: set draft.path=<Hugging Face id or directory "
@@ -46,8 +55,10 @@ class DecoderConfig:
     def from_container(cls, c: dict[str, Any]) -> DecoderConfig:
         """From a resolved config: `decoder.name`, the namespaces the decoder reads, and `draft`."""
         name = str(c["decoder"]["name"])
+        if name == SERVER:
+            return cls(name=name, server=from_dict(ServerOptions, c.get("server"), "server"))
         if name not in DECODERS:
-            raise ConfigError(f"decoder={name} is not one of {', '.join(DECODERS)}")
+            raise ConfigError(f"decoder={name} is not one of {', '.join(CHOICES)}")
         kind = DECODERS[name]
         hints = typing.get_type_hints(cls)
         options: dict[str, Any] = {}

@@ -11,28 +11,24 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields, replace
+from typing import TypeVar
 
 from decoding.config import DecoderConfig
 from decoding.core.errors import BackendError
 from decoding.core.models import LoadedModel
+from decoding.core.prompts import render
 from decoding.core.runner import ModelRunner
 from decoding.core.sampling import SamplingParams
 from decoding.core.sequence import Sequence
 from decoding.core.stopping import StopRule, final_text
-from decoding.core.values import DecodeStats, GenRequest, GenResult
+from decoding.core.values import Completion, DecodeStats, GenRequest, GenResult
 from decoding.decoders import make_decoder
 from decoding.schedules.base import add_sequence_totals
 
-
-@dataclass
-class Completion:
-    """What one `agenerate` call returns: its results, and its cost: its sequences' tokens, and its
-    share of every step it was part of (time, forwards, rows, prompt tokens computed), in proportion
-    to its live sequences in that step, so that the shares of all calls add up to the engine's cost."""
-
-    results: list[GenResult]
-    stats: DecodeStats
+T = TypeVar("T")
 
 
 @dataclass(eq=False)
@@ -58,6 +54,8 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         self.target = ModelRunner(loaded.model)
         config = decoder if isinstance(decoder, DecoderConfig) else DecoderConfig(decoder)
+        if config.server is not None:
+            raise BackendError("decoder=server is a client of a server: build it with decoding.server.ServerEngine")
         self.decoder = make_decoder(config, self.target, self.tokenizer, draft)
         self.eos_ids = _eos_ids(loaded)
         self.last_stats = DecodeStats()
@@ -71,15 +69,7 @@ class Engine:
         return self.target.peak_cache_bytes + self.decoder.drafter.peak_cache_bytes()
 
     def encode(self, prompt: str | tuple[int, ...], prefix: str = "") -> list[int]:
-        if not isinstance(prompt, str):
-            ids = list(prompt)
-            return ids + self.tokenizer(prefix, add_special_tokens=False)["input_ids"] if prefix else ids
-        if self.loaded.use_chat_template:
-            text = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
-            )
-            return self.tokenizer(text + prefix, add_special_tokens=False)["input_ids"]
-        return self.tokenizer(prompt + prefix)["input_ids"]
+        return render(self.tokenizer, self.loaded.use_chat_template, prompt, prefix).ids
 
     def generate(self, requests: list[GenRequest]) -> list[GenResult]:
         if self._driver is not None and not self._driver.done():
@@ -225,3 +215,14 @@ def _eos_ids(loaded: LoadedModel) -> frozenset[int]:
         elif e:
             ids.update(e)
     return frozenset(ids)
+
+
+def run_sync(coro: Coroutine[object, object, T]) -> T:
+    """Run a search (or several) to the end from synchronous code, also where an event loop is
+    already running (a notebook cell), by running it on a loop of its own in a thread."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()

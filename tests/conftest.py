@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import copy
 import string
+from collections.abc import Iterator
 
 import pytest
 import torch
+from llama_server import LlamaServer, llama_server
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from decoding.core.models import LoadedModel, prepare_for_inference
+from decoding.core.models import LoadedModel, embedded_file, prepare_for_inference
 from decoding.engine import Engine
 
 SPECIALS = ("<pad>", "<bos>", "<eos>")  # ids 0, 1, 2
@@ -125,3 +127,11 @@ def perturbed(tiny_model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast) 
     for p in model.parameters():
         p.add_(0.08 * p.std() * torch.randn(p.shape, generator=g))
     return LoadedModel(model, tokenizer, torch.device("cpu"), False, "perturbed")
+
+
+@pytest.fixture(scope="session")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaServer]:
+    """llama.cpp's server on the embedded GGUF file, for the whole session."""
+    log = tmp_path_factory.mktemp("llama") / "server.log"
+    with llama_server(embedded_file("smollm2-135m"), log) as server:
+        yield server

@@ -8,8 +8,7 @@ import torch
 
 from decoding.core.kv_cache import RowKVCache
 from decoding.core.runner import ModelRunner
-from decoding.core.values import GenRequest
-from decoding.engine import Completion
+from decoding.core.values import Completion, DecodeStats, GenRequest, GenResult
 from decoding.schedules.base import VerifyOptions
 
 # verify.max_tokens=null: trees verified whole however many rows share a forward (tests of tree
@@ -64,3 +63,8 @@ class AwaitableFake:
         await asyncio.sleep(0)
         results = self.generate(requests)  # type: ignore[attr-defined]
         return Completion(results, self.last_stats)  # type: ignore[attr-defined]
+
+
+def reply(text: str, token_ids: list[int]) -> GenResult:
+    """A scripted engine's result, counted as an engine counts it (tokens in its stats)."""
+    return GenResult(text, token_ids, "stop", DecodeStats(generated_tokens=len(token_ids)))

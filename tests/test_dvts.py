@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import pytest
-from helpers import AwaitableFake
+from helpers import AwaitableFake, reply
 
 from decoding.core.values import DecodeStats, GenRequest, GenResult
 from tasks.base import Problem, Prompt, TaskDefaults
@@ -65,9 +65,9 @@ class ScriptEngine(AwaitableFake):
         out = []
         for r in requests:
             if r.prefix == "E":
-                out.append(GenResult(str(self.task.values[int(r.prompt[1:])]), [1], "stop"))
+                out.append(reply(str(self.task.values[int(r.prompt[1:])]), [1]))
             else:
-                out.append(GenResult(f"t{self.thoughts}", [1, 2], "stop"))
+                out.append(reply(f"t{self.thoughts}", [1, 2]))
                 self.thoughts += 1
         self.last_stats = DecodeStats(generated_tokens=sum(len(o.token_ids) for o in out), target_forwards=1)
         return out

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
-from helpers import AwaitableFake
+from helpers import AwaitableFake, reply
 from hydra import compose, initialize_config_module
 
 from decoding.core.errors import BackendError
@@ -45,11 +45,11 @@ class FakeEngine(AwaitableFake):
         results = []
         for r in requests:
             if r.prefix == SCORE_PREFIX:
-                results.append(GenResult(" 7, it helps.", [4, 5], "stop"))
+                results.append(reply(" 7, it helps.", [4, 5]))
             elif r.prefix == FINAL_PREFIX:
-                results.append(GenResult(" 12.", [1, 2, 3], "stop"))
+                results.append(reply(" 12.", [1, 2, 3]))
             else:
-                results.append(GenResult(" How many? Sub-answer: 3 + 4 = 7.", [1, 2, 3], "stop"))
+                results.append(reply(" How many? Sub-answer: 3 + 4 = 7.", [1, 2, 3]))
         n = sum(len(x.token_ids) for x in results)
         self.last_stats = DecodeStats(generated_tokens=n, target_forwards=2, verify_steps=n, verify_s=0.001)
         return results

@@ -7,7 +7,7 @@ import re
 from collections import Counter
 
 import pytest
-from helpers import AwaitableFake
+from helpers import AwaitableFake, reply
 
 from decoding.core.values import DecodeStats, GenRequest, GenResult
 from tasks.base import Problem
@@ -44,12 +44,12 @@ class ScriptedEngine(AwaitableFake):
                 k = int(re.findall(r"\d+", _LAST_STEP.search(r.prompt).group(1))[-1])
                 score = self.scores[k]
                 text = score if isinstance(score, str) else f" {score:g}, because the step looks right."
-                results.append(GenResult(text, [7] * 2, "stop"))
+                results.append(reply(text, [7] * 2))
             else:
                 k = self.thoughts
                 self.thoughts += 1
                 text = f" {k}." if r.prefix == FINAL_PREFIX else f" #{k}"
-                results.append(GenResult(text, [5] * 3, "stop"))
+                results.append(reply(text, [5] * 3))
         n = sum(len(r.token_ids) for r in results)
         self.last_stats = DecodeStats(generated_tokens=n, target_forwards=len(requests) + 1, verify_steps=n)
         return results

@@ -13,9 +13,10 @@ from pathlib import Path
 from tqdm import tqdm
 
 from decoding.config import DecoderConfig
-from decoding.core.models import load_model
+from decoding.core.models import load_model, load_tokenizer
 from decoding.drafters.load import load_draft
 from decoding.engine import Engine
+from decoding.server import ServerEngine
 from tasks import Problem, Task, make_task
 from tot.config import RunConfig
 from tot.results import ResultStore, summarize
@@ -98,7 +99,15 @@ async def solve_all(problems: list[Problem], solve: Callable[[Problem], Awaitabl
         async with slots:
             await solve(problem)
 
-    await asyncio.gather(*(one(p) for p in problems))
+    tasks = [asyncio.ensure_future(one(p)) for p in problems]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        # The first failure ends the run: the others stop here, cleanly, before it is reported.
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 def build_task(cfg: RunConfig) -> Task:
@@ -151,7 +160,10 @@ def _write_json(path: Path, data: dict) -> None:
     tmp.replace(path)
 
 
-def make_engine(cfg: RunConfig) -> Engine:
+def make_engine(cfg: RunConfig) -> Engine | ServerEngine:
+    """The in-process engine on the loaded model(s), or a client of the server that serves it."""
+    if cfg.decoder.server is not None:
+        return ServerEngine(cfg.decoder.server, *load_tokenizer(cfg.model))
     target = load_model(cfg.model)
     draft = load_draft(cfg.decoder.draft, target) if cfg.decoder.draft else None
     return Engine(target, cfg.decoder, draft)

@@ -12,18 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import zlib
-from collections.abc import Coroutine
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from typing import Protocol
 
-from decoding.core.values import DecodeStats, GenRequest, GenResult
-from decoding.engine import Completion
+from decoding.core.values import Completion, DecodeStats, GenRequest, GenResult
+from decoding.engine import run_sync as run_sync  # searches are run with it
 from tasks.base import Problem, Prompt, Task
 from tot.tree import ReasoningTree
 
 PHASES = ("generate", "evaluate")
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -95,17 +92,6 @@ class Search(Protocol):
     async def solve(self, problem: Problem, engine: GenerationEngine) -> Solution: ...
 
 
-def run_sync(coro: Coroutine[object, object, T]) -> T:
-    """Run a search (or several) to the end from synchronous code, also where an event loop is
-    already running (a notebook cell), by running it on a loop of its own in a thread."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    with ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, coro).result()
-
-
 def request_seed(seed: int, *parts: object) -> int:
     """A request's seed from the run seed and where it sits in the tree: a resumed run samples
     exactly what an uninterrupted one would have."""
@@ -141,7 +127,7 @@ class Step:
         steps = self.tree.steps(child)[:-1]
         node = self.tree[child]
         node.update(
-            text=self.task.parse_thought(self.problem, steps, out.text), raw=out.text, tokens=len(out.token_ids)
+            text=self.task.parse_thought(self.problem, steps, out.text), raw=out.text, tokens=out.stats.generated_tokens
         )
         node["terminal"] = self.finished(child)
         await self.evaluate([child], eval_group)

@@ -161,11 +161,31 @@ def load_model(spec: ModelSpec) -> LoadedModel:
         ) from e
     done = prepare_for_inference(model, device, weights, attn, gguf, spec.prepack)
     log.info("loaded %s in %.1fs on %s (%s)", source, time.perf_counter() - t0, device, done)
+    return LoadedModel(model, tokenizer, device, _use_chat_template(spec, tokenizer), str(source), spec.path)
+
+
+def load_tokenizer(spec: ModelSpec) -> tuple[object, bool]:
+    """The model's tokenizer alone, and whether prompts go through its chat template: what a client
+    of a server that serves the model needs to build the very prompts the in-process engine builds."""
+    from transformers import AutoTokenizer
+
+    source, _ = _checkpoint_dir(spec)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError) as e:
+        raise BackendError(
+            f"{spec.key}.path={spec.path!r}: its tokenizer could not be loaded ({str(e).splitlines()[0][:160]}); "
+            f"give the served model's local directory, Hugging Face id or GGUF file"
+        ) from e
+    return tokenizer, _use_chat_template(spec, tokenizer)
+
+
+def _use_chat_template(spec: ModelSpec, tokenizer: object) -> bool:
     has_template = getattr(tokenizer, "chat_template", None) is not None
     use_chat = has_template if spec.chat_template == "auto" else str(spec.chat_template).lower() == "true"
     if use_chat and not has_template:
         raise BackendError(f"{spec.key}.chat_template=true but {spec.path} has no chat template; use auto or false")
-    return LoadedModel(model, tokenizer, device, use_chat, str(source), spec.path)
+    return use_chat
 
 
 def _checkpoint_dir(spec: ModelSpec) -> tuple[str, Path | None]:
@@ -186,6 +206,12 @@ def _checkpoint_dir(spec: ModelSpec) -> tuple[str, Path | None]:
     if not (target / "config.json").is_file():
         _convert_gguf(gguf, target)
     return str(target), gguf
+
+
+def embedded_file(name: str) -> Path:
+    """The GGUF file of an embedded model (a key of EMBEDDED), e.g. to serve it with llama.cpp."""
+    dist, filename = EMBEDDED[name]
+    return _embedded_file(dist, filename, f"model.path={name}")
 
 
 def _embedded_file(dist: str, filename: str, name: str) -> Path:

@@ -143,3 +143,13 @@ class GenResult:
     token_ids: list[int]
     finish_reason: FinishReason
     stats: DecodeStats = field(default_factory=DecodeStats)
+
+
+@dataclass
+class Completion:
+    """What one `agenerate` call returns: its results, and its cost: its sequences' tokens, and its
+    share of every step it was part of (time, forwards, rows, prompt tokens computed), in proportion
+    to its live sequences in that step, so that the shares of all calls add up to the engine's cost."""
+
+    results: list[GenResult]
+    stats: DecodeStats
