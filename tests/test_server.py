@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_module
 from llama_server import LlamaServer, free_port
+from omegaconf import OmegaConf
 
 from decoding.core.models import ModelSpec, load_tokenizer
 from decoding.core.prompts import render
@@ -177,3 +178,26 @@ def test_a_server_stopped_mid_run_times_out_and_the_rerun_resumes(llama: LlamaSe
     assert again.returncode == 0, again.stderr[-2000:]
     ids = [json.loads(line)["id"] for line in results.read_text().splitlines()]
     assert ids[: len(kept)] == kept and sorted(ids) == [f"bundled-{i}" for i in range(1, 5)]
+
+
+def test_bench_runs_the_server_beside_the_in_process_decoders(llama: LlamaServer):
+    from decoding.core.models import load_model
+    from tot.bench import bench, decoder_configs, table
+
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        cfg = compose(
+            config_name="bench",
+            overrides=[f"server.url={llama.url}", "data.limit=1", "task.depth=1", "gen.temperature=0", *SMALL[1:]],
+        )
+    container = OmegaConf.to_container(cfg, resolve=True)
+    configs, _ = decoder_configs(container, ["hf", "ar", "server"], has_draft=False)
+    result = bench(RunConfig.from_omegaconf(cfg), configs, load_model(ModelSpec()), None, progress=False)
+    rows = result["decoders"]
+    assert list(rows) == ["hf", "ar", "server"]
+    assert result["identity_checked"] == ["hf", "ar"] and result["mismatches"] == []
+    assert not result["lossless_checked"]  # the server's outputs are not compared
+    assert rows["server"]["tokens"] > 0 and rows["server"]["tokens_per_s"] > 0 and rows["server"]["wall_s"] > 0
+    assert rows["server"]["acceptance_length"] is None and rows["ar"]["acceptance_length"] == 1.0
+    assert "speedup_vs_hf" in rows["server"]
+    line = next(x for x in table(result).splitlines() if x.startswith("| `server`"))
+    assert "| - |" in line

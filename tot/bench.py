@@ -9,7 +9,10 @@ over `hf` and `ar`, acceptance length, target forwards per token, rows per forwa
 target's batches were), prompt tokens computed against requested (what prefix sharing saved), target
 busy fraction and the peak KV-cache memory. At temperature 0, and at any temperature with `verify.match_samples`
 (the default), every decoder's trees must equal `hf`'s (the lossless invariant): a difference is
-printed and the command exits with status 1. Writes
+printed and the command exits with status 1. `server` (decoder=server, the `server.*` options) runs
+the search on a serving engine beside the in-process decoders, e.g. llama.cpp's server on the same
+GGUF file: its outputs follow the server's own numeric path, so it is left out of that check, and
+its forwards and acceptance are unknown (printed as -). Writes
 bench.json, bench.md and, when matplotlib is installed, bench.png into the run directory.
 `bench.scaling=true` instead measures acceptance length and speedup over `ar` for
 `bench.scaling_decoders` on a grid of trajectories per step (`bench.trajectories`) and temperatures
@@ -35,7 +38,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from decoding.cli import fail, hydra_command
-from decoding.config import DecoderConfig
+from decoding.config import CHOICES, DecoderConfig
 from decoding.core.errors import BackendError, ConfigError
 from decoding.core.models import LoadedModel, load_model
 from decoding.core.options import as_float, as_int
@@ -43,11 +46,12 @@ from decoding.core.values import DecodeStats, GenRequest
 from decoding.decoders import DECODERS
 from decoding.drafters.load import load_draft
 from decoding.engine import Engine
+from decoding.server import ServerEngine
 from tasks.base import DataError, Problem, Task
 from tot.compare import first_difference
 from tot.config import RunConfig
 from tot.run import build_task, make_search, score, solve_all
-from tot.search import PHASES, Search, Solution, run_sync
+from tot.search import PHASES, GenerationEngine, Search, Solution, run_sync
 from tot.tree import ReasoningTree
 
 
@@ -72,9 +76,9 @@ def decoder_configs(
     one decoder with some of its options changed); those needing a missing draft model are skipped."""
     configs, skipped = {}, []
     for name in names:
-        if name not in DECODERS:
-            raise ConfigError(f"bench.decoders has {name!r}, which is not one of {', '.join(DECODERS)}")
-        if DECODERS[name].draft_model == "required" and not has_draft:
+        if name not in CHOICES:
+            raise ConfigError(f"bench.decoders has {name!r}, which is not one of {', '.join(CHOICES)}")
+        if name in DECODERS and DECODERS[name].draft_model == "required" and not has_draft:
             skipped.append(name)
             continue
         configs[name] = DecoderConfig.from_container({**container, "decoder": {"name": name}})
@@ -142,9 +146,9 @@ def bench(
     problems = task.load(cfg.data)
     search = make_search(cfg, task)
     at_once = {name: (concurrency or {}).get(name, cfg.concurrency) for name in configs}
-    engines = {name: Engine(target, c, draft if c.draft else None) for name, c in configs.items()}
-    for engine in engines.values():  # warm-up: first-call allocations and kernel choices
-        engine.generate([GenRequest("Say hello.", max_new_tokens=8, group="warm-up")])
+    engines = {name: bench_engine(c, target, draft) for name, c in configs.items()}
+    for engine in engines.values():  # warm-up: first-call allocations and kernel choices (a server: its check)
+        run_sync(engine.agenerate([GenRequest("Say hello.", max_new_tokens=8, group="warm-up")]))
     tallies = {name: Tally() for name in engines}
     # Problems go in chunks as large as the largest concurrency, each chunk through every decoder in
     # turn, so that machine drift hits all decoders alike.
@@ -162,9 +166,11 @@ def bench(
                     r["tokens_per_s"] / rows[base]["tokens_per_s"] if rows[base]["tokens_per_s"] else 0
                 )
     # At temperature 0, and at any temperature for decoders that match the target's own samples
-    # (verify.match_samples), every tree must be hf's.
+    # (verify.match_samples), every tree must be hf's. A server computes on its own numeric path
+    # (another kernel, another file format): its outputs differ and are not compared.
     greedy = cfg.gen.temperature == 0 and cfg.gen.eval_temperature == 0
-    checked = [n for n, c in configs.items() if greedy or c.verify.match_samples] if "hf" in tallies else []
+    same_path = [n for n, c in configs.items() if c.server is None and (greedy or c.verify.match_samples)]
+    checked = same_path if "hf" in tallies else []
     mismatches = []
     for name, t in tallies.items():
         if name in checked:
@@ -186,9 +192,17 @@ def bench(
     }
 
 
+def bench_engine(c: DecoderConfig, target: LoadedModel, draft: LoadedModel | None) -> Engine | ServerEngine:
+    """An in-process engine on the loaded model(s), or a client of the server named by `server.*`
+    (prompts built with the loaded model's tokenizer: the server must serve that model)."""
+    if c.server is not None:
+        return ServerEngine(c.server, target.tokenizer, target.use_chat_template)
+    return Engine(target, c, draft if c.draft else None)
+
+
 def _bench_chunk(
     chunk: list[Problem],
-    engines: dict[str, Engine],
+    engines: dict[str, Engine | ServerEngine],
     tallies: dict[str, Tally],
     at_once: dict[str, int],
     search: Search,
@@ -199,12 +213,13 @@ def _bench_chunk(
     """Some problems through every decoder in turn, each decoder searching `at_once` of them at a time."""
     for name, engine in engines.items():
         tally = tallies[name]
-        cuda = engine.target.device.type == "cuda"
+        device = engine.target.device if isinstance(engine, Engine) else None
+        cuda = device is not None and device.type == "cuda"
         if cuda:
-            torch.cuda.reset_peak_memory_stats(engine.target.device)
+            torch.cuda.reset_peak_memory_stats(device)
         solutions: dict[str, Solution] = {}
 
-        async def solve(problem: Problem, engine: Engine = engine, solutions: dict = solutions) -> None:
+        async def solve(problem: Problem, engine: GenerationEngine = engine, solutions: dict = solutions) -> None:
             solutions[problem.id] = await search.solve(problem, engine)
             bar.update()
 
@@ -212,9 +227,7 @@ def _bench_chunk(
         run_sync(solve_all(chunk, solve, at_once[name]))
         tally.wall_s += time.perf_counter() - t0
         if cuda:
-            tally.peak_device_bytes = max(
-                tally.peak_device_bytes, torch.cuda.max_memory_allocated(engine.target.device)
-            )
+            tally.peak_device_bytes = max(tally.peak_device_bytes, torch.cuda.max_memory_allocated(device))
         for problem in chunk:
             sol = solutions[problem.id]
             for phase, stats in sol.phases.items():
@@ -246,8 +259,10 @@ def peak_rss_mb() -> float:
     return peak / 2**20 if sys.platform == "darwin" else peak / 2**10
 
 
-def _row(name: str, t: Tally, engine: Engine) -> dict:
+def _row(name: str, t: Tally, engine: Engine | ServerEngine) -> dict:
     tokens = t.decode.generated_tokens
+    # A server does not say how it decoded: its forwards and acceptance are unknown (null).
+    own = isinstance(engine, Engine)
     return {
         "decoder": name,
         "problems_correct": t.correct,
@@ -263,12 +278,12 @@ def _row(name: str, t: Tally, engine: Engine) -> dict:
             }
             for p in PHASES
         },
-        "acceptance_length": t.decode.acceptance_length,
-        "forwards_per_token": t.decode.forwards_per_token,
-        "rows_per_forward": t.decode.rows_per_forward,
+        "acceptance_length": t.decode.acceptance_length if own else None,
+        "forwards_per_token": t.decode.forwards_per_token if own else None,
+        "rows_per_forward": t.decode.rows_per_forward if own else None,
         "prompt_tokens": t.decode.prompt_tokens,
         "prompt_tokens_computed": t.decode.prompt_tokens_computed,
-        "target_busy_fraction": t.decode.target_busy_fraction,
+        "target_busy_fraction": t.decode.target_busy_fraction if own else None,
         "peak_kv_mb": engine.peak_cache_bytes() / 2**20,
         "peak_device_mb": t.peak_device_bytes / 2**20,
     }
@@ -332,12 +347,17 @@ def table(result: dict) -> str:
             f"| `{r['decoder']}` | {r.get('concurrency', 1)} | {r['problems_correct']}/{n} | {r['tokens']} "
             f"| {r['wall_s']:.1f} "
             f"| {r['tokens_per_s']:.1f} "
-            f"| {_ratio(r, 'hf')} | {_ratio(r, 'ar')} | {r['acceptance_length']:.2f} | {r['forwards_per_token']:.3f} "
-            f"| {r['rows_per_forward']:.2f} | {r['prompt_tokens_computed']} / {r['prompt_tokens']} "
-            f"| {r['target_busy_fraction']:.2f} | {ph['generate']['tokens_per_s']:.1f} "
+            f"| {_ratio(r, 'hf')} | {_ratio(r, 'ar')} | {_num(r['acceptance_length'], '.2f')} "
+            f"| {_num(r['forwards_per_token'], '.3f')} | {_num(r['rows_per_forward'], '.2f')} "
+            f"| {r['prompt_tokens_computed']} / {r['prompt_tokens']} "
+            f"| {_num(r['target_busy_fraction'], '.2f')} | {ph['generate']['tokens_per_s']:.1f} "
             f"| {ph['evaluate']['tokens_per_s']:.1f} | {r['peak_kv_mb']:.0f} |"
         )
     return "\n".join(lines)
+
+
+def _num(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
 
 
 def _ratio(row: dict, base: str) -> str:
@@ -359,7 +379,7 @@ def plot(result: dict, path: Path) -> bool:
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
     axes[0].bar(names, [r["tokens_per_s"] for r in rows], color="tab:blue")
     axes[0].set_ylabel("tokens / s (whole ToT run)")
-    axes[1].bar(names, [r["acceptance_length"] for r in rows], color="tab:orange")
+    axes[1].bar(names, [r["acceptance_length"] or 0 for r in rows], color="tab:orange")
     axes[1].set_ylabel("acceptance length (tokens / verification)")
     for ax in axes:
         ax.tick_params(axis="x", rotation=30)
