@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import sys
 from collections.abc import Callable
@@ -25,6 +26,17 @@ RENAMED = {
     "optimize.from_hits": "calibrate.from_counts",
     "model.dtype": "model.weights",
     "draft.dtype": "draft.weights",
+}
+
+# hydra/launcher choices -> (their plugin module under hydra_plugins, the extra that installs it);
+# slurm and ray_cluster are the project's presets (conf/hydra/launcher).
+LAUNCHERS = {
+    "joblib": ("hydra_joblib_launcher", "sweeps"),
+    "submitit_local": ("hydra_submitit_launcher", "slurm"),
+    "submitit_slurm": ("hydra_submitit_launcher", "slurm"),
+    "slurm": ("hydra_submitit_launcher", "slurm"),
+    "ray": ("hydra_ray_launcher", "ray"),
+    "ray_cluster": ("hydra_ray_launcher", "ray"),
 }
 
 
@@ -68,6 +80,12 @@ def hydra_command(
 def check_overrides(argv: list[str], config_name: str, groups: tuple[str, ...]) -> None:
     """Name an unknown config group choice or key in one line, before Hydra prints its own long error."""
     overrides = [a for a in argv if "=" in a and not a.startswith("-")]
+    for arg in overrides:
+        key, _, value = arg.partition("=")
+        if key == "hydra/launcher" and value in LAUNCHERS:
+            plugin, extra = LAUNCHERS[value]
+            if importlib.util.find_spec(f"hydra_plugins.{plugin}") is None:
+                fail(f"hydra/launcher={value} needs Hydra's launcher plugin: pip install 'tot-spec[{extra}]'")
     chosen: dict[str, list[str]] = {}
     for arg in overrides:
         key, _, value = arg.partition("=")

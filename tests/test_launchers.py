@@ -1,0 +1,120 @@
+"""Runs spread over a cluster with Hydra's launchers: a sweep over data shards with submitit (its local
+executor, what SLURM runs) and with Ray (a local cluster), collected by `tot.collect`, gives the
+single-process run's results and trees; the shipped cluster presets compose."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import build_model
+from hydra import compose, initialize_config_module
+
+from decoding.cli import check_overrides
+from tot.collect import collect, combine
+from tot.config import RunConfig
+from tot.run import run
+
+REPO = Path(__file__).resolve().parents[1]
+RAY_REMOTE = {"num_gpus": 1, "num_cpus": 4}
+SMALL = ["data.limit=5", "task.depth=2", "search.n_thoughts=2", "gen.max_thought_tokens=8", "gen.max_eval_tokens=4"]
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory, tokenizer) -> tuple[list[str], Path]:
+    """The run's options (a tiny checkpoint on disk) and its single-process run directory."""
+    root = tmp_path_factory.mktemp("launchers")
+    model = build_model(len(tokenizer), max_positions=4096)
+    model.save_pretrained(root / "tiny")
+    tokenizer.save_pretrained(root / "tiny")
+    options = [f"model.path={root / 'tiny'}", "decoder=ar", "gen.temperature=0.8", *SMALL]
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        cfg = RunConfig.from_omegaconf(compose(config_name="config", overrides=options))
+    run(cfg, root / "single", progress=False)
+    return options, root / "single"
+
+
+def sweep(cwd: Path, launcher: str, options: list[str], *extra: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "tot.solve", "-m", f"hydra/launcher={launcher}", "data.shard=0,1"]
+    cmd += ["data.num_shards=2", *options, *extra]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0"}
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=600, env=env)
+
+
+def records(folder: Path) -> dict[str, dict]:
+    out = {}
+    for path in folder.rglob("results.jsonl"):
+        for line in path.read_text().splitlines():
+            r = json.loads(line)
+            out[r["id"]] = {k: r[k] for k in ("answer", "correct", "tokens")}
+    return out
+
+
+def trees(folder: Path) -> dict[str, dict]:
+    return {p.stem: json.loads(p.read_text()) for p in folder.rglob("trees/*.json")}
+
+
+def check_collected(sweep_dir: Path, single_dir: Path) -> None:
+    shards = [p.parent for p in sweep_dir.rglob("summary.json")]
+    assert len(shards) == 2
+    assert records(sweep_dir) == records(single_dir) and len(records(single_dir)) == 5
+    assert trees(sweep_dir) == trees(single_dir)
+    (row,) = combine(collect(sweep_dir))
+    whole = json.loads((single_dir / "summary.json").read_text())
+    assert (row["n_problems"], row["generated_tokens"]) == (whole["n_problems"], whole["generated_tokens"])
+    assert row["accuracy"] == whole["accuracy"]
+
+
+def test_sharded_sweep_with_submitit_equals_one_process(single, tmp_path):
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="the slurm extra")
+    options, single_dir = single
+    proc = sweep(REPO, "submitit_local", options, f"hydra.sweep.dir={tmp_path / 'sweep'}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    check_collected(tmp_path / "sweep", single_dir)
+
+
+def test_sharded_sweep_on_a_local_ray_cluster_equals_one_process(single, tmp_path):
+    pytest.importorskip("hydra_plugins.hydra_ray_launcher", reason="the ray extra")
+    options, single_dir = single
+    # Run from an empty folder with the default (relative) sweep directory: the jobs write where
+    # the command was started, not in Ray's worker folders.
+    proc = sweep(tmp_path, "ray", options, "+hydra.launcher.ray.init.include_dashboard=false")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (sweep_dir,) = (tmp_path / "multirun").iterdir()
+    check_collected(sweep_dir, single_dir)
+
+
+@pytest.mark.parametrize(
+    "preset, target, values",
+    [
+        ("slurm", "SlurmLauncher", {"gpus_per_node": 1, "timeout_min": 720}),
+        (
+            "ray_cluster",
+            "RayLauncher",
+            {"ray": {"init": {"address": "auto"}, "remote": {"num_gpus": 1, "num_cpus": 4}}},
+        ),
+    ],
+)
+def test_cluster_presets_compose(preset, target, values):
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[f"hydra/launcher={preset}"], return_hydra_config=True)
+    launcher = cfg.hydra.launcher
+    assert launcher._target_.endswith(target)
+    assert {k: launcher[k] for k in values} == values
+
+
+def test_a_launcher_without_its_extra_is_one_line(monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if "ray_launcher" in name else real(name, *a)
+    )
+    with pytest.raises(SystemExit) as info:
+        check_overrides(["hydra/launcher=ray_cluster"], "config", ("task",))
+    assert info.value.code == 2
+    assert "pip install 'tot-spec[ray]'" in capsys.readouterr().err
