@@ -58,7 +58,7 @@ class ServerEngine:
         try:
             import openai
         except ImportError:
-            raise BackendError("decoder=server needs the openai package: pip install 'tot-spec[server]'") from None
+            raise BackendError("decoder=server needs the openai package: pip install openai") from None
         self.options, self.tokenizer, self.use_chat_template = options, tokenizer, use_chat_template
         self._openai = openai
         self.model = options.model

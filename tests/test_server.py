@@ -27,7 +27,7 @@ from decoding.server import ServerEngine, ServerOptions
 from tasks import DataSpec, make_task
 from tot.collect import collect
 from tot.config import RunConfig
-from tot.run import run
+from tot.run import run, summary_line
 from tot.search import GenSettings
 
 REPO = Path(__file__).resolve().parents[1]
@@ -119,6 +119,8 @@ def test_tot_run_on_the_server_end_to_end(llama: LlamaServer, tmp_path: Path):
     summary = run(cfg, tmp_path, progress=False)
     assert summary["decoder"] == "server" and summary["n_problems"] == 2
     assert summary["generated_tokens"] > 0 and summary["tokens_per_s"] > 0
+    line = summary_line(summary)  # a server reports no forwards: none printed
+    assert "decoder=server" in line and "tau" not in line and "rows/forward" not in line
     records = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert sorted(r["id"] for r in records) == ["bundled-1", "bundled-2"]
     for r in records:

@@ -144,11 +144,17 @@ async def score(cfg: RunConfig, task: Task, problem: Problem, answer: str, judge
 
 def summary_line(s: dict) -> str:
     metrics = "".join(f", {k} {v:.3f}" for k, v in s.get("metrics", {}).items())
+    # A server does not report its forwards (decoder=server): no tau or rows to print.
+    forwards = (
+        f"tau {s['acceptance_length']:.2f}, {s['forwards_per_token']:.3f} target forwards/token, "
+        f"{s['rows_per_forward']:.2f} rows/forward, "
+        if s["target_forwards"]
+        else ""
+    )
     return (
         f"{s['task']} {s['search']} decoder={s['decoder']}: accuracy {s['accuracy']:.3f}{metrics} "
         f"({s['n_correct']}/{s['n_problems']}), {s['generated_tokens']} tokens in {s['wall_s']:.1f}s "
-        f"= {s['tokens_per_s']:.1f} tok/s, tau {s['acceptance_length']:.2f}, "
-        f"{s['forwards_per_token']:.3f} target forwards/token, {s['rows_per_forward']:.2f} rows/forward, "
+        f"= {s['tokens_per_s']:.1f} tok/s, {forwards}"
         f"{s['prompt_tokens_computed']}/{s['prompt_tokens']} prompt tokens computed, "
         f"run.concurrency={s.get('concurrency', 1)}"
     )
