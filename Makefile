@@ -7,7 +7,7 @@ TORCH ?= torch==2.13.0
 ARGS ?=
 BIN := $(VENV)/bin
 
-.PHONY: setup run test lint
+.PHONY: setup run test lint browser
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,13 @@ $(VENV)/.extras: $(VENV)/.installed
 	CMAKE_ARGS="-DLLAVA_BUILD=OFF" $(BIN)/python -m pip install --quiet -e ".[dev,llama,slurm,ray]"
 	touch $@
 
+# The tree view's test renders the page in a real headless browser: Debian's chromium (apt, about
+# half a minute), installed when no chromium is on the PATH.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+browser:
+	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || \
+		{ $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium; }
+
 setup: $(VENV)/.installed
 
 run: setup
@@ -34,5 +41,5 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-test: lint $(VENV)/.extras
+test: lint $(VENV)/.extras browser
 	$(BIN)/python -m pytest -q

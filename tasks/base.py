@@ -87,6 +87,11 @@ class Task(Protocol):
 
     def answer(self, problem: Problem, steps: list[str]) -> str: ...
 
+    def answers(self, problem: Problem, steps: list[str]) -> dict[str, str]:
+        """The answer as each of the task's extraction rules reads it (GSM8K: strict and flexible,
+        as lm-evaluation-harness reports them), each scored beside `answer`; {} when there is one."""
+        ...
+
     def is_correct(self, problem: Problem, answer: str) -> bool: ...
 
     def metrics(self, problem: Problem, answer: str) -> dict[str, float]:
@@ -110,6 +115,9 @@ class TaskDefaults:
         return False
 
     def metrics(self, problem: Problem, answer: str) -> dict[str, float]:
+        return {}
+
+    def answers(self, problem: Problem, steps: list[str]) -> dict[str, str]:
         return {}
 
     def judge_prompt(self, problem: Problem, answer: str) -> Prompt | None:

@@ -18,8 +18,39 @@ _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 _SCORE = re.compile(r"(?:score|rating|rate|value)\D{0,12}?(\d+(?:\.\d+)?)", re.IGNORECASE)
 
 
+# What GSM8K evaluations read first (lm-evaluation-harness's strict match): the number stated right
+# after the answer phrase: "The answer is 10.", "The final answer is: $1,250", "#### 72".
+_STATED = re.compile(
+    r"(?:\b(?:the\s+)?(?:final\s+)?answer\s+is|####)\s*[:=]?\s*(?:approximately\s+|about\s+)?"
+    r"(?P<sign>-)?\s*\$?\s*(?P<minus>-)?(?P<number>\d[\d,]*(?:\.\d+)?)",
+    re.IGNORECASE,
+)
+# Where the stated answer's sentence ends: a full stop after it, not a decimal point.
+_SENTENCE_END = re.compile(r"[.!?](?=\s|$)|\n")
+
+
+def strict_answer(text: str) -> str | None:
+    """The number stated after the first answer phrase ("The answer is N", "#### N"), or None."""
+    m = _STATED.search(text)
+    if m is None:
+        return None
+    number = re.sub(r",(?=\d{3})", "", m.group("number")).rstrip(",")
+    return normalize_number(("-" if m.group("sign") or m.group("minus") else "") + number)
+
+
+def stated_sentence(text: str) -> str:
+    """`text` cut after the sentence that states the answer ("The answer is 10. To calculate ..." ->
+    "The answer is 10."); unchanged when no answer is stated."""
+    m = _STATED.search(text)
+    if m is None:
+        return text
+    end = _SENTENCE_END.search(text, m.end())
+    return text if end is None else text[: end.end()].rstrip()
+
+
 def extract_number(text: str) -> str | None:
-    """The last number in text, with thousands separators and currency signs removed."""
+    """The last number in text, with thousands separators and currency signs removed (the flexible
+    extraction)."""
     cleaned = re.sub(r"(?<=\d),(?=\d{3})", "", text).replace("$", "")
     found = _NUMBER.findall(cleaned)
     if not found:
@@ -104,7 +135,10 @@ class GSM8K(TaskDefaults):
     # --- state evaluator ---------------------------------------------------------------------
     def evaluator_prompt(self, problem: Problem, steps: list[str]) -> Prompt:
         *before, last = steps
-        what = "final answer" if len(steps) >= self.depth else "latest step"
+        final = len(steps) >= self.depth
+        what = "final answer" if final else "latest step"
+        if final:  # the final step may run past its answer (it stops at a newline): value what it states
+            last = stated_sentence(last)
         return Prompt(
             f"Question: {problem.question}\n\n{_steps_block(before)}\n\nThe {what} is:\n{last}\n\n"
             f"How much does the {what} help to answer the question correctly? Rate it from 1 (wrong or "
@@ -119,7 +153,15 @@ class GSM8K(TaskDefaults):
 
     # --- scoring -----------------------------------------------------------------------------
     def answer(self, problem: Problem, steps: list[str]) -> str:
-        return extract_number(steps[-1]) or "" if steps else ""
+        """The stated answer, else the last number of the final step."""
+        found = self.answers(problem, steps)
+        return found["strict"] or found["flexible"]
+
+    def answers(self, problem: Problem, steps: list[str]) -> dict[str, str]:
+        """Both extractions of the final step, as lm-evaluation-harness reports GSM8K: `strict` (the
+        number after the answer phrase, "" if none is stated) and `flexible` (its last number)."""
+        last = steps[-1] if steps else ""
+        return {"strict": strict_answer(last) or "", "flexible": extract_number(last) or ""}
 
     def is_correct(self, problem: Problem, answer: str) -> bool:
         return bool(answer) and answer == problem.gold

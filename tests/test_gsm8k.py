@@ -8,7 +8,16 @@ from pathlib import Path
 import pytest
 
 from tasks.base import DataError, DataSpec, Problem
-from tasks.gsm8k import FINAL_PREFIX, GSM8K, SCORE_PREFIX, extract_number, gold_answer, parse_value
+from tasks.gsm8k import (
+    FINAL_PREFIX,
+    GSM8K,
+    SCORE_PREFIX,
+    extract_number,
+    gold_answer,
+    parse_value,
+    stated_sentence,
+    strict_answer,
+)
 
 # The benchmark data lies beside the project (../shared), as in CI; the test needs it, not the package.
 SHARED_TEST = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.jsonl"
@@ -52,6 +61,93 @@ def test_extract_number(text, expected):
 @pytest.mark.parametrize("text", ["", "no number here", "The answer is twelve.", "$", ", ."])
 def test_extract_number_none(text):
     assert extract_number(text) is None
+
+
+# --- strict and flexible extraction, on real model outputs ------------------------------------
+
+# Final-answer steps SmolLM2-135M-Instruct wrote in ToT-BFS runs on GSM8K (n = 8; the first from the
+# bundled problems, the others from test problems 0-4): (text, strict, flexible, the stated sentence).
+REAL_FINAL_STEPS = [
+    (
+        "The answer is 10. To calculate the total number of muffins sold, we multiply the number of days (30) "
+        "by the number of muffins sold per day (18).",
+        "10",
+        "18",
+        "The answer is 10.",
+    ),
+    (
+        "The answer is 10 cents. If you want to find the total cost of ten cents per week, you can multiply 10 "
+        "cents by 15 (which is 100 cents, since you multiply by 15).",
+        "10",
+        "15",
+        "The answer is 10 cents.",
+    ),
+    (
+        "The answer is 150% of the house's value. The process of calculating the difference, multiplying that "
+        "result by the percentage, and then adding 50% is correct.",
+        "150",
+        "50",
+        "The answer is 150% of the house's value.",
+    ),
+    (
+        "The answer is 25. To find out how much the original house sold for 80,000, you multiply 80,000 by "
+        "50,000, which gives you 400,000. So, the answer is 400,000.",
+        "25",
+        "400000",
+        "The answer is 25.",
+    ),
+    (
+        "The answer is 1.333. One more step to the final answer is to calculate the total cost of ten cents per week.",
+        "1.333",
+        "1.333",
+        "The answer is 1.333.",
+    ),
+    ("The answer is 6.34, which is the total distance James runs a week.", "6.34", "6.34", None),
+    ("The answer is 0.55.", "0.55", "0.55", None),
+    ("The answer is 6.34", "6.34", "6.34", None),
+]
+# Awkward spellings beside them: currency, separators, signs, the GSM8K answer mark, no number stated.
+AWKWARD = [
+    ("The answer is $1,250.50. That is what she paid.", "1250.5", "1250.5", "The answer is $1,250.50."),
+    ("The answer is -3 degrees, a drop of 3.", "-3", "3", None),
+    ("The answer is $-4.", "-4", "-4", None),
+    ("The final answer is: 42 apples", "42", "42", None),
+    ("So 8 * 9 = 72 in all.\n#### 72", "72", "72", None),
+    ("The answer is 3,000 people.", "3000", "3000", None),
+    ("The answer is approximately 12.50 dollars.", "12.5", "12.5", None),
+    ("The answer is twelve, so 12 - 0 = 12 eggs.", None, "12", None),
+    ("She has 5 apples and buys 7 more.", None, "7", None),
+]
+
+
+@pytest.mark.parametrize("text, strict, flexible, sentence", REAL_FINAL_STEPS + AWKWARD)
+def test_strict_and_flexible_extraction(text, strict, flexible, sentence):
+    assert strict_answer(text) == strict
+    assert extract_number(text) == flexible
+    assert stated_sentence(text) == (sentence or text)
+
+
+def test_answer_prefers_the_stated_number_and_reports_both():
+    task = GSM8K()
+    problem = Problem("p", "How many muffins?", "10")
+    step = REAL_FINAL_STEPS[0][0]
+    assert task.answers(problem, ["a", "b", "c", step]) == {"strict": "10", "flexible": "18"}
+    assert task.answer(problem, ["a", "b", "c", step]) == "10"  # the old rule read 18
+    no_phrase = "So the total is 18 muffins."
+    assert task.answers(problem, [no_phrase]) == {"strict": "", "flexible": "18"}
+    assert task.answer(problem, [no_phrase]) == "18"  # the flexible fallback
+
+
+def test_the_evaluator_values_the_stated_answer_of_a_final_step():
+    task = GSM8K()
+    problem = Problem("p", "How many muffins?", "10")
+    step = REAL_FINAL_STEPS[0][0]
+    assert task.parse_thought(problem, ["s1", "s2", "s3"], step[len(FINAL_PREFIX) :]) == step  # the tree keeps it all
+    final = task.evaluator_prompt(problem, ["s1", "s2", "s3", step]).text
+    assert "The final answer is:\nThe answer is 10.\n" in final and "(18)" not in final
+    # An intermediate step is valued as written.
+    middle = task.evaluator_prompt(problem, ["s1", "Sub-question 2: How many? Sub-answer 2: 3. Then 4."]).text
+    assert "Sub-answer 2: 3. Then 4." in middle
 
 
 # --- gold_answer ------------------------------------------------------------------------------

@@ -148,7 +148,7 @@ def test_run_writes_outputs(tmp_path):
     assert summary["phases"]["evaluate"]["tokens"] == 6 * EVAL_TOKENS
     for phase in ("generate", "evaluate"):
         assert summary["phases"][phase]["engine_s"] >= 0
-    assert "accuracy 0.333 (2/6)" in summary_line(summary)
+    assert "accuracy 0.333 (2/6; strict 0.333, flexible 0.333)" in summary_line(summary)
 
     tree = json.loads((out / "trees" / "bundled-1.json").read_text())
     assert len(tree["nodes"]) == 1 + 4 * 3

@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 
 from decoding.core.values import DecodeStats
+from tasks.base import Problem, Task
 
 
 class ResultStore:
@@ -49,6 +50,19 @@ class ResultStore:
         return self.out_dir / "trees" / (re.sub(r"[^\w.-]", "_", problem_id) + ".json")
 
 
+def answer_fields(task: Task, problem: Problem, steps: list[str]) -> dict:
+    """What a record says of the answer a path of thoughts gives: the answer and whether it is
+    correct, and the same for each of the task's extraction rules (`answers`, `correct_by`)."""
+    answer = task.answer(problem, steps)
+    answers = task.answers(problem, steps)
+    return {
+        "answer": answer,
+        "correct": task.is_correct(problem, answer),
+        "answers": answers,
+        "correct_by": {k: task.is_correct(problem, v) for k, v in answers.items()},
+    }
+
+
 def summarize(records: list[dict], header: dict) -> dict:
     """Totals over finished problems: accuracy, tokens, throughput, tau, per-phase cost."""
     total = DecodeStats()
@@ -80,6 +94,8 @@ def summarize(records: list[dict], header: dict) -> dict:
         "n_problems": n,
         "n_correct": sum(bool(r["correct"]) for r in records),
         "accuracy": sum(bool(r["correct"]) for r in records) / n if n else 0.0,
+        # Each extraction rule's accuracy (GSM8K: strict, flexible), over the records that have it.
+        "accuracy_by": _accuracy_by(records),
         # The task's own scores (e.g. the judge's coherency), each a mean over the problems that have it.
         "metrics": {k: sum(v) / len(v) for k, v in metric_values.items()},
         "generated_tokens": total.generated_tokens,
@@ -101,3 +117,11 @@ def summarize(records: list[dict], header: dict) -> dict:
         "wall_s": wall,
         "phases": phases,
     }
+
+
+def _accuracy_by(records: list[dict]) -> dict[str, float]:
+    hits: dict[str, list[bool]] = {}
+    for r in records:
+        for rule, ok in r.get("correct_by", {}).items():
+            hits.setdefault(rule, []).append(bool(ok))
+    return {rule: sum(v) / len(v) for rule, v in hits.items()}

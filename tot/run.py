@@ -19,7 +19,7 @@ from decoding.engine import Engine
 from decoding.server import ServerEngine
 from tasks import Problem, Task, make_task
 from tot.config import RunConfig
-from tot.results import ResultStore, summarize
+from tot.results import ResultStore, answer_fields, summarize
 from tot.search import GenerationEngine, Search, request_seed, run_sync
 from tot.searches import SEARCHES
 
@@ -63,9 +63,8 @@ def run(cfg: RunConfig, out_dir: Path, engine: GenerationEngine | None = None, p
                 {
                     "id": problem.id,
                     "question": problem.question,
-                    "answer": sol.answer,
+                    **answer_fields(task, problem, sol.steps),
                     "gold": problem.gold,
-                    "correct": task.is_correct(problem, sol.answer),
                     "metrics": metrics,
                     "tokens": sum(p["tokens"] for p in phases.values()),
                     "wall_s": now - t0,  # this problem's latency (problems in flight overlap)
@@ -144,6 +143,7 @@ async def score(cfg: RunConfig, task: Task, problem: Problem, answer: str, judge
 
 def summary_line(s: dict) -> str:
     metrics = "".join(f", {k} {v:.3f}" for k, v in s.get("metrics", {}).items())
+    by = ", ".join(f"{k} {v:.3f}" for k, v in s.get("accuracy_by", {}).items())
     # A server does not report its forwards (decoder=server): no tau or rows to print.
     forwards = (
         f"tau {s['acceptance_length']:.2f}, {s['forwards_per_token']:.3f} target forwards/token, "
@@ -152,8 +152,9 @@ def summary_line(s: dict) -> str:
         else ""
     )
     return (
-        f"{s['task']} {s['search']} decoder={s['decoder']}: accuracy {s['accuracy']:.3f}{metrics} "
-        f"({s['n_correct']}/{s['n_problems']}), {s['generated_tokens']} tokens in {s['wall_s']:.1f}s "
+        f"{s['task']} {s['search']} decoder={s['decoder']}: accuracy {s['accuracy']:.3f} "
+        f"({s['n_correct']}/{s['n_problems']}{f'; {by}' if by else ''}){metrics}, "
+        f"{s['generated_tokens']} tokens in {s['wall_s']:.1f}s "
         f"= {s['tokens_per_s']:.1f} tok/s, {forwards}"
         f"{s['prompt_tokens_computed']}/{s['prompt_tokens']} prompt tokens computed, "
         f"run.concurrency={s.get('concurrency', 1)}"

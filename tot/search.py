@@ -79,6 +79,7 @@ class Solution:
     answer: str
     tree: ReasoningTree
     phases: dict[str, PhaseStats]
+    steps: list[str] = field(default_factory=list)  # the answer path's thoughts
 
 
 class GenerationEngine(Protocol):
@@ -159,7 +160,8 @@ class Step:
 
     def solution(self, best: int) -> Solution:
         self.tree.mark_answer(best)
-        return Solution(self.task.answer(self.problem, self.tree.steps(best)), self.tree, self.phases)
+        steps = self.tree.steps(best)
+        return Solution(self.task.answer(self.problem, steps), self.tree, self.phases, steps)
 
     async def _call(self, requests: list[GenRequest], phase: str) -> list[GenResult]:
         done = await self.engine.agenerate(requests)

@@ -1,4 +1,5 @@
-"""`python -m tot.show RUN_DIR [--id ID]`: a run's reasoning trees as indented text and as PNG images.
+"""`python -m tot.show RUN_DIR [--id ID] [--html]`: a run's reasoning trees as indented text and as PNG
+images, or as one interactive page (--html, tot/show_html.py).
 
 From a notebook: `load_tree(run_dir, id)`, then `render_text(tree)` for the text and `draw(tree)` for
 the figure (matplotlib, the `plots` extra); `layout(tree)` gives the node positions `draw` uses.
@@ -303,6 +304,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--width", type=int, default=100, help="characters of each thought shown (default 100)")
     parser.add_argument("--no-image", action="store_true", help="print the text only, write no PNG")
     parser.add_argument("--out", type=Path, help="PNG path for one tree, or a folder (default RUN_DIR/trees/)")
+    parser.add_argument(
+        "--html",
+        action="store_true",
+        help="write one page with every tree instead (--out: its path; default RUN_DIR/trees.html)",
+    )
     args = parser.parse_args(argv)
     if args.width < 4:
         parser.error(f"--width {args.width} is too small; give at least 4")
@@ -310,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.reconfigure(errors="replace")  # a terminal without UTF-8 gets '?' for the tree lines
     try:
         shown = [find_problem(args.run_dir, args.id)] if args.id is not None else problems(args.run_dir)
+        if args.html:
+            return _html(args.run_dir, shown, args.out)
         images = [] if args.no_image else image_paths(shown, args.out)
     except ShowError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -320,6 +328,16 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         # The reader left (`| head`): stop quietly, and keep Python's exit flush from raising again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
+
+
+def _html(run_dir: Path, shown: list[SavedTree], out: Path | None) -> int:
+    from tot.show_html import write_page
+
+    if out is not None and out.suffix.lower() != ".html":
+        raise ShowError(f"--out {out} is not an .html file; give e.g. --out trees.html")
+    page = write_page(run_dir, shown, out or run_dir / "trees.html")
+    print(f"page: {page} ({len(shown)} trees; open it in a browser, it needs no network)")
     return 0
 
 

@@ -1,0 +1,72 @@
+"""`python -m tot.rescore RUN_DIR`: a saved run re-read with the current parsers, nothing decoded."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from test_run import FakeEngine, make_config
+
+from tot.rescore import rescore
+from tot.run import run
+
+REPO = Path(__file__).resolve().parents[1]
+# A final step that runs past its answer, as the old parser read it (its last number: 7).
+RAMBLING = " 12. Then 3 + 4 = 7 more."
+
+
+def made_with_the_old_parser(out: Path, problem: str) -> None:
+    """Rewrite a finished run's outputs as the parser before strict extraction wrote them: the final
+    thought kept whole, the answer its last number, no extraction fields."""
+    tree_path = out / "trees" / f"{problem}.json"
+    tree = json.loads(tree_path.read_text())
+    final = max((n for n in tree["nodes"] if n.get("answer")), key=lambda n: n["id"])
+    final.update(raw=RAMBLING, text="The answer is" + RAMBLING)
+    tree_path.write_text(json.dumps(tree))
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    for r in records:
+        r.pop("answers"), r.pop("correct_by")
+        if r["id"] == problem:
+            r.update(answer="7", correct=False)
+    (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    summary = json.loads((out / "summary.json").read_text())
+    summary.pop("accuracy_by")
+    summary["accuracy"] = sum(r["correct"] for r in records) / len(records)
+    (out / "summary.json").write_text(json.dumps(summary))
+
+
+def test_rescore_applies_the_current_parsers_to_a_saved_run(tmp_path):
+    cfg = make_config("data.limit=3")
+    run(cfg, tmp_path, engine=FakeEngine(), progress=False)  # gold 12: bundled-1 only
+    made_with_the_old_parser(tmp_path, "bundled-1")
+
+    old, new, changes = rescore(tmp_path)
+    assert [c.id for c in changes] == ["bundled-1"]
+    assert "answer '7' -> '12', correct False -> True" in changes[0].line()
+    assert (old["accuracy"], new["accuracy"]) == (0.0, 1 / 3)
+    assert new["accuracy_by"] == {"strict": 1 / 3, "flexible": 0.0}
+    record = next(json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines())
+    assert record["answers"] == {"strict": "12", "flexible": "7"} and record["correct_by"]["strict"]
+    tree = json.loads((tmp_path / "trees" / "bundled-1.json").read_text())
+    final = max((n for n in tree["nodes"] if n.get("answer")), key=lambda n: n["id"])
+    assert final["text"] == "The answer is" + RAMBLING  # the thought as the model wrote it
+    assert json.loads((tmp_path / "summary.json").read_text())["accuracy"] == 1 / 3
+    assert rescore(tmp_path)[2] == []  # a second pass changes nothing
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "tot.rescore", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0 and "0 of 3 problems changed" in proc.stdout
+
+
+def test_rescore_bad_run_dir_is_one_line(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "tot.rescore", str(tmp_path / "nope")], cwd=REPO, capture_output=True, text=True
+    )
+    assert proc.returncode == 2
+    assert (
+        proc.stderr.strip()
+        == f"error: {tmp_path / 'nope'} has no summary.json; give an output directory of python -m tot.solve"
+    )

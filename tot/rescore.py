@@ -1,0 +1,124 @@
+"""`python -m tot.rescore RUN_DIR`: a run's answers, correctness and metrics recomputed from its saved
+outputs with the current parsers, without decoding anything.
+
+Every node's thought is parsed again from the model's saved reply (`raw`), the answer is read from the
+path the search chose with the task's current rules, and the code-computed metrics are recomputed (a
+judge model's scores are kept: they need decoding). results.jsonl, the trees and summary.json are
+rewritten and what changed is printed, so that a parser fix applies to runs already made. The chosen
+path itself is kept: the search chose it by the values it had.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from tasks import DataSpec, Problem, Task, make_task
+from tasks.base import DataError
+from tot.results import answer_fields, summarize
+from tot.show import ShowError, read_records, tree_file
+from tot.tree import ReasoningTree
+
+# summary.json keys that describe the run rather than its results (kept as they are).
+HEADER = ("task", "search", "decoder", "model", "concurrency", "config")
+
+
+@dataclass(frozen=True)
+class Change:
+    id: str
+    before: dict  # answer, correct, correct_by as the run recorded them
+    after: dict
+
+    def line(self) -> str:
+        b, a = self.before, self.after
+        text = f"{self.id}: answer {b.get('answer')!r} -> {a['answer']!r}"
+        if b.get("correct") != a["correct"]:
+            text += f", correct {b.get('correct')} -> {a['correct']}"
+        return text
+
+
+def reparse(task: Task, problem: Problem, tree: ReasoningTree) -> list[str]:
+    """Every node's thought parsed again from its saved reply, parents first; returns the steps of
+    the path marked as the answer."""
+    graph = tree.graph
+    order = sorted(graph.nodes, key=lambda n: len(tree.steps(n)) if n != tree.root else 0)
+    for node in order:
+        if node == tree.root or "raw" not in graph.nodes[node]:
+            continue
+        parent = next(iter(graph.predecessors(node)))
+        before = tree.steps(parent) if parent != tree.root else []
+        graph.nodes[node]["text"] = task.parse_thought(problem, before, graph.nodes[node]["raw"])
+    path = [n for n in graph.nodes if graph.nodes[n].get("answer") and n != tree.root]
+    if not path:
+        return []
+    return tree.steps(max(path, key=lambda n: len(tree.steps(n))))
+
+
+def rescore(run_dir: Path) -> tuple[dict, dict, list[Change]]:
+    """Rescore a run in place; returns (summary before, summary after, the problems that changed)."""
+    summary_path = run_dir / "summary.json"
+    if not summary_path.is_file():
+        raise ShowError(f"{run_dir} has no summary.json; give an output directory of python -m tot.solve")
+    old = json.loads(summary_path.read_text(encoding="utf-8"))
+    config = old.get("config") or {}
+    try:
+        task = make_task(old["task"], int(config["depth"]), dict(config.get("task_options") or {}))
+        problems = {p.id: p for p in task.load(DataSpec(**config["data"]))}
+    except KeyError as e:
+        raise ShowError(f"{summary_path} has no {e}; it was not written by python -m tot.solve") from None
+    records, changes = [], []
+    for rec in read_records(run_dir):
+        problem = problems.get(str(rec["id"]))
+        path = tree_file(run_dir, str(rec["id"]))
+        if problem is None or not path.is_file():
+            records.append(rec)  # nothing to reparse from: kept as it is
+            continue
+        tree = ReasoningTree.from_dict(json.loads(path.read_text(encoding="utf-8")))
+        fields = answer_fields(task, problem, reparse(task, problem, tree))
+        metrics = {**rec.get("metrics", {}), **task.metrics(problem, fields["answer"])}
+        new = {**rec, **fields, "metrics": metrics}
+        if any(new.get(k) != rec.get(k) for k in ("answer", "correct", "metrics")):
+            changes.append(Change(str(rec["id"]), rec, new))
+        tree.save(path)
+        records.append(new)
+    _write(run_dir / "results.jsonl", "".join(json.dumps(r) + "\n" for r in records))
+    header = {k: old[k] for k in HEADER if k in old}
+    summary = summarize([r for r in records if r["id"] in problems], header)  # the run's selection
+    _write(summary_path, json.dumps(summary, indent=2))
+    return old, summary, changes
+
+
+def _write(path: Path, text: str) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)
+
+
+def report(old: dict, new: dict, changes: list[Change]) -> str:
+    lines = [c.line() for c in changes]
+    lines.append(f"{len(changes)} of {new['n_problems']} problems changed")
+    lines.append(f"accuracy {old.get('accuracy', 0.0):.3f} -> {new['accuracy']:.3f}")
+    for rule, value in new.get("accuracy_by", {}).items():
+        before = old.get("accuracy_by", {}).get(rule)
+        lines.append(f"accuracy ({rule}) {'-' if before is None else f'{before:.3f}'} -> {value:.3f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tot.rescore", description=__doc__.splitlines()[0])
+    parser.add_argument("run_dir", type=Path, help="an output directory of python -m tot.solve")
+    args = parser.parse_args(argv)
+    try:
+        old, new, changes = rescore(args.run_dir)
+    except (ShowError, DataError) as e:
+        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
+    print(report(old, new, changes))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
