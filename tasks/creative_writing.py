@@ -54,6 +54,31 @@ def paragraphs(passage: str) -> list[str]:
     return [p.strip() for p in re.split(r"\n\s*\n", passage.strip()) if p.strip()]
 
 
+# Where the passage ends and talk about it begins, in replies of small chat models ("Explanation:",
+# "In this passage, ...", the instruction echoed back).
+_COMMENTARY = re.compile(
+    r"^[*#\s]*(?:explanation|note|notes|analysis|in this passage|this passage|the passage above|"
+    r"write the passage|i hope)\b",
+    re.IGNORECASE,
+)
+# A label before the passage ("Passage:", "**Title: ...**") and before a paragraph ("1.", "Paragraph 2:").
+_HEADING = re.compile(r"^[*#\s]*(?:passage|title|story)\s*:[^\n]*$", re.IGNORECASE)
+_PARAGRAPH_LABEL = re.compile(r"^[*\s]*(?:paragraph\s*\d+|\d+[.)])\s*[:.]?[*]*\s*", re.IGNORECASE)
+
+
+def passage_of(reply: str) -> str:
+    """The passage a reply writes: its paragraphs without their labels, a heading before them and
+    any commentary after them dropped."""
+    kept: list[str] = []
+    for para in paragraphs(reply):
+        if _COMMENTARY.match(para):
+            break
+        if not kept and _HEADING.match(para):
+            continue
+        kept.append(_PARAGRAPH_LABEL.sub("", para, count=1))
+    return "\n\n".join(kept)
+
+
 def endings_met(passage: str, sentences: list[str]) -> list[bool]:
     """Per required sentence: does paragraph i end with sentence i? (Missing paragraphs do not.)"""
     paras = paragraphs(passage)
@@ -158,7 +183,8 @@ class CreativeWriting(TaskDefaults):
 
     # --- scoring -----------------------------------------------------------------------------
     def answer(self, problem: Problem, steps: list[str]) -> str:
-        return steps[-1] if steps else ""
+        """The passage the final step writes (labels, headings and commentary dropped)."""
+        return passage_of(steps[-1]) if steps else ""
 
     def is_correct(self, problem: Problem, answer: str) -> bool:
         return meets_constraint(answer, problem.meta["sentences"])

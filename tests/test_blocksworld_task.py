@@ -103,3 +103,33 @@ def test_step6_file_loads_and_gold_plans_solve(task):
     problems = task.load(DataSpec(path=str(DATA)))
     assert len(problems) == 152
     assert all(task.is_correct(p, p.gold) for p in problems)
+
+
+# Replies SmolLM2-135M-Instruct wrote as the first action of step_6.jsonl's instance-287 (the orange
+# block on the blue one, the yellow block on the orange one) in a ToT-BFS run, and what they parse to
+# (None: not an action, kept as written so the simulator rejects it), beside forms built from them.
+YELLOW_OFF_ORANGE = "unstack the yellow block from on top of the orange block"
+REAL_REPLIES = [
+    (" Picking up the blue block.", "pick up the blue block"),
+    (' "pick up the silver ball"', None),  # no silver block
+    (" Unstack the blue block", None),  # the blue block is on the table: nothing to unstack it from
+    (" Unstack the blue block and the yellow block must go to the opposite side.", None),
+    (" Unstack the blue block to create a blue block.", None),
+    (" Unstack the yellow block", YELLOW_OFF_ORANGE),
+    (" Unstack the yellow block to free the orange block.", YELLOW_OFF_ORANGE),
+    (
+        " Now, I unstack the yellow block from the orange block.",
+        "unstack the yellow block from on top of the orange block",
+    ),
+    (" Stacks the yellow block on top of the red block!", "stack the yellow block on top of the red block"),
+    (" 1. **Pick up the red block**", "pick up the red block"),
+]
+
+
+@pytest.mark.skipif(not DATA.is_file(), reason=f"{DATA} absent (../shared is not beside the repo)")
+@pytest.mark.parametrize("reply, expected", REAL_REPLIES)
+def test_plan_parse_of_real_replies(task, reply, expected):
+    problem = next(p for p in task.load(DataSpec(path=str(DATA))) if p.id == "generated_basic/instance-287")
+    thought = task.parse_thought(problem, [], reply)
+    assert thought == (expected or reply.strip())
+    assert (parse_action(thought) is not None) == (expected is not None)

@@ -14,6 +14,7 @@ from tasks.creative_writing import (
     normalize,
     paragraphs,
     parse_score,
+    passage_of,
     split_sentences,
 )
 
@@ -112,3 +113,55 @@ def test_bad_line_named(tmp_path):
     path.write_text("One. Two. Three. Four.\nonly one sentence here\n", encoding="utf-8")
     with pytest.raises(DataError, match=r"cw\.txt:2: found 1 sentences"):
         make_task("creative_writing", 2).load(DataSpec(path=str(path)))
+
+
+# Passages SmolLM2-135M-Instruct wrote as the final step of ToT-BFS runs on data_100_random_text.txt
+# (problems 1 and 2; cut where marked): commentary after the passage, numbered paragraphs.
+REAL_WITH_COMMENTARY = (
+    "\nIn a world where ideas are just a way to measure our success, it is crucial to focus on what truly "
+    "matters. It is the little actions that can be made every day that can make a huge difference.\n\n"
+    "Explanation:\n\nIn this passage, we have the main idea of achieving something. The plan is to take a "
+    "small action every day and make a positive impact.\n\nWrite the passage: Another sentence to note: 4 "
+    "paragraphs separated by blank lines, each ending with its sentence exactly as given."
+)
+REAL_NUMBERED = (
+    "1. The moment I was born is a lesson that has been repeated many times before its use. [...] I will share "
+    "with you a personal story that makes Christmas more than just a holiday with decorations.\n\n"
+    "2. When I was 14 years old, I went to a church with my brother. [...] But when I was born 4 years after, "
+    "I realized something.\n\n"
+    "3. When I was born 4 years after, I realized that I am a special person that I have never seen before. "
+    "[...] I have never heard of your name before.\n\n"
+    "4. When I was born 4 years after, I realized that I am a special person that I never believed could be "
+    "anything but special. I never believed that you could be"
+)
+
+
+def test_passage_of_real_replies():
+    assert passage_of(REAL_WITH_COMMENTARY) == (
+        "In a world where ideas are just a way to measure our success, it is crucial to focus on what truly "
+        "matters. It is the little actions that can be made every day that can make a huge difference."
+    )
+    numbered = paragraphs(passage_of(REAL_NUMBERED))
+    assert len(numbered) == 4 and numbered[1].startswith("When I was 14 years old")
+    assert numbered[3].endswith("I never believed that you could be")  # cut by the token limit: kept as it is
+
+
+NUMBERED = "\n\n".join(f"{i}. {para}" for i, para in enumerate(GOOD.split("\n\n"), 1))
+
+
+@pytest.mark.parametrize(
+    "reply, met_as_written",
+    [
+        (NUMBERED, True),  # numbering starts a paragraph: its ending still counts
+        ("**Paragraph 1:** " + GOOD + "\n\nIn this passage, every paragraph ends with its sentence.", False),
+        ("Passage:\n\n" + GOOD + "\n\nExplanation: the endings are kept.", False),
+        ("**Title: A Rainy Day**\n\n" + GOOD + "\n\nNote: written in four paragraphs.", False),
+    ],
+)
+def test_labelled_or_commented_passages_meet_the_constraint(reply, met_as_written):
+    task = make_task("creative_writing", 2, {})
+    problem = task.load(DataSpec())[0]
+    problem.meta["sentences"] = SENTENCES
+    assert meets_constraint(reply, SENTENCES) == met_as_written
+    assert task.answer(problem, ["a plan", reply]) == GOOD
+    assert task.is_correct(problem, task.answer(problem, ["a plan", reply]))

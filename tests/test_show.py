@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from tot.results import ResultStore
-from tot.show import ANSWER, CHOSEN, clip, layout, load_tree, main, render_text, tree_file
+from tot.saved import tree_file
+from tot.show import ANSWER, CHOSEN, clip, layout, load_tree, main, render_text
 from tot.tree import ReasoningTree
 
 REPO = Path(__file__).resolve().parents[1]

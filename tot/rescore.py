@@ -19,7 +19,7 @@ from pathlib import Path
 from tasks import DataSpec, Problem, Task, make_task
 from tasks.base import DataError
 from tot.results import answer_fields, summarize
-from tot.show import ShowError, read_records, tree_file
+from tot.saved import ShowError, read_records, tree_file
 from tot.tree import ReasoningTree
 
 # summary.json keys that describe the run rather than its results (kept as they are).

@@ -13,7 +13,7 @@ import json
 from importlib import resources
 from pathlib import Path
 
-from tot.show import SavedTree
+from tot.saved import SavedTree
 
 # Record fields shown beside each tree (the rest of a record is the decode statistics per phase).
 RECORD_KEYS = ("id", "question", "answer", "answers", "gold", "correct", "correct_by", "metrics", "tokens", "wall_s")

@@ -221,11 +221,29 @@ _PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
 )
 
 
-def _normalise(text: str) -> str | None:
-    """The action's words with markers, punctuation and fillers gone and colours mapped to letters."""
-    text = _MARKER.sub("", text.strip().strip("*`").strip().lower(), count=1).strip().rstrip(".").strip()
+# Markdown emphasis and quotes around an action, and whitespace.
+_DECORATION = "*`\"'“” \t"
+# How models start an action besides the imperative: "Now, pick up ...", "I unstack ...",
+# "Picking up ...", "Stacks ...": the lead-in dropped, the verb put in the imperative.
+_LEAD_IN = re.compile(r"^(?:(?:now|next|then|finally|first|so|ok|okay)\s*,?\s+|(?:i will|i'll|i|let's|let me)\s+)+")
+_VERB_FORMS = (
+    (re.compile(r"^(?:picking|picks)\b"), "pick"),
+    (re.compile(r"^(?:putting|puts)\b"), "put"),
+    (re.compile(r"^(?:unstacking|unstacks)\b"), "unstack"),
+    (re.compile(r"^(?:stacking|stacks)\b"), "stack"),
+)
+
+
+def action_words(text: str) -> str | None:
+    """The action's words with markers, quotes, punctuation and fillers gone, the verb in the
+    imperative and colours mapped to letters."""
+    text = _MARKER.sub("", text.lower().strip(_DECORATION), count=1)
+    text = text.strip(_DECORATION).rstrip(".!").strip(_DECORATION)
     if text.startswith("(") and text.endswith(")"):
         text = text[1:-1].strip()
+    text = _LEAD_IN.sub("", text)
+    for form, verb in _VERB_FORMS:
+        text = form.sub(verb, text, count=1)
     if not _WORDS_ONLY.fullmatch(text):
         return None
     words = text.split()
@@ -241,7 +259,7 @@ def _normalise(text: str) -> str | None:
 def parse_action(text: str) -> Action | None:
     """The action a line names, in natural language or PDDL (see the module's tests for the accepted forms);
     None when the line is not one action."""
-    words = _normalise(text)
+    words = action_words(text)
     if words is None:
         return None
     for name, pattern in _PATTERNS:

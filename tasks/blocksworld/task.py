@@ -15,6 +15,7 @@ from pathlib import Path
 from tasks.base import DataError, DataSpec, Problem, Prompt, TaskDefaults, check_positive
 from tasks.blocksworld.domain import (
     Action,
+    action_words,
     apply,
     check_plan,
     parse_action,
@@ -36,7 +37,10 @@ RULES = (
     "put down or stack a block that I am holding. I can only stack a block on top of a clear block. After "
     "I put down or stack a block my hand is empty."
 )
-_CLAUSE = re.compile(r"[,;]|\band then\b|\bthen\b|\band\b", re.IGNORECASE)
+# Where a reply runs on past its action: "unstack ..., then ...", "unstack ... to free ...".
+_CLAUSE = re.compile(r"[,;]|\band then\b|\bthen\b|\band\b|\b(?:in order |so as )?to\b|\bso that\b|\bbecause\b", re.I)
+# "unstack the blue block" without saying from what: the block it sits on in the current state.
+_BARE_UNSTACK = re.compile(r"^unstack ([a-j])$")
 # Demonstrations come from their own generated problems, never from the problems being solved.
 DEMO_SEED = 1_000_003
 
@@ -132,10 +136,18 @@ class Blocksworld(TaskDefaults):
         without any, the first line as written."""
         line = text.strip().splitlines()[0] if text.strip() else ""
         for clause in [line, *_CLAUSE.split(line)]:
-            action = parse_action(clause)
+            action = parse_action(clause) or self._bare_unstack(problem, steps, clause)
             if action is not None:
                 return render_action(action)
         return line
+
+    def _bare_unstack(self, problem: Problem, steps: list[str], clause: str) -> Action | None:
+        words = action_words(clause)
+        m = _BARE_UNSTACK.fullmatch(words or "")
+        if m is None:
+            return None
+        below = [f.split()[2] for f in walk(self._init_goal(problem)[0], steps).state if f.startswith(f"on {m[1]} ")]
+        return Action("unstack", (m[1], below[0])) if below else None
 
     def is_terminal(self, problem: Problem, steps: list[str]) -> bool:
         """Finished once the goal holds, or dead once an action cannot be applied."""

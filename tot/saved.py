@@ -1,0 +1,90 @@
+"""A finished (or running) run's saved outputs, read only: its records and each problem's tree.
+
+Read by `tot.show`, its HTML page and `tot.rescore`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from tot.tree import ReasoningTree
+
+
+class ShowError(Exception):
+    """Bad input (run directory, problem id, --out): one line naming the value and the fix."""
+
+
+@dataclass(frozen=True)
+class SavedTree:
+    """One problem of a run: its results.jsonl record (None when only the tree was saved) and tree file."""
+
+    id: str
+    record: dict | None
+    tree_path: Path
+
+    def header(self, tree: ReasoningTree) -> str:
+        if self.record is None:
+            return f"problem {self.id}: not in results.jsonl nodes={tree.graph.number_of_nodes()}"
+        answer, correct = self.record.get("answer", "?"), self.record.get("correct", "?")
+        return f"problem {self.id}: answer={answer} correct={correct} nodes={tree.graph.number_of_nodes()}"
+
+
+def tree_file(run_dir: Path, problem_id: str) -> Path:
+    # Must stay the name ResultStore.tree_path writes; not called through it because opening a
+    # ResultStore rewrites a results.jsonl whose last line is still being written by a live run.
+    return run_dir / "trees" / (re.sub(r"[^\w.-]", "_", problem_id) + ".json")
+
+
+def read_records(run_dir: Path) -> list[dict]:
+    """results.jsonl's records, read only: a line cut short (a run still writing it) is skipped."""
+    path = run_dir / "results.jsonl"
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict) and "id" in rec:
+            records.append(rec)
+    return records
+
+
+def problems(run_dir: Path) -> list[SavedTree]:
+    """Every problem with a tree, in results.jsonl order; trees without a record (a run killed between
+    saving the tree and appending the record) come last, named by file."""
+    if not run_dir.is_dir():
+        raise ShowError(f"run directory {run_dir} does not exist; give an output directory of python -m tot.solve")
+    trees = sorted((run_dir / "trees").glob("*.json"))
+    if not trees:
+        raise ShowError(f"{run_dir} has no trees/*.json; give an output directory of python -m tot.solve")
+    found = []
+    for rec in read_records(run_dir):
+        path = tree_file(run_dir, str(rec["id"]))
+        if path.exists():
+            found.append(SavedTree(str(rec["id"]), rec, path))
+    named = {p.tree_path for p in found}
+    found += [SavedTree(path.stem, None, path) for path in trees if path not in named]
+    return found
+
+
+def find_problem(run_dir: Path, problem_id: str) -> SavedTree:
+    available = problems(run_dir)
+    for p in available:
+        if p.id == problem_id:
+            return p
+    ids = ", ".join(p.id for p in available[:5]) + (f" ... ({len(available)} in all)" if len(available) > 5 else "")
+    raise ShowError(f"no tree for problem id {problem_id!r} in {run_dir}; give --id one of: {ids}")
+
+
+def load_tree(run_dir: Path, problem_id: str) -> ReasoningTree:
+    """The reasoning tree a run saved for one problem (ShowError naming the available ids if none)."""
+    return read_tree(find_problem(Path(run_dir), problem_id).tree_path)
+
+
+def read_tree(path: Path) -> ReasoningTree:
+    return ReasoningTree.from_dict(json.loads(path.read_text(encoding="utf-8")))
