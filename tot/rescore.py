@@ -19,7 +19,7 @@ from pathlib import Path
 from tasks import DataSpec, Problem, Task, make_task
 from tasks.base import DataError
 from tot.results import answer_fields, summarize
-from tot.saved import ShowError, read_records, tree_file
+from tot.saved import ShowError, read_records, read_tree, tree_file
 from tot.tree import ReasoningTree
 
 # summary.json keys that describe the run rather than its results (kept as they are).
@@ -76,7 +76,7 @@ def rescore(run_dir: Path) -> tuple[dict, dict, list[Change]]:
         if problem is None or not path.is_file():
             records.append(rec)  # nothing to reparse from: kept as it is
             continue
-        tree = ReasoningTree.from_dict(json.loads(path.read_text(encoding="utf-8")))
+        tree = read_tree(path)
         fields = answer_fields(task, problem, reparse(task, problem, tree))
         metrics = {**rec.get("metrics", {}), **task.metrics(problem, fields["answer"])}
         new = {**rec, **fields, "metrics": metrics}
