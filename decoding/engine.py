@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import defaultdict
 from collections.abc import Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields, replace
@@ -38,6 +39,8 @@ class _Call:
     future: asyncio.Future[Completion]
     live: int
     stats: DecodeStats = field(default_factory=DecodeStats)
+    # Per whole-unit field (forwards, rows, ...): its exact shares so far less the units it got.
+    owed: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))
 
 
 class Engine:
@@ -139,7 +142,8 @@ class Engine:
 
     def _share(self, step: DecodeStats) -> None:
         """A step's cost, shared by the live calls in proportion to their live sequences (whole
-        forwards and rows by largest remainder, so the shares add up)."""
+        forwards and rows by largest remainder, owed remainders carried, so that the shares add up
+        and each call's whole units follow its exact share)."""
         step.prompt_tokens = 0  # counted per call, exactly
         calls = list({id(c): c for c in self._calls.values()}.values())
         weights = [c.live for c in calls]
@@ -150,10 +154,12 @@ class Engine:
             value = getattr(step, f.name)
             if not value:
                 continue
+            exact = [value * w / total for w in weights]
+            parts: list[float] = exact
             if isinstance(value, int):
-                parts: list[float] = list(apportion(value, weights))
-            else:
-                parts = [value * w / total for w in weights]
+                parts = list(apportion(value, weights, [c.owed[f.name] for c in calls]))
+                for call, e, part in zip(calls, exact, parts):
+                    call.owed[f.name] += e - part
             for call, part in zip(calls, parts):
                 setattr(call.stats, f.name, getattr(call.stats, f.name) + part)
 
@@ -195,13 +201,18 @@ class Engine:
         return Sequence.create(ids, rule, SamplingParams(r.temperature, r.top_k, r.top_p), r.seed, r.group)
 
 
-def apportion(total: int, weights: list[int]) -> list[int]:
-    """`total` split in proportion to `weights` in whole units that add up to it (largest remainder,
-    ties to the earlier weight)."""
+def apportion(total: int, weights: list[int], owed: list[float] | None = None) -> list[int]:
+    """`total` split in proportion to `weights` in whole units that add up to it: each exact share
+    rounded down, the units left to the largest remainders, counting what each was `owed` from
+    earlier splits (exact shares less the units it got), ties to the earlier weight. With `owed`
+    carried from step to step, equal weights take turns: a one-forward step does not always go to
+    the same caller."""
     whole = sum(weights)
     exact = [total * w / whole for w in weights]
     parts = [int(x) for x in exact]
-    for i in sorted(range(len(weights)), key=lambda i: -(exact[i] - parts[i]))[: total - sum(parts)]:
+    carried = owed or [0.0] * len(weights)
+    left = [exact[i] - parts[i] + carried[i] for i in range(len(weights))]
+    for i in sorted(range(len(weights)), key=lambda i: -left[i])[: total - sum(parts)]:
         parts[i] += 1
     return parts
 

@@ -93,6 +93,14 @@ def test_apportion_adds_up():
     assert apportion(1, [1, 3]) == [0, 1]
     assert apportion(10, [5, 0, 5]) == [5, 0, 5]
     assert sum(apportion(13, [3, 4, 2, 9])) == 13
+    # Carrying what each was owed, equal callers take turns at one-unit steps.
+    owed, got = [0.0, 0.0, 0.0], [0, 0, 0]
+    for _ in range(30):
+        parts = apportion(1, [1, 1, 2], owed)
+        for i, (w, part) in enumerate(zip([1, 1, 2], parts)):
+            owed[i] += w / 4 - part
+            got[i] += part
+    assert got == [8, 7, 15]  # 7.5, 7.5 and 15 exactly
 
 
 PROBLEMS = [
