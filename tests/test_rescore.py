@@ -9,8 +9,10 @@ from pathlib import Path
 
 from test_run import FakeEngine, make_config
 
-from tot.rescore import rescore
+from tasks import Problem, make_task
+from tot.rescore import answer_steps, reparse, rescore, revote
 from tot.run import run
+from tot.tree import ReasoningTree
 
 REPO = Path(__file__).resolve().parents[1]
 # A final step that runs past its answer, as the old parser read it (its last number: 7).
@@ -70,3 +72,20 @@ def test_rescore_bad_run_dir_is_one_line(tmp_path):
         proc.stderr.strip()
         == f"error: {tmp_path / 'nope'} has no summary.json; give an output directory of python -m tot.solve"
     )
+
+
+def test_dvts_vote_is_taken_again_on_the_reread_answers():
+    """Three subtrees' final answers; the old parser read the first as 7 (its last number), so 7
+    won the vote (2 + 4 against 3); read as stated (12), 12 wins (2 + 3 against 4)."""
+    task = make_task("gsm8k", 1, {})
+    problem = Problem("p", "How many?", "12")
+    tree = ReasoningTree(problem.question)
+    finals = []
+    for k, (raw, value) in enumerate([(" 12. Then 7.", 2.0), (" 7.", 4.0), (" 12.", 3.0)]):
+        node = tree.add(tree.root, "The answer is" + raw, raw=raw, value=value, subtree=k, chosen=True)
+        finals.append(node)
+    tree.mark_answer(finals[1])  # the old vote's winner
+    reparse(task, problem, tree)
+    revote(task, problem, tree)
+    assert [n for n in finals if tree[n]["answer"]] == [finals[2]]
+    assert task.answer(problem, answer_steps(tree)) == "12"

@@ -11,11 +11,13 @@ the sibling trajectories of the same problem.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
 from tasks.base import Problem, Task
 from tot.search import GenerationEngine, GenSettings, Solution, Step
+from tot.tree import ReasoningTree
 
 Aggregate = Literal["best", "vote"]
 
@@ -59,17 +61,34 @@ class DVTS:
         return step.solution(self.choose(step, current))
 
     def choose(self, step: Step, leaves: list[int]) -> int:
-        """The subtree state whose answer wins: the best value, or the largest summed value of an
-        answer (ties: more subtrees, then the earlier subtree); within the answer, its best state."""
-        tree = step.tree
-        if self.settings.aggregate == "best":
-            return max(leaves, key=lambda s: tree[s]["value"])
-        weight: dict[str, float] = defaultdict(float)
-        count: dict[str, int] = defaultdict(int)
-        answers = [step.task.answer(step.problem, tree.steps(s)) for s in leaves]
-        for s, a in zip(leaves, answers):
-            weight[a] += tree[s]["value"]
-            count[a] += 1
-        order = {a: -i for i, a in reversed(list(enumerate(answers)))}
-        winner = max(weight, key=lambda a: (weight[a], count[a], order[a]))
-        return max((s for s, a in zip(leaves, answers) if a == winner), key=lambda s: tree[s]["value"])
+        return choose(
+            step.tree, leaves, lambda s: step.task.answer(step.problem, step.tree.steps(s)), self.settings.aggregate
+        )
+
+
+def choose(tree: ReasoningTree, leaves: list[int], answer_of: Callable[[int], str], aggregate: str) -> int:
+    """The subtree state whose answer wins: the best value, or the largest summed value of an answer
+    (ties: more subtrees, then the earlier subtree); within the answer, its best state."""
+    if aggregate == "best":
+        return max(leaves, key=lambda s: tree[s]["value"])
+    weight: dict[str, float] = defaultdict(float)
+    count: dict[str, int] = defaultdict(int)
+    answers = [answer_of(s) for s in leaves]
+    for s, a in zip(leaves, answers):
+        weight[a] += tree[s]["value"]
+        count[a] += 1
+    order = {a: -i for i, a in reversed(list(enumerate(answers)))}
+    winner = max(weight, key=lambda a: (weight[a], count[a], order[a]))
+    return max((s for s, a in zip(leaves, answers) if a == winner), key=lambda s: tree[s]["value"])
+
+
+def final_states(tree: ReasoningTree) -> list[int]:
+    """Each subtree's last state in a saved DVTS tree, in subtree order (what `choose` chose among)."""
+    last: dict[int, int] = {}
+    for n in tree.graph.nodes:
+        node = tree[n]
+        if node.get("chosen") and "subtree" in node:
+            k = node["subtree"]
+            if k not in last or len(tree.steps(n)) > len(tree.steps(last[k])):
+                last[k] = n
+    return [last[k] for k in sorted(last)]

@@ -5,7 +5,8 @@ Every node's thought is parsed again from the model's saved reply (`raw`), the a
 path the search chose with the task's current rules, and the code-computed metrics are recomputed (a
 judge model's scores are kept: they need decoding). results.jsonl, the trees and summary.json are
 rewritten and what changed is printed, so that a parser fix applies to runs already made. The chosen
-path itself is kept: the search chose it by the values it had.
+path itself is kept (the search chose it by the values it had), except where DVTS voted on answers
+(search.aggregate=vote): the vote over the subtrees' final states is taken again on the re-read answers.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 
 from tasks import DataSpec, Problem, Task, make_task
 from tasks.base import DataError
+from tot.dvts import choose, final_states
 from tot.results import answer_fields, summarize
 from tot.saved import ShowError, read_records, read_tree, tree_file
 from tot.tree import ReasoningTree
@@ -40,9 +42,8 @@ class Change:
         return text
 
 
-def reparse(task: Task, problem: Problem, tree: ReasoningTree) -> list[str]:
-    """Every node's thought parsed again from its saved reply, parents first; returns the steps of
-    the path marked as the answer."""
+def reparse(task: Task, problem: Problem, tree: ReasoningTree) -> None:
+    """Every node's thought parsed again from its saved reply, parents first."""
     graph = tree.graph
     order = sorted(graph.nodes, key=lambda n: len(tree.steps(n)) if n != tree.root else 0)
     for node in order:
@@ -51,10 +52,27 @@ def reparse(task: Task, problem: Problem, tree: ReasoningTree) -> list[str]:
         parent = next(iter(graph.predecessors(node)))
         before = tree.steps(parent) if parent != tree.root else []
         graph.nodes[node]["text"] = task.parse_thought(problem, before, graph.nodes[node]["raw"])
+
+
+def answer_steps(tree: ReasoningTree) -> list[str]:
+    """The thoughts of the path marked as the answer."""
+    graph = tree.graph
     path = [n for n in graph.nodes if graph.nodes[n].get("answer") and n != tree.root]
     if not path:
         return []
     return tree.steps(max(path, key=lambda n: len(tree.steps(n))))
+
+
+def revote(task: Task, problem: Problem, tree: ReasoningTree) -> None:
+    """DVTS with aggregate=vote: the vote over the subtrees' final states again, on the answers the
+    current parsers read, and the answer path marked anew."""
+    leaves = final_states(tree)
+    if not leaves:
+        return
+    best = choose(tree, leaves, lambda s: task.answer(problem, tree.steps(s)), "vote")
+    for n in tree.graph.nodes:
+        tree.graph.nodes[n]["answer"] = False
+    tree.mark_answer(best)
 
 
 def rescore(run_dir: Path) -> tuple[dict, dict, list[Change]]:
@@ -69,6 +87,7 @@ def rescore(run_dir: Path) -> tuple[dict, dict, list[Change]]:
         problems = {p.id: p for p in task.load(DataSpec(**config["data"]))}
     except KeyError as e:
         raise ShowError(f"{summary_path} has no {e}; it was not written by python -m tot.solve") from None
+    vote = old.get("search") == "dvts" and (config.get("dvts") or {}).get("aggregate") == "vote"
     records, changes = [], []
     for rec in read_records(run_dir):
         problem = problems.get(str(rec["id"]))
@@ -77,7 +96,10 @@ def rescore(run_dir: Path) -> tuple[dict, dict, list[Change]]:
             records.append(rec)  # nothing to reparse from: kept as it is
             continue
         tree = read_tree(path)
-        fields = answer_fields(task, problem, reparse(task, problem, tree))
+        reparse(task, problem, tree)
+        if vote:
+            revote(task, problem, tree)
+        fields = answer_fields(task, problem, answer_steps(tree))
         metrics = {**rec.get("metrics", {}), **task.metrics(problem, fields["answer"])}
         new = {**rec, **fields, "metrics": metrics}
         if any(new.get(k) != rec.get(k) for k in ("answer", "correct", "metrics")):
