@@ -201,5 +201,6 @@ def test_bench_runs_the_server_beside_the_in_process_decoders(llama: LlamaServer
     assert rows["server"]["tokens"] > 0 and rows["server"]["tokens_per_s"] > 0 and rows["server"]["wall_s"] > 0
     assert rows["server"]["acceptance_length"] is None and rows["ar"]["acceptance_length"] == 1.0
     assert "speedup_vs_hf" in rows["server"]
-    line = next(x for x in table(result).splitlines() if x.startswith("| `server`"))
-    assert "| - |" in line
+    text = table(result)
+    line = next(x for x in text.splitlines() if x.startswith("| `server`"))
+    assert "| - |" in line and "`server`: outputs follow the server's own numeric path" in text

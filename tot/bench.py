@@ -185,6 +185,7 @@ def bench(
         "temperature": cfg.gen.temperature,
         "lossless_checked": sorted(checked) == sorted(configs),
         "identity_checked": checked,  # the decoders whose trees were compared with hf's
+        "servers": [n for n, c in configs.items() if c.server is not None],  # outputs of their own
         "mismatches": mismatches,
         # All decoders share one process (and the model's weights), so host memory is one figure.
         "process_peak_rss_mb": peak_rss_mb(),
@@ -352,6 +353,11 @@ def table(result: dict) -> str:
             f"| {r['prompt_tokens_computed']} / {r['prompt_tokens']} "
             f"| {_num(r['target_busy_fraction'], '.2f')} | {ph['generate']['tokens_per_s']:.1f} "
             f"| {ph['evaluate']['tokens_per_s']:.1f} | {r['peak_kv_mb']:.0f} |"
+        )
+    for name in result.get("servers", []):
+        lines.append(
+            f"\n`{name}`: outputs follow the server's own numeric path (another kernel and weight format), so "
+            "they are not compared with `hf`'s; its forwards and acceptance are not reported (-)."
         )
     return "\n".join(lines)
 
