@@ -84,7 +84,7 @@ def check_overrides(argv: list[str], config_name: str, groups: tuple[str, ...]) 
         key, _, value = arg.partition("=")
         if key == "hydra/launcher" and value in LAUNCHERS:
             plugin, extra = LAUNCHERS[value]
-            if importlib.util.find_spec(f"hydra_plugins.{plugin}") is None:
+            if not _installed(f"hydra_plugins.{plugin}"):
                 fail(f"hydra/launcher={value} needs Hydra's launcher plugin: pip install 'tot-spec[{extra}]'")
     chosen: dict[str, list[str]] = {}
     for arg in overrides:
@@ -111,6 +111,13 @@ def check_overrides(argv: list[str], config_name: str, groups: tuple[str, ...]) 
     for key in keys:
         if not any(_has_key(cfg, key) for cfg in cfgs):
             fail(f"{key} is not a config key; see docs/configuration.md (or add one with +{key}=...)")
+
+
+def _installed(module: str) -> bool:
+    try:  # hydra_plugins itself exists only once some plugin is installed
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
 
 
 def _has_key(cfg: DictConfig, key: str) -> bool:

@@ -5,10 +5,10 @@ The prompt is built here, with the model's own tokenizer and chat template, exac
 in-process engine builds it (`decoding.core.prompts.render`), and sent as text to `/v1/completions`.
 Each request is one completion with n=1 and its own seed: servers differ in what they make of `n`
 (llama.cpp's returns one choice), and the search already sends a state's n samples as n requests.
-Sampling is plain: top_k=0 and min_p=0 turn off llama.cpp's default filters, repeat_penalty=1 its
-default penalty (servers that do not know a field ignore it). What a server cannot do ends in one
-error line; the outputs are the server's and follow its numeric path, so they are not checked
-against `transformers` as the in-process decoders' are.
+Sampling is plain: top_k=0 (on llama.cpp, whose default is 40) and min_p=0 turn off default filters,
+repeat_penalty=1 llama.cpp's default penalty (servers that do not know a field ignore it). What a
+server cannot do ends in one error line; the outputs are the server's and follow its numeric path,
+so they are not checked against `transformers` as the in-process decoders' are.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import os
 import time
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from decoding.core.errors import BackendError, ConfigError
 from decoding.core.prompts import render
@@ -27,6 +28,7 @@ from decoding.core.values import Completion, DecodeStats, GenRequest, GenResult
 log = logging.getLogger(__name__)
 
 NAME = "server"  # decoder=server
+LLAMA_CPP_OWNERS = frozenset({"me", "llamacpp"})  # /v1/models' owned_by of llama.cpp's servers
 
 
 @dataclass(frozen=True)
@@ -40,7 +42,13 @@ class ServerOptions:
     timeout: float = 600.0  # seconds a request may take, waiting in the server's queue included
 
     def __post_init__(self) -> None:
-        if not self.url.startswith(("http://", "https://")):
+        try:
+            parts = urlsplit(self.url)
+            valid = parts.scheme in ("http", "https") and bool(parts.hostname)
+            _ = parts.port  # a port that is no number raises here
+        except ValueError:
+            valid = False
+        if not valid:
             raise ConfigError(f"server.url={self.url!r} is not an http(s) URL; give e.g. http://127.0.0.1:8000/v1")
         if self.concurrency < 1:
             raise ConfigError(f"server.concurrency={self.concurrency} must be >= 1")
@@ -64,6 +72,7 @@ class ServerEngine:
         self.model = options.model
         self.total_stats = DecodeStats()
         self.model_checked = False
+        self._top_k_off: int | None = None  # what says "no top-k filter" to this server (None: leave it out)
         self._checked: asyncio.Task[None] | None = None
         self._warned_tokens = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -99,11 +108,16 @@ class ServerEngine:
             self._checked = loop.create_task(self._check_model()) if not self.model_checked else None
             self._loop = loop
         if self._checked is not None:
-            await self._checked
+            await asyncio.shield(self._checked)  # one caller cancelled does not cancel the others' check
 
     async def _check_model(self) -> None:
         page = await self._call(self._client.models.list())
         served = [m.id for m in page.data]
+        # llama.cpp (llama-cpp-python's server says "me", llama-server "llamacpp") filters to top-k 40
+        # unless asked for 0; vLLM, SGLang and TGI sample from the whole vocabulary by default and
+        # some of their versions refuse 0, so "off" is left unsaid there.
+        owners = {getattr(m, "owned_by", "") for m in page.data}
+        self._top_k_off = 0 if owners & LLAMA_CPP_OWNERS else None
         if not self.model:
             if len(served) != 1:
                 raise BackendError(
@@ -135,12 +149,7 @@ class ServerEngine:
                         seed=r.seed,
                         stop=list(r.stop) or None,
                         n=1,
-                        extra_body={
-                            "top_k": r.top_k,
-                            "min_p": 0.0,
-                            "repeat_penalty": 1.0,
-                            "add_special_tokens": prompt.special,
-                        },
+                        extra_body=self._sampling_extras(r.top_k, prompt.special),
                     )
                 )
             finally:
@@ -165,6 +174,14 @@ class ServerEngine:
         )
         reason = "length" if choice.finish_reason == "length" else "stop"
         return GenResult(text=choice.text, token_ids=[], finish_reason=reason, stats=stats)
+
+    def _sampling_extras(self, top_k: int, special: bool) -> dict[str, Any]:
+        """Fields beyond OpenAI's: plain sampling on every server (a server ignores what it does
+        not know), and whether it adds the tokenizer's special tokens to the prompt text."""
+        extras: dict[str, Any] = {"min_p": 0.0, "repeat_penalty": 1.0, "add_special_tokens": special}
+        if top_k or self._top_k_off is not None:
+            extras["top_k"] = top_k or self._top_k_off
+        return extras
 
     async def _call(self, request: Any) -> Any:
         """A request's reply, or one error line saying what the server did."""

@@ -55,26 +55,31 @@ def paragraphs(passage: str) -> list[str]:
 
 
 # Where the passage ends and talk about it begins, in replies of small chat models ("Explanation:",
-# "In this passage, ...", the instruction echoed back).
+# "In this passage, ...", the instruction echoed back): looked for only after a paragraph of passage.
 _COMMENTARY = re.compile(
-    r"^[*#\s]*(?:explanation|note|notes|analysis|in this passage|this passage|the passage above|"
-    r"write the passage|i hope)\b",
+    r"^[*#\s]*(?:(?:explanation|note|notes|analysis)\s*:|in this passage\b|the passage above\b|write the passage\b)",
     re.IGNORECASE,
 )
-# A label before the passage ("Passage:", "**Title: ...**") and before a paragraph ("1.", "Paragraph 2:").
-_HEADING = re.compile(r"^[*#\s]*(?:passage|title|story)\s*:[^\n]*$", re.IGNORECASE)
-_PARAGRAPH_LABEL = re.compile(r"^[*\s]*(?:paragraph\s*\d+|\d+[.)])\s*[:.]?[*]*\s*", re.IGNORECASE)
+# Before the passage: a title line ("**Title: ...**", "# ...") or a label ("Passage:", "Story:").
+_TITLE = re.compile(r"^(?:[*\s]*title\s*:|#+\s)[^\n]*$", re.IGNORECASE)
+_LABEL = re.compile(r"^[*\s]*(?:passage|story)\s*:[*\s]*", re.IGNORECASE)
+# A paragraph's number ("1.", "2)", "Paragraph 3:"), not a number that starts its text ("1984.", "2.5").
+_PARAGRAPH_LABEL = re.compile(r"^[*\s]*(?:paragraph\s*\d+\s*[:.]?|\d{1,2}[.)](?!\d))[*]*\s+", re.IGNORECASE)
 
 
 def passage_of(reply: str) -> str:
-    """The passage a reply writes: its paragraphs without their labels, a heading before them and
-    any commentary after them dropped."""
+    """The passage a reply writes: its paragraphs without their numbers, a title or label before
+    them and any commentary after them dropped."""
     kept: list[str] = []
     for para in paragraphs(reply):
-        if _COMMENTARY.match(para):
+        if kept and _COMMENTARY.match(para):
             break
-        if not kept and _HEADING.match(para):
+        if not kept and _TITLE.match(para):
             continue
+        if not kept:
+            para = _LABEL.sub("", para, count=1).strip()
+            if not para:
+                continue
         kept.append(_PARAGRAPH_LABEL.sub("", para, count=1))
     return "\n\n".join(kept)
 

@@ -21,8 +21,10 @@ _SCORE = re.compile(r"(?:score|rating|rate|value)\D{0,12}?(\d+(?:\.\d+)?)", re.I
 # What GSM8K evaluations read first (lm-evaluation-harness's strict match): the number stated right
 # after the answer phrase: "The answer is 10.", "The final answer is: $1,250", "#### 72".
 _STATED = re.compile(
-    r"(?:\b(?:the\s+)?(?:final\s+)?answer\s+is|####)\s*[:=]?\s*(?:approximately\s+|about\s+)?"
-    r"(?P<sign>-)?\s*\$?\s*(?P<minus>-)?(?P<number>\d[\d,]*(?:\.\d+)?)",
+    r"(?:\b(?:the\s+)?(?:final\s+)?answer\s+is|####)\s*[:=]?\s*(?:\*\*|\\boxed\{)?\s*"
+    r"(?:approximately\s+|about\s+)?(?P<sign>[-−])?\s*\$?\s*(?P<minus>[-−])?(?P<number>\d[\d,]*(?:\.\d+)?)"
+    # Not the first operand of a calculation ("The answer is 40 - 12 = 28."): no number stated.
+    r"(?!\d|[,.]\d|\s*(?:[-+/×÷=:^]|\*(?!\*)|x\s*\d))",
     re.IGNORECASE,
 )
 # Where the stated answer's sentence ends: a full stop after it, not a decimal point.

@@ -123,6 +123,7 @@ REAL_REPLIES = [
     ),
     (" Stacks the yellow block on top of the red block!", "stack the yellow block on top of the red block"),
     (" 1. **Pick up the red block**", "pick up the red block"),
+    (" First of all, I’ll pick up the red block.", "pick up the red block"),
 ]
 
 

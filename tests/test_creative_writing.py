@@ -149,6 +149,16 @@ def test_passage_of_real_replies():
 NUMBERED = "\n\n".join(f"{i}. {para}" for i, para in enumerate(GOOD.split("\n\n"), 1))
 
 
+def test_passage_text_that_looks_like_a_label_or_commentary_is_kept():
+    story = (
+        "I hope she never finds out, I thought.\n\nThis passage of time was hard.\n\n"
+        "1984. The year it rained.\n\n2.5 million people watched. Note, the dog: it slept."
+    )
+    assert passage_of(story) == story
+    assert passage_of("# Notes on a Scandal\n\n" + story) == story
+    assert passage_of("Story: it began at dawn.\n\n" + story) == "it began at dawn.\n\n" + story
+
+
 @pytest.mark.parametrize(
     "reply, met_as_written",
     [

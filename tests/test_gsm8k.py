@@ -117,6 +117,13 @@ AWKWARD = [
     ("The answer is approximately 12.50 dollars.", "12.5", "12.5", None),
     ("The answer is twelve, so 12 - 0 = 12 eggs.", None, "12", None),
     ("She has 5 apples and buys 7 more.", None, "7", None),
+    # A calculation after the phrase states no number: its result is the flexible reading.
+    ("The answer is 40 - 12 = 28.", None, "28", None),
+    ("The answer is 5 * 3 = 15 apples.", None, "15", None),
+    ("The answer is **18**.", "18", "18", None),
+    ("The answer is \\boxed{18}", "18", "18", None),
+    ("The answer is −5 degrees.", "-5", "5", None),
+    ("The answer is 10,000.", "10000", "10000", None),
 ]
 
 

@@ -111,9 +111,13 @@ def test_a_launcher_without_its_extra_is_one_line(monkeypatch, capsys):
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util, "find_spec", lambda name, *a: None if "ray_launcher" in name else real(name, *a)
-    )
+
+    def find_spec(name: str, *args):
+        if "ray_launcher" in name:  # as without any launcher: not even the hydra_plugins package
+            raise ModuleNotFoundError(f"No module named {name!r}")
+        return real(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
     with pytest.raises(SystemExit) as info:
         check_overrides(["hydra/launcher=ray_cluster"], "config", ("task",))
     assert info.value.code == 2

@@ -101,6 +101,20 @@ def test_seeds_limits_and_stops_are_honoured(engine: ServerEngine):
     assert done.results[6].text.rstrip().endswith("6,") or "6" in done.results[6].text
 
 
+def test_a_cancelled_caller_leaves_the_others_running(engine: ServerEngine):
+    """Callers share the served model's check: one cancelled while it runs must not cancel it."""
+    request = GenRequest("Name a color.", max_new_tokens=4)
+
+    async def two_callers():
+        first = asyncio.ensure_future(engine.agenerate([request]))
+        second = asyncio.ensure_future(engine.agenerate([request]))
+        await asyncio.sleep(0)  # both wait on the model check
+        first.cancel()
+        return await second
+
+    assert asyncio.run(two_callers()).results[0].stats.generated_tokens > 0
+
+
 def test_time_shares_add_up_to_the_time_in_flight(engine: ServerEngine):
     async def two_calls() -> tuple[float, float]:
         t0 = time.perf_counter()

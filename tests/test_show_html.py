@@ -21,7 +21,7 @@ from tot.run import run
 REPO = Path(__file__).resolve().parents[1]
 BROWSERS = ("chromium", "chromium-browser", "google-chrome")
 # Texts a page must not take for markup: the page would break if they were not escaped.
-THOUGHT = " How many <apples> & pears? </script> Sub-answer: 3 + 4 = 7."
+THOUGHT = " How many <apples> & pears? <!-- <script> </script> Sub-answer: 3 + 4 = 7."
 EVALUATION = ' 7, it helps "a lot" <b>really</b>.'
 
 

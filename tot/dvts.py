@@ -89,6 +89,6 @@ def final_states(tree: ReasoningTree) -> list[int]:
         node = tree[n]
         if node.get("chosen") and "subtree" in node:
             k = node["subtree"]
-            if k not in last or len(tree.steps(n)) > len(tree.steps(last[k])):
+            if k not in last or node["depth"] > tree[last[k]]["depth"]:
                 last[k] = n
     return [last[k] for k in sorted(last)]

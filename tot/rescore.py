@@ -21,7 +21,7 @@ from tasks import DataSpec, Problem, Task, make_task
 from tasks.base import DataError
 from tot.dvts import choose, final_states
 from tot.results import answer_fields, summarize
-from tot.saved import ShowError, read_records, read_tree, tree_file
+from tot.saved import ShowError, read_json, read_records, read_tree, tree_file, write_atomic
 from tot.tree import ReasoningTree
 
 # summary.json keys that describe the run rather than its results (kept as they are).
@@ -45,7 +45,7 @@ class Change:
 def reparse(task: Task, problem: Problem, tree: ReasoningTree) -> None:
     """Every node's thought parsed again from its saved reply, parents first."""
     graph = tree.graph
-    order = sorted(graph.nodes, key=lambda n: len(tree.steps(n)) if n != tree.root else 0)
+    order = sorted(graph.nodes, key=lambda n: graph.nodes[n].get("depth", 0))
     for node in order:
         if node == tree.root or "raw" not in graph.nodes[node]:
             continue
@@ -60,7 +60,7 @@ def answer_steps(tree: ReasoningTree) -> list[str]:
     path = [n for n in graph.nodes if graph.nodes[n].get("answer") and n != tree.root]
     if not path:
         return []
-    return tree.steps(max(path, key=lambda n: len(tree.steps(n))))
+    return tree.steps(max(path, key=lambda n: graph.nodes[n].get("depth", 0)))
 
 
 def revote(task: Task, problem: Problem, tree: ReasoningTree) -> None:
@@ -80,13 +80,17 @@ def rescore(run_dir: Path) -> tuple[dict, dict, list[Change]]:
     summary_path = run_dir / "summary.json"
     if not summary_path.is_file():
         raise ShowError(f"{run_dir} has no summary.json; give an output directory of python -m tot.solve")
-    old = json.loads(summary_path.read_text(encoding="utf-8"))
+    old = read_json(summary_path)
     config = old.get("config") or {}
     try:
         task = make_task(old["task"], int(config["depth"]), dict(config.get("task_options") or {}))
         problems = {p.id: p for p in task.load(DataSpec(**config["data"]))}
-    except KeyError as e:
-        raise ShowError(f"{summary_path} has no {e}; it was not written by python -m tot.solve") from None
+    except (KeyError, TypeError, ValueError) as e:
+        if isinstance(e, DataError):
+            raise
+        raise ShowError(
+            f"{summary_path} does not say which task and problems it ran ({e}); give a run of tot.solve"
+        ) from None
     vote = old.get("search") == "dvts" and (config.get("dvts") or {}).get("aggregate") == "vote"
     records, changes = [], []
     for rec in read_records(run_dir):
@@ -106,17 +110,11 @@ def rescore(run_dir: Path) -> tuple[dict, dict, list[Change]]:
             changes.append(Change(str(rec["id"]), rec, new))
         tree.save(path)
         records.append(new)
-    _write(run_dir / "results.jsonl", "".join(json.dumps(r) + "\n" for r in records))
+    write_atomic(run_dir / "results.jsonl", "".join(json.dumps(r) + "\n" for r in records))
     header = {k: old[k] for k in HEADER if k in old}
     summary = summarize([r for r in records if r["id"] in problems], header)  # the run's selection
-    _write(summary_path, json.dumps(summary, indent=2))
+    write_atomic(summary_path, json.dumps(summary, indent=2))
     return old, summary, changes
-
-
-def _write(path: Path, text: str) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)
 
 
 def report(old: dict, new: dict, changes: list[Change]) -> str:

@@ -20,6 +20,7 @@ from decoding.server import ServerEngine
 from tasks import Problem, Task, make_task
 from tot.config import RunConfig
 from tot.results import ResultStore, answer_fields, summarize
+from tot.saved import write_atomic
 from tot.search import GenerationEngine, Search, request_seed, run_sync
 from tot.searches import SEARCHES
 
@@ -76,7 +77,7 @@ def run(cfg: RunConfig, out_dir: Path, engine: GenerationEngine | None = None, p
             )
             clock[0] = now
             summary = summarize([r for r in store.records if r["id"] in selected], header)
-            _write_json(out_dir / "summary.json", summary)
+            write_atomic(out_dir / "summary.json", json.dumps(summary, indent=2))
             bar.update()
             bar.set_postfix(acc=f"{summary['accuracy']:.2f}", tok_s=f"{summary['tokens_per_s']:.1f}")
 
@@ -85,7 +86,7 @@ def run(cfg: RunConfig, out_dir: Path, engine: GenerationEngine | None = None, p
         finally:
             bar.close()  # before any error line is printed
     summary = summarize([r for r in store.records if r["id"] in selected], header)
-    _write_json(out_dir / "summary.json", summary)
+    write_atomic(out_dir / "summary.json", json.dumps(summary, indent=2))
     return summary
 
 
@@ -159,12 +160,6 @@ def summary_line(s: dict) -> str:
         f"{s['prompt_tokens_computed']}/{s['prompt_tokens']} prompt tokens computed, "
         f"run.concurrency={s.get('concurrency', 1)}"
     )
-
-
-def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=2))
-    tmp.replace(path)
 
 
 def make_engine(cfg: RunConfig) -> Engine | ServerEngine:

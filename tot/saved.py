@@ -87,4 +87,24 @@ def load_tree(run_dir: Path, problem_id: str) -> ReasoningTree:
 
 
 def read_tree(path: Path) -> ReasoningTree:
-    return ReasoningTree.from_dict(json.loads(path.read_text(encoding="utf-8")))
+    return ReasoningTree.from_dict(read_json(path))
+
+
+def read_json(path: Path) -> dict:
+    """A run's JSON file, or ShowError naming it when it cannot be read."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ShowError(
+            f"{path} cannot be read ({str(e).splitlines()[0][:120]}); was it written by tot.solve?"
+        ) from None
+    if not isinstance(data, dict):
+        raise ShowError(f"{path} holds no JSON object; was it written by tot.solve?")
+    return data
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write through a temporary file and rename it, so a reader never sees half a file."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)

@@ -13,7 +13,7 @@ import json
 from importlib import resources
 from pathlib import Path
 
-from tot.saved import SavedTree
+from tot.saved import SavedTree, ShowError, read_json, write_atomic
 
 # Record fields shown beside each tree (the rest of a record is the decode statistics per phase).
 RECORD_KEYS = ("id", "question", "answer", "answers", "gold", "correct", "correct_by", "metrics", "tokens", "wall_s")
@@ -24,7 +24,7 @@ SUMMARY_KEYS += ("generated_tokens", "wall_s", "tokens_per_s", "acceptance_lengt
 
 def page_data(run_dir: Path, shown: list[SavedTree]) -> dict:
     summary_path = run_dir / "summary.json"
-    summary = json.loads(summary_path.read_text(encoding="utf-8")) if summary_path.is_file() else {}
+    summary = read_json(summary_path) if summary_path.is_file() else {}
     problems = []
     for saved in shown:
         rec = saved.record or {"id": saved.id}
@@ -32,23 +32,28 @@ def page_data(run_dir: Path, shown: list[SavedTree]) -> dict:
             {
                 **{k: rec[k] for k in RECORD_KEYS if k in rec},
                 "phases": {p: {k: v[k] for k in PHASE_KEYS if k in v} for p, v in rec.get("phases", {}).items()},
-                "tree": json.loads(saved.tree_path.read_text(encoding="utf-8")),
+                "tree": read_json(saved.tree_path),
             }
         )
     return {"run": str(run_dir), "summary": {k: summary[k] for k in SUMMARY_KEYS if k in summary}, "problems": problems}
 
 
 def render_page(data: dict) -> str:
-    # "</" inside the JSON would end the script element early.
-    payload = json.dumps(data, ensure_ascii=False).replace("</", "<\\/")
+    # No markup character may reach the script element ("</script>" ends it, "<!--" changes how it
+    # ends): JSON's own escapes stand for them.
+    payload = (
+        json.dumps(data, ensure_ascii=False).replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+    )
     title = f"ToT trees: {data['summary'].get('task', '')} {data['summary'].get('decoder', '')} ({data['run']})"
     template = resources.files("tot").joinpath("tree_page.html").read_text(encoding="utf-8")
     return template.replace("__TITLE__", _escape(title)).replace("__DATA__", payload)
 
 
 def write_page(run_dir: Path, shown: list[SavedTree], out: Path) -> Path:
+    if out.is_dir():
+        raise ShowError(f"--out {out} is a folder; give the page's file name, e.g. --out {out / 'trees.html'}")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(render_page(page_data(run_dir, shown)), encoding="utf-8")
+    write_atomic(out, render_page(page_data(run_dir, shown)))
     return out
 
 

@@ -225,7 +225,10 @@ _PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
 _DECORATION = "*`\"'“” \t"
 # How models start an action besides the imperative: "Now, pick up ...", "I unstack ...",
 # "Picking up ...", "Stacks ...": the lead-in dropped, the verb put in the imperative.
-_LEAD_IN = re.compile(r"^(?:(?:now|next|then|finally|first|so|ok|okay)\s*,?\s+|(?:i will|i'll|i|let's|let me)\s+)+")
+_LEAD_IN = re.compile(
+    r"^(?:(?:now|next|then|finally|first(?: of all)?|so|ok|okay)\s*,?\s+"
+    r"|(?:i will|i['’]ll|i|let['’]s|let us|let me)\s+)+"
+)
 _VERB_FORMS = (
     (re.compile(r"^(?:picking|picks)\b"), "pick"),
     (re.compile(r"^(?:putting|puts)\b"), "put"),
