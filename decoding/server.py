@@ -70,7 +70,6 @@ class ServerEngine:
         self.options, self.tokenizer, self.use_chat_template = options, tokenizer, use_chat_template
         self._openai = openai
         self.model = options.model
-        self.total_stats = DecodeStats()
         self.model_checked = False
         self._top_k_off: int | None = None  # what says "no top-k filter" to this server (None: leave it out)
         self._checked: asyncio.Task[None] | None = None
@@ -92,7 +91,6 @@ class ServerEngine:
         stats = DecodeStats()
         for result in done:
             stats += result.stats
-        self.total_stats += stats
         return Completion(list(done), stats)
 
     async def _connect(self) -> None:

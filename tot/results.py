@@ -125,3 +125,10 @@ def _accuracy_by(records: list[dict]) -> dict[str, float]:
         for rule, ok in r.get("correct_by", {}).items():
             hits.setdefault(rule, []).append(bool(ok))
     return {rule: sum(v) / len(v) for rule, v in hits.items()}
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write through a temporary file and rename it, so a reader never sees half a file."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)

@@ -19,8 +19,7 @@ from decoding.engine import Engine
 from decoding.server import ServerEngine
 from tasks import Problem, Task, make_task
 from tot.config import RunConfig
-from tot.results import ResultStore, answer_fields, summarize
-from tot.saved import write_atomic
+from tot.results import ResultStore, answer_fields, summarize, write_atomic
 from tot.search import GenerationEngine, Search, request_seed, run_sync
 from tot.searches import SEARCHES
 

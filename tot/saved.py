@@ -101,10 +101,3 @@ def read_json(path: Path) -> dict:
     if not isinstance(data, dict):
         raise ShowError(f"{path} holds no JSON object; was it written by tot.solve?")
     return data
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write through a temporary file and rename it, so a reader never sees half a file."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import networkx as nx
 
+from tot.results import write_atomic
+
 
 class ReasoningTree:
     """Node 0 is the problem; every other node is one thought with its text, value and depth.
@@ -53,6 +55,4 @@ class ReasoningTree:
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=1))
-        tmp.replace(path)
+        write_atomic(path, json.dumps(self.to_dict(), indent=1))
