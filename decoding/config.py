@@ -71,4 +71,6 @@ class DecoderConfig:
         draft = None
         if kind.draft_model != "none" and draft_cfg.get("path") not in (None, ""):
             draft = ModelSpec.from_config({k: v for k, v in draft_cfg.items() if v is not None}, "draft")
+        if "verify" in options:
+            options["verify"] = options["verify"].for_decoder(name)
         return cls(name=name, draft=draft, **options)

@@ -79,9 +79,17 @@ SCHEDULES: dict[str, Schedule] = {
     "batch": lambda name, c, target, tok, drafter: Scheduler(name, target, tok, drafter, verify=c.verify),
     # One sequence at a time, as SEED's SD / MCSD baselines run.
     "serial": lambda name, c, target, tok, drafter: Scheduler(name, target, tok, drafter, max_live=1, verify=c.verify),
-    # SEED's rounds: up to verify_batch queued drafts per forward, drafting beside it with overlap.
+    # SEED's rounds, drafting beside the verifier with overlap; up to verify_batch queued drafts per
+    # forward under verify.plan=fixed (SEED's Algorithm 1, `seed`'s default), every ready row under
+    # the goodput plan (the planner sizes trees, it never makes a row wait).
     "seed": lambda name, c, target, tok, drafter: Scheduler(
-        name, target, tok, drafter, c.seed.verify_batch, c.seed.overlap, verify=c.verify
+        name,
+        target,
+        tok,
+        drafter,
+        c.seed.verify_batch if c.verify.plan == "fixed" else None,
+        c.seed.overlap,
+        verify=c.verify,
     ),
 }
 

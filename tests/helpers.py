@@ -11,10 +11,10 @@ from decoding.core.runner import ModelRunner
 from decoding.core.values import Completion, DecodeStats, GenRequest, GenResult
 from decoding.schedules.base import VerifyOptions
 
-# verify.max_tokens=null: trees verified whole however many rows share a forward (tests of tree
+# verify.plan=fixed, verify.max_tokens=null: trees verified whole however many rows share a forward (tests of tree
 # verification; the default cuts them to 16 tokens per forward on a CPU), with the rejection rules
 # at temperature > 0 (verify.match_samples=false), which those tests check.
-UNCAPPED = VerifyOptions(None, match_samples=False)
+UNCAPPED = VerifyOptions(plan="fixed", max_tokens=None, match_samples=False)
 
 
 def prefill(runner: ModelRunner, prompts: list[list[int]], capacity: int) -> tuple[RowKVCache, torch.Tensor]:

@@ -128,9 +128,9 @@ def test_walk_greedy_follows_the_argmax_path():
         tree.add(token, parent)
     # Root's argmax is 3 (node 1), whose argmax is 9 (node 5), whose argmax is 2: bonus token.
     argmax = [3, 0, 9, 0, 0, 0, 2]
-    path, token = walk(tree, None, argmax, torch.Generator())
+    path, token = walk(tree, None, argmax, torch.Generator(), True)
     assert path == [1, 5] and token == 2
-    path, token = walk(tree, None, [5, *argmax[1:]], torch.Generator())
+    path, token = walk(tree, None, [5, *argmax[1:]], torch.Generator(), True)
     assert path == [] and token == 5
     assert tree.path(5) == [1, 5] and tree.depths() == [1, 1, 2, 2, 2, 2]
     assert tree.children(ROOT) == [0, 1]

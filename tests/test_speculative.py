@@ -109,7 +109,7 @@ def test_tree_verification_logits_equal_sequential_decoding(tiny_model, tokenize
         for b, shape in enumerate(shapes[step:] + shapes[:step]):
             parents = k_config_parents(shape) if b != step else []  # one row with an empty tree
             trees.append(tree_of(parents, torch.randint(3, len(tokenizer), (len(parents),), generator=g).tolist()))
-        packed, verdicts = verify(target, cache, pending, trees, [GREEDY] * 3, [g] * 3)
+        packed, verdicts = verify(target, cache, pending, trees, [GREEDY] * 3, [g] * 3, match_samples=True)
         check_tree_logits(tiny_model, contexts, trees, verdicts)
         # Commit a path of a different length per row (not the greedy one: any path must be keepable).
         for b, tree in enumerate(trees):
@@ -524,7 +524,8 @@ def test_trees_are_cut_to_the_forward_budget():
     assert cut_to_budget(trees, None) is trees
     assert VerifyOptions().budget(torch.device("cpu")) == 16 and VerifyOptions().budget(torch.device("cuda")) is None
     assert (
-        VerifyOptions(None).budget(torch.device("cpu")) is None and VerifyOptions(40).budget(torch.device("cpu")) == 40
+        VerifyOptions(max_tokens=None).budget(torch.device("cpu")) is None
+        and VerifyOptions(max_tokens=40).budget(torch.device("cpu")) == 40
     )
     with pytest.raises(ConfigError, match=r"verify.max_tokens=0 must be a positive number of tokens, auto or null"):
-        VerifyOptions(0)
+        VerifyOptions(max_tokens=0)

@@ -233,7 +233,7 @@ def test_sampling_follows_the_target(tiny_model, tokenizer, loaded, small_tree, 
 def test_greedy_identity_with_trees_cut_to_the_budget(tiny_model, tokenizer, loaded, small_tree, name, verify_batch):
     """12 tokens per forward: 7 rows verify their roots only, rows drafting again as others finish."""
     requests, refs = greedy_case(tiny_model, tokenizer)
-    engine = engine_for(loaded, name, small_tree, verify_batch, verify=VerifyOptions(12))
+    engine = engine_for(loaded, name, small_tree, verify_batch, verify=VerifyOptions(plan="fixed", max_tokens=12))
     for _ in range(2):
         assert [r.token_ids for r in engine.generate(requests)] == refs
     assert engine.last_stats.drafted_tokens > 0
@@ -245,7 +245,13 @@ def test_sampling_follows_the_target_with_cut_trees(tiny_model, tokenizer, loade
     node (two rows) or first four (one row), mid-way through a run of siblings."""
     params = PARAMS[params_name]
     prompt = encode(tokenizer, "once upon a time")
-    engine = engine_for(loaded, "seed_stand", small_tree, verify_batch=2, verify=VerifyOptions(5, match_samples=False))
+    engine = engine_for(
+        loaded,
+        "seed_stand",
+        small_tree,
+        verify_batch=2,
+        verify=VerifyOptions(plan="fixed", max_tokens=5, match_samples=False),
+    )
     samples = sample_three(engine, prompt, params, 8000)
     stats = engine.total_stats
     assert stats.accepted_tokens > 0.05 * stats.verify_steps

@@ -125,7 +125,7 @@ def walk(
     probs: torch.Tensor | None,
     argmax: list[int] | None,
     generator: torch.Generator,
-    match_samples: bool = False,
+    match_samples: bool,
 ) -> tuple[list[int], int]:
     """Verify one tree: the accepted nodes from the root down, and the token after them.
 

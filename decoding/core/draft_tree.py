@@ -76,6 +76,30 @@ class DraftTree:
             shape_nodes=self.shape_nodes[:n],
         )
 
+    def subtree(self, nodes: list[int]) -> DraftTree:
+        """The tree of the given nodes (ascending), each with its parent and, among its siblings, after
+        a first run of them in draw order: the tree the drafter would have drawn had it stopped
+        drawing each node's children there, so verification stays lossless (`prefix` is the case
+        of the first n nodes)."""
+        new = {ROOT: ROOT}
+        for i, node in enumerate(nodes):
+            assert self.parents[node] in new, f"node {node} kept without its parent"
+            new[node] = i
+
+        def kept(dists: dict[int, DraftDist]) -> dict[int, DraftDist]:
+            return {new[k]: v for k, v in dists.items() if k in new}
+
+        return DraftTree(
+            tokens=[self.tokens[n] for n in nodes],
+            parents=[new[self.parents[n]] for n in nodes],
+            probs=[self.probs[n] for n in nodes],
+            draw=self.draw,
+            dists=kept(self.dists),
+            sources=[self.sources[n] for n in nodes] if self.sources else [],
+            parts={s: (draw, kept(dists)) for s, (draw, dists) in self.parts.items()},
+            shape_nodes=[self.shape_nodes[n] for n in nodes] if self.shape_nodes else [],
+        )
+
     def children(self, node: int) -> list[int]:
         return [i for i, p in enumerate(self.parents) if p == node]
 

@@ -76,11 +76,13 @@ class Layers:
         kv_rows: torch.Tensor | None = None,
         logits_at: torch.Tensor | None = None,
         capture: int | None = None,
+        real: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits for new tokens [B, T] (at `logits_at` only, if given), and the output of decoder
         layer `capture` (or None). `cache` is prepared for this forward, its rows read in place;
         `mask` is its boolean [B, 1, T, L] visibility; `kv_rows` names the cache rows of the token
-        rows when they are a subset."""
+        rows when they are a subset. `real` (flat indices into [B, T]): only those tokens are
+        computed (pads skipped), logits are [K, V] at `logits_at` indices into them."""
         inner = self.model.model
         h = inner.embed_tokens(tokens)
         cos, sin = inner.rotary_emb(h, positions)
@@ -101,8 +103,9 @@ class Layers:
             mask,
             _NONE if kv_rows is None else kv_rows,
             -1 if capture is None else capture,
+            _NONE if real is None else real,
         )
         h = inner.norm(h)
         if logits_at is not None:
-            h = h[:, logits_at]
+            h = h[logits_at] if real is not None else h[:, logits_at]
         return self.model.lm_head(h), (hidden if capture is not None else None)

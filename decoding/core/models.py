@@ -77,9 +77,15 @@ class LoadedModel:
     name: str = ""  # the model.path it was loaded from (what the EDD cache is keyed by)
 
 
+def cache_root() -> Path:
+    """The project's cache folder: $TOT_CACHE_DIR, else $XDG_CACHE_HOME/tot (~/.cache/tot)."""
+    return Path(
+        os.environ.get("TOT_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tot"
+    )
+
+
 def default_cache_dir() -> Path:
-    root = os.environ.get("TOT_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tot"
-    return Path(root) / "models"
+    return cache_root() / "models"
 
 
 def resolve_device(device: str, key: str = "model") -> torch.device:

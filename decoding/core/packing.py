@@ -2,7 +2,9 @@
 
 Rows are packed left-padded so that every row's last pending token (the tree root) sits at the same
 index, which lets one `logits_to_keep` index serve the whole batch; trees of different sizes are
-padded on the right. Pad slots only see themselves and are never committed.
+padded on the right. Pad slots only see themselves and are never committed. Where the forward can
+skip pads (the project's Llama layers: `ModelRunner.ragged`), `real` lists the slots it computes,
+so a forward costs the tokens its rows hold rather than rows x the widest row.
 """
 
 from __future__ import annotations
@@ -23,6 +25,23 @@ class Packed:
     depth: torch.Tensor  # [B, W] position offset from each row's committed length
     n_pending: int  # P: columns before the trees; column P - 1 is every row's root
     pads: list[int]  # left pad of each row
+    sizes: list[int]  # real tokens of each row (pending, then tree)
+
+    @property
+    def real(self) -> torch.Tensor:
+        """Flat indices into [B, W] of the real (not pad) slots, row by row."""
+        width = self.tokens.shape[1]
+        return torch.cat([torch.arange(p, p + n) + b * width for b, (p, n) in enumerate(zip(self.pads, self.sizes))])
+
+    def real_logits_index(self) -> tuple[torch.Tensor, list[int]]:
+        """Indices into the real slots of every row's root and tree nodes, and each row's count."""
+        index, start = [], 0
+        for size, pad in zip(self.sizes, self.pads):
+            root = start + self.n_pending - 1 - pad
+            index.append(torch.arange(root, start + size))
+            start += size
+        counts = [len(i) for i in index]
+        return torch.cat(index), counts
 
     def committed(self, row: int, path: list[int]) -> list[int]:
         """Columns to keep in the cache when `path` (tree nodes) is accepted: pending, then path."""
@@ -37,7 +56,7 @@ def pack(pending: list[list[int]], trees: list[DraftTree]) -> Packed:
     tokens = torch.zeros(batch, width, dtype=torch.long)
     see = torch.eye(width, dtype=torch.bool).repeat(batch, 1, 1)
     depth = torch.zeros(batch, width, dtype=torch.long)
-    pads = []
+    pads, sizes = [], []
     for b, (pend, tree) in enumerate(zip(pending, trees)):
         pad = n_pending - len(pend)
         pads.append(pad)
@@ -45,10 +64,11 @@ def pack(pending: list[list[int]], trees: list[DraftTree]) -> Packed:
         see[b, pad:n_pending, pad:n_pending] = torch.ones(len(pend), len(pend), dtype=torch.bool).tril()
         depth[b, pad:n_pending] = torch.arange(len(pend))
         n = len(tree)
+        sizes.append(len(pend) + n)
         if n:
             end = n_pending + n
             tokens[b, n_pending:end] = torch.tensor(tree.tokens)
             see[b, n_pending:end, pad:n_pending] = True
             see[b, n_pending:end, n_pending:end] = tree.ancestry()
             depth[b, n_pending:end] = len(pend) - 1 + torch.tensor(tree.depths())
-    return Packed(tokens, see, depth, n_pending, pads)
+    return Packed(tokens, see, depth, n_pending, pads, sizes)

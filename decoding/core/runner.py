@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -9,7 +10,7 @@ import torch
 from decoding.core import attention, llama
 from decoding.core.draft_tree import DraftTree
 from decoding.core.kv_cache import RowKVCache
-from decoding.core.packing import pack
+from decoding.core.packing import Packed, pack
 from decoding.core.prefix_cache import Match, PrefixCache, shared_len
 
 MIN_SHARED_PREFIX = 8  # shorter common prefixes are simply fed with each row
@@ -44,6 +45,7 @@ class ModelRunner:
         self.rows = 0  # sequences scored, summed over forwards
         self.prompt_tokens_computed = 0  # prompt tokens `admit` computed or left pending
         self.peak_cache_bytes = 0
+        self.last_score_ms = 0.0  # the latest verification forward's time (`score`)
         self.prefixes = PrefixCache()
         self._sampling_pool: ThreadPoolExecutor | None = None
         # Hidden-state capture for drafters that read them (EDD): off unless capture_hidden is called.
@@ -94,13 +96,18 @@ class ModelRunner:
         logits_at: torch.Tensor | None = None,
         offset: int = 0,
         rows: list[int] | None = None,
+        real: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits [B, T, V] (or [B, K, V] at the new-token indices `logits_at`) for new tokens [B, T].
 
         `tree` is [B, T, offset + T]: what each new token sees among the row's uncommitted slots
         (`offset` of them written by earlier forwards of this step, then the new ones). `rows`: the
-        cache rows that tokens' rows are (default: all, in order).
+        cache rows that tokens' rows are (default: all, in order). `real` (with `ragged` only): the
+        flat indices into [B, T] of the tokens to compute, pads skipped; `logits_at` then indexes
+        them and the logits are [K, V].
         """
+        if real is not None and not self.ragged:
+            raise ValueError("a ragged forward needs the project's Llama layers without hidden-state capture")
         tokens = tokens.to(self.device)
         in_place = self.reads_rows_in_place and rows is not None
         cache.prepare(tokens.shape[1], offset, rows, gather=not in_place)
@@ -114,7 +121,8 @@ class ModelRunner:
         positions = cache.row_lens()[:, None] + depth.to(self.device)
         keep = None if logits_at is None else logits_at.to(self.device)
         if self.layers is not None:
-            logits, hidden = self.layers.forward(cache, tokens, mask, positions, kv_rows, keep, self.hidden_layer)
+            real = None if real is None else real.to(self.device)
+            logits, hidden = self.layers.forward(cache, tokens, mask, positions, kv_rows, keep, self.hidden_layer, real)
             if self.hidden_layer is not None:
                 self.last_hidden = hidden
         else:
@@ -122,6 +130,30 @@ class ModelRunner:
         self.forwards += 1
         self.rows += tokens.shape[0]
         return logits
+
+    @property
+    def ragged(self) -> bool:
+        """Forwards compute only real tokens (the project's Llama layers; hidden-state capture, which
+        reads the padded layout, turns it off): a forward then costs the tokens its rows hold."""
+        return self.layers is not None and self.hidden_layer is None
+
+    def score(self, cache: RowKVCache, packed: Packed, rows: list[int] | None = None) -> list[torch.Tensor]:
+        """One verification forward: per row, the logits [1 + n, V] at its root and its n tree nodes."""
+        index, counts = packed.real_logits_index()
+        t0 = time.perf_counter()
+        if self.ragged:
+            logits = self.forward(
+                cache, packed.tokens, packed.see, packed.depth, logits_at=index, rows=rows, real=packed.real
+            )
+            out = list(torch.split(logits, counts))
+        else:
+            keep = torch.arange(packed.n_pending - 1, packed.tokens.shape[1])
+            logits = self.forward(cache, packed.tokens, packed.see, packed.depth, logits_at=keep, rows=rows)
+            out = [logits[b, :n] for b, n in enumerate(counts)]
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the step planner compares this time with its prediction
+        self.last_score_ms = 1000 * (time.perf_counter() - t0)
+        return out
 
     def _transformers_forward(
         self,
@@ -244,13 +276,15 @@ class ModelRunner:
         if not todo:
             return
         packed = pack([p for _, p in todo], [DraftTree() for _ in todo])
+        ragged = self.ragged  # left pads are not computed: the forward costs the prompts' own tokens
         self.forward(
             cache,
             packed.tokens,
             packed.see,
             packed.depth,
-            logits_at=torch.tensor([packed.n_pending - 1]),
+            logits_at=torch.tensor([0 if ragged else packed.n_pending - 1]),
             rows=[row for row, _ in todo],
+            real=packed.real if ragged else None,
         )
         for b, (row, _) in enumerate(todo):
             cache.keep(row, packed.committed(b, []))

@@ -72,6 +72,12 @@ class DecodeStats:
     verified_drafts: int = 0  # drafts that went through the verify queue
     draft_calls: int = 0  # batched drafter calls
     drafted_rows: int = 0  # sequences drafted, summed over drafter calls
+    # The step planner (verify.plan=goodput): rows and draft nodes it kept for verification, and the
+    # verification steps' predicted and measured time (the forward and the work after it).
+    planned_rows: int = 0
+    planned_nodes: int = 0
+    predicted_step_s: float = 0.0
+    planned_step_s: float = 0.0
     sequences: int = 0
     sequence_acceptance_sum: float = 0.0  # sum over sequences of each one's acceptance length
 
@@ -92,6 +98,11 @@ class DecodeStats:
     def drafts_per_round(self) -> float:
         """Sequences drafted together per drafter call."""
         return self.drafted_rows / self.draft_calls if self.draft_calls else 0.0
+
+    @property
+    def planned_nodes_per_row(self) -> float:
+        """Draft nodes the step planner gave a verified row on average (0: it planned plain decoding)."""
+        return self.planned_nodes / self.planned_rows if self.planned_rows else 0.0
 
     @property
     def mean_sequence_acceptance_length(self) -> float:

@@ -50,8 +50,8 @@ def verify(
     trees: list[DraftTree],
     params: list[SamplingParams],
     generators: list[torch.Generator],
+    match_samples: bool,
     rows: list[int] | None = None,
-    match_samples: bool = False,
 ) -> tuple[Packed, list[Verdict]]:
     """Score every row's tree in one forward and run the acceptance rule on each (`match_samples`:
     see acceptance.walk).
@@ -60,15 +60,14 @@ def verify(
     uncommitted; the caller commits `packed.committed(b, path)` for the rows that go on.
     """
     packed = pack(pending, trees)
-    keep = torch.arange(packed.n_pending - 1, packed.tokens.shape[1])
-    logits = target.forward(cache, packed.tokens, packed.see, packed.depth, logits_at=keep, rows=rows)
+    logits = target.score(cache, packed, rows)
     hidden = target.last_hidden if target.hidden_layer is not None else None
 
     def decide(b: int) -> Verdict:
         tree, p, g = trees[b], params[b], generators[b]
-        row = logits[b, : 1 + len(tree)]
+        row = logits[b]
         if p.greedy:
-            path, token = walk(tree, None, row.argmax(-1).tolist(), g)
+            path, token = walk(tree, None, row.argmax(-1).tolist(), g, match_samples)
             probs = None
         else:
             # On the CPU, where the request's generator lives: the acceptance walk is scalar work.

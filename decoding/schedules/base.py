@@ -4,6 +4,7 @@ verify-and-commit step (verification and acceptance are the core's, so every sch
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -59,25 +60,31 @@ def run_to_end(decoder: Decoder, seqs: list[Sequence]) -> DecodeStats:
     return add_sequence_totals(decoder.stats - before, seqs)
 
 
-# verify.max_tokens=auto on a CPU: there a forward's cost grows with the tokens it scores (8 rows x
-# 4 tokens cost 2.3x 8 x 1 with the embedded model's int4 layers) and, by that cost table, trees stop
-# paying at about 16 tokens per forward (measured end to end: within noise of no cap, see
-# docs/performance.md); a GPU scores small trees at about one token's cost.
+# verify.plan=fixed, verify.max_tokens=auto on a CPU: the old fixed cut, 16 tree tokens per forward
+# (where trees stopped paying on the machine it was measured on, docs/performance.md); no cap on a GPU.
 CPU_MAX_TOKENS = 16
+PLANS = ("auto", "goodput", "fixed")
 
 
 @dataclass(frozen=True)
 class VerifyOptions:
     """The `verify:` section: how much one verification forward scores, for every speculative decoder."""
 
-    max_tokens: int | str | None = "auto"
+    # goodput: each step planned for the most expected committed tokens per second (the step
+    # planner, decoding/schedules/planner.py); fixed: every tree cut to max_tokens / rows - 1 nodes;
+    # auto: fixed for `seed` (SEED's Algorithm 1 baseline), goodput for every other decoder.
+    plan: str = "goodput"
+    max_tokens: int | str | None = "auto"  # plan=fixed: tree tokens (roots included) per forward
     # At temperature > 0 the target samples each position as plain decoding does and a drafted token
     # is accepted when it is that sample: outputs are `ar`'s (and `hf`'s) very samples whatever was
     # drafted, with whom and how much ran at once. false: the rejection rules (sd.multi_candidate,
     # without_replacement), which accept more of drafts sampled close to the target, draw less.
     match_samples: bool = True
+    cost: str | None = None  # plan=goodput: a forward-cost profile JSON (null: profiled on this machine, cached)
 
     def __post_init__(self) -> None:
+        if self.plan not in PLANS:
+            raise ConfigError(f"verify.plan={self.plan!r} is not one of {', '.join(PLANS)}")
         ok = self.max_tokens in (None, "auto") or (
             isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool) and self.max_tokens > 0
         )
@@ -87,9 +94,20 @@ class VerifyOptions:
             )
         if not isinstance(self.match_samples, bool):
             raise ConfigError(f"verify.match_samples={self.match_samples!r} must be true or false")
+        if self.cost is not None and not Path(self.cost).is_file():
+            raise ConfigError(
+                f"verify.cost={self.cost!r} is not a file: give a profile JSON "
+                "(python -m decoding.profile_forward out=...) or null to profile this machine"
+            )
+
+    def for_decoder(self, name: str) -> VerifyOptions:
+        """plan=auto resolved for decoder `name`."""
+        if self.plan != "auto":
+            return self
+        return replace(self, plan="fixed" if name == "seed" else "goodput")
 
     def budget(self, device: torch.device) -> int | None:
-        """Tree tokens (roots included) one forward may score, or None for no cap."""
+        """plan=fixed: tree tokens (roots included) one forward may score, or None for no cap."""
         if self.max_tokens == "auto":
             return CPU_MAX_TOKENS if device.type == "cpu" else None
         return self.max_tokens  # type: ignore[return-value]
@@ -111,13 +129,10 @@ def verify_and_commit(
     rows: list[int],
     trees: list[DraftTree],
     pending: dict[int, list[int]],
-    budget: int | None = None,
-    match_samples: bool = False,
+    match_samples: bool,
 ) -> list[Verdict]:
-    """Verify the trees of the sequences in cache rows `rows` in one forward, cut to `budget` tree
-    tokens in all (cut_to_budget), and commit what each accepted: tokens to the sequence, the
-    accepted path to the cache."""
-    trees = cut_to_budget(trees, budget)
+    """Verify the trees of the sequences in cache rows `rows` in one forward and commit what each
+    accepted: tokens to the sequence, the accepted path to the cache."""
     packed, verdicts = verify(
         target,
         cache,
@@ -125,8 +140,8 @@ def verify_and_commit(
         trees,
         [seqs[r].params for r in rows],
         [seqs[r].generator for r in rows],
+        match_samples,
         rows=None if rows == list(range(cache.batch)) else rows,
-        match_samples=match_samples,
     )
     for b, (r, v) in enumerate(zip(rows, verdicts)):
         s = seqs[r]

@@ -22,14 +22,17 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
+from decoding.core.cost import forward_cost
 from decoding.core.draft_tree import DraftTree
+from decoding.core.models import cache_root
 from decoding.core.runner import ModelRunner
 from decoding.core.sequence import Sequence
 from decoding.core.stopping import Detokenizer
 from decoding.core.values import DecodeStats
 from decoding.core.verify import Verdict
 from decoding.drafters.base import Drafter
-from decoding.schedules.base import VerifyOptions, run_to_end, verify_and_commit
+from decoding.schedules.base import VerifyOptions, cut_to_budget, run_to_end, verify_and_commit
+from decoding.schedules.planner import Planner
 
 State = Literal["drafting", "queued", "verifying"]
 
@@ -163,7 +166,8 @@ class Scheduler:
         verify_batch: int | None = None,
         overlap: bool = False,
         max_live: int | None = None,
-        verify: VerifyOptions | None = None,  # None: no cap on a forward's tokens, the rejection rules
+        verify: VerifyOptions | None = None,  # None: the product default (the config's), VerifyOptions()
+        planner: Planner | None = None,  # plan=goodput: one is built on the target's measured costs if None
     ) -> None:
         self.name = name
         self.target = target
@@ -172,8 +176,12 @@ class Scheduler:
         self.verify_batch = verify_batch
         self.overlap = overlap
         self.max_live = max_live
-        self.budget = None if verify is None else verify.budget(target.device)
-        self.match_samples = verify is not None and verify.match_samples
+        self.budget = verify.budget(target.device)
+        self.match_samples = verify.match_samples
+        verify = (verify or VerifyOptions()).for_decoder(name)
+        if verify.plan == "goodput" and planner is None and drafter.max_nodes:
+            planner = Planner(forward_cost(target, cache_root(), verify.cost))
+        self.planner = planner if verify.plan == "goodput" else None
         self.cache = target.new_cache(0, 1)  # the KV pool: row r holds live sequence seqs[r]
         self.seqs: dict[int, Sequence] = {}
         self.pending: dict[int, list[int]] = {}
@@ -254,6 +262,8 @@ class Scheduler:
         self.stats.prompt_tokens_computed += self.target.prompt_tokens_computed - computed
         self.seqs.update(zip(rows, new))
         self.pending.update(zip(rows, pending))
+        if self.planner is not None:
+            self.planner.forget(rows)
         self.rounds.arrive(rows)
         self.stats.verify_s += time.perf_counter() - t0
 
@@ -299,13 +309,32 @@ class Scheduler:
             self._drafter_rows.difference_update(gone)
             self.rounds.released(gone)
         if rows:
-            trees = self.drafter.draft(rows)
-            assert all(len(t) <= self.drafter.max_nodes for t in trees), "a tree exceeds the drafter's max_nodes"
-            self.stats.draft_calls += 1
-            self.stats.drafted_rows += len(rows)
+            trees = self._draft(rows)
         self.stats.draft_s += time.perf_counter() - t0
         if rows:
             self.rounds.enqueue(rows, trees)
+
+    def _draft(self, rows: list[int]) -> list[DraftTree]:
+        """Trees for `rows`; with the planner, rows whose drafts cannot pay are not drafted (empty
+        trees: verified like `ar`'s rows, and their drafter still learns from what they commit)."""
+        drafting = rows
+        if self.planner is not None and self.drafter.max_nodes:
+            budgets = self.planner.budgets(rows, self.drafter.max_nodes)
+            drafting = [r for r, b in zip(rows, budgets) if b]
+        t0 = time.perf_counter()
+        drafted = dict(zip(drafting, self.drafter.draft(drafting))) if drafting else {}
+        trees = [drafted.get(r) or DraftTree() for r in rows]
+        assert all(len(t) <= self.drafter.max_nodes for t in trees), "a tree exceeds the drafter's max_nodes"
+        if drafting:
+            self.stats.draft_calls += 1
+            self.stats.drafted_rows += len(drafting)
+            if self.planner is not None:
+                self.planner.drafted(sum(len(t) for t in trees), 1000 * (time.perf_counter() - t0))
+        return trees
+
+    def _context(self, rows: list[int]) -> float:
+        """Mean committed length of the rows (what a forward's attention reads)."""
+        return sum(int(self.cache.lens[r]) for r in rows) / len(rows)
 
     def _verify(self, batch: list[_Queued]) -> list[Sequence]:
         t0 = time.perf_counter()
@@ -313,11 +342,24 @@ class Scheduler:
         self.stats.queue_wait_s += sum(t0 - q.since for q in batch)
         self.stats.verified_drafts += len(batch)
         trees = [q.tree for q in batch]
-        cache, seqs, pending = self.cache, self.seqs, self.pending
+        greedy = [self.seqs[r].params.greedy for r in rows]
+        plan = None
+        if self.planner is not None:
+            pending_len = [len(self.pending[r]) for r in rows]
+            trees, plan = self.planner.cut(rows, trees, greedy, pending_len, self._context(rows))
+        else:
+            trees = cut_to_budget(trees, self.budget)
         verdicts = verify_and_commit(
-            self.target, self.tokenizer, cache, seqs, rows, trees, pending, self.budget, self.match_samples
+            self.target, self.tokenizer, self.cache, self.seqs, rows, trees, self.pending, self.match_samples
         )
         t1 = time.perf_counter()
+        if plan is not None:
+            forward_ms = self.target.last_score_ms
+            self.planner.observe(plan, verdicts, greedy, forward_ms, 1000 * (t1 - t0) - forward_ms)
+            self.stats.planned_rows += plan.rows
+            self.stats.planned_nodes += sum(plan.nodes)
+            self.stats.predicted_step_s += plan.predicted_ms / 1000
+            self.stats.planned_step_s += t1 - t0
         finished = []
         for row in rows:
             s = self.seqs[row]

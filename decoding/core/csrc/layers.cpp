@@ -40,25 +40,50 @@ std::vector<at::Tensor> decoder_layers(at::Tensor h, const std::vector<at::Tenso
                                        const at::Tensor& sin, const std::vector<at::Tensor>& keys,
                                        const std::vector<at::Tensor>& values, const at::Tensor& rows,
                                        const at::Tensor& slots, int64_t kv_len, const at::Tensor& mask,
-                                       const at::Tensor& kv_rows, int64_t capture) {
+                                       const at::Tensor& kv_rows, int64_t capture, const at::Tensor& real) {
   constexpr size_t PER_LAYER = 2 + 7 * 3;  // two norm weights, then q, k, v, o, gate, up, down
   TORCH_CHECK(weights.size() == keys.size() * PER_LAYER && keys.size() == values.size(), "decoder_layers: weights");
   const int64_t batch = h.size(0), n_new = h.size(1);
-  const c10::List<c10::optional<at::Tensor>> where({rows, c10::nullopt, slots});
+  // Ragged: only the `real` tokens of the [B, T] layout (flat indices, not its pads) go through the
+  // norms, linears and cache writes, as [N, H]; attention alone sees the [B, T] layout. Each row
+  // of a linear is computed alone (quant.py's invariance), so a real token's bits do not change.
+  const bool ragged = real.numel() > 0;
+  at::Tensor cos_t = cos, sin_t = sin;
+  c10::List<c10::optional<at::Tensor>> where({rows, c10::nullopt, slots});
+  if (ragged) {
+    h = h.reshape({batch * n_new, -1}).index_select(0, real);
+    cos_t = cos.reshape({batch * n_new, 1, head_dim}).index_select(0, real);
+    sin_t = sin.reshape({batch * n_new, 1, head_dim}).index_select(0, real);
+    const at::Tensor flat_rows = rows.expand({batch, n_new}).reshape({-1}).index_select(0, real);
+    where = c10::List<c10::optional<at::Tensor>>({flat_rows, c10::nullopt, slots.reshape({-1}).index_select(0, real)});
+  }
   at::Tensor hidden;
   for (size_t i = 0; i < keys.size(); ++i) {
     const at::Tensor* w = weights.data() + i * PER_LAYER;
     const at::Tensor x = rms_norm(h, w[0], eps);
-    const std::vector<int64_t> shape{batch, n_new, -1, head_dim};
-    const at::Tensor q = rotate(linear(x, w + 2).view(shape).transpose(1, 2), cos, sin);
-    const at::Tensor k = rotate(linear(x, w + 5).view(shape).transpose(1, 2), cos, sin);
-    const at::Tensor v = linear(x, w + 8).view(shape).transpose(1, 2);
-    // RowKVCache.update, in place: this forward's slots of each row, then every row up to kv_len.
-    keys[i].index_put_(where, k.transpose(1, 2).to(keys[i].scalar_type()));
-    values[i].index_put_(where, v.transpose(1, 2).to(values[i].scalar_type()));
-    const at::Tensor out = attend(q, keys[i].slice(2, 0, kv_len), values[i].slice(2, 0, kv_len), mask, kv_rows,
-                                  scaling);
-    h = h + linear(out.reshape({batch, n_new, -1}), w + 11);
+    at::Tensor q, k, v;
+    if (ragged) {  // [N, heads, D]
+      const std::vector<int64_t> shape{x.size(0), -1, head_dim};
+      q = rotate(linear(x, w + 2).view(shape), cos_t, sin_t);
+      k = rotate(linear(x, w + 5).view(shape), cos_t, sin_t);
+      v = linear(x, w + 8).view(shape);
+      keys[i].index_put_(where, k.to(keys[i].scalar_type()));
+      values[i].index_put_(where, v.to(values[i].scalar_type()));
+      // Pad queries see only their own (unwritten) slot; their outputs are dropped below.
+      q = at::zeros({batch * n_new, q.size(1), head_dim}, q.options()).index_copy_(0, real, q);
+      q = q.view({batch, n_new, -1, head_dim}).transpose(1, 2);
+    } else {
+      const std::vector<int64_t> shape{batch, n_new, -1, head_dim};
+      q = rotate(linear(x, w + 2).view(shape).transpose(1, 2), cos, sin);
+      k = rotate(linear(x, w + 5).view(shape).transpose(1, 2), cos, sin);
+      v = linear(x, w + 8).view(shape).transpose(1, 2);
+      // RowKVCache.update, in place: this forward's slots of each row, then every row up to kv_len.
+      keys[i].index_put_(where, k.transpose(1, 2).to(keys[i].scalar_type()));
+      values[i].index_put_(where, v.transpose(1, 2).to(values[i].scalar_type()));
+    }
+    at::Tensor out = attend(q, keys[i].slice(2, 0, kv_len), values[i].slice(2, 0, kv_len), mask, kv_rows, scaling);
+    out = ragged ? out.reshape({batch * n_new, -1}).index_select(0, real) : out.reshape({batch, n_new, -1});
+    h = h + linear(out, w + 11);
     const at::Tensor y = rms_norm(h, w[1], eps);
     h = h + linear(at::silu(linear(y, w + 14)) * linear(y, w + 17), w + 20);
     if (static_cast<int64_t>(i) == capture) hidden = h;

@@ -1,0 +1,85 @@
+"""How likely a draft node is to be accepted: each drafter's node scores, calibrated against verdicts.
+
+Every drafter scores its nodes (`DraftTree.probs`: STAND's pool probability, ADED's and Token
+Recycling's normalised counts, a draft model's q, 1.0 where a drafter has no score, as PLD). The
+record counts, per (tree source, greedy or sampled row, depth, score bucket), how often a node was
+verified with its parent reached (the parent accepted, or the root) and how often it was the
+accepted child. So it estimates P(node accepted | parent accepted) under whichever acceptance rule
+is in force, and a node's chance of being on the accepted path is the product along its path: the
+expected tokens a tree commits are 1 (the bonus) plus the sum of its nodes' reach.
+
+Counts start from a prior (the score itself, worth PRIOR verdicts) and old verdicts fade
+(DECAY per verdict in a bucket), so the estimates follow the run as its text changes.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from decoding.core.draft_tree import ROOT, DraftTree
+
+SCORE_EDGES = (0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.97)  # bucket upper edges
+MAX_DEPTH = 6  # deeper nodes share the last depth's buckets
+PRIOR = 3.0  # verdicts the prior (the drafter's own score) is worth: a bucket is tried before it is judged
+DECAY = 0.995
+
+
+Key = tuple[int, bool, int, int]
+
+
+def bucket(score: float) -> int:
+    return bisect.bisect_left(SCORE_EDGES, score)
+
+
+@dataclass
+class AcceptanceRecord:
+    """Calibrated per-node acceptance (see the module docstring); one per decoder's drafter."""
+
+    tried: dict[Key, float] = field(default_factory=dict)
+    accepted: dict[Key, float] = field(default_factory=dict)
+
+    def _key(self, tree: DraftTree, node: int, depth: int, greedy: bool) -> Key:
+        return (tree.source_of(node), greedy, min(depth, MAX_DEPTH), bucket(tree.probs[node]))
+
+    def accept(self, tree: DraftTree, greedy: bool) -> list[float]:
+        """Per node: the estimated P(accepted | parent accepted)."""
+        out = []
+        for node, depth in enumerate(tree.depths()):
+            key = self._key(tree, node, depth, greedy)
+            prior = min(tree.probs[node], 1.0) * PRIOR
+            out.append((self.accepted.get(key, 0.0) + prior) / (self.tried.get(key, 0.0) + PRIOR))
+        return out
+
+    def reach(self, tree: DraftTree, greedy: bool) -> list[float]:
+        """Per node: the estimated chance that it is on the accepted path."""
+        out: list[float] = []
+        for node, a in enumerate(self.accept(tree, greedy)):
+            parent = tree.parents[node]
+            out.append(a * (1.0 if parent == ROOT else out[parent]))
+        return out
+
+    def observe(self, tree: DraftTree, path: list[int], greedy: bool) -> None:
+        """One verified tree and its accepted path: every node whose parent was reached is a trial."""
+        reached = {ROOT, *path}
+        on_path = set(path)
+        for node, depth in enumerate(tree.depths()):
+            if tree.parents[node] not in reached:
+                continue
+            key = self._key(tree, node, depth, greedy)
+            self.tried[key] = self.tried.get(key, 0.0) * DECAY + 1.0
+            self.accepted[key] = self.accepted.get(key, 0.0) * DECAY + (node in on_path)
+
+    def table(self) -> list[dict]:
+        """The record as rows (source, greedy, depth, score bucket, verdicts, acceptance), for reports."""
+        return [
+            {
+                "source": k[0],
+                "greedy": k[1],
+                "depth": k[2],
+                "score_below": SCORE_EDGES[k[3]] if k[3] < len(SCORE_EDGES) else 1.0,
+                "verdicts": round(self.tried[k], 1),
+                "acceptance": self.accepted.get(k, 0.0) / self.tried[k],
+            }
+            for k in sorted(self.tried)
+        ]

@@ -1,0 +1,242 @@
+"""What a step costs on the running machine, as the step planner asks it (decoding/schedules/planner.py).
+
+A target forward's time is a function of the rows it scores, the tokens it computes and the context
+they attend to. `ForwardCost` is a table measured on the loaded model, its device and thread count
+(`profile`: rows x tokens per row at one context, one point at a longer context for the attention
+term), interpolated between its points and extended linearly past them, cached per model / device /
+threads / weights under the project's cache folder, and corrected online by the ratio of each
+forward's measured time to its prediction. Where the forward computes only real tokens
+(`ModelRunner.ragged`) it costs the tokens the rows hold; otherwise every row is padded to the
+widest row, and the table is read at rows x width.
+
+The work around the forward (drafting, logits processing, sampling, the planner itself) is
+`Overhead`: a least-squares line in rows and draft nodes, fitted online from each step's own times.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from decoding.core.draft_tree import DraftTree
+from decoding.core.packing import pack
+from decoding.core.runner import ModelRunner
+from decoding.core.timing import chain_tree, timed_ms
+
+log = logging.getLogger(__name__)
+
+VERSION = 1  # of the cached profile's format and grid
+GRID_ROWS = (1, 4, 16, 64)
+GRID_TOKENS = (1, 2, 4, 8, 16)  # per row, the root included
+CONTEXT = 256  # committed tokens before the scored ones (a ToT prompt is about this long)
+LONG_CONTEXT = 1024
+MAX_POINT_MS = 300.0  # a profile point predicted slower than this is extrapolated, not measured
+
+
+def _extend(x: np.ndarray | float, xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
+    """Piecewise-linear through (xs, ys), continued linearly past both ends."""
+    x = np.asarray(x, dtype=float)
+    if len(xs) == 1:
+        return np.full_like(x, ys[0]) * 1.0
+    y = np.interp(x, xs, ys)
+    lo = (ys[1] - ys[0]) / (xs[1] - xs[0])
+    hi = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+    y = np.where(x < xs[0], ys[0] + lo * (x - xs[0]), y)
+    return np.where(x > xs[-1], ys[-1] + hi * (x - xs[-1]), y)
+
+
+@dataclass
+class ForwardCost:
+    """Milliseconds of one target forward: `points[r]` = [(tokens computed, ms)] at `r` rows and
+    `context`; `context_ms` = ms per (token x 1000 context positions) past `context`."""
+
+    points: dict[int, list[tuple[int, float]]]
+    context: int = CONTEXT
+    context_ms: float = 0.0
+    ragged: bool = True
+    correction: float = 1.0  # measured / predicted, a running average over the run's forwards
+    source: str = "profile"
+
+    def __post_init__(self) -> None:
+        if not self.points or any(not p for p in self.points.values()):
+            raise ValueError("a forward cost needs at least one measured point per row count")
+        self._rows = np.array(sorted(self.points), dtype=float)
+        self._curves = [
+            (
+                np.array([n for n, _ in sorted(self.points[r])], float),
+                np.array([ms for _, ms in sorted(self.points[r])]),
+            )
+            for r in sorted(self.points)
+        ]
+
+    def _table(self, rows: int, tokens: np.ndarray) -> np.ndarray:
+        """The profile's ms at `rows` rows computing `tokens` tokens in all, by tokens per row."""
+        per_row = np.maximum(tokens / rows, 1.0)
+        at = [_extend(per_row * r, xs, ys) for r, (xs, ys) in zip(self._rows, self._curves)]
+        if len(at) == 1:
+            return at[0] * (rows / self._rows[0])
+        i = int(np.clip(np.searchsorted(self._rows, rows) - 1, 0, len(self._rows) - 2))
+        r0, r1 = self._rows[i], self._rows[i + 1]
+        if rows > self._rows[-1]:  # more rows than profiled: linear in rows from the last two
+            return at[i + 1] + (at[i + 1] - at[i]) * (rows - r1) / (r1 - r0)
+        w = (np.log(max(rows, r0)) - np.log(r0)) / (np.log(r1) - np.log(r0))
+        return (1 - w) * at[i] + w * at[i + 1]
+
+    def ms(self, rows: int, tokens: np.ndarray | int, width: np.ndarray | int, context: float) -> np.ndarray:
+        """Predicted ms of a forward of `rows` rows holding `tokens` real tokens in all, the widest
+        `width`, attending to `context` committed positions on average (vectorised over tokens)."""
+        tokens = np.asarray(tokens, dtype=float)
+        computed = tokens if self.ragged else rows * np.asarray(width, dtype=float)
+        base = self._table(rows, computed)
+        attend = self.context_ms * rows * np.asarray(width, dtype=float) * max(0.0, context - self.context) / 1000
+        return self.correction * np.maximum(base + attend, 0.0)
+
+    def observe(self, predicted_ms: float, measured_ms: float, weight: float = 0.05) -> None:
+        """Correct the table by a running average of measured / predicted (bounded: one odd forward,
+        a page fault or another process, must not swing the plan)."""
+        if predicted_ms > 0 and measured_ms > 0:
+            ratio = measured_ms / (predicted_ms / self.correction)
+            self.correction = float(np.clip((1 - weight) * self.correction + weight * ratio, 0.25, 4.0))
+
+    def to_json(self) -> dict:
+        return {
+            "version": VERSION,
+            "points": {str(r): p for r, p in self.points.items()},
+            "context": self.context,
+            "context_ms": self.context_ms,
+            "ragged": self.ragged,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict, source: str) -> ForwardCost:
+        points = {int(r): [(int(n), float(ms)) for n, ms in p] for r, p in data["points"].items()}
+        return cls(points, int(data["context"]), float(data["context_ms"]), bool(data["ragged"]), source=source)
+
+    @classmethod
+    def load(cls, path: Path) -> ForwardCost:
+        """A profile written by `profile` (or by `python -m decoding.profile_forward out=...` on another
+        machine: its rows are read as batch x tree_tokens)."""
+        data = json.loads(Path(path).read_text())
+        if "points" in data:
+            return cls.from_json(data, str(path))
+        points: dict[int, list[tuple[int, float]]] = {}
+        for row in data["rows"]:
+            b, t = int(row["batch"]), int(row["tree_tokens"])
+            points.setdefault(b, []).append((b * t, float(row["ms"])))
+        context = int(data["rows"][0].get("context", CONTEXT))
+        return cls(points, context, 0.0, ragged=False, source=str(path))
+
+
+def _time_point(target: ModelRunner, rows: int, per_row: int, context: int, repeats: int) -> float:
+    cache = target.new_cache(rows, context + per_row + 2)
+    vocab = int(target.config.vocab_size)
+    prompt = [[(100 + i) % vocab for i in range(context)]] * rows
+    fill = pack(prompt, [DraftTree()] * rows)
+    target.forward(cache, fill.tokens, fill.see, fill.depth, logits_at=torch.tensor([context - 1]))
+    cache.advance(torch.full((rows,), context))
+    packed = pack([[7]] * rows, [chain_tree(per_row - 1, vocab)] * rows)
+    return statistics.median(timed_ms(lambda: target.score(cache, packed), repeats, target.device))
+
+
+def profile(target: ModelRunner, repeats: int = 2) -> ForwardCost:
+    """Time the grid (rows x tokens per row) on `target`; points predicted slower than MAX_POINT_MS
+    are left to the linear extension of the faster ones, so a slow machine profiles in seconds."""
+    points: dict[int, list[tuple[int, float]]] = {}
+    for rows in GRID_ROWS:
+        if points:  # a row count whose one-token forward would be too slow is extended from the others
+            last = max(points)
+            if points[last][0][1] * rows / last > MAX_POINT_MS and len(points) >= 2:
+                break
+        mine: list[tuple[int, float]] = []
+        for per_row in GRID_TOKENS:
+            n = rows * per_row
+            if len(mine) >= 2:
+                guess = float(_extend(n, np.array([p[0] for p in mine], float), np.array([p[1] for p in mine])))
+                if guess > MAX_POINT_MS:
+                    break
+            mine.append((n, _time_point(target, rows, per_row, CONTEXT, repeats)))
+        points[rows] = mine
+    short = points[GRID_ROWS[1]][0][1] if GRID_ROWS[1] in points else points[1][0][1]
+    rows = GRID_ROWS[1] if GRID_ROWS[1] in points else 1
+    long = _time_point(target, rows, 1, LONG_CONTEXT, repeats)
+    per = max(0.0, (long - short) / (rows * (LONG_CONTEXT - CONTEXT) / 1000))
+    return ForwardCost(points, CONTEXT, per, target.ragged)
+
+
+def cost_key(target: ModelRunner) -> str:
+    """What a profile is valid for: the model's shape and weights format, device, threads, layout."""
+    c = target.config
+    proj = type(target.model.model.layers[0].self_attn.q_proj).__name__ if hasattr(target.model, "model") else ""
+    parts = [
+        str(getattr(c, "_name_or_path", "")),
+        str(getattr(c, "hidden_size", "")),
+        str(getattr(c, "num_hidden_layers", "")),
+        str(getattr(c, "vocab_size", "")),
+        str(target.dtype),
+        proj,
+        str(target.device),
+        torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else "",
+        str(torch.get_num_threads()),
+        str(target.ragged),
+        torch.__version__,
+        str(VERSION),
+    ]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def forward_cost(target: ModelRunner, cache_dir: Path | None, path: str | None = None) -> ForwardCost:
+    """The loaded model's forward cost: from `path` when given, else the cached profile for this
+    model / device / threads, else profiled now (a few seconds) and cached."""
+    if path:
+        return ForwardCost.load(Path(path))
+    file = None if cache_dir is None else cache_dir / "cost" / f"{cost_key(target)}.json"
+    if file is not None and file.exists():
+        try:
+            return ForwardCost.from_json(json.loads(file.read_text()), str(file))
+        except (ValueError, KeyError, TypeError):
+            log.warning("ignoring an unreadable forward-cost profile %s: profiling again", file)
+    log.info("profiling the target forward for the step planner (once per model, device and threads)")
+    cost = profile(target)
+    if file is not None:
+        try:
+            file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = file.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(cost.to_json(), indent=1) + "\n")
+            tmp.replace(file)
+            cost.source = str(file)
+        except OSError as e:  # a read-only cache folder: the profile is only this run's
+            log.warning("could not cache the forward-cost profile in %s (%s)", file.parent, e)
+    return cost
+
+
+@dataclass
+class Overhead:
+    """ms of a step's work around the target forward: a + b * rows + c * draft nodes, by recursive
+    least squares with forgetting over the run's steps (a prior until the first steps come)."""
+
+    theta: list[float] = field(default_factory=lambda: [0.2, 0.05, 0.05])
+    forget: float = 0.98
+    _p: list[list[float]] = field(default_factory=lambda: (np.eye(3) * 10.0).tolist())
+
+    def ms(self, rows: int, nodes: np.ndarray | int) -> np.ndarray:
+        a, b, c = self.theta
+        return np.maximum(a + b * rows + c * np.asarray(nodes, dtype=float), 0.0)
+
+    def observe(self, rows: int, nodes: int, measured_ms: float) -> None:
+        x = np.array([1.0, rows, nodes])
+        p, theta = np.array(self._p), np.array(self.theta)
+        k = p @ x / (self.forget + x @ p @ x)
+        theta = theta + k * (measured_ms - x @ theta)
+        p = (p - np.outer(k, x @ p)) / self.forget
+        self.theta, self._p = theta.tolist(), p.tolist()
+
+    def as_dict(self) -> dict:
+        return {"ms": self.theta[0], "ms_per_row": self.theta[1], "ms_per_node": self.theta[2]}

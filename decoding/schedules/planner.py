@@ -1,0 +1,195 @@
+"""The step planner: each step sized for the most expected committed tokens per second.
+
+Two phases around drafting. Before it (`budgets`), each row's recent trees say what its drafts are
+worth; a row whose drafts could not pay for themselves on this machine's cost curve is not drafted
+(it is still verified, and its drafter still learns from every token it commits), and every
+`PROBE` steps such a row is drafted again to see whether that changed. After it (`cut`), every
+node of every tree has a calibrated chance of being accepted (decoding/core/calibration.py); nodes
+are taken best first across all rows, each row's in an order that keeps, for every kept node, its
+parent and a first run of its siblings in draw order (so every acceptance rule stays lossless), and
+the plan is the prefix of that order with the highest expected tokens (one bonus per row plus the
+kept nodes' reach) per predicted millisecond (the forward, decoding/core/cost.py, plus the work
+around it). The empty plan, plain decoding, is always a candidate, so on a machine where a forward's
+cost grows with its tokens few nodes are kept, and where it is flat (a GPU) whole trees are.
+
+The planner sizes trees; it never picks rows: every ready row is verified in every forward.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from decoding.core.calibration import AcceptanceRecord
+from decoding.core.cost import ForwardCost, Overhead
+from decoding.core.draft_tree import ROOT, DraftTree
+from decoding.core.verify import Verdict
+
+PROBE = 4  # steps a row goes undrafted before it is drafted again to look
+
+
+def best_first(tree: DraftTree, reach: list[float]) -> list[int]:
+    """The tree's nodes, most likely first, each after its parent and its earlier siblings."""
+    kids: dict[int, list[int]] = {}
+    for node, parent in enumerate(tree.parents):
+        kids.setdefault(parent, []).append(node)
+    order: list[int] = []
+    heap: list[tuple[float, int, int, int]] = []  # (-reach, node, parent, rank among siblings)
+
+    def push(parent: int, rank: int) -> None:
+        sibs = kids.get(parent, [])
+        if rank < len(sibs):
+            node = sibs[rank]
+            heapq.heappush(heap, (-reach[node], node, parent, rank))
+
+    push(ROOT, 0)
+    while heap:
+        _, node, parent, rank = heapq.heappop(heap)
+        order.append(node)
+        push(node, 0)
+        push(parent, rank + 1)
+    return order
+
+
+@dataclass
+class StepPlan:
+    """What the planner chose for one forward, and what it expected."""
+
+    rows: int
+    nodes: list[int]  # kept per row
+    drafted: int  # nodes drafted in all, before the cut
+    expected_tokens: float
+    predicted_forward_ms: float
+    predicted_ms: float  # forward plus the work around it
+
+
+@dataclass
+class Totals:
+    """Running sums over a run's planned steps, for reports."""
+
+    steps: int = 0
+    rows: int = 0
+    kept_nodes: int = 0
+    drafted_nodes: int = 0
+    predicted_ms: float = 0.0
+    measured_ms: float = 0.0
+    expected_tokens: float = 0.0
+
+
+@dataclass
+class Planner:
+    cost: ForwardCost
+    record: AcceptanceRecord = field(default_factory=AcceptanceRecord)
+    overhead: Overhead = field(default_factory=Overhead)
+    draft_ms_per_node: float = 0.02
+    # row -> what its kept nodes were worth lately: expected tokens less their cost in tokens (EMA)
+    value: dict[int, float] = field(default_factory=dict)
+    rate_per_ms: float = 0.0  # expected tokens per ms of the latest plan
+    idle: dict[int, int] = field(default_factory=dict)  # row -> steps since it was last drafted
+    totals: Totals = field(default_factory=Totals)
+
+    def forget(self, rows: list[int]) -> None:
+        """Rows that a new sequence takes: what the old one's drafts were worth says nothing of it."""
+        for row in rows:
+            self.value.pop(row, None)
+            self.idle.pop(row, None)
+
+    def allocate(
+        self, gains: list[np.ndarray], pending: list[int], context: float, per_node_ms: float
+    ) -> tuple[list[int], float, float, float]:
+        """How many of each row's nodes (taken in the given order) to keep: the prefix of the
+        best-first merge of all rows with the most expected tokens per predicted ms. Returns the
+        counts, the expected tokens, the predicted forward ms and the predicted step ms."""
+        rows = len(gains)
+        heap = [(-float(g[0]), r, 0) for r, g in enumerate(gains) if len(g)]
+        heapq.heapify(heap)
+        order_rows: list[int] = []
+        order_gain: list[float] = []
+        while heap:
+            neg, r, i = heapq.heappop(heap)
+            order_rows.append(r)
+            order_gain.append(-neg)
+            if i + 1 < len(gains[r]):
+                heapq.heappush(heap, (-float(gains[r][i + 1]), r, i + 1))
+        k = np.arange(len(order_rows) + 1)
+        tokens = sum(pending) + k
+        widths = np.empty(len(k))
+        count = list(pending)
+        widths[0] = max(pending)
+        for j, r in enumerate(order_rows, start=1):
+            count[r] += 1
+            widths[j] = max(widths[j - 1], count[r])
+        expected = rows + np.concatenate([[0.0], np.cumsum(order_gain)])
+        forward = self.cost.ms(rows, tokens, widths, context)
+        step = forward + self.overhead.ms(rows, k) + per_node_ms * k
+        rate = expected / np.maximum(step, 1e-6)
+        best = int(np.argmax(rate))  # the first best: ties go to the smaller plan
+        kept = [0] * rows
+        for r in order_rows[:best]:
+            kept[r] += 1
+        return kept, float(expected[best]), float(forward[best]), float(step[best])
+
+    def budgets(self, rows: list[int], max_nodes: int) -> list[int]:
+        """Phase 1: nodes worth drafting per row (max_nodes or 0). A row is drafted while what its
+        kept nodes were recently worth (`value`, in tokens, their cost taken off) pays for drafting
+        them; a row not worth drafting is looked at again every PROBE steps."""
+        rate = self.rate_per_ms
+        out = []
+        for r in rows:
+            worth = self.value.get(r, 1.0) > rate * self.draft_ms_per_node * max_nodes
+            draft = worth or self.idle.get(r, 0) + 1 >= PROBE
+            self.idle[r] = 0 if draft else self.idle.get(r, 0) + 1
+            out.append(max_nodes if draft else 0)
+        return out
+
+    def cut(
+        self, rows: list[int], trees: list[DraftTree], greedy: list[bool], pending: list[int], context: float
+    ) -> tuple[list[DraftTree], StepPlan]:
+        """Phase 2: each row's tree cut to the nodes that pay, by the calibrated reach of every node."""
+        orders, gains = [], []
+        for tree, g in zip(trees, greedy):
+            reach = self.record.reach(tree, g)
+            order = best_first(tree, reach)
+            orders.append(order)
+            gains.append(np.array([reach[n] for n in order]))
+        kept, expected, forward_ms, step_ms = self.allocate(gains, pending, context, 0.0)
+        self.rate_per_ms = expected / step_ms if step_ms > 0 else 0.0
+        # What one more node costs at this plan's size, in tokens at this plan's rate.
+        tokens = sum(pending) + sum(kept)
+        width = max(p + k for p, k in zip(pending, kept))
+        node_ms = float(
+            self.cost.ms(len(rows), tokens + 1, width, context) - self.cost.ms(len(rows), tokens, width, context)
+        )
+        node_ms += float(self.overhead.ms(len(rows), 1) - self.overhead.ms(len(rows), 0))
+        for row, tree, gain, k in zip(rows, trees, gains, kept):
+            if len(tree):
+                worth = float(gain[:k].sum()) - self.rate_per_ms * node_ms * k
+                self.value[row] = 0.7 * self.value.get(row, 1.0) + 0.3 * worth
+        cut = [t if k == len(t) else t.subtree(sorted(o[:k])) for t, o, k in zip(trees, orders, kept)]
+        plan = StepPlan(len(rows), kept, sum(len(t) for t in trees), expected, forward_ms, step_ms)
+        return cut, plan
+
+    def observe(
+        self, plan: StepPlan, verdicts: list[Verdict], greedy: list[bool], forward_ms: float, around_ms: float
+    ) -> None:
+        """What the step measured: verdicts calibrate the record, times correct the cost model."""
+        for v, g in zip(verdicts, greedy):
+            if len(v.tree):
+                self.record.observe(v.tree, v.path, g)
+        self.cost.observe(plan.predicted_forward_ms, forward_ms)
+        self.overhead.observe(plan.rows, sum(plan.nodes), around_ms)
+        t = self.totals
+        t.steps += 1
+        t.rows += plan.rows
+        t.kept_nodes += sum(plan.nodes)
+        t.drafted_nodes += plan.drafted
+        t.predicted_ms += plan.predicted_ms
+        t.measured_ms += forward_ms + around_ms
+        t.expected_tokens += plan.expected_tokens
+
+    def drafted(self, nodes: int, ms: float) -> None:
+        """A drafter call's nodes and time: the drafting cost per node that phase 1 charges."""
+        if nodes:
+            self.draft_ms_per_node = 0.9 * self.draft_ms_per_node + 0.1 * ms / nodes
