@@ -22,6 +22,7 @@ from test_decoders import (
 )
 
 from decoding.config import DecoderConfig
+from decoding.core.cost import ForwardCost
 from decoding.core.draft_tree import ROOT, DraftTree, k_config_parents
 from decoding.core.errors import ConfigError
 from decoding.core.models import LoadedModel, ModelSpec
@@ -33,6 +34,7 @@ from decoding.core.verify import verify
 from decoding.drafters.draft_model import ModelDrafter
 from decoding.engine import Engine
 from decoding.schedules.base import VerifyOptions, cut_to_budget
+from decoding.schedules.planner import Planner
 from decoding.schedules.scheduler import Scheduler
 from decoding.trees.policies import DraftTreeOptions
 
@@ -52,9 +54,15 @@ def sd_engine(loaded: LoadedModel, draft: LoadedModel, k_config=(2, 2, 1), seria
     spec = DraftTreeOptions(k_config=k_config, **options)
     engine = Engine(loaded, DecoderConfig("sd", spec, draft=ModelSpec("draft", key="draft"), verify=UNCAPPED), draft)
     if not serial:
-        # The same loop and drafter with every sequence in one batch (the shape SEED and STAND use).
+        # The same loop and drafter with every sequence in one batch (the shape SEED and STAND use),
+        # the step planner in charge on a curve where trees are cut part-way (3 to 4 of 6 nodes),
+        # with the rejection rules: they stay exact through cut trees.
         drafter = ModelDrafter(ModelRunner(draft.model), spec, len(loaded.tokenizer))
-        engine.decoder = Scheduler("batched-sd", engine.target, loaded.tokenizer, drafter)
+        verify = VerifyOptions(match_samples=False)
+        planner = Planner(ForwardCost({1: [(1, 10.0), (4, 12.0), (5, 16.0), (16, 60.0)]}))
+        engine.decoder = Scheduler(
+            "batched-sd", engine.target, loaded.tokenizer, drafter, verify=verify, planner=planner
+        )
     return engine
 
 

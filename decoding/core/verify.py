@@ -33,6 +33,14 @@ class Verdict:
     # With ModelRunner.capture_hidden: the captured layer's hidden states of the tokens this step put in
     # the target's cache (the pending tokens, then the accepted path) [P + len(path), H]; EDD reads them.
     hidden: torch.Tensor | None = None
+    # Where the step planner cut the drafted tree: each verified node's node in the tree the drafter
+    # drew (None: verified whole). Drafters that keep per-node state read `drafted_path`.
+    drafted_nodes: list[int] | None = None
+
+    @property
+    def drafted_path(self) -> list[int]:
+        """The accepted nodes as nodes of the tree the drafter drew."""
+        return self.path if self.drafted_nodes is None else [self.drafted_nodes[n] for n in self.path]
 
     @property
     def tokens(self) -> list[int]:

@@ -122,14 +122,15 @@ class ModelDrafter:
 
     def update(self, rows: list[int], verdicts: list[Verdict]) -> None:
         for i, v in zip(rows, verdicts):
-            drafted = self.drafted.pop(i)
+            drafted = self.drafted.pop(i, None)
             seq = self.seqs[i]
             if seq.done:
                 continue
-            # Accepted nodes the draft model computed form a prefix of the path (the shallower
-            # levels). A path from another drafter (a grafted tree) keeps none of them.
-            computed = [n for n in v.path if n in drafted.slots]
-            self.cache.keep(i, drafted.pending_cols + [drafted.slots[n] for n in computed])
+            if drafted is not None:  # a row the step planner left undrafted only catches up below
+                # Accepted nodes the draft model computed form a prefix of the path (the shallower
+                # levels). A path from another drafter (a grafted tree) keeps none of them.
+                computed = [n for n in v.drafted_path if n in drafted.slots]
+                self.cache.keep(i, drafted.pending_cols + [drafted.slots[n] for n in computed])
             # Everything committed that the draft cache lacks is fed next time.
             self.pending[i] = (seq.prompt + seq.generated)[int(self.cache.lens[i]) :]
 

@@ -53,9 +53,9 @@ class CalibrationRecorder:
     def update(self, rows: list[int], verdicts: list[Verdict]) -> None:
         for i, v in zip(rows, verdicts):
             tree, room = self.trees.pop(i)
-            self.hits.update(tree.shape_nodes[n] for n in v.path)
+            self.hits.update(tree.shape_nodes[n] for n in v.drafted_path)
             if self.rank_slots is not None:
-                self.ranks.observe(tree, v.path, self.rank_slots, room)
+                self.ranks.observe(tree, v.drafted_path, self.rank_slots, room)
             self.steps += 1
         self.inner.update(rows, verdicts)
 

@@ -40,7 +40,9 @@ class UnionDrafter:
 
     def update(self, rows: list[int], verdicts: list[Verdict]) -> None:
         for k, drafter in enumerate(self.drafters):
-            drafter.update(rows, [self._as_drafted_by(k, i, v) for i, v in zip(rows, verdicts)])
+            drafter.update(
+                rows, [self._as_drafted_by(k, i, v) if i in self.where else v for i, v in zip(rows, verdicts)]
+            )
         for i in rows:
             self.where.pop(i, None)
 
@@ -48,7 +50,8 @@ class UnionDrafter:
         """The verification as drafter k would have seen it on its own tree."""
         trees, where = self.where[row]
         back = {merged: own for own, merged in enumerate(where[k])}
-        own_path = [back[n] for n in v.path] if v.path and v.path[0] in back else []
+        drafted = v.drafted_path
+        own_path = [back[n] for n in drafted] if drafted and drafted[0] in back else []
         rows_needed = [0, *(1 + n for n in v.path)] if own_path else [0]
         shape = (1 + len(trees[k]), v.logits.shape[-1])
         logits = torch.zeros(shape, dtype=v.logits.dtype)
@@ -59,7 +62,7 @@ class UnionDrafter:
             probs[[0, *(1 + n for n in own_path)]] = v.probs[rows_needed]
         # Without its own path a drafter learns only the first committed position (kept_rows()
         # stops at the path's end; `kept` still locates the committed tokens).
-        return replace(v, tree=trees[k], path=own_path, probs=probs, logits=logits)
+        return replace(v, tree=trees[k], path=own_path, probs=probs, logits=logits, drafted_nodes=None)
 
     def release(self, rows: list[int]) -> None:
         for d in self.drafters:

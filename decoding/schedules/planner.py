@@ -59,6 +59,7 @@ class StepPlan:
 
     rows: int
     nodes: list[int]  # kept per row
+    kept_nodes: list[list[int] | None]  # per row, the drafted tree's nodes kept (None: all)
     drafted: int  # nodes drafted in all, before the cut
     expected_tokens: float
     predicted_forward_ms: float
@@ -167,8 +168,9 @@ class Planner:
             if len(tree):
                 worth = float(gain[:k].sum()) - self.rate_per_ms * node_ms * k
                 self.value[row] = 0.7 * self.value.get(row, 1.0) + 0.3 * worth
-        cut = [t if k == len(t) else t.subtree(sorted(o[:k])) for t, o, k in zip(trees, orders, kept)]
-        plan = StepPlan(len(rows), kept, sum(len(t) for t in trees), expected, forward_ms, step_ms)
+        kept_nodes = [None if k == len(t) else sorted(o[:k]) for t, o, k in zip(trees, orders, kept)]
+        cut = [t if nodes is None else t.subtree(nodes) for t, nodes in zip(trees, kept_nodes)]
+        plan = StepPlan(len(rows), kept, kept_nodes, sum(len(t) for t in trees), expected, forward_ms, step_ms)
         return cut, plan
 
     def observe(

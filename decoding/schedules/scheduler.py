@@ -176,9 +176,9 @@ class Scheduler:
         self.verify_batch = verify_batch
         self.overlap = overlap
         self.max_live = max_live
+        verify = (verify or VerifyOptions()).for_decoder(name)
         self.budget = verify.budget(target.device)
         self.match_samples = verify.match_samples
-        verify = (verify or VerifyOptions()).for_decoder(name)
         if verify.plan == "goodput" and planner is None and drafter.max_nodes:
             planner = Planner(forward_cost(target, cache_root(), verify.cost))
         self.planner = planner if verify.plan == "goodput" else None
@@ -347,6 +347,7 @@ class Scheduler:
         if self.planner is not None:
             pending_len = [len(self.pending[r]) for r in rows]
             trees, plan = self.planner.cut(rows, trees, greedy, pending_len, self._context(rows))
+            nodes = plan.kept_nodes
         else:
             trees = cut_to_budget(trees, self.budget)
         verdicts = verify_and_commit(
@@ -354,6 +355,8 @@ class Scheduler:
         )
         t1 = time.perf_counter()
         if plan is not None:
+            for v, kept in zip(verdicts, nodes):
+                v.drafted_nodes = kept
             forward_ms = self.target.last_score_ms
             self.planner.observe(plan, verdicts, greedy, forward_ms, 1000 * (t1 - t0) - forward_ms)
             self.stats.planned_rows += plan.rows

@@ -1,0 +1,185 @@
+"""The goodput step planner: its cost model, calibrated acceptance, cuts and what it plans."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from decoding.core.calibration import AcceptanceRecord
+from decoding.core.cost import ForwardCost, cost_key, forward_cost, profile
+from decoding.core.draft_tree import ROOT, DraftTree
+from decoding.core.runner import ModelRunner
+from decoding.core.values import GenRequest
+from decoding.core.verify import Verdict
+from decoding.drafters.stand import StandDrafter, StandOptions
+from decoding.engine import Engine
+from decoding.schedules.planner import Planner, best_first
+from decoding.schedules.scheduler import Scheduler
+from decoding.trees.static import StaticTree
+
+# A CPU-like curve: every token of a forward costs about as much as the forward's fixed part.
+STEEP = ForwardCost({1: [(1, 10.0), (16, 160.0)], 16: [(16, 160.0), (256, 2560.0)]})
+# A GPU-like curve: flat up to hundreds of tokens at small batch.
+FLAT = ForwardCost({1: [(1, 10.0), (16, 10.0), (256, 11.0)], 16: [(16, 10.5), (256, 12.0)]})
+
+
+def chain(tokens: list[int], prob: float = 0.9) -> DraftTree:
+    tree = DraftTree()
+    parent = ROOT
+    for t in tokens:
+        parent = tree.add(t, parent, prob)
+    return tree
+
+
+def sure_record(tree: DraftTree, times: int = 200) -> AcceptanceRecord:
+    """A record that has seen every node of `tree` accepted `times` times: synthetic acceptance ~1."""
+    record = AcceptanceRecord()
+    for _ in range(times):
+        record.observe(tree, list(range(len(tree))), greedy=True)
+    return record
+
+
+def test_no_draft_tokens_where_they_cost_more_than_they_return():
+    tree = chain([5, 6, 7, 8], prob=0.3)
+    record = AcceptanceRecord()
+    for _ in range(100):  # accepted one time in five
+        record.observe(tree, [0] if np.random.default_rng(len(record.tried)).random() < 0.2 else [], greedy=True)
+    planner = Planner(STEEP, record, draft_ms_per_node=2.0)  # drafting costs too (a draft model's forwards)
+    cut, plan = planner.cut([0, 1], [tree, tree], [True, True], [1, 1], 100.0)
+    assert plan.nodes == [0, 0] and [len(t) for t in cut] == [0, 0]
+    # Rows whose kept nodes are worth nothing stop being drafted, and are looked at again later.
+    for _ in range(5):
+        planner.cut([0, 1], [tree, tree], [True, True], [1, 1], 100.0)
+    budgets = [planner.budgets([0, 1], 4) for _ in range(4)]
+    assert budgets[0] == [0, 0] and [4, 4] in budgets
+
+
+def test_large_trees_under_a_flat_curve():
+    tree = DraftTree()
+    for t in range(8):  # eight candidates at depth 1, each with a chain of 3 under it
+        node = tree.add(10 + t, ROOT, 0.5)
+        for d in range(3):
+            node = tree.add(20 + d, node, 0.5)
+    record = AcceptanceRecord()
+    for i in range(400):  # the first candidate accepted half the time, its chain after it
+        record.observe(tree, [0, 1, 2, 3] if i % 2 else [], greedy=True)
+    flat = Planner(FLAT, record)
+    _, plan = flat.cut(list(range(4)), [tree] * 4, [True] * 4, [1] * 4, 100.0)
+    steep = Planner(STEEP, record)
+    _, steep_plan = steep.cut(list(range(4)), [tree] * 4, [True] * 4, [1] * 4, 100.0)
+    assert min(plan.nodes) >= 16 and sum(steep_plan.nodes) < sum(plan.nodes)
+
+
+def test_a_cut_keeps_a_first_run_of_siblings_in_draw_order():
+    tree = DraftTree(draw="without_replacement")
+    a = tree.add(1, ROOT, 0.1)  # drawn first, unlikely
+    b = tree.add(2, ROOT, 0.8)
+    tree.add(3, b, 0.9)
+    tree.add(4, a, 0.9)
+    reach = [0.1, 0.8, 0.72, 0.09]
+    order = best_first(tree, reach)
+    # b cannot come before a (its earlier sibling), nor a node before its parent.
+    assert order == [0, 1, 2, 3]
+    for k in range(len(order) + 1):
+        kept = tree.subtree(sorted(order[:k]))
+        for node, parent in enumerate(kept.parents):
+            assert parent < node
+            sibs = [i for i, p in enumerate(kept.parents) if p == parent]
+            assert sibs == list(range(sibs[0], sibs[0] + len(sibs))) or parent != ROOT
+    deep = chain([1, 2, 3])
+    deep.add(9, ROOT, 0.1)  # a second root candidate, after the chain in the node list
+    assert best_first(deep, [0.9, 0.8, 0.7, 0.05]) == [0, 1, 2, 3]  # depth first where it pays
+    sub = deep.subtree([0, 3])
+    assert sub.tokens == [1, 9] and sub.parents == [ROOT, ROOT]
+
+
+def test_calibration_follows_verdicts():
+    tree = chain([1, 2], prob=0.9)
+    record = AcceptanceRecord()
+    assert record.accept(tree, True)[0] == pytest.approx(0.9)  # the drafter's score before any verdict
+    for _ in range(300):
+        record.observe(tree, [], greedy=True)  # never accepted
+    assert record.accept(tree, True)[0] < 0.05
+    assert record.accept(tree, False)[0] == pytest.approx(0.9)  # sampled rows are a separate record
+    # The second node was never tried (its parent was never reached): it keeps its prior.
+    assert record.accept(tree, True)[1] == pytest.approx(0.9)
+
+
+def test_cost_model_fit_padding_and_cache(tiny_model, tmp_path):
+    target = ModelRunner(tiny_model)
+    cost = profile(target, repeats=1)
+    assert cost.ragged == target.ragged
+    for rows, points in cost.points.items():
+        ns = [n for n, _ in points]
+        assert ns == sorted(ns) and ns[0] == rows
+    # Padded forwards cost rows x the widest row; ragged ones the tokens their rows hold.
+    padded = ForwardCost(STEEP.points, ragged=False)
+    assert float(padded.ms(4, 5, 2, 0)) == pytest.approx(float(STEEP.ms(4, 8, 2, 0)))
+    assert float(STEEP.ms(4, 5, 2, 0)) < float(padded.ms(4, 5, 2, 0))
+    # Interpolated between points and continued linearly past them.
+    assert float(STEEP.ms(1, 8, 8, 0)) == pytest.approx(80.0)
+    assert float(STEEP.ms(1, 32, 32, 0)) == pytest.approx(320.0)
+    # Online correction follows measured forwards, bounded.
+    c = ForwardCost(STEEP.points)
+    for _ in range(200):
+        c.observe(float(c.ms(1, 1, 1, 0)), 20.0)
+    assert float(c.ms(1, 1, 1, 0)) == pytest.approx(20.0, rel=0.02)
+    # Profiled once per model / device / threads, then read from the cache.
+    first = forward_cost(target, tmp_path)
+    file = tmp_path / "cost" / f"{cost_key(target)}.json"
+    assert file.exists() and first.source == str(file)
+    again = forward_cost(target, tmp_path)
+    assert again.points == first.points
+    # A profile written elsewhere (profile_forward's rows, e.g. a GPU's) is read as padded forwards.
+    rows = [{"batch": 1, "tree_tokens": t, "ms": 5.0 + 0.01 * t, "context": 300} for t in (1, 16, 64)]
+    (tmp_path / "gpu.json").write_text(json.dumps({"model": "x", "rows": rows}))
+    gpu = forward_cost(target, tmp_path, str(tmp_path / "gpu.json"))
+    assert not gpu.ragged and float(gpu.ms(1, 16, 16, 300)) == pytest.approx(5.16)
+
+
+def test_every_ready_row_is_verified_in_every_forward(loaded, tokenizer):
+    drafter = StandDrafter(StandOptions(), StaticTree.load("default"), len(tokenizer))
+    engine = Engine(loaded, "ar")
+    engine.decoder = Scheduler("stand", engine.target, tokenizer, drafter, planner=Planner(STEEP))
+    requests = [GenRequest(f"row {i} counts to", max_new_tokens=12, temperature=0.0) for i in range(6)]
+    decoder = engine.decoder
+    decoder.admit([engine._sequence(r) for r in requests])
+    steps = 0
+    while decoder.busy:
+        live = decoder.live + len(decoder.waiting)
+        planned = decoder.stats.planned_rows
+        decoder.step()
+        steps += 1
+        assert decoder.stats.planned_rows - planned == live  # no row waits for another's forward
+    assert steps > 1
+
+
+def test_drafters_keep_learning_without_drafts(tokenizer):
+    """A row given no draft tokens updates the pool from what it commits: afterwards it drafts what
+    a row that drafted all along drafts."""
+    from decoding.core.sampling import SamplingParams
+    from decoding.core.sequence import Sequence
+    from decoding.core.stopping import StopRule
+
+    text = tokenizer.encode("the cat sat on the mat and the cat sat on the")
+    drafters = [StandDrafter(StandOptions(prime_with_prompt=False), StaticTree.load("default"), len(tokenizer))]
+    drafters.append(StandDrafter(StandOptions(prime_with_prompt=False), StaticTree.load("default"), len(tokenizer)))
+    rule = StopRule(frozenset(), (), 64)
+    seqs = [Sequence.create(text[:1], rule, SamplingParams(0.0), 0, group="g") for _ in drafters]
+    for d, s in zip(drafters, seqs):
+        d.admit([0], [s])
+    vocab = len(tokenizer)
+    for token in text[1:]:
+        logits = torch.full((1, vocab), -10.0)
+        logits[0, token] = 10.0
+        for d, s, drafted in zip(drafters, seqs, (True, False)):
+            if drafted:
+                d.draft([0])
+            v = Verdict(DraftTree(), [], token, None, logits, kept=1)
+            s.generated.append(token)
+            d.update([0], [v])
+    a, b = (d.draft([0])[0] for d in drafters)
+    assert a.tokens and a.tokens == b.tokens and a.probs == b.probs
