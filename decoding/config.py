@@ -9,11 +9,11 @@ from typing import Any
 from decoding.core.errors import ConfigError
 from decoding.core.models import ModelSpec
 from decoding.core.options import from_dict, option_names
-from decoding.decoders import DECODERS
 from decoding.drafters.aded import AdedOptions
 from decoding.drafters.pld import PLDOptions
 from decoding.drafters.recycling import RecyclingOptions
 from decoding.drafters.stand import StandOptions
+from decoding.kinds import DECODERS
 from decoding.schedules.base import VerifyOptions
 from decoding.schedules.seed import SeedOptions
 from decoding.server import NAME as SERVER

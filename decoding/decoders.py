@@ -1,17 +1,16 @@
 """The tables of the backend's plug-ins: every decoder is a schedule plus a drafter.
 
 Adding a drafter is one file in decoding/drafters/, one entry in `DRAFTERS`, one entry in
-`DECODERS` (its name, schedule, option sections) and one yaml in conf/decoder/ (its options go in
+`DECODERS` (decoding/kinds.py: its name, schedule, option sections) and one yaml in conf/decoder/ (its options go in
 conf/decoding/options.yaml and a field of `DecoderConfig`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
 
+from decoding.config import DecoderConfig
 from decoding.core.errors import BackendError
 from decoding.core.models import LoadedModel
 from decoding.core.runner import ModelRunner
@@ -25,26 +24,14 @@ from decoding.drafters.recycling import RecyclingDrafter
 from decoding.drafters.stand import StandDrafter
 from decoding.drafters.union import UnionDrafter
 from decoding.edd.model import EddModel, draft_vocab
+from decoding.kinds import DECODERS
 from decoding.schedules.base import Decoder
 from decoding.schedules.hf import HFDecoder
 from decoding.schedules.scheduler import Scheduler
 from decoding.trees.static import StaticTree
 
-if TYPE_CHECKING:  # the config reads this module's tables; builders only read its fields
-    from decoding.config import DecoderConfig
-
-DraftModel = Literal["none", "required", "optional"]
-DrafterFactory = Callable[["DecoderConfig", ModelRunner, Detokenizer, "LoadedModel | None"], Drafter]
-Schedule = Callable[[str, "DecoderConfig", ModelRunner, Detokenizer, Drafter], Decoder]
-
-
-@dataclass(frozen=True)
-class DecoderKind:
-    schedule: str  # a key of SCHEDULES
-    drafter: str  # a key of DRAFTERS
-    options: tuple[str, ...] = ()  # the DecoderConfig fields (config namespaces) it reads
-    draft_model: DraftModel = "none"  # optional: with draft.path set, the model's tree joins the drafter's
-    tree_section: str = ""  # the namespace of its draft-model tree options (sd or seed)
+DrafterFactory = Callable[[DecoderConfig, ModelRunner, Detokenizer, LoadedModel | None], Drafter]
+Schedule = Callable[[str, DecoderConfig, ModelRunner, Detokenizer, Drafter], Decoder]
 
 
 def model_drafter(
@@ -91,18 +78,6 @@ SCHEDULES: dict[str, Schedule] = {
         c.seed.overlap,
         verify=c.verify,
     ),
-}
-
-DECODERS: dict[str, DecoderKind] = {
-    "hf": DecoderKind("hf", "none"),
-    "ar": DecoderKind("batch", "none"),
-    "sd": DecoderKind("serial", "model", ("draft_tree", "verify"), "required", "sd"),
-    "seed": DecoderKind("seed", "model", ("draft_tree", "seed", "verify"), "required", "seed"),
-    "pld": DecoderKind("batch", "pld", ("pld", "verify")),
-    "recycling": DecoderKind("batch", "recycling", ("recycling", "stand", "verify")),
-    "stand": DecoderKind("batch", "stand", ("stand", "verify")),
-    "seed_stand": DecoderKind("seed", "stand", ("draft_tree", "seed", "stand", "verify"), "optional", "seed"),
-    "aded": DecoderKind("batch", "aded", ("aded", "verify")),
 }
 
 

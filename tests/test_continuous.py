@@ -13,8 +13,8 @@ from test_decoders import EOS_ID, encode, reference_greedy
 from decoding.config import DecoderConfig
 from decoding.core.models import ModelSpec
 from decoding.core.values import GenRequest
-from decoding.decoders import DECODERS
 from decoding.engine import Engine, apportion
+from decoding.kinds import DECODERS
 from tasks.base import Problem
 from tasks.gsm8k import GSM8K
 from tot.run import solve_all

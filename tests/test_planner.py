@@ -99,13 +99,14 @@ def test_a_cut_keeps_a_first_run_of_siblings_in_draw_order():
 def test_calibration_follows_verdicts():
     tree = chain([1, 2], prob=0.9)
     record = AcceptanceRecord()
-    assert record.accept(tree, True)[0] == pytest.approx(0.9)  # the drafter's score before any verdict
+    untried = record.accept(tree, True)[0]
+    assert untried >= 0.9  # the drafter's score before any verdict, and optimism: it gets tried
     for _ in range(300):
         record.observe(tree, [], greedy=True)  # never accepted
     assert record.accept(tree, True)[0] < 0.05
-    assert record.accept(tree, False)[0] == pytest.approx(0.9)  # sampled rows are a separate record
+    assert record.accept(tree, False)[0] == untried  # sampled rows are a separate record
     # The second node was never tried (its parent was never reached): it keeps its prior.
-    assert record.accept(tree, True)[1] == pytest.approx(0.9)
+    assert record.accept(tree, True)[1] == untried
 
 
 def test_cost_model_fit_padding_and_cache(tiny_model, tmp_path):

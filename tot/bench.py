@@ -43,14 +43,14 @@ from decoding.core.errors import BackendError, ConfigError
 from decoding.core.models import LoadedModel, load_model
 from decoding.core.options import as_float, as_int
 from decoding.core.values import DecodeStats, GenRequest
-from decoding.decoders import DECODERS
 from decoding.drafters.load import load_draft
 from decoding.engine import Engine
+from decoding.kinds import DECODERS
 from decoding.server import ServerEngine
 from tasks.base import DataError, Problem, Task
 from tot.compare import first_difference
 from tot.config import RunConfig
-from tot.run import build_task, make_search, score, solve_all
+from tot.run import build_task, make_judge, make_search, score, solve_all
 from tot.search import PHASES, GenerationEngine, Search, Solution, run_sync
 from tot.tree import ReasoningTree
 
@@ -147,6 +147,8 @@ def bench(
     search = make_search(cfg, task)
     at_once = {name: (concurrency or {}).get(name, cfg.concurrency) for name in configs}
     engines = {name: bench_engine(c, target, draft) for name, c in configs.items()}
+    # task.judge.path, as tot.run scores with it; loaded once (else each decoder's engine is its own judge).
+    judge = None if cfg.judge is None else make_judge(cfg, next(iter(engines.values())))
     for engine in engines.values():  # warm-up: first-call allocations and kernel choices (a server: its check)
         run_sync(engine.agenerate([GenRequest("Say hello.", max_new_tokens=8, group="warm-up")]))
     tallies = {name: Tally() for name in engines}
@@ -157,7 +159,7 @@ def bench(
     bar = tqdm(total=len(problems) * len(engines), desc=f"bench {cfg.task}", unit="run", disable=not progress)
     with bar:
         for chunk in chunks:
-            _bench_chunk(chunk, engines, tallies, at_once, search, task, cfg, bar)
+            _bench_chunk(chunk, engines, judge, tallies, at_once, search, task, cfg, bar)
     rows = {name: {**_row(name, t, engines[name]), "concurrency": at_once[name]} for name, t in tallies.items()}
     for base in ("hf", "ar"):
         if base in rows:
@@ -204,6 +206,7 @@ def bench_engine(c: DecoderConfig, target: LoadedModel, draft: LoadedModel | Non
 def _bench_chunk(
     chunk: list[Problem],
     engines: dict[str, Engine | ServerEngine],
+    judge: GenerationEngine | None,
     tallies: dict[str, Tally],
     at_once: dict[str, int],
     search: Search,
@@ -238,7 +241,7 @@ def _bench_chunk(
             tally.trees[problem.id] = sol.tree
             tally.correct += bool(task.is_correct(problem, sol.answer))
             # Scored after the clock stops: a judge's calls are not part of building the tree.
-            for key, value in run_sync(score(cfg, task, problem, sol.answer, engine)).items():
+            for key, value in run_sync(score(cfg, task, problem, sol.answer, judge or engine)).items():
                 tally.metrics.setdefault(key, []).append(value)
 
 

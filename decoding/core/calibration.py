@@ -8,8 +8,9 @@ accepted child. So it estimates P(node accepted | parent accepted) under whichev
 is in force, and a node's chance of being on the accepted path is the product along its path: the
 expected tokens a tree commits are 1 (the bonus) plus the sum of its nodes' reach.
 
-Counts start from a prior (the score itself, worth PRIOR verdicts) and old verdicts fade
-(DECAY per verdict in a bucket), so the estimates follow the run as its text changes.
+Counts start from a prior (the score itself, worth PRIOR verdicts), a bucket with few verdicts gets
+an optimistic bonus (EXPLORE / sqrt(1 + verdicts)) so that it is tried, and old verdicts fade (DECAY
+per verdict in a bucket), so the estimates follow the run as its text changes.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ SCORE_EDGES = (0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.97)  #
 MAX_DEPTH = 6  # deeper nodes share the last depth's buckets
 PRIOR = 3.0  # verdicts the prior (the drafter's own score) is worth: a bucket is tried before it is judged
 DECAY = 0.995
+# Optimism for buckets with few verdicts (an upper confidence bound): a drafter whose scores are
+# under-confident still gets its nodes tried, or the record would never learn they pay.
+EXPLORE = 0.3
 
 
 Key = tuple[int, bool, int, int]
@@ -48,7 +52,9 @@ class AcceptanceRecord:
         for node, depth in enumerate(tree.depths()):
             key = self._key(tree, node, depth, greedy)
             prior = min(tree.probs[node], 1.0) * PRIOR
-            out.append((self.accepted.get(key, 0.0) + prior) / (self.tried.get(key, 0.0) + PRIOR))
+            tried = self.tried.get(key, 0.0)
+            mean = (self.accepted.get(key, 0.0) + prior) / (tried + PRIOR)
+            out.append(min(1.0, mean + EXPLORE / (1.0 + tried) ** 0.5))
         return out
 
     def reach(self, tree: DraftTree, greedy: bool) -> list[float]:
