@@ -6,7 +6,9 @@ import asyncio
 
 import torch
 
-from decoding.core.kv_cache import RowKVCache
+from decoding.core.acceptance import chain, proposals, sample_chain
+from decoding.core.draft_tree import DraftDist, Draw
+from decoding.core.kv_cache import RowKVCache, _by_position
 from decoding.core.runner import ModelRunner
 from decoding.core.values import Completion, DecodeStats, GenRequest, GenResult
 from decoding.schedules.base import VerifyOptions
@@ -15,6 +17,35 @@ from decoding.schedules.base import VerifyOptions
 # verification; the default cuts them to 16 tokens per forward on a CPU), with the rejection rules
 # at temperature > 0 (verify.match_samples=false), which those tests check.
 UNCAPPED = VerifyOptions(plan="fixed", max_tokens=None, match_samples=False)
+
+
+def acceptance_chain(
+    p: torch.Tensor, candidates: list[int], q: DraftDist | None, draw: Draw
+) -> tuple[list[float], torch.Tensor]:
+    """The rejection rule at one node: the acceptance probability of each candidate given that the
+    earlier ones were rejected, and the distribution drawn from when all are rejected."""
+    return chain(p, candidates, proposals(q, candidates, draw, p.shape[-1]))
+
+
+def choose(
+    p: torch.Tensor, candidates: list[int], q: DraftDist | None, draw: Draw, generator: torch.Generator
+) -> tuple[int | None, int]:
+    """Run the rule once: (index of the accepted candidate or None, the token that comes next)."""
+    return sample_chain(p, candidates, proposals(q, candidates, draw, p.shape[-1]), generator)
+
+
+def select_rows(cache: RowKVCache, index: torch.Tensor) -> None:
+    """Keep (or repeat) rows, as a cache of just those rows (a copy of each)."""
+    index = index.to(cache.lens.device)
+    # Keys stored by position stay so: rows are selected from the storage, not the view.
+    cache.keys = [
+        k.transpose(2, 3).index_select(0, index).transpose(2, 3) if _by_position(k) else k.index_select(0, index)
+        for k in cache.keys
+    ]
+    cache.values = [v.index_select(0, index) for v in cache.values]
+    cache.lens = cache.lens.index_select(0, index)
+    cache._slots = None
+    cache._rows = None
 
 
 def prefill(runner: ModelRunner, prompts: list[list[int]], capacity: int) -> tuple[RowKVCache, torch.Tensor]:
@@ -43,7 +74,7 @@ def prefill(runner: ModelRunner, prompts: list[list[int]], capacity: int) -> tup
     next_logits = logits[rows, torch.searchsorted(keep, last).to(logits.device)]
     index = torch.tensor(fan_out)
     if len(distinct) != len(prompts) or fan_out != list(range(len(prompts))):
-        cache.select_rows(index)
+        select_rows(cache, index)
         next_logits = next_logits.index_select(0, index.to(next_logits.device))
     return cache, next_logits
 

@@ -6,8 +6,9 @@ import itertools
 
 import pytest
 import torch
+from helpers import acceptance_chain, choose
 
-from decoding.core.acceptance import acceptance_chain, choose, residual, walk
+from decoding.core.acceptance import residual, walk
 from decoding.core.draft_tree import ROOT, DraftTree, k_config_parents
 
 V = 5

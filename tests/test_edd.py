@@ -320,6 +320,27 @@ def test_the_drafters_soft_prompt_cache_equals_a_fresh_forward(loaded, tokenizer
     assert CheckedEddDrafter.checks >= 20
 
 
+def test_each_row_gets_its_own_admissions_states(loaded, tokenizer, trained):
+    """Two admissions before the drafter hears of either (as with seed.overlap, where the drafter
+    thread runs later): each row's soft prompt starts with its own admission's hidden states."""
+    _, draft = trained
+    engine = Engine(loaded, "ar")
+    drafter = CheckedEddDrafter(draft.model, engine.target, DraftTreeOptions((2, 2, 1)))
+    decoder = Scheduler("checked", engine.target, tokenizer, drafter)
+    engine.decoder = decoder
+    CheckedEddDrafter.checks = 0
+    first = ["once upon a time there was a cat", "once upon a time there was a dog"]
+    second = ["the dog ran far away from home", "the dog ran far away from here"]
+    for prompts in (first, second):
+        decoder.admit([engine._sequence(GenRequest(p, max_new_tokens=10)) for p in prompts])
+        decoder._fill()  # rows taken, the target's admission done; the drafter has not heard yet
+    seqs = list(decoder.seqs.values())
+    assert seqs[0].start_hidden is not seqs[2].start_hidden
+    while decoder.busy:
+        decoder.step()
+    assert CheckedEddDrafter.checks >= 8
+
+
 @pytest.mark.parametrize("k_config", [(1, 1, 1), (2, 2, 1), (4, 2, 1)], ids=str)
 @pytest.mark.parametrize("name", ["sd", "seed"])
 def test_greedy_identity(tiny_model, tokenizer, loaded, trained, name, k_config):

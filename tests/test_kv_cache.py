@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import prefill
+from helpers import prefill, select_rows
 
 from decoding.core.kv_cache import RowKVCache, cache_geometry
 from decoding.core.runner import ModelRunner
@@ -188,7 +188,7 @@ def test_select_rows_drops_and_repeats_rows(tiny_model, target):
         s.append(t)
     # Drop row 1, put row 2 first, repeat row 0.
     index = [2, 0, 0]
-    cache.select_rows(torch.tensor(index))
+    select_rows(cache, torch.tensor(index))
     assert cache.batch == 3
     assert cache.lens.tolist() == [len(seqs[i]) for i in index]
     rows = [list(seqs[i]) for i in index]

@@ -10,6 +10,7 @@ import copy
 
 import pytest
 import torch
+from helpers import select_rows
 from test_quant import int4_copy
 
 from decoding.core.draft_tree import ROOT, DraftTree
@@ -75,7 +76,7 @@ def test_keys_stored_by_position_keep_their_layout_and_values():
     for k in cache.keys:
         k.copy_(torch.randn(k.shape))
     before = [k[[2, 0, 0]].clone() for k in cache.keys]
-    cache.select_rows(torch.tensor([2, 0, 0]))
+    select_rows(cache, torch.tensor([2, 0, 0]))
     for k, want in zip(cache.keys, before):
         assert k.stride(2) == 1 and torch.equal(k, want)
     cache.lens[:] = torch.tensor([5, 6, 7])

@@ -288,6 +288,11 @@ def _row(name: str, t: Tally, engine: Engine | ServerEngine) -> dict:
         "prompt_tokens": t.decode.prompt_tokens,
         "prompt_tokens_computed": t.decode.prompt_tokens_computed,
         "target_busy_fraction": t.decode.target_busy_fraction if own else None,
+        # The step planner (verify.plan=goodput): draft nodes it gave a verified row, and its verification
+        # steps' predicted against measured time (null where no plan ran: ar, a fixed plan, a server).
+        "plan_nodes_per_row": t.decode.planned_nodes_per_row if own and t.decode.planned_rows else None,
+        "plan_predicted_s": t.decode.predicted_step_s if own and t.decode.planned_rows else None,
+        "plan_measured_s": t.decode.planned_step_s if own and t.decode.planned_rows else None,
         "peak_kv_mb": engine.peak_cache_bytes() / 2**20,
         "peak_device_mb": t.peak_device_bytes / 2**20,
     }
@@ -341,9 +346,10 @@ def table(result: dict) -> str:
     head = (
         "| decoder | problems at once | solved | tokens | wall (s) | tokens/s | vs hf | vs ar | acceptance length "
         "| target forwards / token | rows / forward | prompt tokens computed / requested | target busy "
-        "| thought gen. tok/s | evaluation tok/s | peak KV (MB) |"
+        "| thought gen. tok/s | evaluation tok/s | plan: draft nodes / row | plan: step s predicted / measured "
+        "| peak KV (MB) |"
     )
-    lines = [head, "|" + "---|" * 16]
+    lines = [head, "|" + "---|" * 18]
     n = len(result["problems"])
     for r in result["decoders"].values():
         ph = r["phases"]
@@ -355,7 +361,8 @@ def table(result: dict) -> str:
             f"| {_num(r['forwards_per_token'], '.3f')} | {_num(r['rows_per_forward'], '.2f')} "
             f"| {r['prompt_tokens_computed']} / {r['prompt_tokens']} "
             f"| {_num(r['target_busy_fraction'], '.2f')} | {ph['generate']['tokens_per_s']:.1f} "
-            f"| {ph['evaluate']['tokens_per_s']:.1f} | {r['peak_kv_mb']:.0f} |"
+            f"| {ph['evaluate']['tokens_per_s']:.1f} | {_num(r.get('plan_nodes_per_row'), '.2f')} "
+            f"| {_plan_time(r)} | {r['peak_kv_mb']:.0f} |"
         )
     for name in result.get("servers", []):
         lines.append(
@@ -363,6 +370,12 @@ def table(result: dict) -> str:
             "they are not compared with `hf`'s; its forwards and acceptance are not reported (-)."
         )
     return "\n".join(lines)
+
+
+def _plan_time(row: dict) -> str:
+    if row.get("plan_predicted_s") is None:
+        return "-"
+    return f"{row['plan_predicted_s']:.1f} / {row['plan_measured_s']:.1f}"
 
 
 def _num(value: float | None, spec: str) -> str:

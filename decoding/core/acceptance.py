@@ -58,14 +58,6 @@ def proposals(q: DraftDist | None, candidates: list[int], draw: Draw, vocab: int
     return out
 
 
-def acceptance_chain(
-    p: torch.Tensor, candidates: list[int], q: DraftDist | None, draw: Draw
-) -> tuple[list[float], torch.Tensor]:
-    """Acceptance probability of each candidate given that the earlier ones were rejected, and
-    the distribution the token is drawn from when all are rejected."""
-    return chain(p, candidates, proposals(q, candidates, draw, p.shape[-1]))
-
-
 def chain(p: torch.Tensor, candidates: list[int], props: list[torch.Tensor]) -> tuple[list[float], torch.Tensor]:
     """The rule with each candidate's own proposal (candidates from several drafters at one node)."""
     r = p.double()
@@ -86,13 +78,6 @@ def residual(r: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     d = (r - q).clamp_min(0.0)
     total = d.sum()
     return r if total <= 0 else d / total
-
-
-def choose(
-    p: torch.Tensor, candidates: list[int], q: DraftDist | None, draw: Draw, generator: torch.Generator
-) -> tuple[int | None, int]:
-    """Run the rule once: (index of the accepted candidate or None, the token that comes next)."""
-    return sample_chain(p, candidates, proposals(q, candidates, draw, p.shape[-1]), generator)
 
 
 def sample_chain(

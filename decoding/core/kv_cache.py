@@ -188,19 +188,6 @@ class RowKVCache:
             dst[index, :, :n] = s[src_row, :, :n]
         self.lens[index] = n
 
-    def select_rows(self, index: torch.Tensor) -> None:
-        """Keep (or repeat) rows, as a cache of just those rows (a copy of each)."""
-        index = index.to(self.lens.device)
-        # Keys stored by position stay so: rows are selected from the storage, not the view.
-        self.keys = [
-            k.transpose(2, 3).index_select(0, index).transpose(2, 3) if _by_position(k) else k.index_select(0, index)
-            for k in self.keys
-        ]
-        self.values = [v.index_select(0, index) for v in self.values]
-        self.lens = self.lens.index_select(0, index)
-        self._slots = None
-        self._rows = None
-
     # Methods some `transformers` code paths query on a cache object.
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return int(self.lens.max()) if self.batch else 0

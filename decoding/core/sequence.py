@@ -25,6 +25,10 @@ class Sequence:
     generated: list[int] = field(default_factory=list)
     reason: FinishReason | None = None
     stats: DecodeStats = field(default_factory=DecodeStats)
+    # With ModelRunner.capture_hidden: the hidden states [S, H] of the prompt prefix its admission
+    # computed or shared (an EDD drafter's soft prompt starts with them). They travel with the
+    # sequence: a later admission, before a drafter thread hears of this one, cannot swap them.
+    start_hidden: torch.Tensor | None = None
     _checked: int = 0
 
     @classmethod

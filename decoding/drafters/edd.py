@@ -75,27 +75,32 @@ class EddDrafter:
         return 0  # the soft prompt's cache is one layer's: not counted beside the target's
 
     def admit(self, rows: list[int], seqs: list[Sequence]) -> None:
-        """The rows' soft prompts start with the hidden states of the prefix the target's admission
-        shared (`start_hidden`); the rest of each prompt comes with its first verdict."""
+        """The rows' soft prompts start with the hidden states of the prefix their admission shared
+        (each sequence's `start_hidden`); the rest of each prompt comes with its first verdict."""
         self.seqs.update(zip(rows, seqs))
         if self.base_vocab is not None:
             self._extend_vocab(t for s in seqs for t in s.prompt)
-        head = self.target.start_hidden
-        n = 0 if head is None else len(head)
         capacity = max(len(s.prompt) + s.rule.max_new_tokens for s in seqs) + self.max_nodes + 1
         # The soft prompt (<= capacity) plus one draft's uncommitted slots: pads, queue, block, tree.
         self.cache.reserve(max(rows) + 1, 2 * capacity + self.edd.config.max_block + self.max_nodes)
-        if n:
-            scratch = self.edd.new_cache(1, n)
-            causal = torch.ones(n, n, dtype=torch.bool).tril()[None]
-            self.edd.step(scratch, head[None], causal, torch.arange(n)[None], torch.zeros(0, dtype=torch.long))
-            scratch.advance(torch.tensor([n]))
-            self.cache.copy_prefix(scratch, 0, rows, n)
-        else:
-            self.cache.lens[rows] = 0
-        for row in rows:
-            self.known[row] = n
-            self.queue[row] = []
+        # Rows admitted together share one head; rows of several admissions come in separate groups.
+        groups: dict[int, list[int]] = {}
+        for row, s in zip(rows, seqs):
+            groups.setdefault(id(s.start_hidden), []).append(row)
+        for group in groups.values():
+            head = self.seqs[group[0]].start_hidden
+            n = 0 if head is None else len(head)
+            if n:
+                scratch = self.edd.new_cache(1, n)
+                causal = torch.ones(n, n, dtype=torch.bool).tril()[None]
+                self.edd.step(scratch, head[None], causal, torch.arange(n)[None], torch.zeros(0, dtype=torch.long))
+                scratch.advance(torch.tensor([n]))
+                self.cache.copy_prefix(scratch, 0, group, n)
+            else:
+                self.cache.lens[group] = 0
+            for row in group:
+                self.known[row] = n
+                self.queue[row] = []
 
     def _extend_vocab(self, tokens: Iterable[int]) -> None:
         """Add `tokens` to the draft vocabulary (and the head's rows for it) if any are new."""

@@ -258,6 +258,8 @@ class Scheduler:
         computed = self.target.prompt_tokens_computed
         room = max(s.rule.max_new_tokens for s in new) + self.drafter.max_nodes + 1
         pending = self.target.admit(self.cache, rows, [s.prompt for s in new], room)
+        for s in new:
+            s.start_hidden = self.target.start_hidden
         self.stats.prompt_tokens += sum(len(s.prompt) for s in new)
         self.stats.prompt_tokens_computed += self.target.prompt_tokens_computed - computed
         self.seqs.update(zip(rows, new))
