@@ -2,7 +2,8 @@
 
 Times one target forward that scores a draft tree of T tokens for each of B rows after a committed
 context, for every (T, B) asked, as the decoders call it (ModelRunner over a row KV cache), and
-prints ms per forward with the ratio to T=1, B=1; then, with `split=true`, where each forward's time
+prints ms per forward with the ratio to T=1, B=1 and the step planner's fitted cost (its profile of
+this machine, decoding/core/cost.py, made now if it is not cached); then, with `split=true`, where each forward's time
 goes (linears, attention, LM head, the rest, read from torch.profiler). Tree-shape and schedule
 choices (Sequoia's hardware-aware budget, PCT's s_d / s_t, SEED's verify batch) read these measured
 costs rather than typed-in ones. `out=PATH` also writes the rows as JSON.
@@ -19,8 +20,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from decoding.cli import fail, hydra_command
+from decoding.core.cost import ForwardCost, forward_cost
 from decoding.core.errors import BackendError, ConfigError
-from decoding.core.models import ModelSpec, load_model
+from decoding.core.models import ModelSpec, cache_root, load_model
 from decoding.core.options import as_int
 from decoding.core.runner import ModelRunner
 from decoding.core.time_split import PARTS, time_split
@@ -88,10 +90,20 @@ def table(rows: list[dict]) -> str:
     lines = ["| batch | " + " | ".join(f"T={t}" for t in sizes) + " |", "|---" * (len(sizes) + 1) + "|"]
     for batch in sorted({r["batch"] for r in rows}):
         cells = {r["tree_tokens"]: r for r in rows if r["batch"] == batch}
-        lines.append(
-            f"| {batch} | " + " | ".join(f"{cells[t]['ms']:.1f} ms ({cells[t]['relative']:.2f}x)" for t in sizes) + " |"
-        )
+        lines.append(f"| {batch} | " + " | ".join(_cell(cells[t]) for t in sizes) + " |")
     return "\n".join(lines)
+
+
+def _cell(row: dict) -> str:
+    fitted = f", fitted {row['fitted_ms']:.1f}" if "fitted_ms" in row else ""
+    return f"{row['ms']:.1f} ms ({row['relative']:.2f}x{fitted})"
+
+
+def add_fitted(rows: list[dict], cost: ForwardCost) -> None:
+    """The step planner's cost model (decoding/core/cost.py) beside each measured forward."""
+    for r in rows:
+        b, t = r["batch"], r["tree_tokens"]
+        r["fitted_ms"] = float(cost.ms(b, b * t, t, r["context"])) / cost.correction
 
 
 def split_table(rows: list[dict]) -> str:
@@ -116,7 +128,10 @@ def main(cfg: DictConfig) -> None:
         f"context {pcfg.context} tokens, median of {pcfg.repeats}; T = tree tokens per row incl. the root"
     )
     rows = profile(pcfg, target)
+    cost = forward_cost(target, cache_root())
+    add_fitted(rows, cost)
     print(table(rows))
+    print(f"fitted: the step planner's cost model ({cost.source})")
     if pcfg.split:
         print("\nwhere the time goes (ms, torch.profiler's shares of the median above)")
         print(split_table(rows))

@@ -8,7 +8,8 @@ from decoding.core.errors import ConfigError
 from decoding.core.models import ModelSpec
 from decoding.core.runner import ModelRunner
 from decoding.core.time_split import PARTS
-from decoding.profile_forward import ProfileConfig, profile, split_table, table
+from decoding.core.cost import profile as profile_cost
+from decoding.profile_forward import ProfileConfig, add_fitted, profile, split_table, table
 
 
 def test_profile_measures_every_cell(tiny_model):
@@ -28,6 +29,9 @@ def test_profile_measures_every_cell(tiny_model):
         assert r["split"]["linears"] > 0 and r["split"]["attention"] > 0 and r["split"]["lm_head"] > 0
         assert sum(r["split"].values()) == pytest.approx(1.0)
     assert split_table(rows).splitlines()[2].startswith("| 1 x 1 | ")
+    # The step planner's fitted cost beside each measured cell.
+    add_fitted(rows, profile_cost(target, repeats=1))
+    assert all(r["fitted_ms"] > 0 for r in rows) and ", fitted " in table(rows)
 
 
 def test_profile_without_the_split(tiny_model):
