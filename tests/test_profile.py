@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from decoding.core.cost import profile as profile_cost
 from decoding.core.errors import ConfigError
 from decoding.core.models import ModelSpec
 from decoding.core.runner import ModelRunner
 from decoding.core.time_split import PARTS
-from decoding.core.cost import profile as profile_cost
 from decoding.profile_forward import ProfileConfig, add_fitted, profile, split_table, table
 
 
