@@ -60,6 +60,37 @@ def test_the_layers_compute_the_transformers_forward_bitwise(model):
         assert torch.equal(got, want)
 
 
+def test_a_ragged_forward_computes_the_padded_forwards_bits(model):
+    """Pads skipped (ModelRunner.ragged): rows of different pending lengths and tree sizes give the
+    padded forward's logits at every root and tree node, and the same cache entries."""
+    runner = ModelRunner(model)
+    assert runner.ragged
+    tree = DraftTree()
+    a = tree.add(11, ROOT)
+    tree.add(12, ROOT)
+    tree.add(13, a)
+    pending = [[7], [8, 9, 10], [6]]
+    trees = [tree, DraftTree(), tree.prefix(1)]
+    outs, caches = [], []
+    for ragged in (True, False):
+        runner.layers = Layers.of(model) if ragged else None  # the padded forward through transformers
+        cache = runner.new_cache(len(PROMPTS), 160)
+        fill = pack(PROMPTS, [DraftTree()] * len(PROMPTS))
+        runner.forward(cache, fill.tokens, fill.see, fill.depth)
+        cache.advance(torch.tensor([len(p) for p in PROMPTS]))
+        packed = pack(pending, trees)
+        outs.append(runner.score(cache, packed, rows=[2, 0, 1]))
+        for b, row in enumerate([2, 0, 1]):
+            cache.keep(row, packed.committed(b, [0] if len(trees[b]) else []))
+        caches.append(cache)
+    for got, want, t in zip(*outs, trees):
+        assert got.shape[0] == 1 + len(t) and torch.equal(got, want)
+    for row in range(3):
+        n = int(caches[0].lens[row])
+        assert n == int(caches[1].lens[row])
+        assert torch.equal(caches[0].keys[0][row, :, :n], caches[1].keys[0][row, :, :n])
+
+
 def test_other_models_keep_the_transformers_forward(tiny_model):
     sdpa = copy.deepcopy(tiny_model)
     sdpa.config._attn_implementation = "sdpa"
