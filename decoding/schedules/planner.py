@@ -98,7 +98,7 @@ class Planner:
             self.idle.pop(row, None)
 
     def allocate(
-        self, gains: list[np.ndarray], pending: list[int], context: float, per_node_ms: float
+        self, gains: list[np.ndarray], pending: list[int], context: float
     ) -> tuple[list[int], float, float, float]:
         """How many of each row's nodes (taken in the given order) to keep: the prefix of the
         best-first merge of all rows with the most expected tokens per predicted ms. Returns the
@@ -124,7 +124,7 @@ class Planner:
             widths[j] = max(widths[j - 1], count[r])
         expected = rows + np.concatenate([[0.0], np.cumsum(order_gain)])
         forward = self.cost.ms(rows, tokens, widths, context)
-        step = forward + self.overhead.ms(rows, k) + per_node_ms * k
+        step = forward + self.overhead.ms(rows, k)
         rate = expected / np.maximum(step, 1e-6)
         best = int(np.argmax(rate))  # the first best: ties go to the smaller plan
         kept = [0] * rows
@@ -155,7 +155,7 @@ class Planner:
             order = best_first(tree, reach)
             orders.append(order)
             gains.append(np.array([reach[n] for n in order]))
-        kept, expected, forward_ms, step_ms = self.allocate(gains, pending, context, 0.0)
+        kept, expected, forward_ms, step_ms = self.allocate(gains, pending, context)
         self.rate_per_ms = expected / step_ms if step_ms > 0 else 0.0
         # What one more node costs at this plan's size, in tokens at this plan's rate.
         tokens = sum(pending) + sum(kept)
