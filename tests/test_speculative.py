@@ -326,7 +326,8 @@ def test_draft_cache_stays_consistent(loaded, tokenizer, perturbed, temperature)
     CheckedDrafter.checks = 0
     engine.generate(requests)
     stats = engine.last_stats
-    assert CheckedDrafter.checks >= 40  # many rounds of accepts and rejects were checked
+    # Many rounds of accepts, rejects and (the step planner's) undrafted steps caught up were checked.
+    assert CheckedDrafter.checks >= 25
     assert 0 < stats.accepted_tokens < stats.drafted_tokens
 
 
