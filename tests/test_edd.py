@@ -412,7 +412,7 @@ def test_sampling_follows_the_target(tiny_model, tokenizer, loaded, trained, rul
     params = PARAMS[params_name]
     prompt = encode(tokenizer, "once upon a time")
     engine = edd_engine(loaded, draft, "sd", **EDD_RULES[rule])
-    engine.decoder = Scheduler("batched-edd", engine.target, tokenizer, engine.decoder.drafter)
+    engine.decoder = Scheduler("batched-edd", engine.target, tokenizer, engine.decoder.drafter, verify=UNCAPPED)
     samples = sample_three(engine, prompt, params, 8000)
     stats = engine.total_stats
     assert stats.accepted_tokens > 0 and stats.accepted_tokens < stats.drafted_tokens
@@ -482,7 +482,7 @@ def test_sampling_follows_the_target_with_a_draft_vocabulary(tiny_model, tokeniz
     params = PARAMS["t1.0"]
     prompt = encode(tokenizer, "once upon a time")
     engine = vocab_engine(loaded, draft, "sd", 16, **RULES[rule])
-    engine.decoder = Scheduler("batched-edd", engine.target, tokenizer, engine.decoder.drafter)
+    engine.decoder = Scheduler("batched-edd", engine.target, tokenizer, engine.decoder.drafter, verify=UNCAPPED)
     samples = sample_three(engine, prompt, params, 8000)
     stats = engine.total_stats
     assert stats.accepted_tokens > 0 and stats.accepted_tokens < stats.drafted_tokens
