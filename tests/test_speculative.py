@@ -412,7 +412,7 @@ def test_sampling_with_deterministic_drafts(tiny_model, tokenizer, loaded):
     engine = Engine(loaded, "ar")
     drafter = TopDrafter([[]], (1,), "top", len(tokenizer))
     drafter.max_nodes = 6
-    engine.decoder = Scheduler("top", engine.target, tokenizer, drafter)
+    engine.decoder = Scheduler("top", engine.target, tokenizer, drafter, verify=UNCAPPED)
     samples = sample_three(engine, prompt, params, 8000)
     assert engine.total_stats.accepted_tokens > 0
     check_three_tokens(tiny_model, prompt, params, samples, len(tokenizer))
