@@ -152,7 +152,9 @@ def test_sampling_follows_the_target(tiny_model, tokenizer, loaded, perturbed, p
     test_speculative."""
     params = PARAMS[params_name]
     prompt = encode(tokenizer, "once upon a time")
-    engine = sd_engine(loaded, perturbed, serial=False, tree_policy="pct", pct_ratio=0.1, pct_max_depth=3)
+    engine = sd_engine(
+        loaded, perturbed, serial=False, planned=False, tree_policy="pct", pct_ratio=0.1, pct_max_depth=3
+    )
     samples = sample_three(engine, prompt, params, 8000)
     stats = engine.total_stats
     # Both paths of the rule are exercised: drafts are accepted, and rejected.

@@ -50,7 +50,9 @@ def unrelated(tokenizer) -> LoadedModel:
     return LoadedModel(build_model(len(tokenizer), seed=1), tokenizer, torch.device("cpu"), False, "unrelated")
 
 
-def sd_engine(loaded: LoadedModel, draft: LoadedModel, k_config=(2, 2, 1), serial=True, **options) -> Engine:
+def sd_engine(
+    loaded: LoadedModel, draft: LoadedModel, k_config=(2, 2, 1), serial=True, planned=True, **options
+) -> Engine:
     spec = DraftTreeOptions(k_config=k_config, **options)
     engine = Engine(loaded, DecoderConfig("sd", spec, draft=ModelSpec("draft", key="draft"), verify=UNCAPPED), draft)
     if not serial:
@@ -58,8 +60,9 @@ def sd_engine(loaded: LoadedModel, draft: LoadedModel, k_config=(2, 2, 1), seria
         # the step planner in charge on a curve where trees are cut part-way (3 to 4 of 6 nodes),
         # with the rejection rules: they stay exact through cut trees.
         drafter = ModelDrafter(ModelRunner(draft.model), spec, len(loaded.tokenizer))
-        verify = VerifyOptions(match_samples=False)
-        planner = Planner(ForwardCost({1: [(1, 10.0), (4, 12.0), (5, 16.0), (16, 60.0)]}))
+        # planned=False: whole trees (the fixed plan without a cap).
+        verify = VerifyOptions(match_samples=False) if planned else UNCAPPED
+        planner = Planner(ForwardCost({1: [(1, 10.0), (4, 12.0), (5, 16.0), (16, 60.0)]})) if planned else None
         engine.decoder = Scheduler(
             "batched-sd", engine.target, loaded.tokenizer, drafter, verify=verify, planner=planner
         )

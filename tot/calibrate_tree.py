@@ -94,6 +94,9 @@ def calibration_config(cfg: DictConfig, opts: CalibrateOptions, run_dir: Path) -
     cfg = cfg.copy()
     name = DRAFTERS[opts.drafter]
     OmegaConf.update(cfg, "decoder.name", name)
+    # Counts are of the calibration shape's nodes: no step planner choosing which rows draft and
+    # which nodes are verified (that would count its choices, not the drafter's acceptance).
+    OmegaConf.update(cfg, "verify.plan", "fixed")
     if opts.method == "prune":
         OmegaConf.update(cfg, "stand.tree", opts.prune_from)
     elif name == "stand":

@@ -52,6 +52,8 @@ class CalibrationRecorder:
 
     def update(self, rows: list[int], verdicts: list[Verdict]) -> None:
         for i, v in zip(rows, verdicts):
+            if i not in self.trees:  # a row the scheduler did not draft this step
+                continue
             tree, room = self.trees.pop(i)
             self.hits.update(tree.shape_nodes[n] for n in v.drafted_path)
             if self.rank_slots is not None:
