@@ -325,7 +325,7 @@ class Scheduler:
             drafting = [r for r, b in zip(rows, budgets) if b]
         t0 = time.perf_counter()
         drafted = dict(zip(drafting, self.drafter.draft(drafting))) if drafting else {}
-        trees = [drafted.get(r) or DraftTree() for r in rows]
+        trees = [drafted.get(r, DraftTree()) for r in rows]
         assert all(len(t) <= self.drafter.max_nodes for t in trees), "a tree exceeds the drafter's max_nodes"
         if drafting:
             self.stats.draft_calls += 1
@@ -349,7 +349,6 @@ class Scheduler:
         if self.planner is not None:
             pending_len = [len(self.pending[r]) for r in rows]
             trees, plan = self.planner.cut(rows, trees, greedy, pending_len, self._context(rows))
-            nodes = plan.kept_nodes
         else:
             trees = cut_to_budget(trees, self.budget)
         verdicts = verify_and_commit(
@@ -357,7 +356,7 @@ class Scheduler:
         )
         t1 = time.perf_counter()
         if plan is not None:
-            for v, kept in zip(verdicts, nodes):
+            for v, kept in zip(verdicts, plan.kept_nodes):
                 v.drafted_nodes = kept
             forward_ms = self.target.last_score_ms
             self.planner.observe(plan, verdicts, greedy, forward_ms, 1000 * (t1 - t0) - forward_ms)
