@@ -174,14 +174,15 @@ def profile(target: ModelRunner, repeats: int = 2) -> ForwardCost:
 def cost_key(target: ModelRunner) -> str:
     """What a profile is valid for: the model's shape and weights format, device, threads, layout."""
     c = target.config
-    proj = type(target.model.model.layers[0].self_attn.q_proj).__name__ if hasattr(target.model, "model") else ""
+    # The weight format shows in the linear layers' classes (nn.Linear, Int4Linear, PrepackedLinear).
+    linears = sorted({type(m).__name__ for m in target.model.modules() if "Linear" in type(m).__name__})
     parts = [
         str(getattr(c, "_name_or_path", "")),
         str(getattr(c, "hidden_size", "")),
         str(getattr(c, "num_hidden_layers", "")),
         str(getattr(c, "vocab_size", "")),
         str(target.dtype),
-        proj,
+        ",".join(linears),
         str(target.device),
         torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else "",
         str(torch.get_num_threads()),
