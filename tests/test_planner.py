@@ -11,6 +11,7 @@ import torch
 from decoding.core.calibration import AcceptanceRecord
 from decoding.core.cost import ForwardCost, cost_key, forward_cost, profile
 from decoding.core.draft_tree import ROOT, DraftTree
+from decoding.core.errors import ConfigError
 from decoding.core.runner import ModelRunner
 from decoding.core.values import GenRequest
 from decoding.core.verify import Verdict
@@ -139,6 +140,9 @@ def test_cost_model_fit_padding_and_cache(tiny_model, tmp_path):
     (tmp_path / "gpu.json").write_text(json.dumps({"model": "x", "rows": rows}))
     gpu = forward_cost(target, tmp_path, str(tmp_path / "gpu.json"))
     assert not gpu.ragged and float(gpu.ms(1, 16, 16, 300)) == pytest.approx(5.16)
+    (tmp_path / "broken.json").write_text('{"rows": [{"batch": 1}]}')
+    with pytest.raises(ConfigError, match=r"verify.cost=.*broken.json is not a forward-cost profile"):
+        forward_cost(target, tmp_path, str(tmp_path / "broken.json"))
 
 
 def test_every_ready_row_is_verified_in_every_forward(loaded, tokenizer):

@@ -25,10 +25,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from decoding.core.draft_tree import DraftTree
-from decoding.core.packing import pack
+from decoding.core.errors import ConfigError
 from decoding.core.runner import ModelRunner
-from decoding.core.timing import chain_tree, timed_ms
+from decoding.core.timing import timed_ms, verification
 
 log = logging.getLogger(__name__)
 
@@ -123,27 +122,26 @@ class ForwardCost:
     def load(cls, path: Path) -> ForwardCost:
         """A profile written by `profile` (or by `python -m decoding.profile_forward out=...` on another
         machine: its rows are read as batch x tree_tokens)."""
-        data = json.loads(Path(path).read_text())
-        if "points" in data:
-            return cls.from_json(data, str(path))
-        points: dict[int, list[tuple[int, float]]] = {}
-        for row in data["rows"]:
-            b, t = int(row["batch"]), int(row["tree_tokens"])
-            points.setdefault(b, []).append((b * t, float(row["ms"])))
-        context = int(data["rows"][0].get("context", CONTEXT))
-        return cls(points, context, 0.0, ragged=False, source=str(path))
+        try:
+            data = json.loads(Path(path).read_text())
+            if "points" in data:
+                return cls.from_json(data, str(path))
+            points: dict[int, list[tuple[int, float]]] = {}
+            for row in data["rows"]:
+                b, t = int(row["batch"]), int(row["tree_tokens"])
+                points.setdefault(b, []).append((b * t, float(row["ms"])))
+            context = int(data["rows"][0].get("context", CONTEXT))
+            return cls(points, context, 0.0, ragged=False, source=str(path))
+        except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+            raise ConfigError(
+                f"verify.cost={path} is not a forward-cost profile ({type(e).__name__}: {str(e)[:80]}); "
+                "write one with python -m decoding.profile_forward out=..., or set verify.cost=null"
+            ) from e
 
 
 def _time_point(target: ModelRunner, rows: int, per_row: int, context: int, repeats: int) -> float:
-    cache = target.new_cache(rows, context + per_row + 2)
-    vocab = int(target.config.vocab_size)
-    prompt = [[(100 + i) % vocab for i in range(context)]] * rows
-    fill = pack(prompt, [DraftTree()] * rows)
-    target.forward(cache, fill.tokens, fill.see, fill.depth, logits_at=torch.tensor([context - 1]))
-    cache.advance(torch.full((rows,), context))
-    packed = pack([[7]] * rows, [chain_tree(per_row - 1, vocab)] * rows)
     # The fastest of the repeats: another process's burst only ever slows a forward down.
-    return min(timed_ms(lambda: target.score(cache, packed), repeats, target.device))
+    return min(timed_ms(verification(target, context, per_row, rows), repeats, target.device))
 
 
 def profile(target: ModelRunner, repeats: int = 3) -> ForwardCost:

@@ -52,8 +52,7 @@ def verification(target: ModelRunner, context: int, tree_size: int, batch: int) 
     cache.advance(torch.full((batch,), context))
     tree = chain_tree(tree_size - 1, vocab)  # the root (pending token) plus tree_size - 1 drafted nodes
     packed = pack([[7]] * batch, [tree] * batch)
-    keep = torch.arange(0, packed.tokens.shape[1])
-    return lambda: target.forward(cache, packed.tokens, packed.see, packed.depth, logits_at=keep)
+    return lambda: target.score(cache, packed)
 
 
 def speed_ratio(draft_ms: float, target: ModelRunner, context: int = 64, repeats: int = 5) -> tuple[float, float]:

@@ -67,19 +67,6 @@ class StepPlan:
 
 
 @dataclass
-class Totals:
-    """Running sums over a run's planned steps, for reports."""
-
-    steps: int = 0
-    rows: int = 0
-    kept_nodes: int = 0
-    drafted_nodes: int = 0
-    predicted_ms: float = 0.0
-    measured_ms: float = 0.0
-    expected_tokens: float = 0.0
-
-
-@dataclass
 class Planner:
     cost: ForwardCost
     record: AcceptanceRecord = field(default_factory=AcceptanceRecord)
@@ -89,7 +76,6 @@ class Planner:
     value: dict[int, float] = field(default_factory=dict)
     rate_per_ms: float = 0.0  # expected tokens per ms of the latest plan
     idle: dict[int, int] = field(default_factory=dict)  # row -> steps since it was last drafted
-    totals: Totals = field(default_factory=Totals)
 
     def forget(self, rows: list[int]) -> None:
         """Rows that a new sequence takes: what the old one's drafts were worth says nothing of it."""
@@ -182,14 +168,6 @@ class Planner:
                 self.record.observe(v.tree, v.path, g)
         self.cost.observe(plan.predicted_forward_ms, forward_ms)
         self.overhead.observe(plan.rows, sum(plan.nodes), around_ms)
-        t = self.totals
-        t.steps += 1
-        t.rows += plan.rows
-        t.kept_nodes += sum(plan.nodes)
-        t.drafted_nodes += plan.drafted
-        t.predicted_ms += plan.predicted_ms
-        t.measured_ms += forward_ms + around_ms
-        t.expected_tokens += plan.expected_tokens
 
     def drafted(self, nodes: int, ms: float) -> None:
         """A drafter call's nodes and time: the drafting cost per node that phase 1 charges."""
