@@ -98,6 +98,7 @@ def test_pct_with_the_draft_model(loaded, perturbed):
         loaded,
         perturbed,
         serial=False,
+        planned=False,  # every row drafted every step: the planner would leave rows undrafted here
         tree_policy="pct",
         pct_top_k=3,
         pct_max_depth=4,

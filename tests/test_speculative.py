@@ -62,7 +62,8 @@ def sd_engine(
         drafter = ModelDrafter(ModelRunner(draft.model), spec, len(loaded.tokenizer))
         # planned=False: whole trees (the fixed plan without a cap).
         verify = VerifyOptions(match_samples=False) if planned else UNCAPPED
-        planner = Planner(ForwardCost({1: [(1, 10.0), (4, 12.0), (5, 16.0), (16, 60.0)]})) if planned else None
+        curve = ForwardCost({1: [(1, 10.0), (4, 12.0), (5, 16.0), (16, 60.0)]})
+        planner = Planner(curve, timed=False) if planned else None  # the same plans on every run
         engine.decoder = Scheduler(
             "batched-sd", engine.target, loaded.tokenizer, drafter, verify=verify, planner=planner
         )

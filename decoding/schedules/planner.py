@@ -72,6 +72,9 @@ class Planner:
     record: AcceptanceRecord = field(default_factory=AcceptanceRecord)
     overhead: Overhead = field(default_factory=Overhead)
     draft_ms_per_node: float = 0.02
+    # False: plans from `cost` and the verdicts alone, never from the clock, so the same inputs give
+    # the same plans (tests, and comparing plans across machines).
+    timed: bool = True
     # row -> what its kept nodes were worth lately: expected tokens less their cost in tokens (EMA)
     value: dict[int, float] = field(default_factory=dict)
     rate_per_ms: float = 0.0  # expected tokens per ms of the latest plan
@@ -166,10 +169,12 @@ class Planner:
         for v, g in zip(verdicts, greedy):
             if len(v.tree):
                 self.record.observe(v.tree, v.path, g)
+        if not self.timed:
+            return
         self.cost.observe(plan.predicted_forward_ms, forward_ms)
         self.overhead.observe(plan.rows, sum(plan.nodes), around_ms)
 
     def drafted(self, nodes: int, ms: float) -> None:
         """A drafter call's nodes and time: the drafting cost per node that phase 1 charges."""
-        if nodes:
+        if nodes and self.timed:
             self.draft_ms_per_node = 0.9 * self.draft_ms_per_node + 0.1 * ms / nodes
