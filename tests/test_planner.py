@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from decoding.core.calibration import AcceptanceRecord
+from decoding.core.calibration import EXPLORE, AcceptanceRecord
 from decoding.core.cost import ForwardCost, cost_key, forward_cost, profile
 from decoding.core.draft_tree import ROOT, DraftTree
 from decoding.core.errors import ConfigError
@@ -106,8 +106,11 @@ def test_calibration_follows_verdicts():
         record.observe(tree, [], greedy=True)  # never accepted
     assert record.accept(tree, True)[0] < 0.05
     assert record.accept(tree, False)[0] == untried  # sampled rows are a separate record
-    # The second node was never tried (its parent was never reached): it keeps its prior.
-    assert record.accept(tree, True)[1] == untried
+    # The second node was never tried (its parent was never reached), yet its prior is no longer its
+    # raw score: the source's scores ran high, so its score is scaled by how they fared.
+    scale = record.scale(tree.source_of(1), True)
+    assert scale < 0.05
+    assert record.accept(tree, True)[1] == pytest.approx(0.9 * scale + EXPLORE)
 
 
 def test_cost_model_fit_padding_and_cache(tiny_model, tmp_path):

@@ -8,9 +8,11 @@ accepted child. So it estimates P(node accepted | parent accepted) under whichev
 is in force, and a node's chance of being on the accepted path is the product along its path: the
 expected tokens a tree commits are 1 (the bonus) plus the sum of its nodes' reach.
 
-Counts start from a prior (the score itself, worth PRIOR verdicts), a bucket with few verdicts gets
-an optimistic bonus (EXPLORE / sqrt(1 + verdicts)) so that it is tried, and old verdicts fade (DECAY
-per verdict in a bucket), so the estimates follow the run as its text changes.
+Counts start from a prior worth PRIOR verdicts: the score times how the source's scores have fared
+so far (accepted nodes over the sum of their scores, pooled over every bucket of the source), so a
+drafter whose scores run high or low is corrected from the first verdicts on, not bucket by bucket.
+A bucket with few verdicts gets an optimistic bonus (EXPLORE / sqrt(1 + verdicts)) so that it is
+tried, and old verdicts fade (DECAY per verdict), so the estimates follow the run as its text changes.
 """
 
 from __future__ import annotations
@@ -26,10 +28,11 @@ PRIOR = 3.0  # verdicts the prior (the drafter's own score) is worth: a bucket i
 DECAY = 0.995
 # Optimism for buckets with few verdicts (an upper confidence bound): a drafter whose scores are
 # under-confident still gets its nodes tried, or the record would never learn they pay.
-EXPLORE = 0.3
+EXPLORE = 0.15
 
 
 Key = tuple[int, bool, int, int]
+Pool = tuple[int, bool]
 
 
 def bucket(score: float) -> int:
@@ -42,6 +45,13 @@ class AcceptanceRecord:
 
     tried: dict[Key, float] = field(default_factory=dict)
     accepted: dict[Key, float] = field(default_factory=dict)
+    scored: dict[Pool, float] = field(default_factory=dict)  # per (source, greedy): tried nodes' scores
+    hits: dict[Pool, float] = field(default_factory=dict)  # per (source, greedy): accepted nodes
+
+    def scale(self, source: int, greedy: bool) -> float:
+        """How the source's scores have fared: accepted nodes per unit of score (1 before any verdict)."""
+        pool = (source, greedy)
+        return (self.hits.get(pool, 0.0) + PRIOR) / (self.scored.get(pool, 0.0) + PRIOR)
 
     def _key(self, tree: DraftTree, node: int, depth: int, greedy: bool) -> Key:
         return (tree.source_of(node), greedy, min(depth, MAX_DEPTH), bucket(tree.probs[node]))
@@ -51,7 +61,7 @@ class AcceptanceRecord:
         out = []
         for node, depth in enumerate(tree.depths()):
             key = self._key(tree, node, depth, greedy)
-            prior = min(tree.probs[node], 1.0) * PRIOR
+            prior = min(1.0, min(tree.probs[node], 1.0) * self.scale(key[0], greedy)) * PRIOR
             tried = self.tried.get(key, 0.0)
             mean = (self.accepted.get(key, 0.0) + prior) / (tried + PRIOR)
             out.append(min(1.0, mean + EXPLORE / (1.0 + tried) ** 0.5))
@@ -75,6 +85,9 @@ class AcceptanceRecord:
             key = self._key(tree, node, depth, greedy)
             self.tried[key] = self.tried.get(key, 0.0) * DECAY + 1.0
             self.accepted[key] = self.accepted.get(key, 0.0) * DECAY + (node in on_path)
+            pool = key[:2]
+            self.scored[pool] = self.scored.get(pool, 0.0) * DECAY + min(tree.probs[node], 1.0)
+            self.hits[pool] = self.hits.get(pool, 0.0) * DECAY + (node in on_path)
 
     def table(self) -> list[dict]:
         """The record as rows (source, greedy, depth, score bucket, verdicts, acceptance), for reports."""

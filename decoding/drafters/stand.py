@@ -135,23 +135,31 @@ class StandDrafter:
         return tree
 
     def update(self, rows: list[int], verdicts: list[Verdict]) -> None:
-        for i, v in zip(rows, verdicts):
-            if v.kept <= 0:
-                continue
-            seq = self.seqs[i]
-            full = seq.prompt + seq.generated
-            base = len(full) - v.kept  # the first token committed by this step
+        kept = [(i, v) for i, v in zip(rows, verdicts) if v.kept > 0]
+        if not kept:
+            return
+        # One top-k over every committed position of the step (a call per row costs more than the work).
+        dists, counts = [], []
+        for _, v in kept:
             at = v.kept_rows()
+            counts.append(len(at))
             if v.probs is None:
                 # Greedy rows: rank the next tokens by the target's own softmax (any ranking is lossless
                 # at temperature 0, and a one-hot would leave a single candidate per context).
-                top = torch.topk(v.logits[at].float().softmax(-1), TOP)
+                dists.append(v.logits[at].float().softmax(-1))
             else:
-                top = torch.topk(v.probs[at], min(TOP, v.probs.shape[-1]))
-            ids, probs = top.indices.tolist(), top.values.tolist()
+                dists.append(v.probs[at].float())
+        top = torch.topk(torch.cat(dists), min(TOP, dists[0].shape[-1]))
+        ids, probs = top.indices.tolist(), top.values.tolist()
+        j = 0
+        for (i, v), n in zip(kept, counts):
+            seq = self.seqs[i]
+            full = seq.prompt + seq.generated
+            base = len(full) - v.kept  # the first token committed by this step
             pool = self.pools.get(seq.group)
-            for j in range(len(at)):
-                pool.add(full[max(0, base + j - pool.max_n) : base + j], ids[j], probs[j])
+            for k in range(n):
+                pool.add(full[max(0, base + k - pool.max_n) : base + k], ids[j], probs[j])
+                j += 1
 
     def release(self, rows: list[int]) -> None:
         """Pools are per group, kept across calls: only the rows' sequences and noise go."""
