@@ -47,7 +47,8 @@ def model_drafter(
         vocab = None if size is None else draft_vocab(Path(draft.source), size)
         return EddDrafter(draft.model, target, config.draft_tree, vocab)
     # The target too: tree_policy=pct measures s_d / s_t against it at start-up.
-    return ModelDrafter(ModelRunner(draft.model), config.draft_tree, target.vocab_size, target=target)
+    runner = ModelRunner(draft.model, target.prefixes.budget)  # one budget for the target's and the draft's prefixes
+    return ModelDrafter(runner, config.draft_tree, target.vocab_size, target=target)
 
 
 DRAFTERS: dict[str, DrafterFactory] = {

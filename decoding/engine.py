@@ -19,6 +19,7 @@ from typing import TypeVar
 
 from decoding.config import DecoderConfig
 from decoding.core.errors import BackendError
+from decoding.core.memory import peak_rss_mb, rss_mb
 from decoding.core.models import LoadedModel
 from decoding.core.prompts import render
 from decoding.core.runner import ModelRunner
@@ -55,7 +56,7 @@ class Engine:
     ) -> None:
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
-        self.target = ModelRunner(loaded.model)
+        self.target = ModelRunner(loaded.model, loaded.prefix_budget)
         config = decoder if isinstance(decoder, DecoderConfig) else DecoderConfig(decoder)
         if config.server is not None:
             raise BackendError("decoder=server is a client of a server: build it with decoding.server.ServerEngine")
@@ -70,6 +71,22 @@ class Engine:
     def peak_cache_bytes(self) -> int:
         """The largest KV caches this engine's decoder has held: the target's, plus the draft model's."""
         return self.target.peak_cache_bytes + self.decoder.drafter.peak_cache_bytes()
+
+    def memory(self) -> dict[str, float]:
+        """Where this engine's memory is, in MB: the stored prefixes of every engine on its model
+        (against their shared cap, and how many leaves were evicted), its KV pool now and at its
+        largest, and the process's resident memory now and at its peak."""
+        budget = self.target.prefixes.budget
+        pool = getattr(self.decoder, "cache", None)
+        return {
+            "prefix_store_mb": budget.nbytes / 2**20,
+            "prefix_store_cap_mb": budget.max_bytes / 2**20,
+            "prefix_evictions": budget.evictions,
+            "kv_pool_mb": (pool.nbytes if pool is not None else 0) / 2**20,
+            "peak_kv_mb": self.peak_cache_bytes() / 2**20,
+            "rss_mb": rss_mb(),
+            "peak_rss_mb": peak_rss_mb(),
+        }
 
     def encode(self, prompt: str | tuple[int, ...], prefix: str = "") -> list[int]:
         return render(self.tokenizer, self.loaded.use_chat_template, prompt, prefix).ids

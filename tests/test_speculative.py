@@ -25,6 +25,7 @@ from decoding.config import DecoderConfig
 from decoding.core.cost import ForwardCost
 from decoding.core.draft_tree import ROOT, DraftTree, k_config_parents
 from decoding.core.errors import ConfigError
+from decoding.core.memory import MemoryBudget
 from decoding.core.models import LoadedModel, ModelSpec
 from decoding.core.prefix_cache import PrefixCache
 from decoding.core.runner import ModelRunner
@@ -490,7 +491,7 @@ def test_prefix_cache_is_a_radix_tree_under_its_cap(tiny_model):
     for k in cache.keys + cache.values:
         k.copy_(torch.randn(k.shape))
     per_token = sum(k[0, :, :1].nbytes + v[0, :, :1].nbytes for k, v in zip(cache.keys, cache.values))
-    store = PrefixCache(max_bytes=50 * per_token)
+    store = PrefixCache(MemoryBudget(50 * per_token))
     a, b = tuple(range(20)), (*range(12), 99, 98)
     store.store(a[:10], cache, 0)
     store.store(a, cache, 0)  # extends the stored sequence: only the last 10 tokens are added
@@ -510,6 +511,35 @@ def test_prefix_cache_is_a_radix_tree_under_its_cap(tiny_model):
     assert sorted(store.sequences()) == sorted([a, c]) and store.nbytes == 50 * per_token
     store.store(tuple(range(200, 251)), cache, 2)  # larger than the whole cap: not stored
     assert store.nbytes <= store.max_bytes and tuple(range(200, 251)) not in store.sequences()
+
+
+def test_stores_share_one_budget_and_evict_least_recently_used_first(tiny_model):
+    """Two engines' stores on one budget: together they stay under it, the idle store's leaves go
+    before the busy one's, and leaves go in the order of their last use (against a full scan)."""
+    target = ModelRunner(tiny_model)
+    cache = target.new_cache(1, 8)
+    cache.lens[:] = 2
+    per_seq = sum(k[0, :, :2].nbytes + v[0, :, :2].nbytes for k, v in zip(cache.keys, cache.values))
+    budget = MemoryBudget(40 * per_seq)
+    idle, busy = PrefixCache(budget), PrefixCache(budget)
+    for i in range(30):
+        idle.store((1000 + i, 1), cache)
+    g = torch.Generator().manual_seed(0)
+    last_use: dict[tuple[int, ...], int] = {}  # every sequence the busy store was given
+    for step in range(300):
+        seq = (int(torch.randint(0, 60, (1,), generator=g)), 2)
+        if step % 2 and seq in busy.sequences():
+            busy.match(seq)
+        else:
+            busy.store(seq, cache)
+        last_use[seq] = step
+        assert idle.nbytes + busy.nbytes <= budget.max_bytes
+    assert idle.sequences() == []  # the idle store gave everything to the busy one
+    kept = set(busy.sequences())
+    evicted = set(last_use) - kept
+    assert len(kept) == 40 and budget.evictions >= 30 + len(evicted)  # one leaf per sequence
+    # Least recently used first: every sequence evicted was last used before every one kept.
+    assert max(last_use[s] for s in evicted) < min(last_use[s] for s in kept)
 
 
 # --- a forward's token budget ---------------------------------------------------------------------------

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import copy
 import json
-import resource
 import sys
 import time
 from dataclasses import dataclass, field, replace
@@ -39,7 +38,8 @@ from tqdm import tqdm
 
 from decoding.cli import fail, hydra_command
 from decoding.config import CHOICES, DecoderConfig
-from decoding.core.errors import BackendError, ConfigError
+from decoding.core.errors import BackendError, ConfigError, OutputError
+from decoding.core.memory import peak_rss_mb
 from decoding.core.models import LoadedModel, load_model
 from decoding.core.options import as_float, as_int
 from decoding.core.values import DecodeStats, GenRequest
@@ -50,6 +50,8 @@ from decoding.server import ServerEngine
 from tasks.base import DataError, Problem, Task
 from tot.compare import first_difference
 from tot.config import RunConfig
+from tot.lock import run_lock
+from tot.output import output_error, write_atomic
 from tot.run import build_task, make_judge, make_search, score, solve_all
 from tot.search import PHASES, GenerationEngine, Search, Solution, run_sync
 from tot.tree import ReasoningTree
@@ -257,12 +259,6 @@ def concurrencies(container: dict, names: list[str]) -> dict[str, int]:
     return out
 
 
-def peak_rss_mb() -> float:
-    """The process's peak resident memory so far (Linux reports kilobytes, macOS bytes)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10
-
-
 def _row(name: str, t: Tally, engine: Engine | ServerEngine) -> dict:
     tokens = t.decode.generated_tokens
     # A server does not say how it decoded: its forwards and acceptance are unknown (null).
@@ -295,6 +291,9 @@ def _row(name: str, t: Tally, engine: Engine | ServerEngine) -> dict:
         "plan_measured_s": t.decode.planned_step_s if own and t.decode.planned_rows else None,
         "peak_kv_mb": engine.peak_cache_bytes() / 2**20,
         "peak_device_mb": t.peak_device_bytes / 2**20,
+        # Stored prefixes (every engine on the model together, against their one cap), the KV pool,
+        # resident memory: decoding/core/memory.py. Null for a server (its memory is its own).
+        "memory": engine.memory() if isinstance(engine, Engine) else None,
     }
 
 
@@ -347,9 +346,9 @@ def table(result: dict) -> str:
         "| decoder | problems at once | solved | tokens | wall (s) | tokens/s | vs hf | vs ar | acceptance length "
         "| target forwards / token | rows / forward | prompt tokens computed / requested | target busy "
         "| thought gen. tok/s | evaluation tok/s | plan: draft nodes / row | plan: step s predicted / measured "
-        "| peak KV (MB) |"
+        "| peak KV (MB) | stored prefixes, all entries (MB, evictions) |"
     )
-    lines = [head, "|" + "---|" * 18]
+    lines = [head, "|" + "---|" * 19]
     n = len(result["problems"])
     for r in result["decoders"].values():
         ph = r["phases"]
@@ -362,7 +361,7 @@ def table(result: dict) -> str:
             f"| {r['prompt_tokens_computed']} / {r['prompt_tokens']} "
             f"| {_num(r['target_busy_fraction'], '.2f')} | {ph['generate']['tokens_per_s']:.1f} "
             f"| {ph['evaluate']['tokens_per_s']:.1f} | {_num(r.get('plan_nodes_per_row'), '.2f')} "
-            f"| {_plan_time(r)} | {r['peak_kv_mb']:.0f} |"
+            f"| {_plan_time(r)} | {r['peak_kv_mb']:.0f} | {_store(r.get('memory'))} |"
         )
     for name in result.get("servers", []):
         lines.append(
@@ -370,6 +369,12 @@ def table(result: dict) -> str:
             "they are not compared with `hf`'s; its forwards and acceptance are not reported (-)."
         )
     return "\n".join(lines)
+
+
+def _store(memory: dict | None) -> str:
+    if not memory:
+        return "-"
+    return f"{memory['prefix_store_mb']:.0f} of {memory['prefix_store_cap_mb']:.0f} ({memory['prefix_evictions']})"
 
 
 def _plan_time(row: dict) -> str:
@@ -407,45 +412,57 @@ def plot(result: dict, path: Path) -> bool:
         ax.tick_params(axis="x", rotation=30)
     fig.suptitle(f"{result['task']}, {len(result['problems'])} problems, temperature {result['temperature']}")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=120)
+    except OSError as e:
+        raise output_error(path, e) from None
+    finally:
+        plt.close(fig)
     return True
 
 
 @hydra_command("bench", groups=("task", "search", "decoder", "model"))
 def main(cfg: DictConfig) -> None:
-    try:
-        run_cfg = RunConfig.from_omegaconf(cfg)
-        container = OmegaConf.to_container(cfg, resolve=True)
-        names = list(container["bench"]["decoders"])
-        has_draft = bool((container.get("draft") or {}).get("path"))
-        scale = bool(container["bench"].get("scaling"))
-        if scale:
-            names = list(container["bench"]["scaling_decoders"])
-            trajectories = [as_int("bench.trajectories", n) for n in container["bench"]["trajectories"]]
-            temperatures = [as_float("bench.temperatures", t) for t in container["bench"]["temperatures"]]
-        configs, skipped = decoder_configs(container, names, has_draft, container["bench"].get("variants") or {})
-        target = load_model(run_cfg.model)
-        draft_spec = next((c.draft for c in configs.values() if c.draft), None)
-        draft = load_draft(draft_spec, target) if draft_spec else None
-        if scale:
-            rows = scaling(run_cfg, configs, target, draft, trajectories, temperatures)
-        else:
-            result = bench(run_cfg, configs, target, draft, concurrency=concurrencies(container, list(configs)))
-    except (ConfigError, DataError, BackendError) as e:
-        fail(str(e).splitlines()[0])
     out = Path(HydraConfig.get().runtime.output_dir)
+    try:
+        with run_lock(out):
+            mismatches = bench_command(cfg, out)
+    except (ConfigError, DataError, BackendError, OutputError) as e:
+        fail(str(e).splitlines()[0])
+    if mismatches:
+        for m in mismatches:
+            print(f"LOSSLESS CHECK FAILED: {m}", file=sys.stderr)
+        sys.exit(1)
+
+
+def bench_command(cfg: DictConfig, out: Path) -> list[str]:
+    """The whole command in its locked folder: runs the entries, prints and writes the table, and
+    returns the lossless check's mismatches. The table is printed before it is written, so a write
+    that fails loses nothing the run measured."""
+    run_cfg = RunConfig.from_omegaconf(cfg)
+    container = OmegaConf.to_container(cfg, resolve=True)
+    names = list(container["bench"]["decoders"])
+    has_draft = bool((container.get("draft") or {}).get("path"))
+    scale = bool(container["bench"].get("scaling"))
     if scale:
-        (out / "scaling.json").write_text(json.dumps(rows, indent=2) + "\n")
+        names = list(container["bench"]["scaling_decoders"])
+        trajectories = [as_int("bench.trajectories", n) for n in container["bench"]["trajectories"]]
+        temperatures = [as_float("bench.temperatures", t) for t in container["bench"]["temperatures"]]
+    configs, skipped = decoder_configs(container, names, has_draft, container["bench"].get("variants") or {})
+    target = load_model(run_cfg.model)
+    draft_spec = next((c.draft for c in configs.values() if c.draft), None)
+    draft = load_draft(draft_spec, target) if draft_spec else None
+    if scale:
+        rows = scaling(run_cfg, configs, target, draft, trajectories, temperatures)
         text = scaling_table(rows)
-        (out / "scaling.md").write_text(text + "\n")
         print(text)
+        write_atomic(out / "scaling.json", json.dumps(rows, indent=2) + "\n")
+        write_atomic(out / "scaling.md", text + "\n")
         print(f"written to {out}")
-        return
+        return []
+    result = bench(run_cfg, configs, target, draft, concurrency=concurrencies(container, list(configs)))
     result["skipped"] = skipped
-    (out / "bench.json").write_text(json.dumps(result, indent=2) + "\n")
     text = table(result)
-    (out / "bench.md").write_text(text + "\n")
     print(text)
     for r in result["decoders"].values():
         if r["metrics"]:
@@ -453,13 +470,12 @@ def main(cfg: DictConfig) -> None:
     print(f"process peak memory {result['process_peak_rss_mb']:.0f} MB (all decoders, one process)")
     if skipped:
         print(f"skipped {', '.join(skipped)}: they need a draft model (draft.path=...)")
+    write_atomic(out / "bench.json", json.dumps(result, indent=2) + "\n")
+    write_atomic(out / "bench.md", text + "\n")
     if plot(result, out / "bench.png"):
         print(f"plot: {out / 'bench.png'}")
     print(f"written to {out}")
-    if result["mismatches"]:
-        for m in result["mismatches"]:
-            print(f"LOSSLESS CHECK FAILED: {m}", file=sys.stderr)
-        sys.exit(1)
+    return result["mismatches"]
 
 
 if __name__ == "__main__":

@@ -11,7 +11,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
+
+from decoding.core.errors import OutputError
+from tot.output import write_atomic
+from tot.results import summarize, unique_records
+from tot.saved import read_records
 
 COLUMNS = (
     "run",
@@ -28,19 +34,36 @@ COLUMNS = (
 )
 
 
-def collect(root: Path) -> list[dict]:
+def collect(root: Path, report: Callable[[str], None] = print) -> list[dict]:
     rows = []
     for path in sorted(root.rglob("summary.json")):
         s = json.loads(path.read_text())
+        run = str(path.parent.relative_to(root)) or "."
+        dropped = drop_duplicates(path.parent, s)
+        if dropped:
+            report(
+                f"{run}: {len(dropped)} problem(s) written twice by two runs at once ({', '.join(dropped[:5])}"
+                f"{', ...' if len(dropped) > 5 else ''}): counted once"
+            )
         rows.append(
             {
-                "run": str(path.parent.relative_to(root)) or ".",
+                "run": run,
                 **{k: s.get(k) for k in COLUMNS[1:]},
                 "n_correct": s.get("n_correct", 0),
                 "model": s.get("model"),
             }
         )
     return rows
+
+
+def drop_duplicates(run_dir: Path, summary: dict) -> list[str]:
+    """A folder two runs wrote at once (before runs locked their folders) holds some problems twice:
+    `summary` is recomputed in place from the first record of each, and the duplicated ids returned."""
+    records = read_records(run_dir)
+    kept, dropped = unique_records(records)
+    if dropped:
+        summary.update(summarize(kept, summary))
+    return dropped
 
 
 def combine(rows: list[dict]) -> list[dict]:
@@ -112,9 +135,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     combined = combine(rows)
     text = markdown(rows) + "\n\nCombined by task, search, decoder and model:\n\n" + markdown(combined)
-    (args.root / "collected.md").write_text(text + "\n")
-    (args.root / "collected.json").write_text(json.dumps({"runs": rows, "combined": combined}, indent=2) + "\n")
     print(text)
+    try:
+        write_atomic(args.root / "collected.md", text + "\n")
+        write_atomic(args.root / "collected.json", json.dumps({"runs": rows, "combined": combined}, indent=2) + "\n")
+    except OutputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -20,7 +20,8 @@ from pathlib import Path
 from tasks import DataSpec, Problem, Task, make_task
 from tasks.base import DataError
 from tot.dvts import choose, final_states
-from tot.results import answer_fields, summarize, write_atomic
+from tot.output import write_atomic
+from tot.results import answer_fields, summarize
 from tot.saved import ShowError, read_json, read_records, read_tree, tree_file
 from tot.tree import ReasoningTree
 

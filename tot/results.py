@@ -1,17 +1,23 @@
 """Run outputs: results.jsonl appended per finished problem, summary.json, trees/<id>.json.
 
 A problem counts as done once its line is in results.jsonl; a line cut short by a kill is dropped
-on the next start, so a rerun in the same directory neither loses nor repeats a problem.
+on the next start, so a rerun in the same directory neither loses nor repeats a problem. A folder
+that two runs wrote at once (before runs locked their folders, tot/lock.py) holds some problems
+twice: the first record of each is kept, and the others are reported and dropped.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 
 from decoding.core.values import DecodeStats
 from tasks.base import Problem, Task
+from tot.output import append_line, write_atomic
+
+log = logging.getLogger(__name__)
 
 
 class ResultStore:
@@ -19,6 +25,7 @@ class ResultStore:
         self.out_dir = out_dir
         self.path = out_dir / "results.jsonl"
         self.records: list[dict] = []
+        self.duplicates: list[str] = []  # problem ids found more than once (and dropped)
         if self.path.exists():
             self._load()
 
@@ -33,17 +40,24 @@ class ResultStore:
             if line.endswith("\n") and isinstance(rec, dict) and "id" in rec:
                 good.append(line)
                 self.records.append(rec)
+        self.records, self.duplicates = unique_records(self.records)
+        if self.duplicates:
+            log.warning(
+                "%s holds %d problem(s) twice (%s), written by two runs at once: the first record of each is kept",
+                self.path,
+                len(self.duplicates),
+                ", ".join(self.duplicates[:5]) + (", ..." if len(self.duplicates) > 5 else ""),
+            )
+            good = [json.dumps(r) + "\n" for r in self.records]
         if "".join(good) != raw:
-            self.path.write_text("".join(good), encoding="utf-8")
+            write_atomic(self.path, "".join(good))
 
     @property
     def done(self) -> set[str]:
         return {r["id"] for r in self.records}
 
     def append(self, record: dict) -> None:
-        with self.path.open("a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
-            f.flush()
+        append_line(self.path, json.dumps(record))
         self.records.append(record)
 
     def tree_path(self, problem_id: str) -> Path:
@@ -127,8 +141,14 @@ def _accuracy_by(records: list[dict]) -> dict[str, float]:
     return {rule: sum(v) / len(v) for rule, v in hits.items()}
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write through a temporary file and rename it, so a reader never sees half a file."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)
+def unique_records(records: list[dict]) -> tuple[list[dict], list[str]]:
+    """The first record of each problem id, and the ids that had more than one."""
+    seen: set[str] = set()
+    kept, dropped = [], []
+    for r in records:
+        if r["id"] in seen:
+            dropped.append(r["id"])
+        else:
+            seen.add(r["id"])
+            kept.append(r)
+    return kept, sorted(set(dropped))

@@ -19,7 +19,9 @@ from decoding.engine import Engine
 from decoding.server import ServerEngine
 from tasks import Problem, Task, make_task
 from tot.config import RunConfig
-from tot.results import ResultStore, answer_fields, summarize, write_atomic
+from tot.lock import run_lock
+from tot.output import make_dirs, write_atomic
+from tot.results import ResultStore, answer_fields, summarize
 from tot.search import GenerationEngine, Search, request_seed, run_sync
 from tot.searches import SEARCHES
 
@@ -27,8 +29,14 @@ log = logging.getLogger(__name__)
 
 
 def run(cfg: RunConfig, out_dir: Path, engine: GenerationEngine | None = None, progress: bool = True) -> dict:
-    """Run (or resume) every selected problem into out_dir and return the summary."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+    """Run (or resume) every selected problem into out_dir and return the summary; the folder is
+    this run's alone while it runs (tot/lock.py)."""
+    make_dirs(out_dir)
+    with run_lock(out_dir):
+        return _run(cfg, out_dir, engine, progress)
+
+
+def _run(cfg: RunConfig, out_dir: Path, engine: GenerationEngine | None, progress: bool) -> dict:
     task = build_task(cfg)
     problems = task.load(cfg.data)
     store = ResultStore(out_dir)
@@ -76,6 +84,8 @@ def run(cfg: RunConfig, out_dir: Path, engine: GenerationEngine | None = None, p
             )
             clock[0] = now
             summary = summarize([r for r in store.records if r["id"] in selected], header)
+            if isinstance(engine, Engine):
+                summary["memory"] = engine.memory()
             write_atomic(out_dir / "summary.json", json.dumps(summary, indent=2))
             bar.update()
             bar.set_postfix(acc=f"{summary['accuracy']:.2f}", tok_s=f"{summary['tokens_per_s']:.1f}")
@@ -85,6 +95,8 @@ def run(cfg: RunConfig, out_dir: Path, engine: GenerationEngine | None = None, p
         finally:
             bar.close()  # before any error line is printed
     summary = summarize([r for r in store.records if r["id"] in selected], header)
+    if isinstance(engine, Engine):
+        summary["memory"] = engine.memory()  # where the memory went: decoding/core/memory.py
     write_atomic(out_dir / "summary.json", json.dumps(summary, indent=2))
     return summary
 

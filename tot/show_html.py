@@ -13,7 +13,7 @@ import json
 from importlib import resources
 from pathlib import Path
 
-from tot.results import write_atomic
+from tot.output import write_atomic
 from tot.saved import SavedTree, ShowError, read_json
 
 # Record fields shown beside each tree (the rest of a record is the decode statistics per phase).

@@ -8,12 +8,12 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from decoding.cli import fail, hydra_command
-from decoding.core.errors import BackendError
+from decoding.core.errors import BackendError, OutputError
 from tasks.base import DataError
 from tot.config import ConfigError, RunConfig
 from tot.run import run, summary_line
 
-USER_ERRORS = (ConfigError, DataError, BackendError)
+USER_ERRORS = (ConfigError, DataError, BackendError, OutputError)
 GROUPS = ("task", "search", "decoder", "model")
 
 

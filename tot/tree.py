@@ -7,7 +7,7 @@ from pathlib import Path
 
 import networkx as nx
 
-from tot.results import write_atomic
+from tot.output import make_dirs, write_atomic
 
 
 class ReasoningTree:
@@ -54,5 +54,5 @@ class ReasoningTree:
         return tree
 
     def save(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        make_dirs(path.parent)
         write_atomic(path, json.dumps(self.to_dict(), indent=1))

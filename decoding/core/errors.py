@@ -7,3 +7,8 @@ class BackendError(ValueError):
 
 class ConfigError(ValueError):
     """A config value the user must change; the message names the key and the fix."""
+
+
+class OutputError(ValueError):
+    """An output that cannot be written (no space, no permission, a folder another run holds); the
+    message names the path and what to do, and what was written before it stays valid."""

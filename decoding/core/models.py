@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 import logging
 import os
+import shutil
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -15,6 +16,8 @@ import torch
 
 from decoding.core import attention, kernels
 from decoding.core.errors import BackendError
+from decoding.core.memory import MemoryBudget
+from decoding.core.model_files import check_checkpoint, check_gguf
 from decoding.core.options import from_dict
 from decoding.core.prepack import prepack_linears
 from decoding.core.quant import check_types, quantize_from_gguf
@@ -43,6 +46,8 @@ class ModelSpec:
     key: str = "model"  # the config namespace (model or draft), for error messages
     vocab: int | None = None  # draft.vocab: an EDD drafts over its corpus's `vocab` most frequent tokens
     prepack: bool = True  # weights=float32 on CPU: linear layers get a prepacked copy (decoding/core/prepack.py)
+    prefix_memory: float = 0.25  # share of the memory available at load for stored prefixes (decoding/core/memory.py)
+    prefix_memory_mb: int | None = None  # a fixed size instead
 
     @classmethod
     def from_config(cls, values: Mapping[str, Any], key: str = "model") -> ModelSpec:
@@ -52,6 +57,12 @@ class ModelSpec:
     def __post_init__(self) -> None:
         if not isinstance(self.prepack, bool):
             raise BackendError(f"{self.key}.prepack={self.prepack!r} must be true or false")
+        if not 0 < self.prefix_memory <= 1:
+            raise BackendError(f"{self.key}.prefix_memory={self.prefix_memory} must be a share in (0, 1], e.g. 0.25")
+        if self.prefix_memory_mb is not None and self.prefix_memory_mb < 1:
+            raise BackendError(
+                f"{self.key}.prefix_memory_mb={self.prefix_memory_mb} must be a positive size in MB (null: the share)"
+            )
         if self.vocab is not None and (self.path != "edd" or self.vocab < 1):
             raise BackendError(
                 f"{self.key}.vocab={self.vocab}: a draft vocabulary is a positive number of tokens for "
@@ -75,6 +86,8 @@ class LoadedModel:
     use_chat_template: bool
     source: str
     name: str = ""  # the model.path it was loaded from (what the EDD cache is keyed by)
+    # What every engine on this model may keep of stored prefixes, together (None: 4 GiB per runner).
+    prefix_budget: MemoryBudget | None = None
 
 
 def cache_root() -> Path:
@@ -167,7 +180,13 @@ def load_model(spec: ModelSpec) -> LoadedModel:
         ) from e
     done = prepare_for_inference(model, device, weights, attn, gguf, spec.prepack)
     log.info("loaded %s in %.1fs on %s (%s)", source, time.perf_counter() - t0, device, done)
-    return LoadedModel(model, tokenizer, device, _use_chat_template(spec, tokenizer), str(source), spec.path)
+    budget = (
+        MemoryBudget(spec.prefix_memory_mb << 20)
+        if spec.prefix_memory_mb is not None
+        else MemoryBudget.share(spec.prefix_memory, device)
+    )
+    use_chat = _use_chat_template(spec, tokenizer)
+    return LoadedModel(model, tokenizer, device, use_chat, str(source), spec.path, budget)
 
 
 def load_tokenizer(spec: ModelSpec) -> tuple[object, bool]:
@@ -205,10 +224,20 @@ def _checkpoint_dir(spec: ModelSpec) -> tuple[str, Path | None]:
         if not gguf.is_file():
             raise BackendError(f"{spec.key}.path={spec.path} does not exist; give an existing .gguf file")
     else:
+        folder = Path(spec.path).expanduser()
+        if folder.is_dir():
+            check_checkpoint(folder, spec.key)
         return spec.path, None
+    check_gguf(gguf, spec.key)
     check_types(gguf, spec.key)
     cache = Path(spec.cache_dir).expanduser() if spec.cache_dir else default_cache_dir()
     target = cache / gguf.stem
+    if (target / "config.json").is_file():
+        try:
+            check_checkpoint(target, spec.key)
+        except BackendError as e:  # a conversion the project wrote and something broke since: redo it
+            log.warning("the converted checkpoint is broken (%s); converting %s again", e, gguf.name)
+            shutil.rmtree(target)
     if not (target / "config.json").is_file():
         _convert_gguf(gguf, target)
     return str(target), gguf
@@ -254,6 +283,13 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
     plain.load_state_dict(loaded.state_dict())
     plain.generation_config = loaded.generation_config
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-    plain.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    tmp.rename(target)
+    try:
+        plain.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        tmp.rename(target)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise BackendError(
+            f"converting {gguf.name} into {target} failed ({e.strerror or e}); free space there or set "
+            "model.cache_dir to a writable folder with room, then run again"
+        ) from None

@@ -3,17 +3,24 @@
 The KV of a sequence's first n tokens is its cache up to n (attention is causal, and the invariant
 forward gives a token the same bits whatever else was computed with it), so a new prompt reuses the
 longest prefix it shares with anything stored (SGLang's RadixAttention, on the CPU). Each edge holds
-its tokens' KV once: eight thoughts of one prompt store the prompt once. Past `max_bytes` the least
-recently used leaves are evicted (the KV is copied into a row on use, so no node is ever in use).
+its tokens' KV once: eight thoughts of one prompt store the prompt once. Past the memory budget
+(decoding/core/memory.py, shared by every store on the model) the least recently used leaves are
+evicted (the KV is copied into a row on use, so no node is ever in use). Leaves wait in a heap by
+last use, so an eviction costs a heap pop, not a walk of the tree.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from dataclasses import dataclass, field
 
 import torch
 
 from decoding.core.kv_cache import RowKVCache
+from decoding.core.memory import MemoryBudget
+
+DEFAULT_BYTES = 4 << 30  # a store built without a budget (tests, tools): its own 4 GiB
 
 
 def shared_len(a: tuple[int, ...], b: tuple[int, ...]) -> int:
@@ -36,7 +43,8 @@ class _Node:
     hidden: torch.Tensor | None  # [len(tokens), hidden size]: the captured layer's output, if kept
     parent: _Node | None = None
     children: dict[int, _Node] = field(default_factory=dict)  # by first token
-    used: int = 0  # the store's clock at the last match or store through this node
+    used: int = 0  # the budget's clock at the last match or store through this node
+    alive: bool = True  # False once evicted
 
     @property
     def nbytes(self) -> int:
@@ -55,24 +63,35 @@ class Match:
 
 
 class PrefixCache:
-    def __init__(self, max_bytes: int = 4 << 30) -> None:
-        self.max_bytes = max_bytes
+    def __init__(self, budget: MemoryBudget | None = None) -> None:
+        self.budget = budget if budget is not None else MemoryBudget(DEFAULT_BYTES)
+        self.budget.stores.add(self)
         self.nbytes = 0
         self.root = _Node((), [], [], None)
-        self.clock = 0
+        self.nodes = 0
+        # (last use, order, node) for leaves; an entry is stale once its node was used again,
+        # got a child or was evicted, and is skipped when it reaches the top.
+        self._leaves: list[tuple[int, int, _Node]] = []
+        self._order = itertools.count()
+
+    @property
+    def max_bytes(self) -> int:
+        return self.budget.max_bytes
 
     def match(self, tokens: tuple[int, ...] | list[int]) -> Match:
         """The longest stored prefix of `tokens` (possibly ending inside an edge)."""
         tokens, node, i, path = tuple(tokens), self.root, 0, []
-        self.clock += 1
+        clock = self.budget.tick()
         while i < len(tokens) and (child := node.children.get(tokens[i])) is not None:
             n = shared_len(child.tokens, tokens[i:])
             path.append((child, n))
-            child.used = self.clock
+            child.used = clock
             i += n
             if n < len(child.tokens):
                 break
             node = child
+        if path and not path[-1][0].children:
+            self._push(path[-1][0])
         return Match(tuple(path))
 
     def restore(self, match: Match, cache: RowKVCache, row: int, start: int, end: int) -> torch.Tensor | None:
@@ -119,14 +138,15 @@ class PrefixCache:
             [part(v) for v in cache.values],
             None if hidden is None else hidden[done:n].clone(),
             parent=node,
-            used=self.clock,
+            used=self.budget.clock,
         )
         if leaf.nbytes > self.max_bytes:
             return
         node.children[leaf.tokens[0]] = leaf
         self.nbytes += leaf.nbytes
-        while self.nbytes > self.max_bytes:
-            self._evict()
+        self.nodes += 1
+        self._push(leaf)
+        self.budget.make_room()
 
     def sequences(self) -> list[tuple[int, ...]]:
         """The stored sequences: the token path to every leaf."""
@@ -161,19 +181,36 @@ class PrefixCache:
         head.children[node.tokens[0]] = node
         node.parent = head
         self.nbytes += head.nbytes + node.nbytes - before
+        self.nodes += 1
         return head
 
-    def _evict(self) -> None:
+    def _push(self, leaf: _Node) -> None:
+        heapq.heappush(self._leaves, (leaf.used, next(self._order), leaf))
+        if len(self._leaves) > 4 * self.nodes + 1024:  # mostly stale entries: keep the live ones
+            self._leaves = [e for e in self._leaves if self._current(e)]
+            heapq.heapify(self._leaves)
+
+    @staticmethod
+    def _current(entry: tuple[int, int, _Node]) -> bool:
+        used, _, node = entry
+        return node.alive and not node.children and node.used == used
+
+    def oldest(self) -> int | None:
+        """The last use of the least recently used leaf (None: nothing stored)."""
+        while self._leaves and not self._current(self._leaves[0]):
+            heapq.heappop(self._leaves)
+        return self._leaves[0][0] if self._leaves else None
+
+    def evict(self) -> None:
         """Drop the least recently used leaf."""
-        leaves = []
-        stack = list(self.root.children.values())
-        while stack:
-            node = stack.pop()
-            if node.children:
-                stack.extend(node.children.values())
-            else:
-                leaves.append(node)
-        leaf = min(leaves, key=lambda x: x.used)
-        assert leaf.parent is not None
-        del leaf.parent.children[leaf.tokens[0]]
+        if self.oldest() is None:
+            return
+        _, _, leaf = heapq.heappop(self._leaves)
+        parent = leaf.parent
+        assert parent is not None
+        del parent.children[leaf.tokens[0]]
+        leaf.alive = False
         self.nbytes -= leaf.nbytes
+        self.nodes -= 1
+        if parent is not self.root and not parent.children:
+            self._push(parent)

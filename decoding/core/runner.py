@@ -10,6 +10,7 @@ import torch
 from decoding.core import attention, llama
 from decoding.core.draft_tree import DraftTree
 from decoding.core.kv_cache import RowKVCache
+from decoding.core.memory import MemoryBudget
 from decoding.core.packing import Packed, pack
 from decoding.core.prefix_cache import Match, PrefixCache, shared_len
 
@@ -32,7 +33,7 @@ class ModelRunner:
     positions are the row's committed length plus depth.
     """
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, prefix_budget: MemoryBudget | None = None) -> None:
         self.model = model
         self.config = model.config
         self.device = next(model.parameters()).device
@@ -46,7 +47,7 @@ class ModelRunner:
         self.prompt_tokens_computed = 0  # prompt tokens `admit` computed or left pending
         self.peak_cache_bytes = 0
         self.last_score_ms = 0.0  # the latest verification forward's time (`score`)
-        self.prefixes = PrefixCache()
+        self.prefixes = PrefixCache(prefix_budget)  # its own 4 GiB without a budget
         self._sampling_pool: ThreadPoolExecutor | None = None
         # Hidden-state capture for drafters that read them (EDD): off unless capture_hidden is called.
         self.hidden_layer: int | None = None
@@ -59,7 +60,7 @@ class ModelRunner:
         change; stored prefixes (which lack hidden states) are dropped."""
         n = len(decoder_layers(self.model))
         self.hidden_layer = layer % n
-        self.prefixes = PrefixCache(self.prefixes.max_bytes)
+        self.prefixes = PrefixCache(self.prefixes.budget)
 
     def _keep_hidden(self, module: torch.nn.Module, args: object, output: object) -> None:
         self.last_hidden = output[0] if isinstance(output, tuple) else output  # type: ignore[assignment]

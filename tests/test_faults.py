@@ -1,0 +1,147 @@
+"""Faults a run must survive (issue 28): a second run on a folder, a full disk, a refused write.
+
+Each case runs the real command line; write failures are injected at the project's writer
+(tests/fault_run.py), which works as root and without mount rights. Every case asserts one line,
+exit status 2, no traceback, and that what was written before is intact and resumes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_cli import REPO, subprocess_env
+from test_run import FakeEngine, make_config
+
+from decoding.core.errors import OutputError
+from tot.collect import main as collect_main
+from tot.lock import run_lock
+from tot.run import run
+
+SMALL = [
+    "decoder=ar",
+    "data.limit=3",
+    "run.concurrency=1",  # problems finish in order, so the fault lands after the first is written
+    "task.depth=1",
+    "search.n_thoughts=2",
+    "gen.max_thought_tokens=8",
+    "gen.max_eval_tokens=4",
+]
+
+
+def solve(run_dir: Path, fault: tuple[str, str, int] | None = None) -> subprocess.CompletedProcess:
+    """tot.solve on the embedded model, small; with `fault` = (errno name, file pattern, nth open)."""
+    head = [str(REPO / "tests" / "fault_run.py"), *map(str, fault)] if fault else ["-m"]
+    cmd = [sys.executable, *head, "tot.solve", *SMALL, f"hydra.run.dir={run_dir}"]
+    return subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+
+
+def one_error_line(proc: subprocess.CompletedProcess) -> str:
+    report = f"exit {proc.returncode}\nstdout:\n{proc.stdout[-2000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 2, report
+    assert "Traceback" not in proc.stderr, report
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, report
+    return errors[0]
+
+
+def records(run_dir: Path) -> list[dict]:
+    text = (run_dir / "results.jsonl").read_text()
+    assert text == "" or text.endswith("\n")  # every line whole
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def check_intact_and_resumes(run_dir: Path, done: int) -> None:
+    """What the failed run wrote is valid (`done` problems, no temporary files), and a rerun finishes
+    the rest without running those again."""
+    before = records(run_dir)
+    assert len(before) == done
+    assert not list(run_dir.rglob("*.tmp"))
+    if (run_dir / "summary.json").exists():
+        assert json.loads((run_dir / "summary.json").read_text())["n_problems"] <= done
+    for r in before:
+        json.loads((run_dir / "trees" / f"{r['id']}.json").read_text())
+    proc = solve(run_dir)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    after = records(run_dir)
+    assert after[:done] == before  # kept as they were, not run again
+    assert len({r["id"] for r in after}) == len(after) == 3
+    assert json.loads((run_dir / "summary.json").read_text())["n_problems"] == 3
+
+
+def test_no_space_while_writing_a_tree(tmp_path):
+    run_dir = tmp_path / "run"
+    line = one_error_line(solve(run_dir, ("ENOSPC", "bundled-2.json.tmp", 1)))
+    assert line.startswith(f"error: no space left on the device writing {run_dir / 'trees' / 'bundled-2.json'};")
+    assert "free space there" in line and "rerun the same command" in line
+    check_intact_and_resumes(run_dir, done=1)
+
+
+def test_no_space_halfway_through_a_result_line(tmp_path):
+    run_dir = tmp_path / "run"
+    line = one_error_line(solve(run_dir, ("ENOSPC", "results.jsonl", 2)))
+    assert line.startswith(f"error: no space left on the device writing {run_dir / 'results.jsonl'};")
+    check_intact_and_resumes(run_dir, done=1)  # the half line was cut back off
+
+
+def test_permission_refused(tmp_path):
+    run_dir = tmp_path / "run"
+    line = one_error_line(solve(run_dir, ("EACCES", "summary.json.tmp", 1)))
+    assert line.startswith(f"error: permission denied writing {run_dir / 'summary.json'}; make {run_dir} writable")
+    check_intact_and_resumes(run_dir, done=1)
+
+
+def test_a_second_run_on_a_held_folder_stops_at_once(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "results.jsonl").write_text("")
+    with run_lock(run_dir):  # this test process is the first run
+        line = one_error_line(solve(run_dir))
+    assert line.startswith(f"error: {run_dir} is in use by another run (host ")
+    assert f"pid {os.getpid()}," in line and "hydra.run.dir=" in line
+    assert (run_dir / "results.jsonl").read_text() == ""  # the second run wrote nothing
+
+
+def test_a_killed_run_leaves_no_stale_lock(tmp_path):
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import time; from pathlib import Path; from tot.lock import run_lock\n"
+            f"with run_lock(Path({str(tmp_path)!r})):\n    print('held', flush=True); time.sleep(600)",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdout.readline().strip() == "held"
+    with pytest.raises(OutputError, match=f"pid {holder.pid},"), run_lock(tmp_path):
+        pass
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    with run_lock(tmp_path):  # the kernel let go of the dead run's lock
+        pass
+
+
+def test_problems_written_twice_are_counted_once(tmp_path, capsys):
+    """A folder two runs wrote at once before the lock existed: collect and a resumed run count
+    each problem once and say which were doubled."""
+    out = tmp_path / "old-run"
+    run(make_config("data.limit=3"), out, engine=FakeEngine(), progress=False)
+    results = out / "results.jsonl"
+    lines = results.read_text().splitlines(keepends=True)
+    results.write_text("".join(lines + lines[:2]))  # the other run's copies of two problems
+    summary = json.loads((out / "summary.json").read_text())
+    summary["n_problems"] = 5
+    (out / "summary.json").write_text(json.dumps(summary))
+    assert collect_main([str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "old-run: 2 problem(s) written twice by two runs at once (bundled-1, bundled-2): counted once" in printed
+    assert json.loads((tmp_path / "collected.json").read_text())["runs"][0]["n_problems"] == 3
+    counting = FakeEngine()
+    assert run(make_config("data.limit=3"), out, engine=counting, progress=False)["n_problems"] == 3
+    assert counting.calls == 0 and results.read_text() == "".join(lines)

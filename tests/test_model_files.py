@@ -1,0 +1,142 @@
+"""Broken model files (issue 28): a GGUF cut short or foreign, a checkpoint folder with a weight file
+cut short or missing, a conversion killed halfway. Each is one line naming the file and what is
+wrong (a cut file: its size against the size its header promises), exit 2, no traceback; a broken
+conversion is never loaded."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from test_cli import REPO, save_tiny_checkpoint, solve_cmd, subprocess_env
+
+from decoding.core import models
+from decoding.core.errors import BackendError
+from decoding.core.model_files import check_checkpoint, check_gguf, gguf_size
+from decoding.core.models import ModelSpec, embedded_file
+
+CUT = 30 * 2**20  # a download stopped at 30 MB
+
+
+@pytest.fixture(scope="module")
+def gguf() -> Path:
+    return embedded_file("smollm2-135m")
+
+
+def cut_copy(src: Path, dst: Path, size: int) -> Path:
+    with src.open("rb") as f:
+        dst.write_bytes(f.read(size))
+    return dst
+
+
+def test_a_whole_gguf_promises_its_own_size(gguf):
+    assert gguf_size(gguf) == gguf.stat().st_size
+    check_gguf(gguf)
+
+
+def test_gguf_faults(gguf, tmp_path):
+    size = gguf.stat().st_size
+    cut = cut_copy(gguf, tmp_path / "cut.gguf", CUT)
+    with pytest.raises(BackendError, match=rf"cut\.gguf is cut short: {CUT} bytes where its header promises {size};"):
+        check_gguf(cut)
+    head = cut_copy(gguf, tmp_path / "head.gguf", 4096)  # inside the vocabulary
+    with pytest.raises(BackendError, match=r"head\.gguf is cut short inside its header \(4096 bytes\)"):
+        check_gguf(head)
+    foreign = tmp_path / "foreign.gguf"
+    foreign.write_text("<html>404 Not Found</html>")
+    with pytest.raises(BackendError, match=r"foreign\.gguf is not a GGUF file \(it starts with b'<htm'"):
+        check_gguf(foreign)
+
+
+def test_checkpoint_faults(tiny_model, tokenizer, tmp_path):
+    folder = save_tiny_checkpoint(tmp_path / "tiny", tiny_model, tokenizer)
+    check_checkpoint(folder, "model")
+    weights = folder / "model.safetensors"
+    size = weights.stat().st_size
+    cut_copy(weights, tmp_path / "w", size // 2)
+    (tmp_path / "w").replace(weights)
+    with pytest.raises(BackendError, match=rf"model\.safetensors is cut short: {size // 2} bytes .* promises {size};"):
+        check_checkpoint(folder, "model")
+    weights.unlink()
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}})
+    )
+    with pytest.raises(BackendError, match=r"is missing model-00001-of-00002.safetensors, model-00002-of-00002"):
+        check_checkpoint(folder, "model")
+
+
+def test_broken_model_files_through_the_cli(gguf, tiny_model, tokenizer, tmp_path):
+    cut = cut_copy(gguf, tmp_path / "cut.gguf", CUT)
+    foreign = tmp_path / "foreign.gguf"
+    foreign.write_bytes(b"PK\x03\x04 a zip file, not a model")
+    folder = save_tiny_checkpoint(tmp_path / "tiny", tiny_model, tokenizer)
+    weights = folder / "model.safetensors"
+    full = weights.stat().st_size
+    os.truncate(weights, full - 1000)
+    cases = {
+        cut: f"model.path={cut} is cut short: {CUT} bytes where its header promises {gguf.stat().st_size}",
+        foreign: f"model.path={foreign} is not a GGUF file (it starts with b'PK\\x03\\x04'",
+        folder: f"{weights} is cut short: {full - 1000} bytes where its header promises {full}",
+    }
+
+    def launch(path: Path) -> subprocess.CompletedProcess:
+        cmd = solve_cmd(f"model.path={path}", "data.limit=1", f"hydra.run.dir={tmp_path / 'runs' / path.name}")
+        return subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        procs = dict(zip(cases, pool.map(launch, cases)))
+    for path, expected in cases.items():
+        proc = procs[path]
+        report = f"{path}: exit {proc.returncode}\nstderr:\n{proc.stderr[-3000:]}"
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, report
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and expected in errors[0], report
+
+
+KILL_HALFWAY = """
+import os, signal
+from pathlib import Path
+from transformers import PreTrainedTokenizerBase
+from decoding.core.models import ModelSpec, _checkpoint_dir
+
+def killed(self, *args, **kwargs):  # the weights are written, the tokenizer never is
+    os.kill(os.getpid(), signal.SIGKILL)
+
+PreTrainedTokenizerBase.save_pretrained = killed
+_checkpoint_dir(ModelSpec("smollm2-135m", cache_dir={cache!r}))
+"""
+
+
+def test_a_conversion_killed_halfway_is_never_loaded(tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    proc = subprocess.run(
+        [sys.executable, "-c", KILL_HALFWAY.format(cache=str(cache))], cwd=REPO, env=subprocess_env(), timeout=600
+    )
+    assert proc.returncode == -9
+    target = cache / "SmolLM2-135M-Instruct.Q4_1"
+    half = [p for p in cache.iterdir() if p.name.startswith(target.name + ".tmp")]
+    assert half and (half[0] / "model.safetensors").is_file() and not target.exists()
+
+    converted: list[Path] = []
+
+    def convert(gguf: Path, to: Path) -> None:  # stands for the real conversion (about 30 s)
+        converted.append(to)
+        raise BackendError("converted again")
+
+    monkeypatch.setattr(models, "_convert_gguf", convert)
+    with pytest.raises(BackendError, match="converted again"):
+        models._checkpoint_dir(ModelSpec("smollm2-135m", cache_dir=str(cache)))
+    assert converted == [target]  # the second run converts again rather than load the half
+    # A finished conversion broken since (a weight file cut short) is converted again too.
+    half[0].rename(target)
+    (target / "config.json").write_text("{}")
+    weights = target / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size // 2)
+    with pytest.raises(BackendError, match="converted again"):
+        models._checkpoint_dir(ModelSpec("smollm2-135m", cache_dir=str(cache)))
+    assert converted == [target, target] and not target.exists()
