@@ -33,10 +33,10 @@ SMALL = [
 ]
 
 
-def solve(run_dir: Path, fault: tuple[str, str, int] | None = None) -> subprocess.CompletedProcess:
+def solve(run_dir: Path, fault: tuple[str, str, int] | None = None, *more: str) -> subprocess.CompletedProcess:
     """tot.solve on the embedded model, small; with `fault` = (errno name, file pattern, nth open)."""
     head = [str(REPO / "tests" / "fault_run.py"), *map(str, fault)] if fault else ["-m"]
-    cmd = [sys.executable, *head, "tot.solve", *SMALL, f"hydra.run.dir={run_dir}"]
+    cmd = [sys.executable, *head, "tot.solve", *SMALL, *more, f"hydra.run.dir={run_dir}"]
     return subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=600)
 
 
@@ -125,6 +125,19 @@ def test_a_killed_run_leaves_no_stale_lock(tmp_path):
     holder.wait()
     with run_lock(tmp_path):  # the kernel let go of the dead run's lock
         pass
+
+
+def test_a_small_prefix_store_stays_under_its_cap(tmp_path):
+    """model.prefix_memory_mb small enough to be reached by three problems: every problem's record
+    shows the stored prefixes under the cap, the summary the evictions that kept them there."""
+    run_dir = tmp_path / "run"
+    proc = solve(run_dir, None, "model.prefix_memory_mb=8")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for r in records(run_dir):
+        assert 0 < r["memory"]["prefix_store_mb"] <= r["memory"]["prefix_store_cap_mb"] == 8
+    memory = json.loads((run_dir / "summary.json").read_text())["memory"]
+    assert memory["prefix_evictions"] > 0 and memory["prefix_store_mb"] <= 8
+    assert memory["kv_pool_mb"] > 0 and memory["peak_rss_mb"] >= memory["rss_mb"] > 0
 
 
 def test_problems_written_twice_are_counted_once(tmp_path, capsys):

@@ -80,6 +80,9 @@ def _run(cfg: RunConfig, out_dir: Path, engine: GenerationEngine | None, progres
                     # run's wall time, whatever the concurrency.
                     "wall_share_s": now - clock[0],
                     "phases": phases,
+                    # Where memory stood when the problem finished: over a run, the curves of the
+                    # stored prefixes, the KV pool and resident memory (decoding/core/memory.py).
+                    **({"memory": engine.memory()} if isinstance(engine, Engine) else {}),
                 }
             )
             clock[0] = now
