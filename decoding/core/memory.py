@@ -63,7 +63,7 @@ class MemoryBudget:
     max_bytes: int
     clock: int = 0  # one clock for every store, so "least recently used" compares across them
     evictions: int = 0
-    stores: weakref.WeakSet = field(default_factory=weakref.WeakSet)
+    stores: weakref.WeakSet[Store] = field(default_factory=weakref.WeakSet)
 
     @classmethod
     def share(cls, fraction: float, device: torch.device) -> MemoryBudget:
@@ -84,7 +84,7 @@ class MemoryBudget:
             ages = [(age, i, s) for i, s in enumerate(self.stores) if (age := s.oldest()) is not None]
             if not ages:
                 return
-            _, _, store = min(ages, key=lambda a: (a[0], a[1]))
+            _, _, store = min(ages)  # the index breaks ties: stores themselves are never compared
             before = store.nbytes
             store.evict()
             self.evictions += 1
