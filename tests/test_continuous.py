@@ -13,6 +13,7 @@ from test_decoders import EOS_ID, encode, reference_greedy
 from decoding.config import DecoderConfig
 from decoding.core.models import ModelSpec
 from decoding.core.values import GenRequest
+from decoding.drafters.draft_model import ModelDrafter
 from decoding.engine import Engine, apportion
 from decoding.kinds import DECODERS
 from tasks.base import Problem
@@ -60,6 +61,33 @@ def test_rows_join_and_leave_mid_decode(name, tiny_model, tokenizer, loaded, per
         reused = [r for i, (e, r) in enumerate(log) if e == "admitted" and ("done", r) in log[:i]]
         assert reused, "no row was reused after its sequence left"
         assert decoder.rounds.size < len(seqs)  # the pool holds fewer rows than sequences seen
+
+
+@pytest.mark.parametrize("name", [n for n, kind in DECODERS.items() if kind.schedule in ("batch", "seed")])
+def test_the_pool_gives_memory_back_after_a_burst(name, tiny_model, tokenizer, loaded, perturbed):
+    """A long sequence decodes on while a burst of ten short ones with long prompts comes and goes:
+    once they left, the KV pool (and a draft model's) shrinks to the one live row and the positions it
+    needs, and the long sequence's tokens are still `transformers`' (its row moved intact)."""
+    long_spec = ("a", 25)
+    burst = [(f"the dog sat on the mat number {i} and the cat sat on the dog", 2) for i in range(10)]
+    refs = [reference_greedy(tiny_model, encode(tokenizer, p), m, {EOS_ID}) for p, m in [long_spec, *burst]]
+    engine = engine_for(name, loaded, perturbed)
+    decoder = engine.decoder
+    seqs = [engine._sequence(GenRequest(p, max_new_tokens=m)) for p, m in [long_spec, *burst]]
+    decoder.admit(seqs[:1])
+    decoder.step()
+    decoder.admit(seqs[1:])
+    decoder.step()
+    widest = decoder.cache.nbytes
+    shrunk = []
+    while decoder.busy:
+        decoder.step()
+        shrunk.append(decoder.live == 1 and decoder.cache.batch == 1 and decoder.cache.nbytes * 4 < widest)
+    assert [s.generated for s in seqs] == refs
+    assert any(shrunk), "the pool kept the burst's rows after it left"
+    assert decoder.cache.nbytes == 0  # nothing live at the end: everything went back
+    if isinstance(decoder.drafter, ModelDrafter):
+        assert decoder.drafter.cache.nbytes == 0
 
 
 @pytest.mark.parametrize("name", ["ar", "seed_stand", "sd"])

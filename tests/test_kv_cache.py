@@ -260,3 +260,22 @@ def test_capacity_overflow_raises(target):
 
 def test_cache_geometry(tiny_model):
     assert cache_geometry(tiny_model.config) == (2, 2, 16)
+
+
+@pytest.mark.parametrize("by_position", [False, True])
+def test_give_back_keeps_what_fits_and_only_far_past_need(by_position):
+    """A pool shrinks only once it holds more than `slack` times what is asked (so a pool swinging
+    between wide and narrow steps is not copied each time), and then keeps the kept rows' entries."""
+    cache = RowKVCache(2, 8, 2, 4, 32, torch.float32, "cpu", keys_by_position=by_position)
+    for t in cache.keys + cache.values:
+        t.copy_(torch.randn(t.shape))
+    cache.advance(torch.tensor([5, 3, 0, 0, 0, 0, 0, 0]))
+    before = [t[:2, :, :10].clone() for t in cache.keys + cache.values]
+    assert not cache.give_back(4, 16)  # a quarter of the pool: within the slack of 4
+    assert cache.give_back(2, 10)
+    assert (cache.batch, cache.capacity) == (2, 10)
+    assert cache.lens.tolist() == [5, 3]
+    assert all(torch.equal(t, b) for t, b in zip(cache.keys + cache.values, before))
+    assert (cache.keys[0].stride(2) == 1) == by_position  # the layout the attention reads stays
+    cache.reserve(3, 12)  # and it grows again as before
+    assert (cache.batch, cache.capacity, cache.lens.tolist()) == (3, 12, [5, 3, 0])

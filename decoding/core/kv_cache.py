@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+POOL_SLACK = 4.0  # a pool gives memory back once it holds this many times what its live rows need
+
 
 class RowKVCache:
     """Keys/values [B, H_kv, capacity, D] per layer, with a committed length per row.
@@ -163,21 +165,40 @@ class RowKVCache:
         stored: a pool of rows that sequences join and leave (the new rows are empty)."""
         if batch <= self.batch and capacity <= self.capacity:
             return
-        batch, capacity = max(batch, self.batch), max(capacity, self.capacity)
-        b, c = self.batch, self.capacity
+        self._resize(max(batch, self.batch), max(capacity, self.capacity))
 
-        def grown(t: torch.Tensor) -> torch.Tensor:
+    def give_back(self, batch: int, capacity: int, slack: float = POOL_SLACK) -> bool:
+        """Shrink to `batch` rows of `capacity` positions when the pool holds more than `slack` times
+        that; whether it shrank. The caller vouches that no row past `batch` is in use and that no
+        live row needs more positions. A slack well above 1 keeps a pool that swings between a wide
+        step and a narrow one (ToT's thoughts, then its evaluations) from being copied every step."""
+        if batch >= self.batch and capacity >= self.capacity:
+            return False
+        if self.nbytes <= slack * self._bytes_for(batch, capacity):
+            return False
+        self._resize(min(batch, self.batch), min(capacity, self.capacity))
+        return True
+
+    def _bytes_for(self, batch: int, capacity: int) -> float:
+        return self.nbytes * (batch / max(self.batch, 1)) * (capacity / max(self.capacity, 1))
+
+    def _resize(self, batch: int, capacity: int) -> None:
+        """New tensors of `batch` rows x `capacity` positions holding what fits of the old ones."""
+        b, c = min(batch, self.batch), min(capacity, self.capacity)
+
+        def resized(t: torch.Tensor) -> torch.Tensor:
             if _by_position(t):
                 store = t.new_zeros(batch, t.shape[1], t.shape[3], capacity)
-                store[:b, :, :, :c] = t.transpose(2, 3)
+                store[:b, :, :, :c] = t.transpose(2, 3)[:b, :, :, :c]
                 return store.transpose(2, 3)
             out = t.new_zeros(batch, t.shape[1], capacity, t.shape[3])
-            out[:b, :, :c] = t
+            out[:b, :, :c] = t[:b, :, :c]
             return out
 
-        self.keys = [grown(k) for k in self.keys]
-        self.values = [grown(v) for v in self.values]
-        self.lens = torch.cat([self.lens, self.lens.new_zeros(batch - b)])
+        self.keys = [resized(k) for k in self.keys]
+        self.values = [resized(v) for v in self.values]
+        lens = self.lens[:b]
+        self.lens = torch.cat([lens, lens.new_zeros(batch - b)])
         self._slots = None
         self._rows = None
 

@@ -13,6 +13,7 @@ from decoding.core.kv_cache import RowKVCache
 from decoding.core.memory import MemoryBudget
 from decoding.core.packing import Packed, pack
 from decoding.core.prefix_cache import Match, PrefixCache, shared_len
+from decoding.core.sequence import Sequence
 
 MIN_SHARED_PREFIX = 8  # shorter common prefixes are simply fed with each row
 
@@ -206,10 +207,7 @@ class ModelRunner:
         if shared < MIN_SHARED_PREFIX and not reused.length:
             shared = 0
         capture = self.hidden_layer is not None
-        longest = max(len(p) for p in prompts)
-        # Captured rows verify their first draft with the whole pending part, left-padded, beside
-        # rows far along: their slots then span the widest pending part past the longest row.
-        cache.reserve(max(rows) + 1, longest + room + (longest if capture else 1))
+        cache.reserve(max(rows) + 1, self.row_capacity([len(p) for p in prompts], room))
         self.peak_cache_bytes = max(self.peak_cache_bytes, cache.nbytes)
         done = self._admit_head(cache, rows, head[:shared], reused)
         if capture:
@@ -242,6 +240,24 @@ class ModelRunner:
             if len(rest) > 1:
                 self.prefixes.store(tuple(p[:-1]), cache, row)
         return [p[-1:] for p in prompts]
+
+    def admit_seqs(self, cache: RowKVCache, rows: list[int], seqs: list[Sequence], max_nodes: int) -> list[list[int]]:
+        """`admit` for sequences, with room for their new tokens, a draft tree of `max_nodes` and
+        the bonus token."""
+        return self.admit(cache, rows, [s.prompt for s in seqs], _room(seqs, max_nodes))
+
+    def give_back(self, cache: RowKVCache, rows: int, live: list[Sequence], max_nodes: int) -> None:
+        """Shrink the pool to `rows` rows and what the live sequences need, once it holds far more
+        (a burst of rows, or a long prompt, gone: memory stays bounded over a long run)."""
+        capacity = self.row_capacity([len(s.prompt) for s in live], _room(live, max_nodes)) if live else 0
+        cache.give_back(rows, capacity)
+
+    def row_capacity(self, prompt_lens: list[int], room: int) -> int:
+        """Positions a row of the pool needs while rows with these prompts decode, `room` past each."""
+        longest = max(prompt_lens, default=0)
+        # Captured rows verify their first draft with the whole pending part, left-padded, beside
+        # rows far along: their slots then span the widest pending part past the longest row.
+        return longest + room + (longest if self.hidden_layer is not None else 1)
 
     def _admit_head(self, cache: RowKVCache, rows: list[int], head: tuple[int, ...], reused: Match) -> dict[int, int]:
         """Rows `rows` start with `head`'s KV (computed once past its stored part); their lengths."""
@@ -303,3 +319,8 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     if layers is None:
         raise ValueError(f"{type(model).__name__} has no decoder layer list (get_decoder().layers)")
     return layers
+
+
+def _room(seqs: list[Sequence], max_nodes: int) -> int:
+    """Positions a row needs past its prompt: its new tokens, a draft tree and the bonus token."""
+    return max(s.rule.max_new_tokens for s in seqs) + max_nodes + 1

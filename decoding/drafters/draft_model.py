@@ -58,8 +58,7 @@ class ModelDrafter:
 
     def admit(self, rows: list[int], seqs: list[Sequence]) -> None:
         self.seqs.update(zip(rows, seqs))
-        room = max(s.rule.max_new_tokens for s in seqs) + self.max_nodes + 1
-        self.pending.update(zip(rows, self.model.admit(self.cache, rows, [s.prompt for s in seqs], room)))
+        self.pending.update(zip(rows, self.model.admit_seqs(self.cache, rows, seqs, self.max_nodes)))
 
     def _measure_ratio(self, context: int = 64, repeats: int = 5) -> float:
         """PCT's s_d / s_t on this machine: one forward of each model of one token after `context`."""
@@ -139,3 +138,5 @@ class ModelDrafter:
         for i in rows:
             del self.seqs[i], self.pending[i]
             self.drafted.pop(i, None)
+        # Rows past the highest live one, and positions no live row needs, go back.
+        self.model.give_back(self.cache, max(self.seqs, default=-1) + 1, list(self.seqs.values()), self.max_nodes)

@@ -140,6 +140,18 @@ class Rounds:
             for row in rows:
                 heapq.heappush(self.free, row)
 
+    def trim(self) -> int:
+        """Drop the free rows at the top of the pool's numbering (rows are handed out lowest first,
+        so live rows gather at the bottom); the rows still handed out."""
+        with self.cond:
+            free = set(self.free)
+            while self.size - 1 in free:
+                self.size -= 1
+                free.discard(self.size)
+            if len(free) < len(self.free):
+                self.free = sorted(free)  # a sorted list is a heap
+            return self.size
+
     def fail(self) -> None:
         """Wake and stop everyone: the drafter thread failed."""
         with self.cond:
@@ -244,6 +256,8 @@ class Scheduler:
             self._thread = None
             if self._failure:
                 raise self._failure[0]
+        # Memory back once the pool holds far more than its live rows need (a burst of rows gone).
+        self.target.give_back(self.cache, self.rounds.trim(), list(self.seqs.values()), self.drafter.max_nodes)
         self.stats.target_forwards += self.target.forwards - forwards
         self.stats.target_rows += self.target.rows - rows
         return finished
@@ -256,8 +270,7 @@ class Scheduler:
         t0 = time.perf_counter()
         rows = [self.rounds.take_row() for _ in new]
         computed = self.target.prompt_tokens_computed
-        room = max(s.rule.max_new_tokens for s in new) + self.drafter.max_nodes + 1
-        pending = self.target.admit(self.cache, rows, [s.prompt for s in new], room)
+        pending = self.target.admit_seqs(self.cache, rows, new, self.drafter.max_nodes)
         for s in new:
             s.start_hidden = self.target.start_hidden
         self.stats.prompt_tokens += sum(len(s.prompt) for s in new)
