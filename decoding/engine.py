@@ -21,7 +21,7 @@ from decoding.config import DecoderConfig
 from decoding.core.errors import BackendError
 from decoding.core.memory import peak_rss_mb, rss_mb
 from decoding.core.models import LoadedModel
-from decoding.core.prompts import render
+from decoding.core.prompts import PLAIN_SEAM, Seam, chat_seam, render, render_follow_up
 from decoding.core.runner import ModelRunner
 from decoding.core.sampling import SamplingParams
 from decoding.core.sequence import Sequence
@@ -62,6 +62,7 @@ class Engine:
             raise BackendError("decoder=server is a client of a server: build it with decoding.server.ServerEngine")
         self.decoder = make_decoder(config, self.target, self.tokenizer, draft)
         self.eos_ids = _eos_ids(loaded)
+        self._seam: Seam | str | None = None  # a follow-up's seam, or why the template has none
         self.last_stats = DecodeStats()
         self.total_stats = DecodeStats()
         self._arrived: list[_Call] = []
@@ -88,8 +89,26 @@ class Engine:
             "peak_rss_mb": peak_rss_mb(),
         }
 
-    def encode(self, prompt: str | tuple[int, ...], prefix: str = "") -> list[int]:
+    def encode(self, prompt: str | tuple[int, ...], prefix: str = "", context: tuple[int, ...] = ()) -> list[int]:
+        if context:
+            assert isinstance(prompt, str)
+            return render_follow_up(self.tokenizer, self.seam(), context, prompt, prefix, self.eos_ids).ids
         return render(self.tokenizer, self.loaded.use_chat_template, prompt, prefix).ids
+
+    def seam(self) -> Seam:
+        """How a follow-up turn joins a finished reply: the chat template's seam, or plain text
+        without a template; a BackendError where the template cannot give one."""
+        if self._seam is None:
+            try:
+                self._seam = chat_seam(self.tokenizer) if self.loaded.use_chat_template else PLAIN_SEAM
+            except ValueError as e:
+                self._seam = str(e)
+        if isinstance(self._seam, str):
+            raise BackendError(
+                f"follow-up turns cannot reuse a reply on {self.loaded.name or self.loaded.source}: {self._seam}; use "
+                "task.evaluator=separate, or model.chat_template=false for a plain text seam"
+            )
+        return self._seam
 
     def generate(self, requests: list[GenRequest]) -> list[GenResult]:
         if self._driver is not None and not self._driver.done():
@@ -161,7 +180,7 @@ class Engine:
         """A step's cost, shared by the live calls in proportion to their live sequences (whole
         forwards and rows by largest remainder, owed remainders carried, so that the shares add up
         and each call's whole units follow its exact share)."""
-        step.prompt_tokens = 0  # counted per call, exactly
+        step.prompt_tokens = step.prompt_tokens_computed = 0  # counted per call (per sequence), exactly
         calls = list({id(c): c for c in self._calls.values()}.values())
         weights = [c.live for c in calls]
         total = sum(weights)
@@ -199,12 +218,13 @@ class Engine:
                 token_ids=list(s.generated),
                 finish_reason=s.reason or "length",
                 stats=s.stats,
+                context=s.context(self.tokenizer),
             )
             for s, r in zip(seqs, requests)
         ]
 
     def _sequence(self, r: GenRequest) -> Sequence:
-        ids = self.encode(r.prompt, r.prefix)
+        ids = self.encode(r.prompt, r.prefix, r.context)
         if not ids:
             raise BackendError("a request has an empty prompt; give at least one token of prompt")
         limit = self.target.max_length
@@ -215,7 +235,9 @@ class Engine:
                 "gen.max_eval_tokens)"
             )
         rule = StopRule(self.eos_ids, r.stop, r.max_new_tokens)
-        return Sequence.create(ids, rule, SamplingParams(r.temperature, r.top_k, r.top_p), r.seed, r.group)
+        seq = Sequence.create(ids, rule, SamplingParams(r.temperature, r.top_k, r.top_p), r.seed, r.group)
+        seq.follows, seq.keep = r.context, r.keep
+        return seq
 
 
 def apportion(total: int, weights: list[int], owed: list[float] | None = None) -> list[int]:

@@ -30,6 +30,12 @@ log = logging.getLogger(__name__)
 NAME = "server"  # decoder=server
 LLAMA_CPP_OWNERS = frozenset({"me", "llamacpp"})  # /v1/models' owned_by of llama.cpp's servers
 
+# The server is sent text: it cannot continue a finished sequence's very tokens.
+FOLLOW_UPS_REFUSED = (
+    "decoder=server sends text and reuses nothing, so it cannot continue a finished reply with a new turn: "
+    "use task.evaluator=separate with the server, or an in-process decoder"
+)
+
 
 @dataclass(frozen=True)
 class ServerOptions:
@@ -131,6 +137,8 @@ class ServerEngine:
         self.model_checked = True
 
     async def _complete(self, r: GenRequest) -> GenResult:
+        if r.context:
+            raise BackendError(FOLLOW_UPS_REFUSED)
         prompt = render(self.tokenizer, self.use_chat_template, r.prompt, r.prefix)
         assert self._slots is not None
         async with self._slots:

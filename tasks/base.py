@@ -57,9 +57,13 @@ class DataSpec:
         return problems[self.offset : end][self.shard :: self.num_shards]
 
 
+EVALUATORS = ("separate", "in_context")
+
+
 class Task(Protocol):
     name: str
     depth: int
+    evaluator: str  # one of EVALUATORS: a prompt of its own per state, or a follow-up of the thought's reply
     n_evaluate: int  # evaluator samples per state; the state's value is their mean
     judge_metric: str  # the name judge_prompt's mean score gets in results and summaries
 
@@ -75,6 +79,12 @@ class Task(Protocol):
 
     def evaluator_prompt(self, problem: Problem, steps: list[str]) -> Prompt:
         """The prompt that values the state whose last thought is steps[-1]."""
+        ...
+
+    def follow_up_prompt(self, problem: Problem, steps: list[str]) -> Prompt:
+        """The evaluator as a new turn after the reply that wrote steps[-1], in that reply's own
+        context (task.evaluator=in_context): only this turn is new to the model, and its reply is
+        read by parse_value. It judges the reply as the model wrote it, not the parsed thought."""
         ...
 
     def parse_value(self, text: str) -> float:
@@ -122,6 +132,14 @@ class TaskDefaults:
 
     def judge_prompt(self, problem: Problem, answer: str) -> Prompt | None:
         return None
+
+
+def check_evaluator(task: str, evaluator: str) -> None:
+    if evaluator not in EVALUATORS:
+        raise DataError(
+            f"task.evaluator={evaluator!r} is not one of {', '.join(EVALUATORS)} (task={task}): separate values "
+            "each state with a prompt of its own, in_context asks the model about its reply as a follow-up turn"
+        )
 
 
 def check_positive(task: str, **values: int) -> None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from tasks.base import DataError, DataSpec, Problem, Prompt, TaskDefaults, check_positive
+from tasks.base import DataError, DataSpec, Problem, Prompt, TaskDefaults, check_evaluator, check_positive
 
 N_SENTENCES = 4
 PLAN_PREFIX = "Plan:\n"
@@ -109,11 +109,13 @@ def parse_score(text: str) -> float:
 class CreativeWriting(TaskDefaults):
     depth: int = 2
     n_evaluate: int = 3
+    evaluator: str = "separate"
     name: str = "creative_writing"
     judge_metric: str = "coherency"
 
     def __post_init__(self) -> None:
         check_positive(self.name, depth=self.depth, n_evaluate=self.n_evaluate)
+        check_evaluator(self.name, self.evaluator)
         if self.depth > 2:
             raise DataError(
                 f"task.depth={self.depth}: creative writing has 2 steps (a plan, then the passage); use 1 or 2"
@@ -173,6 +175,15 @@ class CreativeWriting(TaskDefaults):
     def evaluator_prompt(self, problem: Problem, steps: list[str]) -> Prompt:
         what = "passage" if len(steps) >= self.depth else "plan for a passage"
         return self._score_prompt(problem, what, steps[-1])
+
+    def follow_up_prompt(self, problem: Problem, steps: list[str]) -> Prompt:
+        what = "passage" if len(steps) >= self.depth else "plan"
+        return Prompt(
+            f"Analyze your {what} in two or three sentences: is it coherent, and does it lead to each end sentence "
+            'in order? Then conclude on the last line "Thus the coherency score is <s>", where s is an integer from '
+            "1 to 10.",
+            prefix=ANALYSIS_PREFIX,
+        )
 
     def _score_prompt(self, problem: Problem, what: str, text: str) -> Prompt:
         return Prompt(

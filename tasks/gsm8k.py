@@ -10,7 +10,16 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from tasks.base import DataError, DataSpec, Problem, Prompt, TaskDefaults, check_positive, read_jsonl
+from tasks.base import (
+    DataError,
+    DataSpec,
+    Problem,
+    Prompt,
+    TaskDefaults,
+    check_evaluator,
+    check_positive,
+    read_jsonl,
+)
 
 FINAL_PREFIX = "The answer is"
 SCORE_PREFIX = "Score:"
@@ -94,10 +103,12 @@ def parse_value(text: str) -> float:
 class GSM8K(TaskDefaults):
     depth: int = 4
     n_evaluate: int = 1
+    evaluator: str = "separate"
     name: str = "gsm8k"
 
     def __post_init__(self) -> None:
         check_positive(self.name, depth=self.depth, n_evaluate=self.n_evaluate)
+        check_evaluator(self.name, self.evaluator)
 
     def load(self, data: DataSpec) -> list[Problem]:
         if data.path:
@@ -146,6 +157,15 @@ class GSM8K(TaskDefaults):
             f"How much does the {what} help to answer the question correctly? Rate it from 1 (wrong or "
             'useless) to 10 (correct and very helpful). Reply as "Score: <number>", then one sentence '
             "explaining why.",
+            prefix=SCORE_PREFIX,
+            stop=("\n\n",),
+        )
+
+    def follow_up_prompt(self, problem: Problem, steps: list[str]) -> Prompt:
+        what = "final answer" if len(steps) >= self.depth else "step"
+        return Prompt(
+            f"How much does this {what} help to answer the question correctly? Rate it from 1 (wrong or useless) "
+            'to 10 (correct and very helpful). Reply as "Score: <number>", then one sentence explaining why.',
             prefix=SCORE_PREFIX,
             stop=("\n\n",),
         )

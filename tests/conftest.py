@@ -120,6 +120,12 @@ def make_engine(loaded: LoadedModel):
 
 
 @pytest.fixture(scope="session")
+def long_context(tokenizer: PreTrainedTokenizerFast) -> LoadedModel:
+    """The tiny model with room for the Blocksworld prompts (long, in a byte-level tokenizer)."""
+    return LoadedModel(build_model(len(tokenizer), max_positions=8192), tokenizer, torch.device("cpu"), False, "tiny")
+
+
+@pytest.fixture(scope="session")
 def perturbed(tiny_model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast) -> LoadedModel:
     """A draft model close to the target but not equal: some drafts accepted, some rejected."""
     model = copy.deepcopy(tiny_model)

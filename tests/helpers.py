@@ -83,7 +83,7 @@ def admit_prompts(runner: ModelRunner, prompts: list[list[int]], capacity: int) 
     """A cache holding the prompts as the schedulers admit them (row b = prompts[b]) and per row the
     tokens still to feed; a row then holds `capacity` positions past its prompt's fed part."""
     cache = runner.new_cache(0, 1)
-    return cache, runner.admit(cache, list(range(len(prompts))), prompts, capacity - max(map(len, prompts)))
+    return cache, runner.admit(cache, list(range(len(prompts))), prompts, capacity - max(map(len, prompts))).pending
 
 
 class AwaitableFake:

@@ -56,3 +56,30 @@ def test_one_gsm8k_problem_end_to_end(tmp_path):
     final = [n for n in nodes if n["depth"] == 4]
     assert all(n["text"].startswith("The answer is") for n in final)
     assert all(n["value"] is not None for n in nodes if n["depth"] > 0)
+
+
+@pytest.mark.slow
+def test_in_context_values_parse_on_the_embedded_model(tmp_path):
+    """The embedded model's replies to the in-context follow-up read as 1-10 scores, and the
+    evaluations computed far fewer prompt tokens than they asked for."""
+    run_dir = tmp_path / "run"
+    cmd = [
+        sys.executable,
+        "-m",
+        "tot.solve",
+        "task=gsm8k",
+        "task.evaluator=in_context",
+        "data.limit=1",
+        "task.depth=2",
+        "gen.max_thought_tokens=48",
+        "gen.max_eval_tokens=24",
+        f"hydra.run.dir={run_dir}",
+    ]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-2000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    nodes = json.loads((run_dir / "trees" / "bundled-1.json").read_text())["nodes"]
+    valued = [n for n in nodes if n["depth"] > 0]
+    assert all(n.get("eval_in_context") for n in valued)
+    assert sum(1 <= n["value"] <= 10 for n in valued) >= 0.75 * len(valued), [n["evaluation"] for n in valued]
+    evaluate = json.loads((run_dir / "summary.json").read_text())["phases"]["evaluate"]
+    assert evaluate["prompt_tokens_computed"] * 4 < evaluate["prompt_tokens"]

@@ -6,10 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
-from conftest import build_model
 
-from decoding.core.models import LoadedModel
 from decoding.engine import Engine
 from tot.run import run
 from tot.show import load_tree
@@ -21,12 +18,6 @@ CASES = {
     "blocksworld": ["task.depth=2", "task.n_problems=1", "task.steps=2"],
 }
 SEARCHES = {"bfs": ["search.n_thoughts=2"], "dvts": ["search.n=4", "search.beam_width=2"]}
-
-
-@pytest.fixture(scope="module")
-def long_context(tokenizer) -> LoadedModel:
-    """The tiny model with room for the Blocksworld prompts (long, in a byte-level tokenizer)."""
-    return LoadedModel(build_model(len(tokenizer), max_positions=8192), tokenizer, torch.device("cpu"), False, "tiny")
 
 
 @pytest.mark.parametrize("search", list(SEARCHES))

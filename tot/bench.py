@@ -64,6 +64,8 @@ class Tally:
     wall_s: float = 0.0
     phase_engine_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     phase_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PHASES, 0))
+    phase_prompt: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PHASES, 0))
+    phase_prompt_computed: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PHASES, 0))
     decode: DecodeStats = field(default_factory=DecodeStats)
     trees: dict[str, ReasoningTree] = field(default_factory=dict)
     correct: int = 0
@@ -239,6 +241,8 @@ def _bench_chunk(
             for phase, stats in sol.phases.items():
                 tally.phase_engine_s[phase] += stats.engine_s
                 tally.phase_tokens[phase] += stats.decode.generated_tokens
+                tally.phase_prompt[phase] += stats.decode.prompt_tokens
+                tally.phase_prompt_computed[phase] += stats.decode.prompt_tokens_computed
                 tally.decode += stats.decode
             tally.trees[problem.id] = sol.tree
             tally.correct += bool(task.is_correct(problem, sol.answer))
@@ -275,6 +279,8 @@ def _row(name: str, t: Tally, engine: Engine | ServerEngine) -> dict:
                 "engine_s": t.phase_engine_s[p],
                 "tokens": t.phase_tokens[p],
                 "tokens_per_s": t.phase_tokens[p] / t.phase_engine_s[p] if t.phase_engine_s[p] else 0.0,
+                "prompt_tokens": t.phase_prompt[p],
+                "prompt_tokens_computed": t.phase_prompt_computed[p],
             }
             for p in PHASES
         },
@@ -344,7 +350,8 @@ def scaling_table(rows: list[dict]) -> str:
 def table(result: dict) -> str:
     head = (
         "| decoder | problems at once | solved | tokens | wall (s) | tokens/s | vs hf | vs ar | acceptance length "
-        "| target forwards / token | rows / forward | prompt tokens computed / requested | target busy "
+        "| target forwards / token | rows / forward | prompt tokens computed / requested (thoughts, evaluations) "
+        "| target busy "
         "| thought gen. tok/s | evaluation tok/s | plan: draft nodes / row | plan: step s predicted / measured "
         "| peak KV (MB) | stored prefixes, all entries (MB, evictions) |"
     )
@@ -358,7 +365,7 @@ def table(result: dict) -> str:
             f"| {r['tokens_per_s']:.1f} "
             f"| {_ratio(r, 'hf')} | {_ratio(r, 'ar')} | {_num(r['acceptance_length'], '.2f')} "
             f"| {_num(r['forwards_per_token'], '.3f')} | {_num(r['rows_per_forward'], '.2f')} "
-            f"| {r['prompt_tokens_computed']} / {r['prompt_tokens']} "
+            f"| {_prompts(ph['generate'])}, {_prompts(ph['evaluate'])} "
             f"| {_num(r['target_busy_fraction'], '.2f')} | {ph['generate']['tokens_per_s']:.1f} "
             f"| {ph['evaluate']['tokens_per_s']:.1f} | {_num(r.get('plan_nodes_per_row'), '.2f')} "
             f"| {_plan_time(r)} | {r['peak_kv_mb']:.0f} | {_store(r.get('memory'))} |"
@@ -369,6 +376,12 @@ def table(result: dict) -> str:
             "they are not compared with `hf`'s; its forwards and acceptance are not reported (-)."
         )
     return "\n".join(lines)
+
+
+def _prompts(phase: dict) -> str:
+    if "prompt_tokens" not in phase:  # a result written before prompts were counted per phase
+        return "-"
+    return f"{phase['prompt_tokens_computed']} / {phase['prompt_tokens']}"
 
 
 def _store(memory: dict | None) -> str:

@@ -10,6 +10,7 @@ from decoding.config import DecoderConfig
 from decoding.core.errors import ConfigError
 from decoding.core.models import ModelSpec
 from decoding.core.options import as_float, as_int
+from decoding.server import FOLLOW_UPS_REFUSED
 from tasks import TASKS, DataSpec
 from tot.dvts import DVTSSettings
 from tot.search import BFSSettings, GenSettings
@@ -58,6 +59,8 @@ class RunConfig:
                 "BFS keeps at most the b best of n thoughts per state, so set breadth <= n_thoughts"
             )
         self._check_dvts()
+        if self.decoder.server is not None and self.task_options.get("evaluator") == "in_context":
+            raise ConfigError(FOLLOW_UPS_REFUSED)
         _positive("gen.max_thought_tokens", self.gen.max_thought_tokens)
         _positive("gen.max_eval_tokens", self.gen.max_eval_tokens)
         for key, t in (("gen.temperature", self.gen.temperature), ("gen.eval_temperature", self.gen.eval_temperature)):

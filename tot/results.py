@@ -96,6 +96,9 @@ def summarize(records: list[dict], header: dict) -> dict:
         p["tokens_per_s"] = p["tokens"] / p["engine_s"] if p["engine_s"] else 0.0
         p["acceptance_length"] = phase_stats[name].acceptance_length
         p["target_busy_fraction"] = phase_stats[name].target_busy_fraction
+        # What each phase's prompts asked for and what the target computed of them (the rest reused).
+        p["prompt_tokens"] = phase_stats[name].prompt_tokens
+        p["prompt_tokens_computed"] = phase_stats[name].prompt_tokens_computed
     # The run's wall time: each problem's share since the previous one finished (problems overlap).
     wall = sum(r.get("wall_share_s", r["wall_s"]) for r in records)
     n = len(records)

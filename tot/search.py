@@ -32,8 +32,17 @@ class GenSettings:
     max_eval_tokens: int = 128
     eval_temperature: float = 0.7
 
-    def request(self, prompt: Prompt, group: str, seed: int, evaluate: bool = False) -> GenRequest:
-        """The request for a thought (or, with evaluate, for a state evaluation)."""
+    def request(
+        self,
+        prompt: Prompt,
+        group: str,
+        seed: int,
+        evaluate: bool = False,
+        context: tuple[int, ...] = (),
+        keep: bool = False,
+    ) -> GenRequest:
+        """The request for a thought (or, with evaluate, for a state evaluation: with `context`, a
+        follow-up turn of the thought's own reply; `keep` holds a thought's keys and values for it)."""
         return GenRequest(
             prompt=prompt.text,
             prefix=prompt.prefix,
@@ -44,6 +53,8 @@ class GenSettings:
             top_k=self.top_k,
             group=group,
             seed=seed,
+            context=context,
+            keep=keep,
         )
 
 
@@ -107,6 +118,8 @@ class Step:
         self.task, self.gen, self.seed, self.problem, self.engine = task, gen, seed, problem, engine
         self.tree = ReasoningTree(problem.question)
         self.phases = {p: PhaseStats() for p in PHASES}
+        self.in_context = getattr(task, "evaluator", "separate") == "in_context"
+        self._replies: dict[int, tuple[int, ...]] = {}  # node -> its thought's whole sequence, until valued
 
     async def grow(self, parents: list[tuple[int, int, str]], eval_group: str, group: str | None = None) -> list[int]:
         """Sample n thoughts from each (state, n, seed key), in `group` (default: the thoughts of one
@@ -119,7 +132,8 @@ class Step:
             for i in range(n):
                 seed = request_seed(self.seed, pid, state, *([key] if key else []), i)
                 child = tree.add(state, "", raw="", tokens=0)  # its id fixed before anything runs
-                thoughts.append((child, gen.request(prompt, group=group or f"{pid}/{state}", seed=seed)))
+                request = gen.request(prompt, group=group or f"{pid}/{state}", seed=seed, keep=self.in_context)
+                thoughts.append((child, request))
         await asyncio.gather(*(self._thought(child, request, eval_group) for child, request in thoughts))
         return [child for child, _ in thoughts]
 
@@ -131,22 +145,34 @@ class Step:
             text=self.task.parse_thought(self.problem, steps, out.text), raw=out.text, tokens=out.stats.generated_tokens
         )
         node["terminal"] = self.finished(child)
+        if self.in_context:
+            self._replies[child] = out.context
         await self.evaluate([child], eval_group)
 
     async def evaluate(self, nodes: list[int], group: str) -> None:
-        """Value each node: the mean of task.n_evaluate evaluator samples, all in one call."""
+        """Value each node: the mean of task.n_evaluate evaluator samples, all in one call; with
+        task.evaluator=in_context, each asked as a follow-up turn of the reply that wrote the node."""
         task, pid, k = self.task, self.problem.id, self.task.n_evaluate
-        requests = [
-            self.gen.request(
-                task.evaluator_prompt(self.problem, self.tree.steps(c)),
-                group=group,
-                # Sample 0 keeps the seed a single evaluation always had.
-                seed=request_seed(self.seed, pid, c, "eval", *([j] if j else [])),
-                evaluate=True,
+        requests = []
+        for c in nodes:
+            steps, context = self.tree.steps(c), self._replies.pop(c, ())
+            prompt = (
+                task.follow_up_prompt(self.problem, steps) if context else task.evaluator_prompt(self.problem, steps)
             )
-            for c in nodes
-            for j in range(k)
-        ]
+            self.tree[c]["eval_prompt"] = prompt.text
+            if context:
+                self.tree[c]["eval_in_context"] = True
+            requests += [
+                self.gen.request(
+                    prompt,
+                    group=group,
+                    # Sample 0 keeps the seed a single evaluation always had.
+                    seed=request_seed(self.seed, pid, c, "eval", *([j] if j else [])),
+                    evaluate=True,
+                    context=context,
+                )
+                for j in range(k)
+            ]
         outputs = await self._call(requests, "evaluate")
         for i, c in enumerate(nodes):
             texts = [o.text for o in outputs[i * k : (i + 1) * k]]

@@ -26,6 +26,8 @@ class Store(Protocol):
 
     def evict(self) -> None: ...  # drop that leaf
 
+    def drop_oldest_pin(self) -> bool: ...  # let its oldest pinned sequence be evicted (False: none)
+
 
 def available_bytes(device: torch.device) -> int:
     """Memory this process could still take: free device memory on a GPU, else the host's
@@ -83,7 +85,10 @@ class MemoryBudget:
         while total > self.max_bytes:
             ages = [(age, i, s) for i, s in enumerate(self.stores) if (age := s.oldest()) is not None]
             if not ages:
-                return
+                # Only pinned sequences are left: the cap holds, the oldest pin goes first.
+                if not any(s.drop_oldest_pin() for s in self.stores):
+                    return
+                continue
             _, _, store = min(ages)  # the index breaks ties: stores themselves are never compared
             before = store.nbytes
             store.evict()

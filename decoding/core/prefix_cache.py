@@ -6,7 +6,8 @@ longest prefix it shares with anything stored (SGLang's RadixAttention, on the C
 its tokens' KV once: eight thoughts of one prompt store the prompt once. Past the memory budget
 (decoding/core/memory.py, shared by every store on the model) the least recently used leaves are
 evicted (the KV is copied into a row on use, so no node is ever in use). Leaves wait in a heap by
-last use, so an eviction costs a heap pop, not a walk of the tree.
+last use, so an eviction costs a heap pop, not a walk of the tree. A finished sequence whose
+follow-up is on its way (an in-context evaluation of a thought) is pinned until it is admitted.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class _Node:
     children: dict[int, _Node] = field(default_factory=dict)  # by first token
     used: int = 0  # the budget's clock at the last match or store through this node
     alive: bool = True  # False once evicted
+    pins: int = 0  # stored sequences ending here that wait for a follow-up: not evictable
 
     @property
     def nbytes(self) -> int:
@@ -73,6 +75,7 @@ class PrefixCache:
         # got a child or was evicted, and is skipped when it reaches the top.
         self._leaves: list[tuple[int, int, _Node]] = []
         self._order = itertools.count()
+        self._pinned: dict[tuple[int, ...], _Node] = {}  # by the key given to `store`, oldest first
 
     @property
     def max_bytes(self) -> int:
@@ -113,11 +116,17 @@ class PrefixCache:
         return torch.cat(hidden) if hidden else None
 
     def store(
-        self, tokens: tuple[int, ...], cache: RowKVCache, row: int = 0, hidden: torch.Tensor | None = None
+        self,
+        tokens: tuple[int, ...],
+        cache: RowKVCache,
+        row: int = 0,
+        hidden: torch.Tensor | None = None,
+        pin: tuple[int, ...] | None = None,
     ) -> None:
         """Keep the first len(tokens) committed positions of a cache row as the KV of `tokens`
         (`hidden`: the captured layer's output at those positions); only the part not stored yet
-        is copied."""
+        is copied. With `pin` (a key: the sequence a follow-up will name) they stay until
+        `unpin(pin)`, or until pins alone would pass the budget (the oldest pin goes first)."""
         n = len(tokens)
         assert n <= int(cache.lens[row]), "only committed positions can be stored"
         match = self.match(tokens)
@@ -127,6 +136,8 @@ class PrefixCache:
             node = self._split(last, used) if used < len(last.tokens) else last
             done = match.length
         if done == n:
+            if pin is not None and node is not self.root:
+                self._pin(pin, node)
             return
 
         def part(t: torch.Tensor) -> torch.Tensor:
@@ -146,7 +157,35 @@ class PrefixCache:
         self.nbytes += leaf.nbytes
         self.nodes += 1
         self._push(leaf)
+        if pin is not None:
+            self._pin(pin, leaf)
         self.budget.make_room()
+
+    def _pin(self, key: tuple[int, ...], node: _Node) -> None:
+        if key in self._pinned:
+            self.unpin(key)
+        self._pinned[key] = node
+        node.pins += 1
+
+    def unpin(self, key: tuple[int, ...]) -> None:
+        """The follow-up of the sequence stored under `key` was admitted: it may be evicted again."""
+        node = self._pinned.pop(key, None)
+        if node is None:
+            return
+        node.pins -= 1
+        if not node.pins and node.alive and not node.children:
+            self._push(node)
+
+    def drop_oldest_pin(self) -> bool:
+        """Unpin the oldest pinned sequence (pins alone fill the budget); whether there was one."""
+        if not self._pinned:
+            return False
+        self.unpin(next(iter(self._pinned)))
+        return True
+
+    @property
+    def pinned(self) -> int:
+        return len(self._pinned)
 
     def sequences(self) -> list[tuple[int, ...]]:
         """The stored sequences: the token path to every leaf."""
@@ -193,7 +232,7 @@ class PrefixCache:
     @staticmethod
     def _current(entry: tuple[int, int, _Node]) -> bool:
         used, _, node = entry
-        return node.alive and not node.children and node.used == used
+        return node.alive and not node.children and not node.pins and node.used == used
 
     def oldest(self) -> int | None:
         """The last use of the least recently used leaf (None: nothing stored)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
@@ -185,9 +186,10 @@ class ModelRunner:
                 hook.remove()
         return out.logits
 
-    def admit(self, cache: RowKVCache, rows: list[int], prompts: list[list[int]], room: int) -> list[list[int]]:
+    def admit(self, cache: RowKVCache, rows: list[int], prompts: list[list[int]], room: int) -> Admission:
         """Put the prompts into cache rows `rows` (grown as needed, with `room` positions per row past
-        its prompt) and return, per row, the tokens still to feed: the last one only.
+        its prompt) and return, per row, the tokens still to feed (the last one only) and the prompt
+        tokens computed for it.
 
         ToT prompts share long prefixes: the n trajectories of a thought step have one prompt, the
         evaluator prompts of a step share the question and the path so far, and the next step's
@@ -209,11 +211,15 @@ class ModelRunner:
         capture = self.hidden_layer is not None
         cache.reserve(max(rows) + 1, self.row_capacity([len(p) for p in prompts], room))
         self.peak_cache_bytes = max(self.peak_cache_bytes, cache.nbytes)
+        before = self.prompt_tokens_computed
         done = self._admit_head(cache, rows, head[:shared], reused)
+        # The shared head was computed once for all the rows: each takes an equal part of it.
+        part, extra = divmod(self.prompt_tokens_computed - before, len(rows))
+        spent = {row: part + (i < extra) for i, row in enumerate(rows)}
         if capture:
             pending = [list(p[done[row] :]) for row, p in zip(rows, prompts)]
             self.prompt_tokens_computed += sum(len(p) for p in pending)
-            return pending
+            return Admission(pending, [spent[row] + len(p) for row, p in zip(rows, pending)])
         # A prompt admitted twice (the n samples of one state, beside other problems' prompts) is
         # computed once and copied.
         first: dict[tuple[int, ...], int] = {}
@@ -239,9 +245,12 @@ class ModelRunner:
         for row, p, rest in computed:
             if len(rest) > 1:
                 self.prefixes.store(tuple(p[:-1]), cache, row)
-        return [p[-1:] for p in prompts]
+            spent[row] += len(rest)
+        for row, *_ in copies:
+            spent[row] += 1
+        return Admission([p[-1:] for p in prompts], [spent[row] for row in rows])
 
-    def admit_seqs(self, cache: RowKVCache, rows: list[int], seqs: list[Sequence], max_nodes: int) -> list[list[int]]:
+    def admit_seqs(self, cache: RowKVCache, rows: list[int], seqs: list[Sequence], max_nodes: int) -> Admission:
         """`admit` for sequences, with room for their new tokens, a draft tree of `max_nodes` and
         the bonus token."""
         return self.admit(cache, rows, [s.prompt for s in seqs], _room(seqs, max_nodes))
@@ -306,11 +315,12 @@ class ModelRunner:
         for b, (row, _) in enumerate(todo):
             cache.keep(row, packed.committed(b, []))
 
-    def remember(self, cache: RowKVCache, row: int, tokens: list[int]) -> None:
+    def remember(self, cache: RowKVCache, row: int, tokens: list[int], pin: tuple[int, ...] | None = None) -> None:
         """Store what a row committed (its prompt and generated tokens) for later prompts that extend
-        it: the next step's prompts continue this step's thoughts."""
+        it: the next step's prompts continue this step's thoughts; with `pin`, kept until a
+        follow-up naming `pin` as its context is admitted."""
         if self.hidden_layer is None:
-            self.prefixes.store(tuple(tokens[: int(cache.lens[row])]), cache, row)
+            self.prefixes.store(tuple(tokens[: int(cache.lens[row])]), cache, row, pin=pin)
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
@@ -319,6 +329,14 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     if layers is None:
         raise ValueError(f"{type(model).__name__} has no decoder layer list (get_decoder().layers)")
     return layers
+
+
+@dataclass(frozen=True)
+class Admission:
+    """Per admitted row: the prompt tokens still to feed, and the prompt tokens computed for it."""
+
+    pending: list[list[int]]
+    computed: list[int]
 
 
 def _room(seqs: list[Sequence], max_nodes: int) -> int:

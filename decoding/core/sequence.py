@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from decoding.core.sampling import SamplingParams, make_generator
-from decoding.core.stopping import Detokenizer, StopRule
+from decoding.core.stopping import Detokenizer, StopRule, final_text, reply_ids
 from decoding.core.values import DecodeStats, FinishReason
 
 DRAFT_SEED_SALT = 0x5EED_D4AF7
@@ -29,6 +29,8 @@ class Sequence:
     # computed or shared (an EDD drafter's soft prompt starts with them). They travel with the
     # sequence: a later admission, before a drafter thread hears of this one, cannot swap them.
     start_hidden: torch.Tensor | None = None
+    follows: tuple[int, ...] = ()  # a follow-up: the finished sequence it continues (GenRequest.context)
+    keep: bool = False  # stored and pinned when it finishes, until a follow-up of it is admitted
     _checked: int = 0
 
     @classmethod
@@ -41,6 +43,12 @@ class Sequence:
             generator=make_generator(seed),
             draft_generator=make_generator(seed ^ DRAFT_SEED_SALT),
         )
+
+    def context(self, tokenizer: Detokenizer) -> tuple[int, ...]:
+        """What a follow-up of this finished sequence continues: its prompt, then its reply up to
+        where the reply's text ends."""
+        text = final_text(self.generated, self.reason, self.rule.stop, tokenizer)
+        return tuple(self.prompt + reply_ids(self.generated, self.reason, text, tokenizer))
 
     @property
     def done(self) -> bool:

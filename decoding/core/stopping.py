@@ -53,3 +53,19 @@ def final_text(generated: list[int], reason: FinishReason | None, stop: tuple[st
         cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=len(text))
         text = text[:cut]
     return text
+
+
+def reply_ids(generated: list[int], reason: FinishReason | None, text: str, tokenizer: Detokenizer) -> list[int]:
+    """The generated ids a follow-up continues: all of them, unless a stop string ended the reply;
+    then the fewest whose text covers the reply's (the stop string's tokens dropped, a token that
+    straddles the end of the reply kept whole)."""
+    if reason != "stop":
+        return list(generated)
+    lo, hi = 0, len(generated)
+    while lo < hi:  # the shortest prefix whose decoding starts with the reply's text
+        mid = (lo + hi) // 2
+        if tokenizer.decode(generated[:mid], skip_special_tokens=True).startswith(text):
+            hi = mid
+        else:
+            lo = mid + 1
+    return list(generated[:lo])

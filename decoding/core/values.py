@@ -29,10 +29,21 @@ class GenRequest:
     group: str = ""
     seed: int = 0
     prefix: str = ""
+    # A follow-up: the finished sequence it continues with a new user turn (a `GenResult.context`);
+    # `prompt` is then that turn's message. Its stored keys and values serve the follow-up, so
+    # only the new turn is computed (decoding/core/prompts.py renders the seam).
+    context: tuple[int, ...] = ()
+    # Keep this sequence's keys and values stored when it finishes, pinned until a follow-up of
+    # it is admitted (only then evictable): the follow-ups a search sends moments later.
+    keep: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.prompt, list):
             object.__setattr__(self, "prompt", tuple(self.prompt))
+        if isinstance(self.context, list):
+            object.__setattr__(self, "context", tuple(self.context))
+        if self.context and not isinstance(self.prompt, str):
+            raise ValueError("a follow-up's prompt is the new turn's message: give it as text")
         if isinstance(self.stop, (list, str)):
             object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
         if self.max_new_tokens < 1:
@@ -154,6 +165,9 @@ class GenResult:
     token_ids: list[int]
     finish_reason: FinishReason
     stats: DecodeStats = field(default_factory=DecodeStats)
+    # What a follow-up of this reply continues (`GenRequest.context`): the prompt's ids, then the
+    # reply's up to where its text ends (decoding/core/prompts.py `reply_ids`).
+    context: tuple[int, ...] = ()
 
 
 @dataclass

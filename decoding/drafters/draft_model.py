@@ -58,7 +58,7 @@ class ModelDrafter:
 
     def admit(self, rows: list[int], seqs: list[Sequence]) -> None:
         self.seqs.update(zip(rows, seqs))
-        self.pending.update(zip(rows, self.model.admit_seqs(self.cache, rows, seqs, self.max_nodes)))
+        self.pending.update(zip(rows, self.model.admit_seqs(self.cache, rows, seqs, self.max_nodes).pending))
 
     def _measure_ratio(self, context: int = 64, repeats: int = 5) -> float:
         """PCT's s_d / s_t on this machine: one forward of each model of one token after `context`."""

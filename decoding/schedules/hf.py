@@ -101,4 +101,5 @@ class HFDecoder:
         stats.target_rows += s.stats.generated_tokens  # one sequence per forward
         stats.prompt_tokens += len(s.prompt)
         stats.prompt_tokens_computed += len(s.prompt)  # no prefix reuse
+        s.stats.prompt_tokens_computed = len(s.prompt)
         stats.verify_s += time.perf_counter() - t0

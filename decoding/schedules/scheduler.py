@@ -270,13 +270,18 @@ class Scheduler:
         t0 = time.perf_counter()
         rows = [self.rounds.take_row() for _ in new]
         computed = self.target.prompt_tokens_computed
-        pending = self.target.admit_seqs(self.cache, rows, new, self.drafter.max_nodes)
+        admitted = self.target.admit_seqs(self.cache, rows, new, self.drafter.max_nodes)
+        for s, n in zip(new, admitted.computed):
+            s.stats.prompt_tokens_computed += n
+        for s in new:
+            if s.follows:  # its context served it: evictable again
+                self.target.prefixes.unpin(s.follows)
         for s in new:
             s.start_hidden = self.target.start_hidden
         self.stats.prompt_tokens += sum(len(s.prompt) for s in new)
         self.stats.prompt_tokens_computed += self.target.prompt_tokens_computed - computed
         self.seqs.update(zip(rows, new))
-        self.pending.update(zip(rows, pending))
+        self.pending.update(zip(rows, admitted.pending))
         if self.planner is not None:
             self.planner.forget(rows)
         self.rounds.arrive(rows)
@@ -382,7 +387,8 @@ class Scheduler:
             s = self.seqs[row]
             if s.done:
                 # What it committed stays for later prompts that extend it (the next step's thoughts).
-                self.target.remember(self.cache, row, s.prompt + s.generated)
+                pin = s.context(self.tokenizer) if s.keep else None
+                self.target.remember(self.cache, row, s.prompt + s.generated, pin)
                 finished.append(self.seqs.pop(row))
                 del self.pending[row]
         self.rounds.verified(rows, verdicts, [self.seqs.get(r) is None for r in rows])

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tasks.base import DataError, DataSpec, Problem, Prompt, TaskDefaults, check_positive
+from tasks.base import DataError, DataSpec, Problem, Prompt, TaskDefaults, check_evaluator, check_positive
 from tasks.blocksworld.domain import (
     Action,
     action_words,
@@ -75,6 +75,7 @@ def walk(init: frozenset[str], steps: list[str]) -> Walk:
 class Blocksworld(TaskDefaults):
     depth: int = 7
     n_evaluate: int = 1
+    evaluator: str = "separate"
     # The offline default data: generated problems (used when data.path is unset).
     n_problems: int = 10
     n_blocks: int = 4
@@ -86,6 +87,7 @@ class Blocksworld(TaskDefaults):
     def __post_init__(self) -> None:
         check_positive(self.name, depth=self.depth, n_evaluate=self.n_evaluate, n_problems=self.n_problems)
         check_positive(self.name, n_blocks=self.n_blocks, steps=self.steps, n_demos=self.n_demos)
+        check_evaluator(self.name, self.evaluator)
         if self.n_blocks > 10:
             raise DataError(f"task.n_blocks={self.n_blocks}: blocks are named by 10 colours; use at most 10")
         self._demos = [
@@ -164,6 +166,17 @@ class Blocksworld(TaskDefaults):
             f"closer, else bad.\n\n{self._labelled_demos()}\n\nCurrent state: {render_facts(walk(init, before).state)}."
             f"\nGoal: {render_facts(goal)}.\nAction: {last}\n"
             'Reply "Label: good" or "Label: bad".',
+            prefix=LABEL_PREFIX,
+            stop=("\n",),
+        )
+
+    def follow_up_prompt(self, problem: Problem, steps: list[str]) -> Prompt:
+        # The labelled demonstrations stay in the separate evaluator: here the model has the rules,
+        # the solved plans and the current state in view already.
+        _, goal = self._init_goal(problem)
+        return Prompt(
+            f"Is that action good: can it be done in the current state, and does it bring the goal "
+            f'({render_facts(goal)}) closer? Reply "Label: good" or "Label: bad".',
             prefix=LABEL_PREFIX,
             stop=("\n",),
         )
