@@ -126,3 +126,26 @@ def test_bench_variants(long_context, tmp_path):
     assert configs["sd"].draft.vocab is None and configs["sd_vocab"].draft.vocab == 8
     with pytest.raises(ConfigError, match=r"bench\.variants\.stand is also in bench\.decoders"):
         decoder_configs(container, ["stand"], True, {"stand": {"decoder": "stand"}})
+
+
+def test_bench_evaluator_variants(long_context):
+    """`task.evaluator` per entry: in-context entries are held to an `hf` entry under the same
+    evaluator, and the table reports prompt tokens per phase."""
+    from tot.bench import evaluators
+
+    variants = (
+        "bench.variants={hf_ic: {decoder: hf, task.evaluator: in_context}, "
+        "ar_ic: {decoder: ar, task.evaluator: in_context}}"
+    )
+    run_cfg, container = compose_bench("gen.temperature=0", "bench.decoders=[hf,ar]", variants)
+    configs, _ = decoder_configs(container, ["hf", "ar"], False, container["bench"]["variants"])
+    names = list(configs)
+    result = bench(run_cfg, configs, long_context, None, progress=False, evaluator=evaluators(container, names))
+    assert result["lossless_checked"] and result["mismatches"] == []
+    rows = result["decoders"]
+    assert [rows[n]["evaluator"] for n in names] == ["separate", "separate", "in_context", "in_context"]
+    assert (
+        rows["ar_ic"]["phases"]["evaluate"]["prompt_tokens_computed"]
+        < rows["ar"]["phases"]["evaluate"]["prompt_tokens_computed"]
+    )
+    assert "`ar_ic` (in_context)" in table(result)

@@ -104,7 +104,7 @@ def decoder_configs(
 # What every decoder of one bench shares (the problems, sampling, models): a variant may not change it.
 SHARED = ("task", "search", "data", "gen", "model", "draft", "bench")
 # Shared-group keys a variant may still set: they change how a decoder uses the loaded models, not the models.
-PER_DECODER = ("draft.vocab",)
+PER_DECODER = ("draft.vocab", "task.evaluator")
 
 
 def variant_container(container: dict, name: str, overrides: object) -> dict:
@@ -143,12 +143,15 @@ def bench(
     draft: LoadedModel | None,
     progress: bool = True,
     concurrency: dict[str, int] | None = None,
+    evaluator: dict[str, str] | None = None,
 ) -> dict:
     """Every decoder on the same problems; `concurrency`: problems in flight per decoder (default
-    the run's `run.concurrency` for all)."""
+    the run's `run.concurrency` for all); `evaluator`: an entry's own task.evaluator."""
     task = build_task(cfg)
     problems = task.load(cfg.data)
-    search = make_search(cfg, task)
+    evaluated = {name: (evaluator or {}).get(name, getattr(task, "evaluator", "separate")) for name in configs}
+    # Tasks are dataclasses: an entry's task differs from the run's in its evaluator alone.
+    searches = {name: make_search(cfg, replace(task, evaluator=e)) for name, e in evaluated.items()}  # type: ignore[type-var]
     at_once = {name: (concurrency or {}).get(name, cfg.concurrency) for name in configs}
     engines = {name: bench_engine(c, target, draft) for name, c in configs.items()}
     # task.judge.path, as tot.run scores with it; loaded once (else each decoder's engine is its own judge).
@@ -163,8 +166,11 @@ def bench(
     bar = tqdm(total=len(problems) * len(engines), desc=f"bench {cfg.task}", unit="run", disable=not progress)
     with bar:
         for chunk in chunks:
-            _bench_chunk(chunk, engines, judge, tallies, at_once, search, task, cfg, bar)
-    rows = {name: {**_row(name, t, engines[name]), "concurrency": at_once[name]} for name, t in tallies.items()}
+            _bench_chunk(chunk, engines, judge, tallies, at_once, searches, task, cfg, bar)
+    rows = {
+        name: {**_row(name, t, engines[name]), "concurrency": at_once[name], "evaluator": evaluated[name]}
+        for name, t in tallies.items()
+    }
     for base in ("hf", "ar"):
         if base in rows:
             for r in rows.values():
@@ -174,16 +180,18 @@ def bench(
     # At temperature 0, and at any temperature for decoders that match the target's own samples
     # (verify.match_samples), every tree must be hf's. A server computes on its own numeric path
     # (another kernel, another file format): its outputs differ and are not compared.
+    # Each entry is held to an `hf` entry under the same evaluator (`hf`, or a variant of it).
     greedy = cfg.gen.temperature == 0 and cfg.gen.eval_temperature == 0
     same_path = [n for n, c in configs.items() if c.server is None and (greedy or c.verify.match_samples)]
-    checked = same_path if "hf" in tallies else []
+    references = {evaluated[n]: n for n, c in reversed(configs.items()) if c.name == "hf"}
+    references.update({evaluated["hf"]: "hf"} if "hf" in configs else {})
+    checked = [n for n in same_path if evaluated[n] in references]
     mismatches = []
-    for name, t in tallies.items():
-        if name in checked:
-            for pid, tree in t.trees.items():
-                where = first_difference(tallies["hf"].trees[pid], tree)
-                if where:
-                    mismatches.append(f"{name} on {pid}: {where}")
+    for name in checked:
+        for pid, tree in tallies[name].trees.items():
+            where = first_difference(tallies[references[evaluated[name]]].trees[pid], tree)
+            if where:
+                mismatches.append(f"{name} on {pid}: {where}")
     return {
         "task": cfg.task,
         "model": cfg.model.path,
@@ -213,7 +221,7 @@ def _bench_chunk(
     judge: GenerationEngine | None,
     tallies: dict[str, Tally],
     at_once: dict[str, int],
-    search: Search,
+    searches: dict[str, Search],
     task: Task,
     cfg: RunConfig,
     bar: tqdm,
@@ -227,7 +235,12 @@ def _bench_chunk(
             torch.cuda.reset_peak_memory_stats(device)
         solutions: dict[str, Solution] = {}
 
-        async def solve(problem: Problem, engine: GenerationEngine = engine, solutions: dict = solutions) -> None:
+        async def solve(
+            problem: Problem,
+            engine: GenerationEngine = engine,
+            solutions: dict = solutions,
+            search: Search = searches[name],
+        ) -> None:
             solutions[problem.id] = await search.solve(problem, engine)
             bar.update()
 
@@ -253,14 +266,24 @@ def _bench_chunk(
 
 def concurrencies(container: dict, names: list[str]) -> dict[str, int]:
     """Problems in flight per bench entry: `run.concurrency`, or a variant's own."""
-    variants = container["bench"].get("variants") or {}
     out = {}
-    for name in names:
-        c = variant_container(container, name, variants[name]) if name in variants else container
+    for name, c in _entry_containers(container, names).items():
         out[name] = as_int("run.concurrency", c["run"]["concurrency"])
         if out[name] < 1:
             raise ConfigError(f"run.concurrency={out[name]} (for {name}) must be a positive integer")
     return out
+
+
+def evaluators(container: dict, names: list[str]) -> dict[str, str]:
+    """Each bench entry's `task.evaluator` (a variant may set its own: separate or in_context)."""
+    return {
+        name: str(c["task"].get("evaluator", "separate")) for name, c in _entry_containers(container, names).items()
+    }
+
+
+def _entry_containers(container: dict, names: list[str]) -> dict[str, dict]:
+    variants = container["bench"].get("variants") or {}
+    return {n: variant_container(container, n, variants[n]) if n in variants else container for n in names}
 
 
 def _row(name: str, t: Tally, engine: Engine | ServerEngine) -> dict:
@@ -360,7 +383,8 @@ def table(result: dict) -> str:
     for r in result["decoders"].values():
         ph = r["phases"]
         lines.append(
-            f"| `{r['decoder']}` | {r.get('concurrency', 1)} | {r['problems_correct']}/{n} | {r['tokens']} "
+            f"| `{r['decoder']}`{_evaluator(r)} | {r.get('concurrency', 1)} "
+            f"| {r['problems_correct']}/{n} | {r['tokens']} "
             f"| {r['wall_s']:.1f} "
             f"| {r['tokens_per_s']:.1f} "
             f"| {_ratio(r, 'hf')} | {_ratio(r, 'ar')} | {_num(r['acceptance_length'], '.2f')} "
@@ -376,6 +400,11 @@ def table(result: dict) -> str:
             "they are not compared with `hf`'s; its forwards and acceptance are not reported (-)."
         )
     return "\n".join(lines)
+
+
+def _evaluator(row: dict) -> str:
+    """How an entry valued states, where it is not the separate evaluator prompt."""
+    return f" ({row['evaluator']})" if row.get("evaluator", "separate") != "separate" else ""
 
 
 def _prompts(phase: dict) -> str:
@@ -473,7 +502,15 @@ def bench_command(cfg: DictConfig, out: Path) -> list[str]:
         write_atomic(out / "scaling.md", text + "\n")
         print(f"written to {out}")
         return []
-    result = bench(run_cfg, configs, target, draft, concurrency=concurrencies(container, list(configs)))
+    names = list(configs)
+    result = bench(
+        run_cfg,
+        configs,
+        target,
+        draft,
+        concurrency=concurrencies(container, names),
+        evaluator=evaluators(container, names),
+    )
     result["skipped"] = skipped
     text = table(result)
     print(text)
