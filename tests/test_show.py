@@ -166,3 +166,24 @@ def test_cli_missing_dir_and_dir_without_trees(tmp_path: Path):
         result = show(str(bad))
         assert result.returncode == 2
         assert len(result.stderr.strip().splitlines()) == 1 and str(bad) in result.stderr
+
+
+def test_memory_curve_of_a_run(loaded, tmp_path: Path, capsys):
+    """`--memory`: the store, the pool and resident memory as each problem finished, as a table and
+    a PNG; a run without memory figures (a server's, or an old one) is one line, exit 2."""
+    from test_run import make_config
+
+    from decoding.engine import Engine
+    from tot.run import run
+
+    out = tmp_path / "run"
+    cfg = make_config("data.limit=3", "task.depth=2", "gen.max_thought_tokens=5", "gen.max_eval_tokens=3")
+    run(cfg, out, engine=Engine(loaded, "ar"), progress=False)
+    assert main([str(out), "--memory", "--out", str(tmp_path / "memory.png")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("| problem | id | stored prefixes (MB)") and len(lines) == 2 + 3 + 1
+    assert (tmp_path / "memory.png").read_bytes()[:4] == b"\x89PNG"
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "results.jsonl").write_text('{"id": "a"}\n')
+    assert main([str(tmp_path / "old"), "--memory"]) == 2
+    assert "no records with memory figures" in capsys.readouterr().err

@@ -1,5 +1,6 @@
-"""`python -m tot.show RUN_DIR [--id ID] [--html]`: a run's reasoning trees as indented text and as PNG
-images, or as one interactive page (--html, tot/show_html.py).
+"""`python -m tot.show RUN_DIR [--id ID] [--html | --memory]`: a run's reasoning trees as indented text and
+as PNG images, or as one interactive page (--html, tot/show_html.py), or its memory over the run
+(--memory, tot/memory_curve.py).
 
 From a notebook: `load_tree(run_dir, id)`, then `render_text(tree)` for the text and `draw(tree)` for
 the figure (matplotlib, the `plots` extra); `layout(tree)` gives the node positions `draw` uses.
@@ -228,12 +229,19 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="write one page with every tree instead (--out: its path; default RUN_DIR/trees.html)",
     )
+    parser.add_argument(
+        "--memory",
+        action="store_true",
+        help="print the run's memory as each problem finished and plot it (--out: PNG; default RUN_DIR/memory.png)",
+    )
     args = parser.parse_args(argv)
     if args.width < 4:
         parser.error(f"--width {args.width} is too small; give at least 4")
     if isinstance(sys.stdout, io.TextIOWrapper):
         sys.stdout.reconfigure(errors="replace")  # a terminal without UTF-8 gets '?' for the tree lines
     try:
+        if args.memory:
+            return _memory(args.run_dir, args.out, not args.no_image)
         shown = [find_problem(args.run_dir, args.id)] if args.id is not None else problems(args.run_dir)
         if args.html:
             return _html(args.run_dir, shown, args.out)
@@ -247,6 +255,16 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         # The reader left (`| head`): stop quietly, and keep Python's exit flush from raising again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
+
+
+def _memory(run_dir: Path, out: Path | None, image: bool) -> int:
+    from tot.memory_curve import draw_memory, memory_rows, memory_table
+
+    rows = memory_rows(run_dir)
+    print(memory_table(rows))
+    if image:
+        print(f"plot: {draw_memory(rows, out or run_dir / 'memory.png')}")
     return 0
 
 
