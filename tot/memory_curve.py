@@ -9,6 +9,7 @@ issue 28's soak run checks (docs/performance.md, "Memory over a long run").
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from tot.saved import ShowError, read_records
 
@@ -38,10 +39,8 @@ def memory_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def draw_memory(rows: list[dict], out: Path) -> Path:
-    from tot.show import _pyplot
-
-    plt = _pyplot()
+def draw_memory(rows: list[dict], out: Path, plt: Any) -> Path:
+    """The curves as a PNG at `out`, drawn with matplotlib's pyplot `plt`."""
     fig, ax = plt.subplots(figsize=(7, 3.5))
     x = [r["problem"] for r in rows]
     for key, label in (("prefix_store_mb", "stored prefixes"), ("kv_pool_mb", "KV pool"), ("rss_mb", "resident")):

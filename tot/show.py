@@ -264,7 +264,12 @@ def _memory(run_dir: Path, out: Path | None, image: bool) -> int:
     rows = memory_rows(run_dir)
     print(memory_table(rows))
     if image:
-        print(f"plot: {draw_memory(rows, out or run_dir / 'memory.png')}")
+        try:
+            plt = _pyplot()
+        except ImportError:
+            print(f"plot skipped: matplotlib is not installed; {MATPLOTLIB_HINT} enables it")
+            return 0
+        print(f"plot: {draw_memory(rows, out or run_dir / 'memory.png', plt)}")
     return 0
 
 
