@@ -63,8 +63,7 @@ def sd_engine(
         drafter = ModelDrafter(ModelRunner(draft.model), spec, len(loaded.tokenizer))
         # planned=False: whole trees (the fixed plan without a cap).
         verify = VerifyOptions(match_samples=False) if planned else UNCAPPED
-        curve = ForwardCost({1: [(1, 10.0), (4, 12.0), (5, 16.0), (16, 60.0)]})
-        planner = Planner(curve, timed=False) if planned else None  # the same plans on every run
+        planner = fixed_planner() if planned else None
         engine.decoder = Scheduler(
             "batched-sd", engine.target, loaded.tokenizer, drafter, verify=verify, planner=planner
         )
@@ -318,12 +317,17 @@ class CheckedDrafter(ModelDrafter):
         return super().draft(rows)
 
 
+def fixed_planner() -> Planner:
+    """The step planner on a fixed cost curve, never the clock: the same plans on every run."""
+    return Planner(ForwardCost({1: [(1, 10.0), (4, 12.0), (5, 16.0), (16, 60.0)]}), timed=False)
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_draft_cache_stays_consistent(loaded, tokenizer, perturbed, temperature):
     spec = DraftTreeOptions(k_config=(2, 2, 1))
     engine = Engine(loaded, "ar")
     drafter = CheckedDrafter(ModelRunner(perturbed.model), spec, len(tokenizer))
-    engine.decoder = Scheduler("checked", engine.target, tokenizer, drafter)
+    engine.decoder = Scheduler("checked", engine.target, tokenizer, drafter, planner=fixed_planner())
     requests = [
         GenRequest(p, max_new_tokens=30, temperature=temperature, seed=s)
         for s, p in enumerate(["the cat", "the cat", "hello world and more", "a", "the cat"])
