@@ -162,13 +162,10 @@ class GSM8K(TaskDefaults):
         )
 
     def follow_up_prompt(self, problem: Problem, steps: list[str]) -> Prompt:
-        what = "final answer" if len(steps) >= self.depth else "step"
-        return Prompt(
-            f"How much does this {what} help to answer the question correctly? Rate it from 1 (wrong or useless) "
-            'to 10 (correct and very helpful). Reply as "Score: <number>", then one sentence explaining why.',
-            prefix=SCORE_PREFIX,
-            stop=("\n\n",),
-        )
+        # Short on purpose: this turn is all an in-context evaluation computes, and its value is
+        # the score on the reply's first line.
+        what = "final answer correct" if len(steps) >= self.depth else "step correct and helpful"
+        return Prompt(f"Is this {what}? Score it from 1 to 10.", prefix=SCORE_PREFIX, stop=("\n",))
 
     def parse_value(self, text: str) -> float:
         return parse_value(SCORE_PREFIX + text)
