@@ -214,11 +214,11 @@ class Engine:
     def _results(self, seqs: list[Sequence], requests: list[GenRequest]) -> list[GenResult]:
         return [
             GenResult(
-                text=final_text(s.generated, s.reason, r.stop, self.tokenizer),
+                text=(text := final_text(s.generated, s.reason, r.stop, self.tokenizer)),
                 token_ids=list(s.generated),
                 finish_reason=s.reason or "length",
                 stats=s.stats,
-                context=s.context(self.tokenizer),
+                context=s.context(self.tokenizer, text),
             )
             for s, r in zip(seqs, requests)
         ]

@@ -12,21 +12,19 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+def solve_one(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+    """`python -m tot.solve` on the first bundled GSM8K problem with the embedded model; it must succeed."""
+    cmd = [sys.executable, "-m", "tot.solve", "task=gsm8k", "data.limit=1", "gen.max_thought_tokens=48"]
+    cmd += ["gen.max_eval_tokens=24", *overrides, f"hydra.run.dir={run_dir}"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-2000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    return proc
+
+
 @pytest.mark.slow
 def test_one_gsm8k_problem_end_to_end(tmp_path):
     run_dir = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "tot.solve",
-        "task=gsm8k",
-        "data.limit=1",
-        "gen.max_thought_tokens=48",
-        "gen.max_eval_tokens=24",
-        f"hydra.run.dir={run_dir}",
-    ]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-2000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    proc = solve_one(run_dir)
     assert "Traceback" not in proc.stderr
     assert "accuracy" in proc.stdout
 
@@ -63,20 +61,7 @@ def test_in_context_values_parse_on_the_embedded_model(tmp_path):
     """The embedded model's replies to the in-context follow-up read as 1-10 scores, and the
     evaluations computed far fewer prompt tokens than they asked for."""
     run_dir = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "tot.solve",
-        "task=gsm8k",
-        "task.evaluator=in_context",
-        "data.limit=1",
-        "task.depth=2",
-        "gen.max_thought_tokens=48",
-        "gen.max_eval_tokens=24",
-        f"hydra.run.dir={run_dir}",
-    ]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-2000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    solve_one(run_dir, "task.evaluator=in_context", "task.depth=2")
     nodes = json.loads((run_dir / "trees" / "bundled-1.json").read_text())["nodes"]
     valued = [n for n in nodes if n["depth"] > 0]
     assert all(n.get("eval_in_context") for n in valued)

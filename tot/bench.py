@@ -183,8 +183,10 @@ def bench(
     # Each entry is held to an `hf` entry under the same evaluator (`hf`, or a variant of it).
     greedy = cfg.gen.temperature == 0 and cfg.gen.eval_temperature == 0
     same_path = [n for n, c in configs.items() if c.server is None and (greedy or c.verify.match_samples)]
-    references = {evaluated[n]: n for n, c in reversed(configs.items()) if c.name == "hf"}
-    references.update({evaluated["hf"]: "hf"} if "hf" in configs else {})
+    references: dict[str, str] = {}  # evaluator -> the first hf entry under it
+    for n, c in configs.items():
+        if c.name == "hf":
+            references.setdefault(evaluated[n], n)
     checked = [n for n in same_path if evaluated[n] in references]
     mismatches = []
     for name in checked:

@@ -32,6 +32,7 @@ class Sequence:
     follows: tuple[int, ...] = ()  # a follow-up: the finished sequence it continues (GenRequest.context)
     keep: bool = False  # stored and pinned when it finishes, until a follow-up of it is admitted
     _checked: int = 0
+    _context: tuple[int, ...] | None = None
 
     @classmethod
     def create(cls, prompt: list[int], rule: StopRule, params: SamplingParams, seed: int, group: str = "") -> Sequence:
@@ -44,11 +45,15 @@ class Sequence:
             draft_generator=make_generator(seed ^ DRAFT_SEED_SALT),
         )
 
-    def context(self, tokenizer: Detokenizer) -> tuple[int, ...]:
+    def context(self, tokenizer: Detokenizer, text: str | None = None) -> tuple[int, ...]:
         """What a follow-up of this finished sequence continues: its prompt, then its reply up to
-        where the reply's text ends."""
-        text = final_text(self.generated, self.reason, self.rule.stop, tokenizer)
-        return tuple(self.prompt + reply_ids(self.generated, self.reason, text, tokenizer))
+        where the reply's text (`text`, if the caller has it) ends. Worked out once: the scheduler
+        pins a kept sequence under it, and its result carries it."""
+        if self._context is None:
+            if text is None:
+                text = final_text(self.generated, self.reason, self.rule.stop, tokenizer)
+            self._context = tuple(self.prompt + reply_ids(self.generated, self.reason, text, tokenizer))
+        return self._context
 
     @property
     def done(self) -> bool:
