@@ -45,24 +45,28 @@ def model_drafter(
     if isinstance(draft.model, EddModel):
         size = None if config.draft is None else config.draft.vocab
         vocab = None if size is None else draft_vocab(Path(draft.source), size)
-        return EddDrafter(draft.model, target, config.draft_tree, vocab)
+        return EddDrafter(draft.model, target, config.draft_tree, vocab, config.verify.coupled)
     # The target too: tree_policy=pct measures s_d / s_t against it at start-up.
     runner = ModelRunner(draft.model, target.prefixes.budget)  # one budget for the target's and the draft's prefixes
-    return ModelDrafter(runner, config.draft_tree, target.vocab_size, target=target)
+    return ModelDrafter(runner, config.draft_tree, target.vocab_size, target=target, coupled=config.verify.coupled)
 
 
 DRAFTERS: dict[str, DrafterFactory] = {
     "none": lambda c, target, tok, draft: NoDrafter(),
     "model": model_drafter,
-    "stand": lambda c, target, tok, draft: StandDrafter(c.stand, StaticTree.load(c.stand.tree), target.vocab_size),
+    "stand": lambda c, target, tok, draft: StandDrafter(
+        c.stand, StaticTree.load(c.stand.tree), target.vocab_size, c.verify.coupled
+    ),
     "pld": lambda c, target, tok, draft: PLDDrafter(c.pld),
     # aded.corpus, if any, is tokenised with the target's tokenizer
     "aded": lambda c, target, tok, draft: AdedDrafter(c.aded, tok),
-    "recycling": lambda c, target, tok, draft: RecyclingDrafter(c.recycling, StaticTree.load(c.stand.tree)),
+    "recycling": lambda c, target, tok, draft: RecyclingDrafter(
+        c.recycling, StaticTree.load(c.stand.tree), c.verify.coupled
+    ),
 }
 
 SCHEDULES: dict[str, Schedule] = {
-    "hf": lambda name, c, target, tok, drafter: HFDecoder(target, tok),
+    "hf": lambda name, c, target, tok, drafter: HFDecoder(target, tok, c.verify.rule),
     # Every sequence in flight in each forward (`ar`, `stand`, ...).
     "batch": lambda name, c, target, tok, drafter: Scheduler(name, target, tok, drafter, verify=c.verify),
     # One sequence at a time, as SEED's SD / MCSD baselines run.
@@ -88,5 +92,7 @@ def make_decoder(
     kind = DECODERS[config.name]
     drafter = DRAFTERS[kind.drafter](config, target, tokenizer, draft)
     if kind.draft_model == "optional" and draft is not None:
-        drafter = UnionDrafter([model_drafter(config, target, tokenizer, draft), drafter])
+        drafter = UnionDrafter(
+            [model_drafter(config, target, tokenizer, draft), drafter], config.verify.rule != "rejection"
+        )
     return SCHEDULES[kind.schedule](config.name, config, target, tokenizer, drafter)

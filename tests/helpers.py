@@ -15,8 +15,8 @@ from decoding.schedules.base import VerifyOptions
 
 # verify.plan=fixed, verify.max_tokens=null: trees verified whole however many rows share a forward (tests of tree
 # verification; the default cuts them to 16 tokens per forward on a CPU), with the rejection rules
-# at temperature > 0 (verify.match_samples=false), which those tests check.
-UNCAPPED = VerifyOptions(plan="fixed", max_tokens=None, match_samples=False)
+# at temperature > 0 (verify.rule=rejection), which those tests check.
+UNCAPPED = VerifyOptions(plan="fixed", max_tokens=None, rule="rejection")
 
 
 def acceptance_chain(

@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers import acceptance_chain, choose
 
-from decoding.core.acceptance import residual, walk
+from decoding.core.acceptance import residual, walk_matched
 from decoding.core.draft_tree import ROOT, DraftTree, k_config_parents
 
 V = 5
@@ -129,9 +129,9 @@ def test_walk_greedy_follows_the_argmax_path():
         tree.add(token, parent)
     # Root's argmax is 3 (node 1), whose argmax is 9 (node 5), whose argmax is 2: bonus token.
     argmax = [3, 0, 9, 0, 0, 0, 2]
-    path, token = walk(tree, None, argmax, torch.Generator(), True)
+    path, token = walk_matched(tree, lambda node, d: argmax[node + 1])
     assert path == [1, 5] and token == 2
-    path, token = walk(tree, None, [5, *argmax[1:]], torch.Generator(), True)
+    path, token = walk_matched(tree, lambda node, d: [5, *argmax[1:]][node + 1])
     assert path == [] and token == 5
     assert tree.path(5) == [1, 5] and tree.depths() == [1, 1, 2, 2, 2, 2]
     assert tree.children(ROOT) == [0, 1]
@@ -186,3 +186,19 @@ def test_grafted_sources_are_exact():
                 reach *= 1 - acc
             total += reach * r
     assert torch.allclose(total, p, atol=1e-12)
+
+
+def test_graft_merges_duplicates_for_the_matched_rules():
+    """merge=True: a token two drafters put at the same place is one node (verified once), and each
+    drafter's nodes map into the trie; the rejection rules' graft keeps both."""
+    from decoding.core.draft_tree import graft
+
+    a, b = DraftTree(), DraftTree()
+    for tree, spec in ((a, [(5, ROOT), (6, 0), (7, ROOT)]), (b, [(5, ROOT), (9, 0), (6, 0), (8, ROOT)])):
+        for token, parent in spec:
+            tree.add(token, parent)
+    merged, where = graft([a, b], merge=True)
+    assert merged.tokens == [5, 6, 7, 9, 8] and merged.parents == [ROOT, 0, ROOT, 0, ROOT]
+    assert where == [[0, 1, 2], [0, 3, 1, 4]]
+    assert merged.sources == [0, 0, 0, 1, 1]
+    assert len(graft([a, b])[0]) == 7

@@ -149,3 +149,9 @@ def test_bench_evaluator_variants(long_context):
         < rows["ar"]["phases"]["evaluate"]["prompt_tokens_computed"]
     )
     assert "`ar_ic` (in_context)" in table(result)
+    # Ratios are taken against the baseline under the entry's own evaluator.
+    assert rows["hf_ic"]["speedup_vs_hf"] == pytest.approx(1.0)
+    assert rows["ar_ic"]["speedup_vs_ar"] == pytest.approx(1.0)
+    assert rows["ar_ic"]["speedup_vs_hf"] == pytest.approx(
+        rows["ar_ic"]["tokens_per_s"] / rows["hf_ic"]["tokens_per_s"]
+    )

@@ -12,10 +12,12 @@ from test_decoders import EOS_ID, encode, reference_greedy
 
 from decoding.config import DecoderConfig
 from decoding.core.models import ModelSpec
+from decoding.core.sampling import Rule
 from decoding.core.values import GenRequest
 from decoding.drafters.draft_model import ModelDrafter
 from decoding.engine import Engine, apportion
 from decoding.kinds import DECODERS
+from decoding.schedules.base import VerifyOptions
 from tasks.base import Problem
 from tasks.gsm8k import GSM8K
 from tot.run import solve_all
@@ -32,9 +34,10 @@ SPECS = [
 ]
 
 
-def engine_for(name: str, loaded, perturbed) -> Engine:
+def engine_for(name: str, loaded, perturbed, rule: Rule = "match_gumbel") -> Engine:
     draft = perturbed if DECODERS[name].draft_model == "required" else None
-    return Engine(loaded, DecoderConfig(name, draft=ModelSpec(key="draft") if draft else None), draft)
+    spec = ModelSpec(key="draft") if draft else None
+    return Engine(loaded, DecoderConfig(name, draft=spec, verify=VerifyOptions(rule=rule)), draft)
 
 
 @pytest.mark.parametrize("name", list(DECODERS))
@@ -188,19 +191,20 @@ def test_a_failed_search_leaves_a_clean_engine(name, tiny_model, tokenizer, load
     assert [r.token_ids for r in engine.generate([GenRequest(p, max_new_tokens=m) for p, m in SPECS])] == refs
 
 
+@pytest.mark.parametrize("rule", ["match_gumbel", "match_multinomial"])
 @pytest.mark.parametrize("name", list(DECODERS))
-def test_sampled_outputs_are_plain_decodings_samples(name, loaded, perturbed):
+def test_sampled_outputs_are_plain_decodings_samples(name, rule, loaded, perturbed):
     """At temperature > 0 (with top-k and top-p) every decoder, rows joining mid-decode, returns the
-    very tokens `hf` samples for the same request seeds (verify.match_samples, the default): what
-    was drafted, and what else ran, changes no output."""
+    very tokens `hf` samples for the same request seeds under each matched rule (match_gumbel, the
+    default, and match_multinomial): what was drafted, and what else ran, changes no output."""
     specs = [(p, m, 0.9, 40, 0.95) for p, m in SPECS] + [("the cat", 30, 1.3, 0, 1.0)]
     requests = [
         GenRequest(p, max_new_tokens=m, temperature=t, top_k=k, top_p=q, seed=i)
         for i, (p, m, t, k, q) in enumerate(specs)
     ]
-    plain = [r.token_ids for r in engine_for("hf", loaded, perturbed).generate(requests)]
+    plain = [r.token_ids for r in engine_for("hf", loaded, perturbed, rule).generate(requests)]
     assert len({tuple(t) for t in plain}) == len(plain)
-    engine = engine_for(name, loaded, perturbed)
+    engine = engine_for(name, loaded, perturbed, rule)
 
     async def staggered():
         async def later(i, r):

@@ -215,6 +215,36 @@ def test_resume_after_kill_with_problems_in_flight(tmp_path):
         assert (out / "trees" / f"{pid}.json").read_text() == (whole / "trees" / f"{pid}.json").read_text()
 
 
+def test_a_run_resumes_only_under_its_sampling_rule(tmp_path):
+    """Each record names the rule its samples were decided by; a rerun under another rule would mix
+    two samplers' trees in one run: refused in one line, nothing written."""
+    out = tmp_path / "run"
+    run(make_config("data.limit=2"), out, engine=FakeEngine(), progress=False)
+    assert {r["rule"] for r in read_results(out)} == {"match_gumbel"}  # the default, at t = 0.6
+    before = (out / "results.jsonl").read_text()
+    with pytest.raises(ConfigError, match=r"sampled under verify.rule=match_gumbel; .* verify.rule=match_gumbel"):
+        run(make_config("data.limit=3", "verify.rule=match_multinomial"), out, engine=FakeEngine(), progress=False)
+    assert (out / "results.jsonl").read_text() == before
+    counting = FakeEngine()
+    run(make_config("data.limit=3"), out, engine=counting, progress=False)  # the same rule resumes
+    assert counting.problems == IDS[2:3]
+    # At temperature 0 nothing is sampled: any rule resumes a greedy run.
+    greedy = tmp_path / "greedy"
+    run(
+        make_config("data.limit=1", "gen.temperature=0", "gen.eval_temperature=0"),
+        greedy,
+        engine=FakeEngine(),
+        progress=False,
+    )
+    run(
+        make_config("data.limit=2", "gen.temperature=0", "gen.eval_temperature=0", "verify.rule=rejection"),
+        greedy,
+        engine=FakeEngine(),
+        progress=False,
+    )
+    assert {r["rule"] for r in read_results(greedy)} == {"greedy"}
+
+
 def test_resume_drops_truncated_line(tmp_path):
     cfg = make_config("run.concurrency=1")  # problems one by one: results in order
     out = tmp_path / "run"

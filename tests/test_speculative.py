@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -30,6 +31,8 @@ from decoding.core.models import LoadedModel, ModelSpec
 from decoding.core.prefix_cache import PrefixCache
 from decoding.core.runner import ModelRunner
 from decoding.core.sampling import SamplingParams
+from decoding.core.sequence import Sequence
+from decoding.core.stopping import StopRule
 from decoding.core.values import GenRequest
 from decoding.core.verify import verify
 from decoding.drafters.draft_model import ModelDrafter
@@ -60,14 +63,36 @@ def sd_engine(
         # The same loop and drafter with every sequence in one batch (the shape SEED and STAND use),
         # the step planner in charge on a curve where trees are cut part-way (3 to 4 of 6 nodes),
         # with the rejection rules: they stay exact through cut trees.
-        drafter = ModelDrafter(ModelRunner(draft.model), spec, len(loaded.tokenizer))
+        drafter = ModelDrafter(ModelRunner(draft.model), spec, len(loaded.tokenizer), coupled=False)
         # planned=False: whole trees (the fixed plan without a cap).
-        verify = VerifyOptions(match_samples=False) if planned else UNCAPPED
+        verify = VerifyOptions(rule="rejection") if planned else UNCAPPED
         planner = fixed_planner() if planned else None
         engine.decoder = Scheduler(
             "batched-sd", engine.target, loaded.tokenizer, drafter, verify=verify, planner=planner
         )
     return engine
+
+
+@pytest.mark.parametrize("rule", ["match_gumbel", "match_multinomial"])
+def test_coupled_drafts_of_the_target_itself_are_all_accepted(loaded, rule):
+    """draft.path=self at t = 0.6: the draft model is the target, so under match_gumbel each drafted
+    chain is the target's own samples and is accepted whole, every step, until its sequence ends;
+    under match_multinomial the same drafts, blind to the target's stream, are kept about p(x) of the
+    time. The outputs are `hf`'s under each rule."""
+    verify = VerifyOptions(plan="fixed", max_tokens=None, rule=rule)
+    config = DecoderConfig("sd", DraftTreeOptions(k_config=(1, 1, 1, 1)), draft=ModelSpec("draft", key="draft"))
+    engine = Engine(loaded, replace(config, verify=verify), loaded)
+    requests = [GenRequest(p, max_new_tokens=40, temperature=0.6, seed=i) for i, p in enumerate(PROMPTS[:3])]
+    out = [r.token_ids for r in engine.generate(requests)]
+    stats = engine.total_stats
+    assert stats.drafted_tokens > 60
+    rate = stats.accepted_tokens / stats.drafted_tokens
+    if rule == "match_gumbel":
+        assert rate == 1.0
+    else:
+        assert rate < 0.8
+    hf = Engine(loaded, DecoderConfig("hf", verify=verify))
+    assert out == [r.token_ids for r in hf.generate(requests)]
 
 
 # --- one verification forward ----------------------------------------------------------------------
@@ -114,6 +139,7 @@ def test_tree_verification_logits_equal_sequential_decoding(tiny_model, tokenize
         assert pending == [p[-1:] for p in prompts]
         assert cache.lens.tolist() == [len(p) - 1 for p in prompts]
     g = torch.Generator().manual_seed(0)
+    seqs = [Sequence.create(p, StopRule(frozenset(), (), 64), GREEDY, seed=0) for p in prompts]
     shapes = [(2, 1), (1, 1, 1), (4, 2, 1)]
     contexts = [list(p) for p in prompts]
     for step in range(3):
@@ -121,7 +147,7 @@ def test_tree_verification_logits_equal_sequential_decoding(tiny_model, tokenize
         for b, shape in enumerate(shapes[step:] + shapes[:step]):
             parents = k_config_parents(shape) if b != step else []  # one row with an empty tree
             trees.append(tree_of(parents, torch.randint(3, len(tokenizer), (len(parents),), generator=g).tolist()))
-        packed, verdicts = verify(target, cache, pending, trees, [GREEDY] * 3, [g] * 3, match_samples=True)
+        packed, verdicts = verify(target, cache, pending, trees, seqs, "match_gumbel")
         check_tree_logits(tiny_model, contexts, trees, verdicts)
         # Commit a path of a different length per row (not the greedy one: any path must be keepable).
         for b, tree in enumerate(trees):

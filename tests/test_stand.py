@@ -250,7 +250,7 @@ def test_sampling_follows_the_target_with_cut_trees(tiny_model, tokenizer, loade
         "seed_stand",
         small_tree,
         verify_batch=2,
-        verify=VerifyOptions(plan="fixed", max_tokens=5, match_samples=False),
+        verify=VerifyOptions(plan="fixed", max_tokens=5, rule="rejection"),
     )
     samples = sample_three(engine, prompt, params, 8000)
     stats = engine.total_stats

@@ -7,8 +7,9 @@ the next, ...) so that machine drift hits all alike, after a warm-up call per en
 decoder: wall time (whole run and per phase), tokens, tokens/s, speedup
 over `hf` and `ar`, acceptance length, target forwards per token, rows per forward (how full the
 target's batches were), prompt tokens computed against requested (what prefix sharing saved), target
-busy fraction and the peak KV-cache memory. At temperature 0, and at any temperature with `verify.match_samples`
-(the default), every decoder's trees must equal `hf`'s (the lossless invariant): a difference is
+busy fraction and the peak KV-cache memory. At temperature 0, and at any temperature under a matched
+`verify.rule` (the default), every decoder's trees must equal `hf`'s under the same rule and
+evaluator (the lossless invariant): a difference is
 printed and the command exits with status 1. `server` (decoder=server, the `server.*` options) runs
 the search on a serving engine beside the in-process decoders, e.g. llama.cpp's server on the same
 GGUF file: its outputs follow the server's own numeric path, so it is left out of that check, and
@@ -171,27 +172,28 @@ def bench(
         name: {**_row(name, t, engines[name]), "concurrency": at_once[name], "evaluator": evaluated[name]}
         for name, t in tallies.items()
     }
-    for base in ("hf", "ar"):
-        if base in rows:
-            for r in rows.values():
-                r[f"speedup_vs_{base}"] = (
-                    r["tokens_per_s"] / rows[base]["tokens_per_s"] if rows[base]["tokens_per_s"] else 0
-                )
-    # At temperature 0, and at any temperature for decoders that match the target's own samples
-    # (verify.match_samples), every tree must be hf's. A server computes on its own numeric path
-    # (another kernel, another file format): its outputs differ and are not compared.
-    # Each entry is held to an `hf` entry under the same evaluator (`hf`, or a variant of it).
+    # What an entry is compared under: its evaluator and, at temperature > 0, its sampling rule.
+    setting = {n: (evaluated[n], "greedy" if cfg.gen.temperature == 0 else c.verify.rule) for n, c in configs.items()}
+    for name, r in rows.items():
+        r["rule"] = setting[name][1]
+        for base in ("hf", "ar"):
+            ref = _baseline(rows, configs, setting, name, base)
+            if ref is not None:
+                r[f"speedup_vs_{base}"] = r["tokens_per_s"] / ref["tokens_per_s"] if ref["tokens_per_s"] else 0
+    # At temperature 0, and at any temperature under a matched rule, every tree must be hf's. A server
+    # computes on its own numeric path (another kernel, another file format): its outputs differ and
+    # are not compared. Each entry is held to an `hf` entry under the same evaluator and rule.
     greedy = cfg.gen.temperature == 0 and cfg.gen.eval_temperature == 0
-    same_path = [n for n, c in configs.items() if c.server is None and (greedy or c.verify.match_samples)]
-    references: dict[str, str] = {}  # evaluator -> the first hf entry under it
+    same_path = [n for n, c in configs.items() if c.server is None and (greedy or c.verify.rule != "rejection")]
+    references: dict[tuple[str, str], str] = {}  # (evaluator, rule) -> the first hf entry under them
     for n, c in configs.items():
         if c.name == "hf":
-            references.setdefault(evaluated[n], n)
-    checked = [n for n in same_path if evaluated[n] in references]
+            references.setdefault(setting[n], n)
+    checked = [n for n in same_path if setting[n] in references]
     mismatches = []
     for name in checked:
         for pid, tree in tallies[name].trees.items():
-            where = first_difference(tallies[references[evaluated[name]]].trees[pid], tree)
+            where = first_difference(tallies[references[setting[name]]].trees[pid], tree)
             if where:
                 mismatches.append(f"{name} on {pid}: {where}")
     return {
@@ -207,6 +209,17 @@ def bench(
         "process_peak_rss_mb": peak_rss_mb(),
         "decoders": rows,
     }
+
+
+def _baseline(
+    rows: dict[str, dict], configs: dict[str, DecoderConfig], setting: dict[str, tuple[str, str]], name: str, base: str
+) -> dict | None:
+    """The entry `name` is compared with: the first `base` entry under the same evaluator and rule,
+    at the same concurrency where there is one (`hf` decodes one sequence at a time, so any serves)."""
+    like = [n for n, c in configs.items() if c.name == base and setting[n] == setting[name]]
+    same = [n for n in like if rows[n]["concurrency"] == rows[name]["concurrency"]]
+    pick = (same or like)[:1]
+    return rows[pick[0]] if pick else None
 
 
 def bench_engine(c: DecoderConfig, target: LoadedModel, draft: LoadedModel | None) -> Engine | ServerEngine:
@@ -385,7 +398,7 @@ def table(result: dict) -> str:
     for r in result["decoders"].values():
         ph = r["phases"]
         lines.append(
-            f"| `{r['decoder']}`{_evaluator(r)} | {r.get('concurrency', 1)} "
+            f"| `{r['decoder']}`{_setting(r)} | {r.get('concurrency', 1)} "
             f"| {r['problems_correct']}/{n} | {r['tokens']} "
             f"| {r['wall_s']:.1f} "
             f"| {r['tokens_per_s']:.1f} "
@@ -404,9 +417,12 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def _evaluator(row: dict) -> str:
-    """How an entry valued states, where it is not the separate evaluator prompt."""
-    return f" ({row['evaluator']})" if row.get("evaluator", "separate") != "separate" else ""
+def _setting(row: dict) -> str:
+    """How an entry valued states and sampled, where not by the defaults (the separate evaluator
+    prompt; match_gumbel)."""
+    own = [row.get("evaluator", "separate"), row.get("rule", "match_gumbel")]
+    shown = [x for x in own if x not in ("separate", "match_gumbel", "greedy")]
+    return f" ({', '.join(shown)})" if shown else ""
 
 
 def _prompts(phase: dict) -> str:

@@ -266,7 +266,7 @@ def build(
         source = f"measured here ({run_dir / 'profile.json'}), median of {opts.repeats}, context {opts.context}"
     recorder, summary = calibrate(run_cfg, engine, opts, run_dir, progress)
     dec = run_cfg.decoder
-    if run_cfg.gen.temperature == 0:
+    if run_cfg.gen.temperature == 0 or dec.verify.coupled:  # coupled drafts are chosen, not drawn
         draw = "top"
     else:
         draw = (
@@ -280,6 +280,7 @@ def build(
         "drafter": opts.drafter,
         "decoder": run_cfg.decoder.name,
         "draw": draw,  # how siblings were drawn (decoding/core/acceptance.py): the rates hold for this rule
+        "rule": dec.verify.rule,
         "model": run_cfg.model.path,
         "draft": None if run_cfg.decoder.draft is None else run_cfg.decoder.draft.path,
         "calibration": list(opts.calibration),

@@ -13,6 +13,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from decoding.config import DecoderConfig
+from decoding.core.errors import ConfigError
 from decoding.core.models import load_model, load_tokenizer
 from decoding.drafters.load import load_draft
 from decoding.engine import Engine
@@ -41,6 +42,8 @@ def _run(cfg: RunConfig, out_dir: Path, engine: GenerationEngine | None, progres
     problems = task.load(cfg.data)
     store = ResultStore(out_dir)
     done = store.done
+    rule = sampling_rule(cfg)
+    check_rule(store.records, rule, out_dir)
     todo = [p for p in problems if p.id not in done]
     if done:
         log.info("resuming in %s: %d of %d problems already done", out_dir, len(problems) - len(todo), len(problems))
@@ -74,6 +77,7 @@ def _run(cfg: RunConfig, out_dir: Path, engine: GenerationEngine | None, progres
                     **answer_fields(task, problem, sol.steps),
                     "gold": problem.gold,
                     "metrics": metrics,
+                    "rule": rule,
                     "tokens": sum(p["tokens"] for p in phases.values()),
                     "wall_s": now - t0,  # this problem's latency (problems in flight overlap)
                     # The run's wall time since the previous problem finished: these add up to the
@@ -102,6 +106,27 @@ def _run(cfg: RunConfig, out_dir: Path, engine: GenerationEngine | None, progres
         summary["memory"] = engine.memory()  # where the memory went: decoding/core/memory.py
     write_atomic(out_dir / "summary.json", json.dumps(summary, indent=2))
     return summary
+
+
+def sampling_rule(cfg: RunConfig) -> str:
+    """How the run's samples were decided: which reference its tokens equal (verify.rule), "greedy"
+    where nothing is sampled, "server" where a server samples by its own rules."""
+    if cfg.gen.temperature == 0 and cfg.gen.eval_temperature == 0:
+        return "greedy"
+    return "server" if cfg.decoder.server is not None else cfg.decoder.verify.rule
+
+
+def check_rule(records: list[dict], rule: str, out_dir: Path) -> None:
+    """A run resumes only under the rule its finished problems were sampled with: another rule
+    gives other samples, and the run's trees would mix two samplers. (Records written before rules
+    were recorded sampled by torch.multinomial: match_multinomial.)"""
+    before = {r.get("rule", "match_multinomial") for r in records} - {"greedy"}
+    if rule != "greedy" and before and before != {rule}:
+        raise ConfigError(
+            f"{out_dir} holds problems sampled under verify.rule={', '.join(sorted(before))}; this run samples "
+            f"under {rule}: rerun with verify.rule={sorted(before)[0]} to resume, or give this run its own "
+            "folder with hydra.run.dir=..."
+        )
 
 
 async def solve_all(problems: list[Problem], solve: Callable[[Problem], Awaitable[None]], concurrency: int) -> None:

@@ -19,6 +19,8 @@ Temperature 0 is handled apart, exactly: a candidate is accepted when it is the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from decoding.core.draft_tree import ROOT, DraftDist, DraftTree, Draw
@@ -105,53 +107,51 @@ def node_proposals(tree: DraftTree, node: int, children: list[int], vocab: int) 
     return [props[c] for c in children]
 
 
-def walk(
-    tree: DraftTree,
-    probs: torch.Tensor | None,
-    argmax: list[int] | None,
-    generator: torch.Generator,
-    match_samples: bool,
-) -> tuple[list[int], int]:
-    """Verify one tree: the accepted nodes from the root down, and the token after them.
+def walk_matched(tree: DraftTree, target: Callable[[int, int], int]) -> tuple[list[int], int]:
+    """Verify one tree under a matched rule: from the root down, the child that is the target's own
+    token is accepted; the first position where no child is ends the walk with that token.
 
-    Row 0 of probs [1 + N, V] (or of argmax, for greedy rows) is the target at the root, row 1 + i
-    at node i. The token after the accepted path is the bonus token when the path ends at a leaf,
-    the residual's draw when the candidates at its end were all rejected.
-
-    match_samples: the target samples each position itself, as plain decoding does (one
-    torch.multinomial draw per committed token, in order, from the request's generator: what
-    `transformers` sampling draws), and a
-    child is accepted when it is that token: the output is then plain decoding's very samples,
-    whatever was drafted (a candidate set C is accepted with probability p(C), all a lossless rule
-    can accept of a fixed C; drafts sampled from a q close to p lose against the rejection rules).
+    target(node, depth): the target's token after `node` (ROOT at depth 0): its argmax at
+    temperature 0, else its own sample (verify.rule: Gumbel-max with the request's public noise, or
+    a torch.multinomial draw from the request's generator, as `transformers` samples). The output is
+    then plain decoding's very tokens whatever was drafted, with whom and how much ran at once.
+    Only the positions the walk reaches are sampled.
     """
-    # A row without a draft samples as plain decoding does, whatever the rule: `ar` draws `hf`'s samples.
-    match_samples = match_samples or not len(tree)
-    kids: dict[int, list[int]] = {}
-    for i, par in enumerate(tree.parents):
-        kids.setdefault(par, []).append(i)
+    kids = _children(tree)
+    path: list[int] = []
+    node = ROOT
+    while True:
+        want = target(node, len(path))
+        match = next((c for c in kids.get(node, []) if tree.tokens[c] == want), None)
+        if match is None:
+            return path, want
+        node = match
+        path.append(node)
+
+
+def walk_rejection(tree: DraftTree, probs: torch.Tensor, generator: torch.Generator) -> tuple[list[int], int]:
+    """Verify one tree by recursive rejection sampling (the module docstring): the accepted nodes
+    from the root down, and the token after them (the bonus token when the path ends at a leaf, the
+    residual's draw when the candidates at its end were all rejected). Row 0 of probs [1 + N, V] is
+    the target's processed distribution at the root, row 1 + i at node i."""
+    kids = _children(tree)
     path: list[int] = []
     node = ROOT
     while True:
         children = kids.get(node, [])
-        if argmax is not None or match_samples:
-            if argmax is not None:
-                want = argmax[node + 1]
-            else:
-                assert probs is not None
-                want = int(torch.multinomial(probs[node + 1].float(), 1, generator=generator))
-            match = next((c for c in children if tree.tokens[c] == want), None)
-            if match is None:
-                return path, want
-            node = match
-        else:
-            assert probs is not None
-            p = probs[node + 1]
-            if not children:
-                return path, draw(p, generator)
-            cands = [tree.tokens[c] for c in children]
-            idx, token = sample_chain(p, cands, node_proposals(tree, node, children, p.shape[-1]), generator)
-            if idx is None:
-                return path, token
-            node = children[idx]
+        p = probs[node + 1]
+        if not children:
+            return path, draw(p, generator)
+        cands = [tree.tokens[c] for c in children]
+        idx, token = sample_chain(p, cands, node_proposals(tree, node, children, p.shape[-1]), generator)
+        if idx is None:
+            return path, token
+        node = children[idx]
         path.append(node)
+
+
+def _children(tree: DraftTree) -> dict[int, list[int]]:
+    kids: dict[int, list[int]] = {}
+    for i, par in enumerate(tree.parents):
+        kids.setdefault(par, []).append(i)
+    return kids

@@ -147,17 +147,28 @@ def k_config_parents(k_config: tuple[int, ...]) -> list[int]:
     return parents
 
 
-def graft(trees: list[DraftTree]) -> tuple[DraftTree, list[list[int]]]:
+def graft(trees: list[DraftTree], merge: bool = False) -> tuple[DraftTree, list[list[int]]]:
     """One tree holding several drafters' trees under the same root, and, per input tree, where
-    each of its nodes went. Verification tries the first tree's children of a node first."""
+    each of its nodes went. Verification tries the first tree's children of a node first.
+
+    merge: a node whose token its merged parent already has as a child becomes that child (the
+    drafters' trees merged as one trie), for the matched rules, which keep whichever child is the
+    target's sample: a duplicate sibling costs a verified token and can never be kept. The rejection
+    rules need each source's candidates as drawn, duplicates included (merge=False)."""
     out = DraftTree(draw=trees[0].draw, dists=dict(trees[0].dists))
     where: list[list[int]] = []
+    child: dict[tuple[int, int], int] = {}  # (merged parent, token) -> merged node
     for src, t in enumerate(trees):
-        offset = len(out)
-        moved = list(range(offset, offset + len(t)))
+        moved: list[int] = []
         for tok, par, prob in zip(t.tokens, t.parents, t.probs):
-            out.add(tok, ROOT if par == ROOT else moved[par], prob)
+            parent = ROOT if par == ROOT else moved[par]
+            if merge and (parent, tok) in child:
+                moved.append(child[(parent, tok)])
+                continue
+            node = out.add(tok, parent, prob)
             out.sources.append(src)
+            child[(parent, tok)] = node
+            moved.append(node)
         if src:
             out.parts[src] = (t.draw, {(ROOT if k == ROOT else moved[k]): q for k, q in t.dists.items()})
         where.append(moved)

@@ -7,8 +7,16 @@ per-row parameters so one batched forward can serve requests with different sett
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
+
+# How the target's token at temperature > 0 is decided (verify.rule; decoding/core/verify.py):
+# match_gumbel: Gumbel-max with the request's public noise (decoding/core/gumbel.py), a draft kept
+# when it is that sample; match_multinomial: the same with `transformers`' torch.multinomial
+# stream; rejection: speculative sampling's rules (decoding/core/acceptance.py).
+Rule = Literal["match_gumbel", "match_multinomial", "rejection"]
+RULES: tuple[Rule, ...] = ("match_gumbel", "match_multinomial", "rejection")
 
 
 @dataclass(frozen=True)
@@ -40,6 +48,12 @@ def process_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
 def _process_row(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     if p.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(logits.dtype)
+    return processed_logits(logits, p).softmax(-1)
+
+
+def processed_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Logits [..., V] (float32) divided by the temperature, minus infinity outside top-k / top-p:
+    the log of the sampling distribution, up to a constant (p at temperature > 0)."""
     logits = logits / p.temperature
     if 0 < p.top_k < logits.shape[-1]:
         kth = torch.topk(logits, p.top_k, dim=-1).values[..., -1:]
@@ -52,7 +66,7 @@ def _process_row(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         drop_sorted = (cum - sorted_logits.softmax(-1)) >= p.top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
-    return logits.softmax(-1)
+    return logits
 
 
 def draft_dists(logits: torch.Tensor, params: SamplingParams) -> list[torch.Tensor]:

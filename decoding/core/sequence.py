@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from decoding.core.gumbel import Coupling
 from decoding.core.sampling import SamplingParams, make_generator
 from decoding.core.stopping import Detokenizer, StopRule, final_text, reply_ids
 from decoding.core.values import DecodeStats, FinishReason
@@ -22,6 +23,7 @@ class Sequence:
     # Drafting draws its own random numbers, so that the target's stream stays that of the request.
     draft_generator: torch.Generator
     group: str = ""  # trajectories of one ToT step share cross-trajectory draft statistics
+    seed: int = 0  # the request's seed: its generator's, and the key of its Gumbel noise
     generated: list[int] = field(default_factory=list)
     reason: FinishReason | None = None
     stats: DecodeStats = field(default_factory=DecodeStats)
@@ -39,6 +41,7 @@ class Sequence:
         return cls(
             prompt=prompt,
             group=group,
+            seed=seed,
             rule=rule,
             params=params,
             generator=make_generator(seed),
@@ -58,6 +61,15 @@ class Sequence:
     @property
     def done(self) -> bool:
         return self.reason is not None
+
+    @property
+    def position(self) -> int:
+        """The absolute position of the next token (prompt included): where its Gumbel noise is keyed."""
+        return len(self.prompt) + len(self.generated)
+
+    def coupling(self) -> Coupling:
+        """What a coupled drafter needs to propose this sequence's own next samples."""
+        return Coupling(self.seed, self.position)
 
     @property
     def room(self) -> int:

@@ -6,16 +6,19 @@ on a row's first step) followed by its tree, packed as decoding/core/packing.py 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from decoding.core.acceptance import walk
+from decoding.core.acceptance import walk_matched, walk_rejection
 from decoding.core.draft_tree import DraftTree
+from decoding.core.gumbel import gumbel_choice
 from decoding.core.kv_cache import RowKVCache
 from decoding.core.packing import Packed, pack
 from decoding.core.runner import ModelRunner
-from decoding.core.sampling import SamplingParams, process_logits
+from decoding.core.sampling import Rule, process_logits
+from decoding.core.sequence import Sequence
 
 
 @dataclass
@@ -56,15 +59,14 @@ def verify(
     cache: RowKVCache,
     pending: list[list[int]],
     trees: list[DraftTree],
-    params: list[SamplingParams],
-    generators: list[torch.Generator],
-    match_samples: bool,
+    seqs: list[Sequence],
+    rule: Rule,
     rows: list[int] | None = None,
 ) -> tuple[Packed, list[Verdict]]:
-    """Score every row's tree in one forward and run the acceptance rule on each (`match_samples`:
-    see acceptance.walk).
+    """Score every row's tree in one forward and decide each under `rule` (see `target_sampler`).
 
-    `rows` are the cache rows verified (default: all, in order). The cache holds the new entries
+    `seqs` are the rows' sequences (their sampling parameters, seeds, generators and positions);
+    `rows` the cache rows verified (default: all, in order). The cache holds the new entries
     uncommitted; the caller commits `packed.committed(b, path)` for the rows that go on.
     """
     packed = pack(pending, trees)
@@ -72,20 +74,36 @@ def verify(
     hidden = target.last_hidden if target.hidden_layer is not None else None
 
     def decide(b: int) -> Verdict:
-        tree, p, g = trees[b], params[b], generators[b]
-        row = logits[b]
-        if p.greedy:
-            path, token = walk(tree, None, row.argmax(-1).tolist(), g, match_samples)
-            probs = None
+        tree, s, row = trees[b], seqs[b], logits[b]
+        # On the CPU, where the request's generator lives: the acceptance walk is scalar work.
+        probs = None if s.params.greedy else process_logits(row[None], [s.params])[0].cpu()
+        if rule == "rejection" and len(tree) and probs is not None:
+            path, token = walk_rejection(tree, probs, s.generator)
         else:
-            # On the CPU, where the request's generator lives: the acceptance walk is scalar work.
-            probs = process_logits(row[None], [p])[0].cpu()
-            path, token = walk(tree, probs, None, g, match_samples)
+            path, token = walk_matched(tree, target_sampler(s, rule, row, probs))
         kept_hidden = None if hidden is None else hidden[b, packed.committed(b, path)]
         return Verdict(tree, path, token, probs, row, hidden=kept_hidden)
 
-    # A sampled row's draws (0.8 ms each over a 49k vocabulary) use its own generator: rows are
-    # decided side by side on the CPU's cores, each exactly as alone.
-    if sum(not p.greedy for p in params) > 1:
+    # A sampled row's draws use its own generator or noise: rows are decided side by side on the
+    # CPU's cores, each exactly as alone.
+    if sum(not s.params.greedy for s in seqs) > 1:
         return packed, list(target.sampling_pool.map(decide, range(len(trees))))
     return packed, [decide(b) for b in range(len(trees))]
+
+
+def target_sampler(
+    s: Sequence, rule: Rule, logits: torch.Tensor, probs: torch.Tensor | None
+) -> Callable[[int, int], int]:
+    """The target's own token after a node (row 1 + node of `logits` [1 + N, V]) at depth d below
+    the root, as plain decoding draws it: the argmax at temperature 0; under match_multinomial a
+    torch.multinomial draw from the request's generator (`transformers`' own sampling, in order of
+    position); otherwise (match_gumbel, and rows without a draft under rejection) Gumbel-max with the
+    request's public noise at the token's absolute position."""
+    if s.params.greedy:
+        argmax = logits.argmax(-1).tolist()
+        return lambda node, d: argmax[node + 1]
+    if rule == "match_multinomial":
+        assert probs is not None
+        return lambda node, d: int(torch.multinomial(probs[node + 1].float(), 1, generator=s.generator))
+    position = s.position
+    return lambda node, d: gumbel_choice(logits[node + 1], s.params, s.seed, position + d)

@@ -43,9 +43,15 @@ class ModelDrafter:
     """
 
     def __init__(
-        self, model: ModelRunner, options: DraftTreeOptions, vocab_size: int, target: ModelRunner | None = None
+        self,
+        model: ModelRunner,
+        options: DraftTreeOptions,
+        vocab_size: int,
+        target: ModelRunner | None = None,
+        coupled: bool = True,
     ) -> None:
         self.model = model
+        self.coupled = coupled  # verify.rule=match_gumbel: children ordered by the target's own noise
         self.options = options
         self.vocab_size = vocab_size
         self.target = target
@@ -88,8 +94,8 @@ class ModelDrafter:
             self.cache, packed.tokens, packed.see, packed.depth, logits_at=torch.tensor([p - 1]), rows=cache_rows
         )
         growths = [
-            self.policy.grow(params[b].greedy, self.seqs[i].draft_generator, self.seqs[i].room)
-            for b, i in enumerate(rows)
+            self.policy.grow(params[b].greedy, s.draft_generator, s.room, s.coupling() if self.coupled else None)
+            for b, s in enumerate(self.seqs[i] for i in rows)
         ]
         # Each node sees its row's pending tokens and its own ancestors; the first level sits one past them.
         slots = grow_levels(

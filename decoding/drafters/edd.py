@@ -38,9 +38,15 @@ class EddDrafter:
     """
 
     def __init__(
-        self, edd: EddModel, target: ModelRunner, options: DraftTreeOptions, vocab: torch.Tensor | None = None
+        self,
+        edd: EddModel,
+        target: ModelRunner,
+        options: DraftTreeOptions,
+        vocab: torch.Tensor | None = None,
+        coupled: bool = True,
     ) -> None:
         self.edd = edd
+        self.coupled = coupled  # verify.rule=match_gumbel: children ordered by the target's own noise
         self.target = target
         # draft.vocab: the corpus's most frequent tokens, to which each call adds its prompts' tokens and
         # every token committed since (None: the whole vocabulary); `head_rows` are the head's rows for it.
@@ -153,7 +159,10 @@ class EddDrafter:
             self.cache, embeds, see, depth, torch.tensor([width - 1]), rows=cache_rows, head_rows=self.head_rows
         )
         seqs = [self.seqs[i] for _, i, _, _ in active]
-        growths = [self.policy.grow(s.params.greedy, s.draft_generator, room) for s, (*_, room) in zip(seqs, active)]
+        growths = [
+            self.policy.grow(s.params.greedy, s.draft_generator, room, s.coupling() if self.coupled else None)
+            for s, (*_, room) in zip(seqs, active)
+        ]
 
         def level(tokens: torch.Tensor, see: torch.Tensor, depth: torch.Tensor, offset: int) -> torch.Tensor:
             every = torch.arange(tokens.shape[1])

@@ -3,6 +3,9 @@
 A baseline in the drafter slot: model-free and deterministic. After every verification the
 successor list of each committed token is replaced (not averaged, unlike STAND) by the target's
 top-k next tokens at that position; the table is kept across calls and shared by all sequences.
+Under verify.rule=match_gumbel a sampled sequence's children are its successors ordered by log p +
+the sequence's own Gumbel noise at the node's position (p: the target's probability where the list
+was recorded), so the first child is the target's sample whenever the successor list holds it.
 """
 
 from __future__ import annotations
@@ -28,11 +31,14 @@ class RecyclingOptions:
 
 
 class RecyclingDrafter:
-    def __init__(self, options: RecyclingOptions, tree: StaticTree) -> None:
+    def __init__(self, options: RecyclingOptions, tree: StaticTree, coupled: bool = True) -> None:
         self.options = options
         self.tree = tree
         self.max_nodes = len(tree)
-        self.successors: dict[int, list[int]] = {}
+        self.coupled = coupled
+        # token -> its latest successors, best first, and their log-probabilities under the target's
+        # processed distribution where a sampled row recorded them (None: a greedy row's ranking)
+        self.successors: dict[int, tuple[list[int], list[float] | None]] = {}
         self.seqs: dict[int, Sequence] = {}
 
     def admit(self, rows: list[int], seqs: list[Sequence]) -> None:
@@ -44,10 +50,18 @@ class RecyclingDrafter:
     def _draft(self, seq: Sequence) -> DraftTree:
         tree = DraftTree(draw="top")
         last = (seq.prompt + seq.generated)[-1]
+        coupling = seq.coupling() if self.coupled and not seq.params.greedy else None
+        depth = {ROOT: 0}
 
         def children(node: int, k: int) -> list[tuple[int, float] | None]:
             token = last if node == ROOT else tree.tokens[node]
-            return [(t, 1.0) for t in self.successors.get(token, [])[:k]]
+            if node != ROOT:
+                depth[node] = depth[tree.parents[node]] + 1
+            ids, logp = self.successors.get(token, ([], None))
+            if coupling is not None and logp is not None:
+                live = [(t, lp) for t, lp in zip(ids, logp) if lp > float("-inf")]
+                ids = coupling.order([t for t, _ in live], [lp for _, lp in live], depth[node])
+            return [(t, 1.0) for t in ids[:k]]
 
         tree.shape_nodes = self.tree.fill(tree, seq.room, children)
         return tree
@@ -60,9 +74,10 @@ class RecyclingDrafter:
             full = seq.prompt + seq.generated
             base = len(full) - v.kept
             at = v.kept_rows()
-            top = torch.topk(v.logits[at], self.options.top_k).indices.tolist()
-            for j, succ in enumerate(top):
-                self.successors[full[base + j - 1]] = succ
+            top = torch.topk(v.logits[at], self.options.top_k).indices
+            logp = None if v.probs is None else v.probs[at].double().log().gather(-1, top.cpu()).tolist()
+            for j, succ in enumerate(top.tolist()):
+                self.successors[full[base + j - 1]] = (succ, None if logp is None else logp[j])
 
     def release(self, rows: list[int]) -> None:
         """The successor table is shared by all rows: only the rows' sequences go."""

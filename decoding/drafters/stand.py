@@ -4,9 +4,12 @@ The trajectories of one ToT step share a pool (`GenRequest.group`; or a whole pr
 whole run): every committed position adds the target distribution the verifier already computed,
 so a trajectory drafts from what the others produced. A static tree topology is filled from the
 root down: at each node the longest matching context gives up to 10 candidates, and the node's
-children take them in order, sampled without replacement by Gumbel-top-k (stochastic drafting,
-verified by Sequoia's rule) or by rank (deterministic, and always at temperature 0). A node whose
-context matches nothing ends its branch, so trees shrink where the pool knows nothing.
+children take them in order: under verify.rule=match_gumbel ordered by log q + the target's own
+Gumbel noise at the node's position (coupled drafting: the first child is the target's sample
+whenever the pool agrees with it), else sampled without replacement by Gumbel-top-k with the
+drafter's own noise (stochastic drafting, verified by Sequoia's rule), or by rank (deterministic, and
+always at temperature 0). A node whose context matches nothing ends its branch, so trees shrink where
+the pool knows nothing.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 
 from decoding.core.draft_tree import ROOT, DraftTree
 from decoding.core.errors import ConfigError
+from decoding.core.gumbel import gumbel_order
 from decoding.core.sequence import Sequence
 from decoding.core.verify import Verdict
 from decoding.drafters.ngram import LogitNGram
@@ -78,8 +82,9 @@ def gumbel_top_k(ids: list[int], probs: list[float], k: int, noise: GumbelNoise)
 class StandDrafter:
     """STAND drafting from the group's pool into a static tree (see the module docstring)."""
 
-    def __init__(self, options: StandOptions, tree: StaticTree, vocab_size: int) -> None:
+    def __init__(self, options: StandOptions, tree: StaticTree, vocab_size: int, coupled: bool = True) -> None:
         self.options = options
+        self.coupled = coupled  # verify.rule=match_gumbel: candidates ordered by the target's noise
         self.tree = tree
         self.vocab_size = vocab_size
         self.max_nodes = len(tree)
@@ -100,18 +105,21 @@ class StandDrafter:
     def _draft(self, i: int) -> DraftTree:
         seq = self.seqs[i]
         pool = self.pools.get(seq.group)
-        stochastic = not seq.params.greedy and self.options.stochastic
+        coupled = self.coupled and not seq.params.greedy
+        stochastic = not seq.params.greedy and self.options.stochastic and not coupled
         tree = DraftTree(draw="without_replacement" if stochastic else "top")
-        # Per drafted node: its lookup context and the draft probability of reaching it. A node is
-        # expanded only after its parent was, so each is one step from its parent's (no path walks).
+        # Per drafted node: its lookup context, the draft probability of reaching it and its depth. A
+        # node is expanded only after its parent was, so each is one step from its parent's.
         contexts = {ROOT: (seq.prompt + seq.generated)[-pool.max_n :]}
         reach = {ROOT: 1.0}
+        depth = {ROOT: 0}
 
         def children(node: int, k: int) -> list[tuple[int, float] | None]:
             if node not in contexts:
                 parent = tree.parents[node]
                 contexts[node] = (contexts[parent] + [tree.tokens[node]])[-pool.max_n :]
                 reach[node] = reach[parent] * tree.probs[node]
+                depth[node] = depth[parent] + 1
             entry = pool.lookup(contexts[node])
             if entry is None:
                 return []
@@ -120,7 +128,12 @@ class StandDrafter:
             if total <= 0:
                 return []
             probs = [p / total for p in probs]
-            if stochastic:
+            if coupled:
+                live = [(t, q) for t, q in zip(ids, probs) if q > 0]
+                picks = gumbel_order(
+                    [t for t, _ in live], [math.log(q) for _, q in live], seq.seed, seq.position + depth[node]
+                )[:k]
+            elif stochastic:
                 noise = self.noise.setdefault(i, GumbelNoise(seq.draft_generator))
                 picks = gumbel_top_k(ids, probs, k, noise)
                 tree.dists[node] = (ids, probs)

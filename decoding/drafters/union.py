@@ -3,12 +3,14 @@
 `seed_stand` with a draft model drafts from the union of the model's k_config tree and STAND's
 N-gram tree. Each drafter learns from a verification as if it had drafted alone: the accepted path
 is given to the drafter whose subtree it lies in; the others see no accepted node of theirs and
-catch up from the committed tokens.
+catch up from the committed tokens. Under the matched rules the trees are merged as one trie (a
+token both drafted at the same place is verified once, and both see it accepted).
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
+from itertools import takewhile
 
 import torch
 
@@ -19,8 +21,9 @@ from decoding.drafters.base import Drafter
 
 
 class UnionDrafter:
-    def __init__(self, drafters: list[Drafter]) -> None:
+    def __init__(self, drafters: list[Drafter], merge: bool = False) -> None:
         self.drafters = drafters
+        self.merge = merge  # matched rules: the trees merged as one trie (draft_tree.graft)
         self.max_nodes = sum(d.max_nodes for d in drafters)
         self.where: dict[int, tuple[list[DraftTree], list[list[int]]]] = {}
 
@@ -33,7 +36,7 @@ class UnionDrafter:
         out = []
         for b, i in enumerate(rows):
             trees = [t[b] for t in per_drafter]
-            merged, where = graft(trees)
+            merged, where = graft(trees, self.merge)
             self.where[i] = (trees, where)
             out.append(merged)
         return out
@@ -50,9 +53,10 @@ class UnionDrafter:
         """The verification as drafter k would have seen it on its own tree."""
         trees, where = self.where[row]
         back = {merged: own for own, merged in enumerate(where[k])}
-        drafted = v.drafted_path
-        own_path = [back[n] for n in drafted] if drafted and drafted[0] in back else []
-        rows_needed = [0, *(1 + n for n in v.path)] if own_path else [0]
+        # Its part of the accepted path: the nodes it drew, from the root down (merged trees share
+        # the nodes both drew; the path may go on into another drafter's nodes).
+        own_path = list(map(back.__getitem__, takewhile(back.__contains__, v.drafted_path)))
+        rows_needed = [0, *(1 + n for n in v.path[: len(own_path)])]
         shape = (1 + len(trees[k]), v.logits.shape[-1])
         logits = torch.zeros(shape, dtype=v.logits.dtype)
         logits[[0, *(1 + n for n in own_path)]] = v.logits[rows_needed].cpu()

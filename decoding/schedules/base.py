@@ -13,6 +13,7 @@ from decoding.core.draft_tree import DraftTree
 from decoding.core.errors import ConfigError
 from decoding.core.kv_cache import RowKVCache
 from decoding.core.runner import ModelRunner
+from decoding.core.sampling import RULES, Rule
 from decoding.core.sequence import Sequence
 from decoding.core.stopping import Detokenizer
 from decoding.core.values import DecodeStats
@@ -75,11 +76,14 @@ class VerifyOptions:
     # auto: fixed for `seed` (SEED's Algorithm 1 baseline), goodput for every other decoder.
     plan: str = "goodput"
     max_tokens: int | str | None = "auto"  # plan=fixed: tree tokens (roots included) per forward
-    # At temperature > 0 the target samples each position as plain decoding does and a drafted token
-    # is accepted when it is that sample: outputs are `ar`'s (and `hf`'s) very samples whatever was
-    # drafted, with whom and how much ran at once. false: the rejection rules (sd.multi_candidate,
-    # without_replacement), which accept more of drafts sampled close to the target, draw less.
-    match_samples: bool = True
+    # At temperature > 0 (decoding/core/sampling.py, Rule): match_gumbel, the target samples each
+    # position by Gumbel-max with the request's public noise and a drafted token is kept when it is
+    # that sample; drafters that know the noise propose it. match_multinomial: the same with
+    # torch.multinomial's stream (`transformers`' own sampling). Under either, outputs are `hf`'s
+    # very samples under that sampler, whatever was drafted and ran at once. rejection: speculative
+    # sampling's rules (sd.multi_candidate, without_replacement): distributed as the target, not
+    # `hf`'s samples.
+    rule: Rule = "match_gumbel"
     cost: str | None = None  # plan=goodput: a forward-cost profile JSON (null: profiled on this machine, cached)
 
     def __post_init__(self) -> None:
@@ -92,13 +96,18 @@ class VerifyOptions:
             raise ConfigError(
                 f"verify.max_tokens={self.max_tokens!r} must be a positive number of tokens, auto or null (no cap)"
             )
-        if not isinstance(self.match_samples, bool):
-            raise ConfigError(f"verify.match_samples={self.match_samples!r} must be true or false")
+        if self.rule not in RULES:
+            raise ConfigError(f"verify.rule={self.rule!r} is not one of {', '.join(RULES)}")
         if self.cost is not None and not Path(self.cost).is_file():
             raise ConfigError(
                 f"verify.cost={self.cost!r} is not a file: give a profile JSON "
                 "(python -m decoding.profile_forward out=...) or null to profile this machine"
             )
+
+    @property
+    def coupled(self) -> bool:
+        """Drafters propose the target's own samples: they order candidates by its public noise."""
+        return self.rule == "match_gumbel"
 
     def for_decoder(self, name: str) -> VerifyOptions:
         """plan=auto resolved for decoder `name`."""
@@ -129,7 +138,7 @@ def verify_and_commit(
     rows: list[int],
     trees: list[DraftTree],
     pending: dict[int, list[int]],
-    match_samples: bool,
+    rule: Rule,
 ) -> list[Verdict]:
     """Verify the trees of the sequences in cache rows `rows` in one forward and commit what each
     accepted: tokens to the sequence, the accepted path to the cache."""
@@ -138,9 +147,8 @@ def verify_and_commit(
         cache,
         [pending[r] for r in rows],
         trees,
-        [seqs[r].params for r in rows],
-        [seqs[r].generator for r in rows],
-        match_samples,
+        [seqs[r] for r in rows],
+        rule,
         rows=None if rows == list(range(cache.batch)) else rows,
     )
     for b, (r, v) in enumerate(zip(rows, verdicts)):

@@ -6,14 +6,30 @@ import time
 from collections import deque
 
 import torch
-from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
+from decoding.core.gumbel import gumbel_choice
 from decoding.core.runner import ModelRunner
+from decoding.core.sampling import Rule
 from decoding.core.sequence import Sequence
 from decoding.core.stopping import Detokenizer
 from decoding.core.values import DecodeStats
 from decoding.drafters.base import NoDrafter
 from decoding.schedules.base import run_to_end
+
+
+class GumbelSampler(LogitsProcessor):
+    """The project's sampler inside `generate`'s greedy search: every token but the Gumbel-max
+    sample at this position (the length so far: prompt plus tokens generated) is masked out."""
+
+    def __init__(self, seq: Sequence) -> None:
+        self.seq = seq
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        token = gumbel_choice(scores[0], self.seq.params, self.seq.seed, input_ids.shape[1])
+        out = torch.full_like(scores, float("-inf"))
+        out[0, token] = 0.0
+        return out
 
 
 class _StopRuleCriteria(StoppingCriteria):
@@ -34,10 +50,13 @@ class HFDecoder:
     name = "hf"
     live = 0  # a sequence is decoded within one step
 
-    def __init__(self, target: ModelRunner, tokenizer: Detokenizer) -> None:
+    def __init__(self, target: ModelRunner, tokenizer: Detokenizer, rule: Rule = "match_gumbel") -> None:
         self.drafter = NoDrafter()  # transformers drafts nothing here
         self.target = target
         self.tokenizer = tokenizer
+        # Plain decoding's sampler under the rule: torch.multinomial's stream for match_multinomial,
+        # else Gumbel-max with public noise (rejection rules decide drafted tokens only).
+        self.multinomial = rule == "match_multinomial"
         self.waiting: deque[Sequence] = deque()
         self.stats = DecodeStats()
 
@@ -74,15 +93,18 @@ class HFDecoder:
         t0 = time.perf_counter()
         ids = torch.tensor([s.prompt], device=self.target.device)
         sampling: dict[str, object] = {"do_sample": False, "temperature": None, "top_k": None, "top_p": None}
-        if not s.params.greedy:
+        processors = LogitsProcessorList()
+        if not s.params.greedy and self.multinomial:
             # generate draws from the global RNG; seeding it per request keeps runs reproducible.
-            torch.manual_seed(s.generator.initial_seed())
+            torch.manual_seed(s.seed)
             sampling = {
                 "do_sample": True,
                 "temperature": s.params.temperature,
                 "top_k": s.params.top_k,
                 "top_p": s.params.top_p,
             }
+        elif not s.params.greedy:
+            processors.append(GumbelSampler(s))  # greedy search over the sampler's one-token mask
         out = model.generate(
             input_ids=ids,
             attention_mask=torch.ones_like(ids),
@@ -90,6 +112,7 @@ class HFDecoder:
             eos_token_id=sorted(s.rule.eos_ids),
             pad_token_id=min(s.rule.eos_ids),
             stopping_criteria=StoppingCriteriaList([_StopRuleCriteria(s, ids.shape[1], self.tokenizer)]),
+            logits_processor=processors,
             **sampling,
         )
         generated = out[0, ids.shape[1] :].tolist()

@@ -190,7 +190,7 @@ class Scheduler:
         self.max_live = max_live
         verify = (verify or VerifyOptions()).for_decoder(name)
         self.budget = verify.budget(target.device)
-        self.match_samples = verify.match_samples
+        self.rule = verify.rule
         if verify.plan == "goodput" and planner is None and drafter.max_nodes:
             planner = Planner(forward_cost(target, cache_root(), verify.cost))
         self.planner = planner if verify.plan == "goodput" else None
@@ -370,7 +370,7 @@ class Scheduler:
         else:
             trees = cut_to_budget(trees, self.budget)
         verdicts = verify_and_commit(
-            self.target, self.tokenizer, self.cache, self.seqs, rows, trees, self.pending, self.match_samples
+            self.target, self.tokenizer, self.cache, self.seqs, rows, trees, self.pending, self.rule
         )
         t1 = time.perf_counter()
         if plan is not None:

@@ -4,7 +4,7 @@ A drafter that grows its tree one level per forward (the draft model in decoding
 any other drafter with a next-token distribution per node) asks its policy for one `Growth` per tree
 and loops until the growth wants nothing more:
 
-    growth = policy.grow(greedy, generator, max_depth)
+    growth = policy.grow(greedy, generator, max_depth, coupling)
     while growth.frontier:                 # nodes whose draft distributions the next level needs
         growth.next_level([q(node) for node in growth.frontier])   # adds their children
     tree = growth.tree                     # a DraftTree, ready for verification
@@ -14,7 +14,9 @@ nodes of one depth, so a drafter can score each level in one batched forward. No
 a frontier are leaves: a drafter never needs their distributions. Each q is a probability vector
 [V] on the CPU: at temperature > 0 the processed draft distribution the draws follow (it is kept
 in the tree as the proposal the acceptance rule needs), at temperature 0 the plain softmax (used to
-rank candidates and as PCT's confidences).
+rank candidates and as PCT's confidences). With a `Coupling` (verify.rule=match_gumbel, t > 0) each
+node's children are its top candidates by log q + the sequence's own Gumbel noise (draw "top"): the
+first child is the target's sample whenever q agrees with the target.
 
 Losslessness (decoding/core/acceptance.py): children drawn with draw "iid" or "without_replacement" must
 really be draws from q, so how many a node gets may not depend on what was drawn; a static shape
@@ -34,6 +36,7 @@ import torch
 
 from decoding.core.draft_tree import ROOT, DraftTree, Draw, k_config_parents
 from decoding.core.errors import ConfigError
+from decoding.core.gumbel import Coupling
 from decoding.trees.static import StaticTree
 
 
@@ -48,7 +51,9 @@ class TreePolicy(Protocol):
     name: str
     max_nodes: int  # no tree it grows is larger (the drafter's max_nodes)
 
-    def grow(self, greedy: bool, generator: torch.Generator | None, max_depth: int) -> Growth: ...
+    def grow(
+        self, greedy: bool, generator: torch.Generator | None, max_depth: int, coupling: Coupling | None = None
+    ) -> Growth: ...
 
 
 def draw_children(q: torch.Tensor, k: int, draw: Draw, generator: torch.Generator | None) -> list[int]:
@@ -140,15 +145,27 @@ class StaticPolicy:
         self.stochastic = stochastic
         self.max_nodes = len(self.parents)
 
-    def grow(self, greedy: bool, generator: torch.Generator | None, max_depth: int) -> StaticGrowth:
-        return StaticGrowth(self, "top" if greedy else self.stochastic, generator, max_depth)
+    def grow(
+        self, greedy: bool, generator: torch.Generator | None, max_depth: int, coupling: Coupling | None = None
+    ) -> StaticGrowth:
+        coupling = None if greedy else coupling
+        draw: Draw = "top" if greedy or coupling else self.stochastic
+        return StaticGrowth(self, draw, generator, max_depth, coupling)
 
 
 class StaticGrowth:
-    def __init__(self, policy: StaticPolicy, draw: Draw, generator: torch.Generator | None, max_depth: int) -> None:
+    def __init__(
+        self,
+        policy: StaticPolicy,
+        draw: Draw,
+        generator: torch.Generator | None,
+        max_depth: int,
+        coupling: Coupling | None = None,
+    ) -> None:
         self.policy = policy
         self.tree = DraftTree(draw=draw)
         self.generator = generator
+        self.coupling = coupling
         self.max_depth = max_depth
         self.static_of: dict[int, int] = {ROOT: ROOT}  # drafted node -> its node in the static shape
         self.level = 0  # depth of the frontier
@@ -159,7 +176,10 @@ class StaticGrowth:
         nxt = []
         for node, q in zip(self.frontier, dists):
             kids = self.policy.kids[self.static_of[node]]
-            picks = draw_children(q, len(kids), self.tree.draw, self.generator)
+            if self.coupling is not None:
+                picks = self.coupling.top(q, len(kids), self.level)
+            else:
+                picks = draw_children(q, len(kids), self.tree.draw, self.generator)
             if self.tree.draw != "top":
                 self.tree.dists[node] = q
             # Fewer picks than slots (q's support used up without replacement): the last slots and
@@ -203,8 +223,10 @@ class PCTPolicy:
         self.top_k, self.max_depth, self.threshold, self.ratio = top_k, max_depth, threshold, ratio
         self.max_nodes = pct_max_nodes(top_k, max_depth, threshold, ratio)
 
-    def grow(self, greedy: bool, generator: torch.Generator | None, max_depth: int) -> PCTGrowth:
-        return PCTGrowth(self, min(max_depth, self.max_depth))
+    def grow(
+        self, greedy: bool, generator: torch.Generator | None, max_depth: int, coupling: Coupling | None = None
+    ) -> PCTGrowth:
+        return PCTGrowth(self, min(max_depth, self.max_depth), None if greedy else coupling)
 
 
 def pct_max_nodes(top_k: int, max_depth: int, threshold: float, ratio: float) -> int:
@@ -219,8 +241,9 @@ def pct_max_nodes(top_k: int, max_depth: int, threshold: float, ratio: float) ->
 
 
 class PCTGrowth:
-    def __init__(self, policy: PCTPolicy, max_depth: int) -> None:
+    def __init__(self, policy: PCTPolicy, max_depth: int, coupling: Coupling | None = None) -> None:
         self.policy = policy
+        self.coupling = coupling
         self.tree = DraftTree(draw="top")
         self.max_depth = max_depth
         self.confidence: dict[int, float] = {ROOT: 1.0}
@@ -232,12 +255,20 @@ class PCTGrowth:
         pol = self.policy
         nxt = []
         for node, q in zip(self.frontier, dists):
-            top = torch.topk(q, min(pol.top_k, q.shape[-1]))
-            for token, prob in zip(top.indices.tolist(), top.values.tolist()):
+            if self.coupling is None:
+                tokens = torch.topk(q, min(pol.top_k, q.shape[-1])).indices.tolist()
+            else:
+                tokens = self.coupling.top(q, pol.top_k, self.level)
+            for token in tokens:
+                prob = float(q[token])
                 conf = self.confidence[node] * prob
-                # Ranked by probability: once one is under the threshold, so are the rest.
-                if conf < pol.threshold or len(self.tree) >= pol.max_nodes:
+                if len(self.tree) >= pol.max_nodes:
                     break
+                if conf < pol.threshold:
+                    # Ranked by probability, the rest are under it too; in coupled order, not.
+                    if self.coupling is None:
+                        break
+                    continue
                 child = self.tree.add(token, node, prob)
                 self.confidence[child] = conf
                 if conf >= pol.ratio and self.level + 1 < self.max_depth:

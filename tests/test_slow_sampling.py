@@ -1,0 +1,50 @@
+"""Sampling on the embedded model through `python -m decoding.generate`: every decoder returns `hf`'s
+samples under each matched rule, and coupled drafts of the target itself are all accepted."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+QUESTIONS = [
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+    "How many clips did Natalia sell altogether in April and May? Solve it step by step.",
+    "Write one sentence about the sea.",
+    "List three prime numbers and explain why each is prime.",
+]
+COMMON = ["gen.temperature=0.6", "gen.max_new_tokens=40"]
+
+
+def generate(tmp_path: Path, name: str, *overrides: str) -> tuple[list[list[int]], dict]:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"q{i}", "prompt": q}) + "\n" for i, q in enumerate(QUESTIONS)))
+    out = tmp_path / f"{name}.jsonl"
+    cmd = [sys.executable, "-m", "decoding.generate", f"prompts={prompts}", f"out={out}", *COMMON, *overrides]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = sorted((json.loads(line) for line in out.read_text().splitlines()), key=lambda r: r["id"])
+    return [r["token_ids"] for r in rows], json.loads(Path(f"{out}.summary.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rule", ["match_gumbel", "match_multinomial"])
+def test_every_decoder_samples_what_hf_samples_on_the_embedded_model(tmp_path, rule):
+    hf, _ = generate(tmp_path, "hf", "decoder=hf", f"verify.rule={rule}")
+    assert len({tuple(t) for t in hf}) == len(QUESTIONS)
+    for name in ("ar", "seed_stand", "pld"):
+        tokens, _ = generate(tmp_path, name, f"decoder={name}", f"verify.rule={rule}")
+        assert tokens == hf, name
+    # The target drafting for itself, chains of 4, every tree verified whole.
+    extra = ["decoder=sd", "draft.path=self", "sd.k_config=[1,1,1,1]", "verify.plan=fixed", "verify.max_tokens=null"]
+    tokens, stats = generate(tmp_path, "self", *extra, f"verify.rule={rule}")
+    assert tokens == hf
+    rate = stats["accepted_tokens"] / stats["drafted_tokens"]
+    if rule == "match_gumbel":
+        assert rate == 1.0  # coupled: each draft is the target's own sample
+    else:
+        assert rate < 0.9  # blind: kept about p(x) of the time
