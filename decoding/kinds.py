@@ -22,8 +22,9 @@ class DecoderKind:
 
 
 DECODERS: dict[str, DecoderKind] = {
-    "hf": DecoderKind("hf", "none"),
-    "ar": DecoderKind("batch", "none"),
+    # hf and ar read verify.rule alone: which sampler decides their tokens at temperature > 0.
+    "hf": DecoderKind("hf", "none", ("verify",)),
+    "ar": DecoderKind("batch", "none", ("verify",)),
     "sd": DecoderKind("serial", "model", ("draft_tree", "verify"), "required", "sd"),
     "seed": DecoderKind("seed", "model", ("draft_tree", "seed", "verify"), "required", "seed"),
     "pld": DecoderKind("batch", "pld", ("pld", "verify")),

@@ -389,8 +389,8 @@ def test_hf_decode_stats(make_engine):
 
 
 def test_ar_samples_what_hf_samples(make_engine):
-    """At temperature > 0 a row without a draft draws as `transformers` sampling does (the same
-    logits bits, torch.multinomial on the request's seed), so `ar` gives `hf`'s very samples."""
+    """At temperature > 0 a row without a draft samples as `hf` does (the same logits bits, the same
+    Gumbel noise of the request's seed at each position), so `ar` gives `hf`'s very samples."""
     requests = [
         GenRequest(p, max_new_tokens=m, temperature=0.9, seed=i) for i, (p, m) in enumerate(zip(PROMPTS, BUDGETS))
     ]

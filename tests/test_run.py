@@ -245,6 +245,13 @@ def test_a_run_resumes_only_under_its_sampling_rule(tmp_path):
     assert {r["rule"] for r in read_results(greedy)} == {"greedy"}
 
 
+@pytest.mark.parametrize("decoder", ["hf", "ar", "seed_stand"])
+def test_every_decoder_reads_the_sampling_rule(decoder):
+    """`hf` and `ar` draft nothing, yet their samples follow verify.rule like every other decoder's."""
+    assert make_config(f"decoder={decoder}").decoder.verify.rule == "match_gumbel"
+    assert make_config(f"decoder={decoder}", "verify.rule=match_multinomial").decoder.verify.rule == "match_multinomial"
+
+
 def test_resume_drops_truncated_line(tmp_path):
     cfg = make_config("run.concurrency=1")  # problems one by one: results in order
     out = tmp_path / "run"

@@ -68,3 +68,18 @@ def test_in_context_values_parse_on_the_embedded_model(tmp_path):
     assert sum(1 <= n["value"] <= 10 for n in valued) >= 0.75 * len(valued), [n["evaluation"] for n in valued]
     evaluate = json.loads((run_dir / "summary.json").read_text())["phases"]["evaluate"]
     assert evaluate["prompt_tokens_computed"] * 4 < evaluate["prompt_tokens"]
+
+
+@pytest.mark.slow
+def test_in_context_labels_parse_on_blocksworld(tmp_path):
+    """Blocksworld's in-context follow-up on the embedded model: its replies read as good / bad labels."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "tot.solve", "task=blocksworld", "data.path=../shared/data/blocksworld/step_6.jsonl"]
+    cmd += ["data.limit=2", "task.evaluator=in_context", f"hydra.run.dir={run_dir}"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    valued = [n for t in (run_dir / "trees").glob("*.json") for n in json.loads(t.read_text())["nodes"] if n["depth"]]
+    assert valued and all(n.get("eval_in_context") for n in valued)
+    replies = [r for n in valued for r in (n["evaluation"] if isinstance(n["evaluation"], list) else [n["evaluation"]])]
+    labels = [(r.strip().lower().split() or [""])[0].strip(".,!\"'") for r in replies]
+    assert sum(w in ("good", "bad") for w in labels) >= 0.75 * len(labels), labels

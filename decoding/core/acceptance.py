@@ -1,6 +1,9 @@
 """Acceptance rules: which drafted token the target keeps, so that output follows the target exactly.
 
-Pure functions on probability vectors [V]. Every rule here is recursive rejection sampling: the
+Two families (verify.rule). The matched rules (`walk_matched`; at temperature 0 always) keep the
+child that is the target's own token at each position: its argmax, or its sample by the request's
+sampler, so the output is plain decoding's very tokens. The rejection rules (`walk_rejection`) are
+pure functions on probability vectors [V], each recursive rejection sampling: the
 candidates of one node are tried in the order they were drawn; candidate x_i, drawn from the
 proposal q_i, is accepted with probability min(1, r(x_i) / q_i(x_i)), where r starts as the
 target's distribution p; on rejection r becomes norm(max(0, r - q_i)). When every candidate is
@@ -13,8 +16,6 @@ any proposals, as long as each x_i really was drawn from q_i; the rules differ o
   over the tokens not yet tried once q is used up (Sequoia, Algorithm 2).
 - "top": candidates chosen deterministically, so q_i is a point mass on x_i: accept with r(x_i),
   else remove x_i from r.
-
-Temperature 0 is handled apart, exactly: a candidate is accepted when it is the target's argmax.
 """
 
 from __future__ import annotations
