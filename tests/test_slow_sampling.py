@@ -44,7 +44,8 @@ def test_every_decoder_samples_what_hf_samples_on_the_embedded_model(tmp_path, r
     tokens, stats = generate(tmp_path, "self", *extra, f"verify.rule={rule}")
     assert tokens == hf
     rate = stats["accepted_tokens"] / stats["drafted_tokens"]
-    if rule == "match_gumbel":
-        assert rate == 1.0  # coupled: each draft is the target's own sample
-    else:
-        assert rate < 0.9  # blind: kept about p(x) of the time
+    # Coupled, each draft is the target's own sample (exactly 1.0 on the float32 tiny model,
+    # tests/test_speculative.py); here the draft runner's level-by-level forward and the verification
+    # forward do not always give the same bf16 bits, as at temperature 0 (tests/test_slow_sd.py).
+    # Blind, a draft is kept about p(x) of the time.
+    assert rate > 0.95 if rule == "match_gumbel" else rate < 0.8, rate
