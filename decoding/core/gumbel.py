@@ -76,9 +76,14 @@ def gumbel_choice(logits: torch.Tensor, params: SamplingParams, seed: int, posit
     noise only where a token's processed logit is within the noise's range of the best."""
     if params.greedy:
         return int(logits.argmax())
-    scores = processed_logits(logits.float(), params).double()
-    top = scores.max()
-    near = (scores >= top - _REACH).nonzero().flatten()
+    return gumbel_pick(processed_logits(logits.float(), params), seed, position)
+
+
+def gumbel_pick(scores: torch.Tensor, seed: int, position: int) -> int:
+    """argmax of already processed logits [V] (`sampling.processed_logits`) + G at `position`: for a
+    caller that has processed a whole tree's rows at once."""
+    scores = scores.double()
+    near = (scores >= scores.max() - _REACH).nonzero().flatten()
     noisy = scores[near] + gumbel_noise(seed, position, near)
     return int(near[noisy.argmax()])
 

@@ -13,11 +13,11 @@ import torch
 
 from decoding.core.acceptance import walk_matched, walk_rejection
 from decoding.core.draft_tree import DraftTree
-from decoding.core.gumbel import gumbel_choice
+from decoding.core.gumbel import gumbel_pick
 from decoding.core.kv_cache import RowKVCache
 from decoding.core.packing import Packed, pack
 from decoding.core.runner import ModelRunner
-from decoding.core.sampling import Rule, process_logits
+from decoding.core.sampling import Rule, processed_logits
 from decoding.core.sequence import Sequence
 
 
@@ -75,12 +75,14 @@ def verify(
 
     def decide(b: int) -> Verdict:
         tree, s, row = trees[b], seqs[b], logits[b]
+        # Processed once per row: the distributions drafters learn from, and what the samplers read.
+        scores = None if s.params.greedy else processed_logits(row.float(), s.params)
         # On the CPU, where the request's generator lives: the acceptance walk is scalar work.
-        probs = None if s.params.greedy else process_logits(row[None], [s.params])[0].cpu()
+        probs = None if scores is None else scores.softmax(-1).cpu()
         if rule == "rejection" and len(tree) and probs is not None:
             path, token = walk_rejection(tree, probs, s.generator)
         else:
-            path, token = walk_matched(tree, target_sampler(s, rule, row, probs))
+            path, token = walk_matched(tree, target_sampler(s, rule, row, scores, probs))
         kept_hidden = None if hidden is None else hidden[b, packed.committed(b, path)]
         return Verdict(tree, path, token, probs, row, hidden=kept_hidden)
 
@@ -92,18 +94,18 @@ def verify(
 
 
 def target_sampler(
-    s: Sequence, rule: Rule, logits: torch.Tensor, probs: torch.Tensor | None
+    s: Sequence, rule: Rule, logits: torch.Tensor, scores: torch.Tensor | None, probs: torch.Tensor | None
 ) -> Callable[[int, int], int]:
-    """The target's own token after a node (row 1 + node of `logits` [1 + N, V]) at depth d below
-    the root, as plain decoding draws it: the argmax at temperature 0; under match_multinomial a
-    torch.multinomial draw from the request's generator (`transformers`' own sampling, in order of
-    position); otherwise (match_gumbel, and rows without a draft under rejection) Gumbel-max with the
-    request's public noise at the token's absolute position."""
-    if s.params.greedy:
+    """The target's own token after a node (row 1 + node of `logits` [1 + N, V]; of its processed
+    `scores` and `probs` at temperature > 0) at depth d below the root, as plain decoding draws it:
+    the argmax at temperature 0; under match_multinomial a torch.multinomial draw from the request's
+    generator (`transformers`' own sampling, in order of position); otherwise (match_gumbel, and rows
+    without a draft under rejection) Gumbel-max with the request's public noise at the token's
+    absolute position."""
+    if scores is None or probs is None:
         argmax = logits.argmax(-1).tolist()
         return lambda node, d: argmax[node + 1]
     if rule == "match_multinomial":
-        assert probs is not None
         return lambda node, d: int(torch.multinomial(probs[node + 1].float(), 1, generator=s.generator))
     position = s.position
-    return lambda node, d: gumbel_choice(logits[node + 1], s.params, s.seed, position + d)
+    return lambda node, d: gumbel_pick(scores[node + 1], s.seed, position + d)

@@ -21,7 +21,6 @@ import torch
 
 from decoding.core.draft_tree import ROOT, DraftTree
 from decoding.core.errors import ConfigError
-from decoding.core.gumbel import gumbel_order
 from decoding.core.sequence import Sequence
 from decoding.core.verify import Verdict
 from decoding.drafters.ngram import LogitNGram
@@ -105,8 +104,8 @@ class StandDrafter:
     def _draft(self, i: int) -> DraftTree:
         seq = self.seqs[i]
         pool = self.pools.get(seq.group)
-        coupled = self.coupled and not seq.params.greedy
-        stochastic = not seq.params.greedy and self.options.stochastic and not coupled
+        coupling = seq.coupling() if self.coupled and not seq.params.greedy else None
+        stochastic = not seq.params.greedy and self.options.stochastic and coupling is None
         tree = DraftTree(draw="without_replacement" if stochastic else "top")
         # Per drafted node: its lookup context, the draft probability of reaching it and its depth. A
         # node is expanded only after its parent was, so each is one step from its parent's.
@@ -128,11 +127,9 @@ class StandDrafter:
             if total <= 0:
                 return []
             probs = [p / total for p in probs]
-            if coupled:
+            if coupling is not None:
                 live = [(t, q) for t, q in zip(ids, probs) if q > 0]
-                picks = gumbel_order(
-                    [t for t, _ in live], [math.log(q) for _, q in live], seq.seed, seq.position + depth[node]
-                )[:k]
+                picks = coupling.order([t for t, _ in live], [math.log(q) for _, q in live], depth[node])[:k]
             elif stochastic:
                 noise = self.noise.setdefault(i, GumbelNoise(seq.draft_generator))
                 picks = gumbel_top_k(ids, probs, k, noise)
