@@ -13,6 +13,7 @@ from decoding.drafters.aded import AdedOptions
 from decoding.drafters.pld import PLDOptions
 from decoding.drafters.recycling import RecyclingOptions
 from decoding.drafters.stand import StandOptions
+from decoding.drafters.suffix import SuffixOptions
 from decoding.kinds import DECODERS
 from decoding.schedules.base import VerifyOptions
 from decoding.schedules.seed import SeedOptions
@@ -34,6 +35,7 @@ class DecoderConfig:
     pld: PLDOptions = field(default_factory=PLDOptions)
     recycling: RecyclingOptions = field(default_factory=RecyclingOptions)
     aded: AdedOptions = field(default_factory=AdedOptions)
+    suffix: SuffixOptions = field(default_factory=SuffixOptions)
     verify: VerifyOptions = field(default_factory=VerifyOptions)
     draft: ModelSpec | None = None  # path "self" drafts with the target itself
     server: ServerOptions | None = None  # decoder=server: the serving engine to send requests to

@@ -22,6 +22,7 @@ from decoding.drafters.edd import EddDrafter
 from decoding.drafters.pld import PLDDrafter
 from decoding.drafters.recycling import RecyclingDrafter
 from decoding.drafters.stand import StandDrafter
+from decoding.drafters.suffix import SuffixDrafter
 from decoding.drafters.union import UnionDrafter
 from decoding.edd.model import EddModel, draft_vocab
 from decoding.kinds import DECODERS
@@ -51,12 +52,20 @@ def model_drafter(
     return ModelDrafter(runner, config.draft_tree, target.vocab_size, target=target, coupled=config.verify.coupled)
 
 
+def stand_drafter(config: DecoderConfig, target: ModelRunner) -> Drafter:
+    """STAND's pool, with stand.suffix the suffix drafter's tree beside it (merged as one trie under
+    the matched rules: a token both propose at the same place is verified once)."""
+    stand = StandDrafter(config.stand, StaticTree.load(config.stand.tree), target.vocab_size, config.verify.coupled)
+    if not config.stand.suffix:
+        return stand
+    return UnionDrafter([stand, SuffixDrafter(config.suffix, config.verify.coupled)], config.verify.rule != "rejection")
+
+
 DRAFTERS: dict[str, DrafterFactory] = {
     "none": lambda c, target, tok, draft: NoDrafter(),
     "model": model_drafter,
-    "stand": lambda c, target, tok, draft: StandDrafter(
-        c.stand, StaticTree.load(c.stand.tree), target.vocab_size, c.verify.coupled
-    ),
+    "stand": lambda c, target, tok, draft: stand_drafter(c, target),
+    "suffix": lambda c, target, tok, draft: SuffixDrafter(c.suffix, c.verify.coupled),
     "pld": lambda c, target, tok, draft: PLDDrafter(c.pld),
     # aded.corpus, if any, is tokenised with the target's tokenizer
     "aded": lambda c, target, tok, draft: AdedDrafter(c.aded, tok),

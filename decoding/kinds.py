@@ -29,7 +29,8 @@ DECODERS: dict[str, DecoderKind] = {
     "seed": DecoderKind("seed", "model", ("draft_tree", "seed", "verify"), "required", "seed"),
     "pld": DecoderKind("batch", "pld", ("pld", "verify")),
     "recycling": DecoderKind("batch", "recycling", ("recycling", "stand", "verify")),
-    "stand": DecoderKind("batch", "stand", ("stand", "verify")),
-    "seed_stand": DecoderKind("seed", "stand", ("draft_tree", "seed", "stand", "verify"), "optional", "seed"),
+    "stand": DecoderKind("batch", "stand", ("stand", "suffix", "verify")),
+    "seed_stand": DecoderKind("seed", "stand", ("draft_tree", "seed", "stand", "suffix", "verify"), "optional", "seed"),
+    "suffix": DecoderKind("batch", "suffix", ("suffix", "verify")),
     "aded": DecoderKind("batch", "aded", ("aded", "verify")),
 }

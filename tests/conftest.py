@@ -12,8 +12,10 @@ from llama_server import LlamaServer, llama_server
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from decoding.core.draft_tree import k_config_parents
 from decoding.core.models import LoadedModel, embedded_file, prepare_for_inference
 from decoding.engine import Engine
+from decoding.trees.static import StaticTree
 
 SPECIALS = ("<pad>", "<bos>", "<eos>")  # ids 0, 1, 2
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
@@ -141,3 +143,11 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaServer]:
     log = tmp_path_factory.mktemp("llama") / "server.log"
     with llama_server(embedded_file("smollm2-135m"), log) as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def small_tree(tmp_path_factory) -> str:
+    """A small static tree (k_config 3, 2, 1, 1) for the model-free drafters' tests."""
+    path = tmp_path_factory.mktemp("trees") / "small.json"
+    StaticTree(tuple(k_config_parents((3, 2, 1, 1))), {"made_by": "test"}).save(path)
+    return str(path)

@@ -108,9 +108,25 @@ def test_calibration_follows_verdicts():
     assert record.accept(tree, False)[0] == untried  # sampled rows are a separate record
     # The second node was never tried (its parent was never reached), yet its prior is no longer its
     # raw score: the source's scores ran high, so its score is scaled by how they fared.
-    scale = record.scale(tree.source_of(1), True)
+    scale = record.scale((tree.source_of(1), True, True))
     assert scale < 0.05
     assert record.accept(tree, True)[1] == pytest.approx(0.9 * scale + EXPLORE)
+
+
+def test_calibration_keeps_first_children_apart_from_their_siblings():
+    # Under match_gumbel a coupled drafter's first child is its guess of the target's own sample and
+    # is accepted far more often than its score says; the runners-up behind it are not.
+    tree = DraftTree()
+    first = tree.add(1, ROOT, 0.3)
+    tree.add(2, ROOT, 0.3)
+    record = AcceptanceRecord()
+    for _ in range(300):
+        record.observe(tree, [first], greedy=False)
+    first_p, sibling_p = record.accept(tree, False)
+    assert first_p > 0.9 and sibling_p < 0.1
+    # A new first child at another depth and score inherits its pool's record: scores scaled up.
+    other = chain([5, 6], prob=0.2)
+    assert record.accept(other, False)[0] > 0.6
 
 
 def test_cost_model_fit_padding_and_cache(tiny_model, tmp_path):

@@ -151,13 +151,6 @@ def test_pld_lookup():
 # --- decoders on the tiny model ----------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def small_tree(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("trees") / "small.json"
-    StaticTree(tuple(k_config_parents((3, 2, 1, 1))), {"made_by": "test"}).save(path)
-    return str(path)
-
-
 def engine_for(
     loaded, name: str, tree: str, verify_batch: int = 8, verify: VerifyOptions = UNCAPPED, **stand
 ) -> Engine:

@@ -323,6 +323,10 @@ def _row(name: str, t: Tally, engine: Engine | ServerEngine) -> dict:
             for p in PHASES
         },
         "acceptance_length": t.decode.acceptance_length if own else None,
+        # Of the accepted draft tokens, the share the suffix drafter proposed (decoder=suffix, stand.suffix).
+        "suffix_share": (t.decode.suffix_accepted_tokens / t.decode.accepted_tokens)
+        if own and t.decode.suffix_accepted_tokens
+        else None,
         "forwards_per_token": t.decode.forwards_per_token if own else None,
         "rows_per_forward": t.decode.rows_per_forward if own else None,
         "prompt_tokens": t.decode.prompt_tokens,
@@ -388,12 +392,13 @@ def scaling_table(rows: list[dict]) -> str:
 def table(result: dict) -> str:
     head = (
         "| decoder | problems at once | solved | tokens | wall (s) | tokens/s | vs hf | vs ar | acceptance length "
-        "| target forwards / token | rows / forward | prompt tokens computed / requested (thoughts, evaluations) "
+        "| accepted drafts from the suffix drafter | target forwards / token | rows / forward "
+        "| prompt tokens computed / requested (thoughts, evaluations) "
         "| target busy "
         "| thought gen. tok/s | evaluation tok/s | plan: draft nodes / row | plan: step s predicted / measured "
         "| peak KV (MB) | stored prefixes, all entries (MB, evictions) |"
     )
-    lines = [head, "|" + "---|" * 19]
+    lines = [head, "|" + "---|" * 20]
     n = len(result["problems"])
     for r in result["decoders"].values():
         ph = r["phases"]
@@ -403,7 +408,8 @@ def table(result: dict) -> str:
             f"| {r['wall_s']:.1f} "
             f"| {r['tokens_per_s']:.1f} "
             f"| {_ratio(r, 'hf')} | {_ratio(r, 'ar')} | {_num(r['acceptance_length'], '.2f')} "
-            f"| {_num(r['forwards_per_token'], '.3f')} | {_num(r['rows_per_forward'], '.2f')} "
+            f"| {_num(r.get('suffix_share'), '.0%')} | {_num(r['forwards_per_token'], '.3f')} "
+            f"| {_num(r['rows_per_forward'], '.2f')} "
             f"| {_prompts(ph['generate'])}, {_prompts(ph['evaluate'])} "
             f"| {_num(r['target_busy_fraction'], '.2f')} | {ph['generate']['tokens_per_s']:.1f} "
             f"| {ph['evaluate']['tokens_per_s']:.1f} | {_num(r.get('plan_nodes_per_row'), '.2f')} "

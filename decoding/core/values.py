@@ -75,6 +75,7 @@ class DecodeStats:
     verify_steps: int = 0
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    suffix_accepted_tokens: int = 0  # of them, those the suffix drafter proposed (STAND may have too)
     draft_s: float = 0.0
     verify_s: float = 0.0
     other_s: float = 0.0

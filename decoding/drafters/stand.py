@@ -39,6 +39,7 @@ class StandOptions:
     capacity: int = 200_000  # entries per pool
     max_pools: int = 256  # pools kept (least recently used evicted)
     min_path_prob: float = 0.0  # drop nodes whose draft probability of being reached is lower
+    suffix: bool = False  # stand, seed_stand: the suffix drafter's tree (suffix.*) merged with the pool's
     key: str = "stand"
 
     def __post_init__(self) -> None:

@@ -165,6 +165,7 @@ def add_sequence_totals(stats: DecodeStats, seqs: list[Sequence]) -> DecodeStats
     stats.generated_tokens = sum(s.stats.generated_tokens for s in seqs)
     stats.drafted_tokens = sum(s.stats.drafted_tokens for s in seqs)
     stats.accepted_tokens = sum(s.stats.accepted_tokens for s in seqs)
+    stats.suffix_accepted_tokens = sum(s.stats.suffix_accepted_tokens for s in seqs)
     stats.verify_steps = sum(s.stats.verify_steps for s in seqs)
     # What an admission computed belongs to the sequences it admitted, not to every call in the step.
     stats.prompt_tokens_computed = sum(s.stats.prompt_tokens_computed for s in seqs)
