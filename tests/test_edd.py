@@ -271,14 +271,14 @@ class CheckedEddDrafter(EddDrafter):
 
     checks = 0
 
-    def draft(self, rows):
-        trees = super().draft(rows)
-        for i, tree in zip(rows, trees):
-            seq = self.seqs[i]
+    def draft(self, slots):
+        trees = super().draft(slots)
+        for slot, tree in zip(slots, trees):
+            seq = slot.seq
             if not len(tree) or not seq.params.greedy:
                 continue
             context = seq.prompt + seq.generated
-            n = self.known[i]
+            n = slot.state[self].known
             feats = target_features(self.target.model, self.edd.config.layer, [context])[0][0][:n]
             block = context[n:]
             width = n + len(block)
@@ -334,8 +334,8 @@ def test_each_row_gets_its_own_admissions_states(loaded, tokenizer, trained):
     for prompts in (first, second):
         decoder.admit([engine._sequence(GenRequest(p, max_new_tokens=10)) for p in prompts])
         decoder._fill()  # rows taken, the target's admission done; the drafter has not heard yet
-    seqs = list(decoder.seqs.values())
-    assert seqs[0].start_hidden is not seqs[2].start_hidden
+    slots = list(decoder.slots.values())
+    assert slots[0].start_hidden is not slots[2].start_hidden
     while decoder.busy:
         decoder.step()
     assert CheckedEddDrafter.checks >= 8

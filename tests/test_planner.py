@@ -13,6 +13,7 @@ from decoding.core.cost import ForwardCost, cost_key, forward_cost, profile
 from decoding.core.draft_tree import ROOT, DraftTree
 from decoding.core.errors import ConfigError
 from decoding.core.runner import ModelRunner
+from decoding.core.slot import Slot
 from decoding.core.values import GenRequest
 from decoding.core.verify import Verdict
 from decoding.drafters.stand import StandDrafter, StandOptions
@@ -65,8 +66,9 @@ def test_large_trees_under_a_flat_curve():
         for d in range(3):
             node = tree.add(20 + d, node, 0.5)
     record = AcceptanceRecord()
-    for i in range(400):  # the first candidate accepted half the time, its chain after it
-        record.observe(tree, [0, 1, 2, 3] if i % 2 else [], greedy=True)
+    for i in range(400):  # one of the first four candidates accepted each time in turn, its chain after it
+        first = 4 * (i % 4)
+        record.observe(tree, [first, first + 1, first + 2, first + 3], greedy=True)
     flat = Planner(FLAT, record)
     _, plan = flat.cut(list(range(4)), [tree] * 4, [True] * 4, [1] * 4, 100.0)
     steep = Planner(STEEP, record)
@@ -193,17 +195,18 @@ def test_drafters_keep_learning_without_drafts(tokenizer):
     drafters.append(StandDrafter(StandOptions(prime_with_prompt=False), StaticTree.load("default"), len(tokenizer)))
     rule = StopRule(frozenset(), (), 64)
     seqs = [Sequence.create(text[:1], rule, SamplingParams(0.0), 0, group="g") for _ in drafters]
-    for d, s in zip(drafters, seqs):
-        d.admit([0], [s])
+    slots = [Slot(0, s) for s in seqs]
+    for d, slot in zip(drafters, slots):
+        d.admit([slot])
     vocab = len(tokenizer)
     for token in text[1:]:
         logits = torch.full((1, vocab), -10.0)
         logits[0, token] = 10.0
-        for d, s, drafted in zip(drafters, seqs, (True, False)):
+        for d, slot, drafted in zip(drafters, slots, (True, False)):
             if drafted:
-                d.draft([0])
+                d.draft([slot])
             v = Verdict(DraftTree(), [], token, None, logits, kept=1)
-            s.generated.append(token)
-            d.update([0], [v])
-    a, b = (d.draft([0])[0] for d in drafters)
+            slot.seq.generated.append(token)
+            d.update([slot], [v])
+    a, b = (d.draft([slot])[0] for d, slot in zip(drafters, slots))
     assert a.tokens and a.tokens == b.tokens and a.probs == b.probs

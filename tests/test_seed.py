@@ -97,12 +97,12 @@ class SlowScriptedDrafter(ScriptedDrafter):
         self.rounds_of = rounds_of
         self.rng = random.Random(0)
 
-    def draft(self, rows):
+    def draft(self, slots):
         rounds = self.rounds_of()
         with rounds.cond:
-            assert all(rounds.state[i] == "drafting" for i in rows)
-        time.sleep(self.rng.uniform(0, 0.004) * len(rows))
-        return super().draft(rows)
+            assert all(rounds.state[s.row] == "drafting" for s in slots)
+        time.sleep(self.rng.uniform(0, 0.004) * len(slots))
+        return super().draft(slots)
 
 
 def check_schedule(log: list[tuple[str, int]], n: int) -> None:

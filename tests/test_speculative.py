@@ -176,20 +176,17 @@ class ScriptedDrafter:
         self.max_nodes = len(self.parents)
         self.g = torch.Generator().manual_seed(1)
 
-    def admit(self, rows, seqs):
-        self.seqs = getattr(self, "seqs", {})
-        self.seqs.update(zip(rows, seqs))
-        self.row_of_seq = getattr(self, "row_of_seq", {})
+    def admit(self, slots):
         self.order = getattr(self, "order", 0)
-        for row in rows:  # the i-th sequence ever admitted follows refs[i]
-            self.row_of_seq[row] = self.order
+        for slot in slots:  # the i-th sequence ever admitted follows refs[i]
+            slot.state[self] = self.order
             self.order += 1
 
-    def draft(self, rows):
-        return [self._tree(i) for i in rows]
+    def draft(self, slots):
+        return [self._tree(slot) for slot in slots]
 
-    def _tree(self, i: int) -> DraftTree:
-        ref, pos = self.refs[self.row_of_seq[i]], len(self.seqs[i].generated)
+    def _tree(self, slot) -> DraftTree:
+        ref, pos = self.refs[slot.state[self]], len(slot.seq.generated)
         tree = DraftTree(draw=self.draw)
         on_path = {-1: True}
         depth = {-1: 0}
@@ -211,10 +208,10 @@ class ScriptedDrafter:
             depth[node] = d
         return tree
 
-    def update(self, rows, verdicts):
+    def update(self, slots, verdicts):
         """Scripted drafts learn nothing."""
 
-    def release(self, rows):
+    def release(self, slots):
         """No per-row state that matters."""
 
 
@@ -324,14 +321,15 @@ class CheckedDrafter(ModelDrafter):
 
     checks = 0
 
-    def draft(self, rows):
-        for i in rows:
-            b = i  # the draft cache's row i is the target's row i
-            seq = self.seqs[i]
+    def draft(self, slots):
+        for slot in slots:
+            b = slot.row  # the draft cache's row i is the target's row i
+            seq = slot.seq
             context = seq.prompt + seq.generated
             n = int(self.cache.lens[b])
-            assert n + len(self.pending[i]) == len(context)
-            assert self.pending[i] == context[n:]
+            pending = slot.state[self].pending
+            assert n + len(pending) == len(context)
+            assert pending == context[n:]
             if n == 0:  # a one-token prompt: nothing in the cache yet
                 continue
             fresh, _ = prefill(ModelRunner(self.model.model), [context[:n]], capacity=n + 1)
@@ -340,7 +338,7 @@ class CheckedDrafter(ModelDrafter):
             for v_row, v_fresh in zip(self.cache.values, fresh.values):
                 assert torch.allclose(v_row[b, :, :n], v_fresh[0, :, :n], atol=1e-5)
             type(self).checks += 1
-        return super().draft(rows)
+        return super().draft(slots)
 
 
 def fixed_planner() -> Planner:

@@ -208,7 +208,6 @@ class ModelRunner:
         reused = self.prefixes.match(head)
         if shared < MIN_SHARED_PREFIX and not reused.length:
             shared = 0
-        capture = self.hidden_layer is not None
         cache.reserve(max(rows) + 1, self.row_capacity([len(p) for p in prompts], room))
         self.peak_cache_bytes = max(self.peak_cache_bytes, cache.nbytes)
         before = self.prompt_tokens_computed
@@ -216,12 +215,31 @@ class ModelRunner:
         # The shared head was computed once for all the rows: each takes an equal part of it.
         part, extra = divmod(self.prompt_tokens_computed - before, len(rows))
         spent = {row: part + (i < extra) for i, row in enumerate(rows)}
-        if capture:
-            pending = [list(p[done[row] :]) for row, p in zip(rows, prompts)]
-            self.prompt_tokens_computed += sum(len(p) for p in pending)
-            return Admission(pending, [spent[row] + len(p) for row, p in zip(rows, pending)])
-        # A prompt admitted twice (the n samples of one state, beside other problems' prompts) is
-        # computed once and copied.
+        if self.hidden_layer is not None:
+            return self._admit_captured(rows, prompts, done, spent)
+        return self._admit_rest(cache, rows, prompts, shared, done, spent)
+
+    def _admit_captured(
+        self, rows: list[int], prompts: list[list[int]], done: dict[int, int], spent: dict[int, int]
+    ) -> Admission:
+        """Rows whose drafter reads hidden states: past the shared head, their prompts stay
+        pending, fed with each row's first draft (their states then come back with the verdict)."""
+        pending = [list(p[done[row] :]) for row, p in zip(rows, prompts)]
+        self.prompt_tokens_computed += sum(len(p) for p in pending)
+        return Admission(pending, [spent[row] + len(p) for row, p in zip(rows, pending)])
+
+    def _admit_rest(
+        self,
+        cache: RowKVCache,
+        rows: list[int],
+        prompts: list[list[int]],
+        shared: int,
+        done: dict[int, int],
+        spent: dict[int, int],
+    ) -> Admission:
+        """Past the shared head: each row takes the longest stored prefix of its own prompt, a prompt
+        admitted twice (the n samples of one state, beside other problems' prompts) is computed once
+        and copied, and the rest of every row is computed in one forward; one token stays pending."""
         first: dict[tuple[int, ...], int] = {}
         copies: list[tuple[int, int, int]] = []  # (row, the row it copies, positions)
         computed: list[tuple[int, list[int], list[int]]] = []  # (row, prompt, the tokens it computes)

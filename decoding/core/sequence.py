@@ -27,10 +27,6 @@ class Sequence:
     generated: list[int] = field(default_factory=list)
     reason: FinishReason | None = None
     stats: DecodeStats = field(default_factory=DecodeStats)
-    # With ModelRunner.capture_hidden: the hidden states [S, H] of the prompt prefix its admission
-    # computed or shared (an EDD drafter's soft prompt starts with them). They travel with the
-    # sequence: a later admission, before a drafter thread hears of this one, cannot swap them.
-    start_hidden: torch.Tensor | None = None
     follows: tuple[int, ...] = ()  # a follow-up: the finished sequence it continues (GenRequest.context)
     keep: bool = False  # stored and pinned when it finishes, until a follow-up of it is admitted
     _checked: int = 0

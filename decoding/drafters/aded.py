@@ -28,6 +28,7 @@ from typing import Any
 from decoding.core.draft_tree import ROOT, DraftTree
 from decoding.core.errors import ConfigError
 from decoding.core.sequence import Sequence
+from decoding.core.slot import Slot
 from decoding.core.verify import Verdict
 from decoding.drafters.pools import Pools, Scope
 
@@ -340,16 +341,14 @@ class AdedDrafter:
         self.matrices = Pools(
             options.scope, options.max_pools, lambda: TriGram(options.top_k, options.capacity, base=corpus)
         )
-        self.seqs: dict[int, Sequence] = {}
 
-    def admit(self, rows: list[int], seqs: list[Sequence]) -> None:
-        self.seqs.update(zip(rows, seqs))
+    def admit(self, slots: list[Slot]) -> None:
         if self.options.prime_with_prompt:
-            for s in seqs:
-                self.matrices.prime(s.group, s.prompt)
+            for slot in slots:
+                self.matrices.prime(slot.seq.group, slot.seq.prompt)
 
-    def draft(self, rows: list[int]) -> list[DraftTree]:
-        return [self._draft(self.seqs[i]) for i in rows]
+    def draft(self, slots: list[Slot]) -> list[DraftTree]:
+        return [self._draft(slot.seq) for slot in slots]
 
     def _draft(self, seq: Sequence) -> DraftTree:
         depth = min(self.options.max_depth, seq.room)
@@ -358,17 +357,15 @@ class AdedDrafter:
         a, b = [NO_TOKEN, *last_tokens(seq, 2)][-2:]
         return Search(self.matrices.get(seq.group), a, b, self.options, depth).run()
 
-    def update(self, rows: list[int], verdicts: list[Verdict]) -> None:
+    def update(self, slots: list[Slot], verdicts: list[Verdict]) -> None:
         """Count the tri-grams that end in the tokens each sequence kept (the bonus token included)."""
-        for i, v in zip(rows, verdicts):
+        for slot, v in zip(slots, verdicts):
             if v.kept > 0:
-                seq = self.seqs[i]
+                seq = slot.seq
                 self.matrices.get(seq.group).update(last_tokens(seq, v.kept + 2), self.options.update_weight)
 
-    def release(self, rows: list[int]) -> None:
-        """Matrices are per group / problem / run, kept across calls: only the rows' sequences go."""
-        for row in rows:
-            del self.seqs[row]
+    def release(self, slots: list[Slot]) -> None:
+        """Matrices are per group / problem / run, kept across calls: nothing is per sequence."""
 
     def peak_cache_bytes(self) -> int:
         return 0  # no model, no KV cache

@@ -5,27 +5,29 @@ from __future__ import annotations
 from typing import Protocol
 
 from decoding.core.draft_tree import DraftTree
-from decoding.core.sequence import Sequence
+from decoding.core.slot import Slot
 from decoding.core.verify import Verdict
 
 
 class Drafter(Protocol):
     """Proposes a draft tree per live sequence and learns from what the target accepted.
 
-    Rows are the target KV pool's rows: `admit` gives sequences their rows as they join the running
-    batch, `draft` and `update` receive some of the live rows, and `release` the rows whose
-    sequences left (a later `admit` may reuse them).
+    The scheduler owns a `Slot` per live sequence (its row of the target's KV pool, its pending
+    tokens, each drafter's state for it): `admit` hears of slots as their sequences join the running
+    batch, `draft` and `update` receive some of the live slots, and `release` the slots whose
+    sequences left (their rows may be admitted again). A drafter keeps what it learns across
+    sequences (pools, tables) itself, and what it keeps per sequence in `Slot.own`.
     """
 
     max_nodes: int
 
-    def admit(self, rows: list[int], seqs: list[Sequence]) -> None: ...
+    def admit(self, slots: list[Slot]) -> None: ...
 
-    def draft(self, rows: list[int]) -> list[DraftTree]: ...
+    def draft(self, slots: list[Slot]) -> list[DraftTree]: ...
 
-    def update(self, rows: list[int], verdicts: list[Verdict]) -> None: ...
+    def update(self, slots: list[Slot], verdicts: list[Verdict]) -> None: ...
 
-    def release(self, rows: list[int]) -> None: ...
+    def release(self, slots: list[Slot]) -> None: ...
 
     def peak_cache_bytes(self) -> int:
         """The largest KV cache the drafter's own model has held (0 for model-free drafters)."""
@@ -37,16 +39,16 @@ class NoDrafter:
 
     max_nodes = 0
 
-    def admit(self, rows: list[int], seqs: list[Sequence]) -> None:
+    def admit(self, slots: list[Slot]) -> None:
         """No state: nothing to set up."""
 
-    def draft(self, rows: list[int]) -> list[DraftTree]:
-        return [DraftTree() for _ in rows]
+    def draft(self, slots: list[Slot]) -> list[DraftTree]:
+        return [DraftTree() for _ in slots]
 
-    def update(self, rows: list[int], verdicts: list[Verdict]) -> None:
+    def update(self, slots: list[Slot], verdicts: list[Verdict]) -> None:
         """Nothing to learn."""
 
-    def release(self, rows: list[int]) -> None:
+    def release(self, slots: list[Slot]) -> None:
         """No per-row state to drop."""
 
     def peak_cache_bytes(self) -> int:

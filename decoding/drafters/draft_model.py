@@ -20,7 +20,7 @@ import torch
 from decoding.core.draft_tree import DraftTree
 from decoding.core.runner import ModelRunner
 from decoding.core.sampling import SamplingParams, draft_dists
-from decoding.core.sequence import Sequence
+from decoding.core.slot import Slot
 from decoding.core.timing import speed_ratio, time_forward
 from decoding.core.verify import Verdict, pack
 from decoding.trees.policies import DraftTreeOptions, grow_levels, make_policy
@@ -33,7 +33,15 @@ class _Drafted:
     """Where a row's last tree lives in the draft cache, for keeping the accepted path after."""
 
     pending_cols: list[int]  # uncommitted slots of the row's pending tokens
-    slots: dict[int, int]  # tree node -> uncommitted slot (the nodes the draft model computed)
+    node_cols: dict[int, int]  # tree node -> its uncommitted cache column (the nodes the draft model computed)
+
+
+@dataclass
+class _Row:
+    """A sequence's state in the draft model's cache (its row there is the target's row)."""
+
+    pending: list[int]  # tokens accepted but not in the draft cache
+    drafted: _Drafted | None = None  # its last tree, until the verdict
 
 
 class ModelDrafter:
@@ -57,14 +65,14 @@ class ModelDrafter:
         self.target = target
         self.policy = make_policy(options, self._measure_ratio)
         self.max_nodes = self.policy.max_nodes
-        self.seqs: dict[int, Sequence] = {}
         self.cache = model.new_cache(0, 1)  # row i: the draft model's cache of the target's row i
-        self.pending: dict[int, list[int]] = {}  # per row: tokens accepted but not in the draft cache
-        self.drafted: dict[int, _Drafted] = {}
+        self.live: dict[int, Slot] = {}  # the rows its cache holds: what giving memory back must keep
 
-    def admit(self, rows: list[int], seqs: list[Sequence]) -> None:
-        self.seqs.update(zip(rows, seqs))
-        self.pending.update(zip(rows, self.model.admit_seqs(self.cache, rows, seqs, self.max_nodes).pending))
+    def admit(self, slots: list[Slot]) -> None:
+        rows, seqs = [s.row for s in slots], [s.seq for s in slots]
+        for slot, pending in zip(slots, self.model.admit_seqs(self.cache, rows, seqs, self.max_nodes).pending):
+            slot.state[self] = _Row(pending)
+            self.live[slot.row] = slot
 
     def _measure_ratio(self, context: int = 64, repeats: int = 5) -> float:
         """PCT's s_d / s_t on this machine: one forward of each model of one token after `context`."""
@@ -83,22 +91,23 @@ class ModelDrafter:
     def _cache_rows(self, rows: list[int]) -> list[int] | None:
         return None if rows == list(range(self.cache.batch)) else rows
 
-    def draft(self, rows: list[int]) -> list[DraftTree]:
-        """Trees for the given rows (any subset: a scheduler drafts the rows that wait to draft)."""
-        batch = len(rows)
-        params = [self.seqs[i].params for i in rows]
-        cache_rows = self._cache_rows(rows)
-        packed = pack([self.pending[i] for i in rows], [DraftTree() for _ in rows])
+    def draft(self, slots: list[Slot]) -> list[DraftTree]:
+        """Trees for the given slots (any subset: a scheduler drafts the rows that wait to draft)."""
+        batch = len(slots)
+        own: list[_Row] = [s.state[self] for s in slots]
+        params = [s.seq.params for s in slots]
+        cache_rows = self._cache_rows([s.row for s in slots])
+        packed = pack([r.pending for r in own], [DraftTree() for _ in slots])
         p = packed.n_pending
         logits = self.model.forward(
             self.cache, packed.tokens, packed.see, packed.depth, logits_at=torch.tensor([p - 1]), rows=cache_rows
         )
         growths = [
             self.policy.grow(params[b].greedy, s.draft_generator, s.room, s.coupling() if self.coupled else None)
-            for b, s in enumerate(self.seqs[i] for i in rows)
+            for b, s in enumerate(slot.seq for slot in slots)
         ]
         # Each node sees its row's pending tokens and its own ancestors; the first level sits one past them.
-        slots = grow_levels(
+        levels = grow_levels(
             growths,
             logits,
             lambda b, lg: self._dists(lg, params[b]),
@@ -106,11 +115,11 @@ class ModelDrafter:
                 self.cache, tokens, see, depth, offset=offset, rows=cache_rows
             ),
             [range(packed.pads[b], p) for b in range(batch)],
-            [len(self.pending[i]) for i in rows],
+            [len(r.pending) for r in own],
             p,
         )
-        for b, i in enumerate(rows):
-            self.drafted[i] = _Drafted(list(range(packed.pads[b], p)), slots[b])
+        for b, r in enumerate(own):
+            r.drafted = _Drafted(list(range(packed.pads[b], p)), levels[b])
         return [g.tree for g in growths]
 
     def _dists(self, logits: torch.Tensor, params: SamplingParams) -> list[torch.Tensor]:
@@ -125,24 +134,25 @@ class ModelDrafter:
             return logits[..., : self.vocab_size]
         return torch.nn.functional.pad(logits, (0, self.vocab_size - v), value=float("-inf"))
 
-    def update(self, rows: list[int], verdicts: list[Verdict]) -> None:
-        for i, v in zip(rows, verdicts):
-            drafted = self.drafted.pop(i, None)
-            seq = self.seqs[i]
+    def update(self, slots: list[Slot], verdicts: list[Verdict]) -> None:
+        for slot, v in zip(slots, verdicts):
+            own: _Row = slot.state[self]
+            drafted, own.drafted = own.drafted, None
+            seq = slot.seq
             if seq.done:
                 continue
             if drafted is not None:  # a row the step planner left undrafted only catches up below
                 # Accepted nodes the draft model computed form a prefix of the path (the shallower
                 # levels). A path from another drafter (a grafted tree) keeps none of them.
-                computed = [n for n in v.drafted_path if n in drafted.slots]
-                self.cache.keep(i, drafted.pending_cols + [drafted.slots[n] for n in computed])
+                computed = [n for n in v.drafted_path if n in drafted.node_cols]
+                self.cache.keep(slot.row, drafted.pending_cols + [drafted.node_cols[n] for n in computed])
             # Everything committed that the draft cache lacks is fed next time.
-            self.pending[i] = (seq.prompt + seq.generated)[int(self.cache.lens[i]) :]
+            own.pending = (seq.prompt + seq.generated)[int(self.cache.lens[slot.row]) :]
 
-    def release(self, rows: list[int]) -> None:
+    def release(self, slots: list[Slot]) -> None:
         """A left row's cache row is simply admitted again later: nothing is copied."""
-        for i in rows:
-            del self.seqs[i], self.pending[i]
-            self.drafted.pop(i, None)
+        for slot in slots:
+            del self.live[slot.row]
         # Rows past the highest live one, and positions no live row needs, go back.
-        self.model.give_back(self.cache, max(self.seqs, default=-1) + 1, list(self.seqs.values()), self.max_nodes)
+        live = [s.seq for s in self.live.values()]
+        self.model.give_back(self.cache, max(self.live, default=-1) + 1, live, self.max_nodes)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,11 +21,20 @@ from decoding.core.draft_tree import DraftTree
 from decoding.core.errors import BackendError
 from decoding.core.runner import ModelRunner
 from decoding.core.sampling import SamplingParams, draft_dists
-from decoding.core.sequence import Sequence
+from decoding.core.slot import Slot
 from decoding.core.timing import speed_ratio, timed_ms
 from decoding.core.verify import Verdict
 from decoding.edd.model import EddModel
 from decoding.trees.policies import DraftTreeOptions, grow_levels, make_policy
+
+
+@dataclass
+class _Row:
+    """A sequence's soft prompt: `known` context tokens have hidden states; those not yet fed to the
+    EDD wait in `queue`."""
+
+    known: int
+    queue: list[torch.Tensor] = field(default_factory=list)
 
 
 class EddDrafter:
@@ -58,9 +68,6 @@ class EddDrafter:
         self.max_nodes = self.policy.max_nodes
         self.vocab_size = int(edd.shared[1].weight.shape[0])
         target.capture_hidden(edd.config.layer)
-        self.seqs: dict[int, Sequence] = {}
-        self.known: dict[int, int] = {}
-        self.queue: dict[int, list[torch.Tensor]] = {}
         self.cache = edd.new_cache(0, 1)  # row i: the soft prompt of the target's row i
 
     def _measure_ratio(self, context: int = 64, repeats: int = 5) -> float:
@@ -80,21 +87,22 @@ class EddDrafter:
     def peak_cache_bytes(self) -> int:
         return 0  # the soft prompt's cache is one layer's: not counted beside the target's
 
-    def admit(self, rows: list[int], seqs: list[Sequence]) -> None:
+    def admit(self, slots: list[Slot]) -> None:
         """The rows' soft prompts start with the hidden states of the prefix their admission shared
-        (each sequence's `start_hidden`); the rest of each prompt comes with its first verdict."""
-        self.seqs.update(zip(rows, seqs))
+        (each slot's `start_hidden`); the rest of each prompt comes with its first verdict."""
+        rows, seqs = [s.row for s in slots], [s.seq for s in slots]
         if self.base_vocab is not None:
             self._extend_vocab(t for s in seqs for t in s.prompt)
         capacity = max(len(s.prompt) + s.rule.max_new_tokens for s in seqs) + self.max_nodes + 1
         # The soft prompt (<= capacity) plus one draft's uncommitted slots: pads, queue, block, tree.
         self.cache.reserve(max(rows) + 1, 2 * capacity + self.edd.config.max_block + self.max_nodes)
         # Rows admitted together share one head; rows of several admissions come in separate groups.
-        groups: dict[int, list[int]] = {}
-        for row, s in zip(rows, seqs):
-            groups.setdefault(id(s.start_hidden), []).append(row)
-        for group in groups.values():
-            head = self.seqs[group[0]].start_hidden
+        groups: dict[int, list[Slot]] = {}
+        for slot in slots:
+            groups.setdefault(id(slot.start_hidden), []).append(slot)
+        for members in groups.values():
+            head = members[0].start_hidden
+            group = [s.row for s in members]
             n = 0 if head is None else len(head)
             if n:
                 scratch = self.edd.new_cache(1, n)
@@ -104,9 +112,8 @@ class EddDrafter:
                 self.cache.copy_prefix(scratch, 0, group, n)
             else:
                 self.cache.lens[group] = 0
-            for row in group:
-                self.known[row] = n
-                self.queue[row] = []
+            for slot in members:
+                slot.state[self] = _Row(n)
 
     def _extend_vocab(self, tokens: Iterable[int]) -> None:
         """Add `tokens` to the draft vocabulary (and the head's rows for it) if any are new."""
@@ -116,27 +123,28 @@ class EddDrafter:
             self.vocab = torch.tensor(sorted(self.vocab_set), dtype=torch.long)
             self.head_rows = self.edd.vocab_rows(self.vocab)
 
-    def draft(self, rows: list[int]) -> list[DraftTree]:
-        trees = [DraftTree() for _ in rows]
+    def draft(self, slots: list[Slot]) -> list[DraftTree]:
+        trees = [DraftTree() for _ in slots]
         active = []
-        for b, i in enumerate(rows):
-            seq = self.seqs[i]
-            block = (seq.prompt + seq.generated)[self.known[i] :]
+        for b, slot in enumerate(slots):
+            seq = slot.seq
+            block = (seq.prompt + seq.generated)[slot.state[self].known :]
             if self.base_vocab is not None:
                 self._extend_vocab(block)  # the tokens committed since the last draft
             room = seq.room
             if room >= 1 and 1 <= len(block) <= self.edd.config.max_block:
-                active.append((b, i, block, room))
+                active.append((b, slot, block, room))
         if active:
             for (b, _, _, _), tree in zip(active, self._grow(active)):
                 trees[b] = tree
         return trees
 
     @torch.inference_mode()
-    def _grow(self, active: list[tuple[int, int, list[int], int]]) -> list[DraftTree]:
+    def _grow(self, active: list[tuple[int, Slot, list[int], int]]) -> list[DraftTree]:
         edd = self.edd
         batch = len(active)
-        queued = [torch.cat(self.queue[i]) if self.queue[i] else None for _, i, _, _ in active]
+        own: list[_Row] = [slot.state[self] for _, slot, _, _ in active]
+        queued = [torch.cat(r.queue) if r.queue else None for r in own]
         k = [0 if q is None else len(q) for q in queued]
         width = max(kb + len(block) for kb, (_, _, block, _) in zip(k, active))
         embeds = torch.zeros(batch, width, edd.lm_config.hidden_size, dtype=edd.dtype, device=edd.device)
@@ -153,12 +161,12 @@ class EddDrafter:
             embeds[b, pad + k[b] :] = edd.embed(torch.tensor(block))
             see[b, pad:, pad:] = torch.ones(width - pad, width - pad, dtype=torch.bool).tril()
             depth[b, pad:] = torch.arange(width - pad)
-        positions = [i for _, i, _, _ in active]
+        positions = [slot.row for _, slot, _, _ in active]
         cache_rows = None if positions == list(range(self.cache.batch)) else positions
         logits = edd.step(
             self.cache, embeds, see, depth, torch.tensor([width - 1]), rows=cache_rows, head_rows=self.head_rows
         )
-        seqs = [self.seqs[i] for _, i, _, _ in active]
+        seqs = [slot.seq for _, slot, _, _ in active]
         growths = [
             self.policy.grow(s.params.greedy, s.draft_generator, room, s.coupling() if self.coupled else None)
             for s, (*_, room) in zip(seqs, active)
@@ -179,24 +187,24 @@ class EddDrafter:
             width,
         )
         # The queued hidden states join the soft prompt; the block and the tree never do.
-        for b, (_, i, _, _) in enumerate(active):
+        for b, ((_, slot, _, _), r) in enumerate(zip(active, own)):
             if k[b]:
-                self.cache.keep(i, list(range(pads[b], pads[b] + k[b])))
-            self.queue[i] = []
+                self.cache.keep(slot.row, list(range(pads[b], pads[b] + k[b])))
+            r.queue = []
         return [g.tree for g in growths]
 
-    def update(self, rows: list[int], verdicts: list[Verdict]) -> None:
-        for i, v in zip(rows, verdicts):
-            if self.seqs[i].done:
+    def update(self, slots: list[Slot], verdicts: list[Verdict]) -> None:
+        for slot, v in zip(slots, verdicts):
+            if slot.seq.done:
                 continue
             if v.hidden is None:
                 raise BackendError("the EDD drafter needs the target's hidden states (ModelRunner.capture_hidden)")
-            self.queue[i].append(v.hidden)
-            self.known[i] += len(v.hidden)
+            own: _Row = slot.state[self]
+            own.queue.append(v.hidden)
+            own.known += len(v.hidden)
 
-    def release(self, rows: list[int]) -> None:
-        for i in rows:
-            del self.seqs[i], self.known[i], self.queue[i]
+    def release(self, slots: list[Slot]) -> None:
+        """Its soft prompt's cache row is simply admitted again later; the row's state goes with its slot."""
 
 
 def _dists(

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from decoding.core.draft_tree import ROOT, DraftTree
 from decoding.core.errors import ConfigError
-from decoding.core.sequence import Sequence
+from decoding.core.slot import Slot
 from decoding.core.verify import Verdict
 
 
@@ -39,15 +39,14 @@ class PLDDrafter:
     def __init__(self, options: PLDOptions) -> None:
         self.options = options
         self.max_nodes = options.num_draft
-        self.seqs: dict[int, Sequence] = {}
 
-    def admit(self, rows: list[int], seqs: list[Sequence]) -> None:
-        self.seqs.update(zip(rows, seqs))
+    def admit(self, slots: list[Slot]) -> None:
+        """No state: drafts come from each sequence's own context."""
 
-    def draft(self, rows: list[int]) -> list[DraftTree]:
+    def draft(self, slots: list[Slot]) -> list[DraftTree]:
         trees = []
-        for i in rows:
-            seq = self.seqs[i]
+        for slot in slots:
+            seq = slot.seq
             tokens = lookup(seq.prompt + seq.generated, self.options.max_ngram, min(self.options.num_draft, seq.room))
             tree = DraftTree(draw="top")
             parent = ROOT
@@ -56,12 +55,11 @@ class PLDDrafter:
             trees.append(tree)
         return trees
 
-    def update(self, rows: list[int], verdicts: list[Verdict]) -> None:
+    def update(self, slots: list[Slot], verdicts: list[Verdict]) -> None:
         """Nothing to learn: drafts come from each sequence's own context."""
 
-    def release(self, rows: list[int]) -> None:
-        for row in rows:
-            del self.seqs[row]
+    def release(self, slots: list[Slot]) -> None:
+        """No state to drop."""
 
     def peak_cache_bytes(self) -> int:
         return 0  # no model, no KV cache

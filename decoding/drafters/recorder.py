@@ -12,7 +12,7 @@ import time
 from collections import Counter
 
 from decoding.core.draft_tree import DraftTree
-from decoding.core.sequence import Sequence
+from decoding.core.slot import Slot
 from decoding.core.verify import Verdict
 from decoding.drafters.base import Drafter
 from decoding.trees.sequoia import RankCounts
@@ -31,41 +31,36 @@ class CalibrationRecorder:
         self.steps = 0  # verified trees
         self.draft_s = 0.0
         self.levels = 0  # draft levels over all calls (the deepest tree of a call: levels are batched)
-        self.trees: dict[int, tuple[DraftTree, int]] = {}
-        self.seqs: dict[int, Sequence] = {}
 
-    def admit(self, rows: list[int], seqs: list[Sequence]) -> None:
-        self.seqs.update(zip(rows, seqs))
-        self.inner.admit(rows, seqs)
+    def admit(self, slots: list[Slot]) -> None:
+        self.inner.admit(slots)
 
-    def draft(self, rows: list[int]) -> list[DraftTree]:
-        rooms = [self.seqs[i].room for i in rows]
+    def draft(self, slots: list[Slot]) -> list[DraftTree]:
+        rooms = [slot.seq.room for slot in slots]
         t0 = time.perf_counter()
-        trees = self.inner.draft(rows)
+        trees = self.inner.draft(slots)
         levels = max((max(t.depths(), default=0) for t in trees), default=0)
         if levels:
             self.draft_s += time.perf_counter() - t0
             self.levels += levels
-        for i, tree, room in zip(rows, trees, rooms):
-            self.trees[i] = (tree, room)
+        for slot, tree, room in zip(slots, trees, rooms):
+            slot.state[self] = (tree, room)
         return trees
 
-    def update(self, rows: list[int], verdicts: list[Verdict]) -> None:
-        for i, v in zip(rows, verdicts):
-            if i not in self.trees:  # a row the scheduler did not draft this step
+    def update(self, slots: list[Slot], verdicts: list[Verdict]) -> None:
+        for slot, v in zip(slots, verdicts):
+            drafted = slot.state.pop(self, None)
+            if drafted is None:  # a row the scheduler did not draft this step
                 continue
-            tree, room = self.trees.pop(i)
+            tree, room = drafted
             self.hits.update(tree.shape_nodes[n] for n in v.drafted_path)
             if self.rank_slots is not None:
                 self.ranks.observe(tree, v.drafted_path, self.rank_slots, room)
             self.steps += 1
-        self.inner.update(rows, verdicts)
+        self.inner.update(slots, verdicts)
 
-    def release(self, rows: list[int]) -> None:
-        for row in rows:
-            del self.seqs[row]
-            self.trees.pop(row, None)
-        self.inner.release(rows)
+    def release(self, slots: list[Slot]) -> None:
+        self.inner.release(slots)
 
     def peak_cache_bytes(self) -> int:
         return self.inner.peak_cache_bytes()

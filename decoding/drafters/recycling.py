@@ -17,6 +17,7 @@ import torch
 from decoding.core.draft_tree import ROOT, DraftTree
 from decoding.core.errors import ConfigError
 from decoding.core.sequence import Sequence
+from decoding.core.slot import Slot
 from decoding.core.verify import Verdict
 from decoding.trees.static import StaticTree
 
@@ -39,13 +40,12 @@ class RecyclingDrafter:
         # token -> its latest successors, best first, and their log-probabilities under the target's
         # processed distribution where a sampled row recorded them (None: a greedy row's ranking)
         self.successors: dict[int, tuple[list[int], list[float] | None]] = {}
-        self.seqs: dict[int, Sequence] = {}
 
-    def admit(self, rows: list[int], seqs: list[Sequence]) -> None:
-        self.seqs.update(zip(rows, seqs))
+    def admit(self, slots: list[Slot]) -> None:
+        """The successor table is shared by every sequence: nothing per sequence to set up."""
 
-    def draft(self, rows: list[int]) -> list[DraftTree]:
-        return [self._draft(self.seqs[i]) for i in rows]
+    def draft(self, slots: list[Slot]) -> list[DraftTree]:
+        return [self._draft(slot.seq) for slot in slots]
 
     def _draft(self, seq: Sequence) -> DraftTree:
         tree = DraftTree(draw="top")
@@ -66,11 +66,11 @@ class RecyclingDrafter:
         tree.shape_nodes = self.tree.fill(tree, seq.room, children)
         return tree
 
-    def update(self, rows: list[int], verdicts: list[Verdict]) -> None:
-        for i, v in zip(rows, verdicts):
+    def update(self, slots: list[Slot], verdicts: list[Verdict]) -> None:
+        for slot, v in zip(slots, verdicts):
             if v.kept <= 0:
                 continue
-            seq = self.seqs[i]
+            seq = slot.seq
             full = seq.prompt + seq.generated
             base = len(full) - v.kept
             at = v.kept_rows()
@@ -79,10 +79,8 @@ class RecyclingDrafter:
             for j, succ in enumerate(top.tolist()):
                 self.successors[full[base + j - 1]] = (succ, None if logp is None else logp[j])
 
-    def release(self, rows: list[int]) -> None:
-        """The successor table is shared by all rows: only the rows' sequences go."""
-        for row in rows:
-            del self.seqs[row]
+    def release(self, slots: list[Slot]) -> None:
+        """The successor table is shared by all rows: nothing per sequence to drop."""
 
     def peak_cache_bytes(self) -> int:
         return 0  # no model, no KV cache

@@ -21,7 +21,7 @@ import torch
 
 from decoding.core.draft_tree import ROOT, DraftTree
 from decoding.core.errors import ConfigError
-from decoding.core.sequence import Sequence
+from decoding.core.slot import Slot
 from decoding.core.verify import Verdict
 from decoding.drafters.ngram import LogitNGram
 from decoding.drafters.pools import Pools, Scope
@@ -89,21 +89,17 @@ class StandDrafter:
         self.vocab_size = vocab_size
         self.max_nodes = len(tree)
         self.pools = Pools(options.scope, options.max_pools, lambda: LogitNGram(top=TOP, capacity=options.capacity))
-        self.seqs: dict[int, Sequence] = {}
-        self.noise: dict[int, GumbelNoise] = {}
 
-    def admit(self, rows: list[int], seqs: list[Sequence]) -> None:
-        for row, s in zip(rows, seqs):
-            self.seqs[row] = s
-            self.noise.pop(row, None)
-            if self.options.prime_with_prompt:
-                self.pools.prime(s.group, s.prompt)
+    def admit(self, slots: list[Slot]) -> None:
+        if self.options.prime_with_prompt:
+            for slot in slots:
+                self.pools.prime(slot.seq.group, slot.seq.prompt)
 
-    def draft(self, rows: list[int]) -> list[DraftTree]:
-        return [self._draft(i) for i in rows]
+    def draft(self, slots: list[Slot]) -> list[DraftTree]:
+        return [self._draft(slot) for slot in slots]
 
-    def _draft(self, i: int) -> DraftTree:
-        seq = self.seqs[i]
+    def _draft(self, slot: Slot) -> DraftTree:
+        seq = slot.seq
         pool = self.pools.get(seq.group)
         coupling = seq.coupling() if self.coupled and not seq.params.greedy else None
         stochastic = not seq.params.greedy and self.options.stochastic and coupling is None
@@ -132,7 +128,7 @@ class StandDrafter:
                 live = [(t, q) for t, q in zip(ids, probs) if q > 0]
                 picks = coupling.order([t for t, _ in live], [math.log(q) for _, q in live], depth[node])[:k]
             elif stochastic:
-                noise = self.noise.setdefault(i, GumbelNoise(seq.draft_generator))
+                noise = slot.own(self, lambda: GumbelNoise(seq.draft_generator))
                 picks = gumbel_top_k(ids, probs, k, noise)
                 tree.dists[node] = (ids, probs)
             else:
@@ -145,8 +141,8 @@ class StandDrafter:
         tree.shape_nodes = self.tree.fill(tree, seq.room, children)
         return tree
 
-    def update(self, rows: list[int], verdicts: list[Verdict]) -> None:
-        kept = [(i, v) for i, v in zip(rows, verdicts) if v.kept > 0]
+    def update(self, slots: list[Slot], verdicts: list[Verdict]) -> None:
+        kept = [(slot.seq, v) for slot, v in zip(slots, verdicts) if v.kept > 0]
         if not kept:
             return
         # One top-k over every committed position of the step (a call per row costs more than the work).
@@ -163,8 +159,7 @@ class StandDrafter:
         top = torch.topk(torch.cat(dists), min(TOP, dists[0].shape[-1]))
         ids, probs = top.indices.tolist(), top.values.tolist()
         j = 0
-        for (i, v), n in zip(kept, counts):
-            seq = self.seqs[i]
+        for (seq, v), n in zip(kept, counts):
             full = seq.prompt + seq.generated
             base = len(full) - v.kept  # the first token committed by this step
             pool = self.pools.get(seq.group)
@@ -172,11 +167,8 @@ class StandDrafter:
                 pool.add(full[max(0, base + k - pool.max_n) : base + k], ids[j], probs[j])
                 j += 1
 
-    def release(self, rows: list[int]) -> None:
-        """Pools are per group, kept across calls: only the rows' sequences and noise go."""
-        for row in rows:
-            del self.seqs[row]
-            self.noise.pop(row, None)
+    def release(self, slots: list[Slot]) -> None:
+        """Pools are per group, kept across calls; a sequence's noise goes with its slot."""
 
     def peak_cache_bytes(self) -> int:
         return 0  # no model, no KV cache

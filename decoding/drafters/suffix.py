@@ -25,6 +25,7 @@ from decoding.core.draft_tree import ROOT, DraftTree
 from decoding.core.errors import ConfigError
 from decoding.core.gumbel import Coupling
 from decoding.core.sequence import Sequence
+from decoding.core.slot import Slot
 from decoding.core.verify import Verdict
 from decoding.drafters.pools import Pools, Scope
 
@@ -155,6 +156,12 @@ def grow(start: Node, budget: int, max_depth: int, min_prob: float, coupling: Co
     return tree
 
 
+@dataclass
+class _Row:
+    open: list[Open]  # the text's open suffixes in its pool's trie
+    seen: int  # context tokens already in the trie
+
+
 class SuffixDrafter:
     """Suffix-trie drafts from the pool's trajectories (see the module docstring)."""
 
@@ -166,21 +173,17 @@ class SuffixDrafter:
         self.pools: Pools[SuffixTrie] = Pools(
             options.scope, options.max_pools, lambda: SuffixTrie(depth, options.capacity)
         )
-        self.seqs: dict[int, Sequence] = {}
-        self.open: dict[int, list[Open]] = {}  # per row: its text's open suffixes in its pool
-        self.seen: dict[int, int] = {}  # per row: context tokens already in the trie
 
-    def admit(self, rows: list[int], seqs: list[Sequence]) -> None:
-        for row, seq in zip(rows, seqs):
+    def admit(self, slots: list[Slot]) -> None:
+        for slot in slots:
+            seq = slot.seq
             context = seq.prompt + seq.generated
             if self.options.prime_with_prompt:
                 self.pools.prime(seq.group, seq.prompt)
-            self.seqs[row] = seq
-            self.open[row] = self.pools.get(seq.group).resume(context)
-            self.seen[row] = len(context)
+            slot.state[self] = _Row(self.pools.get(seq.group).resume(context), len(context))
 
-    def draft(self, rows: list[int]) -> list[DraftTree]:
-        return [self._draft(self.seqs[row]) for row in rows]
+    def draft(self, slots: list[Slot]) -> list[DraftTree]:
+        return [self._draft(slot.seq) for slot in slots]
 
     def _draft(self, seq: Sequence) -> DraftTree:
         found = self.pools.get(seq.group).match(seq.prompt + seq.generated, self.options.max_match)
@@ -191,20 +194,18 @@ class SuffixDrafter:
         coupling = seq.coupling() if self.coupled and not seq.params.greedy else None
         return grow(node, min(self.max_nodes, seq.room), depth, self.options.min_prob, coupling)
 
-    def update(self, rows: list[int], verdicts: list[Verdict]) -> None:
+    def update(self, slots: list[Slot], verdicts: list[Verdict]) -> None:
         """The rows' newly committed tokens enter their pool's trie."""
-        for row, v in zip(rows, verdicts):
-            seq = self.seqs[row]
+        for slot, v in zip(slots, verdicts):
+            seq, row = slot.seq, slot.state[self]
             trie = self.pools.get(seq.group)
-            for token in (seq.prompt + seq.generated)[self.seen[row] :]:
-                self.open[row] = trie.step(self.open[row], token)
-            self.seen[row] = len(seq.prompt) + len(seq.generated)
+            for token in (seq.prompt + seq.generated)[row.seen :]:
+                row.open = trie.step(row.open, token)
+            row.seen = len(seq.prompt) + len(seq.generated)
             seq.stats.suffix_accepted_tokens += len(v.path)
 
-    def release(self, rows: list[int]) -> None:
+    def release(self, slots: list[Slot]) -> None:
         """What the rows wrote stays in the pool for the trajectories after them."""
-        for row in rows:
-            del self.seqs[row], self.open[row], self.seen[row]
 
     def peak_cache_bytes(self) -> int:
         return 0  # no model, no KV cache

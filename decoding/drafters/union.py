@@ -15,7 +15,7 @@ from itertools import takewhile
 import torch
 
 from decoding.core.draft_tree import DraftTree, graft
-from decoding.core.sequence import Sequence
+from decoding.core.slot import Slot
 from decoding.core.verify import Verdict
 from decoding.drafters.base import Drafter
 
@@ -25,33 +25,30 @@ class UnionDrafter:
         self.drafters = drafters
         self.merge = merge  # matched rules: the trees merged as one trie (draft_tree.graft)
         self.max_nodes = sum(d.max_nodes for d in drafters)
-        self.where: dict[int, tuple[list[DraftTree], list[list[int]]]] = {}
 
-    def admit(self, rows: list[int], seqs: list[Sequence]) -> None:
+    def admit(self, slots: list[Slot]) -> None:
         for d in self.drafters:
-            d.admit(rows, seqs)
+            d.admit(slots)
 
-    def draft(self, rows: list[int]) -> list[DraftTree]:
-        per_drafter = [d.draft(rows) for d in self.drafters]
+    def draft(self, slots: list[Slot]) -> list[DraftTree]:
+        per_drafter = [d.draft(slots) for d in self.drafters]
         out = []
-        for b, i in enumerate(rows):
+        for b, slot in enumerate(slots):
             trees = [t[b] for t in per_drafter]
             merged, where = graft(trees, self.merge)
-            self.where[i] = (trees, where)
+            slot.state[self] = (trees, where)  # until its verdict: which merged node is whose
             out.append(merged)
         return out
 
-    def update(self, rows: list[int], verdicts: list[Verdict]) -> None:
+    def update(self, slots: list[Slot], verdicts: list[Verdict]) -> None:
+        drafted = [slot.state.pop(self, None) for slot in slots]
         for k, drafter in enumerate(self.drafters):
             drafter.update(
-                rows, [self._as_drafted_by(k, i, v) if i in self.where else v for i, v in zip(rows, verdicts)]
+                slots, [v if d is None else self._as_drafted_by(k, *d, v) for d, v in zip(drafted, verdicts)]
             )
-        for i in rows:
-            self.where.pop(i, None)
 
-    def _as_drafted_by(self, k: int, row: int, v: Verdict) -> Verdict:
+    def _as_drafted_by(self, k: int, trees: list[DraftTree], where: list[list[int]], v: Verdict) -> Verdict:
         """The verification as drafter k would have seen it on its own tree."""
-        trees, where = self.where[row]
         back = {merged: own for own, merged in enumerate(where[k])}
         # Its part of the accepted path: the nodes it drew, from the root down (merged trees share
         # the nodes both drew; the path may go on into another drafter's nodes).
@@ -68,9 +65,9 @@ class UnionDrafter:
         # stops at the path's end; `kept` still locates the committed tokens).
         return replace(v, tree=trees[k], path=own_path, probs=probs, logits=logits, drafted_nodes=None)
 
-    def release(self, rows: list[int]) -> None:
+    def release(self, slots: list[Slot]) -> None:
         for d in self.drafters:
-            d.release(rows)
+            d.release(slots)
 
     def peak_cache_bytes(self) -> int:
         return sum(d.peak_cache_bytes() for d in self.drafters)

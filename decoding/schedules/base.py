@@ -15,6 +15,7 @@ from decoding.core.kv_cache import RowKVCache
 from decoding.core.runner import ModelRunner
 from decoding.core.sampling import RULES, Rule
 from decoding.core.sequence import Sequence
+from decoding.core.slot import Slot
 from decoding.core.stopping import Detokenizer
 from decoding.core.values import DecodeStats
 from decoding.core.verify import Verdict, verify
@@ -134,29 +135,27 @@ def verify_and_commit(
     target: ModelRunner,
     tokenizer: Detokenizer,
     cache: RowKVCache,
-    seqs: dict[int, Sequence],
-    rows: list[int],
+    slots: list[Slot],
     trees: list[DraftTree],
-    pending: dict[int, list[int]],
     rule: Rule,
 ) -> list[Verdict]:
-    """Verify the trees of the sequences in cache rows `rows` in one forward and commit what each
-    accepted: tokens to the sequence, the accepted path to the cache."""
+    """Verify the slots' trees in one forward and commit what each accepted: tokens to the
+    sequence, the accepted path to its cache row, the bonus token to its pending tokens."""
+    rows = [s.row for s in slots]
     packed, verdicts = verify(
         target,
         cache,
-        [pending[r] for r in rows],
+        [s.pending for s in slots],
         trees,
-        [seqs[r] for r in rows],
+        [s.seq for s in slots],
         rule,
         rows=None if rows == list(range(cache.batch)) else rows,
     )
-    for b, (r, v) in enumerate(zip(rows, verdicts)):
-        s = seqs[r]
-        v.kept = s.commit(v.tokens, tokenizer, drafted=len(v.tree), accepted=len(v.path))
-        if not s.done:
-            cache.keep(r, packed.committed(b, v.path))
-            pending[r] = [v.token]
+    for b, (slot, v) in enumerate(zip(slots, verdicts)):
+        v.kept = slot.seq.commit(v.tokens, tokenizer, drafted=len(v.tree), accepted=len(v.path))
+        if not slot.seq.done:
+            cache.keep(slot.row, packed.committed(b, v.path))
+            slot.pending = [v.token]
     return verdicts
 
 

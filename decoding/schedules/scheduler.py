@@ -27,6 +27,7 @@ from decoding.core.draft_tree import DraftTree
 from decoding.core.models import cache_root
 from decoding.core.runner import ModelRunner
 from decoding.core.sequence import Sequence
+from decoding.core.slot import Slot
 from decoding.core.stopping import Detokenizer
 from decoding.core.values import DecodeStats
 from decoding.core.verify import Verdict
@@ -194,24 +195,23 @@ class Scheduler:
         if verify.plan == "goodput" and planner is None and drafter.max_nodes:
             planner = Planner(forward_cost(target, cache_root(), verify.cost))
         self.planner = planner if verify.plan == "goodput" else None
-        self.cache = target.new_cache(0, 1)  # the KV pool: row r holds live sequence seqs[r]
-        self.seqs: dict[int, Sequence] = {}
-        self.pending: dict[int, list[int]] = {}
+        self.cache = target.new_cache(0, 1)  # the KV pool: row r holds the sequence of slots[r]
+        self.slots: dict[int, Slot] = {}  # row -> the live sequence there (decoding/core/slot.py)
         self.waiting: deque[Sequence] = deque()
         self.rounds = Rounds()
         self.stats = DecodeStats()  # running totals over every step (tokens are counted per call)
         self._thread: threading.Thread | None = None
         self._thread_running = False
-        self._drafter_rows: set[int] = set()  # rows the drafter holds state for
+        self._drafter_slots: dict[int, Slot] = {}  # slots the drafter has heard of and not yet released
         self._failure: list[BaseException] = []
 
     @property
     def busy(self) -> bool:
-        return bool(self.seqs or self.waiting)
+        return bool(self.slots or self.waiting)
 
     @property
     def live(self) -> int:
-        return len(self.seqs)
+        return len(self.slots)
 
     def admit(self, seqs: list[Sequence]) -> None:
         """Queue sequences: they take rows at the start of the next step."""
@@ -227,10 +227,9 @@ class Scheduler:
         if self._thread is not None:
             self._thread.join()
             self._thread, self._thread_running = None, False
-        self.drafter.release(sorted(self._drafter_rows))
-        self._drafter_rows.clear()
-        self.seqs.clear()
-        self.pending.clear()
+        self.drafter.release([self._drafter_slots[r] for r in sorted(self._drafter_slots)])
+        self._drafter_slots.clear()
+        self.slots.clear()
         self.waiting.clear()
         self.rounds = Rounds()
         self._failure.clear()
@@ -257,13 +256,14 @@ class Scheduler:
             if self._failure:
                 raise self._failure[0]
         # Memory back once the pool holds far more than its live rows need (a burst of rows gone).
-        self.target.give_back(self.cache, self.rounds.trim(), list(self.seqs.values()), self.drafter.max_nodes)
+        live = [s.seq for s in self.slots.values()]
+        self.target.give_back(self.cache, self.rounds.trim(), live, self.drafter.max_nodes)
         self.stats.target_forwards += self.target.forwards - forwards
         self.stats.target_rows += self.target.rows - rows
         return finished
 
     def _fill(self) -> None:
-        room = len(self.waiting) if self.max_live is None else self.max_live - len(self.seqs)
+        room = len(self.waiting) if self.max_live is None else self.max_live - len(self.slots)
         new = [self.waiting.popleft() for _ in range(max(0, min(room, len(self.waiting))))]
         if not new:
             return
@@ -276,12 +276,10 @@ class Scheduler:
         for s in new:
             if s.follows:  # its context served it: evictable again
                 self.target.prefixes.unpin(s.follows)
-        for s in new:
-            s.start_hidden = self.target.start_hidden
         self.stats.prompt_tokens += sum(len(s.prompt) for s in new)
         self.stats.prompt_tokens_computed += self.target.prompt_tokens_computed - computed
-        self.seqs.update(zip(rows, new))
-        self.pending.update(zip(rows, admitted.pending))
+        for row, seq, pending in zip(rows, new, admitted.pending):
+            self.slots[row] = Slot(row, seq, pending, self.target.start_hidden)
         if self.planner is not None:
             self.planner.forget(rows)
         self.rounds.arrive(rows)
@@ -319,14 +317,14 @@ class Scheduler:
             rows = []
         t0 = time.perf_counter()
         if arrivals:
-            self.drafter.admit(arrivals, [self.seqs[r] for r in arrivals])
-            self._drafter_rows.update(arrivals)
+            slots = [self.slots[r] for r in arrivals]
+            self.drafter.admit(slots)
+            self._drafter_slots.update(zip(arrivals, slots))
         if verdicts:
             # The drafter learns what was accepted before it drafts those rows again.
-            self.drafter.update(list(verdicts), list(verdicts.values()))
+            self.drafter.update([self._drafter_slots[r] for r in verdicts], list(verdicts.values()))
         if gone:
-            self.drafter.release(gone)
-            self._drafter_rows.difference_update(gone)
+            self.drafter.release([self._drafter_slots.pop(r) for r in gone])
             self.rounds.released(gone)
         if rows:
             trees = self._draft(rows)
@@ -342,7 +340,8 @@ class Scheduler:
             budgets = self.planner.budgets(rows, self.drafter.max_nodes)
             drafting = [r for r, b in zip(rows, budgets) if b]
         t0 = time.perf_counter()
-        drafted = dict(zip(drafting, self.drafter.draft(drafting))) if drafting else {}
+        slots = [self.slots[r] for r in drafting]
+        drafted = dict(zip(drafting, self.drafter.draft(slots))) if drafting else {}
         trees = [drafted.get(r, DraftTree()) for r in rows]
         assert all(len(t) <= self.drafter.max_nodes for t in trees), "a tree exceeds the drafter's max_nodes"
         if drafting:
@@ -362,16 +361,15 @@ class Scheduler:
         self.stats.queue_wait_s += sum(t0 - q.since for q in batch)
         self.stats.verified_drafts += len(batch)
         trees = [q.tree for q in batch]
-        greedy = [self.seqs[r].params.greedy for r in rows]
+        slots = [self.slots[r] for r in rows]
+        greedy = [s.seq.params.greedy for s in slots]
         plan = None
         if self.planner is not None:
-            pending_len = [len(self.pending[r]) for r in rows]
+            pending_len = [len(s.pending) for s in slots]
             trees, plan = self.planner.cut(rows, trees, greedy, pending_len, self._context(rows))
         else:
             trees = cut_to_budget(trees, self.budget)
-        verdicts = verify_and_commit(
-            self.target, self.tokenizer, self.cache, self.seqs, rows, trees, self.pending, self.rule
-        )
+        verdicts = verify_and_commit(self.target, self.tokenizer, self.cache, slots, trees, self.rule)
         t1 = time.perf_counter()
         if plan is not None:
             for v, kept in zip(verdicts, plan.kept_nodes):
@@ -383,15 +381,15 @@ class Scheduler:
             self.stats.predicted_step_s += plan.predicted_ms / 1000
             self.stats.planned_step_s += t1 - t0
         finished = []
-        for row in rows:
-            s = self.seqs[row]
+        for slot in slots:
+            s = slot.seq
             if s.done:
                 # What it committed stays for later prompts that extend it (the next step's thoughts).
                 pin = s.context(self.tokenizer) if s.keep else None
-                self.target.remember(self.cache, row, s.prompt + s.generated, pin)
-                finished.append(self.seqs.pop(row))
-                del self.pending[row]
-        self.rounds.verified(rows, verdicts, [self.seqs.get(r) is None for r in rows])
+                self.target.remember(self.cache, slot.row, s.prompt + s.generated, pin)
+                finished.append(s)
+                del self.slots[slot.row]
+        self.rounds.verified(rows, verdicts, [s.seq.done for s in slots])
         self.stats.verify_s += t1 - t0
         self.stats.other_s += time.perf_counter() - t1
         return finished
