@@ -63,6 +63,13 @@ class Sequence:
         """The absolute position of the next token (prompt included): where its Gumbel noise is keyed."""
         return len(self.prompt) + len(self.generated)
 
+    def tail(self, n: int) -> list[int]:
+        """The last n tokens of the context (prompt and generated), without copying the whole of it."""
+        gen = self.generated
+        if len(gen) >= n:
+            return gen[len(gen) - n :]
+        return self.prompt[max(0, len(self.prompt) - (n - len(gen))) :] + gen
+
     def coupling(self) -> Coupling:
         """What a coupled drafter needs to propose this sequence's own next samples."""
         return Coupling(self.seed, self.position)

@@ -17,8 +17,9 @@ T = TypeVar("T")
 class Slot:
     """Owned by the scheduler from admission to release: the sequence, its row of the target's KV
     pool, the committed tokens that row's cache lacks (`pending`), and each drafter's own state for
-    the row (`own`, keyed by the drafter). Drafters receive slots, so none keeps a table of rows:
-    a released slot takes its drafters' state with it, and a reused row starts clean."""
+    the row (`state`, keyed by the drafter; `own` makes it on first use). Drafters receive slots,
+    so none keeps a table of rows: a released slot takes its drafters' state with it, and a reused
+    row starts clean."""
 
     row: int
     seq: Sequence

@@ -319,14 +319,6 @@ def most_visited(root: Node, max_nodes: int) -> DraftTree:
 # --- the drafter ---------------------------------------------------------------------------------------
 
 
-def last_tokens(seq: Sequence, n: int) -> list[int]:
-    """The sequence's last n tokens (prompt and generated), without copying the whole context."""
-    gen = seq.generated
-    if len(gen) >= n:
-        return gen[len(gen) - n :]
-    return seq.prompt[max(0, len(seq.prompt) - (n - len(gen))) :] + gen
-
-
 class AdedDrafter:
     """ADED drafting (see the module docstring). `tokenizer` tokenises `options.corpus` once."""
 
@@ -354,7 +346,7 @@ class AdedDrafter:
         depth = min(self.options.max_depth, seq.room)
         if depth < 1:
             return DraftTree()
-        a, b = [NO_TOKEN, *last_tokens(seq, 2)][-2:]
+        a, b = [NO_TOKEN, *seq.tail(2)][-2:]
         return Search(self.matrices.get(seq.group), a, b, self.options, depth).run()
 
     def update(self, slots: list[Slot], verdicts: list[Verdict]) -> None:
@@ -362,7 +354,7 @@ class AdedDrafter:
         for slot, v in zip(slots, verdicts):
             if v.kept > 0:
                 seq = slot.seq
-                self.matrices.get(seq.group).update(last_tokens(seq, v.kept + 2), self.options.update_weight)
+                self.matrices.get(seq.group).update(seq.tail(v.kept + 2), self.options.update_weight)
 
     def release(self, slots: list[Slot]) -> None:
         """Matrices are per group / problem / run, kept across calls: nothing is per sequence."""

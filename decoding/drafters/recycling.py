@@ -49,7 +49,7 @@ class RecyclingDrafter:
 
     def _draft(self, seq: Sequence) -> DraftTree:
         tree = DraftTree(draw="top")
-        last = (seq.prompt + seq.generated)[-1]
+        last = seq.tail(1)[0]
         coupling = seq.coupling() if self.coupled and not seq.params.greedy else None
         depth = {ROOT: 0}
 

@@ -106,7 +106,7 @@ class StandDrafter:
         tree = DraftTree(draw="without_replacement" if stochastic else "top")
         # Per drafted node: its lookup context, the draft probability of reaching it and its depth. A
         # node is expanded only after its parent was, so each is one step from its parent's.
-        contexts = {ROOT: (seq.prompt + seq.generated)[-pool.max_n :]}
+        contexts = {ROOT: seq.tail(pool.max_n)}
         reach = {ROOT: 1.0}
         depth = {ROOT: 0}
 

@@ -177,16 +177,16 @@ class SuffixDrafter:
     def admit(self, slots: list[Slot]) -> None:
         for slot in slots:
             seq = slot.seq
-            context = seq.prompt + seq.generated
             if self.options.prime_with_prompt:
                 self.pools.prime(seq.group, seq.prompt)
-            slot.state[self] = _Row(self.pools.get(seq.group).resume(context), len(context))
+            trie = self.pools.get(seq.group)
+            slot.state[self] = _Row(trie.resume(seq.tail(trie.depth - 1)), seq.position)
 
     def draft(self, slots: list[Slot]) -> list[DraftTree]:
         return [self._draft(slot.seq) for slot in slots]
 
     def _draft(self, seq: Sequence) -> DraftTree:
-        found = self.pools.get(seq.group).match(seq.prompt + seq.generated, self.options.max_match)
+        found = self.pools.get(seq.group).match(seq.tail(self.options.max_match), self.options.max_match)
         if found is None:
             return DraftTree(draw="top")
         node, matched = found
@@ -199,9 +199,9 @@ class SuffixDrafter:
         for slot, v in zip(slots, verdicts):
             seq, row = slot.seq, slot.state[self]
             trie = self.pools.get(seq.group)
-            for token in (seq.prompt + seq.generated)[row.seen :]:
+            for token in seq.tail(seq.position - row.seen):
                 row.open = trie.step(row.open, token)
-            row.seen = len(seq.prompt) + len(seq.generated)
+            row.seen = seq.position
             seq.stats.suffix_accepted_tokens += len(v.path)
 
     def release(self, slots: list[Slot]) -> None:
