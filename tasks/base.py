@@ -95,6 +95,20 @@ class Task(Protocol):
         """Whether the path `steps` is finished before the depth limit (it is not extended further)."""
         ...
 
+    def solution_prompt(self, problem: Problem) -> Prompt:
+        """The prompt whose one reply solves the whole problem (best-of-N's samples)."""
+        ...
+
+    def solution_steps(self, problem: Problem, reply: str) -> list[str]:
+        """The reasoning path a whole reply (without its prefix) stands for: what `answer` reads,
+        at least one step."""
+        ...
+
+    def solution_evaluator_prompt(self, problem: Problem, steps: list[str], follow_up: bool) -> Prompt:
+        """The prompt that values a whole solution, read by parse_value: on its own, or (follow_up,
+        with task.evaluator=in_context) as a new turn after the reply that wrote it."""
+        ...
+
     def answer(self, problem: Problem, steps: list[str]) -> str: ...
 
     def answers(self, problem: Problem, steps: list[str]) -> dict[str, str]:

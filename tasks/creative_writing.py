@@ -161,7 +161,9 @@ class CreativeWriting(TaskDefaults):
                 prefix=PLAN_PREFIX,
                 stop=("Passage:",),
             )
-        plan = f"\n\nFollow this plan:\n{steps[-1]}" if steps else ""
+        return self._passage_prompt(problem, f"\n\nFollow this plan:\n{steps[-1]}" if steps else "")
+
+    def _passage_prompt(self, problem: Problem, plan: str) -> Prompt:
         return Prompt(
             self._instruction(problem) + plan + "\n\nWrite the passage: 4 paragraphs separated by blank lines, "
             "each ending with its sentence exactly as given.",
@@ -177,7 +179,9 @@ class CreativeWriting(TaskDefaults):
         return self._score_prompt(problem, what, steps[-1])
 
     def follow_up_prompt(self, problem: Problem, steps: list[str]) -> Prompt:
-        what = "passage" if len(steps) >= self.depth else "plan"
+        return self._follow_up("passage" if len(steps) >= self.depth else "plan")
+
+    def _follow_up(self, what: str) -> Prompt:
         return Prompt(
             f"Analyze your {what} in two or three sentences: is it coherent, and does it lead to each end sentence "
             'in order? Then conclude on the last line "Thus the coherency score is <s>", where s is an integer from '
@@ -196,6 +200,16 @@ class CreativeWriting(TaskDefaults):
 
     def parse_value(self, text: str) -> float:
         return parse_score(text)
+
+    # --- whole solutions (best-of-N) ---------------------------------------------------------
+    def solution_prompt(self, problem: Problem) -> Prompt:
+        return self._passage_prompt(problem, "")
+
+    def solution_steps(self, problem: Problem, reply: str) -> list[str]:
+        return [reply.strip()]
+
+    def solution_evaluator_prompt(self, problem: Problem, steps: list[str], follow_up: bool) -> Prompt:
+        return self._follow_up("passage") if follow_up else self._score_prompt(problem, "passage", steps[-1])
 
     # --- scoring -----------------------------------------------------------------------------
     def answer(self, problem: Problem, steps: list[str]) -> str:

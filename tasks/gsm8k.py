@@ -27,6 +27,31 @@ _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 _SCORE = re.compile(r"(?:score|rating|rate|value)\D{0,12}?(\d+(?:\.\d+)?)", re.IGNORECASE)
 
 
+# The chain-of-thought exemplars of Wei et al. (2022), the few-shot form GSM8K is evaluated in
+# (lm-evaluation-harness's gsm8k_cot), four of its eight: a whole solution is one reply in this form.
+EXEMPLARS = (
+    (
+        "There are 15 trees in the grove. Grove workers will plant trees in the grove today. After they are "
+        "done, there will be 21 trees. How many trees did the grove workers plant today?",
+        "There are 15 trees originally. Then there were 21 trees after some more were planted. So there must "
+        "have been 21 - 15 = 6. The answer is 6.",
+    ),
+    (
+        "If there are 3 cars in the parking lot and 2 more cars arrive, how many cars are in the parking lot?",
+        "There are originally 3 cars. 2 more cars arrive. 3 + 2 = 5. The answer is 5.",
+    ),
+    (
+        "Leah had 32 chocolates and her sister had 42. If they ate 35, how many pieces do they have left in total?",
+        "Originally, Leah had 32 chocolates. Her sister had 42. So in total they had 32 + 42 = 74. After eating "
+        "35, they had 74 - 35 = 39. The answer is 39.",
+    ),
+    (
+        "Olivia has $23. She bought five bagels for $3 each. How much money does she have left?",
+        "Olivia had 23 dollars. 5 bagels for 3 dollars each will be 5 x 3 = 15 dollars. So she has 23 - 15 "
+        "dollars left. 23 - 15 is 8. The answer is 8.",
+    ),
+)
+
 # What GSM8K evaluations read first (lm-evaluation-harness's strict match): the number stated right
 # after the answer phrase: "The answer is 10.", "The final answer is: $1,250", "#### 72".
 _STATED = re.compile(
@@ -169,6 +194,30 @@ class GSM8K(TaskDefaults):
 
     def parse_value(self, text: str) -> float:
         return parse_value(SCORE_PREFIX + text)
+
+    # --- whole solutions (best-of-N) ---------------------------------------------------------
+    def solution_prompt(self, problem: Problem) -> Prompt:
+        shots = "\n\n".join(f"Q: {q}\nA: {a}" for q, a in EXEMPLARS)
+        return Prompt(
+            "Answer the last question the way the examples do: reason step by step, then end with "
+            f'"The answer is <number>."\n\n{shots}\n\nQ: {problem.question}',
+            prefix="A:",
+            stop=("\nQ:", "\n\n"),
+        )
+
+    def solution_steps(self, problem: Problem, reply: str) -> list[str]:
+        return [reply.strip()]
+
+    def solution_evaluator_prompt(self, problem: Problem, steps: list[str], follow_up: bool) -> Prompt:
+        if follow_up:
+            return Prompt("Is this final answer correct? Score it from 1 to 10.", prefix=SCORE_PREFIX, stop=("\n",))
+        return Prompt(
+            f"Question: {problem.question}\n\nA solution:\n{steps[-1]}\n\nIs the solution's reasoning and final "
+            'answer correct? Rate it from 1 (wrong) to 10 (certainly correct). Reply as "Score: <number>", then '
+            "one sentence explaining why.",
+            prefix=SCORE_PREFIX,
+            stop=("\n\n",),
+        )
 
     # --- scoring -----------------------------------------------------------------------------
     def answer(self, problem: Problem, steps: list[str]) -> str:

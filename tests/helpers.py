@@ -12,6 +12,7 @@ from decoding.core.kv_cache import RowKVCache, _by_position
 from decoding.core.runner import ModelRunner
 from decoding.core.values import Completion, DecodeStats, GenRequest, GenResult
 from decoding.schedules.base import VerifyOptions
+from tasks.base import Problem, Prompt, TaskDefaults
 
 # verify.plan=fixed, verify.max_tokens=null: trees verified whole however many rows share a forward (tests of tree
 # verification; the default cuts them to 16 tokens per forward on a CPU), with the rejection rules
@@ -99,3 +100,27 @@ class AwaitableFake:
 def reply(text: str, token_ids: list[int]) -> GenResult:
     """A scripted engine's result, counted as an engine counts it (tokens in its stats)."""
     return GenResult(text, token_ids, "stop", DecodeStats(generated_tokens=len(token_ids)))
+
+
+class ScriptedTask(TaskDefaults):
+    """What the scripted tasks of the search tests share: thoughts are the replies as written, the
+    generator sees the path (prefix "G"), the evaluator the last step (prefix "E") and replies with a
+    number, the answer is the last step, nothing is correct."""
+
+    def generator_prompt(self, problem: Problem, steps: list[str]) -> Prompt:
+        return Prompt("/".join(steps), prefix="G")
+
+    def parse_thought(self, problem: Problem, steps: list[str], text: str) -> str:
+        return text
+
+    def evaluator_prompt(self, problem: Problem, steps: list[str]) -> Prompt:
+        return Prompt(steps[-1], prefix="E")
+
+    def parse_value(self, text: str) -> float:
+        return float(text)
+
+    def answer(self, problem: Problem, steps: list[str]) -> str:
+        return steps[-1]
+
+    def is_correct(self, problem: Problem, answer: str) -> bool:
+        return False

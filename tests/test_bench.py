@@ -73,17 +73,56 @@ def test_bench_rejects_unknown_decoder():
 
 
 def test_scaling_grid(long_context):
-    from tot.bench import scaling, scaling_table
+    from tot.scaling import scaling, scaling_table
 
     run_cfg, container = compose_bench()
     configs, _ = decoder_configs(container, ["ar", "stand"], has_draft=False)
-    rows = scaling(run_cfg, configs, long_context, None, trajectories=[1, 2], temperatures=[0.0, 1.0], progress=False)
-    assert [(r["temperature"], r["trajectories"], r["decoder"]) for r in rows] == [
-        (t, n, d) for t in (0.0, 1.0) for n in (1, 2) for d in ("ar", "stand")
+    rows, mismatches = scaling(
+        run_cfg, lambda cell: bench(cell, configs, long_context, None, progress=False), [1, 2], [0.0, 1.0]
+    )
+    assert [(r["temperature"], r["search"], r["budget"], r["decoder"]) for r in rows] == [
+        (t, "bfs", n, d) for t in (0.0, 1.0) for n in (1, 2) for d in ("ar", "stand")
     ]
+    assert mismatches == []  # no hf entry: nothing compared
     assert all(r["acceptance_length"] >= 1.0 for r in rows)
     assert all(r["speedup_vs_ar"] == pytest.approx(1.0) for r in rows if r["decoder"] == "ar")
     assert scaling_table(rows).count("`stand`") == 4
+
+
+def test_scaling_curve_across_searches(long_context, tmp_path):
+    """Two searches swept over N with hf beside ar: every cell's trees checked, the curve drawn, and
+    the row's cost grows with N."""
+    from tot.scaling import plot_scaling, scaling
+
+    run_cfg, container = compose_bench("gen.temperature=0.7")
+    configs, _ = decoder_configs(container, ["hf", "ar"], has_draft=False)
+    searches = {"bfs": None, "best_of_n": {"max_tokens": 8}}
+    rows, mismatches = scaling(
+        run_cfg, lambda cell: bench(cell, configs, long_context, None, progress=False), [1, 3], [0.7], searches
+    )
+    assert mismatches == []
+    assert [(r["search"], r["budget"], r["decoder"]) for r in rows] == [
+        (s, n, d) for s in ("bfs", "best_of_n") for n in (1, 3) for d in ("hf", "ar")
+    ]
+    for search in ("bfs", "best_of_n"):
+        cost = {r["budget"]: r["tokens"] for r in rows if r["search"] == search and r["decoder"] == "ar"}
+        assert cost[3] > cost[1]
+    assert all(0.0 <= r["accuracy"] <= 1.0 for r in rows)
+    pytest.importorskip("matplotlib")
+    assert plot_scaling(rows, tmp_path / "scaling.png") and (tmp_path / "scaling.png").stat().st_size > 0
+
+
+def test_scaling_searches_are_checked():
+    from tot.scaling import search_cells
+
+    run_cfg, _ = compose_bench()
+    assert list(search_cells(run_cfg, None)) == ["bfs"]
+    cells = search_cells(run_cfg, {"mcts": {"iterations": 2}, "best_of_n": None})
+    assert cells["mcts"].iterations == 2 and cells["best_of_n"].n == 8
+    with pytest.raises(ConfigError, match=r"bench\.searches has 'beam'"):
+        search_cells(run_cfg, {"beam": None})
+    with pytest.raises(ConfigError, match=r"bench\.searches\.mcts\.depth is not an option"):
+        search_cells(run_cfg, {"mcts": {"depth": 3}})
 
 
 def test_bench_variants(long_context, tmp_path):

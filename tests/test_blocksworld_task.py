@@ -145,3 +145,21 @@ def test_plan_parse_of_real_replies(task, reply, expected):
     thought = task.parse_thought(INSTANCE_287, [], reply)
     assert thought == (expected or reply.strip())
     assert (parse_action(thought) is not None) == (expected is not None)
+
+
+def test_a_whole_plan_reply_is_one_step_per_action_and_scored_by_the_simulator(task):
+    problem = task.load(DataSpec())[0]
+    prompt = task.solution_prompt(problem)
+    assert prompt.prefix == "[PLAN]\n" and "[PLAN END]" in prompt.stop and problem.question in prompt.text
+    words = nl(problem.gold)
+    # A model's plan: extra words on a line, a blank line inside; each line read as one action.
+    reply = f"{words[0]}, then look\n\n" + "\n".join(words[1:])
+    steps = task.solution_steps(problem, reply)
+    assert steps == words
+    assert task.is_correct(problem, task.answer(problem, steps))
+    assert not task.is_correct(problem, task.answer(problem, task.solution_steps(problem, "\n".join(words[:-1]))))
+    assert task.solution_steps(problem, "") == [""]
+    judged = task.solution_evaluator_prompt(problem, steps, follow_up=False)
+    assert "\n".join(steps) in judged.text and judged.prefix == "Label:"
+    assert task.parse_value(" good") == 1.0
+    assert task.solution_evaluator_prompt(problem, steps, follow_up=True).text.startswith("Label the plan good")

@@ -175,3 +175,16 @@ def test_labelled_or_commented_passages_meet_the_constraint(reply, met_as_writte
     assert meets_constraint(reply, SENTENCES) == met_as_written
     assert task.answer(problem, ["a plan", reply]) == GOOD
     assert task.is_correct(problem, task.answer(problem, ["a plan", reply]))
+
+
+def test_a_whole_passage_in_one_reply():
+    task = make_task("creative_writing", 2)
+    problem = task.load(DataSpec(limit=1))[0]
+    passage = "\n\n".join(f"Some words. {s}" for s in problem.meta["sentences"])
+    prompt = task.solution_prompt(problem)
+    assert prompt.prefix.startswith("Passage") and "plan" not in prompt.text.lower()
+    steps = task.solution_steps(problem, f"\n{passage}\n")
+    assert steps == [passage] and task.is_correct(problem, task.answer(problem, steps))
+    judged = task.solution_evaluator_prompt(problem, steps, follow_up=False)
+    assert passage in judged.text and "coherency score is" in judged.text
+    assert task.solution_evaluator_prompt(problem, steps, follow_up=True).text.startswith("Analyze your passage")

@@ -6,10 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import pytest
-from helpers import AwaitableFake, reply
+from helpers import AwaitableFake, ScriptedTask, reply
 
 from decoding.core.values import DecodeStats, GenRequest, GenResult
-from tasks.base import Problem, Prompt, TaskDefaults
+from tasks.base import Problem
 from tot.config import ConfigError
 from tot.dvts import DVTS, DVTSSettings
 from tot.search import GenSettings, run_sync
@@ -18,7 +18,7 @@ PROBLEM = Problem(id="p", question="q", gold="")
 
 
 @dataclass
-class ScriptTask(TaskDefaults):
+class ScriptTask(ScriptedTask):
     """Thought k is the text "t<k>"; its value is values[k]; thoughts in `terminal` finish a path;
     a path's answer is answers[k] of its last thought k (default: "a<k>")."""
 
@@ -28,27 +28,12 @@ class ScriptTask(TaskDefaults):
     depth: int = 3
     name: str = "script"
 
-    def generator_prompt(self, problem, steps):
-        return Prompt("/".join(steps), prefix="G")
-
-    def parse_thought(self, problem, steps, text):
-        return text
-
-    def evaluator_prompt(self, problem, steps):
-        return Prompt(steps[-1], prefix="E")
-
-    def parse_value(self, text):
-        return float(text)
-
     def is_terminal(self, problem, steps):
         return int(steps[-1][1:]) in self.terminal
 
     def answer(self, problem, steps):
         k = int(steps[-1][1:])
         return self.answers.get(k, f"a{k}")
-
-    def is_correct(self, problem, answer):
-        return False
 
 
 class ScriptEngine(AwaitableFake):
@@ -159,7 +144,7 @@ def test_vote_ties_go_to_more_subtrees_then_earlier():
     [
         (["search.n=6", "search.beam_width=4"], "search.n=6 is not a multiple of search.beam_width=4"),
         (["search.beam_width=0"], "search.beam_width=0"),
-        (["search.aggregate=mean"], "search.aggregate=mean"),
+        (["search.aggregate=mean"], "search.aggregate='mean' is not one of best, vote"),
     ],
 )
 def test_config_errors(overrides, named):

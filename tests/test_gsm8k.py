@@ -401,3 +401,17 @@ def test_evaluator_prompt():
     final = task.evaluator_prompt(PROBLEM, [*steps, "s3", "The answer is 12."])
     assert "final answer" in final.text
     assert "The answer is 12." in final.text
+
+
+def test_whole_solution_prompt_steps_and_evaluator():
+    task = GSM8K()
+    problem = Problem(id="x", question="Tom has 3 apples and buys 4 more. How many now?", gold="7")
+    prompt = task.solution_prompt(problem)
+    assert prompt.text.count("The answer is") == 5  # four exemplars and the instruction
+    assert prompt.text.endswith(f"Q: {problem.question}") and prompt.prefix == "A:"
+    steps = task.solution_steps(problem, " Tom has 3 + 4 = 7 apples. The answer is 7.\n")
+    assert steps == ["Tom has 3 + 4 = 7 apples. The answer is 7."]
+    assert task.answer(problem, steps) == "7" and task.is_correct(problem, "7")
+    judged = task.solution_evaluator_prompt(problem, steps, follow_up=False)
+    assert steps[0] in judged.text and problem.question in judged.text and judged.prefix == SCORE_PREFIX
+    assert "final answer" in task.solution_evaluator_prompt(problem, steps, follow_up=True).text

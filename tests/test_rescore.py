@@ -10,7 +10,8 @@ from pathlib import Path
 from test_run import FakeEngine, make_config
 
 from tasks import Problem, make_task
-from tot.rescore import answer_steps, reparse, rescore, revote
+from tot.dvts import final_states
+from tot.rescore import answer_steps, reparse, rescore, revote, voted_leaves
 from tot.run import run
 from tot.tree import ReasoningTree
 
@@ -86,6 +87,24 @@ def test_dvts_vote_is_taken_again_on_the_reread_answers():
         finals.append(node)
     tree.mark_answer(finals[1])  # the old vote's winner
     reparse(task, problem, tree)
-    revote(task, problem, tree)
+    revote(task, problem, tree, final_states(tree))
     assert [n for n in finals if tree[n]["answer"]] == [finals[2]]
     assert task.answer(problem, answer_steps(tree)) == "12"
+
+
+def test_best_of_n_votes_are_taken_again_and_value_choices_are_kept():
+    """A majority over three whole solutions: the stated answers are 12, 7 and 12 (the first rambles
+    on to a 7); the old winner 7 gives way to 12, the first solution that states it."""
+    task = make_task("gsm8k", 4, {})
+    problem = Problem("p", "How many?", "12")
+    tree = ReasoningTree(problem.question)
+    leaves = []
+    for i, text in enumerate(["3 x 4 = 12. The answer is 12. Then 7.", "The answer is 7.", "So 12. The answer is 12."]):
+        leaves.append(tree.add(tree.root, text, solution=i, reply=text, value=1.0, terminal=True, chosen=True))
+    tree.mark_answer(leaves[1])
+    voted = voted_leaves("best_of_n", {"best_of_n": {"aggregate": "majority"}})
+    assert voted is not None and voted(tree) == leaves
+    revote(task, problem, tree, voted(tree))
+    assert [n for n in leaves if tree[n]["answer"]] == [leaves[0]]
+    assert voted_leaves("best_of_n", {"best_of_n": {"aggregate": "best"}}) is None
+    assert voted_leaves("bfs", {}) is None

@@ -94,6 +94,16 @@ def check_complete(out: Path, ids: list[str] = IDS) -> dict:
     return summary
 
 
+def assert_as_uninterrupted(cfg: RunConfig, out: Path, whole: Path) -> None:
+    """The resumed run's results (but for timings) and trees equal those of a run never killed."""
+    run(cfg, whole, engine=FakeEngine(), progress=False)
+    strip = {"wall_s", "wall_share_s", "phases"}
+    by_id = {r["id"]: {k: v for k, v in r.items() if k not in strip} for r in read_results(whole)}
+    assert {r["id"]: {k: v for k, v in r.items() if k not in strip} for r in read_results(out)} == by_id
+    for pid in IDS:
+        assert (out / "trees" / f"{pid}.json").read_text() == (whole / "trees" / f"{pid}.json").read_text()
+
+
 def test_run_writes_outputs(tmp_path):
     cfg = make_config("run.concurrency=1")  # problems one by one: results in order
     assert cfg.task == "gsm8k" and cfg.depth == 4 and cfg.bfs.n_thoughts == 3 and cfg.bfs.breadth == 1
@@ -206,13 +216,7 @@ def test_resume_after_kill_with_problems_in_flight(tmp_path):
     run(cfg, out, engine=counting, progress=False)
     assert sorted(counting.problems) == sorted(set(IDS) - set(first))  # nothing repeated
     check_complete(out)
-    whole = tmp_path / "whole"
-    run(cfg, whole, engine=FakeEngine(), progress=False)
-    strip = {"wall_s", "wall_share_s", "phases"}
-    by_id = {r["id"]: {k: v for k, v in r.items() if k not in strip} for r in read_results(whole)}
-    assert {r["id"]: {k: v for k, v in r.items() if k not in strip} for r in read_results(out)} == by_id
-    for pid in IDS:
-        assert (out / "trees" / f"{pid}.json").read_text() == (whole / "trees" / f"{pid}.json").read_text()
+    assert_as_uninterrupted(cfg, out, tmp_path / "whole")
 
 
 def test_a_run_resumes_only_under_its_sampling_rule(tmp_path):
@@ -386,3 +390,21 @@ def test_collect_sweep_and_shards(tmp_path, capsys):
     assert len(combined) == 1 and combined[0]["n_problems"] == 4
     assert combined[0]["accuracy"] == pytest.approx(1 / 4)  # bundled-1 is the one answered 12 of the four
     assert collect_main([str(tmp_path / "nothing")]) == 2
+
+
+@pytest.mark.parametrize(
+    "search", [["search=best_of_n", "search.aggregate=weighted"], ["search=mcts", "search.iterations=5"]]
+)
+def test_new_searches_resume_after_kill(search, tmp_path):
+    """best_of_n and mcts killed with problems in flight: a rerun finishes the rest once each, and
+    results and trees equal an uninterrupted run's."""
+    cfg = make_config("run.concurrency=3", "task.depth=2", *search)
+    out = tmp_path / "run"
+    with pytest.raises(Killed):
+        run(cfg, out, engine=KilledEngine("bundled-4", at=3), progress=False)
+    first = [r["id"] for r in read_results(out)]
+    assert 0 < len(first) < len(IDS) and "bundled-4" not in first
+    counting = FakeEngine()
+    run(cfg, out, engine=counting, progress=False)
+    assert sorted(counting.problems) == sorted(set(IDS) - set(first))
+    assert_as_uninterrupted(cfg, out, tmp_path / "whole")

@@ -17,7 +17,12 @@ CASES = {
     "creative_writing": ["task.n_evaluate=2"],
     "blocksworld": ["task.depth=2", "task.n_problems=1", "task.steps=2"],
 }
-SEARCHES = {"bfs": ["search.n_thoughts=2"], "dvts": ["search.n=4", "search.beam_width=2"]}
+SEARCHES = {
+    "bfs": ["search.n_thoughts=2"],
+    "dvts": ["search.n=4", "search.beam_width=2"],
+    "best_of_n": ["search.n=3", "search.aggregate=weighted", "search.max_tokens=12"],
+    "mcts": ["search.iterations=3", "search.n_thoughts=2", "search.parallel=2"],
+}
 
 
 @pytest.mark.parametrize("search", list(SEARCHES))
@@ -37,9 +42,32 @@ def test_task_and_search_end_to_end(task, search, long_context, tmp_path):
         record = json.loads((out / "results.jsonl").read_text().splitlines()[0])
         tree = load_tree(out, record["id"])
         answer_path = [n for n, d in tree.graph.nodes(data=True) if d["answer"]]
-        assert len(answer_path) >= 2 and all(tree[n]["value"] is not None for n in answer_path[1:])
+        # A best-of-N solution is valued whole, at its last step; the other searches value each step.
+        valued = answer_path[-1:] if search == "best_of_n" else answer_path[1:]
+        assert len(answer_path) >= 2 and all(tree[n]["value"] is not None for n in valued)
         if task == "creative_writing":  # the judge scored the passage with the target
             assert set(record["metrics"]) == {"endings_met", "paragraphs", "coherency"}
             assert "coherency" in summary["metrics"]
         trees[decoder] = [(d["text"], d["value"]) for _, d in sorted(tree.graph.nodes(data=True))]
     assert trees["ar"] == trees["seed_stand"]  # lossless: the same tree, thought for thought
+
+
+@pytest.mark.parametrize("search", ["best_of_n", "mcts"])
+def test_new_searches_build_hf_trees_under_matched_samples(search, long_context, tmp_path):
+    """At temperature > 0 under each matched rule, ar and seed_stand build hf's very tree."""
+    from test_run import make_config
+
+    for rule in ("match_gumbel", "match_multinomial"):
+        trees = {}
+        for decoder in ("hf", "ar", "seed_stand"):
+            cfg = make_config(
+                "task=gsm8k", f"search={search}", f"decoder={decoder}", f"verify.rule={rule}", *TINY[:3],
+                "gen.temperature=0.8", *CASES["gsm8k"], *SEARCHES[search],
+            )  # fmt: skip
+            out = tmp_path / rule / decoder
+            run(cfg, out, engine=Engine(long_context, cfg.decoder), progress=False)
+            record = json.loads((out / "results.jsonl").read_text().splitlines()[0])
+            tree = load_tree(out, record["id"])
+            trees[decoder] = [(d["text"], d["value"]) for _, d in sorted(tree.graph.nodes(data=True))]
+        assert trees["hf"] == trees["ar"] == trees["seed_stand"], rule
+        assert len({text for text, _ in trees["hf"][1:]}) > 1  # sampled: the replies differ

@@ -15,9 +15,10 @@ the search on a serving engine beside the in-process decoders, e.g. llama.cpp's 
 GGUF file: its outputs follow the server's own numeric path, so it is left out of that check, and
 its forwards and acceptance are unknown (printed as -). Writes
 bench.json, bench.md and, when matplotlib is installed, bench.png into the run directory.
-`bench.scaling=true` instead measures acceptance length and speedup over `ar` for
-`bench.scaling_decoders` on a grid of trajectories per step (`bench.trajectories`) and temperatures
-(`bench.temperatures`): scaling.json and scaling.md. `bench.variants` adds runs of one decoder with
+`bench.scaling=true` instead draws the scaling curve (tot/scaling.py): accuracy against wall time and
+tokens, acceptance length and speed over `ar` for `bench.scaling_decoders`, as each search of
+`bench.searches` grows its budget N (`bench.budgets`), at each of `bench.temperatures`:
+scaling.json, scaling.md and scaling.png. `bench.variants` adds runs of one decoder with
 other options (tree policies, rules) under their own names, e.g. bench.variants='{sd_pct: {decoder:
 sd, sd.tree_policy: pct}}'.
 """
@@ -52,8 +53,9 @@ from tasks.base import DataError, Problem, Task
 from tot.compare import first_difference
 from tot.config import RunConfig
 from tot.lock import run_lock
-from tot.output import output_error, write_atomic
+from tot.output import pyplot, save_figure, write_atomic
 from tot.run import build_task, make_judge, make_search, score, solve_all
+from tot.scaling import plot_scaling, scaling, scaling_table
 from tot.search import PHASES, GenerationEngine, Search, Solution, run_sync
 from tot.tree import ReasoningTree
 
@@ -345,50 +347,6 @@ def _row(name: str, t: Tally, engine: Engine | ServerEngine) -> dict:
     }
 
 
-def scaling(
-    cfg: RunConfig,
-    configs: dict[str, DecoderConfig],
-    target: LoadedModel,
-    draft: LoadedModel | None,
-    trajectories: list[int],
-    temperatures: list[float],
-    progress: bool = True,
-) -> list[dict]:
-    """Acceptance length and speedup over `ar` as the trajectories per thought step
-    (`search.n_thoughts`) and the temperature grow: one benchmark per (temperature, n)."""
-    rows = []
-    for t in temperatures:
-        for n in trajectories:
-            cell = replace(
-                cfg,
-                bfs=replace(cfg.bfs, n_thoughts=n, breadth=min(cfg.bfs.breadth, n)),
-                gen=replace(cfg.gen, temperature=t, eval_temperature=t),
-            )
-            result = bench(cell, configs, target, draft, progress=progress)
-            for r in result["decoders"].values():
-                rows.append(
-                    {
-                        "temperature": t,
-                        "trajectories": n,
-                        "decoder": r["decoder"],
-                        "acceptance_length": r["acceptance_length"],
-                        "tokens_per_s": r["tokens_per_s"],
-                        "speedup_vs_ar": r.get("speedup_vs_ar", 0.0),
-                    }
-                )
-    return rows
-
-
-def scaling_table(rows: list[dict]) -> str:
-    lines = ["| temperature | trajectories | decoder | acceptance length | tokens/s | vs ar |", "|" + "---|" * 6]
-    for r in rows:
-        lines.append(
-            f"| {r['temperature']} | {r['trajectories']} | `{r['decoder']}` | {r['acceptance_length']:.2f} "
-            f"| {r['tokens_per_s']:.1f} | {r['speedup_vs_ar']:.2f}x |"
-        )
-    return "\n".join(lines)
-
-
 def table(result: dict) -> str:
     head = (
         "| decoder | problems at once | solved | tokens | wall (s) | tokens/s | vs hf | vs ar | acceptance length "
@@ -460,12 +418,8 @@ def _ratio(row: dict, base: str) -> str:
 
 def plot(result: dict, path: Path) -> bool:
     """Tokens/s and acceptance length per decoder as a PNG; False when matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     rows = list(result["decoders"].values())
     names = [r["decoder"] for r in rows]
@@ -478,12 +432,7 @@ def plot(result: dict, path: Path) -> bool:
         ax.tick_params(axis="x", rotation=30)
     fig.suptitle(f"{result['task']}, {len(result['problems'])} problems, temperature {result['temperature']}")
     fig.tight_layout()
-    try:
-        fig.savefig(path, dpi=120)
-    except OSError as e:
-        raise output_error(path, e) from None
-    finally:
-        plt.close(fig)
+    save_figure(fig, path)
     return True
 
 
@@ -512,20 +461,28 @@ def bench_command(cfg: DictConfig, out: Path) -> list[str]:
     scale = bool(container["bench"].get("scaling"))
     if scale:
         names = list(container["bench"]["scaling_decoders"])
-        trajectories = [as_int("bench.trajectories", n) for n in container["bench"]["trajectories"]]
+        budgets = [as_int("bench.budgets", n) for n in container["bench"]["budgets"]]
         temperatures = [as_float("bench.temperatures", t) for t in container["bench"]["temperatures"]]
     configs, skipped = decoder_configs(container, names, has_draft, container["bench"].get("variants") or {})
     target = load_model(run_cfg.model)
     draft_spec = next((c.draft for c in configs.values() if c.draft), None)
     draft = load_draft(draft_spec, target) if draft_spec else None
     if scale:
-        rows = scaling(run_cfg, configs, target, draft, trajectories, temperatures)
+        rows, mismatches = scaling(
+            run_cfg,
+            lambda cell: bench(cell, configs, target, draft),
+            budgets,
+            temperatures,
+            container["bench"].get("searches"),
+        )
         text = scaling_table(rows)
         print(text)
         write_atomic(out / "scaling.json", json.dumps(rows, indent=2) + "\n")
         write_atomic(out / "scaling.md", text + "\n")
+        if plot_scaling(rows, out / "scaling.png"):
+            print(f"plot: {out / 'scaling.png'}")
         print(f"written to {out}")
-        return []
+        return mismatches
     names = list(configs)
     result = bench(
         run_cfg,

@@ -9,14 +9,15 @@ from omegaconf import DictConfig, OmegaConf
 from decoding.config import DecoderConfig
 from decoding.core.errors import ConfigError
 from decoding.core.models import ModelSpec
-from decoding.core.options import as_float, as_int
+from decoding.core.options import as_float, as_int, from_dict
 from decoding.server import FOLLOW_UPS_REFUSED
 from tasks import TASKS, DataSpec
+from tot.best_of_n import BestOfNSettings
 from tot.dvts import DVTSSettings
+from tot.mcts import MCTSSettings
 from tot.search import BFSSettings, GenSettings
 from tot.searches import SEARCHES
 
-AGGREGATES = ("best", "vote")
 # Keys of `task:` that are not options of the task object itself.
 TASK_RUN_KEYS = ("name", "depth", "judge", "max_thought_tokens", "max_eval_tokens")
 
@@ -30,6 +31,8 @@ class RunConfig:
     search: str
     bfs: BFSSettings
     dvts: DVTSSettings
+    best_of_n: BestOfNSettings
+    mcts: MCTSSettings
     decoder: DecoderConfig
     model: ModelSpec
     data: DataSpec
@@ -40,9 +43,9 @@ class RunConfig:
     concurrency: int = 1  # run.concurrency: problems searched at once over the one engine
 
     @property
-    def search_settings(self) -> BFSSettings | DVTSSettings:
-        """The chosen search's own settings (`search.*` read for it)."""
-        return self.dvts if self.search == "dvts" else self.bfs
+    def search_settings(self) -> BFSSettings | DVTSSettings | BestOfNSettings | MCTSSettings:
+        """The chosen search's own settings (`search.*` read for it; the others keep their defaults)."""
+        return getattr(self, self.search)
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -51,14 +54,6 @@ class RunConfig:
             raise ConfigError(f"search={self.search} is not one of {', '.join(SEARCHES)}")
         _positive("task.depth", self.depth)
         _positive("run.concurrency", self.concurrency)
-        _positive("search.n_thoughts", self.bfs.n_thoughts)
-        _positive("search.breadth", self.bfs.breadth)
-        if self.bfs.breadth > self.bfs.n_thoughts:
-            raise ConfigError(
-                f"search.breadth={self.bfs.breadth} exceeds search.n_thoughts={self.bfs.n_thoughts}; "
-                "BFS keeps at most the b best of n thoughts per state, so set breadth <= n_thoughts"
-            )
-        self._check_dvts()
         if self.decoder.server is not None and self.task_options.get("evaluator") == "in_context":
             raise ConfigError(FOLLOW_UPS_REFUSED)
         _positive("gen.max_thought_tokens", self.gen.max_thought_tokens)
@@ -71,19 +66,6 @@ class RunConfig:
         if self.gen.top_k < 0:
             raise ConfigError(f"gen.top_k={self.gen.top_k} is negative; use 0 to turn top-k off")
 
-    def _check_dvts(self) -> None:
-        d = self.dvts
-        _positive("search.n", d.n)
-        _positive("search.beam_width", d.beam_width)
-        if d.n % d.beam_width:
-            fix = d.n - d.n % d.beam_width or d.beam_width
-            raise ConfigError(
-                f"search.n={d.n} is not a multiple of search.beam_width={d.beam_width}; DVTS splits n "
-                f"trajectories into n / beam_width subtrees, so use e.g. search.n={fix}"
-            )
-        if d.aggregate not in AGGREGATES:
-            raise ConfigError(f"search.aggregate={d.aggregate} is not one of {', '.join(AGGREGATES)}")
-
     @classmethod
     def from_omegaconf(cls, cfg: DictConfig) -> RunConfig:
         try:
@@ -93,8 +75,7 @@ class RunConfig:
                 task=c["task"]["name"],
                 depth=as_int("task.depth", c["task"]["depth"]),
                 search=c["search"]["name"],
-                bfs=_bfs(c["search"]),
-                dvts=_dvts(c["search"]),
+                **_search_settings(c["search"]),
                 decoder=DecoderConfig.from_container(c),
                 model=ModelSpec.from_config(c["model"]),
                 data=DataSpec(
@@ -121,23 +102,15 @@ class RunConfig:
             raise ConfigError(f"config key {e} is missing; start from conf/config.yaml") from None
 
 
-def _bfs(search: dict) -> BFSSettings:
-    if search["name"] != "bfs":
-        return BFSSettings()
-    return BFSSettings(
-        n_thoughts=as_int("search.n_thoughts", search["n_thoughts"]),
-        breadth=as_int("search.breadth", search["breadth"]),
-    )
-
-
-def _dvts(search: dict) -> DVTSSettings:
-    if search["name"] != "dvts":
-        return DVTSSettings()
-    return DVTSSettings(
-        n=as_int("search.n", search["n"]),
-        beam_width=as_int("search.beam_width", search["beam_width"]),
-        aggregate=str(search["aggregate"]),
-    )
+def _search_settings(search: dict) -> dict:
+    """Every search's settings by name: the chosen one's read from `search.*`, the others' defaults."""
+    name = search["name"]
+    if name not in SEARCHES:
+        raise ConfigError(f"search={name} is not one of {', '.join(SEARCHES)}")
+    return {
+        key: from_dict(kind.settings, search, "search", ignore=("name",)) if key == name else kind.settings()
+        for key, kind in SEARCHES.items()
+    }
 
 
 def _judge(c: dict) -> ModelSpec | None:

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
+from decoding.core.errors import ConfigError
 from tasks.base import Problem, Task
-from tot.search import GenerationEngine, GenSettings, Solution, Step
+from tot.search import GenerationEngine, GenSettings, Solution, Step, check_positive
 from tot.tree import ReasoningTree
 
 Aggregate = Literal["best", "vote"]
@@ -28,9 +29,22 @@ class DVTSSettings:
     beam_width: int = 2
     aggregate: Aggregate = "best"
 
+    def __post_init__(self) -> None:
+        check_positive(search="dvts", n=self.n, beam_width=self.beam_width)
+        if self.n % self.beam_width:
+            fix = self.n - self.n % self.beam_width or self.beam_width
+            raise ConfigError(
+                f"search.n={self.n} is not a multiple of search.beam_width={self.beam_width}; DVTS splits n "
+                f"trajectories into n / beam_width subtrees, so use e.g. search.n={fix}"
+            )
+
     @property
     def subtrees(self) -> int:
         return self.n // self.beam_width
+
+    def scaled(self, n: int) -> DVTSSettings:
+        """The settings with n trajectories (the scaling curve's N), beams no wider than n."""
+        return replace(self, n=n, beam_width=self.beam_width if n % self.beam_width == 0 else 1)
 
 
 class DVTS:

@@ -12,7 +12,8 @@ import contextlib
 import errno
 import os
 from pathlib import Path
-from typing import IO
+from types import ModuleType
+from typing import IO, Any
 
 from decoding.core.errors import OutputError
 
@@ -76,3 +77,28 @@ def append_line(path: Path, line: str) -> None:
         with contextlib.suppress(OSError):  # the loader drops a cut last line anyway
             os.truncate(path, size)
         raise output_error(path, e) from None
+
+
+def pyplot() -> ModuleType | None:
+    """matplotlib's pyplot on the file-only backend, or None where matplotlib is not installed (a
+    command then writes its tables without the picture)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def save_figure(fig: Any, path: Path) -> None:
+    """Save and close a matplotlib figure; a failed write is one OutputError line."""
+    import matplotlib.pyplot as plt
+
+    try:
+        fig.savefig(path, dpi=120)
+    except OSError as e:
+        raise output_error(path, e) from None
+    finally:
+        plt.close(fig)

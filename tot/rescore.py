@@ -14,11 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from tasks import DataSpec, Problem, Task, make_task
 from tasks.base import DataError
+from tot.best_of_n import solution_leaves
 from tot.dvts import choose, final_states
 from tot.output import write_atomic
 from tot.results import answer_fields, summarize
@@ -64,16 +66,26 @@ def answer_steps(tree: ReasoningTree) -> list[str]:
     return tree.steps(max(path, key=lambda n: graph.nodes[n].get("depth", 0)))
 
 
-def revote(task: Task, problem: Problem, tree: ReasoningTree) -> None:
-    """DVTS with aggregate=vote: the vote over the subtrees' final states again, on the answers the
-    current parsers read, and the answer path marked anew."""
-    leaves = final_states(tree)
+def revote(task: Task, problem: Problem, tree: ReasoningTree, leaves: list[int]) -> None:
+    """A vote (DVTS's aggregate=vote over its subtrees' final states, best-of-N's majority or weighted
+    vote over its solutions) again, on the answers the current parsers read, and the answer path
+    marked anew."""
     if not leaves:
         return
     best = choose(tree, leaves, lambda s: task.answer(problem, tree.steps(s)), "vote")
     for n in tree.graph.nodes:
         tree.graph.nodes[n]["answer"] = False
     tree.mark_answer(best)
+
+
+def voted_leaves(search: str | None, config: dict) -> Callable[[ReasoningTree], list[int]] | None:
+    """Where the run's answer is a vote, what it voted over: DVTS's subtrees' final states
+    (aggregate=vote), best-of-N's solutions (majority, weighted); None where a value chose it."""
+    if search == "dvts" and (config.get("dvts") or {}).get("aggregate") == "vote":
+        return final_states
+    if search == "best_of_n" and (config.get("best_of_n") or {}).get("aggregate") in ("majority", "weighted"):
+        return solution_leaves
+    return None
 
 
 def rescore(run_dir: Path) -> tuple[dict, dict, list[Change]]:
@@ -92,7 +104,7 @@ def rescore(run_dir: Path) -> tuple[dict, dict, list[Change]]:
         raise ShowError(
             f"{summary_path} does not say which task and problems it ran ({e}); give a run of tot.solve"
         ) from None
-    vote = old.get("search") == "dvts" and (config.get("dvts") or {}).get("aggregate") == "vote"
+    voted = voted_leaves(old.get("search"), config)
     records, changes = [], []
     for rec in read_records(run_dir):
         problem = problems.get(str(rec["id"]))
@@ -102,8 +114,8 @@ def rescore(run_dir: Path) -> tuple[dict, dict, list[Change]]:
             continue
         tree = read_tree(path)
         reparse(task, problem, tree)
-        if vote:
-            revote(task, problem, tree)
+        if voted is not None:
+            revote(task, problem, tree, voted(tree))
         fields = answer_fields(task, problem, answer_steps(tree))
         metrics = {**rec.get("metrics", {}), **task.metrics(problem, fields["answer"])}
         new = {**rec, **fields, "metrics": metrics}

@@ -154,7 +154,7 @@ def build_task(cfg: RunConfig) -> Task:
 
 
 def make_search(cfg: RunConfig, task: Task) -> Search:
-    return SEARCHES[cfg.search](task, cfg.search_settings, cfg.gen, cfg.seed)
+    return SEARCHES[cfg.search].build(task, cfg.search_settings, cfg.gen, cfg.seed)
 
 
 def make_judge(cfg: RunConfig, engine: GenerationEngine) -> GenerationEngine:

@@ -12,15 +12,19 @@ from __future__ import annotations
 
 import asyncio
 import zlib
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
+from decoding.core.errors import ConfigError
 from decoding.core.values import Completion, DecodeStats, GenRequest, GenResult
 from decoding.engine import run_sync as run_sync  # searches are run with it
 from tasks.base import Problem, Prompt, Task
 from tot.tree import ReasoningTree
 
 PHASES = ("generate", "evaluate")
+# An evaluator prompt for a path: (its steps, whether asked as a follow-up in its reply's context).
+EvalPrompt = Callable[[list[str], bool], Prompt]
 
 
 @dataclass(frozen=True)
@@ -40,14 +44,17 @@ class GenSettings:
         evaluate: bool = False,
         context: tuple[int, ...] = (),
         keep: bool = False,
+        max_new_tokens: int | None = None,
     ) -> GenRequest:
         """The request for a thought (or, with evaluate, for a state evaluation: with `context`, a
-        follow-up turn of the thought's own reply; `keep` holds a thought's keys and values for it)."""
+        follow-up turn of the thought's own reply; `keep` holds a thought's keys and values for it).
+        `max_new_tokens` overrides the phase's limit (a whole solution is longer than a thought)."""
+        default = self.max_eval_tokens if evaluate else self.max_thought_tokens
         return GenRequest(
             prompt=prompt.text,
             prefix=prompt.prefix,
             stop=prompt.stop,
-            max_new_tokens=self.max_eval_tokens if evaluate else self.max_thought_tokens,
+            max_new_tokens=max_new_tokens or default,
             temperature=self.eval_temperature if evaluate else self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
@@ -62,6 +69,18 @@ class GenSettings:
 class BFSSettings:
     n_thoughts: int = 3
     breadth: int = 1
+
+    def __post_init__(self) -> None:
+        check_positive(search="bfs", n_thoughts=self.n_thoughts, breadth=self.breadth)
+        if self.breadth > self.n_thoughts:
+            raise ConfigError(
+                f"search.breadth={self.breadth} exceeds search.n_thoughts={self.n_thoughts}; "
+                "BFS keeps at most the b best of n thoughts per state, so set breadth <= n_thoughts"
+            )
+
+    def scaled(self, n: int) -> BFSSettings:
+        """The settings with n thoughts per state (the scaling curve's N)."""
+        return replace(self, n_thoughts=n, breadth=min(self.breadth, n))
 
 
 @dataclass
@@ -104,6 +123,12 @@ class Search(Protocol):
     async def solve(self, problem: Problem, engine: GenerationEngine) -> Solution: ...
 
 
+def check_positive(search: str, **values: int) -> None:
+    for key, value in values.items():
+        if value < 1:
+            raise ConfigError(f"search.{key}={value} must be a positive integer (search={search})")
+
+
 def request_seed(seed: int, *parts: object) -> int:
     """A request's seed from the run seed and where it sits in the tree: a resumed run samples
     exactly what an uninterrupted one would have."""
@@ -138,7 +163,7 @@ class Step:
         return [child for child, _ in thoughts]
 
     async def _thought(self, child: int, request: GenRequest, eval_group: str) -> None:
-        (out,) = await self._call([request], "generate")
+        (out,) = await self.call([request], "generate")
         steps = self.tree.steps(child)[:-1]
         node = self.tree[child]
         node.update(
@@ -150,34 +175,45 @@ class Step:
         await self.evaluate([child], eval_group)
 
     async def evaluate(self, nodes: list[int], group: str) -> None:
-        """Value each node: the mean of task.n_evaluate evaluator samples, all in one call; with
-        task.evaluator=in_context, each asked as a follow-up turn of the reply that wrote the node."""
+        """Value each node by the task's state evaluator; with task.evaluator=in_context, asked as a
+        follow-up turn of the reply that wrote the node."""
+
+        def prompt(steps: list[str], follow_up: bool) -> Prompt:
+            ask = self.task.follow_up_prompt if follow_up else self.task.evaluator_prompt
+            return ask(self.problem, steps)
+
+        await asyncio.gather(*(self.value(c, prompt, group, c) for c in nodes))
+
+    async def value(self, node: int, prompt: EvalPrompt, group: str, key: object) -> None:
+        """Value a node of the tree (its reply's context, if kept, asked in)."""
+        context = self._replies.pop(node, ())
+        self.tree[node].update(await self.judge(self.tree.steps(node), context, prompt, group, key))
+
+    async def judge(
+        self, steps: list[str], context: tuple[int, ...], prompt: EvalPrompt, group: str, key: object
+    ) -> dict:
+        """The attributes valuing the path `steps`: its value, the mean of task.n_evaluate evaluator
+        samples of prompt(steps, whether asked in the reply's `context`), all in one call, seeded by
+        `key` (the path's place in the search), and the evaluation that gave it."""
         task, pid, k = self.task, self.problem.id, self.task.n_evaluate
-        requests = []
-        for c in nodes:
-            steps, context = self.tree.steps(c), self._replies.pop(c, ())
-            prompt = (
-                task.follow_up_prompt(self.problem, steps) if context else task.evaluator_prompt(self.problem, steps)
+        asked = prompt(steps, bool(context))
+        requests = [
+            self.gen.request(
+                asked,
+                group=group,
+                # Sample 0 keeps the seed a single evaluation always had.
+                seed=request_seed(self.seed, pid, key, "eval", *([j] if j else [])),
+                evaluate=True,
+                context=context,
             )
-            self.tree[c]["eval_prompt"] = prompt.text
-            if context:
-                self.tree[c]["eval_in_context"] = True
-            requests += [
-                self.gen.request(
-                    prompt,
-                    group=group,
-                    # Sample 0 keeps the seed a single evaluation always had.
-                    seed=request_seed(self.seed, pid, c, "eval", *([j] if j else [])),
-                    evaluate=True,
-                    context=context,
-                )
-                for j in range(k)
-            ]
-        outputs = await self._call(requests, "evaluate")
-        for i, c in enumerate(nodes):
-            texts = [o.text for o in outputs[i * k : (i + 1) * k]]
-            self.tree[c]["value"] = sum(map(task.parse_value, texts)) / k
-            self.tree[c]["evaluation"] = texts[0] if k == 1 else texts
+            for j in range(k)
+        ]
+        texts = [o.text for o in await self.call(requests, "evaluate")]
+        attrs = {"eval_prompt": asked.text, "value": sum(map(task.parse_value, texts)) / k}
+        attrs["evaluation"] = texts[0] if k == 1 else texts
+        if context:
+            attrs["eval_in_context"] = True
+        return attrs
 
     def finished(self, node: int) -> bool:
         """A path ends at the depth limit or where the task says it is complete."""
@@ -189,7 +225,7 @@ class Step:
         steps = self.tree.steps(best)
         return Solution(self.task.answer(self.problem, steps), self.tree, self.phases, steps)
 
-    async def _call(self, requests: list[GenRequest], phase: str) -> list[GenResult]:
+    async def call(self, requests: list[GenRequest], phase: str) -> list[GenResult]:
         done = await self.engine.agenerate(requests)
         self.phases[phase].decode += done.stats
         self.phases[phase].calls += 1

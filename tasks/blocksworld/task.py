@@ -115,14 +115,17 @@ class Blocksworld(TaskDefaults):
         return frozenset(problem.meta["init"]), frozenset(problem.meta["goal"])
 
     # --- thought generator -------------------------------------------------------------------
-    def generator_prompt(self, problem: Problem, steps: list[str]) -> Prompt:
-        init, _ = self._init_goal(problem)
-        demos = "\n\n".join(
+    def _solved_demos(self) -> str:
+        return "\n\n".join(
             f"[STATEMENT]\n{statement(d.init, d.goal)}\n[PLAN]\n"
             + "\n".join(render_action(parse_action(a)) for a in d.gold_plan)
             + "\n[PLAN END]"
             for d in self._demos
         )
+
+    def generator_prompt(self, problem: Problem, steps: list[str]) -> Prompt:
+        init, _ = self._init_goal(problem)
+        demos = self._solved_demos()
         done = "\n".join(f"{i}. {s}" for i, s in enumerate(steps, 1)) or "none yet"
         return Prompt(
             f"{RULES}\n\n{demos}\n\n[STATEMENT]\n{problem.question}\n\nPlan so far: {done}\n"
@@ -205,6 +208,38 @@ class Blocksworld(TaskDefaults):
         """1 for good, 0 for bad or an unreadable label."""
         words = text.strip().lower().split()
         return 1.0 if words and words[0].strip(".,!\"'") == "good" else 0.0
+
+    # --- whole solutions (best-of-N) ---------------------------------------------------------
+    def solution_prompt(self, problem: Problem) -> Prompt:
+        return Prompt(
+            f"{RULES}\n\n{self._solved_demos()}\n\n[STATEMENT]\n{problem.question}\n\n"
+            "Write the whole plan as the examples do: one action per line, then [PLAN END].",
+            prefix="[PLAN]\n",
+            stop=("[PLAN END]", "\n\n"),
+        )
+
+    def solution_steps(self, problem: Problem, reply: str) -> list[str]:
+        """One action per line of the plan, each read as parse_thought reads a single action."""
+        steps: list[str] = []
+        for line in reply.splitlines():
+            if line.strip():
+                steps.append(self.parse_thought(problem, steps, line))
+        return steps or [""]
+
+    def solution_evaluator_prompt(self, problem: Problem, steps: list[str], follow_up: bool) -> Prompt:
+        _, goal = self._init_goal(problem)
+        ask = (
+            f"Label the plan good if each action can be done in turn and the plan ends with the goal "
+            f'({render_facts(goal)}) reached, else bad. Reply "Label: good" or "Label: bad".'
+        )
+        if follow_up:
+            return Prompt(ask, prefix=LABEL_PREFIX, stop=("\n",))
+        plan = "\n".join(steps)
+        return Prompt(
+            f"{RULES}\n\n[STATEMENT]\n{problem.question}\n[PLAN]\n{plan}\n[PLAN END]\n\n{ask}",
+            prefix=LABEL_PREFIX,
+            stop=("\n",),
+        )
 
     # --- scoring -----------------------------------------------------------------------------
     def answer(self, problem: Problem, steps: list[str]) -> str:

@@ -1,0 +1,95 @@
+"""Best-of-N (self-consistency): N whole solutions of one prompt, the answer by a vote or a score.
+
+Every solution is one reply to the task's whole-solution prompt (GSM8K's few-shot chain of thought,
+a whole Blocksworld plan, a whole passage), sampled in one group, STAND's best case: N long
+trajectories of the same prompt. `majority` takes the most frequent parsed answer (no evaluator
+call is made), `weighted` the answer with the largest summed value, `best` the best-valued solution
+(the one sensible rule where answers do not repeat, as in Creative Writing). A solution is valued by
+the task's whole-solution evaluator as soon as it is written. In the tree each solution is a chain
+from the root, one node per step the task reads in it (one Blocksworld action per node).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from decoding.core.values import GenRequest
+from tasks.base import Problem, Prompt, Task
+from tot.dvts import choose
+from tot.search import GenerationEngine, GenSettings, Solution, Step, check_positive, request_seed
+from tot.tree import ReasoningTree
+
+Vote = Literal["majority", "weighted", "best"]
+
+
+@dataclass(frozen=True)
+class BestOfNSettings:
+    n: int = 8
+    aggregate: Vote = "majority"
+    max_tokens: int = 384  # per solution: a whole chain of thought is longer than a thought
+
+    def __post_init__(self) -> None:
+        check_positive(search="best_of_n", n=self.n, max_tokens=self.max_tokens)
+
+    @property
+    def scored(self) -> bool:
+        return self.aggregate != "majority"
+
+    def scaled(self, n: int) -> BestOfNSettings:
+        return replace(self, n=n)
+
+
+class BestOfN:
+    def __init__(self, task: Task, settings: BestOfNSettings, gen: GenSettings, seed: int) -> None:
+        self.task, self.settings, self.gen, self.seed = task, settings, gen, seed
+
+    async def solve(self, problem: Problem, engine: GenerationEngine) -> Solution:
+        step = Step(self.task, self.gen, self.seed, problem, engine)
+        prompt = self.task.solution_prompt(problem)
+        requests = [
+            self.gen.request(
+                prompt,
+                group=f"{problem.id}/solutions",
+                seed=request_seed(self.seed, problem.id, "solution", i),
+                keep=step.in_context and self.settings.scored,
+                max_new_tokens=self.settings.max_tokens,
+            )
+            for i in range(self.settings.n)
+        ]
+        written = await asyncio.gather(*(self._solution(step, i, r) for i, r in enumerate(requests)))
+        # The chains are added in solution order once all are written: node ids do not depend on
+        # which reply finished first.
+        tree = step.tree
+        leaves = []
+        for i, (reply, steps, tokens, valued) in enumerate(written):
+            node = tree.root
+            for j, text in enumerate(steps):
+                node = tree.add(node, text, solution=i, **({"reply": reply, "tokens": tokens} if j == 0 else {}))
+            # A majority vote is a vote weighted by 1 per solution.
+            tree[node].update(terminal=True, chosen=True, **(valued or {"value": 1.0}))
+            leaves.append(node)
+        aggregate = "best" if self.settings.aggregate == "best" else "vote"
+        return step.solution(choose(tree, leaves, lambda s: self.task.answer(problem, tree.steps(s)), aggregate))
+
+    async def _solution(self, step: Step, i: int, request: GenRequest) -> tuple[str, list[str], int, dict]:
+        """One solution: its reply, the steps the task reads in it, its tokens and, when the vote
+        needs it, what values it (asked as soon as it is written)."""
+        (out,) = await step.call([request], "generate")
+        steps = self.task.solution_steps(step.problem, out.text)
+        valued = {}
+        if self.settings.scored:
+
+            def prompt(path: list[str], follow_up: bool) -> Prompt:
+                return self.task.solution_evaluator_prompt(step.problem, path, follow_up)
+
+            group = f"{step.problem.id}/solutions/eval"
+            valued = await step.judge(steps, out.context if request.keep else (), prompt, group, f"s{i}")
+        return out.text, steps, out.stats.generated_tokens, valued
+
+
+def solution_leaves(tree: ReasoningTree) -> list[int]:
+    """The last step of each solution in a saved best-of-N tree, in solution order (what it voted over)."""
+    leaves = [n for n in tree.graph.nodes if "solution" in tree[n] and tree[n].get("terminal")]
+    return sorted(leaves, key=lambda n: tree[n]["solution"])

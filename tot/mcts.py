@@ -1,0 +1,140 @@
+"""MCTS over reasoning steps, as RAP runs it (Hao et al. 2023): UCT selection, expansion of
+`n_thoughts` valued children, a simulation that keeps expanding the best-valued new child, and the
+value of the state it ends in backed up along the path.
+
+Iterations run in waves of up to `parallel` at once, so that one problem keeps the engine's batch
+full: each selection in a wave adds a virtual loss to its path (a visit returning the worst value
+seen), so the next one looks elsewhere; a wave ends early where a selection reaches a leaf the wave
+already holds. Within a wave the expansions and simulations advance in lock step, one grown level
+of all of them at a time, and are backed up in selection order: the tree, and each request's seed
+(from its node's place), do not depend on which request finished first, so a resumed run and every
+decoder build the same tree.
+
+Values are the task's (GSM8K 1-10, Blocksworld 0/1), so UCT reads them rescaled to [0, 1] by the
+lowest and highest value seen in the problem's tree (MuZero's normalisation): the exploration
+constant means the same on every task. The answer is the best-valued finished state (ties: more
+visits, then the earlier one); where no path finished, the path of most visits from the root.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field, replace
+
+from decoding.core.errors import ConfigError
+from tasks.base import Problem, Task
+from tot.search import GenerationEngine, GenSettings, Solution, Step, check_positive
+from tot.tree import ReasoningTree
+
+
+@dataclass(frozen=True)
+class MCTSSettings:
+    iterations: int = 16
+    n_thoughts: int = 3  # children sampled (and valued) per expansion
+    exploration: float = 1.0  # UCT's constant, on values rescaled to [0, 1]
+    simulation_depth: int = 1  # levels a simulation grows below the expanded state
+    parallel: int = 4  # iterations per wave (virtual loss keeps them apart)
+
+    def __post_init__(self) -> None:
+        check_positive(search="mcts", iterations=self.iterations, n_thoughts=self.n_thoughts, parallel=self.parallel)
+        if self.exploration < 0 or self.simulation_depth < 0:
+            raise ConfigError(
+                f"search.exploration={self.exploration} and search.simulation_depth={self.simulation_depth} "
+                "must be >= 0 (search=mcts)"
+            )
+
+    def scaled(self, n: int) -> MCTSSettings:
+        return replace(self, iterations=n)
+
+
+@dataclass
+class Stats:
+    """Visits and summed returns per node, the virtual visits of the wave being selected, and the
+    range of values seen (for the rescaling)."""
+
+    visits: Counter = field(default_factory=Counter)
+    total: Counter = field(default_factory=Counter)
+    virtual: Counter = field(default_factory=Counter)
+    low: float = math.inf
+    high: float = -math.inf
+
+    def see(self, value: float) -> None:
+        self.low, self.high = min(self.low, value), max(self.high, value)
+
+    def scaled(self, value: float) -> float:
+        return (value - self.low) / (self.high - self.low) if self.high > self.low else 0.0
+
+    def q(self, tree: ReasoningTree, node: int) -> float:
+        """The node's mean return, rescaled; an unvisited node's own value. Virtual visits return the
+        worst value (0 once rescaled)."""
+        n = self.visits[node] + self.virtual[node]
+        if n == 0:
+            return self.scaled(tree[node]["value"])
+        return self.scaled(self.total[node] / self.visits[node]) * self.visits[node] / n if self.visits[node] else 0.0
+
+
+class MCTS:
+    def __init__(self, task: Task, settings: MCTSSettings, gen: GenSettings, seed: int) -> None:
+        self.task, self.settings, self.gen, self.seed = task, settings, gen, seed
+
+    async def solve(self, problem: Problem, engine: GenerationEngine) -> Solution:
+        step = Step(self.task, self.gen, self.seed, problem, engine)
+        stats, done, wave = Stats(), 0, 0
+        while done < self.settings.iterations:
+            paths = self._select(step.tree, stats, self.settings.iterations - done)
+            await self._simulate(step, stats, paths, wave)
+            for path in paths:
+                ret = step.tree[path[-1]]["value"]
+                for node in path:
+                    stats.visits[node] += 1
+                    stats.total[node] += ret
+            done, wave = done + len(paths), wave + 1
+        for node, n in stats.visits.items():
+            step.tree[node].update(visits=n, q=stats.total[node] / n, chosen=True)
+        return step.solution(self._answer(step.tree, stats))
+
+    def _select(self, tree: ReasoningTree, stats: Stats, budget: int) -> list[list[int]]:
+        """A wave's paths from the root down to a leaf by UCT, each adding a virtual loss to its path."""
+        paths: list[list[int]] = []
+        stats.virtual.clear()
+        for _ in range(min(self.settings.parallel, budget)):
+            path = [tree.root]
+            while (children := list(tree.graph.successors(path[-1]))) and not tree[path[-1]].get("terminal"):
+                path.append(max(children, key=lambda c: self._uct(tree, stats, path[-1], c)))
+            if any(p[-1] == path[-1] for p in paths):
+                break  # the wave holds this leaf already
+            paths.append(path)
+            stats.virtual.update(path)
+        stats.virtual.clear()
+        return paths
+
+    def _uct(self, tree: ReasoningTree, stats: Stats, parent: int, child: int) -> float:
+        n_parent = stats.visits[parent] + stats.virtual[parent]
+        n_child = stats.visits[child] + stats.virtual[child]
+        return stats.q(tree, child) + self.settings.exploration * math.sqrt(math.log(n_parent + 1) / (n_child + 1))
+
+    async def _simulate(self, step: Step, stats: Stats, paths: list[list[int]], wave: int) -> None:
+        """Expand each path's leaf and follow its best-valued new child down, `simulation_depth`
+        levels more or until a path finishes, all paths one level at a time; paths are extended."""
+        tree, width = step.tree, self.settings.n_thoughts
+        for _ in range(1 + self.settings.simulation_depth):
+            live = [p for p in paths if not tree[p[-1]].get("terminal")]
+            if not live:
+                return
+            children = await step.grow([(p[-1], width, "") for p in live], f"{step.problem.id}/w{wave}/eval")
+            for i, path in enumerate(live):
+                grown = children[i * width : (i + 1) * width]
+                for c in grown:
+                    stats.see(tree[c]["value"])
+                path.append(max(grown, key=lambda c: tree[c]["value"]))  # the first of equals
+
+    @staticmethod
+    def _answer(tree: ReasoningTree, stats: Stats) -> int:
+        finished = [n for n in tree.graph.nodes if n != tree.root and tree[n].get("terminal")]
+        if finished:
+            return max(finished, key=lambda n: (tree[n]["value"], stats.visits[n], -n))
+        node = tree.root
+        while children := [c for c in tree.graph.successors(node) if stats.visits[c]]:
+            node = max(children, key=lambda c: (stats.visits[c], -c))
+        return node
