@@ -474,6 +474,7 @@ def bench_command(cfg: DictConfig, out: Path) -> list[str]:
             budgets,
             temperatures,
             container["bench"].get("searches"),
+            lambda rows: write_atomic(out / "scaling.json", json.dumps(rows, indent=2) + "\n"),
         )
         text = scaling_table(rows)
         print(text)

@@ -42,9 +42,12 @@ def scaling(
     budgets: list[int],
     temperatures: list[float],
     searches: dict[str, dict | None] | None = None,
+    after_cell: Callable[[list[dict]], None] | None = None,
 ) -> tuple[list[dict], list[str]]:
     """One bench per (temperature, search, N), run by `run_cell` (tot.bench.bench on the loaded
-    models and decoders): the rows of the curve and the lossless check's mismatches, each naming its cell."""
+    models and decoders): the rows of the curve and the lossless check's mismatches, each naming its
+    cell. `after_cell` gets the rows so far after each cell (the command writes them: a long sweep
+    stopped midway keeps its finished cells)."""
     rows, mismatches = [], []
     for t in temperatures:
         for search, settings in search_cells(cfg, searches).items():
@@ -73,6 +76,8 @@ def scaling(
                             "speedup_vs_ar": r.get("speedup_vs_ar"),
                         }
                     )
+                if after_cell is not None:
+                    after_cell(rows)
     return rows, mismatches
 
 
