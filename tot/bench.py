@@ -9,7 +9,7 @@ over `hf` and `ar`, acceptance length, target forwards per token, rows per forwa
 target's batches were), prompt tokens computed against requested (what prefix sharing saved), target
 busy fraction and the peak KV-cache memory. At temperature 0, and at any temperature under a matched
 `verify.rule` (the default), every decoder's trees must equal `hf`'s under the same rule and
-evaluator (the lossless invariant): a difference is
+evaluator (the lossless invariant; where no `hf` entry runs, the first `ar` entry's): a difference is
 printed and the command exits with status 1. `server` (decoder=server, the `server.*` options) runs
 the search on a serving engine beside the in-process decoders, e.g. llama.cpp's server on the same
 GGUF file: its outputs follow the server's own numeric path, so it is left out of that check, and
@@ -54,6 +54,7 @@ from tot.compare import first_difference
 from tot.config import RunConfig
 from tot.lock import run_lock
 from tot.output import pyplot, save_figure, write_atomic
+from tot.reward import load_reward
 from tot.run import build_task, make_judge, make_search, score, solve_all
 from tot.scaling import plot_scaling, scaling, scaling_table
 from tot.search import PHASES, GenerationEngine, Search, Solution, run_sync
@@ -154,7 +155,8 @@ def bench(
     problems = task.load(cfg.data)
     evaluated = {name: (evaluator or {}).get(name, getattr(task, "evaluator", "separate")) for name in configs}
     # Tasks are dataclasses: an entry's task differs from the run's in its evaluator alone.
-    searches = {name: make_search(cfg, replace(task, evaluator=e)) for name, e in evaluated.items()}  # type: ignore[type-var]
+    reward = load_reward(cfg.reward) if cfg.reward else None  # reward.path: one model for every entry
+    searches = {name: make_search(cfg, replace(task, evaluator=e), reward) for name, e in evaluated.items()}  # type: ignore[type-var]
     at_once = {name: (concurrency or {}).get(name, cfg.concurrency) for name in configs}
     engines = {name: bench_engine(c, target, draft) for name, c in configs.items()}
     # task.judge.path, as tot.run scores with it; loaded once (else each decoder's engine is its own judge).
@@ -187,17 +189,22 @@ def bench(
     # are not compared. Each entry is held to an `hf` entry under the same evaluator and rule.
     greedy = cfg.gen.temperature == 0 and cfg.gen.eval_temperature == 0
     same_path = [n for n, c in configs.items() if c.server is None and (greedy or c.verify.rule != "rejection")]
-    references: dict[tuple[str, str], str] = {}  # (evaluator, rule) -> the first hf entry under them
-    for n, c in configs.items():
-        if c.name == "hf":
-            references.setdefault(setting[n], n)
-    checked = [n for n in same_path if setting[n] in references]
+    # (evaluator, rule) -> the first hf entry under them; where no hf entry ran (a long sweep leaves
+    # the slowest out), the first ar entry: every entry must still build the trees ar built.
+    references: dict[tuple[str, str], str] = {}
+    for base in ("hf", "ar"):
+        for n in same_path:
+            if configs[n].name == base:
+                references.setdefault(setting[n], n)
+    compared = [n for n in same_path if setting[n] in references]
+    checked = [n for n in compared if configs[references[setting[n]]].name == "hf"]
     mismatches = []
-    for name in checked:
+    for name in compared:
+        reference = references[setting[name]]
         for pid, tree in tallies[name].trees.items():
-            where = first_difference(tallies[references[setting[name]]].trees[pid], tree)
+            where = first_difference(tallies[reference].trees[pid], tree)
             if where:
-                mismatches.append(f"{name} on {pid}: {where}")
+                mismatches.append(f"{name} on {pid} (against {reference}): {where}")
     return {
         "task": cfg.task,
         "model": cfg.model.path,
@@ -205,6 +212,7 @@ def bench(
         "temperature": cfg.gen.temperature,
         "lossless_checked": sorted(checked) == sorted(configs),
         "identity_checked": checked,  # the decoders whose trees were compared with hf's
+        "compared_with_ar": [n for n in compared if n not in checked],  # where no hf entry ran
         "servers": [n for n, c in configs.items() if c.server is not None],  # outputs of their own
         "mismatches": mismatches,
         # All decoders share one process (and the model's weights), so host memory is one figure.

@@ -16,9 +16,9 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from decoding.core.values import GenRequest
-from tasks.base import Problem, Prompt, Task
+from tasks.base import Problem, Prompt
 from tot.dvts import choose
-from tot.search import GenerationEngine, GenSettings, Solution, Step, check_positive, request_seed
+from tot.search import GenerationEngine, SearchBase, Solution, Step, check_positive, request_seed
 from tot.tree import ReasoningTree
 
 Vote = Literal["majority", "weighted", "best"]
@@ -41,12 +41,11 @@ class BestOfNSettings:
         return replace(self, n=n)
 
 
-class BestOfN:
-    def __init__(self, task: Task, settings: BestOfNSettings, gen: GenSettings, seed: int) -> None:
-        self.task, self.settings, self.gen, self.seed = task, settings, gen, seed
+class BestOfN(SearchBase):
+    settings: BestOfNSettings
 
     async def solve(self, problem: Problem, engine: GenerationEngine) -> Solution:
-        step = Step(self.task, self.gen, self.seed, problem, engine)
+        step = self.step(problem, engine)
         prompt = self.task.solution_prompt(problem)
         requests = [
             self.gen.request(

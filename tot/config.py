@@ -15,6 +15,7 @@ from tasks import TASKS, DataSpec
 from tot.best_of_n import BestOfNSettings
 from tot.dvts import DVTSSettings
 from tot.mcts import MCTSSettings
+from tot.reward import IN_CONTEXT_REFUSED, RewardSpec
 from tot.search import BFSSettings, GenSettings
 from tot.searches import SEARCHES
 
@@ -41,6 +42,7 @@ class RunConfig:
     task_options: dict = field(default_factory=dict)  # task.<key> options of the task itself
     judge: ModelSpec | None = None  # task.judge.path: a separate model scores final answers
     concurrency: int = 1  # run.concurrency: problems searched at once over the one engine
+    reward: RewardSpec | None = None  # reward.path: a reward model values states in place of the evaluator
 
     @property
     def search_settings(self) -> BFSSettings | DVTSSettings | BestOfNSettings | MCTSSettings:
@@ -56,6 +58,8 @@ class RunConfig:
         _positive("run.concurrency", self.concurrency)
         if self.decoder.server is not None and self.task_options.get("evaluator") == "in_context":
             raise ConfigError(FOLLOW_UPS_REFUSED)
+        if self.reward is not None and self.task_options.get("evaluator") == "in_context":
+            raise ConfigError(IN_CONTEXT_REFUSED)
         _positive("gen.max_thought_tokens", self.gen.max_thought_tokens)
         _positive("gen.max_eval_tokens", self.gen.max_eval_tokens)
         for key, t in (("gen.temperature", self.gen.temperature), ("gen.eval_temperature", self.gen.eval_temperature)):
@@ -97,6 +101,7 @@ class RunConfig:
                 task_options={k: v for k, v in c["task"].items() if k not in TASK_RUN_KEYS},
                 judge=_judge(c),
                 concurrency=as_int("run.concurrency", c["run"]["concurrency"]),
+                reward=_reward(c),
             )
         except KeyError as e:
             raise ConfigError(f"config key {e} is missing; start from conf/config.yaml") from None
@@ -111,6 +116,16 @@ def _search_settings(search: dict) -> dict:
         key: from_dict(kind.settings, search, "search", ignore=("name",)) if key == name else kind.settings()
         for key, kind in SEARCHES.items()
     }
+
+
+def _reward(c: dict) -> RewardSpec | None:
+    """reward.path's model, loaded like the target (model.device, model.weights...), and how to read it."""
+    options = dict(c.get("reward") or {})
+    path = options.pop("path", None)
+    if not path:
+        return None
+    model = ModelSpec.from_config({**c["model"], "path": str(path)}, "reward")
+    return from_dict(RewardSpec, {**options, "model": model}, "reward")
 
 
 def _judge(c: dict) -> ModelSpec | None:

@@ -16,8 +16,8 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from decoding.core.errors import ConfigError
-from tasks.base import Problem, Task
-from tot.search import GenerationEngine, GenSettings, Solution, Step, check_positive
+from tasks.base import Problem
+from tot.search import GenerationEngine, SearchBase, Solution, Step, check_positive
 from tot.tree import ReasoningTree
 
 Aggregate = Literal["best", "vote"]
@@ -47,12 +47,11 @@ class DVTSSettings:
         return replace(self, n=n, beam_width=self.beam_width if n % self.beam_width == 0 else 1)
 
 
-class DVTS:
-    def __init__(self, task: Task, settings: DVTSSettings, gen: GenSettings, seed: int) -> None:
-        self.task, self.settings, self.gen, self.seed = task, settings, gen, seed
+class DVTS(SearchBase):
+    settings: DVTSSettings
 
     async def solve(self, problem: Problem, engine: GenerationEngine) -> Solution:
-        step = Step(self.task, self.gen, self.seed, problem, engine)
+        step = self.step(problem, engine)
         tree, width = step.tree, self.settings.beam_width
         current = [tree.root] * self.settings.subtrees
         live = list(range(self.settings.subtrees))

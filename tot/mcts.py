@@ -23,8 +23,8 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 
 from decoding.core.errors import ConfigError
-from tasks.base import Problem, Task
-from tot.search import GenerationEngine, GenSettings, Solution, Step, check_positive
+from tasks.base import Problem
+from tot.search import GenerationEngine, SearchBase, Solution, Step, check_positive
 from tot.tree import ReasoningTree
 
 
@@ -74,12 +74,11 @@ class Stats:
         return self.scaled(self.total[node] / self.visits[node]) * self.visits[node] / n if self.visits[node] else 0.0
 
 
-class MCTS:
-    def __init__(self, task: Task, settings: MCTSSettings, gen: GenSettings, seed: int) -> None:
-        self.task, self.settings, self.gen, self.seed = task, settings, gen, seed
+class MCTS(SearchBase):
+    settings: MCTSSettings
 
     async def solve(self, problem: Problem, engine: GenerationEngine) -> Solution:
-        step = Step(self.task, self.gen, self.seed, problem, engine)
+        step = self.step(problem, engine)
         stats, done, wave = Stats(), 0, 0
         while done < self.settings.iterations:
             paths = self._select(step.tree, stats, self.settings.iterations - done)

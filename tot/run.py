@@ -23,7 +23,8 @@ from tot.config import RunConfig
 from tot.lock import run_lock
 from tot.output import make_dirs, write_atomic
 from tot.results import ResultStore, answer_fields, summarize
-from tot.search import GenerationEngine, Search, request_seed, run_sync
+from tot.reward import load_reward
+from tot.search import GenerationEngine, Reward, Search, request_seed, run_sync
 from tot.searches import SEARCHES
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,7 @@ def _run(cfg: RunConfig, out_dir: Path, engine: GenerationEngine | None, progres
     if todo:
         engine = engine or make_engine(cfg)
         judge = make_judge(cfg, engine)
-        search = make_search(cfg, task)
+        search = make_search(cfg, task, load_reward(cfg.reward) if cfg.reward else None)
         bar = tqdm(total=len(todo), desc=f"{cfg.task}/{cfg.decoder.name}", unit="problem", disable=not progress)
         clock = [time.perf_counter()]  # when the latest problem finished (or the run started)
 
@@ -153,8 +154,8 @@ def build_task(cfg: RunConfig) -> Task:
     return make_task(cfg.task, cfg.depth, cfg.task_options)
 
 
-def make_search(cfg: RunConfig, task: Task) -> Search:
-    return SEARCHES[cfg.search].build(task, cfg.search_settings, cfg.gen, cfg.seed)
+def make_search(cfg: RunConfig, task: Task, reward: Reward | None = None) -> Search:
+    return SEARCHES[cfg.search].build(task, cfg.search_settings, cfg.gen, cfg.seed, reward)
 
 
 def make_judge(cfg: RunConfig, engine: GenerationEngine) -> GenerationEngine:

@@ -107,11 +107,14 @@ def plot_scaling(rows: list[dict], path: Path) -> bool:
     for r in rows:
         lines.setdefault((r["search"], r["decoder"], r["temperature"]), []).append(r)
     several_t = len({r["temperature"] for r in rows}) > 1
+    labelled = set()  # each (search, temperature)'s points are named once, on its first decoder's line
     for (search, decoder, t), points in lines.items():
         label = f"{search} / {decoder}" + (f" / t={t}" if several_t else "")
+        named = (search, t) not in labelled
+        labelled.add((search, t))
         for ax, x in zip(axes, ("wall_s", "tokens")):
             ax.plot([p[x] for p in points], [p["accuracy"] for p in points], marker="o", label=label)
-            for p in points:
+            for p in points if named else []:
                 where = (p[x], p["accuracy"])
                 ax.annotate(f"N={p['budget']}", where, fontsize=7, xytext=(3, 3), textcoords="offset points")
     axes[0].set_xlabel("wall time of the run (s)")

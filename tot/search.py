@@ -14,12 +14,13 @@ import asyncio
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import Any, Protocol
 
 from decoding.core.errors import ConfigError
 from decoding.core.values import Completion, DecodeStats, GenRequest, GenResult
 from decoding.engine import run_sync as run_sync  # searches are run with it
 from tasks.base import Problem, Prompt, Task
+from tot.reward import ScoringModel
 from tot.tree import ReasoningTree
 
 PHASES = ("generate", "evaluate")
@@ -119,6 +120,10 @@ class GenerationEngine(Protocol):
     async def agenerate(self, requests: list[GenRequest]) -> Completion: ...
 
 
+# A reward model (reward.path): a judge's engine, or a classifier / PRM scoring paths itself.
+Reward = GenerationEngine | ScoringModel
+
+
 class Search(Protocol):
     async def solve(self, problem: Problem, engine: GenerationEngine) -> Solution: ...
 
@@ -139,8 +144,17 @@ class Step:
     """Thought generation and state evaluation for one problem's tree, each call's cost added to
     its phase's stats."""
 
-    def __init__(self, task: Task, gen: GenSettings, seed: int, problem: Problem, engine: GenerationEngine) -> None:
+    def __init__(
+        self,
+        task: Task,
+        gen: GenSettings,
+        seed: int,
+        problem: Problem,
+        engine: GenerationEngine,
+        reward: Reward | None = None,
+    ) -> None:
         self.task, self.gen, self.seed, self.problem, self.engine = task, gen, seed, problem, engine
+        self.reward = reward
         self.tree = ReasoningTree(problem.question)
         self.phases = {p: PhaseStats() for p in PHASES}
         self.in_context = getattr(task, "evaluator", "separate") == "in_context"
@@ -195,6 +209,11 @@ class Step:
         """The attributes valuing the path `steps`: its value, the mean of task.n_evaluate evaluator
         samples of prompt(steps, whether asked in the reply's `context`), all in one call, seeded by
         `key` (the path's place in the search), and the evaluation that gave it."""
+        if isinstance(self.reward, ScoringModel):
+            scored = self.reward.score(self.problem.question, steps)
+            self.phases["evaluate"].calls += 1
+            per_step = {"reward_steps": list(scored.steps)} if scored.steps else {}  # a PRM's step scores
+            return {"value": scored.value, "evaluation": f"reward {scored.value:.4f}", **per_step}
         task, pid, k = self.task, self.problem.id, self.task.n_evaluate
         asked = prompt(steps, bool(context))
         requests = [
@@ -208,7 +227,8 @@ class Step:
             )
             for j in range(k)
         ]
-        texts = [o.text for o in await self.call(requests, "evaluate")]
+        # A judge (reward.kind=judge) answers the task's evaluator prompt on its own engine.
+        texts = [o.text for o in await self.call(requests, "evaluate", self.reward)]
         attrs = {"eval_prompt": asked.text, "value": sum(map(task.parse_value, texts)) / k}
         attrs["evaluation"] = texts[0] if k == 1 else texts
         if context:
@@ -225,19 +245,31 @@ class Step:
         steps = self.tree.steps(best)
         return Solution(self.task.answer(self.problem, steps), self.tree, self.phases, steps)
 
-    async def call(self, requests: list[GenRequest], phase: str) -> list[GenResult]:
-        done = await self.engine.agenerate(requests)
+    async def call(
+        self, requests: list[GenRequest], phase: str, engine: GenerationEngine | None = None
+    ) -> list[GenResult]:
+        done = await (engine or self.engine).agenerate(requests)
         self.phases[phase].decode += done.stats
         self.phases[phase].calls += 1
         return done.results
 
 
-class BFS:
-    def __init__(self, task: Task, settings: BFSSettings, gen: GenSettings, seed: int) -> None:
-        self.task, self.settings, self.gen, self.seed = task, settings, gen, seed
+class SearchBase:
+    """What every search is built from: the task, its settings, the sampling settings, the run seed
+    and the reward model, if any (reward.path: it values states in place of the task's evaluator)."""
+
+    def __init__(self, task: Task, settings: Any, gen: GenSettings, seed: int, reward: Reward | None = None) -> None:
+        self.task, self.settings, self.gen, self.seed, self.reward = task, settings, gen, seed, reward
+
+    def step(self, problem: Problem, engine: GenerationEngine) -> Step:
+        return Step(self.task, self.gen, self.seed, problem, engine, self.reward)
+
+
+class BFS(SearchBase):
+    settings: BFSSettings
 
     async def solve(self, problem: Problem, engine: GenerationEngine) -> Solution:
-        step = Step(self.task, self.gen, self.seed, problem, engine)
+        step = self.step(problem, engine)
         tree = step.tree
         frontier = [tree.root]
         for depth in range(1, self.task.depth + 1):

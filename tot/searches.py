@@ -10,7 +10,7 @@ from tasks.base import Task
 from tot.best_of_n import BestOfN, BestOfNSettings
 from tot.dvts import DVTS, DVTSSettings
 from tot.mcts import MCTS, MCTSSettings
-from tot.search import BFS, BFSSettings, GenSettings, Search
+from tot.search import BFS, BFSSettings, GenSettings, Reward, Search
 
 
 @dataclass(frozen=True)
@@ -18,8 +18,8 @@ class SearchKind:
     # A frozen dataclass read from `search.*` by decoding.core.options.from_dict, checking itself in
     # __post_init__; `scaled(n)` gives its settings at budget N (the scaling curve's x).
     settings: type
-    # Built from the task, the settings, the sampling settings and the run seed.
-    build: Callable[[Task, Any, GenSettings, int], Search]
+    # Built from the task, the settings, the sampling settings, the run seed and the reward model (or None).
+    build: Callable[[Task, Any, GenSettings, int, Reward | None], Search]
 
 
 SEARCHES: dict[str, SearchKind] = {

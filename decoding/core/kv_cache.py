@@ -12,6 +12,8 @@ transformers range in tests/test_kv_cache.py.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 POOL_SLACK = 4.0  # a pool gives memory back once it holds this many times what its live rows need
@@ -46,11 +48,6 @@ class RowKVCache:
             self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.lens = torch.zeros(batch, dtype=torch.long, device=device)
-        self._slots: torch.Tensor | None = None
-        self._offset = 0
-        self._kv_len = 0
-        self._rows: torch.Tensor | None = None  # the rows in the prepared forward (None: all)
-        self._gather = True  # whether `update` returns only the prepared rows (else all, read in place)
 
     @classmethod
     def for_model(
@@ -78,8 +75,8 @@ class RowKVCache:
     def capacity(self) -> int:
         return self.keys[0].shape[2]
 
-    def prepare(self, n_new: int, offset: int = 0, rows: list[int] | None = None, gather: bool = True) -> None:
-        """Reserve slots for the next forward's n_new tokens per row.
+    def prepare(self, n_new: int, offset: int = 0, rows: list[int] | None = None, gather: bool = True) -> ForwardView:
+        """The next forward's view of the cache: slots for its n_new tokens per row.
 
         They go after `offset` uncommitted slots written by earlier forwards of the same step: a
         drafter grows its tree level by level, each level seeing the levels before it, and only
@@ -87,63 +84,13 @@ class RowKVCache:
         some rows (a scheduler verifying one queued sequence while others draft); `gather`=False
         returns every row from `update` (for an attention that reads `rows` in place).
         """
-        self._rows = None if rows is None else torch.tensor(rows, dtype=torch.long, device=self.lens.device)
-        lens = self.row_lens()
+        index = None if rows is None else torch.tensor(rows, dtype=torch.long, device=self.lens.device)
+        lens = self.lens if index is None else self.lens.index_select(0, index)
         need = int(lens.max()) + offset + n_new
         if need > self.capacity:
             raise RuntimeError(f"KV cache holds {self.capacity} positions, a forward needs {need}")
-        self._slots = lens[:, None] + offset + torch.arange(n_new, device=self.lens.device)
-        self._offset = offset
-        self._kv_len = need
-        self._gather = gather
-
-    def row_lens(self) -> torch.Tensor:
-        """Committed lengths of the rows in the prepared forward."""
-        return self.lens if self._rows is None else self.lens.index_select(0, self._rows)
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object, **kwargs: object
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The `transformers` Cache entry point: store this layer's new keys/values, return all of them."""
-        k, v = self.keys[layer_idx], self.values[layer_idx]
-        rows, slots = self.write_index()
-        # Advanced indices around a slice put the indexed dims first: [B, T, H, D].
-        k[rows, :, slots] = key_states.transpose(1, 2).to(k.dtype)
-        v[rows, :, slots] = value_states.transpose(1, 2).to(v.dtype)
-        if self._rows is None or not self._gather:
-            return k[:, :, : self._kv_len], v[:, :, : self._kv_len]
-        first, n = int(self._rows[0]), len(self._rows)
-        if torch.equal(self._rows, torch.arange(first, first + n, device=self._rows.device)):
-            return k[first : first + n, :, : self._kv_len], v[first : first + n, :, : self._kv_len]  # a view
-        return k[self._rows, :, : self._kv_len], v[self._rows, :, : self._kv_len]
-
-    def write_index(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Where the prepared forward writes: cache rows [B, 1] and slots [B, T] (index keys[l][rows, :, slots])."""
-        assert self._slots is not None, "call prepare() before a forward"
-        rows = torch.arange(self.batch, device=self.lens.device) if self._rows is None else self._rows
-        return rows[:, None], self._slots
-
-    @property
-    def kv_len(self) -> int:
-        """Positions the prepared forward attends over (the longest row's, with its new slots)."""
-        return self._kv_len
-
-    def attention_mask(self, tree: torch.Tensor) -> torch.Tensor:
-        """Boolean mask [B, 1, T, kv_len] (True: visible) for the prepared forward.
-
-        tree[b, t, i] (shape [B, T, offset + T]) says whether new token t of row b sees uncommitted
-        slot i of its row (the earlier levels of its tree, itself, its ancestors); every new token
-        sees the whole committed prefix of its row.
-        """
-        assert self._slots is not None, "call prepare() before attention_mask()"
-        batch, n_new = self._slots.shape
-        width = self._offset + n_new
-        lens = self.row_lens()
-        cols = torch.arange(self._kv_len, device=self.lens.device)
-        visible = (cols[None, None, :] < lens[:, None, None]).expand(batch, n_new, -1).clone()
-        slots = lens[:, None] + torch.arange(width, device=self.lens.device)
-        visible.scatter_(2, slots[:, None, :].expand(batch, n_new, width), tree.to(torch.bool))
-        return visible[:, None]
+        slots = lens[:, None] + offset + torch.arange(n_new, device=self.lens.device)
+        return ForwardView(self, lens, slots, offset, need, index, gather)
 
     def advance(self, counts: torch.Tensor) -> None:
         """Commit the first counts[b] new entries of each row."""
@@ -199,8 +146,6 @@ class RowKVCache:
         self.values = [resized(v) for v in self.values]
         lens = self.lens[:b]
         self.lens = torch.cat([lens, lens.new_zeros(batch - b)])
-        self._slots = None
-        self._rows = None
 
     def copy_prefix(self, src: RowKVCache, src_row: int, rows: list[int], n: int) -> None:
         """Rows `rows` become the first n committed positions of `src`'s row src_row."""
@@ -209,12 +154,79 @@ class RowKVCache:
             dst[index, :, :n] = s[src_row, :, :n]
         self.lens[index] = n
 
+    def __len__(self) -> int:
+        return len(self.keys)  # layers, as a `transformers` cache counts them
+
+
+@dataclass(frozen=True)
+class ForwardView:
+    """One forward's view of a RowKVCache: which rows it runs (None: all), where their new tokens are
+    written and what they attend over. It is what `transformers` gets as `past_key_values` for that
+    forward (its `update` is the Cache entry point), and nothing of it outlives the forward."""
+
+    cache: RowKVCache
+    lens: torch.Tensor  # [B] committed lengths of the forward's rows
+    slots: torch.Tensor  # [B, T] where its new tokens are written
+    offset: int  # uncommitted slots of earlier forwards of the step, before the new ones
+    kv_len: int  # positions attended over: the longest row's, with its new slots
+    rows: torch.Tensor | None
+    gather: bool  # whether `update` returns only the forward's rows (else all, read in place)
+
+    @property
+    def keys(self) -> list[torch.Tensor]:
+        return self.cache.keys
+
+    @property
+    def values(self) -> list[torch.Tensor]:
+        return self.cache.values
+
+    def row_lens(self) -> torch.Tensor:
+        """Committed lengths of the forward's rows."""
+        return self.lens
+
+    def write_index(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where the forward writes: cache rows [B, 1] and slots [B, T] (index keys[l][rows, :, slots])."""
+        rows = torch.arange(self.cache.batch, device=self.lens.device) if self.rows is None else self.rows
+        return rows[:, None], self.slots
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The `transformers` Cache entry point: store this layer's new keys/values, return all of them."""
+        k, v = self.cache.keys[layer_idx], self.cache.values[layer_idx]
+        rows, slots = self.write_index()
+        # Advanced indices around a slice put the indexed dims first: [B, T, H, D].
+        k[rows, :, slots] = key_states.transpose(1, 2).to(k.dtype)
+        v[rows, :, slots] = value_states.transpose(1, 2).to(v.dtype)
+        if self.rows is None or not self.gather:
+            return k[:, :, : self.kv_len], v[:, :, : self.kv_len]
+        first, n = int(self.rows[0]), len(self.rows)
+        if torch.equal(self.rows, torch.arange(first, first + n, device=self.rows.device)):
+            return k[first : first + n, :, : self.kv_len], v[first : first + n, :, : self.kv_len]  # a view
+        return k[self.rows, :, : self.kv_len], v[self.rows, :, : self.kv_len]
+
+    def attention_mask(self, tree: torch.Tensor) -> torch.Tensor:
+        """Boolean mask [B, 1, T, kv_len] (True: visible) for the forward.
+
+        tree[b, t, i] (shape [B, T, offset + T]) says whether new token t of row b sees uncommitted
+        slot i of its row (the earlier levels of its tree, itself, its ancestors); every new token
+        sees the whole committed prefix of its row.
+        """
+        batch, n_new = self.slots.shape
+        width = self.offset + n_new
+        device = self.lens.device
+        cols = torch.arange(self.kv_len, device=device)
+        visible = (cols[None, None, :] < self.lens[:, None, None]).expand(batch, n_new, -1).clone()
+        slots = self.lens[:, None] + torch.arange(width, device=device)
+        visible.scatter_(2, slots[:, None, :].expand(batch, n_new, width), tree.to(torch.bool))
+        return visible[:, None]
+
     # Methods some `transformers` code paths query on a cache object.
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return int(self.lens.max()) if self.batch else 0
+        return int(self.cache.lens.max()) if self.cache.batch else 0
 
     def __len__(self) -> int:
-        return len(self.keys)
+        return len(self.cache.keys)
 
 
 def _by_position(keys: torch.Tensor) -> bool:

@@ -18,7 +18,7 @@ import torch
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaForCausalLM
 
 from decoding.core import attention, kernels
-from decoding.core.kv_cache import RowKVCache
+from decoding.core.kv_cache import ForwardView
 from decoding.core.quant import Int4Linear
 
 _NONE = torch.empty(0)
@@ -69,7 +69,7 @@ class Layers:
     @torch.inference_mode()
     def forward(
         self,
-        cache: RowKVCache,
+        cache: ForwardView,
         tokens: torch.Tensor,
         mask: torch.Tensor,
         positions: torch.Tensor,
@@ -79,7 +79,7 @@ class Layers:
         real: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits for new tokens [B, T] (at `logits_at` only, if given), and the output of decoder
-        layer `capture` (or None). `cache` is prepared for this forward, its rows read in place;
+        layer `capture` (or None). `cache` is this forward's view of the cache, its rows read in place;
         `mask` is its boolean [B, 1, T, L] visibility; `kv_rows` names the cache rows of the token
         rows when they are a subset. `real` (flat indices into [B, T]): only those tokens are
         computed (pads skipped), logits are [K, V] at `logits_at` indices into them."""

@@ -10,7 +10,7 @@ import torch
 
 from decoding.core import attention, llama
 from decoding.core.draft_tree import DraftTree
-from decoding.core.kv_cache import RowKVCache
+from decoding.core.kv_cache import ForwardView, RowKVCache
 from decoding.core.memory import MemoryBudget
 from decoding.core.packing import Packed, pack
 from decoding.core.prefix_cache import Match, PrefixCache, shared_len
@@ -113,23 +113,23 @@ class ModelRunner:
             raise ValueError("a ragged forward needs the project's Llama layers without hidden-state capture")
         tokens = tokens.to(self.device)
         in_place = self.reads_rows_in_place and rows is not None
-        cache.prepare(tokens.shape[1], offset, rows, gather=not in_place)
+        view = cache.prepare(tokens.shape[1], offset, rows, gather=not in_place)
         self.peak_cache_bytes = max(self.peak_cache_bytes, cache.nbytes)
-        mask = cache.attention_mask(tree.to(self.device))
+        mask = view.attention_mask(tree.to(self.device))
         if self.additive_mask:
             mask = torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill_(
                 ~mask, torch.finfo(self.dtype).min
             )
         kv_rows = torch.tensor(rows, dtype=torch.long) if in_place else None
-        positions = cache.row_lens()[:, None] + depth.to(self.device)
+        positions = view.row_lens()[:, None] + depth.to(self.device)
         keep = None if logits_at is None else logits_at.to(self.device)
         if self.layers is not None:
             real = None if real is None else real.to(self.device)
-            logits, hidden = self.layers.forward(cache, tokens, mask, positions, kv_rows, keep, self.hidden_layer, real)
+            logits, hidden = self.layers.forward(view, tokens, mask, positions, kv_rows, keep, self.hidden_layer, real)
             if self.hidden_layer is not None:
                 self.last_hidden = hidden
         else:
-            logits = self._transformers_forward(cache, tokens, mask, positions, kv_rows, keep)
+            logits = self._transformers_forward(view, tokens, mask, positions, kv_rows, keep)
         self.forwards += 1
         self.rows += tokens.shape[0]
         return logits
@@ -160,7 +160,7 @@ class ModelRunner:
 
     def _transformers_forward(
         self,
-        cache: RowKVCache,
+        view: ForwardView,
         tokens: torch.Tensor,
         mask: torch.Tensor,
         positions: torch.Tensor,
@@ -176,7 +176,7 @@ class ModelRunner:
                 input_ids=tokens,
                 attention_mask=mask,
                 position_ids=positions,
-                past_key_values=cache,
+                past_key_values=view,
                 use_cache=True,
                 logits_to_keep=0 if logits_at is None else logits_at,
                 **extra,

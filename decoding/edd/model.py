@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from decoding.core.errors import BackendError
-from decoding.core.kv_cache import RowKVCache
+from decoding.core.kv_cache import ForwardView, RowKVCache
 from decoding.core.models import LoadedModel, ModelSpec, default_cache_dir
 from decoding.core.prepack import prepack_linears
 from decoding.core.quant import dense_state_dict
@@ -165,7 +165,7 @@ class EddModel(torch.nn.Module):
         embeds: torch.Tensor,
         mask: torch.Tensor,
         positions: torch.Tensor,
-        cache: RowKVCache | None = None,
+        cache: ForwardView | None = None,
         logits_at: torch.Tensor | None = None,
         head_rows: tuple[torch.Tensor, torch.Tensor | None] | None = None,
     ) -> torch.Tensor:
@@ -202,10 +202,10 @@ class EddModel(torch.nn.Module):
         head_rows: tuple[torch.Tensor, torch.Tensor | None] | None = None,
     ) -> torch.Tensor:
         """A forward over the per-row cache, as ModelRunner.forward does for the target."""
-        cache.prepare(embeds.shape[1], offset, rows)
-        mask = cache.attention_mask(tree.to(self.device))
-        positions = cache.row_lens()[:, None] + depth.to(self.device)
-        return self(embeds.to(self.device, self.dtype), mask, positions, cache, logits_at, head_rows)
+        view = cache.prepare(embeds.shape[1], offset, rows)
+        mask = view.attention_mask(tree.to(self.device))
+        positions = view.row_lens()[:, None] + depth.to(self.device)
+        return self(embeds.to(self.device, self.dtype), mask, positions, view, logits_at, head_rows)
 
     def trained_state(self) -> dict[str, torch.Tensor]:
         return {k: v for k, v in self.state_dict().items() if "rotary" not in k}

@@ -1,0 +1,75 @@
+"""best_of_n and mcts on every task with the embedded model (loaded once): each runs end to end, and
+`ar` and `seed_stand` build the very same trees at temperature 0 and under the matched sampling rule;
+a best-of-N solution on GSM8K is read as a chain of thought with a stated answer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from decoding.core.models import LoadedModel, ModelSpec, load_model
+from decoding.engine import Engine
+from tot.run import run
+from tot.show import load_tree
+
+TASKS = {
+    "gsm8k": ["task.depth=2"],
+    "creative_writing": ["task.depth=2", "task.n_evaluate=1"],
+    "blocksworld": ["task.depth=2", "task.n_problems=1", "task.steps=2"],
+}
+SEARCHES = {
+    "best_of_n": ["search=best_of_n", "search.n=2", "search.max_tokens=48", "search.aggregate=weighted"],
+    "mcts": ["search=mcts", "search.iterations=2", "search.n_thoughts=2", "search.parallel=2"],
+}
+SMALL = ["data.limit=1", "gen.max_thought_tokens=24", "gen.max_eval_tokens=8", "model.device=cpu"]
+
+
+@pytest.fixture(scope="module")
+def smol() -> LoadedModel:
+    return load_model(ModelSpec(device="cpu"))
+
+
+def solve(smol: LoadedModel, out: Path, *overrides: str) -> tuple[dict, list]:
+    from test_run import make_config
+
+    cfg = make_config(*SMALL, *overrides)
+    summary = run(cfg, out, engine=Engine(smol, cfg.decoder), progress=False)
+    record = json.loads((out / "results.jsonl").read_text().splitlines()[0])
+    tree = load_tree(out, record["id"])
+    return summary, [(d["text"], d["value"]) for _, d in sorted(tree.graph.nodes(data=True))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("search", list(SEARCHES))
+@pytest.mark.parametrize("task", list(TASKS))
+def test_search_on_the_embedded_model(smol, tmp_path, task, search):
+    for temperature in (0.0, 0.7):
+        trees = {}
+        for decoder in ("ar", "seed_stand"):
+            out = tmp_path / f"{temperature}-{decoder}"
+            overrides = [f"task={task}", *TASKS[task], *SEARCHES[search], f"decoder={decoder}"]
+            summary, trees[decoder] = solve(smol, out, *overrides, f"gen.temperature={temperature}")
+            assert summary["n_problems"] == 1 and summary["generated_tokens"] > 0
+            if search == "mcts":  # every grown state is valued (a best-of-N solution at its last step only)
+                assert all(value is not None for _, value in trees[decoder][1:])
+        assert trees["ar"] == trees["seed_stand"], (task, search, temperature)
+
+
+@pytest.mark.slow
+def test_a_best_of_n_gsm8k_answer_is_the_vote_over_the_replies(smol, tmp_path):
+    """Four sampled chains of thought: the recorded answer is the most frequent answer GSM8K reads in
+    them (the first of equals), from the reply the answer path starts with."""
+    from tasks.gsm8k import GSM8K
+
+    overrides = ["task=gsm8k", "search=best_of_n", "search.n=4", "search.max_tokens=96", "gen.temperature=0.7"]
+    summary, _ = solve(smol, tmp_path, *overrides)
+    record = json.loads((tmp_path / "results.jsonl").read_text().splitlines()[0])
+    tree = load_tree(tmp_path, record["id"])
+    firsts = list(tree.graph.successors(tree.root))
+    task = GSM8K()
+    answers = [task.answer(None, [tree[n]["text"]]) for n in firsts]  # type: ignore[arg-type]
+    assert len(firsts) == 4 and all(tree[n]["reply"] for n in firsts)
+    assert record["answer"] == max(answers, key=answers.count)
+    assert summary["accuracy_by"].keys() == {"strict", "flexible"}
