@@ -7,7 +7,7 @@ TORCH ?= torch==2.13.0
 ARGS ?=
 BIN := $(VENV)/bin
 
-.PHONY: setup run test lint browser
+.PHONY: setup run test lint browser test-cuda
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -43,3 +43,11 @@ lint: setup
 
 test: lint $(VENV)/.extras browser
 	$(BIN)/python -m pytest -q
+
+# On a CUDA machine: the lossless tests (every decoder, greedy and sampled, continuous batching, the
+# prefix store) with the fixtures' tiny models on the GPU, in float32 without TF32 (docs/performance.md,
+# "On a GPU"). pytest-xdist, where installed, runs them in parallel: make test-cuda ARGS="-n 8".
+CUDA_TESTS := decoders continuous speculative stand suffix aded seed sequoia gumbel sampling kv_cache \
+	generate pct planner edd
+test-cuda: setup
+	TOT_TEST_DEVICE=cuda $(BIN)/python -m pytest -q -m "not slow" $(ARGS) $(CUDA_TESTS:%=tests/test_%.py)

@@ -235,7 +235,8 @@ class Engine:
                 "gen.max_eval_tokens)"
             )
         rule = StopRule(self.eos_ids, r.stop, r.max_new_tokens)
-        seq = Sequence.create(ids, rule, SamplingParams(r.temperature, r.top_k, r.top_p), r.seed, r.group)
+        params = SamplingParams(r.temperature, r.top_k, r.top_p)
+        seq = Sequence.create(ids, rule, params, r.seed, r.group, self.loaded.device)
         seq.follows, seq.keep = r.context, r.keep
         return seq
 

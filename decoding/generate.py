@@ -23,6 +23,7 @@ from decoding.config import DecoderConfig
 from decoding.core.errors import BackendError, ConfigError
 from decoding.core.models import ModelSpec, load_model
 from decoding.core.options import as_float, as_int
+from decoding.core.time_split import gpu_busy
 from decoding.core.values import DecodeStats, GenRequest
 from decoding.drafters.load import load_draft
 from decoding.engine import Engine
@@ -47,6 +48,7 @@ class GenerateConfig:
     max_new_tokens: int
     batch_size: int
     seed: int
+    gpu_profile: bool = False
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -59,6 +61,8 @@ class GenerateConfig:
             raise ConfigError(f"gen.max_new_tokens={self.max_new_tokens} must be a positive integer")
         if self.batch_size < 1:
             raise ConfigError(f"batch_size={self.batch_size} must be a positive integer")
+        if not isinstance(self.gpu_profile, bool):
+            raise ConfigError(f"gpu_profile={self.gpu_profile!r} must be true or false")
 
     @classmethod
     def from_omegaconf(cls, cfg: DictConfig) -> GenerateConfig:
@@ -79,6 +83,7 @@ class GenerateConfig:
             max_new_tokens=as_int("gen.max_new_tokens", gen["max_new_tokens"]),
             batch_size=as_int("batch_size", c["batch_size"]),
             seed=as_int("gen.seed", gen["seed"]),
+            gpu_profile=c.get("gpu_profile", False),
         )
 
 
@@ -140,6 +145,7 @@ def generate(cfg: GenerateConfig, engine: Engine, progress: bool = True) -> dict
     todo = [r for r in rows if r.id not in done]
     cfg.out.parent.mkdir(parents=True, exist_ok=True)
     stats = DecodeStats()
+    kernel_s = 0.0  # with gpu_profile: time the GPU ran kernels
     t0 = time.perf_counter()
     completions = 0
     bar = tqdm(total=len(todo), desc=f"generate/{cfg.decoder.name}", unit="prompt", disable=not progress)
@@ -158,7 +164,12 @@ def generate(cfg: GenerateConfig, engine: Engine, progress: bool = True) -> dict
             for r in batch
             for k in range(r.n)
         ]
-        results = iter(engine.generate(requests))
+        if cfg.gpu_profile and engine.loaded.device.type == "cuda":
+            done_requests, busy = gpu_busy(lambda batch=requests: engine.generate(batch))
+            kernel_s += busy * engine.last_stats.wall_s
+        else:
+            done_requests = engine.generate(requests)
+        results = iter(done_requests)
         stats += engine.last_stats
         with cfg.out.open("a", encoding="utf-8") as f:
             for r in batch:
@@ -188,6 +199,8 @@ def generate(cfg: GenerateConfig, engine: Engine, progress: bool = True) -> dict
         "tokens_per_s": stats.generated_tokens / stats.wall_s if stats.wall_s else 0.0,
         **stats.to_dict(),
     }
+    if cfg.gpu_profile and engine.loaded.device.type == "cuda":
+        summary["gpu_busy_share"] = kernel_s / stats.wall_s if stats.wall_s else 0.0
     summary_path = cfg.out.with_name(cfg.out.name + ".summary.json")
     summary_path.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     return summary
@@ -199,6 +212,7 @@ def summary_line(s: dict) -> str:
         f"{s['generated_tokens']} tokens in {s['wall_s']:.1f}s = {s['tokens_per_s']:.1f} tok/s, "
         f"acceptance length {s['acceptance_length']:.2f}, {s['forwards_per_token']:.3f} target forwards/token, "
         f"{s['rows_per_forward']:.2f} rows/forward"
+        + (f", GPU busy {100 * s['gpu_busy_share']:.0f}% of the wall time" if "gpu_busy_share" in s else "")
     )
 
 

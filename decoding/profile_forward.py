@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from decoding.core.errors import BackendError, ConfigError
 from decoding.core.models import ModelSpec, cache_root, load_model
 from decoding.core.options import as_int
 from decoding.core.runner import ModelRunner
-from decoding.core.time_split import PARTS, time_split
+from decoding.core.time_split import PARTS, gpu_busy, time_split
 from decoding.core.timing import timed_ms, verification
 
 
@@ -76,7 +77,9 @@ def profile(cfg: ProfileConfig, target: ModelRunner) -> list[dict]:
             times = timed_ms(step, cfg.repeats, target.device)
             row = {"batch": batch, "tree_tokens": size, "ms": statistics.median(times), "ms_min": min(times)}
             row["context"] = cfg.context
-            if cfg.split:
+            if cfg.split and target.device.type == "cuda":
+                row["gpu_busy"] = gpu_busy(lambda s=step: [s() for _ in range(cfg.repeats)])[1]
+            elif cfg.split:
                 row["split"] = time_split(target.model, step, cfg.repeats)
             rows.append(row)
     base = next((r["ms"] for r in rows if r["batch"] == 1 and r["tree_tokens"] == 1), rows[0]["ms"])
@@ -85,18 +88,40 @@ def profile(cfg: ProfileConfig, target: ModelRunner) -> list[dict]:
     return rows
 
 
-def table(rows: list[dict]) -> str:
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes per second a large device-to-device copy moves (read plus written): what memory-bound
+    work can reach on this GPU, measured rather than taken from a datasheet."""
+    src = torch.empty(1 << 28, dtype=torch.float32, device=device).normal_()  # 1 GiB
+    dst = torch.empty_like(src)
+    ms = statistics.median(timed_ms(lambda: dst.copy_(src), 10, device))
+    return 2 * src.numel() * src.element_size() / (ms / 1000)
+
+
+def add_floor(rows: list[dict], model: torch.nn.Module, bandwidth: float) -> None:
+    """The least time a forward can take on this GPU: reading every weight once (tied ones once) and
+    each row's cached keys and values over the context, at the copy's bandwidth."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    per_position = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * next(model.parameters()).element_size()
+    for r in rows:
+        r["floor_ms"] = 1000 * (weights + r["batch"] * r["context"] * per_position) / bandwidth
+
+
+def table(rows: list[dict], cell: Callable[[dict], str] | None = None) -> str:
+    """Batch by tree tokens, each cell `cell(row)` (default: ms, ratio to 1 x 1, fitted, floor)."""
     sizes = sorted({r["tree_tokens"] for r in rows})
     lines = ["| batch | " + " | ".join(f"T={t}" for t in sizes) + " |", "|---" * (len(sizes) + 1) + "|"]
     for batch in sorted({r["batch"] for r in rows}):
         cells = {r["tree_tokens"]: r for r in rows if r["batch"] == batch}
-        lines.append(f"| {batch} | " + " | ".join(_cell(cells[t]) for t in sizes) + " |")
+        lines.append(f"| {batch} | " + " | ".join((cell or _cell)(cells[t]) for t in sizes) + " |")
     return "\n".join(lines)
 
 
 def _cell(row: dict) -> str:
     fitted = f", fitted {row['fitted_ms']:.1f}" if "fitted_ms" in row else ""
-    return f"{row['ms']:.1f} ms ({row['relative']:.2f}x{fitted})"
+    floor = f", floor {row['floor_ms']:.2f}" if "floor_ms" in row else ""
+    return f"{row['ms']:.2f} ms ({row['relative']:.2f}x{fitted}{floor})"
 
 
 def add_fitted(rows: list[dict], cost: ForwardCost) -> None:
@@ -130,13 +155,27 @@ def main(cfg: DictConfig) -> None:
     rows = profile(pcfg, target)
     cost = forward_cost(target, cache_root())
     add_fitted(rows, cost)
+    about = {"model": loaded.source, "device": str(loaded.device), "torch": torch.__version__}
+    if loaded.device.type == "cuda":
+        bandwidth = copy_bandwidth(loaded.device)
+        add_floor(rows, target.model, bandwidth)
+        about |= {"gpu": torch.cuda.get_device_name(loaded.device), "cuda": torch.version.cuda}
+        about["copy_bandwidth_gb_s"] = bandwidth / 1e9
     print(table(rows))
     print(f"fitted: the step planner's cost model ({cost.source})")
-    if pcfg.split:
+    if "copy_bandwidth_gb_s" in about:
+        print(
+            f"floor: the weights and each row's cached context read once at {about['copy_bandwidth_gb_s']:.0f} GB/s "
+            f"(a device-to-device copy on {about['gpu']}, read + written)"
+        )
+    if pcfg.split and loaded.device.type == "cuda":
+        print("\nthe share of each forward's wall time the GPU runs kernels (torch.profiler; the rest is the host)")
+        print(table(rows, lambda r: f"{100 * r['gpu_busy']:.0f}%"))
+    elif pcfg.split:
         print("\nwhere the time goes (ms, torch.profiler's shares of the median above)")
         print(split_table(rows))
     if pcfg.out:
-        Path(pcfg.out).write_text(json.dumps({"model": loaded.source, "rows": rows}, indent=2) + "\n")
+        Path(pcfg.out).write_text(json.dumps({**about, "rows": rows}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 import string
 from collections.abc import Iterator
 
@@ -18,6 +19,10 @@ from decoding.engine import Engine
 from decoding.trees.static import StaticTree
 
 SPECIALS = ("<pad>", "<bos>", "<eos>")  # ids 0, 1, 2
+# TOT_TEST_DEVICE=cuda runs the fixtures' models on a GPU (docs/performance.md, "On a GPU"): float32
+# with TF32 off and sdpa, where a token's logits do not depend on the batch for these shapes; the
+# CPU default is the product's own path, bfloat16 with the batch-invariant attention.
+DEVICE = torch.device(os.environ.get("TOT_TEST_DEVICE", "cpu"))
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 
 
@@ -54,6 +59,11 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if DEVICE.type == "cuda" and not torch.cuda.is_available():
+        pytest.exit("TOT_TEST_DEVICE=cuda but no CUDA device is visible; unset it to test on the CPU", returncode=2)
 
 
 @pytest.fixture(autouse=True)
@@ -96,8 +106,12 @@ def build_model(vocab_size: int, seed: int = 0, max_positions: int = 512) -> Lla
     model = LlamaForCausalLM(config).eval()
     for p in model.parameters():
         p.requires_grad_(False)
-    # The default CPU path of load_model: bfloat16 weights, the batch-invariant attention.
-    prepare_for_inference(model, torch.device("cpu"), "bfloat16", "invariant")
+    if DEVICE.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        prepare_for_inference(model, DEVICE, "float32", "sdpa")
+    else:  # the default CPU path of load_model: bfloat16 weights, the batch-invariant attention
+        prepare_for_inference(model, DEVICE, "bfloat16", "invariant")
     return model
 
 
@@ -108,7 +122,7 @@ def tiny_model(tokenizer: PreTrainedTokenizerFast) -> LlamaForCausalLM:
 
 @pytest.fixture(scope="session")
 def loaded(tiny_model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast) -> LoadedModel:
-    return LoadedModel(tiny_model, tokenizer, torch.device("cpu"), use_chat_template=False, source="tiny")
+    return LoadedModel(tiny_model, tokenizer, DEVICE, use_chat_template=False, source="tiny")
 
 
 @pytest.fixture(scope="session")
@@ -124,7 +138,7 @@ def make_engine(loaded: LoadedModel):
 @pytest.fixture(scope="session")
 def long_context(tokenizer: PreTrainedTokenizerFast) -> LoadedModel:
     """The tiny model with room for the Blocksworld prompts (long, in a byte-level tokenizer)."""
-    return LoadedModel(build_model(len(tokenizer), max_positions=8192), tokenizer, torch.device("cpu"), False, "tiny")
+    return LoadedModel(build_model(len(tokenizer), max_positions=8192), tokenizer, DEVICE, False, "tiny")
 
 
 @pytest.fixture(scope="session")
@@ -133,8 +147,8 @@ def perturbed(tiny_model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast) 
     model = copy.deepcopy(tiny_model)
     g = torch.Generator().manual_seed(7)
     for p in model.parameters():
-        p.add_(0.08 * p.std() * torch.randn(p.shape, generator=g))
-    return LoadedModel(model, tokenizer, torch.device("cpu"), False, "perturbed")
+        p.add_(0.08 * p.std() * torch.randn(p.shape, generator=g).to(p.device))
+    return LoadedModel(model, tokenizer, DEVICE, False, "perturbed")
 
 
 @pytest.fixture(scope="session")

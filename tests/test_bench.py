@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-import torch
-from conftest import build_model
+from conftest import DEVICE, build_model
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
@@ -20,7 +19,7 @@ SMALL = ["task.depth=1", "search.n_thoughts=2", "data.limit=1", "gen.max_thought
 def long_context(tokenizer) -> LoadedModel:
     """A tiny model whose context holds a GSM8K prompt in the tiny byte-level tokenizer."""
     model = build_model(len(tokenizer), max_positions=4096)
-    return LoadedModel(model, tokenizer, torch.device("cpu"), False, "tiny-long")
+    return LoadedModel(model, tokenizer, DEVICE, False, "tiny-long")
 
 
 def compose_bench(*overrides: str):

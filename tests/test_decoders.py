@@ -73,8 +73,8 @@ def empirical(tokens: list[int], vocab: int) -> torch.Tensor:
 
 def target_probs(model, ids: list[int], params: SamplingParams) -> torch.Tensor:
     with torch.inference_mode():
-        logits = model(input_ids=torch.tensor([ids])).logits[:, -1]
-    return process_logits(logits, [params])[0].double()
+        logits = model(input_ids=torch.tensor([ids], device=model.device)).logits[:, -1]
+    return process_logits(logits, [params])[0].double().cpu()
 
 
 # --- greedy ----------------------------------------------------------------------------------------

@@ -94,7 +94,7 @@ def tiny_texts(model, tokenizer, per_prompt: int = 24, length: int = 48) -> list
     torch.manual_seed(0)
     out = []
     for p in PROMPTS:
-        ids = torch.tensor([encode(tokenizer, p)])
+        ids = torch.tensor([encode(tokenizer, p)], device=model.device)
         with torch.inference_mode():
             texts = model.generate(
                 input_ids=ids,
@@ -169,13 +169,13 @@ def test_training_lowers_the_heldout_kl(trained):
 
 def test_corpus_rollouts_are_cached_per_chunk(tmp_path, tokenizer):
     """ToT-BFS rollouts of the bundled GSM8K problems on a tiny model; a rerun decodes nothing."""
-    from conftest import build_model
+    from conftest import DEVICE, build_model
 
     from decoding.edd.train import build_features
     from tasks import DataSpec
     from tot.train_edd import Source, build_corpus
 
-    model = LoadedModel(build_model(len(tokenizer), max_positions=4096), tokenizer, torch.device("cpu"), False, "t")
+    model = LoadedModel(build_model(len(tokenizer), max_positions=4096), tokenizer, DEVICE, False, "t")
     source = Source("gsm8k", 2, DataSpec(limit=3), max_thought_tokens=6, max_eval_tokens=4)
     cfg = replace(train_config(tmp_path, steps=1), sources=(source,), n_thoughts=2, problems_per_call=2)
     docs = build_corpus(cfg, Engine(model, "ar"), progress=False)
@@ -282,11 +282,13 @@ class CheckedEddDrafter(EddDrafter):
             feats = target_features(self.target.model, self.edd.config.layer, [context])[0][0][:n]
             block = context[n:]
             width = n + len(block)
-            see = torch.ones(width, width, dtype=torch.bool).tril()
-            mask = torch.zeros(width, width).masked_fill(~see, torch.finfo(torch.float32).min)[None, None]
-            embeds = torch.cat([feats, self.edd.embed(torch.tensor(block))])[None]
+            device = feats.device
+            see = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+            mask = torch.zeros(width, width, device=device).masked_fill(~see, torch.finfo(torch.float32).min)
+            embeds = torch.cat([feats, self.edd.embed(torch.tensor(block, device=device))])[None]
             with torch.inference_mode():
-                logits = self.edd(embeds, mask, torch.arange(width)[None], logits_at=torch.tensor([width - 1]))
+                at = torch.tensor([width - 1], device=device)
+                logits = self.edd(embeds, mask[None, None], torch.arange(width, device=device)[None], logits_at=at)
             probs = logits[0, 0].softmax(-1)
             first = tree.children(-1)[0]
             top = probs.float().topk(2).values

@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+from conftest import DEVICE
 from test_decoders import EOS_ID
 from test_run import make_config
 from test_tasks_e2e import CASES, SEARCHES, TINY
@@ -182,8 +183,8 @@ def long_draft(long_context) -> LoadedModel:
     model = copy.deepcopy(long_context.model)
     g = torch.Generator().manual_seed(7)
     for p in model.parameters():
-        p.add_(0.08 * p.std() * torch.randn(p.shape, generator=g))
-    return LoadedModel(model, long_context.tokenizer, torch.device("cpu"), False, "perturbed")
+        p.add_(0.08 * p.std() * torch.randn(p.shape, generator=g).to(p.device))
+    return LoadedModel(model, long_context.tokenizer, DEVICE, False, "perturbed")
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])

@@ -33,7 +33,7 @@ def target(tiny_model) -> ModelRunner:
 def plain_logits(model, seq: list[int]) -> torch.Tensor:
     """Logits [T, V] of one uncached forward over the whole sequence."""
     with torch.inference_mode():
-        return model(input_ids=torch.tensor([seq])).logits[0]
+        return model(input_ids=torch.tensor([seq], device=model.device)).logits[0]
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:

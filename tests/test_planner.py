@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from decoding.core.calibration import EXPLORE, AcceptanceRecord
-from decoding.core.cost import ForwardCost, cost_key, forward_cost, profile
+from decoding.core.cost import CONTEXT, ForwardCost, cost_key, forward_cost, profile
 from decoding.core.draft_tree import ROOT, DraftTree
 from decoding.core.errors import ConfigError
 from decoding.core.runner import ModelRunner
@@ -22,6 +23,7 @@ from decoding.schedules.planner import Planner, best_first
 from decoding.schedules.scheduler import Scheduler
 from decoding.trees.static import StaticTree
 
+REPO = Path(__file__).resolve().parents[1]
 # A CPU-like curve: every token of a forward costs about as much as the forward's fixed part.
 STEEP = ForwardCost({1: [(1, 10.0), (16, 160.0)], 16: [(16, 160.0), (256, 2560.0)]})
 # A GPU-like curve: flat up to hundreds of tokens at small batch.
@@ -210,3 +212,19 @@ def test_drafters_keep_learning_without_drafts(tokenizer):
             d.update([slot], [v])
     a, b = (d.draft([slot])[0] for d, slot in zip(drafters, slots))
     assert a.tokens and a.tokens == b.tokens and a.probs == b.probs
+
+
+@pytest.mark.parametrize("shape", ["llama-3.2-1b", "llama-3.1-8b"])
+def test_a_measured_gpu_curve_pays_for_large_trees(shape):
+    """The curves measured on an H100 (docs/data, docs/performance.md "On a GPU") are flat from 1 to 64
+    tokens per row at 8 rows: a chain the record has seen accepted whole half the time (else not at
+    all) is kept whole there, where a CPU-like curve keeps none of it."""
+    cost = ForwardCost.load(REPO / "docs" / "data" / f"h100_{shape}.json")
+    assert cost.ms(8, 8 * 32, 32, CONTEXT) < 1.5 * cost.ms(8, 8, 1, CONTEXT)
+    tree = chain(list(range(100, 116)))
+    record = AcceptanceRecord()
+    for i in range(400):
+        record.observe(tree, list(range(16)) if i % 2 else [], greedy=True)
+    _, plan = Planner(cost, record).cut(list(range(8)), [tree] * 8, [True] * 8, [1] * 8, 100.0)
+    _, steep = Planner(STEEP, record).cut(list(range(8)), [tree] * 8, [True] * 8, [1] * 8, 100.0)
+    assert plan.nodes == [16] * 8 and steep.nodes == [0] * 8

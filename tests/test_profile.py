@@ -9,7 +9,7 @@ from decoding.core.errors import ConfigError
 from decoding.core.models import ModelSpec
 from decoding.core.runner import ModelRunner
 from decoding.core.time_split import PARTS
-from decoding.profile_forward import ProfileConfig, add_fitted, profile, split_table, table
+from decoding.profile_forward import ProfileConfig, _cell, add_fitted, add_floor, profile, split_table, table
 
 
 def test_profile_measures_every_cell(tiny_model):
@@ -43,3 +43,16 @@ def test_profile_without_the_split(tiny_model):
 def test_profile_rejects_bad_sizes():
     with pytest.raises(ConfigError, match=r"tree_sizes=\[0, 4\] must be a non-empty list of positive integers"):
         ProfileConfig(ModelSpec(), tree_sizes=(0, 4), batch_sizes=(1,), context=20, repeats=2, out=None)
+
+
+def test_floor_reads_the_weights_and_each_rows_context_once(tiny_model):
+    """A GPU's floor (decoding.profile_forward on CUDA): the parameters' bytes once, plus per row the
+    keys and values of every layer over the context, at the measured bandwidth."""
+    rows = [{"batch": 1, "context": 100}, {"batch": 4, "context": 100}]
+    add_floor(rows, tiny_model, bandwidth=1e9)
+    c, size = tiny_model.config, next(tiny_model.parameters()).element_size()
+    weights = sum(p.numel() for p in tiny_model.parameters()) * size
+    per_position = 2 * c.num_hidden_layers * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * size
+    assert rows[0]["floor_ms"] == pytest.approx(1000 * (weights + 100 * per_position) / 1e9)
+    assert rows[1]["floor_ms"] - rows[0]["floor_ms"] == pytest.approx(1000 * 3 * 100 * per_position / 1e9)
+    assert ", floor " in _cell({"ms": 2.0, "relative": 1.0, **rows[0]})

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from helpers import UNCAPPED, admit_prompts, prefill
+from helpers import UNCAPPED, admit_prompts, assert_same_forward, prefill
 from test_decoders import (
     BUDGETS,
     EOS_ID,
@@ -49,9 +49,9 @@ GREEDY = SamplingParams()
 @pytest.fixture(scope="module")
 def unrelated(tokenizer) -> LoadedModel:
     """A draft model with other random weights: its drafts are almost always rejected."""
-    from conftest import build_model
+    from conftest import DEVICE, build_model
 
-    return LoadedModel(build_model(len(tokenizer), seed=1), tokenizer, torch.device("cpu"), False, "unrelated")
+    return LoadedModel(build_model(len(tokenizer), seed=1), tokenizer, DEVICE, False, "unrelated")
 
 
 def sd_engine(
@@ -100,7 +100,7 @@ def test_coupled_drafts_of_the_target_itself_are_all_accepted(loaded, rule):
 
 def plain_next_logits(model, ids: list[int]) -> torch.Tensor:
     with torch.inference_mode():
-        return model(input_ids=torch.tensor([ids])).logits[0, -1]
+        return model(input_ids=torch.tensor([ids], device=model.device)).logits[0, -1]
 
 
 def tree_of(parents: list[int], tokens: list[int]) -> DraftTree:
@@ -507,7 +507,7 @@ def test_each_row_reuses_the_longest_stored_prefix_of_its_own_prompt(tiny_model,
         n = len(p) - 1
         fresh, _ = prefill(ModelRunner(tiny_model), [p[:n]], capacity=64)
         for k_row, k_fresh in zip(cache.keys + cache.values, fresh.keys + fresh.values):
-            assert torch.equal(k_row[row, :, :n], k_fresh[0, :, :n])
+            assert_same_forward(k_row[row, :, :n], k_fresh[0, :, :n])
 
 
 def test_prefix_cache_is_a_radix_tree_under_its_cap(tiny_model):

@@ -129,7 +129,8 @@ class ForwardCost:
             points: dict[int, list[tuple[int, float]]] = {}
             for row in data["rows"]:
                 b, t = int(row["batch"]), int(row["tree_tokens"])
-                points.setdefault(b, []).append((b * t, float(row["ms"])))
+                points.setdefault(b, []).append((b * t, float(row.get("ms_min", row["ms"]))))
+            points = {b: _monotone(p) for b, p in points.items()}
             context = int(data["rows"][0].get("context", CONTEXT))
             return cls(points, context, 0.0, ragged=False, source=str(path))
         except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
@@ -137,6 +138,13 @@ class ForwardCost:
                 f"verify.cost={path} is not a forward-cost profile ({type(e).__name__}: {str(e)[:80]}); "
                 "write one with python -m decoding.profile_forward out=..., or set verify.cost=null"
             ) from e
+
+
+def _monotone(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """More tokens never cost less: a point a burst of load slowed is lowered to the ones after it."""
+    points = sorted(points)
+    ms = np.minimum.accumulate(np.array([p[1] for p in points])[::-1])[::-1]
+    return [(n, float(m)) for (n, _), m in zip(points, ms)]
 
 
 def _time_point(target: ModelRunner, rows: int, per_row: int, context: int, repeats: int) -> float:
@@ -161,9 +169,7 @@ def profile(target: ModelRunner, repeats: int = 3) -> ForwardCost:
                 if guess > MAX_POINT_MS:
                     break
             mine.append((n, _time_point(target, rows, per_row, CONTEXT, repeats)))
-        # More tokens never cost less: a point a burst of load slowed is lowered to the ones after it.
-        ms = np.minimum.accumulate(np.array([p[1] for p in mine])[::-1])[::-1]
-        points[rows] = [(n, float(m)) for (n, _), m in zip(mine, ms)]
+        points[rows] = _monotone(mine)
     short = points[GRID_ROWS[1]][0][1] if GRID_ROWS[1] in points else points[1][0][1]
     rows = GRID_ROWS[1] if GRID_ROWS[1] in points else 1
     long = _time_point(target, rows, 1, LONG_CONTEXT, repeats)

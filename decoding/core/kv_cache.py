@@ -90,7 +90,8 @@ class RowKVCache:
         if need > self.capacity:
             raise RuntimeError(f"KV cache holds {self.capacity} positions, a forward needs {need}")
         slots = lens[:, None] + offset + torch.arange(n_new, device=self.lens.device)
-        return ForwardView(self, lens, slots, offset, need, index, gather)
+        block = None if not rows or rows != list(range(rows[0], rows[0] + len(rows))) else (rows[0], len(rows))
+        return ForwardView(self, lens, slots, offset, need, index, gather, block)
 
     def advance(self, counts: torch.Tensor) -> None:
         """Commit the first counts[b] new entries of each row."""
@@ -171,6 +172,9 @@ class ForwardView:
     kv_len: int  # positions attended over: the longest row's, with its new slots
     rows: torch.Tensor | None
     gather: bool  # whether `update` returns only the forward's rows (else all, read in place)
+    # rows that are one run first..first + n: `update` returns a view; found once from the host's list,
+    # since a test on the device tensor would wait for the GPU at every layer
+    block: tuple[int, int] | None = None
 
     @property
     def keys(self) -> list[torch.Tensor]:
@@ -200,8 +204,8 @@ class ForwardView:
         v[rows, :, slots] = value_states.transpose(1, 2).to(v.dtype)
         if self.rows is None or not self.gather:
             return k[:, :, : self.kv_len], v[:, :, : self.kv_len]
-        first, n = int(self.rows[0]), len(self.rows)
-        if torch.equal(self.rows, torch.arange(first, first + n, device=self.rows.device)):
+        if self.block is not None:
+            first, n = self.block
             return k[first : first + n, :, : self.kv_len], v[first : first + n, :, : self.kv_len]  # a view
         return k[self.rows, :, : self.kv_len], v[self.rows, :, : self.kv_len]
 

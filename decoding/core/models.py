@@ -33,6 +33,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 WEIGHTS = ("auto", *DTYPES, "gguf")
 # model.attention: invariant = decoding/core/attention.py (CPU); or a `transformers` implementation.
 ATTENTION = ("auto", attention.CHOICE, "sdpa", "eager")
+INITS = ("checkpoint", "random")
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,9 @@ class ModelSpec:
     prepack: bool = True  # weights=float32 on CPU: linear layers get a prepacked copy (decoding/core/prepack.py)
     prefix_memory: float = 0.25  # share of the memory available at load for stored prefixes (decoding/core/memory.py)
     prefix_memory_mb: int | None = None  # a fixed size instead
+    # random: the checkpoint folder's config.json with random weights (seed 0), built on the device:
+    # real shapes without their weights, to measure speed (decoding/shapes.py writes such folders)
+    init: str = "checkpoint"
 
     @classmethod
     def from_config(cls, values: Mapping[str, Any], key: str = "model") -> ModelSpec:
@@ -70,6 +74,13 @@ class ModelSpec:
             )
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise BackendError(f"{self.key}.device={self.device!r} is not one of auto, cpu, cuda, cuda:N")
+        if self.init not in INITS:
+            raise BackendError(f"{self.key}.init={self.init!r} is not one of {', '.join(INITS)}")
+        if self.init == "random" and (self.path in EMBEDDED or self.path.endswith(".gguf")):
+            raise BackendError(
+                f"{self.key}.init=random builds a checkpoint folder's config.json, not {self.path}; give a folder "
+                "(python -m decoding.shapes NAME DIR writes one) or use init=checkpoint"
+            )
         if self.weights not in WEIGHTS:
             raise BackendError(f"{self.key}.weights={self.weights!r} is not one of {', '.join(WEIGHTS)}")
         if self.attention not in ATTENTION:
@@ -172,7 +183,10 @@ def load_model(spec: ModelSpec) -> LoadedModel:
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
         dtype = DTYPES.get(weights, torch.float32)  # gguf: float32 first, its 4-bit layers are rebuilt from the file
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa")
+        if spec.init == "random":
+            model = _random_model(source, dtype, device)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa")
     except (OSError, ValueError) as e:
         raise BackendError(
             f"{spec.key}.path={spec.path!r} could not be loaded ({str(e).splitlines()[0][:160]}); give a local "
@@ -187,6 +201,17 @@ def load_model(spec: ModelSpec) -> LoadedModel:
     )
     use_chat = _use_chat_template(spec, tokenizer)
     return LoadedModel(model, tokenizer, device, use_chat, str(source), spec.path, budget)
+
+
+def _random_model(source: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """The folder's architecture with transformers' own random initialisation (seed 0), built where it
+    runs: an 8B shape is 16 GB of bfloat16 that never has to exist on disk or cross the host."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(source)
+    torch.manual_seed(0)
+    with device:
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
 
 
 def load_tokenizer(spec: ModelSpec) -> tuple[object, bool]:
@@ -225,7 +250,7 @@ def _checkpoint_dir(spec: ModelSpec) -> tuple[str, Path | None]:
             raise BackendError(f"{spec.key}.path={spec.path} does not exist; give an existing .gguf file")
     else:
         folder = Path(spec.path).expanduser()
-        if folder.is_dir():
+        if folder.is_dir() and spec.init == "checkpoint":
             check_checkpoint(folder, spec.key)
         return spec.path, None
     check_gguf(gguf, spec.key)

@@ -77,8 +77,8 @@ def draft_dists(logits: torch.Tensor, params: SamplingParams) -> list[torch.Tens
     return list(q.cpu().unbind(0))
 
 
-def make_generator(seed: int) -> torch.Generator:
-    g = torch.Generator(device="cpu")
+def make_generator(seed: int, device: torch.device | None = None) -> torch.Generator:
+    g = torch.Generator(device=device or "cpu")
     g.manual_seed(seed)
     return g
 

@@ -22,6 +22,9 @@ class Sequence:
     generator: torch.Generator
     # Drafting draws its own random numbers, so that the target's stream stays that of the request.
     draft_generator: torch.Generator
+    # Plain decoding's sampling stream under match_multinomial: on the model's device, where
+    # `transformers` draws with torch.multinomial (a GPU's stream is not a CPU's).
+    sample_generator: torch.Generator
     group: str = ""  # trajectories of one ToT step share cross-trajectory draft statistics
     seed: int = 0  # the request's seed: its generator's, and the key of its Gumbel noise
     generated: list[int] = field(default_factory=list)
@@ -33,7 +36,15 @@ class Sequence:
     _context: tuple[int, ...] | None = None
 
     @classmethod
-    def create(cls, prompt: list[int], rule: StopRule, params: SamplingParams, seed: int, group: str = "") -> Sequence:
+    def create(
+        cls,
+        prompt: list[int],
+        rule: StopRule,
+        params: SamplingParams,
+        seed: int,
+        group: str = "",
+        device: torch.device | None = None,
+    ) -> Sequence:
         return cls(
             prompt=prompt,
             group=group,
@@ -42,6 +53,7 @@ class Sequence:
             params=params,
             generator=make_generator(seed),
             draft_generator=make_generator(seed ^ DRAFT_SEED_SALT),
+            sample_generator=make_generator(seed, device),
         )
 
     def context(self, tokenizer: Detokenizer, text: str | None = None) -> tuple[int, ...]:

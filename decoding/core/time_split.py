@@ -1,4 +1,5 @@
-"""Where a forward's time goes (linears, attention, LM head, the rest), read from torch.profiler."""
+"""Where a forward's time goes (linears, attention, LM head, the rest), and how much of a GPU run's
+wall time the GPU spends running kernels, read from torch.profiler."""
 
 from __future__ import annotations
 
@@ -62,3 +63,17 @@ def time_split(model: torch.nn.Module, step: Callable[[], object], repeats: int)
     total = wall * 1e6
     us["other"] = max(0.0, total - us["linears"] - us["attention"] - us["lm_head"])
     return {part: us[part] / total for part in PARTS}
+
+
+def gpu_busy(step: Callable[[], object]) -> tuple[object, float]:
+    """`step()`'s result and the share of its wall time in which the GPU ran kernels; the rest is the
+    host's work between them (Python, masks, sampling, copies, synchronisation). The profiler's
+    own cost on the host makes the share a lower bound."""
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        out = step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    kernels_us = sum(event.self_device_time_total for event in prof.key_averages())
+    return out, min(1.0, kernels_us / (wall * 1e6))

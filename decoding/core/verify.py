@@ -106,6 +106,8 @@ def target_sampler(
         argmax = logits.argmax(-1).tolist()
         return lambda node, d: argmax[node + 1]
     if rule == "match_multinomial":
-        return lambda node, d: int(torch.multinomial(probs[node + 1].float(), 1, generator=s.generator))
+        # transformers' draw: its float32 softmax where the logits are, one [1, V] row per token
+        on_device = probs if scores.device.type == "cpu" else scores.softmax(-1)
+        return lambda node, d: int(torch.multinomial(on_device[node + 1 : node + 2], 1, generator=s.sample_generator))
     position = s.position
     return lambda node, d: gumbel_pick(scores[node + 1], s.seed, position + d)

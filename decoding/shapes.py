@@ -1,0 +1,96 @@
+"""`python -m decoding.shapes NAME DIR`: a checkpoint folder of a real model's shape, without its weights.
+
+Writes DIR/config.json for a named architecture and the embedded model's tokenizer beside it, for
+`model.path=DIR model.init=random`: the model is built with random weights on the device it runs on,
+so the speed of a 1B or 8B model can be measured where its weights cannot be downloaded (a GPU
+machine without network, docs/performance.md "On a GPU"). Random weights make N-gram drafters'
+acceptance meaningless; `draft.path=self` (every draft accepted) measures the machinery. The
+tokenizer's 49,152 tokens cover only part of the shape's vocabulary: ids beyond it decode to nothing,
+which timing does not mind.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from decoding.cli import fail
+from decoding.core.errors import BackendError
+from decoding.core.models import ModelSpec, load_tokenizer
+
+_LLAMA3 = {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 128256,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 131072,
+    "bos_token_id": 1,  # the embedded tokenizer's specials, so prompts and stops stay in its range
+    "eos_token_id": 2,
+}
+
+
+def _rope(factor: float) -> dict:
+    return {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": factor,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+
+
+# Meta's published configs (hidden sizes, layers, heads, rope scaling) for the shapes the papers use.
+SHAPES: dict[str, dict] = {
+    "llama-3.2-1b": {
+        **_LLAMA3,
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "head_dim": 64,
+        "tie_word_embeddings": True,
+        "rope_parameters": _rope(32.0),
+    },
+    "llama-3.1-8b": {
+        **_LLAMA3,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "head_dim": 128,
+        "tie_word_embeddings": False,
+        "rope_parameters": _rope(8.0),
+    },
+}
+
+
+def write_shape(name: str, folder: Path, tokenizer: object | None = None) -> Path:
+    """DIR with the shape's config.json and a tokenizer's files (default: the embedded model's)."""
+    from transformers import LlamaConfig
+
+    if name not in SHAPES:
+        raise BackendError(f"shape {name!r} is not one of {', '.join(SHAPES)}")
+    if tokenizer is None:
+        tokenizer, _ = load_tokenizer(ModelSpec())
+    folder.mkdir(parents=True, exist_ok=True)
+    LlamaConfig(**SHAPES[name]).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("name", help=f"one of {', '.join(SHAPES)}")
+    parser.add_argument("dir", type=Path, help="the folder to write")
+    args = parser.parse_args()
+    try:
+        folder = write_shape(args.name, args.dir)
+    except (BackendError, OSError) as e:
+        fail(str(e))
+    print(f"wrote {folder}: run with model.path={folder} model.init=random")
+
+
+if __name__ == "__main__":
+    main()
