@@ -68,7 +68,7 @@ DRAFTERS: dict[str, DrafterFactory] = {
     "suffix": lambda c, target, tok, draft: SuffixDrafter(c.suffix, c.verify.coupled),
     "pld": lambda c, target, tok, draft: PLDDrafter(c.pld),
     # aded.corpus, if any, is tokenised with the target's tokenizer
-    "aded": lambda c, target, tok, draft: AdedDrafter(c.aded, tok),
+    "aded": lambda c, target, tok, draft: AdedDrafter(c.aded, tok, c.verify.coupled),
     "recycling": lambda c, target, tok, draft: RecyclingDrafter(
         c.recycling, StaticTree.load(c.stand.tree), c.verify.coupled
     ),

@@ -15,6 +15,7 @@ from test_stand import greedy_case
 from decoding.config import DecoderConfig
 from decoding.core.draft_tree import ROOT
 from decoding.core.errors import ConfigError
+from decoding.core.gumbel import Coupling, gumbel_order
 from decoding.core.values import GenRequest
 from decoding.drafters.aded import AdedDrafter, AdedOptions, Node, Search, TriGram, exploration, most_visited, puct
 from decoding.engine import Engine
@@ -128,6 +129,20 @@ def test_search_by_hand():
     # Depth 1: Q(2) = 0.75 only, so 3 is visited sooner (at N = 5: 1.662 > 1.581).
     assert Search(hand_matrix(), 0, 1, options, 1).run().tokens == [2, 3]
     assert len(Search(hand_matrix(), 7, 7, options, 3).run()) == 0  # the matrix knows nothing after 7
+
+
+def test_coupled_siblings_follow_the_targets_noise():
+    """Under match_gumbel the same nodes are kept, siblings ordered by log P + the target's noise at
+    their position: the matrix's guess of the target's own sample first."""
+    options = AdedOptions(iterations=10, c1=2.414, c2=8.0)
+    firsts = set()
+    for seed in range(20):
+        tree = Search(hand_matrix(), 0, 1, options, 3).run(Coupling(seed, 40))
+        expect = gumbel_order([2, 3], [math.log(0.75), math.log(0.25)], seed, 40)
+        assert tree.tokens[:2] == expect and sorted(tree.tokens) == [2, 3, 4, 5]
+        assert tree.parents[tree.tokens.index(4)] == tree.tokens.index(2)  # each child under its own parent
+        firsts.add(expect[0])
+    assert firsts == {2, 3}  # the noise does reorder them
 
 
 @pytest.mark.parametrize("max_nodes, max_depth, top_k", [(1, 1, 1), (4, 2, 3), (8, 4, 4), (16, 3, 8), (12, 6, 2)])

@@ -7,7 +7,10 @@ From a sequence's last two tokens a Monte Carlo tree search (Algorithm 1) grows 
 continuations: selection by the PUCT score (Eq. 2) with the exploration constant of Eq. 3,
 expansion into the matrix's `top_k` most probable next tokens, evaluation, backup. The draft tree is
 the `max_nodes` most visited nodes. Drafts are chosen deterministically (draw "top"), so the
-verifier treats each as a point mass and decoding is lossless at any temperature.
+verifier treats each as a point mass and decoding is lossless at any temperature. Under
+verify.rule=match_gumbel a sampled sequence's siblings are ordered by log P + the target's own
+Gumbel noise at their position (coupled drafting, as STAND's): the first child is the matrix's
+guess of the target's very sample, and it is the one a cut of the tree keeps.
 
 Where the paper leaves a choice open, this module takes the one stated where it is made: the
 tri-gram back-off (TriGram), the value estimate and the expanded child (Search), how the visited
@@ -27,6 +30,7 @@ from typing import Any
 
 from decoding.core.draft_tree import ROOT, DraftTree
 from decoding.core.errors import ConfigError
+from decoding.core.gumbel import Coupling
 from decoding.core.sequence import Sequence
 from decoding.core.slot import Slot
 from decoding.core.verify import Verdict
@@ -244,12 +248,12 @@ class Search:
         self.max_depth = max_depth
         self.root = Node(b, (a, b), None, 1.0)
 
-    def run(self) -> DraftTree:
+    def run(self, coupling: Coupling | None = None) -> DraftTree:
         for _ in range(self.options.iterations):
             self.iterate()
             if not self.root.children:  # the matrix knows nothing after this context
                 break
-        return most_visited(self.root, self.options.max_nodes)
+        return most_visited(self.root, self.options.max_nodes, coupling)
 
     def iterate(self) -> None:
         node = self.root
@@ -290,8 +294,9 @@ class Search:
         return node.estimate
 
 
-def most_visited(root: Node, max_nodes: int) -> DraftTree:
-    """The `max_nodes` most visited nodes as a draft tree, parents first, siblings most visited first.
+def most_visited(root: Node, max_nodes: int, coupling: Coupling | None = None) -> DraftTree:
+    """The `max_nodes` most visited nodes as a draft tree, parents first, siblings most visited first
+    (with `coupling`: by log prior + the target's noise at their position).
 
     A node is visited at most as often as its parent (every backup through it passes the parent),
     so ranking by visits, then depth, keeps every taken node's parent: the tree is connected.
@@ -310,6 +315,10 @@ def most_visited(root: Node, max_nodes: int) -> DraftTree:
     level = [root]
     for node in level:  # breadth first: parents are added before their children
         kids = sorted((c for c in node.children if c in keep), key=lambda c: (-c.visits, -c.prior, c.token))
+        if coupling is not None and len(kids) > 1:
+            by_token = {c.token: c for c in kids}
+            ids = coupling.order([c.token for c in kids], [math.log(c.prior) for c in kids], node.depth)
+            kids = [by_token[t] for t in ids]
         for c in kids:
             index[c] = tree.add(c.token, index[node], c.prior)
             level.append(c)
@@ -322,8 +331,9 @@ def most_visited(root: Node, max_nodes: int) -> DraftTree:
 class AdedDrafter:
     """ADED drafting (see the module docstring). `tokenizer` tokenises `options.corpus` once."""
 
-    def __init__(self, options: AdedOptions, tokenizer: Any = None) -> None:
+    def __init__(self, options: AdedOptions, tokenizer: Any = None, coupled: bool = True) -> None:
         self.options = options
+        self.coupled = coupled  # verify.rule=match_gumbel: siblings ordered by the target's noise
         self.max_nodes = options.max_nodes
         corpus = None
         if options.corpus is not None:
@@ -347,7 +357,8 @@ class AdedDrafter:
         if depth < 1:
             return DraftTree()
         a, b = [NO_TOKEN, *seq.tail(2)][-2:]
-        return Search(self.matrices.get(seq.group), a, b, self.options, depth).run()
+        coupling = seq.coupling() if self.coupled and not seq.params.greedy else None
+        return Search(self.matrices.get(seq.group), a, b, self.options, depth).run(coupling)
 
     def update(self, slots: list[Slot], verdicts: list[Verdict]) -> None:
         """Count the tri-grams that end in the tokens each sequence kept (the bonus token included)."""
