@@ -77,12 +77,14 @@ def verify(
         tree, s, row = trees[b], seqs[b], logits[b]
         # Processed once per row: the distributions drafters learn from, and what the samplers read.
         scores = None if s.params.greedy else processed_logits(row.float(), s.params)
-        # On the CPU, where the request's generator lives: the acceptance walk is scalar work.
-        probs = None if scores is None else scores.softmax(-1).cpu()
+        # Softmax once where the logits are (matched multinomial draws read it there, as transformers
+        # does), then on the CPU, where the rejection walk's scalar work and the drafters read it.
+        dist = None if scores is None else scores.softmax(-1)
+        probs = None if dist is None else dist.cpu()
         if rule == "rejection" and len(tree) and probs is not None:
             path, token = walk_rejection(tree, probs, s.generator)
         else:
-            path, token = walk_matched(tree, target_sampler(s, rule, row, scores, probs))
+            path, token = walk_matched(tree, target_sampler(s, rule, row, scores, dist))
         kept_hidden = None if hidden is None else hidden[b, packed.committed(b, path)]
         return Verdict(tree, path, token, probs, row, hidden=kept_hidden)
 
@@ -94,20 +96,19 @@ def verify(
 
 
 def target_sampler(
-    s: Sequence, rule: Rule, logits: torch.Tensor, scores: torch.Tensor | None, probs: torch.Tensor | None
+    s: Sequence, rule: Rule, logits: torch.Tensor, scores: torch.Tensor | None, dist: torch.Tensor | None
 ) -> Callable[[int, int], int]:
     """The target's own token after a node (row 1 + node of `logits` [1 + N, V]; of its processed
-    `scores` and `probs` at temperature > 0) at depth d below the root, as plain decoding draws it:
-    the argmax at temperature 0; under match_multinomial a torch.multinomial draw from the request's
-    generator (`transformers`' own sampling, in order of position); otherwise (match_gumbel, and rows
+    `scores` and their softmax `dist`, on the logits' device, at temperature > 0) at depth d below the
+    root, as plain decoding draws it: the argmax at temperature 0; under match_multinomial a
+    torch.multinomial draw of one [1, V] row from the request's generator on that device
+    (`transformers`' own sampling, in order of position); otherwise (match_gumbel, and rows
     without a draft under rejection) Gumbel-max with the request's public noise at the token's
     absolute position."""
-    if scores is None or probs is None:
+    if scores is None or dist is None:
         argmax = logits.argmax(-1).tolist()
         return lambda node, d: argmax[node + 1]
     if rule == "match_multinomial":
-        # transformers' draw: its float32 softmax where the logits are, one [1, V] row per token
-        on_device = probs if scores.device.type == "cpu" else scores.softmax(-1)
-        return lambda node, d: int(torch.multinomial(on_device[node + 1 : node + 2], 1, generator=s.sample_generator))
+        return lambda node, d: int(torch.multinomial(dist[node + 1 : node + 2], 1, generator=s.sample_generator))
     position = s.position
     return lambda node, d: gumbel_pick(scores[node + 1], s.seed, position + d)
