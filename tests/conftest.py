@@ -15,6 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from decoding.core.draft_tree import k_config_parents
 from decoding.core.models import LoadedModel, embedded_file, prepare_for_inference
+from decoding.core.rows_linear import resolve_linear
 from decoding.engine import Engine
 from decoding.trees.static import StaticTree
 
@@ -110,8 +111,9 @@ def build_model(vocab_size: int, seed: int = 0, max_positions: int = 512) -> Lla
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
         prepare_for_inference(model, DEVICE, "float32", "sdpa")
-    else:  # the default CPU path of load_model: bfloat16 weights, the batch-invariant attention
-        prepare_for_inference(model, DEVICE, "bfloat16", "invariant")
+    else:  # the default CPU path of load_model: bfloat16 weights, the batch-invariant attention, the
+        # machine's default kernel for bfloat16 linears (decoding/core/rows_linear.py)
+        prepare_for_inference(model, DEVICE, "bfloat16", "invariant", linear=resolve_linear("auto", DEVICE))
     return model
 
 

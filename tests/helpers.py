@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 
 import torch
 
 from decoding.core.acceptance import chain, proposals, sample_chain
 from decoding.core.draft_tree import DraftDist, Draw
 from decoding.core.kv_cache import RowKVCache, _by_position
+from decoding.core.rows_linear import RowsLinear, use_rows_kernel
 from decoding.core.runner import ModelRunner
 from decoding.core.values import Completion, DecodeStats, GenRequest, GenResult
 from decoding.schedules.base import VerifyOptions
@@ -134,3 +136,14 @@ def assert_same_forward(a: torch.Tensor, b: torch.Tensor) -> None:
         assert torch.equal(a, b)
     else:
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def with_linear_kernel(model: torch.nn.Module, kind: str) -> torch.nn.Module:
+    """A copy of a bfloat16 model whose dense linears run torch's kernel (aten) or the row-invariant one (rows)."""
+    model = copy.deepcopy(model)
+    for module in model.modules():
+        if type(module) is RowsLinear:
+            module.__class__ = torch.nn.Linear
+    if kind == "rows":
+        use_rows_kernel(model)
+    return model

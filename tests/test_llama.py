@@ -10,7 +10,7 @@ import copy
 
 import pytest
 import torch
-from helpers import select_rows
+from helpers import select_rows, with_linear_kernel
 from test_quant import int4_copy
 
 from decoding.core.draft_tree import ROOT, DraftTree
@@ -24,9 +24,11 @@ from decoding.core.verify import pack
 PROMPTS = [[5 + (7 * i + j) % 90 for i in range(n)] for j, n in enumerate((9, 23, 70))]
 
 
-@pytest.fixture(scope="module", params=["bfloat16", "gguf-int4"])
+@pytest.fixture(scope="module", params=["bfloat16-aten", "bfloat16-rows", "gguf-int4"])
 def model(request, tiny_model) -> torch.nn.Module:
-    return tiny_model if request.param == "bfloat16" else int4_copy(tiny_model)
+    if request.param == "gguf-int4":
+        return int4_copy(tiny_model)
+    return with_linear_kernel(tiny_model, request.param.removeprefix("bfloat16-"))
 
 
 def _forwards(runner: ModelRunner) -> list[torch.Tensor]:
@@ -95,7 +97,7 @@ def test_other_models_keep_the_transformers_forward(tiny_model):
     sdpa = copy.deepcopy(tiny_model)
     sdpa.config._attn_implementation = "sdpa"
     assert Layers.of(sdpa) is None
-    prepacked = copy.deepcopy(tiny_model).float()
+    prepacked = with_linear_kernel(tiny_model, "aten").float()
     prepare_for_inference(prepacked, torch.device("cpu"), "float32", "invariant", prepack=True)
     assert Layers.of(prepacked) is None  # PrepackedLinear is not a projection the C++ layers know
     assert Layers.of(tiny_model) is not None

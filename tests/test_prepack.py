@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from helpers import UNCAPPED
+from helpers import UNCAPPED, with_linear_kernel
 from test_decoders import BUDGETS, EOS_ID, PROMPTS, encode, reference_greedy
 
 from decoding.config import DecoderConfig
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason
 @pytest.fixture(scope="module")
 def float32_model(tiny_model):
     """Prepacking serves model.weights=float32 (the tiny model is prepared as the bfloat16 default)."""
-    return copy.deepcopy(tiny_model).float()
+    return with_linear_kernel(tiny_model, "aten").float()
 
 
 @pytest.fixture(scope="module")

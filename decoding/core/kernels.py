@@ -1,6 +1,6 @@
-"""The project's CPU kernels (decoding/core/csrc): the invariant attention and the Llama decoder
-layers, one extension module compiled on first use with the machine's C++ compiler (about a minute
-on 2 cores, cached by torch under TORCH_EXTENSIONS_DIR)."""
+"""The project's CPU kernels (decoding/core/csrc): the invariant attention, the Llama decoder layers
+and the row-invariant bfloat16 linear, one extension module compiled on first use with the machine's
+C++ compiler (about a minute on 2 cores, cached by torch under TORCH_EXTENSIONS_DIR)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from decoding.core.errors import BackendError
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("attention.cpp", "layers.cpp", "module.cpp")
+SOURCES = ("attention.cpp", "layers.cpp", "matmul.cpp", "module.cpp")
 # -ffp-contract=off: the only fused multiply-adds are the explicit ones (attention.cpp's header);
 # -fno-trapping-math lets floor and selects vectorize; neither changes a value.
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fopenmp"]
@@ -44,8 +44,9 @@ def load() -> ModuleType:
         )
     except (RuntimeError, OSError, ImportError) as e:
         raise BackendError(
-            f"model.attention=invariant needs a C++ compiler to build {CSRC} ({str(e).splitlines()[0][:160]}); "
-            "install g++ (Debian: apt install g++) or use model.attention=sdpa"
+            f"model.attention=invariant and model.linear=rows need a C++ compiler to build {CSRC} "
+            f"({str(e).splitlines()[0][:160]}); install g++ (Debian: apt install g++) or use "
+            "model.attention=sdpa model.linear=aten"
         ) from e
     log.info("CPU kernels ready in %.1fs", time.perf_counter() - t0)
     return module

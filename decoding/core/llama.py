@@ -5,9 +5,10 @@ through `transformers` took 13 ms on the 2-core machine: the Python around some 
 forward (module calls, keyword plumbing, mask and cache dispatch) cost more than the arithmetic.
 Here the decoder layers run in one C++ call (csrc/layers.cpp) that issues the same ATen ops in the
 same order and dtypes as `LlamaDecoderLayer` with its `Int4Linear` / `nn.Linear` projections, and
-the invariant attention; embedding, rotary tables, final norm and LM head stay the model's own
-modules. Every logit has the bits the `transformers` forward of the same loaded model computes
-(tests/test_llama.py checks it), so `hf`'s `generate` stays the reference for every decoder.
+the invariant attention (dense projections through csrc/matmul.cpp where they are `RowsLinear`);
+embedding, rotary tables, final norm and LM head stay the model's own modules. Every logit has the
+bits the `transformers` forward of the same loaded model computes (tests/test_llama.py checks it), so
+`hf`'s `generate` stays the reference for every decoder.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaFor
 from decoding.core import attention, kernels
 from decoding.core.kv_cache import ForwardView
 from decoding.core.quant import Int4Linear
+from decoding.core.rows_linear import RowsLinear
 
 _NONE = torch.empty(0)
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
@@ -36,17 +38,20 @@ class Layers:
     eps: float
     head_dim: int
     scaling: float
+    rows: bool  # the dense projections are RowsLinear (the row-invariant kernel), not nn.Linear
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> Layers | None:
         """The layers, or None where this path would not compute the model's own forward: not a
         Llama causal LM, another attention than the invariant one, another activation or norm, or
-        a projection that is neither `nn.Linear` nor `Int4Linear` (e.g. float32's PrepackedLinear)."""
+        a projection that is neither `nn.Linear`, `RowsLinear` nor `Int4Linear` (e.g. float32's
+        PrepackedLinear), or dense projections of both kinds."""
         if type(model) is not LlamaForCausalLM or model.config._attn_implementation != attention.NAME:
             return None
         if model.config.hidden_act != "silu" or not model.model.layers:
             return None
         weights: list[torch.Tensor] = []
+        dense: set[type] = set()
         for layer in model.model.layers:
             if type(layer) is not LlamaDecoderLayer:
                 return None
@@ -55,16 +60,20 @@ class Layers:
                 proj = layer.get_submodule(name)
                 if type(proj) is Int4Linear:
                     weights += [proj.packed, proj.scales_zeros]
-                elif type(proj) is torch.nn.Linear:
+                elif type(proj) in (torch.nn.Linear, RowsLinear):
                     weights += [proj.weight, _NONE]
+                    dense.add(type(proj))
                 else:
                     return None
                 weights.append(_NONE if proj.bias is None else proj.bias)
+        if len(dense) > 1:
+            return None
         first = model.model.layers[0]
         eps = {layer.input_layernorm.variance_epsilon for layer in model.model.layers}
         if len(eps) != 1 or eps != {layer.post_attention_layernorm.variance_epsilon for layer in model.model.layers}:
             return None
-        return cls(model, weights, float(eps.pop()), first.self_attn.head_dim, float(first.self_attn.scaling))
+        scaling = float(first.self_attn.scaling)
+        return cls(model, weights, float(eps.pop()), first.self_attn.head_dim, scaling, RowsLinear in dense)
 
     @torch.inference_mode()
     def forward(
@@ -104,6 +113,7 @@ class Layers:
             _NONE if kv_rows is None else kv_rows,
             -1 if capture is None else capture,
             _NONE if real is None else real,
+            self.rows,
         )
         h = inner.norm(h)
         if logits_at is not None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from decoding.core import attention, kernels
+from decoding.core import attention, kernels, rows_linear
 from decoding.core.errors import BackendError
 from decoding.core.memory import MemoryBudget
 from decoding.core.model_files import check_checkpoint, check_gguf
@@ -34,6 +34,7 @@ WEIGHTS = ("auto", *DTYPES, "gguf")
 # model.attention: invariant = decoding/core/attention.py (CPU); or a `transformers` implementation.
 ATTENTION = ("auto", attention.CHOICE, "sdpa", "eager")
 INITS = ("checkpoint", "random")
+LINEARS = rows_linear.CHOICES
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,7 @@ class ModelSpec:
     # random: the checkpoint folder's config.json with random weights (seed 0), built on the device:
     # real shapes without their weights, to measure speed (decoding/shapes.py writes such folders)
     init: str = "checkpoint"
+    linear: str = "auto"  # bfloat16 linear layers: decoding/core/rows_linear.py's kernel (rows) or torch's (aten)
 
     @classmethod
     def from_config(cls, values: Mapping[str, Any], key: str = "model") -> ModelSpec:
@@ -83,6 +85,8 @@ class ModelSpec:
             )
         if self.weights not in WEIGHTS:
             raise BackendError(f"{self.key}.weights={self.weights!r} is not one of {', '.join(WEIGHTS)}")
+        if self.linear not in LINEARS:
+            raise BackendError(f"{self.key}.linear={self.linear!r} is not one of {', '.join(LINEARS)}")
         if self.attention not in ATTENTION:
             raise BackendError(f"{self.key}.attention={self.attention!r} is not one of {', '.join(ATTENTION)}")
         if self.chat_template not in ("auto", "true", "false", True, False):
@@ -152,6 +156,7 @@ def prepare_for_inference(
     attn: str,
     gguf: Path | None = None,
     prepack: bool = True,
+    linear: str = "aten",
 ) -> str:
     """Put a loaded (float32) model into the form the decoders run: its device, weight format and
     attention implementation (all resolved already); returns what was done, for the log."""
@@ -166,6 +171,9 @@ def prepare_for_inference(
         kernels.load()  # build it now: a missing compiler is a load-time error
     model.set_attn_implementation(attention.NAME if attn == attention.CHOICE else attn)
     done.append(f"{attn} attention")
+    rows = rows_linear.use_rows_kernel(model) if linear == "rows" else 0
+    if rows:
+        done.append(f"{rows} bfloat16 linear layers on the row-invariant kernel")
     packed = prepack_linears(model) if prepack else 0
     if packed:
         done.append(f"{packed} linear layers prepacked")
@@ -179,6 +187,7 @@ def load_model(spec: ModelSpec) -> LoadedModel:
     source, gguf = _checkpoint_dir(spec)
     weights = resolve_weights(spec.weights, device, gguf, spec.key)
     attn = resolve_attention(spec.attention, device, spec.key)
+    linear = rows_linear.resolve_linear(spec.linear, device, spec.key)
     t0 = time.perf_counter()
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
@@ -192,7 +201,7 @@ def load_model(spec: ModelSpec) -> LoadedModel:
             f"{spec.key}.path={spec.path!r} could not be loaded ({str(e).splitlines()[0][:160]}); give a local "
             f"checkpoint directory, a Hugging Face id with network access, or the embedded {spec.key}.path=smollm2-135m"
         ) from e
-    done = prepare_for_inference(model, device, weights, attn, gguf, spec.prepack)
+    done = prepare_for_inference(model, device, weights, attn, gguf, spec.prepack, linear)
     log.info("loaded %s in %.1fs on %s (%s)", source, time.perf_counter() - t0, device, done)
     budget = (
         MemoryBudget(spec.prefix_memory_mb << 20)

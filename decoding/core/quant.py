@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from decoding.core.errors import BackendError
+from decoding.core.rows_linear import RowsLinear
 
 if TYPE_CHECKING:
     from gguf import GGUFReader
@@ -68,7 +69,8 @@ class Int4Linear(torch.nn.Module):
 
 def kernel_fits(module: torch.nn.Module | None) -> bool:
     """Whether the int4 kernel can run this layer (its packing wants groups of 32 in, 16s out)."""
-    return type(module) is torch.nn.Linear and module.in_features % GROUP == 0 and module.out_features % 16 == 0
+    dense = type(module) in (torch.nn.Linear, RowsLinear)
+    return dense and module.in_features % GROUP == 0 and module.out_features % 16 == 0
 
 
 def dense_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -10,13 +10,14 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 PARTS = ("linears", "attention", "lm_head", "other")
-# Operators whose own time is a projection's matrix product (int4 kernel, dense and oneDNN paths).
+# Operators whose own time is a projection's matrix product (int4 kernel, dense, oneDNN and rows paths).
 LINEAR_OPS = {
     "aten::_weight_int4pack_mm_for_cpu",
     "aten::mm",
     "aten::addmm",
     "aten::bmm",
     "aten::mkldnn_linear",
+    "tot::rows_linear",
 }
 # The attention kernels: the invariant one (decoding/core/csrc) or torch's fused one, with callees.
 ATTENTION_OPS = {"tot::attend", "aten::scaled_dot_product_attention"}
@@ -27,7 +28,7 @@ def time_split(model: torch.nn.Module, step: Callable[[], object], repeats: int)
     """Fractions of `repeats` calls of `step` (forwards of `model`) spent in each of PARTS.
 
     The LM head is marked by a profiler range around `model`'s output embedding while profiling;
-    its matrix product is taken out of `linears`. Attention is the invariant kernel or torch's
+    the matrix products inside it are taken out of `linears`. Attention is the invariant kernel or torch's
     scaled_dot_product_attention with what it calls (eager attention's matmuls count as linears).
     """
     head = model.get_output_embeddings()
@@ -59,10 +60,24 @@ def time_split(model: torch.nn.Module, step: Callable[[], object], repeats: int)
             us["attention"] += event.cpu_time_total if event.key.startswith("aten::") else event.self_cpu_time_total
         elif event.key == HEAD:
             us["lm_head"] += event.cpu_time_total
-    us["linears"] = max(0.0, us["linears"] - us["lm_head"])
+    # The head's own matrix product was counted in `linears` too (its casts and copies were not).
+    head_products = sum(
+        e.self_cpu_time_total for h in prof.events() if h.name == HEAD for e in _below(h) if e.name in LINEAR_OPS
+    )
+    us["linears"] = max(0.0, us["linears"] - head_products)
     total = wall * 1e6
     us["other"] = max(0.0, total - us["linears"] - us["attention"] - us["lm_head"])
     return {part: us[part] / total for part in PARTS}
+
+
+def _below(event: object) -> list[object]:
+    """A profiler event's descendants."""
+    out, todo = [], list(event.cpu_children)
+    while todo:
+        e = todo.pop()
+        out.append(e)
+        todo += e.cpu_children
+    return out
 
 
 def gpu_busy(step: Callable[[], object]) -> tuple[object, float]:

@@ -7,9 +7,11 @@
 torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor mask, torch::Tensor rows,
                      double scale);
 
+at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias);
+
 std::vector<at::Tensor> decoder_layers(at::Tensor h, const std::vector<at::Tensor>& weights, double eps,
                                        int64_t head_dim, double scaling, const at::Tensor& cos,
                                        const at::Tensor& sin, const std::vector<at::Tensor>& keys,
                                        const std::vector<at::Tensor>& values, const at::Tensor& rows,
                                        const at::Tensor& slots, int64_t kv_len, const at::Tensor& mask,
-                                       const at::Tensor& kv_rows, int64_t capture, const at::Tensor& real);
+                                       const at::Tensor& kv_rows, int64_t capture, const at::Tensor& real, bool rows_kernel);

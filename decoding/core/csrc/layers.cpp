@@ -9,8 +9,10 @@
 
 namespace {
 
-// Int4Linear.forward / nn.Linear: [w, scales_zeros, bias] with scales_zeros empty for a dense weight.
-at::Tensor linear(const at::Tensor& x, const at::Tensor* w) {
+// Int4Linear.forward / nn.Linear / RowsLinear (`rows_kernel`): [w, scales_zeros, bias] with scales_zeros
+// empty for a dense weight.
+at::Tensor linear(const at::Tensor& x, const at::Tensor* w, bool rows_kernel) {
+  if (w[1].numel() == 0 && rows_kernel) return rows_linear(x, w[0], w[2]);
   if (w[1].numel() == 0) return at::linear(x, w[0], w[2].numel() ? c10::optional<at::Tensor>(w[2]) : c10::nullopt);
   const int64_t out_features = w[1].size(1);
   at::Tensor y = at::_weight_int4pack_mm_for_cpu(x.reshape({-1, x.size(-1)}).to(at::kBFloat16), w[0], 32, w[1]);
@@ -40,7 +42,7 @@ std::vector<at::Tensor> decoder_layers(at::Tensor h, const std::vector<at::Tenso
                                        const at::Tensor& sin, const std::vector<at::Tensor>& keys,
                                        const std::vector<at::Tensor>& values, const at::Tensor& rows,
                                        const at::Tensor& slots, int64_t kv_len, const at::Tensor& mask,
-                                       const at::Tensor& kv_rows, int64_t capture, const at::Tensor& real) {
+                                       const at::Tensor& kv_rows, int64_t capture, const at::Tensor& real, bool rows_kernel) {
   constexpr size_t PER_LAYER = 2 + 7 * 3;  // two norm weights, then q, k, v, o, gate, up, down
   TORCH_CHECK(weights.size() == keys.size() * PER_LAYER && keys.size() == values.size(), "decoder_layers: weights");
   const int64_t batch = h.size(0), n_new = h.size(1);
@@ -64,9 +66,9 @@ std::vector<at::Tensor> decoder_layers(at::Tensor h, const std::vector<at::Tenso
     at::Tensor q, k, v;
     if (ragged) {  // [N, heads, D]
       const std::vector<int64_t> shape{x.size(0), -1, head_dim};
-      q = rotate(linear(x, w + 2).view(shape), cos_t, sin_t);
-      k = rotate(linear(x, w + 5).view(shape), cos_t, sin_t);
-      v = linear(x, w + 8).view(shape);
+      q = rotate(linear(x, w + 2, rows_kernel).view(shape), cos_t, sin_t);
+      k = rotate(linear(x, w + 5, rows_kernel).view(shape), cos_t, sin_t);
+      v = linear(x, w + 8, rows_kernel).view(shape);
       keys[i].index_put_(where, k.to(keys[i].scalar_type()));
       values[i].index_put_(where, v.to(values[i].scalar_type()));
       // Pad queries see only their own (unwritten) slot; their outputs are dropped below.
@@ -74,18 +76,18 @@ std::vector<at::Tensor> decoder_layers(at::Tensor h, const std::vector<at::Tenso
       q = q.view({batch, n_new, -1, head_dim}).transpose(1, 2);
     } else {
       const std::vector<int64_t> shape{batch, n_new, -1, head_dim};
-      q = rotate(linear(x, w + 2).view(shape).transpose(1, 2), cos, sin);
-      k = rotate(linear(x, w + 5).view(shape).transpose(1, 2), cos, sin);
-      v = linear(x, w + 8).view(shape).transpose(1, 2);
+      q = rotate(linear(x, w + 2, rows_kernel).view(shape).transpose(1, 2), cos, sin);
+      k = rotate(linear(x, w + 5, rows_kernel).view(shape).transpose(1, 2), cos, sin);
+      v = linear(x, w + 8, rows_kernel).view(shape).transpose(1, 2);
       // RowKVCache.update, in place: this forward's slots of each row, then every row up to kv_len.
       keys[i].index_put_(where, k.transpose(1, 2).to(keys[i].scalar_type()));
       values[i].index_put_(where, v.transpose(1, 2).to(values[i].scalar_type()));
     }
     at::Tensor out = attend(q, keys[i].slice(2, 0, kv_len), values[i].slice(2, 0, kv_len), mask, kv_rows, scaling);
     out = ragged ? out.reshape({batch * n_new, -1}).index_select(0, real) : out.reshape({batch, n_new, -1});
-    h = h + linear(out, w + 11);
+    h = h + linear(out, w + 11, rows_kernel);
     const at::Tensor y = rms_norm(h, w[1], eps);
-    h = h + linear(at::silu(linear(y, w + 14)) * linear(y, w + 17), w + 20);
+    h = h + linear(at::silu(linear(y, w + 14, rows_kernel)) * linear(y, w + 17, rows_kernel), w + 20, rows_kernel);
     if (static_cast<int64_t>(i) == capture) hidden = h;
   }
   return {h, hidden.defined() ? hidden : at::Tensor()};
