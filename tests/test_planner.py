@@ -59,6 +59,9 @@ def test_no_draft_tokens_where_they_cost_more_than_they_return():
         planner.cut([0, 1], [tree, tree], [True, True], [1, 1], 100.0)
     budgets = [planner.budgets([0, 1], 4) for _ in range(4)]
     assert budgets[0] == [0, 0] and [4, 4] in budgets
+    # A new sequence's row starts from what the other rows' drafts were worth: not drafted either.
+    planner.forget([1])
+    assert planner.budgets([1], 4) == [0]
 
 
 def test_large_trees_under_a_flat_curve():
@@ -76,6 +79,7 @@ def test_large_trees_under_a_flat_curve():
     steep = Planner(STEEP, record)
     _, steep_plan = steep.cut(list(range(4)), [tree] * 4, [True] * 4, [1] * 4, 100.0)
     assert min(plan.nodes) >= 16 and sum(steep_plan.nodes) < sum(plan.nodes)
+    assert flat.budgets([9], 32) == [32]  # a new row where drafts have paid is drafted from its first step
 
 
 def test_a_cut_keeps_a_first_run_of_siblings_in_draw_order():

@@ -1,16 +1,17 @@
 """The step planner: each step sized for the most expected committed tokens per second.
 
 Two phases around drafting. Before it (`budgets`), each row's recent trees say what its drafts are
-worth; a row whose drafts could not pay for themselves on this machine's cost curve is not drafted
-(it is still verified, and its drafter still learns from every token it commits), and every
-`PROBE` steps such a row is drafted again to see whether that changed. After it (`cut`), every
-node of every tree has a calibrated chance of being accepted (decoding/core/calibration.py); nodes
-are taken best first across all rows, each row's in an order that keeps, for every kept node, its
-parent and a first run of its siblings in draw order (so every acceptance rule stays lossless), and
-the plan is the prefix of that order with the highest expected tokens (one bonus per row plus the
-kept nodes' reach) per predicted millisecond (the forward, decoding/core/cost.py, plus the work
-around it). The empty plan, plain decoding, is always a candidate, so on a machine where a forward's
-cost grows with its tokens few nodes are kept, and where it is flat (a GPU) whole trees are.
+worth (a new row starts from what every row's were worth lately); a row whose drafts could not pay
+for themselves on this machine's cost curve is not drafted (it is still verified, and its drafter
+still learns from every token it commits), and every `PROBE` steps such a row is drafted again to
+see whether that changed. After it (`cut`), every node of every tree has a calibrated chance of
+being accepted (decoding/core/calibration.py); nodes are taken best first across all rows, each
+row's in an order that keeps, for every kept node, its parent and a first run of its siblings in
+draw order (so every acceptance rule stays lossless), and the plan is the prefix of that order with
+the highest expected tokens (one bonus per row plus the kept nodes' reach) per predicted millisecond
+(the forward, decoding/core/cost.py, plus the work around it). The empty plan, plain decoding, is
+always a candidate, so on a machine where a forward's cost grows with its tokens few nodes are kept,
+and where it is flat (a GPU) whole trees are.
 
 The planner sizes trees; it never picks rows: every ready row is verified in every forward.
 """
@@ -77,6 +78,9 @@ class Planner:
     timed: bool = True
     # row -> what its kept nodes were worth lately: expected tokens less their cost in tokens (EMA)
     value: dict[int, float] = field(default_factory=dict)
+    # What a row's drafts are worth before it has drafted: every row's worth (a slower EMA). A ToT
+    # thought is a short sequence, so an optimistic start would be much of a row's life.
+    prior: float = 1.0
     rate_per_ms: float = 0.0  # expected tokens per ms of the latest plan
     idle: dict[int, int] = field(default_factory=dict)  # row -> steps since it was last drafted
 
@@ -128,7 +132,7 @@ class Planner:
         rate = self.rate_per_ms
         out = []
         for r in rows:
-            worth = self.value.get(r, 1.0) > rate * self.draft_ms_per_node * max_nodes
+            worth = self.value.get(r, self.prior) > rate * self.draft_ms_per_node * max_nodes
             draft = worth or self.idle.get(r, 0) + 1 >= PROBE
             self.idle[r] = 0 if draft else self.idle.get(r, 0) + 1
             out.append(max_nodes if draft else 0)
@@ -156,7 +160,8 @@ class Planner:
         for row, tree, gain, k in zip(rows, trees, gains, kept):
             if len(tree):
                 worth = float(gain[:k].sum()) - self.rate_per_ms * node_ms * k
-                self.value[row] = 0.7 * self.value.get(row, 1.0) + 0.3 * worth
+                self.value[row] = 0.7 * self.value.get(row, self.prior) + 0.3 * worth
+                self.prior = 0.9 * self.prior + 0.1 * worth
         kept_nodes = [None if k == len(t) else sorted(o[:k]) for t, o, k in zip(trees, orders, kept)]
         cut = [t if nodes is None else t.subtree(nodes) for t, nodes in zip(trees, kept_nodes)]
         plan = StepPlan(len(rows), kept, kept_nodes, sum(len(t) for t in trees), expected, forward_ms, step_ms)
