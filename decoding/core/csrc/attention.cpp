@@ -50,8 +50,7 @@ inline void widen(const scalar_t* src, float* dst, int64_t n) {
 }
 template <>
 inline void widen<at::BFloat16>(const at::BFloat16* src, float* dst, int64_t n) {
-  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
-  for (int64_t i = 0; i < n; ++i) dst[i] = __builtin_bit_cast(float, static_cast<uint32_t>(bits[i]) << 16);
+  widen_bfloat16(src, dst, n);
 }
 
 constexpr int64_t BL = U * W;  // positions per key block

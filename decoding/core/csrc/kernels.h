@@ -2,7 +2,14 @@
 #pragma once
 #include <torch/extension.h>
 
+#include <cstdint>
 #include <vector>
+
+// Widen n bfloat16 values to float through their bits (a shift the compiler vectorizes).
+inline void widen_bfloat16(const at::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+  for (int64_t i = 0; i < n; ++i) dst[i] = __builtin_bit_cast(float, static_cast<uint32_t>(bits[i]) << 16);
+}
 
 torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor mask, torch::Tensor rows,
                      double scale);

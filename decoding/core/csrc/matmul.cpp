@@ -64,15 +64,6 @@ inline void dots(const float* x, int64_t stride, const float* w, int64_t K, floa
 #endif
 }
 
-// Widen output columns [n0, n0 + count) of a bfloat16 weight [N, K] into buf [count, K].
-void widen_bf16(const at::BFloat16* w, int64_t K, int64_t n0, int64_t count, float* buf) {
-  for (int64_t j = 0; j < count; ++j) {
-    const uint16_t* bits = reinterpret_cast<const uint16_t*>(w + (n0 + j) * K);
-    float* dst = buf + j * K;
-    for (int64_t k = 0; k < K; ++k) dst[k] = __builtin_bit_cast(float, static_cast<uint32_t>(bits[k]) << 16);
-  }
-}
-
 }  // namespace
 
 at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
@@ -93,7 +84,7 @@ at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& weight, const at::
     float out[R];
     for (int64_t blk = begin; blk < end; ++blk) {
       const int64_t n0 = blk * NB, count = std::min(NB, N - n0);
-      widen_bf16(wp, K, n0, count, buf.data());
+      for (int64_t j = 0; j < count; ++j) widen_bfloat16(wp + (n0 + j) * K, buf.data() + j * K, K);
       for (int64_t j = 0; j < count; ++j) {
         const float* w = buf.data() + j * K;
         const float add = bp ? bp[n0 + j] : 0.0f;
