@@ -2,7 +2,7 @@
 // several rows (decoding/core/rows_linear.py selects it: without AVX-512, oneDNN's time per extra row
 // is about that of the first row; the embedded model's LM head took 3 ms per row of a forward).
 //
-// The weights are widened to float once per forward, a few output columns at a time into a buffer
+// The weights are widened to float once per forward, one output column at a time into a buffer
 // that stays in L1, and every row of x is multiplied by that buffer: the weights are read once for
 // all rows. Each output y[m, n] is one dot product over k in index order in W float lanes (lane l
 // sums k = l, l + W, ...) with fused multiply-adds, then the lanes are added in a fixed tree: nothing
@@ -26,7 +26,7 @@ namespace {
 
 constexpr int64_t W = 16;    // float lanes of one dot product
 constexpr int64_t R = 4;     // rows of x per tile: one weight load feeds R fused multiply-adds
-constexpr int64_t NB = 4;    // output columns widened per buffer
+constexpr int64_t NB = 4;    // output columns per parallel task
 
 inline float lanes_sum(const float* acc) {
   float s8[8], s4[4];
@@ -80,23 +80,19 @@ at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   const at::Tensor b = bias.numel() ? bias.to(at::kFloat).contiguous() : bias;
   const float* bp = bias.numel() ? b.data_ptr<float>() : nullptr;
   at::parallel_for(0, (N + NB - 1) / NB, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> buf(NB * K);
+    std::vector<float> w(K);
     float out[R];
-    for (int64_t blk = begin; blk < end; ++blk) {
-      const int64_t n0 = blk * NB, count = std::min(NB, N - n0);
-      for (int64_t j = 0; j < count; ++j) widen_bfloat16(wp + (n0 + j) * K, buf.data() + j * K, K);
-      for (int64_t j = 0; j < count; ++j) {
-        const float* w = buf.data() + j * K;
-        const float add = bp ? bp[n0 + j] : 0.0f;
-        int64_t m = 0;
-        for (; m + R <= M; m += R) {
-          dots<R>(xp + m * K, K, w, K, out);
-          for (int64_t r = 0; r < R; ++r) yp[(m + r) * N + n0 + j] = out[r] + add;
-        }
-        for (; m < M; ++m) {
-          dots<1>(xp + m * K, K, w, K, out);
-          yp[m * N + n0 + j] = out[0] + add;
-        }
+    for (int64_t n = begin * NB; n < std::min(end * NB, N); ++n) {
+      widen_bfloat16(wp + n * K, w.data(), K);
+      const float add = bp ? bp[n] : 0.0f;
+      int64_t m = 0;
+      for (; m + R <= M; m += R) {
+        dots<R>(xp + m * K, K, w.data(), K, out);
+        for (int64_t r = 0; r < R; ++r) yp[(m + r) * N + n] = out[r] + add;
+      }
+      for (; m < M; ++m) {
+        dots<1>(xp + m * K, K, w.data(), K, out);
+        yp[m * N + n] = out[0] + add;
       }
     }
   });
