@@ -193,3 +193,28 @@ def test_bench_evaluator_variants(long_context):
     assert rows["ar_ic"]["speedup_vs_hf"] == pytest.approx(
         rows["ar_ic"]["tokens_per_s"] / rows["hf_ic"]["tokens_per_s"]
     )
+
+
+def test_rounds_alternate_entries_of_one_concurrency():
+    """Entries take turns one batch of their own concurrency at a time, in turn and then in reverse
+    turn: entries at one problem alternate per problem, and each entry runs every problem once."""
+    from tasks.base import Problem
+    from tot.bench import rounds
+
+    problems = [Problem(id=str(i), question=f"q{i}", gold="0") for i in range(4)]
+    plan = rounds(["ar", "ar_c1", "pld_c1"], problems, {"ar": 4, "ar_c1": 1, "pld_c1": 1})
+    assert [(n, [p.id for p in c]) for n, c in plan] == [
+        ("ar", ["0", "1", "2", "3"]),
+        ("ar_c1", ["0"]),
+        ("pld_c1", ["0"]),
+        ("pld_c1", ["1"]),
+        ("ar_c1", ["1"]),
+        ("ar_c1", ["2"]),
+        ("pld_c1", ["2"]),
+        ("pld_c1", ["3"]),
+        ("ar_c1", ["3"]),
+    ]
+    # The mean place of two entries at one concurrency is the same: linear drift slows them alike.
+    places = {n: [i for i, (m, _) in enumerate(plan) if m == n] for n in ("ar_c1", "pld_c1")}
+    assert sum(places["ar_c1"]) == sum(places["pld_c1"])
+    assert rounds(["a"], problems[:3], {"a": 2})[1][1] == problems[2:3]

@@ -2,10 +2,10 @@
 
 Every decoder gets its own engine on the same loaded model(s) and searches `run.concurrency`
 problems at once (a variant may set its own, e.g. bench.variants='{ar_1: {decoder: ar,
-run.concurrency: 1}}'); problems are interleaved in chunks (the first chunk with every decoder, then
-the next, ...) so that machine drift hits all alike, after a warm-up call per engine. Reported per
-decoder: wall time (whole run and per phase), tokens, tokens/s, speedup
-over `hf` and `ar`, acceptance length, target forwards per token, rows per forward (how full the
+run.concurrency: 1}}'); entries take turns on the problems, each one batch of its own concurrency at
+a time, in turn and in reverse turn (`rounds`), so that machine drift hits all alike, after a warm-up
+call per engine. Reported per decoder: wall time (whole run and per phase), tokens, tokens/s,
+speedup over `hf` and `ar`, acceptance length, target forwards per token, rows per forward (how full the
 target's batches were), prompt tokens computed against requested (what prefix sharing saved), target
 busy fraction and the peak KV-cache memory. At temperature 0, and at any temperature under a matched
 `verify.rule` (the default), every decoder's trees must equal `hf`'s under the same rule and
@@ -164,14 +164,10 @@ def bench(
     for engine in engines.values():  # warm-up: first-call allocations and kernel choices (a server: its check)
         run_sync(engine.agenerate([GenRequest("Say hello.", max_new_tokens=8, group="warm-up")]))
     tallies = {name: Tally() for name in engines}
-    # Problems go in chunks as large as the largest concurrency, each chunk through every decoder in
-    # turn, so that machine drift hits all decoders alike.
-    size = max(at_once.values())
-    chunks = [problems[i : i + size] for i in range(0, len(problems), size)]
     bar = tqdm(total=len(problems) * len(engines), desc=f"bench {cfg.task}", unit="run", disable=not progress)
     with bar:
-        for chunk in chunks:
-            _bench_chunk(chunk, engines, judge, tallies, at_once, searches, task, cfg, bar)
+        for name, chunk in rounds(list(engines), problems, at_once):
+            _bench_chunk(chunk, engines[name], judge, tallies[name], at_once[name], searches[name], task, cfg, bar)
     rows = {
         name: {**_row(name, t, engines[name]), "concurrency": at_once[name], "evaluator": evaluated[name]}
         for name, t in tallies.items()
@@ -240,53 +236,64 @@ def bench_engine(c: DecoderConfig, target: LoadedModel, draft: LoadedModel | Non
     return Engine(target, c, draft if c.draft else None)
 
 
+def rounds(names: list[str], problems: list[Problem], at_once: dict[str, int]) -> list[tuple[str, list[Problem]]]:
+    """The order the entries run in: rounds, each giving every entry with problems left its next
+    `at_once[name]` of them (one batch at its own concurrency), the entries in turn and in reverse
+    turn on every other round. Entries compared with each other share a concurrency, so they
+    alternate as finely as their batches allow, and the reversal evens out their mean place in
+    time: a machine that drifts over a run slows each of them alike."""
+    plan: list[tuple[str, list[Problem]]] = []
+    done = dict.fromkeys(names, 0)
+    r = 0
+    while any(done[n] < len(problems) for n in names):
+        for name in names if r % 2 == 0 else reversed(names):
+            if done[name] < len(problems):
+                plan.append((name, problems[done[name] : done[name] + at_once[name]]))
+                done[name] += at_once[name]
+        r += 1
+    return plan
+
+
 def _bench_chunk(
     chunk: list[Problem],
-    engines: dict[str, Engine | ServerEngine],
+    engine: Engine | ServerEngine,
     judge: GenerationEngine | None,
-    tallies: dict[str, Tally],
-    at_once: dict[str, int],
-    searches: dict[str, Search],
+    tally: Tally,
+    at_once: int,
+    search: Search,
     task: Task,
     cfg: RunConfig,
     bar: tqdm,
 ) -> None:
-    """Some problems through every decoder in turn, each decoder searching `at_once` of them at a time."""
-    for name, engine in engines.items():
-        tally = tallies[name]
-        device = engine.target.device if isinstance(engine, Engine) else None
-        cuda = device is not None and device.type == "cuda"
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(device)
-        solutions: dict[str, Solution] = {}
+    """Some problems through one entry, `at_once` of them at a time."""
+    device = engine.target.device if isinstance(engine, Engine) else None
+    cuda = device is not None and device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    solutions: dict[str, Solution] = {}
 
-        async def solve(
-            problem: Problem,
-            engine: GenerationEngine = engine,
-            solutions: dict = solutions,
-            search: Search = searches[name],
-        ) -> None:
-            solutions[problem.id] = await search.solve(problem, engine)
-            bar.update()
+    async def solve(problem: Problem) -> None:
+        solutions[problem.id] = await search.solve(problem, engine)
+        bar.update()
 
-        t0 = time.perf_counter()
-        run_sync(solve_all(chunk, solve, at_once[name]))
-        tally.wall_s += time.perf_counter() - t0
-        if cuda:
-            tally.peak_device_bytes = max(tally.peak_device_bytes, torch.cuda.max_memory_allocated(device))
-        for problem in chunk:
-            sol = solutions[problem.id]
-            for phase, stats in sol.phases.items():
-                tally.phase_engine_s[phase] += stats.engine_s
-                tally.phase_tokens[phase] += stats.decode.generated_tokens
-                tally.phase_prompt[phase] += stats.decode.prompt_tokens
-                tally.phase_prompt_computed[phase] += stats.decode.prompt_tokens_computed
-                tally.decode += stats.decode
-            tally.trees[problem.id] = sol.tree
-            tally.correct += bool(task.is_correct(problem, sol.answer))
-            # Scored after the clock stops: a judge's calls are not part of building the tree.
-            for key, value in run_sync(score(cfg, task, problem, sol.answer, judge or engine)).items():
-                tally.metrics.setdefault(key, []).append(value)
+    t0 = time.perf_counter()
+    run_sync(solve_all(chunk, solve, at_once))
+    tally.wall_s += time.perf_counter() - t0
+    if cuda:
+        tally.peak_device_bytes = max(tally.peak_device_bytes, torch.cuda.max_memory_allocated(device))
+    for problem in chunk:
+        sol = solutions[problem.id]
+        for phase, stats in sol.phases.items():
+            tally.phase_engine_s[phase] += stats.engine_s
+            tally.phase_tokens[phase] += stats.decode.generated_tokens
+            tally.phase_prompt[phase] += stats.decode.prompt_tokens
+            tally.phase_prompt_computed[phase] += stats.decode.prompt_tokens_computed
+            tally.decode += stats.decode
+        tally.trees[problem.id] = sol.tree
+        tally.correct += bool(task.is_correct(problem, sol.answer))
+        # Scored after the clock stops: a judge's calls are not part of building the tree.
+        for key, value in run_sync(score(cfg, task, problem, sol.answer, judge or engine)).items():
+            tally.metrics.setdefault(key, []).append(value)
 
 
 def concurrencies(container: dict, names: list[str]) -> dict[str, int]:

@@ -75,7 +75,8 @@ class RecyclingDrafter:
             base = len(full) - v.kept
             at = v.kept_rows()
             top = torch.topk(v.logits[at], self.options.top_k).indices
-            logp = None if v.probs is None else v.probs[at].double().log().gather(-1, top.cpu()).tolist()
+            # The k probabilities gathered before the log: a log over the whole vocabulary per kept token is waste.
+            logp = None if v.probs is None else v.probs[at].gather(-1, top.cpu()).double().log().tolist()
             for j, succ in enumerate(top.tolist()):
                 self.successors[full[base + j - 1]] = (succ, None if logp is None else logp[j])
 
