@@ -68,6 +68,9 @@ class Engine:
         self._arrived: list[_Call] = []
         self._calls: dict[int, _Call] = {}  # id(sequence) -> its call, while it decodes
         self._driver: asyncio.Task[None] | None = None
+        # Time spent in the decoder's steps for awaited calls (a bench that interleaves engines
+        # forward by forward times each by its own steps, not by the wall clock they share).
+        self.step_s = 0.0
 
     def peak_cache_bytes(self) -> int:
         """The largest KV caches this engine's decoder has held: the target's, plus the draft model's."""
@@ -148,7 +151,9 @@ class Engine:
                 if not self.decoder.busy:
                     return
                 before = replace(self.decoder.stats)
+                t0 = time.perf_counter()
                 finished = self.decoder.step()
+                self.step_s += time.perf_counter() - t0
                 self._share(self.decoder.stats - before)
                 for s in finished:
                     call = self._calls.pop(id(s))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from conftest import DEVICE, build_model
 from hydra import compose, initialize_config_module
@@ -28,22 +30,60 @@ def compose_bench(*overrides: str):
     return RunConfig.from_omegaconf(cfg), OmegaConf.to_container(cfg, resolve=True)
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_bench_every_decoder_lossless(long_context, temperature):
-    """Same trees as hf's at temperature 0, and sampled (verify.match_samples, the default)."""
+@pytest.mark.parametrize("temperature, lockstep", [(0.0, False), (0.8, True)])
+def test_bench_every_decoder_lossless(long_context, temperature, lockstep):
+    """Same trees as hf's at temperature 0, and sampled (the default matched rule), whether the
+    entries run in turns or all at once, their forwards interleaved."""
     run_cfg, container = compose_bench(f"gen.temperature={temperature}")
     configs, skipped = decoder_configs(container, container["bench"]["decoders"], has_draft=False)
     assert skipped == ["sd", "seed"]  # no draft model configured
-    result = bench(run_cfg, configs, long_context, None, progress=False)
+    result = bench(run_cfg, configs, long_context, None, progress=False, lockstep=lockstep)
     assert result["lossless_checked"] and result["mismatches"] == []
     rows = result["decoders"]
+    assert {r["clock"] for r in rows.values()} == {"steps" if lockstep else "wall"}
     assert list(rows) == ["hf", "ar", "pld", "recycling", "stand", "seed_stand", "aded"]
     assert rows["hf"]["speedup_vs_hf"] == pytest.approx(1.0)
     assert all(r["tokens"] == rows["hf"]["tokens"] > 0 for r in rows.values())
     assert all(r["peak_kv_mb"] > 0 for n, r in rows.items() if n != "hf")
     assert result["process_peak_rss_mb"] > 100  # the process holds at least torch and a model
     text = table(result)
-    assert text.count("\n") == 1 + len(rows) and "`seed_stand`" in text
+    assert text.count("\n") == 1 + len(rows) + 2 * lockstep and "`seed_stand`" in text
+
+
+def test_bench_lockstep_interleaves_forwards(long_context, monkeypatch):
+    """In lockstep the engines take turns forward by forward and each entry's time is its own
+    engine's steps; in turns each entry runs its batch of problems through before the next."""
+    from decoding.engine import Engine
+    from decoding.schedules.scheduler import Scheduler
+
+    run_cfg, container = compose_bench("gen.temperature=0", "bench.decoders=[ar,pld]", "data.limit=2")
+    configs, _ = decoder_configs(container, ["ar", "pld"], has_draft=False)
+    steps: list[str] = []
+    original = Scheduler.step
+
+    def logged(self):
+        steps.append(self.name)
+        return original(self)
+
+    monkeypatch.setattr(Scheduler, "step", logged)
+    timed: list[float] = []
+    original_init = Engine.__init__
+
+    def kept(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        timed.append(self)
+
+    monkeypatch.setattr(Engine, "__init__", kept)
+    result = bench(run_cfg, configs, long_context, None, progress=False, lockstep=True, concurrency={"ar": 2, "pld": 1})
+    switches = sum(a != b for a, b in itertools.pairwise(steps))
+    assert switches > len(steps) // 4, steps  # turns forward by forward, not entry after entry
+    rows = result["decoders"]
+    for engine, name in zip(timed, ["ar", "pld"]):
+        assert rows[name]["clock"] == "steps" and 0 < rows[name]["time_s"] <= engine.step_s
+    steps.clear()
+    bench(run_cfg, configs, long_context, None, progress=False, concurrency={"ar": 2, "pld": 1})
+    # In turns, after each engine's warm-up call: ar's batch of 2 problems, then pld's 2 one at a time.
+    assert sum(a != b for a, b in itertools.pairwise(steps)) == 3, steps
 
 
 def test_bench_reports_a_difference(long_context, monkeypatch):

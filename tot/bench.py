@@ -55,7 +55,7 @@ from tot.config import RunConfig
 from tot.lock import run_lock
 from tot.output import pyplot, save_figure, write_atomic
 from tot.reward import load_reward
-from tot.run import build_task, make_judge, make_search, score, solve_all
+from tot.run import build_task, gather_all, make_judge, make_search, score, solve_all
 from tot.scaling import plot_scaling, scaling, scaling_table
 from tot.search import PHASES, GenerationEngine, Search, Solution, run_sync
 from tot.tree import ReasoningTree
@@ -65,7 +65,7 @@ from tot.tree import ReasoningTree
 class Tally:
     """One decoder's totals over the problems."""
 
-    wall_s: float = 0.0
+    time_s: float = 0.0  # the wall clock's (entries in turns) or its engine's steps' (lockstep)
     phase_engine_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     phase_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PHASES, 0))
     phase_prompt: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PHASES, 0))
@@ -148,9 +148,12 @@ def bench(
     progress: bool = True,
     concurrency: dict[str, int] | None = None,
     evaluator: dict[str, str] | None = None,
+    lockstep: bool = False,
 ) -> dict:
     """Every decoder on the same problems; `concurrency`: problems in flight per decoder (default
-    the run's `run.concurrency` for all); `evaluator`: an entry's own task.evaluator."""
+    the run's `run.concurrency` for all); `evaluator`: an entry's own task.evaluator; `lockstep`:
+    the in-process entries all at once, their engines taking turns forward by forward, each timed
+    by its own steps (else the entries take turns by batches of problems, timed by the wall clock)."""
     task = build_task(cfg)
     problems = task.load(cfg.data)
     evaluated = {name: (evaluator or {}).get(name, getattr(task, "evaluator", "separate")) for name in configs}
@@ -164,12 +167,25 @@ def bench(
     for engine in engines.values():  # warm-up: first-call allocations and kernel choices (a server: its check)
         run_sync(engine.agenerate([GenRequest("Say hello.", max_new_tokens=8, group="warm-up")]))
     tallies = {name: Tally() for name in engines}
+    solutions: dict[str, dict[str, Solution]] = {name: {} for name in engines}
+    # Server entries decode in another process: timed by the wall clock, in turns after the others.
+    together = [n for n, e in engines.items() if lockstep and isinstance(e, Engine)]
     bar = tqdm(total=len(problems) * len(engines), desc=f"bench {cfg.task}", unit="run", disable=not progress)
     with bar:
-        for name, chunk in rounds(list(engines), problems, at_once):
-            _bench_chunk(chunk, engines[name], judge, tallies[name], at_once[name], searches[name], task, cfg, bar)
+        if together:
+            _bench_lockstep(problems, {n: engines[n] for n in together}, at_once, searches, solutions, tallies, bar)
+        for name, chunk in rounds([n for n in engines if n not in together], problems, at_once):
+            _bench_chunk(chunk, engines[name], at_once[name], searches[name], solutions[name], tallies[name], bar)
+    for name, tally in tallies.items():
+        _tally(tally, problems, solutions[name], task, cfg, judge or engines[name])
     rows = {
-        name: {**_row(name, t, engines[name]), "concurrency": at_once[name], "evaluator": evaluated[name]}
+        name: {
+            **_row(name, t, engines[name]),
+            "concurrency": at_once[name],
+            "evaluator": evaluated[name],
+            # What time_s is: the entry's engine's own steps (lockstep) or the wall clock (in turns).
+            "clock": "steps" if name in together else "wall",
+        }
         for name, t in tallies.items()
     }
     # What an entry is compared under: its evaluator and, at temperature > 0, its sampling rule.
@@ -257,20 +273,16 @@ def rounds(names: list[str], problems: list[Problem], at_once: dict[str, int]) -
 def _bench_chunk(
     chunk: list[Problem],
     engine: Engine | ServerEngine,
-    judge: GenerationEngine | None,
-    tally: Tally,
     at_once: int,
     search: Search,
-    task: Task,
-    cfg: RunConfig,
+    solutions: dict[str, Solution],
+    tally: Tally,
     bar: tqdm,
 ) -> None:
-    """Some problems through one entry, `at_once` of them at a time."""
-    device = engine.target.device if isinstance(engine, Engine) else None
-    cuda = device is not None and device.type == "cuda"
+    """Some problems through one entry, `at_once` of them at a time, timed by the wall clock."""
+    cuda = isinstance(engine, Engine) and engine.target.device.type == "cuda"
     if cuda:
-        torch.cuda.reset_peak_memory_stats(device)
-    solutions: dict[str, Solution] = {}
+        torch.cuda.reset_peak_memory_stats(engine.target.device)
 
     async def solve(problem: Problem) -> None:
         solutions[problem.id] = await search.solve(problem, engine)
@@ -278,10 +290,53 @@ def _bench_chunk(
 
     t0 = time.perf_counter()
     run_sync(solve_all(chunk, solve, at_once))
-    tally.wall_s += time.perf_counter() - t0
+    tally.time_s += time.perf_counter() - t0
     if cuda:
-        tally.peak_device_bytes = max(tally.peak_device_bytes, torch.cuda.max_memory_allocated(device))
-    for problem in chunk:
+        tally.peak_device_bytes = max(tally.peak_device_bytes, torch.cuda.max_memory_allocated(engine.target.device))
+
+
+def _bench_lockstep(
+    problems: list[Problem],
+    engines: dict[str, Engine],
+    at_once: dict[str, int],
+    searches: dict[str, Search],
+    solutions: dict[str, dict[str, Solution]],
+    tallies: dict[str, Tally],
+    bar: tqdm,
+) -> None:
+    """Every entry's search at once in one event loop: the engines take turns forward by forward
+    (each steps between its callers' turns), so whatever the machine does over the run it does to
+    every entry alike; each entry is timed by its own engine's steps (`Engine.step_s`)."""
+    start = {name: engine.step_s for name, engine in engines.items()}
+    devices = {e.target.device for e in engines.values() if e.target.device.type == "cuda"}
+    for device in devices:
+        torch.cuda.reset_peak_memory_stats(device)
+
+    async def entry(name: str) -> None:
+        async def solve(problem: Problem) -> None:
+            solutions[name][problem.id] = await searches[name].solve(problem, engines[name])
+            bar.update()
+
+        await solve_all(problems, solve, at_once[name])
+
+    run_sync(gather_all([entry(name) for name in engines]))
+    for name, engine in engines.items():
+        tallies[name].time_s += engine.step_s - start[name]
+        if engine.target.device.type == "cuda":  # all entries at once: the run's peak
+            tallies[name].peak_device_bytes = torch.cuda.max_memory_allocated(engine.target.device)
+
+
+def _tally(
+    tally: Tally,
+    problems: list[Problem],
+    solutions: dict[str, Solution],
+    task: Task,
+    cfg: RunConfig,
+    judge: GenerationEngine,
+) -> None:
+    """An entry's totals from its solutions, scored after its clock stopped (a judge's calls are
+    not part of building the tree)."""
+    for problem in problems:
         sol = solutions[problem.id]
         for phase, stats in sol.phases.items():
             tally.phase_engine_s[phase] += stats.engine_s
@@ -291,9 +346,19 @@ def _bench_chunk(
             tally.decode += stats.decode
         tally.trees[problem.id] = sol.tree
         tally.correct += bool(task.is_correct(problem, sol.answer))
-        # Scored after the clock stops: a judge's calls are not part of building the tree.
-        for key, value in run_sync(score(cfg, task, problem, sol.answer, judge or engine)).items():
+        for key, value in run_sync(score(cfg, task, problem, sol.answer, judge)).items():
             tally.metrics.setdefault(key, []).append(value)
+
+
+def lockstep_wanted(value: object, device: torch.device) -> bool:
+    """bench.lockstep: auto is on where forwards run on the CPU (where machine drift between
+    entries is as large as the differences measured) and off on a GPU, where each entry's peak
+    device memory is measured alone."""
+    if value == "auto":
+        return device.type == "cpu"
+    if isinstance(value, bool):
+        return value
+    raise ConfigError(f"bench.lockstep={value!r} must be auto, true or false")
 
 
 def concurrencies(container: dict, names: list[str]) -> dict[str, int]:
@@ -327,8 +392,8 @@ def _row(name: str, t: Tally, engine: Engine | ServerEngine) -> dict:
         "problems_correct": t.correct,
         "metrics": {k: sum(v) / len(v) for k, v in t.metrics.items()},
         "tokens": tokens,
-        "wall_s": t.wall_s,
-        "tokens_per_s": tokens / t.wall_s if t.wall_s else 0.0,
+        "time_s": t.time_s,
+        "tokens_per_s": tokens / t.time_s if t.time_s else 0.0,
         "phases": {
             p: {
                 "engine_s": t.phase_engine_s[p],
@@ -364,7 +429,7 @@ def _row(name: str, t: Tally, engine: Engine | ServerEngine) -> dict:
 
 def table(result: dict) -> str:
     head = (
-        "| decoder | problems at once | solved | tokens | wall (s) | tokens/s | vs hf | vs ar | acceptance length "
+        "| decoder | problems at once | solved | tokens | time (s) | tokens/s | vs hf | vs ar | acceptance length "
         "| accepted drafts from the suffix drafter | target forwards / token | rows / forward "
         "| prompt tokens computed / requested (thoughts, evaluations) "
         "| target busy "
@@ -378,7 +443,7 @@ def table(result: dict) -> str:
         lines.append(
             f"| `{r['decoder']}`{_setting(r)} | {r.get('concurrency', 1)} "
             f"| {r['problems_correct']}/{n} | {r['tokens']} "
-            f"| {r['wall_s']:.1f} "
+            f"| {r['time_s']:.1f} "
             f"| {r['tokens_per_s']:.1f} "
             f"| {_ratio(r, 'hf')} | {_ratio(r, 'ar')} | {_num(r['acceptance_length'], '.2f')} "
             f"| {_num(r.get('suffix_share'), '.0%')} | {_num(r['forwards_per_token'], '.3f')} "
@@ -387,6 +452,13 @@ def table(result: dict) -> str:
             f"| {_num(r['target_busy_fraction'], '.2f')} | {ph['generate']['tokens_per_s']:.1f} "
             f"| {ph['evaluate']['tokens_per_s']:.1f} | {_num(r.get('plan_nodes_per_row'), '.2f')} "
             f"| {_plan_time(r)} | {r['peak_kv_mb']:.0f} | {_store(r.get('memory'))} |"
+        )
+    clocks = {r.get("clock", "wall") for r in result["decoders"].values()}
+    if "steps" in clocks:
+        lines.append(
+            "\nThe in-process entries ran at once, their engines taking turns forward by forward; each one's "
+            "time is its engine's own steps"
+            + (" (server entries: wall clock, after them)." if "wall" in clocks else ".")
         )
     for name in result.get("servers", []):
         lines.append(
@@ -507,6 +579,7 @@ def bench_command(cfg: DictConfig, out: Path) -> list[str]:
         draft,
         concurrency=concurrencies(container, names),
         evaluator=evaluators(container, names),
+        lockstep=lockstep_wanted(container["bench"].get("lockstep", "auto"), target.device),
     )
     result["skipped"] = skipped
     text = table(result)

@@ -6,9 +6,10 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
@@ -139,11 +140,16 @@ async def solve_all(problems: list[Problem], solve: Callable[[Problem], Awaitabl
         async with slots:
             await solve(problem)
 
-    tasks = [asyncio.ensure_future(one(p)) for p in problems]
+    await gather_all([one(p) for p in problems])
+
+
+async def gather_all(work: list[Coroutine[Any, Any, None]]) -> None:
+    """Run them at once; the first failure ends them all: the others stop here, cleanly, before
+    it is reported."""
+    tasks = [asyncio.ensure_future(w) for w in work]
     try:
         await asyncio.gather(*tasks)
     except BaseException:
-        # The first failure ends the run: the others stop here, cleanly, before it is reported.
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

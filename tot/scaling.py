@@ -69,7 +69,7 @@ def scaling(
                             "budget": n,
                             "decoder": r["decoder"],
                             "accuracy": r["problems_correct"] / solved,
-                            "wall_s": r["wall_s"],
+                            "wall_s": r["time_s"],  # scaling cells run in turns: the wall clock
                             "tokens": r["tokens"],
                             "acceptance_length": r["acceptance_length"],
                             "tokens_per_s": r["tokens_per_s"],
