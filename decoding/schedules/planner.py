@@ -29,6 +29,9 @@ from decoding.core.draft_tree import ROOT, DraftTree
 from decoding.core.verify import Verdict
 
 PROBE = 4  # steps a row goes undrafted before it is drafted again to look
+# ... and while the latest drafted trees held no node that could pay at the latest plan's cost (their
+# nodes were all cut, so no verdict can change the estimates), steps before it looks anyway.
+FAR_PROBE = 32
 
 
 def best_first(tree: DraftTree, reach: list[float]) -> list[int]:
@@ -83,6 +86,10 @@ class Planner:
     prior: float = 1.0
     rate_per_ms: float = 0.0  # expected tokens per ms of the latest plan
     idle: dict[int, int] = field(default_factory=dict)  # row -> steps since it was last drafted
+    # What one more node must return to pay at the latest plan (tokens), and the best node's expected
+    # tokens in the latest step that verified drafted trees: probes wait while the second is lower.
+    node_tokens: float = 0.0
+    best_gain: float = 1.0
 
     def forget(self, rows: list[int]) -> None:
         """Rows that a new sequence takes: what the old one's drafts were worth says nothing of it."""
@@ -128,12 +135,14 @@ class Planner:
     def budgets(self, rows: list[int], max_nodes: int) -> list[int]:
         """Phase 1: nodes worth drafting per row (max_nodes or 0). A row is drafted while what its
         kept nodes were recently worth (`value`, in tokens, their cost taken off) pays for drafting
-        them; a row not worth drafting is looked at again every PROBE steps."""
+        them; a row not worth drafting is looked at again every PROBE steps (every FAR_PROBE while
+        no node of the latest trees could pay for itself)."""
         rate = self.rate_per_ms
+        probe = PROBE if self.best_gain > self.node_tokens else FAR_PROBE
         out = []
         for r in rows:
             worth = self.value.get(r, self.prior) > rate * self.draft_ms_per_node * max_nodes
-            draft = worth or self.idle.get(r, 0) + 1 >= PROBE
+            draft = worth or self.idle.get(r, 0) + 1 >= probe
             self.idle[r] = 0 if draft else self.idle.get(r, 0) + 1
             out.append(max_nodes if draft else 0)
         return out
@@ -157,6 +166,9 @@ class Planner:
             self.cost.ms(len(rows), tokens + 1, width, context) - self.cost.ms(len(rows), tokens, width, context)
         )
         node_ms += float(self.overhead.ms(len(rows), 1) - self.overhead.ms(len(rows), 0))
+        self.node_tokens = self.rate_per_ms * node_ms
+        if any(len(g) for g in gains):
+            self.best_gain = max(float(g.max()) for g in gains if len(g))
         for row, tree, gain, k in zip(rows, trees, gains, kept):
             if len(tree):
                 worth = float(gain[:k].sum()) - self.rate_per_ms * node_ms * k
