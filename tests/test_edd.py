@@ -34,10 +34,13 @@ from decoding.edd.model import (
 )
 from decoding.edd.train import Example, TrainSettings, evaluate, split, target_features, train
 from decoding.engine import Engine
+from decoding.schedules.base import VerifyOptions
 from decoding.schedules.scheduler import Scheduler
 from decoding.schedules.seed import SeedOptions
 from decoding.trees.policies import DraftTreeOptions
 from tot.train_edd import TrainConfig
+
+EVERY_STEP = VerifyOptions(plan="fixed", max_tokens=None)  # every row drafted and verified whole, every step
 
 LAYER = -1  # the tiny target has 2 layers: its last one's output is the soft prompt
 
@@ -314,7 +317,9 @@ def test_the_drafters_soft_prompt_cache_equals_a_fresh_forward(loaded, tokenizer
     _, draft = trained
     engine = Engine(loaded, "ar")
     drafter = CheckedEddDrafter(draft.model, engine.target, DraftTreeOptions((2, 2, 1)))
-    engine.decoder = Scheduler("checked", engine.target, tokenizer, drafter)
+    # Every row drafted every step (plan=fixed): the drafter's cache is checked at each draft, however
+    # little its trees pay.
+    engine.decoder = Scheduler("checked", engine.target, tokenizer, drafter, verify=EVERY_STEP)
     CheckedEddDrafter.checks = 0
     # Shared prefixes (fanned out by ModelRunner.start) and ragged rows that finish at different times.
     prompts = ["once upon a time there was a cat", "once upon a time there was a dog", "the cat", "a"]
@@ -328,7 +333,7 @@ def test_each_row_gets_its_own_admissions_states(loaded, tokenizer, trained):
     _, draft = trained
     engine = Engine(loaded, "ar")
     drafter = CheckedEddDrafter(draft.model, engine.target, DraftTreeOptions((2, 2, 1)))
-    decoder = Scheduler("checked", engine.target, tokenizer, drafter)
+    decoder = Scheduler("checked", engine.target, tokenizer, drafter, verify=EVERY_STEP)
     engine.decoder = decoder
     CheckedEddDrafter.checks = 0
     first = ["once upon a time there was a cat", "once upon a time there was a dog"]

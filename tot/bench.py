@@ -2,9 +2,11 @@
 
 Every decoder gets its own engine on the same loaded model(s) and searches `run.concurrency`
 problems at once (a variant may set its own, e.g. bench.variants='{ar_1: {decoder: ar,
-run.concurrency: 1}}'); entries take turns on the problems, each one batch of its own concurrency at
-a time, in turn and in reverse turn (`rounds`), so that machine drift hits all alike, after a warm-up
-call per engine. Reported per decoder: wall time (whole run and per phase), tokens, tokens/s,
+run.concurrency: 1}}'), after a warm-up call per engine. So that machine drift hits all alike, with
+`bench.lockstep` (auto: on the CPU) every in-process entry runs at once, the engines taking turns
+forward by forward and each timed by its own steps; else the entries take turns on the problems,
+one batch of their own concurrency at a time, in turn and in reverse turn (`rounds`), timed by the
+wall clock. Reported per decoder: time (whole run, and engine time per phase), tokens, tokens/s,
 speedup over `hf` and `ar`, acceptance length, target forwards per token, rows per forward (how full the
 target's batches were), prompt tokens computed against requested (what prefix sharing saved), target
 busy fraction and the peak KV-cache memory. At temperature 0, and at any temperature under a matched
