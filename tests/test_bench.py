@@ -109,6 +109,14 @@ def test_bench_rejects_unknown_decoder():
     _, container = compose_bench()
     with pytest.raises(ConfigError, match=r"bench\.decoders has 'nope'"):
         decoder_configs(container, ["hf", "nope"], has_draft=False)
+    from tot.bench import lockstep_option
+
+    assert lockstep_option(container) is None  # auto: decided by the loaded model's device
+    _, forced = compose_bench("bench.lockstep=false")
+    assert lockstep_option(forced) is False
+    _, bad = compose_bench("bench.lockstep=sometimes")
+    with pytest.raises(ConfigError, match=r"bench\.lockstep='sometimes' must be auto, true or false"):
+        lockstep_option(bad)
 
 
 def test_scaling_grid(long_context):

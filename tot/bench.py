@@ -286,15 +286,28 @@ def _bench_chunk(
     if cuda:
         torch.cuda.reset_peak_memory_stats(engine.target.device)
 
+    t0 = time.perf_counter()
+    run_sync(_searched(chunk, engine, at_once, search, solutions, bar))
+    tally.time_s += time.perf_counter() - t0
+    if cuda:
+        tally.peak_device_bytes = max(tally.peak_device_bytes, torch.cuda.max_memory_allocated(engine.target.device))
+
+
+async def _searched(
+    problems: list[Problem],
+    engine: Engine | ServerEngine,
+    at_once: int,
+    search: Search,
+    solutions: dict[str, Solution],
+    bar: tqdm,
+) -> None:
+    """One entry's search of `problems`, `at_once` of them in flight, each solution kept as it ends."""
+
     async def solve(problem: Problem) -> None:
         solutions[problem.id] = await search.solve(problem, engine)
         bar.update()
 
-    t0 = time.perf_counter()
-    run_sync(solve_all(chunk, solve, at_once))
-    tally.time_s += time.perf_counter() - t0
-    if cuda:
-        tally.peak_device_bytes = max(tally.peak_device_bytes, torch.cuda.max_memory_allocated(engine.target.device))
+    await solve_all(problems, solve, at_once)
 
 
 def _bench_lockstep(
@@ -314,14 +327,7 @@ def _bench_lockstep(
     for device in devices:
         torch.cuda.reset_peak_memory_stats(device)
 
-    async def entry(name: str) -> None:
-        async def solve(problem: Problem) -> None:
-            solutions[name][problem.id] = await searches[name].solve(problem, engines[name])
-            bar.update()
-
-        await solve_all(problems, solve, at_once[name])
-
-    run_sync(gather_all([entry(name) for name in engines]))
+    run_sync(gather_all([_searched(problems, engines[n], at_once[n], searches[n], solutions[n], bar) for n in engines]))
     for name, engine in engines.items():
         tallies[name].time_s += engine.step_s - start[name]
         if engine.target.device.type == "cuda":  # all entries at once: the run's peak
@@ -352,12 +358,13 @@ def _tally(
             tally.metrics.setdefault(key, []).append(value)
 
 
-def lockstep_wanted(value: object, device: torch.device) -> bool:
-    """bench.lockstep: auto is on where forwards run on the CPU (where machine drift between
-    entries is as large as the differences measured) and off on a GPU, where each entry's peak
-    device memory is measured alone."""
+def lockstep_option(container: dict) -> bool | None:
+    """bench.lockstep, checked before the model loads: True, False or None for auto (on where forwards
+    run on the CPU, where machine drift between entries is as large as the differences measured; off
+    on a GPU, where each entry's peak device memory is measured alone)."""
+    value = container["bench"].get("lockstep", "auto")
     if value == "auto":
-        return device.type == "cpu"
+        return None
     if isinstance(value, bool):
         return value
     raise ConfigError(f"bench.lockstep={value!r} must be auto, true or false")
@@ -553,6 +560,7 @@ def bench_command(cfg: DictConfig, out: Path) -> list[str]:
         budgets = [as_int("bench.budgets", n) for n in container["bench"]["budgets"]]
         temperatures = [as_float("bench.temperatures", t) for t in container["bench"]["temperatures"]]
     configs, skipped = decoder_configs(container, names, has_draft, container["bench"].get("variants") or {})
+    lockstep = lockstep_option(container)
     target = load_model(run_cfg.model)
     draft_spec = next((c.draft for c in configs.values() if c.draft), None)
     draft = load_draft(draft_spec, target) if draft_spec else None
@@ -581,7 +589,7 @@ def bench_command(cfg: DictConfig, out: Path) -> list[str]:
         draft,
         concurrency=concurrencies(container, names),
         evaluator=evaluators(container, names),
-        lockstep=lockstep_wanted(container["bench"].get("lockstep", "auto"), target.device),
+        lockstep=target.device.type == "cpu" if lockstep is None else lockstep,
     )
     result["skipped"] = skipped
     text = table(result)
