@@ -78,15 +78,17 @@ class ForwardCost:
     def _table(self, rows: int, tokens: np.ndarray) -> np.ndarray:
         """The profile's ms at `rows` rows computing `tokens` tokens in all, by tokens per row."""
         per_row = np.maximum(tokens / rows, 1.0)
-        at = [_extend(per_row * r, xs, ys) for r, (xs, ys) in zip(self._rows, self._curves)]
-        if len(at) == 1:
-            return at[0] * (rows / self._rows[0])
+        if len(self._rows) == 1:
+            return _extend(per_row * self._rows[0], *self._curves[0]) * (rows / self._rows[0])
+        # Only the two profiled row counts around `rows` are read (the planner asks every step).
         i = int(np.clip(np.searchsorted(self._rows, rows) - 1, 0, len(self._rows) - 2))
         r0, r1 = self._rows[i], self._rows[i + 1]
+        at0 = _extend(per_row * r0, *self._curves[i])
+        at1 = _extend(per_row * r1, *self._curves[i + 1])
         if rows > self._rows[-1]:  # more rows than profiled: linear in rows from the last two
-            return at[i + 1] + (at[i + 1] - at[i]) * (rows - r1) / (r1 - r0)
+            return at1 + (at1 - at0) * (rows - r1) / (r1 - r0)
         w = (np.log(max(rows, r0)) - np.log(r0)) / (np.log(r1) - np.log(r0))
-        return (1 - w) * at[i] + w * at[i + 1]
+        return (1 - w) * at0 + w * at1
 
     def ms(self, rows: int, tokens: np.ndarray | int, width: np.ndarray | int, context: float) -> np.ndarray:
         """Predicted ms of a forward of `rows` rows holding `tokens` real tokens in all, the widest

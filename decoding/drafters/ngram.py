@@ -6,6 +6,11 @@ tokens absent from one side count as 0) and is cut back to the top 10. Lookups t
 matching context. Memory is bounded: each table is an LRU dictionary, and a pool holds at most
 `capacity` entries in all (about 0.5 KB each in CPython: two 10-slot arrays, the key tuple, the
 dictionary slot), evicting the least recently updated.
+
+Additions wait in a queue and are folded into the tables when they are next read (`lookup`,
+`tables`, `size`) or the queue is long: a read sees exactly the tables that adding each one at once
+would have built, while a pool nobody drafts from (rows the step planner leaves undrafted, a ToT
+step that ends first) costs an append per committed position, not a merge into four tables.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+QUEUE = 4096  # additions held before they are folded in anyway (bounds a pool's memory)
 
 
 @dataclass
@@ -42,38 +49,60 @@ class LogitNGram:
         self.max_n = max_n
         self.top = top
         self.capacity = capacity
-        self.tables: list[OrderedDict[tuple[int, ...], Entry]] = [OrderedDict() for _ in range(max_n)]
-        self.size = 0
+        self._tables: list[OrderedDict[tuple[int, ...], Entry]] = [OrderedDict() for _ in range(max_n)]
+        self._size = 0
+        self._queue: list[tuple[tuple[int, ...], Sequence[int], Sequence[float]]] = []
+
+    @property
+    def tables(self) -> list[OrderedDict[tuple[int, ...], Entry]]:
+        self._fold()
+        return self._tables
+
+    @property
+    def size(self) -> int:
+        self._fold()
+        return self._size
 
     def add(self, context: Sequence[int], ids: Sequence[int], probs: Sequence[float]) -> None:
         """Record that after `context` the target gave these top next-token probabilities."""
+        self._queue.append((tuple(context[-self.max_n :]), ids, probs))
+        if len(self._queue) >= QUEUE:
+            self._fold()
+
+    def _fold(self) -> None:
+        queue, self._queue = self._queue, []
+        for context, ids, probs in queue:
+            self._add(context, ids, probs)
+
+    def _add(self, context: tuple[int, ...], ids: Sequence[int], probs: Sequence[float]) -> None:
         order = sorted(range(len(ids)), key=lambda j: -probs[j])[: self.top]
         ids = [int(ids[j]) for j in order]
         probs = [float(probs[j]) for j in order]
         for n in range(1, min(self.max_n, len(context)) + 1):
-            table = self.tables[n - 1]
-            key = tuple(context[-n:])
+            table = self._tables[n - 1]
+            key = context[-n:]
             old = table.pop(key, None)
             if old is None:
                 table[key] = Entry(array("i", ids), array("f", probs), 1)
-                self.size += 1
+                self._size += 1
             else:
                 table[key] = merge(old, ids, probs, self.top)
-        while self.size > self.capacity:
+        while self._size > self.capacity:
             self._evict()
 
     def _evict(self) -> None:
         # The longest contexts are the most numerous and the least reusable: evict from them first.
-        for table in reversed(self.tables):
+        for table in reversed(self._tables):
             if table:
                 table.popitem(last=False)
-                self.size -= 1
+                self._size -= 1
                 return
 
     def lookup(self, context: Sequence[int]) -> Entry | None:
         """The entry of the longest stored context that `context` ends with (4-gram down to unigram)."""
+        self._fold()
         for n in range(min(self.max_n, len(context)), 0, -1):
-            entry = self.tables[n - 1].get(tuple(context[-n:]))
+            entry = self._tables[n - 1].get(tuple(context[-n:]))
             if entry is not None:
                 return entry
         return None
@@ -81,4 +110,4 @@ class LogitNGram:
     def prime(self, tokens: Sequence[int]) -> None:
         """Let drafts copy from a text (a prompt): each of its tokens as a certain next token."""
         for t in range(1, len(tokens)):
-            self.add(tokens[:t][-self.max_n :], [tokens[t]], [1.0])
+            self.add(tokens[max(0, t - self.max_n) : t], [tokens[t]], [1.0])

@@ -160,11 +160,12 @@ class StandDrafter:
         ids, probs = top.indices.tolist(), top.values.tolist()
         j = 0
         for (seq, v), n in zip(kept, counts):
-            full = seq.prompt + seq.generated
-            base = len(full) - v.kept  # the first token committed by this step
             pool = self.pools.get(seq.group)
+            # This step's tokens and the contexts before them: the sequence's tail, not all of it.
+            tail = seq.tail(v.kept + pool.max_n)
+            base = len(tail) - v.kept  # the first token committed by this step
             for k in range(n):
-                pool.add(full[max(0, base + k - pool.max_n) : base + k], ids[j], probs[j])
+                pool.add(tail[max(0, base + k - pool.max_n) : base + k], ids[j], probs[j])
                 j += 1
 
     def release(self, slots: list[Slot]) -> None:

@@ -153,6 +153,10 @@ class Planner:
         """Phase 2: each row's tree cut to the nodes that pay, by the calibrated reach of every node."""
         orders, gains = [], []
         for tree, g in zip(trees, greedy):
+            if not len(tree):  # most rows at a busy step: nothing drafted, nothing to rank
+                orders.append([])
+                gains.append(np.zeros(0))
+                continue
             reach = self.record.reach(tree, g)
             order = best_first(tree, reach)
             orders.append(order)
@@ -162,9 +166,8 @@ class Planner:
         # What one more node costs at this plan's size, in tokens at this plan's rate.
         tokens = sum(pending) + sum(kept)
         width = max(p + k for p, k in zip(pending, kept))
-        node_ms = float(
-            self.cost.ms(len(rows), tokens + 1, width, context) - self.cost.ms(len(rows), tokens, width, context)
-        )
+        with_one_more = self.cost.ms(len(rows), np.array([tokens, tokens + 1]), np.array([width, width]), context)
+        node_ms = float(with_one_more[1] - with_one_more[0])
         node_ms += float(self.overhead.ms(len(rows), 1) - self.overhead.ms(len(rows), 0))
         self.node_tokens = self.rate_per_ms * node_ms
         if any(len(g) for g in gains):
