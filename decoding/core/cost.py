@@ -231,9 +231,9 @@ class Overhead:
     """ms of a step's work around the target forward: a + b * rows + c * draft nodes, by recursive
     least squares with forgetting over the run's steps (a prior until the first steps come)."""
 
-    theta: list[float] = field(default_factory=lambda: [0.2, 0.05, 0.05])
+    theta: np.ndarray = field(default_factory=lambda: np.array([0.2, 0.05, 0.05]))
     forget: float = 0.98
-    _p: list[list[float]] = field(default_factory=lambda: (np.eye(3) * 10.0).tolist())
+    _p: np.ndarray = field(default_factory=lambda: np.eye(3) * 10.0)
 
     def ms(self, rows: int, nodes: np.ndarray | int) -> np.ndarray:
         a, b, c = self.theta
@@ -241,11 +241,10 @@ class Overhead:
 
     def observe(self, rows: int, nodes: int, measured_ms: float) -> None:
         x = np.array([1.0, rows, nodes])
-        p, theta = np.array(self._p), np.array(self.theta)
-        k = p @ x / (self.forget + x @ p @ x)
-        theta = theta + k * (measured_ms - x @ theta)
-        p = (p - np.outer(k, x @ p)) / self.forget
-        self.theta, self._p = theta.tolist(), p.tolist()
+        px = self._p @ x
+        k = px / (self.forget + x @ px)
+        self.theta = self.theta + k * (measured_ms - x @ self.theta)
+        self._p = (self._p - np.outer(k, px)) / self.forget
 
     def as_dict(self) -> dict:
-        return {"ms": self.theta[0], "ms_per_row": self.theta[1], "ms_per_node": self.theta[2]}
+        return {"ms": float(self.theta[0]), "ms_per_row": float(self.theta[1]), "ms_per_node": float(self.theta[2])}

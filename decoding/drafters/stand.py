@@ -150,12 +150,12 @@ class StandDrafter:
         for _, v in kept:
             at = v.kept_rows()
             counts.append(len(at))
-            if v.probs is None:
-                # Greedy rows: rank the next tokens by the target's own softmax (any ranking is lossless
-                # at temperature 0, and a one-hot would leave a single candidate per context).
-                dists.append(v.logits[at].float().softmax(-1))
-            else:
-                dists.append(v.probs[at].float())
+            # Greedy rows: rank the next tokens by the target's own softmax (any ranking is lossless
+            # at temperature 0, and a one-hot would leave a single candidate per context).
+            src = v.logits if v.probs is None else v.probs
+            # Most steps keep the root's token alone, or a first-child chain: a view, not a gathered copy.
+            part = src[: len(at)] if at == list(range(len(at))) else src[at]
+            dists.append(part.float().softmax(-1) if v.probs is None else part.float())
         top = torch.topk(torch.cat(dists), min(TOP, dists[0].shape[-1]))
         ids, probs = top.indices.tolist(), top.values.tolist()
         j = 0

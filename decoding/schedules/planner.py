@@ -30,8 +30,10 @@ from decoding.core.verify import Verdict
 
 PROBE = 4  # steps a row goes undrafted before it is drafted again to look
 # ... and while the latest drafted trees held no node that could pay at the latest plan's cost (their
-# nodes were all cut, so no verdict can change the estimates), steps before it looks anyway.
-FAR_PROBE = 32
+# nodes were all cut, so no verdict can change the estimates), steps before it looks anyway: longer
+# than most ToT thoughts, so a busy batch's pools are seldom read (their learning waits, see
+# decoding/drafters/ngram.py) until fewer rows make nodes worth their cost again.
+FAR_PROBE = 128
 
 
 def best_first(tree: DraftTree, reach: list[float]) -> list[int]:
