@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from decoding.core.calibration import EXPLORE, AcceptanceRecord
-from decoding.core.cost import CONTEXT, ForwardCost, cost_key, forward_cost, profile
+from decoding.core.cost import CONTEXT, ForwardCost, Overhead, cost_key, forward_cost, node_ms, profile
 from decoding.core.draft_tree import ROOT, DraftTree
 from decoding.core.errors import ConfigError
 from decoding.core.runner import ModelRunner
@@ -51,7 +51,7 @@ def test_no_draft_tokens_where_they_cost_more_than_they_return():
     record = AcceptanceRecord()
     for _ in range(100):  # accepted one time in five
         record.observe(tree, [0] if np.random.default_rng(len(record.tried)).random() < 0.2 else [], greedy=True)
-    planner = Planner(STEEP, record, draft_ms_per_node=2.0)  # drafting costs too (a draft model's forwards)
+    planner = Planner(STEEP, record, draft_ms_per_row=8.0)  # drafting costs too (a draft model's forwards)
     cut, plan = planner.cut([0, 1], [tree, tree], [True, True], [1, 1], 100.0)
     assert plan.nodes == [0, 0] and [len(t) for t in cut] == [0, 0]
     # Rows whose kept nodes are worth nothing stop being drafted, and are looked at again later:
@@ -238,3 +238,24 @@ def test_a_measured_gpu_curve_pays_for_large_trees(shape):
     _, plan = Planner(cost, record).cut(list(range(8)), [tree] * 8, [True] * 8, [1] * 8, 100.0)
     _, steep = Planner(STEEP, record).cut(list(range(8)), [tree] * 8, [True] * 8, [1] * 8, 100.0)
     assert plan.nodes == [16] * 8 and steep.nodes == [0] * 8
+
+
+def test_the_work_around_the_forward_and_drafting_are_charged_as_measured(tiny_model):
+    # Fitted in rows from the steps' times; a node is charged its measured share, not a fit.
+    overhead = Overhead(node_ms=0.1)
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        rows = int(rng.integers(1, 17))
+        overhead.observe(rows, 0, 2.0 + 1.5 * rows + float(rng.normal(0, 0.3)))
+    assert overhead.theta == pytest.approx([2.0, 1.5], abs=0.3)
+    # A slow step of many nodes leaves a node's charge as measured (a fitted one once read 1.5 ms
+    # per node from such a step, and no node was kept again).
+    overhead.observe(10, 30, 60.0)
+    assert float(overhead.ms(10, 1) - overhead.ms(10, 0)) == pytest.approx(0.1)
+    assert 0 <= node_ms(ModelRunner(tiny_model)) < 5.0
+    # Drafting is charged per drafted row; one call that folded a pool's backlog counts at most 4x.
+    planner = Planner(STEEP)
+    planner.drafted(4, 2.0)
+    assert planner.draft_ms_per_row == pytest.approx(0.5)
+    planner.drafted(1, 500.0)
+    assert planner.draft_ms_per_row == pytest.approx(0.9 * 0.5 + 0.1 * 2.0)

@@ -77,7 +77,7 @@ class Planner:
     cost: ForwardCost
     record: AcceptanceRecord = field(default_factory=AcceptanceRecord)
     overhead: Overhead = field(default_factory=Overhead)
-    draft_ms_per_node: float = 0.02
+    draft_ms_per_row: float | None = None  # a drafter call's ms per row drafted (None: none timed yet)
     # False: plans from `cost` and the verdicts alone, never from the clock, so the same inputs give
     # the same plans (tests, and comparing plans across machines).
     timed: bool = True
@@ -139,11 +139,11 @@ class Planner:
         kept nodes were recently worth (`value`, in tokens, their cost taken off) pays for drafting
         them; a row not worth drafting is looked at again every PROBE steps (every FAR_PROBE while
         no node of the latest trees could pay for itself)."""
-        rate = self.rate_per_ms
+        cost = self.rate_per_ms * (self.draft_ms_per_row or 0.0)  # drafting a row, in tokens
         probe = PROBE if self.best_gain > self.node_tokens else FAR_PROBE
         out = []
         for r in rows:
-            worth = self.value.get(r, self.prior) > rate * self.draft_ms_per_node * max_nodes
+            worth = self.value.get(r, self.prior) > cost
             draft = worth or self.idle.get(r, 0) + 1 >= probe
             self.idle[r] = 0 if draft else self.idle.get(r, 0) + 1
             out.append(max_nodes if draft else 0)
@@ -196,7 +196,14 @@ class Planner:
         self.cost.observe(plan.predicted_forward_ms, forward_ms)
         self.overhead.observe(plan.rows, sum(plan.nodes), around_ms)
 
-    def drafted(self, nodes: int, ms: float) -> None:
-        """A drafter call's nodes and time: the drafting cost per node that phase 1 charges."""
-        if nodes and self.timed:
-            self.draft_ms_per_node = 0.9 * self.draft_ms_per_node + 0.1 * ms / nodes
+    def drafted(self, rows: int, ms: float) -> None:
+        """A drafter call's rows and time: the drafting cost per row that phase 1 charges. One call
+        counts at most 4x the running figure: a pool's first read after a stretch undrafted folds in
+        what it learnt meanwhile (decoding/drafters/ngram.py), a cost of learning, not of drafting."""
+        if not rows or not self.timed:
+            return
+        per_row = ms / rows
+        if self.draft_ms_per_row is None:
+            self.draft_ms_per_row = per_row
+        else:
+            self.draft_ms_per_row = 0.9 * self.draft_ms_per_row + 0.1 * min(per_row, 4 * self.draft_ms_per_row)

@@ -22,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
-from decoding.core.cost import forward_cost
+from decoding.core.cost import Overhead, forward_cost, node_ms
 from decoding.core.draft_tree import DraftTree
 from decoding.core.models import cache_root
 from decoding.core.runner import ModelRunner
@@ -193,7 +193,8 @@ class Scheduler:
         self.budget = verify.budget(target.device)
         self.rule = verify.rule
         if verify.plan == "goodput" and planner is None and drafter.max_nodes:
-            planner = Planner(forward_cost(target, cache_root(), verify.cost))
+            overhead = Overhead(node_ms=node_ms(target))
+            planner = Planner(forward_cost(target, cache_root(), verify.cost), overhead=overhead)
         self.planner = planner if verify.plan == "goodput" else None
         self.cache = target.new_cache(0, 1)  # the KV pool: row r holds the sequence of slots[r]
         self.slots: dict[int, Slot] = {}  # row -> the live sequence there (decoding/core/slot.py)
@@ -348,7 +349,7 @@ class Scheduler:
             self.stats.draft_calls += 1
             self.stats.drafted_rows += len(drafting)
             if self.planner is not None:
-                self.planner.drafted(sum(len(t) for t in trees), 1000 * (time.perf_counter() - t0))
+                self.planner.drafted(len(drafting), 1000 * (time.perf_counter() - t0))
         return trees
 
     def _context(self, rows: list[int]) -> float:
