@@ -217,7 +217,8 @@ def test_drafters_keep_learning_without_drafts(tokenizer):
         for d, slot, drafted in zip(drafters, slots, (True, False)):
             if drafted:
                 d.draft([slot])
-            v = Verdict(DraftTree(), [], token, None, logits, kept=1)
+            best = logits.softmax(-1).topk(10)
+            v = Verdict(DraftTree(), [], token, None, logits, kept=1, top=(best.indices, best.values))
             slot.seq.generated.append(token)
             d.update([slot], [v])
     a, b = (d.draft([slot])[0] for d, slot in zip(drafters, slots))

@@ -174,6 +174,7 @@ class ScriptedDrafter:
         self.refs, self.kind, self.vocab, self.draw = refs, kind, vocab, draw
         self.parents = k_config_parents(k_config)
         self.max_nodes = len(self.parents)
+        self.learns_top = 0
         self.g = torch.Generator().manual_seed(1)
 
     def admit(self, slots):

@@ -39,6 +39,10 @@ class Verdict:
     # Where the step planner cut the drafted tree: each verified node's node in the tree the drafter
     # drew (None: verified whole). Drafters that keep per-node state read `drafted_path`.
     drafted_nodes: list[int] | None = None
+    # verify(top=k): the k most likely next tokens and their probabilities (the processed
+    # distribution; the softmax of the logits for greedy rows) at the root and along the accepted
+    # path, in that order ([1 + len(path), k] each), taken where the distributions were computed.
+    top: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def drafted_path(self) -> list[int]:
@@ -62,12 +66,15 @@ def verify(
     seqs: list[Sequence],
     rule: Rule,
     rows: list[int] | None = None,
+    top: int = 0,
 ) -> tuple[Packed, list[Verdict]]:
     """Score every row's tree in one forward and decide each under `rule` (see `target_sampler`).
 
     `seqs` are the rows' sequences (their sampling parameters, seeds, generators and positions);
-    `rows` the cache rows verified (default: all, in order). The cache holds the new entries
-    uncommitted; the caller commits `packed.committed(b, path)` for the rows that go on.
+    `rows` the cache rows verified (default: all, in order); `top` > 0: each verdict carries its
+    distributions' top tokens along the accepted path (`Verdict.top`, what drafters learn from).
+    The cache holds the new entries uncommitted; the caller commits `packed.committed(b, path)` for
+    the rows that go on.
     """
     packed = pack(pending, trees)
     logits = target.score(cache, packed, rows)
@@ -86,7 +93,15 @@ def verify(
         else:
             path, token = walk_matched(tree, target_sampler(s, rule, row, scores, dist))
         kept_hidden = None if hidden is None else hidden[b, packed.committed(b, path)]
-        return Verdict(tree, path, token, probs, row, hidden=kept_hidden)
+        best = None
+        if top:
+            # Here, in the row's own thread while its distributions are in cache: read again by the
+            # drafter after the step, they cost more than the top-k itself.
+            at = [0, *(1 + n for n in path)]
+            src = row[at].float().softmax(-1) if probs is None else probs[at]
+            k = src.topk(min(top, src.shape[-1]))
+            best = (k.indices, k.values)
+        return Verdict(tree, path, token, probs, row, hidden=kept_hidden, top=best)
 
     # A sampled row's draws use its own generator or noise: rows are decided side by side on the
     # CPU's cores, each exactly as alone.

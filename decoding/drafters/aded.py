@@ -331,6 +331,8 @@ def most_visited(root: Node, max_nodes: int, coupling: Coupling | None = None) -
 class AdedDrafter:
     """ADED drafting (see the module docstring). `tokenizer` tokenises `options.corpus` once."""
 
+    learns_top = 0  # its update reads no Verdict.top
+
     def __init__(self, options: AdedOptions, tokenizer: Any = None, coupled: bool = True) -> None:
         self.options = options
         self.coupled = coupled  # verify.rule=match_gumbel: siblings ordered by the target's noise

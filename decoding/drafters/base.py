@@ -20,6 +20,9 @@ class Drafter(Protocol):
     """
 
     max_nodes: int
+    # The top-k of the target's distributions along each accepted path that `update` reads
+    # (`Verdict.top`, computed beside the sampling), 0 where it reads none.
+    learns_top: int
 
     def admit(self, slots: list[Slot]) -> None: ...
 
@@ -38,6 +41,7 @@ class NoDrafter:
     """Empty trees: plain autoregressive decoding through the same loop."""
 
     max_nodes = 0
+    learns_top = 0
 
     def admit(self, slots: list[Slot]) -> None:
         """No state: nothing to set up."""

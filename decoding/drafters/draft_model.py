@@ -50,6 +50,8 @@ class ModelDrafter:
     `target` is needed only to measure PCT's s_d / s_t at start-up (when `pct_ratio` is not given).
     """
 
+    learns_top = 0  # its update reads no Verdict.top
+
     def __init__(
         self,
         model: ModelRunner,

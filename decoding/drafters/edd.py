@@ -47,6 +47,8 @@ class EddDrafter:
     longer than the EDD was trained on, or has no room left, gets an empty tree this round.
     """
 
+    learns_top = 0  # its update reads no Verdict.top
+
     def __init__(
         self,
         edd: EddModel,

@@ -36,6 +36,8 @@ def lookup(context: list[int], max_ngram: int, num_draft: int) -> list[int]:
 
 
 class PLDDrafter:
+    learns_top = 0  # its update reads no Verdict.top
+
     def __init__(self, options: PLDOptions) -> None:
         self.options = options
         self.max_nodes = options.num_draft

@@ -26,6 +26,7 @@ class CalibrationRecorder:
         self.inner = inner
         self.rank_slots = rank_slots
         self.max_nodes = inner.max_nodes
+        self.learns_top = inner.learns_top
         self.hits: Counter[int] = Counter()  # shape node -> times on an accepted path
         self.ranks = RankCounts()
         self.steps = 0  # verified trees

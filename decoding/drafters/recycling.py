@@ -32,6 +32,8 @@ class RecyclingOptions:
 
 
 class RecyclingDrafter:
+    learns_top = 0  # its update reads no Verdict.top
+
     def __init__(self, options: RecyclingOptions, tree: StaticTree, coupled: bool = True) -> None:
         self.options = options
         self.tree = tree

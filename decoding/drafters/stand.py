@@ -88,6 +88,7 @@ class StandDrafter:
         self.tree = tree
         self.vocab_size = vocab_size
         self.max_nodes = len(tree)
+        self.learns_top = TOP
         self.pools = Pools(options.scope, options.max_pools, lambda: LogitNGram(top=TOP, capacity=options.capacity))
 
     def admit(self, slots: list[Slot]) -> None:
@@ -142,31 +143,20 @@ class StandDrafter:
         return tree
 
     def update(self, slots: list[Slot], verdicts: list[Verdict]) -> None:
-        kept = [(slot.seq, v) for slot, v in zip(slots, verdicts) if v.kept > 0]
-        if not kept:
-            return
-        # One top-k over every committed position of the step (a call per row costs more than the work).
-        dists, counts = [], []
-        for _, v in kept:
-            at = v.kept_rows()
-            counts.append(len(at))
-            # Greedy rows: rank the next tokens by the target's own softmax (any ranking is lossless
-            # at temperature 0, and a one-hot would leave a single candidate per context).
-            src = v.logits if v.probs is None else v.probs
-            # Most steps keep the root's token alone, or a first-child chain: a view, not a gathered copy.
-            part = src[: len(at)] if at == list(range(len(at))) else src[at]
-            dists.append(part.float().softmax(-1) if v.probs is None else part.float())
-        top = torch.topk(torch.cat(dists), min(TOP, dists[0].shape[-1]))
-        ids, probs = top.indices.tolist(), top.values.tolist()
-        j = 0
-        for (seq, v), n in zip(kept, counts):
+        for slot, v in zip(slots, verdicts):
+            if v.kept <= 0:
+                continue
+            assert v.top is not None, "STAND learns from Verdict.top: verify with top=learns_top"
+            # The target's top-10 at each committed position (greedy rows: its softmax's, since any
+            # ranking is lossless at temperature 0 and a one-hot would leave one candidate per context).
+            ids, probs = v.top[0][: v.kept].tolist(), v.top[1][: v.kept].tolist()
+            seq = slot.seq
             pool = self.pools.get(seq.group)
             # This step's tokens and the contexts before them: the sequence's tail, not all of it.
             tail = seq.tail(v.kept + pool.max_n)
             base = len(tail) - v.kept  # the first token committed by this step
-            for k in range(n):
-                pool.add(tail[max(0, base + k - pool.max_n) : base + k], ids[j], probs[j])
-                j += 1
+            for k in range(v.kept):
+                pool.add(tail[max(0, base + k - pool.max_n) : base + k], ids[k], probs[k])
 
     def release(self, slots: list[Slot]) -> None:
         """Pools are per group, kept across calls; a sequence's noise goes with its slot."""

@@ -165,6 +165,8 @@ class _Row:
 class SuffixDrafter:
     """Suffix-trie drafts from the pool's trajectories (see the module docstring)."""
 
+    learns_top = 0  # its update reads no Verdict.top
+
     def __init__(self, options: SuffixOptions, coupled: bool = True) -> None:
         self.options = options
         self.coupled = coupled  # verify.rule=match_gumbel: siblings ordered by the target's noise

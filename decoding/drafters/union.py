@@ -25,6 +25,7 @@ class UnionDrafter:
         self.drafters = drafters
         self.merge = merge  # matched rules: the trees merged as one trie (draft_tree.graft)
         self.max_nodes = sum(d.max_nodes for d in drafters)
+        self.learns_top = max((d.learns_top for d in drafters), default=0)
 
     def admit(self, slots: list[Slot]) -> None:
         for d in self.drafters:
@@ -63,7 +64,8 @@ class UnionDrafter:
             probs[[0, *(1 + n for n in own_path)]] = v.probs[rows_needed]
         # Without its own path a drafter learns only the first committed position (kept_rows()
         # stops at the path's end; `kept` still locates the committed tokens).
-        return replace(v, tree=trees[k], path=own_path, probs=probs, logits=logits, drafted_nodes=None)
+        top = None if v.top is None else (v.top[0][: 1 + len(own_path)], v.top[1][: 1 + len(own_path)])
+        return replace(v, tree=trees[k], path=own_path, probs=probs, logits=logits, drafted_nodes=None, top=top)
 
     def release(self, slots: list[Slot]) -> None:
         for d in self.drafters:

@@ -138,9 +138,11 @@ def verify_and_commit(
     slots: list[Slot],
     trees: list[DraftTree],
     rule: Rule,
+    top: int = 0,
 ) -> list[Verdict]:
     """Verify the slots' trees in one forward and commit what each accepted: tokens to the
-    sequence, the accepted path to its cache row, the bonus token to its pending tokens."""
+    sequence, the accepted path to its cache row, the bonus token to its pending tokens (`top`: the
+    top-k each verdict carries for the drafter, `Drafter.learns_top`)."""
     rows = [s.row for s in slots]
     packed, verdicts = verify(
         target,
@@ -150,6 +152,7 @@ def verify_and_commit(
         [s.seq for s in slots],
         rule,
         rows=None if rows == list(range(cache.batch)) else rows,
+        top=top,
     )
     for b, (slot, v) in enumerate(zip(slots, verdicts)):
         v.kept = slot.seq.commit(v.tokens, tokenizer, drafted=len(v.tree), accepted=len(v.path))

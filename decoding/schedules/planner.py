@@ -153,9 +153,16 @@ class Planner:
         self, rows: list[int], trees: list[DraftTree], greedy: list[bool], pending: list[int], context: float
     ) -> tuple[list[DraftTree], StepPlan]:
         """Phase 2: each row's tree cut to the nodes that pay, by the calibrated reach of every node."""
+        if not any(len(t) for t in trees):  # a busy step's usual case: plain decoding, nothing to rank
+            forward_ms, node_ms = self._margin(len(rows), sum(pending), max(pending), context)
+            step_ms = forward_ms + float(self.overhead.ms(len(rows), 0))
+            self.rate_per_ms = len(rows) / step_ms if step_ms > 0 else 0.0
+            self.node_tokens = self.rate_per_ms * node_ms
+            plan = StepPlan(len(rows), [0] * len(rows), [None] * len(rows), 0, len(rows), forward_ms, step_ms)
+            return trees, plan
         orders, gains = [], []
         for tree, g in zip(trees, greedy):
-            if not len(tree):  # most rows at a busy step: nothing drafted, nothing to rank
+            if not len(tree):
                 orders.append([])
                 gains.append(np.zeros(0))
                 continue
@@ -165,15 +172,10 @@ class Planner:
             gains.append(np.array([reach[n] for n in order]))
         kept, expected, forward_ms, step_ms = self.allocate(gains, pending, context)
         self.rate_per_ms = expected / step_ms if step_ms > 0 else 0.0
-        # What one more node costs at this plan's size, in tokens at this plan's rate.
-        tokens = sum(pending) + sum(kept)
         width = max(p + k for p, k in zip(pending, kept))
-        with_one_more = self.cost.ms(len(rows), np.array([tokens, tokens + 1]), np.array([width, width]), context)
-        node_ms = float(with_one_more[1] - with_one_more[0])
-        node_ms += float(self.overhead.ms(len(rows), 1) - self.overhead.ms(len(rows), 0))
+        _, node_ms = self._margin(len(rows), sum(pending) + sum(kept), width, context)
         self.node_tokens = self.rate_per_ms * node_ms
-        if any(len(g) for g in gains):
-            self.best_gain = max(float(g.max()) for g in gains if len(g))
+        self.best_gain = max(float(g.max()) for g in gains if len(g))
         for row, tree, gain, k in zip(rows, trees, gains, kept):
             if len(tree):
                 worth = float(gain[:k].sum()) - self.rate_per_ms * node_ms * k
@@ -183,6 +185,12 @@ class Planner:
         cut = [t if nodes is None else t.subtree(nodes) for t, nodes in zip(trees, kept_nodes)]
         plan = StepPlan(len(rows), kept, kept_nodes, sum(len(t) for t in trees), expected, forward_ms, step_ms)
         return cut, plan
+
+    def _margin(self, rows: int, tokens: int, width: int, context: float) -> tuple[float, float]:
+        """The predicted ms of a forward of `rows` rows holding `tokens` tokens (the widest
+        `width`), and what one more node would add to the step."""
+        ms = self.cost.ms(rows, np.array([tokens, tokens + 1]), np.array([width, width]), context)
+        return float(ms[0]), float(ms[1] - ms[0]) + self.overhead.node_ms
 
     def observe(
         self, plan: StepPlan, verdicts: list[Verdict], greedy: list[bool], forward_ms: float, around_ms: float

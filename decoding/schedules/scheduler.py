@@ -370,7 +370,9 @@ class Scheduler:
             trees, plan = self.planner.cut(rows, trees, greedy, pending_len, self._context(rows))
         else:
             trees = cut_to_budget(trees, self.budget)
-        verdicts = verify_and_commit(self.target, self.tokenizer, self.cache, slots, trees, self.rule)
+        verdicts = verify_and_commit(
+            self.target, self.tokenizer, self.cache, slots, trees, self.rule, self.drafter.learns_top
+        )
         t1 = time.perf_counter()
         if plan is not None:
             for v, kept in zip(verdicts, plan.kept_nodes):
