@@ -149,13 +149,15 @@ class StandDrafter:
             assert v.top is not None, "STAND learns from Verdict.top: verify with top=learns_top"
             # The target's top-10 at each committed position (greedy rows: its softmax's, since any
             # ranking is lossless at temperature 0 and a one-hot would leave one candidate per context).
-            ids, probs = v.top[0][: v.kept].tolist(), v.top[1][: v.kept].tolist()
+            # kept_rows(): a drafter shown only its own part of a merged tree's path learns that part.
+            n = len(v.kept_rows())
+            ids, probs = v.top[0][:n].tolist(), v.top[1][:n].tolist()
             seq = slot.seq
             pool = self.pools.get(seq.group)
             # This step's tokens and the contexts before them: the sequence's tail, not all of it.
             tail = seq.tail(v.kept + pool.max_n)
             base = len(tail) - v.kept  # the first token committed by this step
-            for k in range(v.kept):
+            for k in range(n):
                 pool.add(tail[max(0, base + k - pool.max_n) : base + k], ids[k], probs[k])
 
     def release(self, slots: list[Slot]) -> None:
