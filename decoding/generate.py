@@ -21,6 +21,7 @@ from tqdm import tqdm
 from decoding.cli import fail, hydra_command
 from decoding.config import DecoderConfig
 from decoding.core.errors import BackendError, ConfigError
+from decoding.core.heap import frozen
 from decoding.core.models import ModelSpec, load_model
 from decoding.core.options import as_float, as_int
 from decoding.core.time_split import gpu_busy
@@ -223,7 +224,8 @@ def main(cfg: DictConfig) -> None:
         read_prompts(gcfg.prompts)  # bad input fails before a model is loaded
         target = load_model(gcfg.model)
         draft = load_draft(gcfg.decoder.draft, target) if gcfg.decoder.draft else None
-        summary = generate(gcfg, Engine(target, gcfg.decoder, draft))
+        with frozen():  # the loaded model's objects out of the collector's full passes
+            summary = generate(gcfg, Engine(target, gcfg.decoder, draft))
     except (ConfigError, BackendError) as e:
         fail(str(e).splitlines()[0])
     print(summary_line(summary))

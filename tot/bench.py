@@ -43,6 +43,7 @@ from tqdm import tqdm
 from decoding.cli import fail, hydra_command
 from decoding.config import CHOICES, DecoderConfig
 from decoding.core.errors import BackendError, ConfigError, OutputError
+from decoding.core.heap import frozen
 from decoding.core.memory import peak_rss_mb
 from decoding.core.models import LoadedModel, load_model
 from decoding.core.options import as_float, as_int
@@ -173,7 +174,7 @@ def bench(
     # Server entries decode in another process: timed by the wall clock, in turns after the others.
     together = [n for n, e in engines.items() if lockstep and isinstance(e, Engine)]
     bar = tqdm(total=len(problems) * len(engines), desc=f"bench {cfg.task}", unit="run", disable=not progress)
-    with bar:
+    with bar, frozen():  # the loaded model's objects out of the collector's full passes
         if together:
             _bench_lockstep(problems, {n: engines[n] for n in together}, at_once, searches, solutions, tallies, bar)
         for name, chunk in rounds([n for n in engines if n not in together], problems, at_once):

@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 from decoding.config import DecoderConfig
 from decoding.core.errors import ConfigError
+from decoding.core.heap import frozen
 from decoding.core.models import load_model, load_tokenizer
 from decoding.drafters.load import load_draft
 from decoding.engine import Engine
@@ -100,7 +101,8 @@ def _run(cfg: RunConfig, out_dir: Path, engine: GenerationEngine | None, progres
             bar.set_postfix(acc=f"{summary['accuracy']:.2f}", tok_s=f"{summary['tokens_per_s']:.1f}")
 
         try:
-            run_sync(solve_all(todo, solve, cfg.concurrency))
+            with frozen():  # the loaded model's objects out of the collector's full passes
+                run_sync(solve_all(todo, solve, cfg.concurrency))
         finally:
             bar.close()  # before any error line is printed
     summary = summarize([r for r in store.records if r["id"] in selected], header)
