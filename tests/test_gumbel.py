@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from decoding.core.gumbel import G_MAX, G_MIN, gumbel_choice, gumbel_noise, gumbel_order
+from decoding.core.gumbel import G_MAX, G_MIN, Coupling, _noisy_top, gumbel_choice, gumbel_noise, gumbel_order
 from decoding.core.sampling import SamplingParams, process_logits, processed_logits
 
 N = 20_000
@@ -60,12 +60,19 @@ def test_the_check_catches_a_wrong_temperature():
 
 
 def test_pruning_is_exact():
-    """Only tokens near the top get their noise computed: the choice is still the argmax over all."""
+    """Only tokens near the top get their noise computed: the choice is still the argmax over all, on
+    the CPU's numpy path and the device path alike, and a coupled drafter's top k are the true top k."""
     for seed in range(300):
         logits = 4.0 * logits_of(seed, 2000)
-        p = SamplingParams(0.6 + seed % 5 * 0.3, [0, 50][seed % 2], [1.0, 0.95][seed % 3 == 0])
-        full = processed_logits(logits, p).double() + gumbel_noise(seed, seed * 7, torch.arange(2000))
+        p = SamplingParams([0.1, 0.6, 0.9, 1.2, 1.5][seed % 5], [0, 50][seed % 2], [1.0, 0.95][seed % 3 == 0])
+        scores = processed_logits(logits, p)
+        full = scores.double() + gumbel_noise(seed, seed * 7, torch.arange(2000))
         assert gumbel_choice(logits, p, seed, seed * 7) == int(full.argmax())
+        assert int(_noisy_top(scores.double(), seed, seed * 7, 1)[0]) == int(full.argmax())
+        q = scores.softmax(-1)
+        k = min(5, int((q > 0).sum()))
+        noisy = q.double().log() + gumbel_noise(seed, seed * 7 + 2, torch.arange(2000))
+        assert Coupling(seed, seed * 7).top(q, 5, 2) == noisy.topk(k).indices.tolist()
 
 
 def test_noise_is_a_function_of_seed_position_and_token():

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from decoding.core.sampling import SamplingParams, process_logits
+from decoding.core.sampling import SamplingParams, process_logits, top_k
 from decoding.core.stopping import StopRule, final_text
 
 PARAM_SETS = [
@@ -106,6 +106,23 @@ def one_at_a_time(rule: StopRule, generated: list[int]) -> tuple[int, str | None
         if reason is not None:
             return kept, reason
     return len(generated), None
+
+
+@pytest.mark.parametrize("width", [49_152, 1000])  # the block path, and torch's own top-k where blocks do not fit
+def test_top_k_is_torch_topk(width):
+    g = torch.Generator().manual_seed(0)
+    for scale in (0.1, 3.0, 30.0):  # from nearly flat rows to a few dominant tokens
+        x = (scale * torch.randn(3, width, generator=g)).softmax(-1)
+        values, ids = top_k(x, 10)
+        want = x.topk(10)
+        assert torch.equal(values, want.values) and torch.equal(ids, want.indices)
+    # Processed distributions hold many exact zeros (top-k, top-p): the values still match.
+    x = torch.zeros(2, width)
+    x[0, [5, 700, 999]] = torch.tensor([0.5, 0.3, 0.2])
+    x[1, 17] = 1.0
+    values, ids = top_k(x, 10)
+    assert torch.equal(values, x.topk(10).values)
+    assert ids[0, :3].tolist() == [5, 700, 999] and ids[1, 0] == 17
 
 
 def test_check_eos():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -50,7 +49,6 @@ class ModelRunner:
         self.peak_cache_bytes = 0
         self.last_score_ms = 0.0  # the latest verification forward's time (`score`)
         self.prefixes = PrefixCache(prefix_budget)  # its own 4 GiB without a budget
-        self._sampling_pool: ThreadPoolExecutor | None = None
         # Hidden-state capture for drafters that read them (EDD): off unless capture_hidden is called.
         self.hidden_layer: int | None = None
         self.last_hidden: torch.Tensor | None = None  # [B, T, H]: that layer's output in the latest forward
@@ -66,13 +64,6 @@ class ModelRunner:
 
     def _keep_hidden(self, module: torch.nn.Module, args: object, output: object) -> None:
         self.last_hidden = output[0] if isinstance(output, tuple) else output  # type: ignore[assignment]
-
-    @property
-    def sampling_pool(self) -> ThreadPoolExecutor:
-        """Threads that decide sampled rows side by side (one per intra-op torch thread)."""
-        if self._sampling_pool is None:
-            self._sampling_pool = ThreadPoolExecutor(max(1, torch.get_num_threads()), "tot-sampling")
-        return self._sampling_pool
 
     @property
     def vocab_size(self) -> int:

@@ -17,7 +17,7 @@ from decoding.core.gumbel import gumbel_pick
 from decoding.core.kv_cache import RowKVCache
 from decoding.core.packing import Packed, pack
 from decoding.core.runner import ModelRunner
-from decoding.core.sampling import Rule, processed_logits
+from decoding.core.sampling import Rule, processed_logits, top_k
 from decoding.core.sequence import Sequence
 
 
@@ -93,21 +93,31 @@ def verify(
         else:
             path, token = walk_matched(tree, target_sampler(s, rule, row, scores, dist))
         kept_hidden = None if hidden is None else hidden[b, packed.committed(b, path)]
-        best = None
-        if top:
-            # Here, in the row's own thread while its distributions are in cache: read again by the
-            # drafter after the step, they cost more than the top-k itself.
-            at = [0, *(1 + n for n in path)]
-            src = row[at].float().softmax(-1) if probs is None else probs[at]
-            k = src.topk(min(top, src.shape[-1]))
-            best = (k.indices, k.values)
-        return Verdict(tree, path, token, probs, row, hidden=kept_hidden, top=best)
+        return Verdict(tree, path, token, probs, row, hidden=kept_hidden)
 
-    # A sampled row's draws use its own generator or noise: rows are decided side by side on the
-    # CPU's cores, each exactly as alone.
-    if sum(not s.params.greedy for s in seqs) > 1:
-        return packed, list(target.sampling_pool.map(decide, range(len(trees))))
-    return packed, [decide(b) for b in range(len(trees))]
+    # One row after another, in this thread: deciding them in a thread pool slowed the next forwards
+    # by a fifth (the pool's threads ran torch operators of their own, and the cores' worker threads
+    # contended), for draws that take 0.15 ms a row (decoding/core/gumbel.py).
+    verdicts = [decide(b) for b in range(len(trees))]
+    if top:
+        add_top(verdicts, top)
+    return packed, verdicts
+
+
+def add_top(verdicts: list[Verdict], k: int) -> None:
+    """Set each verdict's `top`: the k most likely tokens at its root and along its accepted path.
+    One top-k over the step's rows: as many small operators in each row's sampling thread took
+    several times longer, the threads contending for the interpreter (0.34 against 0.02 ms a row)."""
+    rows = []
+    for v in verdicts:
+        at = [0, *(1 + n for n in v.path)] if v.path else slice(0, 1)  # a slice: no copy of the row
+        rows.append(v.logits[at].float().softmax(-1) if v.probs is None else v.probs[at])
+    device = next((r.device for r in rows if r.device.type != "cpu"), rows[0].device)  # greedy rows' softmax
+    values, ids = top_k(torch.cat([r.to(device) for r in rows]), min(k, rows[0].shape[-1]))
+    start = 0
+    for v, r in zip(verdicts, rows):
+        v.top = (ids[start : start + len(r)], values[start : start + len(r)])
+        start += len(r)
 
 
 def target_sampler(

@@ -178,7 +178,10 @@ class Planner:
         self.best_gain = max(float(g.max()) for g in gains if len(g))
         for row, tree, gain, k in zip(rows, trees, gains, kept):
             if len(tree):
-                worth = float(gain[:k].sum()) - self.rate_per_ms * node_ms * k
+                # A tree cut to nothing is worth what its best node fell short by, not zero: a row
+                # (and a new row, by the prior) whose drafts cannot pay stops being drafted at once,
+                # and its pool is not read (a read folds in all it learnt, decoding/drafters/ngram.py).
+                worth = float(gain[:k].sum()) - self.node_tokens * k if k else float(gain[0]) - self.node_tokens
                 self.value[row] = 0.7 * self.value.get(row, self.prior) + 0.3 * worth
                 self.prior = 0.9 * self.prior + 0.1 * worth
         kept_nodes = [None if k == len(t) else sorted(o[:k]) for t, o, k in zip(trees, orders, kept)]
