@@ -132,9 +132,9 @@ class TriGram:
         for i in range(2, len(tokens)):
             self.add(tokens[i - 2], tokens[i - 1], tokens[i], weight)
 
-    def prime(self, tokens: list[int]) -> None:
-        """A prompt's tri-grams (what `Pools.prime` calls)."""
-        self.update(tokens)
+    def prime(self, tokens: list[int], start: int = 0) -> None:
+        """A prompt's tri-grams ending at `start` or later (what `Pools.prime` calls)."""
+        self.update(tokens[max(0, start - 2) :])
 
     def seen(self, a: int, b: int) -> bool:
         """Whether the pair (a, b) was seen as a tri-gram context (here or in the base)."""

@@ -19,6 +19,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 
 QUEUE = 4096  # additions held before they are folded in anyway (bounds a pool's memory)
 
@@ -33,13 +34,14 @@ class Entry:
 def merge(entry: Entry, ids: Sequence[int], probs: Sequence[float], top: int) -> Entry:
     """Running average of `entry` (the mean of entry.count distributions) and one new distribution."""
     k = entry.count
-    mixed: dict[int, float] = {}
-    for i, p in zip(entry.ids, entry.probs):
-        mixed[i] = p * k / (k + 1)
+    k1 = k + 1
+    mixed = {i: p * k / k1 for i, p in zip(entry.ids, entry.probs)}
+    get = mixed.get
     for i, p in zip(ids, probs):
-        mixed[i] = mixed.get(i, 0.0) + p / (k + 1)
-    best = sorted(mixed.items(), key=lambda kv: -kv[1])[:top]
-    return Entry(array("i", [i for i, _ in best]), array("f", [p for _, p in best]), k + 1)
+        mixed[i] = get(i, 0.0) + p / k1
+    best = sorted(mixed.items(), key=itemgetter(1), reverse=True)[:top]  # stable: ties keep their order
+    kept_ids, kept_probs = zip(*best)
+    return Entry(array("i", kept_ids), array("f", kept_probs), k1)
 
 
 class LogitNGram:
@@ -107,7 +109,8 @@ class LogitNGram:
                 return entry
         return None
 
-    def prime(self, tokens: Sequence[int]) -> None:
-        """Let drafts copy from a text (a prompt): each of its tokens as a certain next token."""
-        for t in range(1, len(tokens)):
+    def prime(self, tokens: Sequence[int], start: int = 0) -> None:
+        """Let drafts copy from a text (a prompt): each of its tokens from `start` on as a certain
+        next token."""
+        for t in range(max(1, start), len(tokens)):
             self.add(tokens[max(0, t - self.max_n) : t], [tokens[t]], [1.0])

@@ -14,8 +14,9 @@ Scope = Literal["group", "problem", "run"]
 
 
 class Pool(Protocol):
-    def prime(self, tokens: Sequence[int]) -> None:
-        """Count a prompt's own statistics, so that drafts may copy from it."""
+    def prime(self, tokens: Sequence[int], start: int = 0) -> None:
+        """Count a prompt's own statistics, so that drafts may copy from it: the text from token
+        `start` on (the tokens before it, a prefix the pool has counted already, are context only)."""
 
 
 P = TypeVar("P", bound=Pool)
@@ -45,9 +46,26 @@ class Pools(Generic[P]):
         return pool
 
     def prime(self, group: str, prompt: list[int]) -> None:
-        """Count a prompt into its group's pool once, however many sequences share it."""
+        """Count a prompt into its group's pool once, however many sequences share it, and of a
+        prompt that extends one counted before only what follows their common prefix: a ToT step's
+        prompts (its thoughts' and each evaluation's) share the question and the steps so far, which
+        were counted over and over (five in six of the additions to a 4-problem run's pools)."""
         key = self.key(group)
         done = self.primed.setdefault(key, set())
-        if tuple(prompt) not in done:
-            done.add(tuple(prompt))
-            self.get(group).prime(prompt)
+        text = tuple(prompt)
+        if text not in done:
+            start = max((common_prefix(text, p) for p in done), default=0)
+            done.add(text)
+            self.get(group).prime(prompt, start)
+
+
+def common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    """Length of the longest common prefix (by bisection over slice comparisons, which run in C)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

@@ -90,9 +90,11 @@ class SuffixTrie:
                 out.append((kid, n + 1))
         return out
 
-    def prime(self, tokens: list[int]) -> None:
-        open_: list[Open] = []
-        for t in tokens:
+    def prime(self, tokens: list[int], start: int = 0) -> None:
+        """Insert a text's suffixes; from `start` on when the trie holds the text before it (the
+        suffixes open there resume rather than start over)."""
+        open_: list[Open] = self.resume(tokens[:start]) if start else []
+        for t in tokens[start:]:
             open_ = self.step(open_, t)
 
     def find(self, tokens: list[int]) -> Node | None:

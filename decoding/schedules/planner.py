@@ -29,11 +29,12 @@ from decoding.core.draft_tree import ROOT, DraftTree
 from decoding.core.verify import Verdict
 
 PROBE = 4  # steps a row goes undrafted before it is drafted again to look
-# ... and while the latest drafted trees held no node that could pay at the latest plan's cost (their
-# nodes were all cut, so no verdict can change the estimates), steps before it looks anyway: longer
-# than most ToT thoughts, so a busy batch's pools are seldom read (their learning waits, see
-# decoding/drafters/ngram.py) until fewer rows make nodes worth their cost again.
+# ... and while the drafted trees' best node seldom could pay at the plan's cost (`pays` below
+# SELDOM: their nodes were cut, so no verdict can change the estimates), steps before it looks
+# anyway: longer than most ToT thoughts, so a busy batch's pools are seldom read (their learning
+# waits, see decoding/drafters/ngram.py) until fewer rows make nodes worth their cost again.
 FAR_PROBE = 128
+SELDOM = 0.1
 
 
 def best_first(tree: DraftTree, reach: list[float]) -> list[int]:
@@ -88,10 +89,12 @@ class Planner:
     prior: float = 1.0
     rate_per_ms: float = 0.0  # expected tokens per ms of the latest plan
     idle: dict[int, int] = field(default_factory=dict)  # row -> steps since it was last drafted
-    # What one more node must return to pay at the latest plan (tokens), and the best node's expected
-    # tokens in the latest step that verified drafted trees: probes wait while the second is lower.
+    # What one more node must return to pay at the latest plan (tokens), and how often the best node
+    # of a step's drafted trees could pay (EMA over steps that verified drafted trees): one step's
+    # best is one draw of the trees' worth (at one problem the best node paid about half the time,
+    # where the latest step's alone stopped probes for FAR_PROBE steps after every miss).
     node_tokens: float = 0.0
-    best_gain: float = 1.0
+    pays: float = 1.0
 
     def forget(self, rows: list[int]) -> None:
         """Rows that a new sequence takes: what the old one's drafts were worth says nothing of it."""
@@ -138,9 +141,9 @@ class Planner:
         """Phase 1: nodes worth drafting per row (max_nodes or 0). A row is drafted while what its
         kept nodes were recently worth (`value`, in tokens, their cost taken off) pays for drafting
         them; a row not worth drafting is looked at again every PROBE steps (every FAR_PROBE while
-        no node of the latest trees could pay for itself)."""
+        the drafted trees' best node seldom could pay for itself)."""
         cost = self.rate_per_ms * (self.draft_ms_per_row or 0.0)  # drafting a row, in tokens
-        probe = PROBE if self.best_gain > self.node_tokens else FAR_PROBE
+        probe = PROBE if self.pays >= SELDOM else FAR_PROBE
         out = []
         for r in rows:
             worth = self.value.get(r, self.prior) > cost
@@ -175,13 +178,14 @@ class Planner:
         width = max(p + k for p, k in zip(pending, kept))
         _, node_ms = self._margin(len(rows), sum(pending) + sum(kept), width, context)
         self.node_tokens = self.rate_per_ms * node_ms
-        self.best_gain = max(float(g.max()) for g in gains if len(g))
+        best = max(float(g.max()) for g in gains if len(g))
+        self.pays = 0.9 * self.pays + 0.1 * (best > self.node_tokens)
         for row, tree, gain, k in zip(rows, trees, gains, kept):
             if len(tree):
-                # A tree cut to nothing is worth what its best node fell short by, not zero: a row
-                # (and a new row, by the prior) whose drafts cannot pay stops being drafted at once,
-                # and its pool is not read (a read folds in all it learnt, decoding/drafters/ngram.py).
-                worth = float(gain[:k].sum()) - self.node_tokens * k if k else float(gain[0]) - self.node_tokens
+                # A tree cut to nothing is worth nothing, not what its best node fell short by: the
+                # plan takes only nodes that pay, so drafting is an option worth at least zero (counting
+                # the shortfall stopped rows at one problem from drafting at all: 1.5 -> 1.1 accepted).
+                worth = float(gain[:k].sum()) - self.node_tokens * k
                 self.value[row] = 0.7 * self.value.get(row, self.prior) + 0.3 * worth
                 self.prior = 0.9 * self.prior + 0.1 * worth
         kept_nodes = [None if k == len(t) else sorted(o[:k]) for t, o, k in zip(trees, orders, kept)]
