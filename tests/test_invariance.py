@@ -103,3 +103,20 @@ def test_inside_a_sixteen_node_tree(runner):
 
     assert len(tree) == 16
     assert torch.equal(torch.stack(_run(runner, [PROMPT], in_tree)), reference(runner))
+
+
+def test_attention_skips_the_queries_no_one_reads():
+    """A ragged forward's pads are never read: the kernel skips their queries (zeros), and every other
+    query's output has the bits it has when all are computed (each query is its own computation)."""
+    from decoding.core import kernels
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 6, 4, 64, generator=g).to(torch.bfloat16)  # 3 rows, 6 heads over 2 kv heads, 4 slots
+    k = torch.randn(3, 2, 40, 64, generator=g).to(torch.bfloat16)
+    v = torch.randn(3, 2, 40, 64, generator=g).to(torch.bfloat16)
+    empty = torch.empty(0)
+    full = kernels.load().attend(q, k, v, empty, empty, 0.125, empty)
+    live = torch.tensor([[True, True, True, True], [True, False, False, False], [True, True, False, True]])
+    part = kernels.load().attend(q, k, v, empty, empty, 0.125, live)
+    assert torch.equal(part[live], full[live])
+    assert not part[~live].any() and full[~live].abs().sum() > 0

@@ -158,6 +158,11 @@ def test_cost_model_fit_padding_and_cache(tiny_model, tmp_path):
     padded = ForwardCost(STEEP.points, ragged=False)
     assert float(padded.ms(4, 5, 2, 0)) == pytest.approx(float(STEEP.ms(4, 8, 2, 0)))
     assert float(STEEP.ms(4, 5, 2, 0)) < float(padded.ms(4, 5, 2, 0))
+    # So is attention past the profiled context: by real tokens (pads' queries skipped) or rows x width.
+    ragged_ctx = ForwardCost(STEEP.points, context_ms=1.0)
+    padded_ctx = ForwardCost(STEEP.points, context_ms=1.0, ragged=False)
+    assert float(ragged_ctx.ms(4, 5, 2, 256 + 1000) - ragged_ctx.ms(4, 5, 2, 256)) == pytest.approx(5.0)
+    assert float(padded_ctx.ms(4, 5, 2, 256 + 1000) - padded_ctx.ms(4, 5, 2, 256)) == pytest.approx(8.0)
     # Interpolated between points and continued linearly past them.
     assert float(STEEP.ms(1, 8, 8, 0)) == pytest.approx(80.0)
     assert float(STEEP.ms(1, 32, 32, 0)) == pytest.approx(320.0)

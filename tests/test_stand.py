@@ -16,10 +16,12 @@ from decoding.config import DecoderConfig
 from decoding.core.draft_tree import ROOT, k_config_parents
 from decoding.core.errors import ConfigError
 from decoding.core.values import GenRequest
+from decoding.drafters.aded import TriGram
 from decoding.drafters.ngram import LogitNGram
 from decoding.drafters.pld import lookup
 from decoding.drafters.pools import Pools
 from decoding.drafters.stand import GumbelNoise, StandOptions, gumbel_top_k
+from decoding.drafters.suffix import SuffixTrie
 from decoding.engine import Engine
 from decoding.schedules.base import VerifyOptions
 from decoding.schedules.seed import SeedOptions
@@ -70,6 +72,37 @@ def test_prompt_priming():
     pool.prime([3, 4, 5, 3, 4])
     assert list(pool.lookup([3, 4]).ids) == [5]
     assert list(pool.lookup([9, 3]).ids) == [4]
+
+
+def test_a_prompt_is_counted_past_the_prefix_its_pool_holds():
+    """A ToT step's prompts share the question and the steps so far: a pool counts that text once,
+    and of each later prompt what follows it (for every kind of pool), the same as priming that
+    prompt's own tokens on top of the first."""
+    first, second = [1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 9, 8, 7]
+    pools = Pools("group", 8, LogitNGram)
+    pools.prime("p/a", first)
+    pools.prime("p/a", second)
+    pools.prime("p/a", second)  # the same prompt again: nothing
+    pool = pools.get("p/a")
+    assert pool.lookup([1, 2, 3]).count == 1  # the shared text, once
+    assert list(pool.lookup([2, 3, 4]).ids) == [5, 9]  # after it, both continuations
+    assert list(pool.lookup([9, 8]).ids) == [7]
+    want = LogitNGram()
+    want.prime(first)
+    want.prime(second, start=4)
+    assert [dict(t) for t in pool.tables] == [dict(t) for t in want.tables]
+    tries = Pools("group", 8, lambda: SuffixTrie(depth=3, capacity=100))
+    tries.prime("p/a", first)
+    tries.prime("p/a", second)
+    trie = tries.get("p/a")
+    assert trie.find([2, 3]).count == 1 and trie.find([4, 9]).count == 1 and trie.find([9, 8, 7]) is not None
+    grams = Pools("group", 8, TriGram)
+    grams.prime("p/a", first)
+    grams.prime("p/a", second)
+    whole = TriGram()
+    whole.update(first)
+    whole.update([3, 4, 9, 8, 7])
+    assert grams.get("p/a").tri == whole.tri
 
 
 def test_pools_are_isolated_by_scope():

@@ -43,7 +43,7 @@ def invariant_attention(
         mask = mask == 0  # an additive float mask: 0 where visible
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     rows = _EMPTY if kv_rows is None else kv_rows
-    return kernels.load().attend(query, key, value, mask, rows, float(scale)), None
+    return kernels.load().attend(query, key, value, mask, rows, float(scale), _EMPTY), None
 
 
 def register() -> None:

@@ -6,8 +6,8 @@ they attend to. `ForwardCost` is a table measured on the loaded model, its devic
 term), interpolated between its points and extended linearly past them, cached per model / device /
 threads / weights under the project's cache folder, and corrected online by the ratio of each
 forward's measured time to its prediction. Where the forward computes only real tokens
-(`ModelRunner.ragged`) it costs the tokens the rows hold; otherwise every row is padded to the
-widest row, and the table is read at rows x width.
+(`ModelRunner.ragged`) it costs the tokens the rows hold, attention included; otherwise every row
+is padded to the widest row, and the table is read at rows x width.
 
 The work around the forward (logits processing, sampling, the planner itself) is `Overhead`: a
 least-squares line in rows, fitted online from each step's own times, plus a measured share per kept
@@ -98,7 +98,8 @@ class ForwardCost:
         tokens = np.asarray(tokens, dtype=float)
         computed = tokens if self.ragged else rows * np.asarray(width, dtype=float)
         base = self._table(rows, computed)
-        attend = self.context_ms * rows * np.asarray(width, dtype=float) * max(0.0, context - self.context) / 1000
+        # A ragged forward's attention skips the pads' queries too (decoding/core/csrc/attention.cpp).
+        attend = self.context_ms * computed * max(0.0, context - self.context) / 1000
         return self.correction * np.maximum(base + attend, 0.0)
 
     def observe(self, predicted_ms: float, measured_ms: float, weight: float = 0.05) -> None:

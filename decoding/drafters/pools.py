@@ -10,6 +10,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Generic, Literal, Protocol, TypeVar
 
+from decoding.core.prefix_cache import shared_len
+
 Scope = Literal["group", "problem", "run"]
 
 
@@ -54,18 +56,6 @@ class Pools(Generic[P]):
         done = self.primed.setdefault(key, set())
         text = tuple(prompt)
         if text not in done:
-            start = max((common_prefix(text, p) for p in done), default=0)
+            start = max((shared_len(text, p) for p in done), default=0)
             done.add(text)
             self.get(group).prime(prompt, start)
-
-
-def common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
-    """Length of the longest common prefix (by bisection over slice comparisons, which run in C)."""
-    lo, hi = 0, min(len(a), len(b))
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo

@@ -68,6 +68,7 @@ struct Task {
   int64_t qs1, qs2, ksl, ksd, vs2, os1, os2;  // strides: query head/token, key position/dim, value
                                               // position, output token/head
   const bool* mask;                           // null: causal
+  const bool* live;                           // [T] of the row: the tokens whose outputs are read (null: all)
   int64_t ms2, ms3, G, T, L, D, j0, j1;
   float scale;
 };
@@ -94,6 +95,13 @@ inline void weighted_values(const float* w, const value_t* v, int64_t vs, int64_
     for (int64_t i = 0; i < W; ++i) out[c * W + i] = acc[c][i];
 }
 
+template <typename scalar_t>
+void write_zeros(const Task<scalar_t>& a, int64_t j, int64_t D) {
+  const int64_t g = (a.j0 + j) / a.T, t = (a.j0 + j) % a.T;
+  scalar_t* dst = a.out + t * a.os1 + g * a.os2;
+  for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(0.0f);
+}
+
 template <int C, typename scalar_t>
 void attend_task(const Task<scalar_t>& a, Scratch& s) {
   constexpr int64_t Dp = C * W;
@@ -103,7 +111,18 @@ void attend_task(const Task<scalar_t>& a, Scratch& s) {
   s.kblk.resize(D * BL);
   s.p.assign(nq * Lp, 0.0f);
   s.allow.assign(nq * Lr, 0.0f);  // 1 where the query sees the position, else 0
+  // A ragged forward's pad slots are never read: their queries are skipped (zeros written), so a
+  // wide row costs the rows beside it nothing. Each query is its own computation: the others' bits
+  // do not change.
+  auto live = [&](int64_t j) { return a.live == nullptr || a.live[(a.j0 + j) % a.T]; };
+  bool any = false;
+  for (int64_t j = 0; j < nq; ++j) any = any || live(j);
+  if (!any) {
+    for (int64_t j = 0; j < nq; ++j) write_zeros(a, j, D);
+    return;
+  }
   for (int64_t j = 0; j < nq; ++j) {
+    if (!live(j)) continue;
     const int64_t g = (a.j0 + j) / a.T, t = (a.j0 + j) % a.T;
     widen(a.q + g * a.qs1 + t * a.qs2, s.qf.data() + j * Dp, D);
     float* al = s.allow.data() + j * Lr;
@@ -132,6 +151,7 @@ void attend_task(const Task<scalar_t>& a, Scratch& s) {
       }
     }
     for (int64_t j = 0; j < nq; ++j) {
+      if (!live(j)) continue;
       const float* qj = s.qf.data() + j * Dp;
       float acc[U][W];
       for (int64_t u = 0; u < U; ++u)
@@ -153,6 +173,10 @@ void attend_task(const Task<scalar_t>& a, Scratch& s) {
     for (int64_t l = 0; l < L; ++l) widen(a.v + l * a.vs2, s.vf.data() + l * Dp, D);
   }
   for (int64_t j = 0; j < nq; ++j) {
+    if (!live(j)) {
+      write_zeros(a, j, D);
+      continue;
+    }
     float* __restrict pj = s.p.data() + j * Lp;
     const float* __restrict al = s.allow.data() + j * Lr;
     const float hidden = -std::numeric_limits<float>::infinity();
@@ -180,13 +204,14 @@ void attend_task(const Task<scalar_t>& a, Scratch& s) {
 template <typename scalar_t>
 void attend_kernel(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                    const torch::Tensor& mask, bool has_mask, const torch::Tensor& rows, bool has_rows,
-                   double scale, torch::Tensor& out) {
+                   const torch::Tensor& live, double scale, torch::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3);
   const int64_t Hk = k.size(1), G = H / Hk, nq = G * T, chunks_per_head = (nq + QC - 1) / QC;
   const int64_t C = (D + W - 1) / W;
   TORCH_CHECK(C == 1 || C == 2 || C == 4 || C == 8 || C == 16,
               "attend: head dimension ", D, " is not supported (up to 256, in steps of 16, 32, 64 or 128)");
   const int64_t* rp = has_rows ? rows.data_ptr<int64_t>() : nullptr;
+  const bool* lp = live.numel() > 0 ? live.data_ptr<bool>() : nullptr;
   Task<scalar_t> base{};
   base.qs1 = q.stride(1);
   base.qs2 = q.stride(2);
@@ -213,6 +238,7 @@ void attend_kernel(const torch::Tensor& q, const torch::Tensor& k, const torch::
       a.v = v.data_ptr<scalar_t>() + r * v.stride(0) + hk * v.stride(1);
       a.out = out.data_ptr<scalar_t>() + b * out.stride(0) + hk * G * out.stride(2);
       a.mask = has_mask ? mask.data_ptr<bool>() + b * mask.stride(0) : nullptr;
+      a.live = lp != nullptr ? lp + b * T : nullptr;
       a.j0 = chunk * QC;
       a.j1 = std::min(nq, a.j0 + QC);
       switch (C) {
@@ -232,7 +258,7 @@ void attend_kernel(const torch::Tensor& q, const torch::Tensor& k, const torch::
 // causal (query t sees positions up to L - T + t); rows [B] int64: the k/v row of each query row
 // (empty: the same row). Returns [B, T, H, D] in q's dtype.
 torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor mask, torch::Tensor rows,
-                     double scale) {
+                     double scale, torch::Tensor live) {
   RECORD_FUNCTION("tot::attend", std::vector<c10::IValue>());  // seen by torch.profiler (decoding.profile_forward)
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "attend: q, k, v must be 4D");
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "attend: CPU tensors only");
@@ -254,9 +280,13 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::T
   } else {
     TORCH_CHECK(k.size(0) == q.size(0), "attend: key/value rows must match query rows");
   }
+  if (live.numel() > 0) {
+    TORCH_CHECK(live.scalar_type() == torch::kBool && live.numel() == q.size(0) * q.size(2), "attend: live [B, T]");
+    live = live.contiguous();
+  }
   auto out = torch::empty({q.size(0), q.size(2), q.size(1), q.size(3)}, q.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "attend", [&] {
-    attend_kernel<scalar_t>(q, k, v, mask, has_mask, rows, has_rows, scale, out);
+    attend_kernel<scalar_t>(q, k, v, mask, has_mask, rows, has_rows, live, scale, out);
   });
   return out;
 }

@@ -12,7 +12,7 @@ inline void widen_bfloat16(const at::BFloat16* src, float* dst, int64_t n) {
 }
 
 torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor mask, torch::Tensor rows,
-                     double scale);
+                     double scale, torch::Tensor live);
 
 at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias);
 

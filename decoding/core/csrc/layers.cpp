@@ -50,6 +50,9 @@ std::vector<at::Tensor> decoder_layers(at::Tensor h, const std::vector<at::Tenso
   // norms, linears and cache writes, as [N, H]; attention alone sees the [B, T] layout. Each row
   // of a linear is computed alone (quant.py's invariance), so a real token's bits do not change.
   const bool ragged = real.numel() > 0;
+  // The real tokens' slots, so that attention skips the pads' queries (empty: every slot is real).
+  const at::Tensor live = ragged ? at::zeros({batch * n_new}, real.options().dtype(at::kBool)).index_fill_(0, real, true)
+                                 : at::empty({0}, real.options().dtype(at::kBool));
   at::Tensor cos_t = cos, sin_t = sin;
   c10::List<c10::optional<at::Tensor>> where({rows, c10::nullopt, slots});
   if (ragged) {
@@ -83,7 +86,7 @@ std::vector<at::Tensor> decoder_layers(at::Tensor h, const std::vector<at::Tenso
       keys[i].index_put_(where, k.transpose(1, 2).to(keys[i].scalar_type()));
       values[i].index_put_(where, v.transpose(1, 2).to(values[i].scalar_type()));
     }
-    at::Tensor out = attend(q, keys[i].slice(2, 0, kv_len), values[i].slice(2, 0, kv_len), mask, kv_rows, scaling);
+    at::Tensor out = attend(q, keys[i].slice(2, 0, kv_len), values[i].slice(2, 0, kv_len), mask, kv_rows, scaling, live);
     out = ragged ? out.reshape({batch * n_new, -1}).index_select(0, real) : out.reshape({batch, n_new, -1});
     h = h + linear(out, w + 11, rows_kernel);
     const at::Tensor y = rms_norm(h, w[1], eps);
