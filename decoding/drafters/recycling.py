@@ -10,6 +10,7 @@ was recorded), so the first child is the target's sample whenever the successor 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -32,10 +33,9 @@ class RecyclingOptions:
 
 
 class RecyclingDrafter:
-    learns_top = 0  # its update reads no Verdict.top
-
     def __init__(self, options: RecyclingOptions, tree: StaticTree, coupled: bool = True) -> None:
         self.options = options
+        self.learns_top = options.top_k
         self.tree = tree
         self.max_nodes = len(tree)
         self.coupled = coupled
@@ -69,18 +69,22 @@ class RecyclingDrafter:
         return tree
 
     def update(self, slots: list[Slot], verdicts: list[Verdict]) -> None:
-        for slot, v in zip(slots, verdicts):
-            if v.kept <= 0:
-                continue
-            seq = slot.seq
-            full = seq.prompt + seq.generated
-            base = len(full) - v.kept
-            at = v.kept_rows()
-            top = torch.topk(v.logits[at], self.options.top_k).indices
-            # The k probabilities gathered before the log: a log over the whole vocabulary per kept token is waste.
-            logp = None if v.probs is None else v.probs[at].gather(-1, top.cpu()).double().log().tolist()
-            for j, succ in enumerate(top.tolist()):
-                self.successors[full[base + j - 1]] = (succ, None if logp is None else logp[j])
+        kept = [(slot.seq, v) for slot, v in zip(slots, verdicts) if v.kept > 0]
+        if not kept:
+            return
+        # The target's top-k at each committed position, as verify took them for the whole step
+        # (Verdict.top: one top-k over every row's distributions, not one over the logits per row).
+        counts = [len(v.kept_rows()) for _, v in kept]
+        k = self.options.top_k
+        ids = torch.cat([v.top[0][:n, :k] for (_, v), n in zip(kept, counts)]).tolist()  # type: ignore[index]
+        probs = torch.cat([v.top[1][:n, :k] for (_, v), n in zip(kept, counts)]).tolist()  # type: ignore[index]
+        j = 0
+        for (seq, v), n in zip(kept, counts):
+            before = seq.tail(v.kept + 1)  # the token before each kept position
+            for i in range(n):
+                logp = None if v.probs is None else [math.log(q) if q > 0 else -math.inf for q in probs[j]]
+                self.successors[before[i]] = (ids[j], logp)
+                j += 1
 
     def release(self, slots: list[Slot]) -> None:
         """The successor table is shared by all rows: nothing per sequence to drop."""
