@@ -51,7 +51,7 @@ class Pools(Generic[P]):
         """Count a prompt into its group's pool once, however many sequences share it, and of a
         prompt that extends one counted before only what follows their common prefix: a ToT step's
         prompts (its thoughts' and each evaluation's) share the question and the steps so far, which
-        were counted over and over (five in six of the additions to a 4-problem run's pools)."""
+        were counted over and over (four in five of the additions to a 4-problem run's pools)."""
         key = self.key(group)
         done = self.primed.setdefault(key, set())
         text = tuple(prompt)
