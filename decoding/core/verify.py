@@ -120,6 +120,21 @@ def add_top(verdicts: list[Verdict], k: int) -> None:
         start += len(r)
 
 
+def kept_tops(verdicts: list[Verdict], k: int) -> list[tuple[list[list[int]], list[list[float]]]]:
+    """Each verdict's `top` at its kept rows (`kept_rows()`), its first k per row, as lists: what a
+    drafter that learns from the step's distributions reads, in one read of the whole step (one
+    device synchronisation on a GPU, not one per row)."""
+    counts = [len(v.kept_rows()) for v in verdicts]
+    assert all(v.top is not None for v in verdicts), "verify with top=Drafter.learns_top"
+    ids = torch.cat([v.top[0][:n, :k] for v, n in zip(verdicts, counts)]).tolist()  # type: ignore[index]
+    probs = torch.cat([v.top[1][:n, :k] for v, n in zip(verdicts, counts)]).tolist()  # type: ignore[index]
+    out, start = [], 0
+    for n in counts:
+        out.append((ids[start : start + n], probs[start : start + n]))
+        start += n
+    return out
+
+
 def target_sampler(
     s: Sequence, rule: Rule, logits: torch.Tensor, scores: torch.Tensor | None, dist: torch.Tensor | None
 ) -> Callable[[int, int], int]:

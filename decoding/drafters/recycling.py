@@ -13,13 +13,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
-
 from decoding.core.draft_tree import ROOT, DraftTree
 from decoding.core.errors import ConfigError
 from decoding.core.sequence import Sequence
 from decoding.core.slot import Slot
-from decoding.core.verify import Verdict
+from decoding.core.verify import Verdict, kept_tops
 from decoding.trees.static import StaticTree
 
 
@@ -72,19 +70,13 @@ class RecyclingDrafter:
         kept = [(slot.seq, v) for slot, v in zip(slots, verdicts) if v.kept > 0]
         if not kept:
             return
-        # The target's top-k at each committed position, as verify took them for the whole step
-        # (Verdict.top: one top-k over every row's distributions, not one over the logits per row).
-        counts = [len(v.kept_rows()) for _, v in kept]
-        k = self.options.top_k
-        ids = torch.cat([v.top[0][:n, :k] for (_, v), n in zip(kept, counts)]).tolist()  # type: ignore[index]
-        probs = torch.cat([v.top[1][:n, :k] for (_, v), n in zip(kept, counts)]).tolist()  # type: ignore[index]
-        j = 0
-        for (seq, v), n in zip(kept, counts):
+        # The target's top-k at each committed position, as verify took them for the whole step.
+        tops = kept_tops([v for _, v in kept], self.options.top_k)
+        for (seq, v), (ids, probs) in zip(kept, tops):
             before = seq.tail(v.kept + 1)  # the token before each kept position
-            for i in range(n):
-                logp = None if v.probs is None else [math.log(q) if q > 0 else -math.inf for q in probs[j]]
-                self.successors[before[i]] = (ids[j], logp)
-                j += 1
+            for i, (succ, p) in enumerate(zip(ids, probs)):
+                logp = None if v.probs is None else [math.log(q) if q > 0 else -math.inf for q in p]
+                self.successors[before[i]] = (succ, logp)
 
     def release(self, slots: list[Slot]) -> None:
         """The successor table is shared by all rows: nothing per sequence to drop."""

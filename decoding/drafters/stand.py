@@ -22,7 +22,7 @@ import torch
 from decoding.core.draft_tree import ROOT, DraftTree
 from decoding.core.errors import ConfigError
 from decoding.core.slot import Slot
-from decoding.core.verify import Verdict
+from decoding.core.verify import Verdict, kept_tops
 from decoding.drafters.ngram import LogitNGram
 from decoding.drafters.pools import Pools, Scope
 from decoding.trees.static import StaticTree
@@ -146,23 +146,17 @@ class StandDrafter:
         kept = [(slot.seq, v) for slot, v in zip(slots, verdicts) if v.kept > 0]
         if not kept:
             return
-        assert all(v.top is not None for _, v in kept), "STAND learns from Verdict.top: verify with top=learns_top"
         # The target's top-10 at each committed position (greedy rows: its softmax's, since any
         # ranking is lossless at temperature 0 and a one-hot would leave one candidate per context).
         # kept_rows(): a drafter shown only its own part of a merged tree's path learns that part.
-        counts = [len(v.kept_rows()) for _, v in kept]
-        # One read of the step's tops (one device synchronisation on a GPU), not one per row.
-        ids = torch.cat([v.top[0][:n] for (_, v), n in zip(kept, counts)]).tolist()  # type: ignore[index]
-        probs = torch.cat([v.top[1][:n] for (_, v), n in zip(kept, counts)]).tolist()  # type: ignore[index]
-        j = 0
-        for (seq, v), n in zip(kept, counts):
+        tops = kept_tops([v for _, v in kept], TOP)
+        for (seq, v), (ids, probs) in zip(kept, tops):
             pool = self.pools.get(seq.group)
             # This step's tokens and the contexts before them: the sequence's tail, not all of it.
             tail = seq.tail(v.kept + pool.max_n)
             base = len(tail) - v.kept  # the first token committed by this step
-            for k in range(n):
-                pool.add(tail[max(0, base + k - pool.max_n) : base + k], ids[j], probs[j])
-                j += 1
+            for k in range(len(ids)):
+                pool.add(tail[max(0, base + k - pool.max_n) : base + k], ids[k], probs[k])
 
     def release(self, slots: list[Slot]) -> None:
         """Pools are per group, kept across calls; a sequence's noise goes with its slot."""
