@@ -6,7 +6,8 @@ import pytest
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from decoding.core.sampling import SamplingParams, process_logits, top_k
+from decoding.core import kernels
+from decoding.core.sampling import SamplingParams, process_logits, top_k, top_k_rows
 from decoding.core.stopping import StopRule, final_text
 
 PARAM_SETS = [
@@ -123,6 +124,31 @@ def test_top_k_is_torch_topk(width):
     values, ids = top_k(x, 10)
     assert torch.equal(values, x.topk(10).values)
     assert ids[0, :3].tolist() == [5, 700, 999] and ids[1, 0] == 17
+
+
+@pytest.mark.parametrize("built", [True, False], ids=["kernel", "torch"])
+def test_top_k_rows_is_torch_topk_over_the_concatenation(built, monkeypatch):
+    """The kernel (one pass a row over strided blocks) and its torch fallback give torch.topk's
+    values over the blocks' rows as if concatenated; with no ties, its indices too."""
+    if built:
+        kernels.load()
+    else:
+        monkeypatch.setattr(kernels, "built", lambda: None)
+    g = torch.Generator().manual_seed(3)
+    full = (3.0 * torch.randn(2, 5, 4099, generator=g)).softmax(-1)  # a width no vector divides
+    blocks = [full[0, :1], full[1, [0, 2, 4]], full[0, 1:3]]  # a view, a gathered copy, a slice
+    values, ids = top_k_rows(blocks, 10)
+    want = torch.cat(blocks).topk(10)
+    assert torch.equal(values, want.values) and torch.equal(ids, want.indices)
+    # Rows of exact zeros and minus infinity (processed and masked distributions): the values match.
+    x = torch.zeros(3, 300)
+    x[0, [5, 200, 299]] = torch.tensor([0.5, 0.3, 0.2])
+    x[1] = -torch.inf
+    x[1, 7] = 0.0
+    values, ids = top_k_rows([x], 10)
+    assert torch.equal(values, x.topk(10).values)
+    assert ids[0, :3].tolist() == [5, 200, 299] and ids[1, 0] == 7
+    assert all(len(set(row)) == 10 for row in ids.tolist())  # k distinct tokens, even among ties
 
 
 def test_check_eos():

@@ -1,6 +1,7 @@
-"""The project's CPU kernels (decoding/core/csrc): the invariant attention, the Llama decoder layers
-and the row-invariant bfloat16 linear, one extension module compiled on first use with the machine's
-C++ compiler (about a minute on 2 cores, cached by torch under TORCH_EXTENSIONS_DIR)."""
+"""The project's CPU kernels (decoding/core/csrc): the invariant attention, the Llama decoder layers,
+the row-invariant bfloat16 linear and a top-k over rows, one extension module compiled on first use
+with the machine's C++ compiler (about a minute on 2 cores, cached by torch under
+TORCH_EXTENSIONS_DIR)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from decoding.core.errors import BackendError
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("attention.cpp", "layers.cpp", "matmul.cpp", "module.cpp")
+SOURCES = ("attention.cpp", "layers.cpp", "matmul.cpp", "topk.cpp", "module.cpp")
 # -ffp-contract=off: the only fused multiply-adds are the explicit ones (attention.cpp's header);
 # -fno-trapping-math lets floor and selects vectorize; neither changes a value.
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fopenmp"]
@@ -50,3 +51,9 @@ def load() -> ModuleType:
         ) from e
     log.info("CPU kernels ready in %.1fs", time.perf_counter() - t0)
     return module
+
+
+def built() -> ModuleType | None:
+    """The extension if this process has loaded it already (the CPU model's layers did), else None:
+    code with a torch fallback uses it without ever starting a build."""
+    return load() if load.cache_info().currsize else None

@@ -22,3 +22,5 @@ std::vector<at::Tensor> decoder_layers(at::Tensor h, const std::vector<at::Tenso
                                        const std::vector<at::Tensor>& values, const at::Tensor& rows,
                                        const at::Tensor& slots, int64_t kv_len, const at::Tensor& mask,
                                        const at::Tensor& kv_rows, int64_t capture, const at::Tensor& real, bool rows_kernel);
+
+std::vector<at::Tensor> top_k_rows(const std::vector<at::Tensor>& blocks, int64_t k);
