@@ -11,7 +11,16 @@ import math
 import pytest
 import torch
 
-from decoding.core.gumbel import G_MAX, G_MIN, Coupling, _noisy_top, gumbel_choice, gumbel_noise, gumbel_order
+from decoding.core.gumbel import (
+    G_MAX,
+    G_MIN,
+    Coupling,
+    _gumbel_py,
+    _noisy_top,
+    gumbel_choice,
+    gumbel_noise,
+    gumbel_order,
+)
 from decoding.core.sampling import SamplingParams, process_logits, processed_logits
 
 N = 20_000
@@ -87,6 +96,10 @@ def test_noise_is_a_function_of_seed_position_and_token():
         [-0.3250704182868967, -0.14567400333701677, -0.10734394228785013], abs=1e-15
     )
     assert gumbel_noise(2**40 + 3, 1000, torch.tensor([7])).item() == pytest.approx(-1.7288917237117252, abs=1e-15)
+    # A drafter's few candidates take the plain-Python path: the same noise.
+    some = [0, 1, 49151, 3, 500]
+    assert _gumbel_py(0, 0, some) == pytest.approx(gumbel_noise(0, 0, torch.tensor(some)).tolist(), abs=1e-15)
+    assert _gumbel_py(2**40 + 3, 1000, [7]) == pytest.approx([-1.7288917237117252], abs=1e-15)
     # Standard Gumbel: mean Euler's gamma, variance pi^2 / 6 (n = 100k: sd of the mean 0.004).
     g = gumbel_noise(1, 2, torch.arange(100_000))
     assert abs(float(g.mean()) - 0.5772) < 0.02 and abs(float(g.var()) - math.pi**2 / 6) < 0.05

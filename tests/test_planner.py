@@ -257,7 +257,7 @@ def test_the_work_around_the_forward_and_drafting_are_charged_as_measured(tiny_m
     for _ in range(300):
         rows = int(rng.integers(1, 17))
         overhead.observe(rows, 0, 2.0 + 1.5 * rows + float(rng.normal(0, 0.3)))
-    assert overhead.theta == pytest.approx([2.0, 1.5], abs=0.3)
+    assert (overhead.a, overhead.b) == pytest.approx((2.0, 1.5), abs=0.3)
     # A slow step of many nodes leaves a node's charge as measured (a fitted one once read 1.5 ms
     # per node from such a step, and no node was kept again).
     overhead.observe(10, 30, 60.0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import random
 
 import pytest
 import torch
@@ -57,6 +58,26 @@ def test_lookup_takes_the_longest_match():
     assert list(pool.lookup([9, 7, 3, 4]).ids) == [20]  # the 3-gram (7, 3, 4)
     assert list(pool.lookup([8, 8, 3, 4]).ids) == [10, 20]  # the bigram (3, 4): both, averaged
     assert pool.lookup([8, 8, 8, 5]) is None
+
+
+def test_learning_read_late_equals_learning_merged_at_once():
+    """Additions wait (a queue, then under each context's entry) until a lookup reads them: a pool
+    read now and then ends with the very tables (entries, counts, LRU order) of one whose every
+    addition was merged at once, and its lookups along the way see the same entries."""
+    rng = random.Random(0)
+    late, eager = LogitNGram(max_n=3, top=4, capacity=60), LogitNGram(max_n=3, top=4, capacity=60)
+    for step in range(3000):
+        context = [rng.randrange(6) for _ in range(rng.randrange(1, 5))]
+        ids = rng.sample(range(12), rng.randrange(1, 7))
+        probs = [rng.random() for _ in ids]
+        late.add(context, ids, probs)
+        eager.add(context, ids, probs)
+        _ = eager.tables  # merged at once
+        if step % 7 == 0:
+            probe = [rng.randrange(6) for _ in range(3)]
+            assert late.lookup(probe) == eager.lookup(probe)
+    assert [list(t.items()) for t in late.tables] == [list(t.items()) for t in eager.tables]
+    assert late.size == eager.size <= 60
 
 
 def test_capacity_evicts():

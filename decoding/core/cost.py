@@ -16,12 +16,14 @@ draft node (`node_ms`). Drafting is charged per drafted row by the planner itsel
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import logging
+import math
 import os
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -41,16 +43,12 @@ LONG_CONTEXT = 1024
 MAX_POINT_MS = 300.0  # a profile point predicted slower than this is extrapolated, not measured
 
 
-def _extend(x: np.ndarray | float, xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
-    """Piecewise-linear through (xs, ys), continued linearly past both ends."""
-    x = np.asarray(x, dtype=float)
+def _extend(x: float, xs: Sequence[float], ys: Sequence[float]) -> float:
+    """Piecewise-linear through (xs, ys) (xs increasing), continued linearly past both ends."""
     if len(xs) == 1:
-        return np.full_like(x, ys[0]) * 1.0
-    y = np.interp(x, xs, ys)
-    lo = (ys[1] - ys[0]) / (xs[1] - xs[0])
-    hi = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
-    y = np.where(x < xs[0], ys[0] + lo * (x - xs[0]), y)
-    return np.where(x > xs[-1], ys[-1] + hi * (x - xs[-1]), y)
+        return float(ys[0])
+    i = min(max(bisect.bisect_right(xs, x), 1), len(xs) - 1)  # the segment [i - 1, i], or an end's
+    return ys[i - 1] + (ys[i] - ys[i - 1]) * (x - xs[i - 1]) / (xs[i] - xs[i - 1])
 
 
 @dataclass
@@ -68,46 +66,47 @@ class ForwardCost:
     def __post_init__(self) -> None:
         if not self.points or any(not p for p in self.points.values()):
             raise ValueError("a forward cost needs at least one measured point per row count")
-        self._rows = np.array(sorted(self.points), dtype=float)
+        # Plain floats: the planner asks a few points every step, where numpy's per-call cost was
+        # most of the answer's (0.15 ms a step).
+        self._rows = [float(r) for r in sorted(self.points)]
         self._curves = [
-            (
-                np.array([n for n, _ in sorted(self.points[r])], float),
-                np.array([ms for _, ms in sorted(self.points[r])]),
-            )
+            ([float(n) for n, _ in sorted(self.points[r])], [ms for _, ms in sorted(self.points[r])])
             for r in sorted(self.points)
         ]
 
-    def _table(self, rows: int, tokens: np.ndarray) -> np.ndarray:
+    def _table(self, rows: int, tokens: float) -> float:
         """The profile's ms at `rows` rows computing `tokens` tokens in all, by tokens per row."""
-        per_row = np.maximum(tokens / rows, 1.0)
+        per_row = max(tokens / rows, 1.0)
         if len(self._rows) == 1:
             return _extend(per_row * self._rows[0], *self._curves[0]) * (rows / self._rows[0])
-        # Only the two profiled row counts around `rows` are read (the planner asks every step).
-        i = int(np.clip(np.searchsorted(self._rows, rows) - 1, 0, len(self._rows) - 2))
+        # Only the two profiled row counts around `rows` are read.
+        i = min(max(bisect.bisect_left(self._rows, rows) - 1, 0), len(self._rows) - 2)
         r0, r1 = self._rows[i], self._rows[i + 1]
         at0 = _extend(per_row * r0, *self._curves[i])
         at1 = _extend(per_row * r1, *self._curves[i + 1])
         if rows > self._rows[-1]:  # more rows than profiled: linear in rows from the last two
             return at1 + (at1 - at0) * (rows - r1) / (r1 - r0)
-        w = (np.log(max(rows, r0)) - np.log(r0)) / (np.log(r1) - np.log(r0))
+        w = (math.log(max(rows, r0)) - math.log(r0)) / (math.log(r1) - math.log(r0))
         return (1 - w) * at0 + w * at1
 
-    def ms(self, rows: int, tokens: np.ndarray | int, width: np.ndarray | int, context: float) -> np.ndarray:
+    def ms(self, rows: int, tokens: float, width: float, context: float) -> float:
         """Predicted ms of a forward of `rows` rows holding `tokens` real tokens in all, the widest
-        `width`, attending to `context` committed positions on average (vectorised over tokens)."""
-        tokens = np.asarray(tokens, dtype=float)
-        computed = tokens if self.ragged else rows * np.asarray(width, dtype=float)
-        base = self._table(rows, computed)
+        `width`, attending to `context` committed positions on average."""
+        computed = tokens if self.ragged else rows * width
         # A ragged forward's attention skips the pads' queries too (decoding/core/csrc/attention.cpp).
         attend = self.context_ms * computed * max(0.0, context - self.context) / 1000
-        return self.correction * np.maximum(base + attend, 0.0)
+        return self.correction * max(self._table(rows, computed) + attend, 0.0)
+
+    def ms_each(self, rows: int, tokens: Sequence[float], widths: Sequence[float], context: float) -> np.ndarray:
+        """`ms` for each (tokens, width) pair: the planner's candidate plans of one step."""
+        return np.array([self.ms(rows, t, w, context) for t, w in zip(tokens, widths)])
 
     def observe(self, predicted_ms: float, measured_ms: float, weight: float = 0.05) -> None:
         """Correct the table by a running average of measured / predicted (bounded: one odd forward,
         a page fault or another process, must not swing the plan)."""
         if predicted_ms > 0 and measured_ms > 0:
             ratio = measured_ms / (predicted_ms / self.correction)
-            self.correction = float(np.clip((1 - weight) * self.correction + weight * ratio, 0.25, 4.0))
+            self.correction = min(max((1 - weight) * self.correction + weight * ratio, 0.25), 4.0)
 
     def to_json(self) -> dict:
         return {
@@ -170,7 +169,7 @@ def profile(target: ModelRunner, repeats: int = 3) -> ForwardCost:
         for per_row in GRID_TOKENS:
             n = rows * per_row
             if len(mine) >= 2:
-                guess = float(_extend(n, np.array([p[0] for p in mine], float), np.array([p[1] for p in mine])))
+                guess = _extend(n, [float(p[0]) for p in mine], [p[1] for p in mine])
                 if guess > MAX_POINT_MS:
                     break
             mine.append((n, _time_point(target, rows, per_row, CONTEXT, repeats)))
@@ -238,28 +237,35 @@ class Overhead:
     their noise makes it, and one that overshoots keeps them rare (it read 1.5 ms against a
     measured 0.1 and no node was kept again)."""
 
-    theta: np.ndarray = field(default_factory=lambda: np.array([0.2, 0.05]))
+    a: float = 0.2  # ms a step
+    b: float = 0.05  # ms a row
     node_ms: float = 0.05
     forget: float = 0.98
-    _p: np.ndarray = field(default_factory=lambda: np.eye(2) * 10.0)
+    # The estimate's covariance [[p00, p01], [p01, p11]] (plain floats: a 2 x 2 update every step).
+    p00: float = 10.0
+    p01: float = 0.0
+    p11: float = 10.0
 
-    def ms(self, rows: int, nodes: np.ndarray | int) -> np.ndarray:
-        a, b = self.theta
-        return np.maximum(a + b * rows, 0.0) + self.node_ms * np.asarray(nodes, dtype=float)
+    def ms(self, rows: int, nodes: np.ndarray | int) -> np.ndarray | float:
+        return max(self.a + self.b * rows, 0.0) + self.node_ms * nodes
 
     def observe(self, rows: int, nodes: int, measured_ms: float) -> None:
-        x = np.array([1.0, rows])
-        px = self._p @ x
-        k = px / (self.forget + x @ px)
-        self.theta = self.theta + k * (measured_ms - self.node_ms * nodes - x @ self.theta)
-        self._p = (self._p - np.outer(k, px)) / self.forget
+        px0, px1 = self.p00 + self.p01 * rows, self.p01 + self.p11 * rows  # P x for x = (1, rows)
+        denom = self.forget + px0 + rows * px1
+        k0, k1 = px0 / denom, px1 / denom
+        err = measured_ms - self.node_ms * nodes - (self.a + self.b * rows)
+        self.a, self.b = self.a + k0 * err, self.b + k1 * err
+        self.p00 = (self.p00 - k0 * px0) / self.forget
+        self.p01 = (self.p01 - k0 * px1) / self.forget
+        self.p11 = (self.p11 - k1 * px1) / self.forget
         # Forgetting grows the covariance along directions the steps do not vary (a run of one-row
         # steps says nothing of the slope): bounded, so one unusual step cannot swing the fit.
-        if np.trace(self._p) > 20.0:
-            self._p *= 20.0 / np.trace(self._p)
+        trace = self.p00 + self.p11
+        if trace > 20.0:
+            self.p00, self.p01, self.p11 = (v * 20.0 / trace for v in (self.p00, self.p01, self.p11))
 
     def as_dict(self) -> dict:
-        return {"ms": float(self.theta[0]), "ms_per_row": float(self.theta[1]), "ms_per_node": self.node_ms}
+        return {"ms": self.a, "ms_per_row": self.b, "ms_per_node": self.node_ms}
 
 
 def node_ms(target: ModelRunner, repeats: int = 5) -> float:

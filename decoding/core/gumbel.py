@@ -149,12 +149,28 @@ def _noisy_top(scores: torch.Tensor, seed: int, position: int, k: int) -> torch.
     return near[noisy.topk(k).indices] if k > 1 else near[noisy.argmax()].reshape(1)
 
 
+def _gumbel_py(seed: int, position: int, ids: list[int]) -> list[float]:
+    """`gumbel_noise` of a few tokens in plain Python (the same bits; a drafter's node has up to ten
+    candidates, where torch's or numpy's per-call cost was 60-90 us and this is a few)."""
+    start = key(seed, position)
+    out = []
+    for t in ids:
+        x = (t * _GAMMA + start) & _MASK
+        x ^= x >> 30
+        x = (x * _M1) & _MASK
+        x ^= x >> 27
+        x = (x * _M2) & _MASK
+        x ^= x >> 31
+        out.append(-math.log(-math.log(((x >> 12) + 0.5) * _SCALE)))
+    return out
+
+
 def gumbel_order(ids: list[int], log_q: list[float], seed: int, position: int) -> list[int]:
     """Candidates ordered by log q + G at `position`: a drafter's coupled proposals, first the one
     the target samples whenever q agrees with it."""
     if not ids:
         return []
-    g = gumbel_noise(seed, position, torch.tensor(ids)).tolist()
+    g = _gumbel_py(seed, position, ids)
     return [i for _, i in sorted(zip((lq + gi for lq, gi in zip(log_q, g)), ids), reverse=True)]
 
 

@@ -128,7 +128,7 @@ class Planner:
             count[r] += 1
             widths[j] = max(widths[j - 1], count[r])
         expected = rows + np.concatenate([[0.0], np.cumsum(order_gain)])
-        forward = self.cost.ms(rows, tokens, widths, context)
+        forward = self.cost.ms_each(rows, tokens, widths, context)
         step = forward + self.overhead.ms(rows, k)
         rate = expected / np.maximum(step, 1e-6)
         best = int(np.argmax(rate))  # the first best: ties go to the smaller plan
@@ -196,8 +196,8 @@ class Planner:
     def _margin(self, rows: int, tokens: int, width: int, context: float) -> tuple[float, float]:
         """The predicted ms of a forward of `rows` rows holding `tokens` tokens (the widest
         `width`), and what one more node would add to the step."""
-        ms = self.cost.ms(rows, np.array([tokens, tokens + 1]), np.array([width, width]), context)
-        return float(ms[0]), float(ms[1] - ms[0]) + self.overhead.node_ms
+        ms = self.cost.ms(rows, tokens, width, context)
+        return ms, self.cost.ms(rows, tokens + 1, width, context) - ms + self.overhead.node_ms
 
     def observe(
         self, plan: StepPlan, verdicts: list[Verdict], greedy: list[bool], forward_ms: float, around_ms: float
