@@ -90,9 +90,9 @@ def top_k(x: torch.Tensor, k: int, block: int = 128) -> tuple[torch.Tensor, torc
 
 def top_k_rows(blocks: list[torch.Tensor], k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`top_k` over the rows of several [n_i, V] blocks as if concatenated, without the copy: on the
-    CPU by the project's kernel where this process has built it (one pass a row, 5 us over a 49k
-    vocabulary, against 60 for a concatenation and `top_k`), else by `top_k` (on the first block's
-    device, where the rows are moved)."""
+    CPU by the project's kernel where this process has built it (one pass a row: ten rows of a 49k
+    vocabulary in 29 us, against 161 for a concatenation and `top_k`, measured), else by `top_k` (on
+    the first non-CPU block's device, where the rows are moved)."""
     module = kernels.built()
     if module is not None and all(b.device.type == "cpu" and b.dtype == torch.float32 for b in blocks):
         values, ids = module.top_k_rows([b if b.stride(-1) == 1 else b.contiguous() for b in blocks], k)

@@ -41,8 +41,8 @@ class Verdict:
     drafted_nodes: list[int] | None = None
     # verify(top=k): the k most likely next tokens and their probabilities (the processed
     # distribution; the softmax of the logits for greedy rows) at the root and along the accepted
-    # path, in that order ([1 + len(path), k] each), taken where the distributions were computed.
-    top: tuple[torch.Tensor, torch.Tensor] | None = None
+    # path, in that order (1 + len(path) rows of k each), as lists: what drafters' tables take.
+    top: tuple[list[list[int]], list[list[float]]] | None = None
 
     @property
     def drafted_path(self) -> list[int]:
@@ -112,24 +112,21 @@ def add_top(verdicts: list[Verdict], k: int) -> None:
         at = [0, *(1 + n for n in v.path)] if v.path else slice(0, 1)  # a slice: no copy of the row
         rows.append(v.logits[at].float().softmax(-1) if v.probs is None else v.probs[at])
     values, ids = top_k_rows(rows, min(k, rows[0].shape[-1]))
+    ids_l, values_l = ids.tolist(), values.tolist()  # one conversion for the step
     start = 0
     for v, r in zip(verdicts, rows):
-        v.top = (ids[start : start + len(r)], values[start : start + len(r)])
+        v.top = (ids_l[start : start + len(r)], values_l[start : start + len(r)])
         start += len(r)
 
 
 def kept_tops(verdicts: list[Verdict], k: int) -> list[tuple[list[list[int]], list[list[float]]]]:
-    """Each verdict's `top` at its kept rows (`kept_rows()`), its first k per row, as lists: what a
-    drafter that learns from the step's distributions reads, in one read of the whole step (one
-    device synchronisation on a GPU, not one per row)."""
-    counts = [len(v.kept_rows()) for v in verdicts]
+    """Each verdict's `top` at its kept rows (`kept_rows()`, a prefix of them), its first k per row."""
     assert all(v.top is not None for v in verdicts), "verify with top=Drafter.learns_top"
-    ids = torch.cat([v.top[0][:n, :k] for v, n in zip(verdicts, counts)]).tolist()  # type: ignore[index]
-    probs = torch.cat([v.top[1][:n, :k] for v, n in zip(verdicts, counts)]).tolist()  # type: ignore[index]
-    out, start = [], 0
-    for n in counts:
-        out.append((ids[start : start + n], probs[start : start + n]))
-        start += n
+    out = []
+    for v in verdicts:
+        n = len(v.kept_rows())
+        ids, probs = v.top  # type: ignore[misc]
+        out.append(([row[:k] for row in ids[:n]], [row[:k] for row in probs[:n]]))
     return out
 
 
