@@ -166,6 +166,17 @@ def test_cost_model_fit_padding_and_cache(tiny_model, tmp_path):
     # Interpolated between points and continued linearly past them.
     assert float(STEEP.ms(1, 8, 8, 0)) == pytest.approx(80.0)
     assert float(STEEP.ms(1, 32, 32, 0)) == pytest.approx(320.0)
+
+    # Between profiled row counts, read at the same total tokens: a forward whose linear layers cost
+    # its tokens (2 ms each) and whose rows add 1 ms each is predicted at unprofiled shapes to within
+    # the log-interpolation of the row term, 7% (read at the same tokens per row, 8 x 4 came out as
+    # the mean of 4 x 4 and 16 x 4: 95 ms for 77).
+    def true_ms(rows: int, tokens: int) -> float:
+        return 5.0 + 2.0 * tokens + 1.0 * rows
+
+    linear = ForwardCost({r: [(r * t, true_ms(r, r * t)) for t in (1, 2, 4, 8)] for r in (4, 16)})
+    for rows, per_row in ((8, 1), (8, 4), (12, 2), (6, 3)):
+        assert linear.ms(rows, rows * per_row, per_row, 0) == pytest.approx(true_ms(rows, rows * per_row), rel=0.08)
     # Online correction follows measured forwards, bounded.
     c = ForwardCost(STEEP.points)
     for _ in range(200):
