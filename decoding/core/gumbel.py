@@ -153,16 +153,7 @@ def _gumbel_py(seed: int, position: int, ids: list[int]) -> list[float]:
     """`gumbel_noise` of a few tokens in plain Python (the same bits; a drafter's node has up to ten
     candidates, where torch's or numpy's per-call cost was 60-90 us and this is a few)."""
     start = key(seed, position)
-    out = []
-    for t in ids:
-        x = (t * _GAMMA + start) & _MASK
-        x ^= x >> 30
-        x = (x * _M1) & _MASK
-        x ^= x >> 27
-        x = (x * _M2) & _MASK
-        x ^= x >> 31
-        out.append(-math.log(-math.log(((x >> 12) + 0.5) * _SCALE)))
-    return out
+    return [-math.log(-math.log(((_mix((t * _GAMMA + start) & _MASK) >> 12) + 0.5) * _SCALE)) for t in ids]
 
 
 def gumbel_order(ids: list[int], log_q: list[float], seed: int, position: int) -> list[int]:
