@@ -48,7 +48,8 @@ def model_drafter(
         vocab = None if size is None else draft_vocab(Path(draft.source), size)
         return EddDrafter(draft.model, target, config.draft_tree, vocab, config.verify.coupled)
     # The target too: tree_policy=pct measures s_d / s_t against it at start-up.
-    runner = ModelRunner(draft.model, target.prefixes.budget)  # one budget for the target's and the draft's prefixes
+    # One budget for the target's and the draft's prefixes.
+    runner = ModelRunner(draft.model, target.prefixes.budget, draft.static, draft.strict_graphs)
     return ModelDrafter(runner, config.draft_tree, target.vocab_size, target=target, coupled=config.verify.coupled)
 
 

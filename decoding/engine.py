@@ -56,7 +56,7 @@ class Engine:
     ) -> None:
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
-        self.target = ModelRunner(loaded.model, loaded.prefix_budget)
+        self.target = ModelRunner(loaded.model, loaded.prefix_budget, loaded.static, loaded.strict_graphs)
         config = decoder if isinstance(decoder, DecoderConfig) else DecoderConfig(decoder)
         if config.server is not None:
             raise BackendError("decoder=server is a client of a server: build it with decoding.server.ServerEngine")

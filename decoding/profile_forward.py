@@ -147,7 +147,7 @@ def main(cfg: DictConfig) -> None:
         loaded = load_model(pcfg.model)
     except (ConfigError, BackendError) as e:
         fail(str(e).splitlines()[0])
-    target = ModelRunner(loaded.model)
+    target = ModelRunner(loaded.model, static=loaded.static, strict_graphs=loaded.strict_graphs)
     print(
         f"verification forward, {loaded.source} on {loaded.device} ({torch.get_num_threads()} threads), "
         f"context {pcfg.context} tokens, median of {pcfg.repeats}; T = tree tokens per row incl. the root"
@@ -161,6 +161,13 @@ def main(cfg: DictConfig) -> None:
         add_floor(rows, target.model, bandwidth)
         about |= {"gpu": torch.cuda.get_device_name(loaded.device), "cuda": torch.version.cuda}
         about["copy_bandwidth_gb_s"] = bandwidth / 1e9
+    if target.static is not None:
+        g = target.static.stats
+        about["graphs"] = {"spec": repr(target.static.spec), **vars(g)}
+        print(
+            f"bucketed forwards ({'CUDA graphs' if target.static.spec.capture else 'eager'}): {g.captured} graphs "
+            f"captured in {g.capture_s:.1f} s, {g.replayed} replays, {g.eager} eager, {g.unbucketed} past the buckets"
+        )
     print(table(rows))
     print(f"fitted: the step planner's cost model ({cost.source})")
     if "copy_bandwidth_gb_s" in about:

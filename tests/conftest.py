@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import string
 from collections.abc import Iterator
@@ -16,6 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from decoding.core.draft_tree import k_config_parents
 from decoding.core.models import LoadedModel, embedded_file, prepare_for_inference
 from decoding.core.rows_linear import resolve_linear
+from decoding.core.static_forward import Buckets, StaticSpec
 from decoding.engine import Engine
 from decoding.trees.static import StaticTree
 
@@ -65,6 +67,16 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 def pytest_configure(config: pytest.Config) -> None:
     if DEVICE.type == "cuda" and not torch.cuda.is_available():
         pytest.exit("TOT_TEST_DEVICE=cuda but no CUDA device is visible; unset it to test on the CPU", returncode=2)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """With TOT_TEST_FAILURES=PATH each failure is appended there as it happens: a run cut short (a
+    device call's time limit, tools/gpu_check.py) still says why each test failed, where pytest's
+    own summary comes only at the end. (Under xdist the controller writes it again.)"""
+    path = os.environ.get("TOT_TEST_FAILURES")
+    if path and report.failed:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext[-4000:]}\n")
 
 
 @pytest.fixture(autouse=True)
@@ -125,6 +137,28 @@ def tiny_model(tokenizer: PreTrainedTokenizerFast) -> LlamaForCausalLM:
 @pytest.fixture(scope="session")
 def loaded(tiny_model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast) -> LoadedModel:
     return LoadedModel(tiny_model, tokenizer, DEVICE, use_chat_template=False, source="tiny")
+
+
+# Small buckets, so the tests' few rows and trees cross several of them and pass the largest (run
+# eagerly there, as past the largest bucket in production); captured on a GPU, eager on the CPU.
+TEST_BUCKETS = Buckets(rows=(1, 2, 4), tokens=(1, 2, 4, 8), context=16)
+
+
+@pytest.fixture(scope="session")
+def bucketed(loaded: LoadedModel) -> LoadedModel:
+    """The tiny model through the bucketed forward of decoding/core/static_forward.py: padded to
+    TEST_BUCKETS, replayed from CUDA graphs on a GPU, the same code eagerly on the CPU."""
+    return dataclasses.replace(
+        loaded, static=StaticSpec(TEST_BUCKETS, capture=DEVICE.type == "cuda"), strict_graphs=True
+    )
+
+
+@pytest.fixture(scope="session")
+def bucketed_draft(perturbed: LoadedModel) -> LoadedModel:
+    """The draft model of `perturbed` through the same bucketed forward."""
+    return dataclasses.replace(
+        perturbed, static=StaticSpec(TEST_BUCKETS, capture=DEVICE.type == "cuda"), strict_graphs=True
+    )
 
 
 @pytest.fixture(scope="session")

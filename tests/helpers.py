@@ -39,16 +39,16 @@ def choose(
 
 def select_rows(cache: RowKVCache, index: torch.Tensor) -> None:
     """Keep (or repeat) rows, as a cache of just those rows (a copy of each)."""
-    index = index.to(cache.lens.device)
+    lens_index, index = index.cpu(), index.to(cache.device)  # (lengths live on the host)
     # Keys stored by position stay so: rows are selected from the storage, not the view.
     cache.keys = [
         k.transpose(2, 3).index_select(0, index).transpose(2, 3) if _by_position(k) else k.index_select(0, index)
         for k in cache.keys
     ]
     cache.values = [v.index_select(0, index) for v in cache.values]
-    cache.lens = cache.lens.index_select(0, index)
-    cache._slots = None
-    cache._rows = None
+    cache.lens = cache.lens.index_select(0, lens_index)
+    if cache.graphs is not None:
+        cache.graphs.clear()  # they read the replaced tensors
 
 
 def prefill(runner: ModelRunner, prompts: list[list[int]], capacity: int) -> tuple[RowKVCache, torch.Tensor]:

@@ -40,11 +40,22 @@ def engine_for(name: str, loaded, perturbed, rule: Rule = "match_gumbel") -> Eng
     return Engine(loaded, DecoderConfig(name, draft=spec, verify=VerifyOptions(rule=rule)), draft)
 
 
+def models(request: pytest.FixtureRequest, forward: str) -> tuple:
+    """(target, draft) with the forward `forward`: unpadded (the product's CPU path), or bucketed
+    (padded to the tests' buckets, as CUDA graphs run it; eager on the CPU)."""
+    if forward == "bucketed":
+        return request.getfixturevalue("bucketed"), request.getfixturevalue("bucketed_draft")
+    return request.getfixturevalue("loaded"), request.getfixturevalue("perturbed")
+
+
+@pytest.mark.parametrize("forward", ["unpadded", "bucketed"])
 @pytest.mark.parametrize("name", list(DECODERS))
-def test_rows_join_and_leave_mid_decode(name, tiny_model, tokenizer, loaded, perturbed):
+def test_rows_join_and_leave_mid_decode(name, forward, tiny_model, tokenizer, request):
     """Sequences admitted while others decode, into rows that finished sequences left, come out as
-    `transformers` greedy decoding gives them (the default verify budget cuts the trees too)."""
+    `transformers` greedy decoding gives them (the default verify budget cuts the trees too); also
+    through the bucketed forward, where pads must change no real row."""
     refs = [reference_greedy(tiny_model, encode(tokenizer, p), m, {EOS_ID}) for p, m in SPECS]
+    loaded, perturbed = models(request, forward)
     engine = engine_for(name, loaded, perturbed)
     decoder = engine.decoder
     seqs = [engine._sequence(GenRequest(p, max_new_tokens=m)) for p, m in SPECS]
@@ -191,18 +202,22 @@ def test_a_failed_search_leaves_a_clean_engine(name, tiny_model, tokenizer, load
     assert [r.token_ids for r in engine.generate([GenRequest(p, max_new_tokens=m) for p, m in SPECS])] == refs
 
 
+@pytest.mark.parametrize("forward", ["unpadded", "bucketed"])
 @pytest.mark.parametrize("rule", ["match_gumbel", "match_multinomial"])
 @pytest.mark.parametrize("name", list(DECODERS))
-def test_sampled_outputs_are_plain_decodings_samples(name, rule, loaded, perturbed):
+def test_sampled_outputs_are_plain_decodings_samples(name, rule, forward, request):
     """At temperature > 0 (with top-k and top-p) every decoder, rows joining mid-decode, returns the
     very tokens `hf` samples for the same request seeds under each matched rule (match_gumbel, the
-    default, and match_multinomial): what was drafted, and what else ran, changes no output."""
+    default, and match_multinomial): what was drafted, and what else ran, changes no output; also
+    through the bucketed forward (`hf` there runs the unpadded model: the reference stays plain)."""
+    loaded, perturbed = models(request, forward)
     specs = [(p, m, 0.9, 40, 0.95) for p, m in SPECS] + [("the cat", 30, 1.3, 0, 1.0)]
     requests = [
         GenRequest(p, max_new_tokens=m, temperature=t, top_k=k, top_p=q, seed=i)
         for i, (p, m, t, k, q) in enumerate(specs)
     ]
-    plain = [r.token_ids for r in engine_for("hf", loaded, perturbed, rule).generate(requests)]
+    hf = engine_for("hf", request.getfixturevalue("loaded"), None, rule)
+    plain = [r.token_ids for r in hf.generate(requests)]
     assert len({tuple(t) for t in plain}) == len(plain)
     engine = engine_for(name, loaded, perturbed, rule)
 

@@ -449,7 +449,7 @@ def test_vocab_head_rows_give_the_full_heads_logits(trained):
     _, draft = trained
     edd = draft.model
     ids = draft_vocab(draft.source, 20)
-    hidden = torch.randn(3, edd.lm_config.hidden_size).to(edd.dtype)
+    hidden = torch.randn(3, edd.lm_config.hidden_size).to(edd.device, edd.dtype)
     with torch.inference_mode():
         torch.testing.assert_close(edd.head(hidden, edd.vocab_rows(ids)), edd.head(hidden)[:, ids])
 

@@ -199,6 +199,8 @@ def cost_key(target: ModelRunner) -> str:
         torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else "",
         str(torch.get_num_threads()),
         str(target.ragged),
+        # Graphs and their buckets change what a forward of each shape costs (padding, launches).
+        repr(None if target.static is None else target.static.spec),
         torch.__version__,
         str(VERSION),
     ]

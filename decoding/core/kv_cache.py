@@ -25,6 +25,11 @@ class RowKVCache:
     A forward writes T new entries per row at slots lens[b] .. lens[b] + T - 1 without committing
     them; `advance` commits a prefix of them and `keep` moves an arbitrary subset (an accepted tree
     path) into place. Uncommitted slots are simply overwritten by the next forward.
+
+    The lengths live on the host (a CPU tensor) whatever the device: the host decides every
+    forward's shape from them, and reading them from a GPU would wait for its queue to drain.
+    `spare` rows past the B live ones take the writes of a bucketed forward's padding
+    (decoding/core/static_forward.py): they are never read and never handed to a sequence.
     """
 
     def __init__(
@@ -37,7 +42,11 @@ class RowKVCache:
         dtype: torch.dtype,
         device: torch.device | str,
         keys_by_position: bool = False,
+        spare: int = 0,
     ) -> None:
+        self.spare = spare
+        self.device = torch.device(device)
+        batch += spare
         shape = (batch, n_kv_heads, capacity, head_dim)
         if keys_by_position:
             # Stored [B, H_kv, D, capacity] and seen through a transposed view: the invariant
@@ -47,7 +56,10 @@ class RowKVCache:
         else:
             self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.lens = torch.zeros(batch, dtype=torch.long, device=device)
+        self.lens = torch.zeros(batch - spare, dtype=torch.long)
+        # CUDA graphs captured over these tensors, by whoever captured them (static_forward.py); None:
+        # this cache is not worth capturing for (a scratch cache of one admission). Dropped on resize.
+        self.graphs: dict[tuple, object] | None = None
 
     @classmethod
     def for_model(
@@ -58,10 +70,11 @@ class RowKVCache:
         dtype: torch.dtype,
         device: torch.device | str,
         keys_by_position: bool = False,
+        spare: int = 0,
     ) -> RowKVCache:
         """An empty cache shaped for a `transformers` model config (layers, KV heads, head size)."""
         n_layers, n_kv, head_dim = cache_geometry(config)
-        return cls(n_layers, batch, n_kv, head_dim, capacity, dtype, device, keys_by_position)
+        return cls(n_layers, batch, n_kv, head_dim, capacity, dtype, device, keys_by_position, spare)
 
     @property
     def batch(self) -> int:
@@ -75,6 +88,12 @@ class RowKVCache:
     def capacity(self) -> int:
         return self.keys[0].shape[2]
 
+    @property
+    def spare_row(self) -> int:
+        """The first row past the live ones (only with `spare` rows)."""
+        assert self.spare, "this cache has no spare row"
+        return self.batch
+
     def prepare(self, n_new: int, offset: int = 0, rows: list[int] | None = None, gather: bool = True) -> ForwardView:
         """The next forward's view of the cache: slots for its n_new tokens per row.
 
@@ -84,25 +103,26 @@ class RowKVCache:
         some rows (a scheduler verifying one queued sequence while others draft); `gather`=False
         returns every row from `update` (for an attention that reads `rows` in place).
         """
-        index = None if rows is None else torch.tensor(rows, dtype=torch.long, device=self.lens.device)
-        lens = self.lens if index is None else self.lens.index_select(0, index)
-        need = int(lens.max()) + offset + n_new
+        host = self.lens if rows is None else self.lens[rows]
+        need = int(host.max()) + offset + n_new
         if need > self.capacity:
             raise RuntimeError(f"KV cache holds {self.capacity} positions, a forward needs {need}")
-        slots = lens[:, None] + offset + torch.arange(n_new, device=self.lens.device)
+        slots = host[:, None] + offset + torch.arange(n_new)
+        index = None if rows is None else to_device(torch.tensor(rows, dtype=torch.long), self.device)
         block = None if not rows or rows != list(range(rows[0], rows[0] + len(rows))) else (rows[0], len(rows))
+        lens, slots = to_device(host, self.device), to_device(slots, self.device)
         return ForwardView(self, lens, slots, offset, need, index, gather, block)
 
     def advance(self, counts: torch.Tensor) -> None:
         """Commit the first counts[b] new entries of each row."""
-        self.lens += counts.to(self.lens.device)
+        self.lens += counts.cpu()
 
     def keep(self, row: int, new_indices: list[int]) -> None:
         """Commit the given new entries of one row (an accepted tree path), moved to be contiguous."""
         base = int(self.lens[row])
-        src = torch.tensor(new_indices, device=self.lens.device) + base
-        dst = torch.arange(len(new_indices), device=self.lens.device) + base
-        if not torch.equal(src, dst):
+        if new_indices != list(range(len(new_indices))):
+            src = to_device(torch.tensor(new_indices) + base, self.device)
+            dst = to_device(torch.arange(len(new_indices)) + base, self.device)
             for k, v in zip(self.keys, self.values):
                 k[row, :, dst] = k[row, :, src]
                 v[row, :, dst] = v[row, :, src]
@@ -133,6 +153,8 @@ class RowKVCache:
     def _resize(self, batch: int, capacity: int) -> None:
         """New tensors of `batch` rows x `capacity` positions holding what fits of the old ones."""
         b, c = min(batch, self.batch), min(capacity, self.capacity)
+        lens = self.lens[:b]
+        batch += self.spare  # the spare rows follow the live ones, their contents never read
 
         def resized(t: torch.Tensor) -> torch.Tensor:
             if _by_position(t):
@@ -145,15 +167,16 @@ class RowKVCache:
 
         self.keys = [resized(k) for k in self.keys]
         self.values = [resized(v) for v in self.values]
-        lens = self.lens[:b]
-        self.lens = torch.cat([lens, lens.new_zeros(batch - b)])
+        self.lens = torch.cat([lens, lens.new_zeros(batch - self.spare - b)])
+        if self.graphs is not None:
+            self.graphs.clear()  # they read the old tensors' addresses
 
     def copy_prefix(self, src: RowKVCache, src_row: int, rows: list[int], n: int) -> None:
         """Rows `rows` become the first n committed positions of `src`'s row src_row."""
-        index = torch.tensor(rows, dtype=torch.long, device=self.lens.device)
+        index = to_device(torch.tensor(rows, dtype=torch.long), self.device)
         for dst, s in zip(self.keys + self.values, src.keys + src.values):
             dst[index, :, :n] = s[src_row, :, :n]
-        self.lens[index] = n
+        self.lens[rows] = n
 
     def __len__(self) -> int:
         return len(self.keys)  # layers, as a `transformers` cache counts them
@@ -190,7 +213,7 @@ class ForwardView:
 
     def write_index(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Where the forward writes: cache rows [B, 1] and slots [B, T] (index keys[l][rows, :, slots])."""
-        rows = torch.arange(self.cache.batch, device=self.lens.device) if self.rows is None else self.rows
+        rows = torch.arange(self.cache.batch, device=self.cache.device) if self.rows is None else self.rows
         return rows[:, None], self.slots
 
     def update(
@@ -203,7 +226,8 @@ class ForwardView:
         k[rows, :, slots] = key_states.transpose(1, 2).to(k.dtype)
         v[rows, :, slots] = value_states.transpose(1, 2).to(v.dtype)
         if self.rows is None or not self.gather:
-            return k[:, :, : self.kv_len], v[:, :, : self.kv_len]
+            live = self.cache.batch  # (not the spare rows)
+            return k[:live, :, : self.kv_len], v[:live, :, : self.kv_len]
         if self.block is not None:
             first, n = self.block
             return k[first : first + n, :, : self.kv_len], v[first : first + n, :, : self.kv_len]  # a view
@@ -227,10 +251,16 @@ class ForwardView:
 
     # Methods some `transformers` code paths query on a cache object.
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return int(self.cache.lens.max()) if self.cache.batch else 0
+        return int(self.cache.lens.max()) if self.cache.batch else 0  # (host lengths: no wait)
 
     def __len__(self) -> int:
         return len(self.cache.keys)
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without waiting for it: a non-blocking copy from pageable memory is
+    staged at once, where a blocking one waits for the GPU's queue to drain."""
+    return t.to(device, non_blocking=True)
 
 
 def _by_position(keys: torch.Tensor) -> bool:

@@ -21,6 +21,7 @@ from decoding.core.model_files import check_checkpoint, check_gguf
 from decoding.core.options import from_dict
 from decoding.core.prepack import prepack_linears
 from decoding.core.quant import check_types, quantize_from_gguf
+from decoding.core.static_forward import GRAPH_CHOICES, Buckets, StaticSpec, resolve_graphs
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,11 @@ class ModelSpec:
     # real shapes without their weights, to measure speed (decoding/shapes.py writes such folders)
     init: str = "checkpoint"
     linear: str = "auto"  # bfloat16 linear layers: decoding/core/rows_linear.py's kernel (rows) or torch's (aten)
+    # Bucketed forwards replayed from CUDA graphs (decoding/core/static_forward.py): auto = on for CUDA
+    cuda_graphs: str = "auto"
+    graph_rows: tuple[int, ...] = Buckets.rows
+    graph_tokens: tuple[int, ...] = Buckets.tokens
+    graph_context: int = Buckets.context
 
     @classmethod
     def from_config(cls, values: Mapping[str, Any], key: str = "model") -> ModelSpec:
@@ -89,8 +95,15 @@ class ModelSpec:
             raise BackendError(f"{self.key}.linear={self.linear!r} is not one of {', '.join(LINEARS)}")
         if self.attention not in ATTENTION:
             raise BackendError(f"{self.key}.attention={self.attention!r} is not one of {', '.join(ATTENTION)}")
+        if self.cuda_graphs not in GRAPH_CHOICES:
+            raise BackendError(f"{self.key}.cuda_graphs={self.cuda_graphs!r} is not one of {', '.join(GRAPH_CHOICES)}")
+        _ = self.buckets  # checks the sizes now, at load
         if self.chat_template not in ("auto", "true", "false", True, False):
             raise BackendError(f"{self.key}.chat_template={self.chat_template!r} must be auto, true or false")
+
+    @property
+    def buckets(self) -> Buckets:
+        return Buckets(self.graph_rows, self.graph_tokens, self.graph_context)
 
 
 @dataclass
@@ -103,6 +116,8 @@ class LoadedModel:
     name: str = ""  # the model.path it was loaded from (what the EDD cache is keyed by)
     # What every engine on this model may keep of stored prefixes, together (None: 4 GiB per runner).
     prefix_budget: MemoryBudget | None = None
+    static: StaticSpec | None = None  # bucketed forwards (CUDA graphs), or None: ragged / unpadded
+    strict_graphs: bool = False  # model.cuda_graphs=on: a graph that does not fit is an error
 
 
 def cache_root() -> Path:
@@ -188,6 +203,8 @@ def load_model(spec: ModelSpec) -> LoadedModel:
     weights = resolve_weights(spec.weights, device, gguf, spec.key)
     attn = resolve_attention(spec.attention, device, spec.key)
     linear = rows_linear.resolve_linear(spec.linear, device, spec.key)
+    static = resolve_graphs(spec.cuda_graphs, device, spec.buckets, spec.key)
+    strict = spec.cuda_graphs == "on"
     t0 = time.perf_counter()
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
@@ -209,7 +226,7 @@ def load_model(spec: ModelSpec) -> LoadedModel:
         else MemoryBudget.share(spec.prefix_memory, device)
     )
     use_chat = _use_chat_template(spec, tokenizer)
-    return LoadedModel(model, tokenizer, device, use_chat, str(source), spec.path, budget)
+    return LoadedModel(model, tokenizer, device, use_chat, str(source), spec.path, budget, static, strict)
 
 
 def _random_model(source: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:

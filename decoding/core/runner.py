@@ -14,6 +14,7 @@ from decoding.core.memory import MemoryBudget
 from decoding.core.packing import Packed, pack
 from decoding.core.prefix_cache import Match, PrefixCache, shared_len
 from decoding.core.sequence import Sequence
+from decoding.core.static_forward import StaticForward, StaticSpec
 
 MIN_SHARED_PREFIX = 8  # shorter common prefixes are simply fed with each row
 
@@ -34,7 +35,13 @@ class ModelRunner:
     positions are the row's committed length plus depth.
     """
 
-    def __init__(self, model: torch.nn.Module, prefix_budget: MemoryBudget | None = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        prefix_budget: MemoryBudget | None = None,
+        static: StaticSpec | None = None,
+        strict_graphs: bool = False,
+    ) -> None:
         self.model = model
         self.config = model.config
         self.device = next(model.parameters()).device
@@ -43,11 +50,13 @@ class ModelRunner:
         self.reads_rows_in_place = impl == attention.NAME  # the kernel takes the verified rows' indices
         self.additive_mask = impl == "eager"  # eager attention adds its mask (a boolean one is misread)
         self.layers = llama.Layers.of(model)  # the same forward without transformers' plumbing, or None
+        # Bucketed forwards (CUDA graphs on a GPU, decoding/core/static_forward.py), or None: ragged / unpadded.
+        self.static = None if static is None else StaticForward.of(model, static, strict_graphs)
         self.forwards = 0
         self.rows = 0  # sequences scored, summed over forwards
         self.prompt_tokens_computed = 0  # prompt tokens `admit` computed or left pending
         self.peak_cache_bytes = 0
-        self.last_score_ms = 0.0  # the latest verification forward's time (`score`)
+        self._score_time: float | _GpuTiming = 0.0  # see last_score_ms
         self.prefixes = PrefixCache(prefix_budget)  # its own 4 GiB without a budget
         # Hidden-state capture for drafters that read them (EDD): off unless capture_hidden is called.
         self.hidden_layer: int | None = None
@@ -75,10 +84,21 @@ class ModelRunner:
     def max_length(self) -> int:
         return int(getattr(self.config, "max_position_embeddings", 0) or 1 << 30)
 
-    def new_cache(self, batch: int, capacity: int) -> RowKVCache:
-        return RowKVCache.for_model(
-            self.config, batch, capacity, self.dtype, self.device, keys_by_position=self.reads_rows_in_place
+    def new_cache(self, batch: int, capacity: int, graphs: bool = False) -> RowKVCache:
+        """An empty cache; `graphs`: one that lives long enough to be worth capturing CUDA graphs over
+        (a decoder's pool of rows, not a scratch cache of one admission)."""
+        cache = RowKVCache.for_model(
+            self.config,
+            batch,
+            capacity,
+            self.dtype,
+            self.device,
+            keys_by_position=self.reads_rows_in_place,
+            spare=1 if self.static is not None else 0,
         )
+        if graphs and self.static is not None and self.static.spec.capture:
+            cache.graphs = {}
+        return cache
 
     @torch.inference_mode()
     def forward(
@@ -102,6 +122,8 @@ class ModelRunner:
         """
         if real is not None and not self.ragged:
             raise ValueError("a ragged forward needs the project's Llama layers without hidden-state capture")
+        if self.static is not None and self.hidden_layer is None:
+            return self._static_forward(cache, tokens, tree, depth, logits_at, offset, rows)
         tokens = tokens.to(self.device)
         in_place = self.reads_rows_in_place and rows is not None
         view = cache.prepare(tokens.shape[1], offset, rows, gather=not in_place)
@@ -125,16 +147,37 @@ class ModelRunner:
         self.rows += tokens.shape[0]
         return logits
 
+    def _static_forward(
+        self,
+        cache: RowKVCache,
+        tokens: torch.Tensor,
+        tree: torch.Tensor,
+        depth: torch.Tensor,
+        logits_at: torch.Tensor | None,
+        offset: int,
+        rows: list[int] | None,
+    ) -> torch.Tensor:
+        """`forward` through the bucketed layers; the LM head runs on the wanted tokens alone."""
+        assert self.static is not None
+        h = self.static.hidden(cache, tokens, tree, depth, offset, rows)
+        self.peak_cache_bytes = max(self.peak_cache_bytes, cache.nbytes)
+        if logits_at is not None:
+            h = h[:, logits_at.to(self.device)]
+        self.forwards += 1
+        self.rows += tokens.shape[0]
+        return self.model.get_output_embeddings()(h)
+
     @property
     def ragged(self) -> bool:
         """Forwards compute only real tokens (the project's Llama layers; hidden-state capture, which
         reads the padded layout, turns it off): a forward then costs the tokens its rows hold."""
-        return self.layers is not None and self.hidden_layer is None
+        return self.layers is not None and self.hidden_layer is None and self.static is None
 
     def score(self, cache: RowKVCache, packed: Packed, rows: list[int] | None = None) -> list[torch.Tensor]:
         """One verification forward: per row, the logits [1 + n, V] at its root and its n tree nodes."""
         index, counts = packed.real_logits_index()
         t0 = time.perf_counter()
+        timing = _GpuTiming.start(self.device)
         if self.ragged:
             logits = self.forward(
                 cache, packed.tokens, packed.see, packed.depth, logits_at=index, rows=rows, real=packed.real
@@ -144,10 +187,15 @@ class ModelRunner:
             keep = torch.arange(packed.n_pending - 1, packed.tokens.shape[1])
             logits = self.forward(cache, packed.tokens, packed.see, packed.depth, logits_at=keep, rows=rows)
             out = [logits[b, :n] for b, n in enumerate(counts)]
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # the step planner compares this time with its prediction
-        self.last_score_ms = 1000 * (time.perf_counter() - t0)
+        self._score_time = timing.stop() if timing is not None else 1000 * (time.perf_counter() - t0)
         return out
+
+    @property
+    def last_score_ms(self) -> float:
+        """The latest verification forward's time (`score`). On a GPU it is read from CUDA events
+        when asked (the step planner asks after the step's read-back), so the step never waits."""
+        t = self._score_time
+        return t.ms() if isinstance(t, _GpuTiming) else t
 
     def _transformers_forward(
         self,
@@ -199,7 +247,7 @@ class ModelRunner:
         reused = self.prefixes.match(head)
         if shared < MIN_SHARED_PREFIX and not reused.length:
             shared = 0
-        cache.reserve(max(rows) + 1, self.row_capacity([len(p) for p in prompts], room))
+        self._reserve(cache, max(rows) + 1, self.row_capacity([len(p) for p in prompts], room))
         self.peak_cache_bytes = max(self.peak_cache_bytes, cache.nbytes)
         before = self.prompt_tokens_computed
         done = self._admit_head(cache, rows, head[:shared], reused)
@@ -246,7 +294,7 @@ class ModelRunner:
             computed.append((row, p, list(p[done[row] :])))
         self.prompt_tokens_computed += sum(len(rest) for *_, rest in computed) + len(copies)
         # One left-padded forward: a row's slots run to its stored length plus the widest part.
-        cache.reserve(cache.batch, max(done.values()) + max(len(rest) for *_, rest in computed))
+        self._reserve(cache, cache.batch, max(done.values()) + max(len(rest) for *_, rest in computed))
         self.peak_cache_bytes = max(self.peak_cache_bytes, cache.nbytes)
         self._prefill(cache, [row for row, *_ in computed], [rest for *_, rest in computed])
         for row, twin, n in copies:
@@ -258,6 +306,15 @@ class ModelRunner:
         for row, *_ in copies:
             spent[row] += 1
         return Admission([p[-1:] for p in prompts], [spent[row] for row in rows])
+
+    def _reserve(self, cache: RowKVCache, batch: int, capacity: int) -> None:
+        """Grow the pool to `batch` rows of `capacity` positions; where graphs are captured over it,
+        to the next rows bucket and context multiple, since growing drops every graph."""
+        if self.static is not None and cache.graphs is not None:
+            buckets = self.static.spec.buckets
+            batch = next((s for s in buckets.rows if s >= batch), batch)
+            capacity = -(-capacity // buckets.context) * buckets.context
+        cache.reserve(batch, capacity)
 
     def admit_seqs(self, cache: RowKVCache, rows: list[int], seqs: list[Sequence], max_nodes: int) -> Admission:
         """`admit` for sequences, with room for their new tokens, a draft tree of `max_nodes` and
@@ -338,6 +395,30 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     if layers is None:
         raise ValueError(f"{type(model).__name__} has no decoder layer list (get_decoder().layers)")
     return layers
+
+
+@dataclass(frozen=True)
+class _GpuTiming:
+    """Two CUDA events around work queued on the GPU: its time, read without stalling the queue."""
+
+    begin: torch.cuda.Event
+    end: torch.cuda.Event
+
+    @classmethod
+    def start(cls, device: torch.device) -> _GpuTiming | None:
+        if device.type != "cuda":
+            return None
+        timing = cls(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        timing.begin.record()
+        return timing
+
+    def stop(self) -> _GpuTiming:
+        self.end.record()
+        return self
+
+    def ms(self) -> float:
+        self.end.synchronize()
+        return self.begin.elapsed_time(self.end)
 
 
 @dataclass(frozen=True)

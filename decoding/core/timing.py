@@ -44,7 +44,7 @@ def verification(target: ModelRunner, context: int, tree_size: int, batch: int) 
     """A verification forward as the decoders call it, ready to repeat: `batch` rows that hold
     `context` committed tokens each score a tree of `tree_size` tokens (the pending root included)."""
     capacity = context + tree_size + 2
-    cache = target.new_cache(batch, capacity)
+    cache = target.new_cache(batch, capacity, graphs=True)
     vocab = int(target.config.vocab_size)
     prompt = [[(100 + i) % vocab for i in range(context)]] * batch
     fill = pack(prompt, [DraftTree()] * batch)

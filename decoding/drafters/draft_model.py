@@ -67,7 +67,7 @@ class ModelDrafter:
         self.target = target
         self.policy = make_policy(options, self._measure_ratio)
         self.max_nodes = self.policy.max_nodes
-        self.cache = model.new_cache(0, 1)  # row i: the draft model's cache of the target's row i
+        self.cache = model.new_cache(0, 1, graphs=True)  # row i: the draft model's cache of the target's row i
         self.live: dict[int, Slot] = {}  # the rows its cache holds: what giving memory back must keep
 
     def admit(self, slots: list[Slot]) -> None:

@@ -196,7 +196,7 @@ class Scheduler:
             overhead = Overhead(node_ms=node_ms(target))
             planner = Planner(forward_cost(target, cache_root(), verify.cost), overhead=overhead)
         self.planner = planner if verify.plan == "goodput" else None
-        self.cache = target.new_cache(0, 1)  # the KV pool: row r holds the sequence of slots[r]
+        self.cache = target.new_cache(0, 1, graphs=True)  # the KV pool: row r holds the sequence of slots[r]
         self.slots: dict[int, Slot] = {}  # row -> the live sequence there (decoding/core/slot.py)
         self.waiting: deque[Sequence] = deque()
         self.rounds = Rounds()

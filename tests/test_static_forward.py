@@ -1,0 +1,212 @@
+"""The bucketed forward (decoding/core/static_forward.py) against the unpadded one: the same logits
+for every real token, the same cache contents in every live row (padding writes only the spare row),
+in buckets, past the largest one, with draft-tree levels and with rows that are a subset; and its
+options checked at load. On a GPU (TOT_TEST_DEVICE=cuda) the bucketed forwards replay CUDA graphs."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import DEVICE, TEST_BUCKETS
+
+from decoding.config import DecoderConfig
+from decoding.core import static_forward as sf
+from decoding.core.errors import BackendError, ConfigError
+from decoding.core.models import ModelSpec, prepare_for_inference
+from decoding.core.runner import ModelRunner
+from decoding.core.static_forward import Buckets, StaticSpec, resolve_graphs
+from decoding.core.values import GenRequest
+from decoding.engine import Engine
+from decoding.kinds import DECODERS
+
+CAPTURE = DEVICE.type == "cuda"
+
+
+def same(a: torch.Tensor, b: torch.Tensor, exact: bool = True) -> None:
+    """Bitwise on the CPU's invariant path (its kernels do not depend on the batch); float32
+    rounding on a GPU, whose kernels are chosen by shape, and under sdpa."""
+    if DEVICE.type == "cpu" and exact:
+        assert torch.equal(a, b)
+    else:
+        torch.testing.assert_close(a.float(), b.float(), atol=1e-4, rtol=1e-4)
+
+
+def both(tiny_model) -> tuple[ModelRunner, ModelRunner]:
+    plain = ModelRunner(tiny_model)
+    bucketed = ModelRunner(tiny_model, static=StaticSpec(TEST_BUCKETS, capture=CAPTURE), strict_graphs=True)
+    return plain, bucketed
+
+
+def random_tree(n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Visibility [n, n] and depths [n] of a random tree whose node 0 is the root."""
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
+    vis = torch.zeros(n, n, dtype=torch.bool)
+    depth = torch.zeros(n, dtype=torch.long)
+    for t in range(n):
+        node = t
+        while node >= 0:
+            vis[t, node] = True
+            depth[t] += 1
+            node = parents[node]
+    return vis, depth - 1
+
+
+@pytest.fixture(scope="module")
+def sdpa_model(tiny_model):
+    """The tiny model under sdpa in float32 (the attention a GPU runs, folded in the bucketed forward)."""
+    model = copy.deepcopy(tiny_model)
+    prepare_for_inference(model, DEVICE, "float32", "sdpa", prepack=False)
+    return model
+
+
+@pytest.mark.parametrize("attn", ["default", "sdpa"])
+@pytest.mark.parametrize(
+    "rows, n_new, lens",
+    [
+        (None, 1, [5, 9, 2]),  # all rows, one token: a 4-row bucket with a pad row
+        ([2, 0], 3, [11, 4, 7]),  # a subset in another order, 3 tokens padded to 4
+        ([1], 8, [20, 3, 6]),  # the largest token bucket exactly
+        (None, 11, [5, 9, 2]),  # past the largest token bucket: eager at its own shape
+        ([0, 1, 2, 3, 4], 2, [3, 3, 8, 1, 6]),  # past the largest row bucket
+    ],
+)
+def test_bucketed_logits_and_cache_are_the_unpadded_ones(tiny_model, sdpa_model, attn, rows, n_new, lens):
+    batch = len(lens)
+    results = []
+    exact = attn == "default"
+    for runner in both(tiny_model if exact else sdpa_model):
+        gen = torch.Generator().manual_seed(n_new)
+        cache = runner.new_cache(batch, 48, graphs=True)
+        # Committed prefixes of the given lengths, one causal forward per row.
+        for r, n in enumerate(lens):
+            g = torch.Generator().manual_seed(r)
+            prompt = torch.randint(3, 100, (1, n), generator=g)
+            causal = torch.ones(1, n, n, dtype=torch.bool).tril()
+            runner.forward(cache, prompt, causal, torch.arange(n)[None], rows=[r])
+            cache.advance(torch.tensor([n if i == r else 0 for i in range(batch)]))
+        active = list(range(batch)) if rows is None else rows
+        g = torch.Generator().manual_seed(99)
+        trees = [random_tree(n_new, g) for _ in active]
+        tree = torch.stack([v for v, _ in trees])
+        depth = torch.stack([d for _, d in trees])
+        tokens = torch.randint(3, 100, (len(active), n_new), generator=gen)
+        logits = runner.forward(cache, tokens, tree, depth, rows=rows)
+        results.append((logits, cache))
+    (plain, plain_cache), (padded, padded_cache) = results
+    same(padded, plain, exact)
+    assert padded_cache.lens.tolist() == plain_cache.lens.tolist()
+    live = plain_cache.batch
+    for a, b in zip(plain_cache.keys + plain_cache.values, padded_cache.keys + padded_cache.values):
+        same(b[:live], a, exact)  # padding wrote nothing into a live row
+
+
+def test_tree_levels_after_earlier_forwards_of_the_step(tiny_model):
+    """A drafter grows its tree level by level (`offset` uncommitted slots before the new ones):
+    each level sees the earlier ones, in buckets as unpadded."""
+    out = []
+    for runner in both(tiny_model):
+        cache = runner.new_cache(2, 40, graphs=True)
+        prompt = torch.randint(3, 100, (2, 6), generator=torch.Generator().manual_seed(1))
+        causal = torch.ones(6, 6, dtype=torch.bool).tril().expand(2, -1, -1)
+        runner.forward(cache, prompt, causal, torch.arange(6).expand(2, -1))
+        cache.advance(torch.tensor([6, 6]))
+        first = runner.forward(
+            cache, torch.tensor([[5], [6]]), torch.ones(2, 1, 1, dtype=torch.bool), torch.zeros(2, 1)
+        )
+        # The second level: two children of the first token, each seeing it and itself.
+        see = torch.tensor([[True, True, False], [True, False, True]]).expand(2, -1, -1)
+        second = runner.forward(
+            cache, torch.tensor([[7, 8], [9, 10]]), see, torch.ones(2, 2, dtype=torch.long), offset=1
+        )
+        out.append((first, second))
+    same(out[1][0], out[0][0])
+    same(out[1][1], out[0][1])
+
+
+def test_graphs_are_kept_per_bucket_and_dropped_when_the_cache_grows(tiny_model):
+    _, runner = both(tiny_model)
+    cache = runner.new_cache(2, 16, graphs=True)
+    step = torch.ones(2, 1, 1, dtype=torch.bool)
+    for _ in range(3):
+        runner.forward(cache, torch.tensor([[5], [6]]), step, torch.zeros(2, 1, dtype=torch.long))
+        cache.advance(torch.tensor([1, 1]))
+    stats = runner.static.stats
+    if CAPTURE:
+        assert (stats.captured, stats.replayed) == (1, 3)  # one bucket, captured once
+        assert len(cache.graphs) == 1
+    else:
+        assert stats.eager == 3
+    cache.reserve(4, 32)
+    assert not cache.graphs  # they read the old tensors
+    scratch = runner.new_cache(1, 16)  # a scratch cache: nobody captures over it
+    runner.forward(scratch, torch.tensor([[5, 6]]), torch.ones(1, 2, 2, dtype=torch.bool).tril(), torch.arange(2)[None])
+    assert scratch.graphs is None
+
+
+class _Replay:
+    """A CUDA graph's replay as the CPU can run it: the captured forward again, over the same input
+    buffers and cache, into the same output buffer."""
+
+    def __init__(self, run) -> None:
+        self.replay = run
+
+
+def _emulated_capture(self, cache, inputs, positions, reads):
+    out = self._forward(cache, inputs, positions, reads).clone()
+    return sf._Graph(inputs, out, _Replay(lambda: out.copy_(self._forward(cache, inputs, positions, reads))))
+
+
+@pytest.mark.skipif(CAPTURE, reason="the GPU captures for real")
+@pytest.mark.parametrize("name", ["ar", "seed_stand", "sd"])
+def test_replayed_graphs_decode_what_the_unpadded_forward_does(name, loaded, perturbed, monkeypatch):
+    """With graphs' replay semantics (input buffers filled per forward, one output buffer per bucket,
+    graphs kept per cache and dropped when it grows, the pool rounded up to buckets), every
+    sequence decodes the unpadded forward's tokens, greedy and sampled."""
+    monkeypatch.setattr(sf.StaticForward, "_capture", _emulated_capture)
+    replayed = dataclasses.replace(loaded, static=StaticSpec(TEST_BUCKETS, capture=True), strict_graphs=True)
+    replayed_draft = dataclasses.replace(perturbed, static=StaticSpec(TEST_BUCKETS, capture=True))
+    requests = [
+        GenRequest(p, max_new_tokens=m, temperature=t, seed=i)
+        for i, (p, m, t) in enumerate(
+            [("the cat", 18, 0.0), ("hello world", 9, 0.9), ("a", 25, 0.0), ("once", 12, 1.1)]
+        )
+    ]
+    draft = DECODERS[name].draft_model == "required"
+    config = DecoderConfig(name, draft=ModelSpec(key="draft") if draft else None)
+    plain = Engine(loaded, config, perturbed if draft else None).generate(requests)
+    engine = Engine(replayed, config, replayed_draft if draft else None)
+    assert [r.token_ids for r in engine.generate(requests)] == [r.token_ids for r in plain]
+    stats = engine.target.static.stats
+    assert stats.captured > 0 and stats.replayed > stats.captured
+
+
+def test_bucket_options_are_checked_at_load():
+    with pytest.raises(ConfigError, match="graph_rows"):
+        Buckets(rows=(1, 4, 2))
+    with pytest.raises(ConfigError, match="graph_tokens"):
+        Buckets(tokens=(0, 1))
+    with pytest.raises(ConfigError, match="graph_context"):
+        ModelSpec(graph_context=0)
+    with pytest.raises(BackendError, match="cuda_graphs"):
+        ModelSpec(cuda_graphs="maybe")
+    assert resolve_graphs("auto", torch.device("cpu"), Buckets()) is None
+    assert resolve_graphs("eager", torch.device("cpu"), Buckets()) == StaticSpec(Buckets(), capture=False)
+    with pytest.raises(ConfigError, match="needs a CUDA device"):
+        resolve_graphs("on", torch.device("cpu"), Buckets())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_graphs_on_without_cuda_is_one_line(tmp_path):
+    cmd = [sys.executable, "-m", "decoding.profile_forward", "model.cuda_graphs=on", "model.device=cpu"]
+    run = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert run.returncode == 2
+    assert "Traceback" not in run.stderr
+    assert run.stderr.strip().splitlines() == [
+        "error: model.cuda_graphs=on needs a CUDA device, not cpu; use model.cuda_graphs=auto "
+        "(or eager for the same bucketed forward without capture)"
+    ]

@@ -1,0 +1,201 @@
+"""The GPU check of one device call: the 8B shape's forward and decode, CUDA graphs off and on, then
+the CUDA test list (`make test-cuda`) in what time is left. docs/performance.md says how to run it.
+
+    python3 tools/gpu_check.py SHAPE_DIR OUT_DIR [--budget SECONDS] [--skip-tests]
+
+SHAPE_DIR is a `python -m decoding.shapes llama-3.1-8b DIR` folder (random weights are built on the
+GPU); OUT_DIR gets check.json (every figure) and tests.log. The model is loaded once and each
+measurement runs with graphs off and on in the same process, the baseline beside the method.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, without an install
+
+from decoding.config import DecoderConfig
+from decoding.core.models import LoadedModel, ModelSpec, load_model
+from decoding.core.runner import ModelRunner
+from decoding.core.static_forward import Buckets, resolve_graphs
+from decoding.core.time_split import gpu_busy
+from decoding.core.timing import timed_ms, verification
+from decoding.core.values import GenRequest
+from decoding.drafters.load import load_draft
+from decoding.engine import Engine
+
+SHAPES = [(1, 1), (8, 1), (32, 1), (1, 16), (8, 16), (8, 64)]  # (rows, tokens per row)
+CONTEXT = 300
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cuda_test_files() -> list[str]:
+    """The Makefile's CUDA_TESTS (what `make test-cuda` runs), one list for both."""
+    text = (ROOT / "Makefile").read_text()
+    names = re.search(r"^CUDA_TESTS := ((?:.*\\\n)*.*)$", text, re.M)
+    assert names, "the Makefile has no CUDA_TESTS list"
+    return [f"tests/test_{n}.py" for n in names.group(1).replace("\\", " ").split()]
+
+
+def forward_table(loaded: LoadedModel, modes: dict[str, LoadedModel], repeats: int) -> list[dict]:
+    rows = []
+    for rows_n, tokens in SHAPES:
+        for mode, variant in modes.items():
+            runner = ModelRunner(variant.model, static=variant.static, strict_graphs=variant.strict_graphs)
+            step = verification(runner, CONTEXT, tokens, rows_n)
+            times = timed_ms(step, repeats, runner.device)
+            busy = gpu_busy(lambda s=step: [s() for _ in range(repeats)])[1]
+            row = {"mode": mode, "rows": rows_n, "tokens": tokens, "ms": statistics.median(times)}
+            row |= {"ms_min": min(times), "gpu_busy": busy}
+            if runner.static is not None:
+                row["capture_s"] = runner.static.stats.capture_s
+            rows.append(row)
+            print(
+                f"forward {rows_n} x {tokens} graphs {mode}: {row['ms']:.2f} ms, GPU busy {100 * busy:.0f}%", flush=True
+            )
+    return rows
+
+
+def decoder_config(decoder: str, draft: str | None) -> DecoderConfig:
+    """The decoder's options as `decoding.generate decoder=NAME [draft.path=...]` reads them."""
+    from hydra import compose, initialize_config_module
+    from omegaconf import OmegaConf
+
+    overrides = [f"decoder={decoder}", "prompts=-", "out=-", *([f"draft.path={draft}"] if draft else [])]
+    with initialize_config_module("conf", version_base="1.3"):
+        cfg = compose("generate", overrides=overrides)
+    return DecoderConfig.from_container(OmegaConf.to_container(cfg, resolve=True))
+
+
+def decode(variant: LoadedModel, questions: list[str], decoder: str, n: int, tokens: int, draft: str | None) -> dict:
+    """`decoder` on the first n questions, `tokens` each, after a warm-up call; tokens/s and ms a forward."""
+    config = decoder_config(decoder, draft)
+    engine = Engine(variant, config, load_draft(config.draft, variant) if config.draft else None)
+    questions = questions[:n]
+    requests = [GenRequest(q, max_new_tokens=tokens, seed=i) for i, q in enumerate(questions)]
+    t0 = time.perf_counter()
+    engine.generate(requests[:1] if n > 1 else requests)  # warm-up: CUDA start-up, capture, the planner's profile
+    warm_s = time.perf_counter() - t0
+    engine.generate(requests)
+    s = engine.last_stats
+    out = {
+        "decoder": decoder,
+        "draft": draft,
+        "sequences": n,
+        "tokens": s.generated_tokens,
+        "wall_s": s.wall_s,
+        "tokens_per_s": s.generated_tokens / s.wall_s,
+        "ms_per_forward": 1000 * s.wall_s / max(s.target_forwards, 1),
+        "acceptance_length": s.acceptance_length,
+        "warmup_s": warm_s,
+    }
+    return out
+
+
+def run_tests(out: Path, seconds: int) -> dict:
+    """The CUDA test list on 16 workers; each test's outcome is logged as it ends (-v), so a run cut
+    by the budget still names what failed."""
+    files = cuda_test_files()
+    cmd = [sys.executable, "-m", "pytest", "-v", "--tb=short", "-rfE", "-m", "not slow", "-n", "16"]
+    cmd += ["-p", "no:cacheprovider", "-W", "ignore::pytest.PytestWarning", *files]
+    env = os.environ | {"TOT_TEST_DEVICE": "cuda", "TOT_TEST_FAILURES": str(out / "failures.log")}
+    t0 = time.perf_counter()
+    with open(out / "tests.log", "w") as log:
+        try:
+            rc: int | str = subprocess.run(
+                cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=seconds
+            ).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    text = (out / "tests.log").read_text()
+    return {
+        "rc": rc,
+        "s": time.perf_counter() - t0,
+        "passed": text.count(" PASSED "),
+        "failed": [line.split(" FAILED ")[-1] for line in text.splitlines() if " FAILED " in line],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("shape", type=Path)
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--budget", type=float, default=420.0, help="seconds for the whole check")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--parts", default="forward,decode,tests", help="which parts, in this order")
+    parser.add_argument("--modes", default="off,on", help="graphs off and/or on")
+    parser.add_argument(
+        "--decode", default="ar:1,ar:32,sd:1:self,seed_stand:1", help="decoder:sequences[:draft.path], ..."
+    )
+    parser.add_argument("--questions", type=Path, default=Path("../shared/data/gsm8k/test.jsonl"))
+    args = parser.parse_args()
+    start = time.perf_counter()
+    args.out.mkdir(parents=True, exist_ok=True)
+    questions = [json.loads(line)["question"] for line in args.questions.read_text().splitlines()[:32]]
+    about = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "driver": subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True
+        ).stdout.strip(),
+    }
+    import transformers
+
+    about["transformers"] = transformers.__version__
+    print(about, flush=True)
+    result: dict = {"about": about, "forward": [], "decode": []}
+    parts = args.parts.split(",")
+    if "tests" in parts and parts[0] == "tests":  # first: its own share of the budget, then the rest
+        result["tests"] = run_tests(args.out, int(0.6 * args.budget))
+        print("tests:", result["tests"], flush=True)
+    if "forward" in parts or "decode" in parts:
+        loaded = load_model(ModelSpec(path=str(args.shape), init="random", cuda_graphs="off"))
+        on = dataclasses.replace(loaded, static=resolve_graphs("on", loaded.device, Buckets()), strict_graphs=True)
+        modes = {m: {"off": loaded, "on": on}[m] for m in args.modes.split(",")}
+        if "forward" in parts:
+            result["forward"] = forward_table(loaded, modes, args.repeats)
+            (args.out / "check.json").write_text(json.dumps(result, indent=1))
+        for item in args.decode.split(",") if "decode" in parts else []:
+            decoder, n, *draft = item.split(":")
+            for mode, variant in modes.items():
+                if time.perf_counter() - start > 0.8 * args.budget:
+                    print(f"skipped {item} graphs {mode}: the budget", flush=True)
+                    continue
+                row = {"mode": mode, **decode(variant, questions, decoder, int(n), 256, draft[0] if draft else None)}
+                result["decode"].append(row)
+                print(
+                    f"decode {item} graphs {mode}: {row['tokens_per_s']:.1f} tok/s, "
+                    f"{row['ms_per_forward']:.2f} ms/forward, acceptance {row['acceptance_length']:.2f}",
+                    flush=True,
+                )
+                (args.out / "check.json").write_text(json.dumps(result, indent=1))
+        del loaded, on, modes
+        torch.cuda.empty_cache()
+    if "tests" in parts and parts[0] != "tests":
+        result["tests"] = run_tests(args.out, max(30, int(args.budget - (time.perf_counter() - start))))
+        print("tests:", result["tests"], flush=True)
+    (args.out / "check.json").write_text(json.dumps(result, indent=1))
+    by = {(r["mode"], r["rows"], r["tokens"]): r for r in result["forward"]}
+    if by:
+        print("\n| rows x tokens | " + " | ".join(f"graphs {m} ms (GPU busy)" for m in args.modes.split(",")) + " |")
+        for b, t in SHAPES:
+            cells = [by[(m, b, t)] for m in args.modes.split(",")]
+            print(f"| {b} x {t} | " + " | ".join(f"{c['ms']:.2f} ({c['gpu_busy']:.0%})" for c in cells) + " |")
+    for r in result["decode"]:
+        print(r)
+
+
+if __name__ == "__main__":
+    main()
