@@ -56,7 +56,9 @@ class Engine:
     ) -> None:
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
-        self.target = ModelRunner(loaded.model, loaded.prefix_budget, loaded.static, loaded.strict_graphs)
+        self.target = ModelRunner(
+            loaded.model, loaded.prefix_budget, loaded.static, loaded.strict_graphs, loaded.kv_budget
+        )
         config = decoder if isinstance(decoder, DecoderConfig) else DecoderConfig(decoder)
         if config.server is not None:
             raise BackendError("decoder=server is a client of a server: build it with decoding.server.ServerEngine")

@@ -5,12 +5,15 @@ however many problems run at once."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import itertools
 import json
 
 import pytest
 from test_decoders import EOS_ID, encode, reference_greedy
 
 from decoding.config import DecoderConfig
+from decoding.core.errors import BackendError
 from decoding.core.models import ModelSpec
 from decoding.core.sampling import Rule
 from decoding.core.values import GenRequest
@@ -232,3 +235,29 @@ def test_sampled_outputs_are_plain_decodings_samples(name, rule, forward, reques
     assert run_sync(staggered()) == plain
     if name in ("sd", "seed"):  # (the model-free drafters find little to accept in this random text)
         assert engine.total_stats.accepted_tokens > 0  # drafts were accepted, and changed nothing
+
+
+@pytest.mark.parametrize("name", ["ar", "seed_stand", "seed"])
+def test_the_kv_memory_bounds_the_sequences_decoding_at_once(name, loaded, perturbed):
+    """With room in model.kv_memory for two sequences' rows, the others wait their turn (counted in
+    kv_waits) and every output is what the unbounded engine gives; a budget too small for one
+    sequence is one error naming the settings."""
+    requests = [GenRequest(p, max_new_tokens=m) for p, m in SPECS]
+    free = engine_for(name, loaded, perturbed)
+    expected = [r.token_ids for r in free.generate(requests)]
+    seqs = [free._sequence(r) for r in requests]
+    max_nodes = free.decoder.drafter.max_nodes
+    two = max(free.target.kv_bytes([a, b], max_nodes) for a, b in itertools.combinations(seqs, 2))
+    bounded = engine_for(name, dataclasses.replace(loaded, kv_budget=two), perturbed)
+    decoder = bounded.decoder
+    decoder.admit([bounded._sequence(r) for r in requests])
+    most = 0
+    while decoder.busy:
+        decoder.step()
+        most = max(most, decoder.live)
+    assert most == 2  # (any two fit; a third never does)
+    assert decoder.stats.kv_waits >= len(requests) - 2
+    assert [r.token_ids for r in bounded.generate(requests)] == expected
+    tiny = engine_for(name, dataclasses.replace(loaded, kv_budget=1024), perturbed)
+    with pytest.raises(BackendError, match=r"MB of KV cache .* raise model.kv_memory or model.kv_memory_mb"):
+        tiny.generate(requests[:1])

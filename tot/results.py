@@ -130,6 +130,8 @@ def summarize(records: list[dict], header: dict) -> dict:
         "target_busy_fraction": total.target_busy_fraction,
         "mean_queue_wait_s": total.mean_queue_wait_s,
         "drafts_per_round": total.drafts_per_round,
+        # Sequences that waited for the KV pool's memory (model.kv_memory) before they could decode.
+        "kv_waits": total.kv_waits,
         "tokens_per_s": total.generated_tokens / wall if wall else 0.0,
         "wall_s": wall,
         "phases": phases,

@@ -207,6 +207,7 @@ def summary_line(s: dict) -> str:
         f"= {s['tokens_per_s']:.1f} tok/s, {forwards}"
         f"{s['prompt_tokens_computed']}/{s['prompt_tokens']} prompt tokens computed, "
         f"run.concurrency={s.get('concurrency', 1)}"
+        + (f", {s['kv_waits']} sequences waited for KV memory (model.kv_memory)" if s.get("kv_waits") else "")
     )
 
 

@@ -16,7 +16,7 @@ import torch
 
 from decoding.core import attention, kernels, rows_linear
 from decoding.core.errors import BackendError
-from decoding.core.memory import MemoryBudget
+from decoding.core.memory import MemoryBudget, available_bytes
 from decoding.core.model_files import check_checkpoint, check_gguf
 from decoding.core.options import from_dict
 from decoding.core.prepack import prepack_linears
@@ -51,6 +51,10 @@ class ModelSpec:
     prepack: bool = True  # weights=float32 on CPU: linear layers get a prepacked copy (decoding/core/prepack.py)
     prefix_memory: float = 0.25  # share of the memory available at load for stored prefixes (decoding/core/memory.py)
     prefix_memory_mb: int | None = None  # a fixed size instead
+    # The share of the memory available at load that the target's KV pool may take: it bounds the
+    # sequences decoding at once (the rest wait their turn), on every device
+    kv_memory: float = 0.5
+    kv_memory_mb: int | None = None  # a fixed size instead
     # random: the checkpoint folder's config.json with random weights (seed 0), built on the device:
     # real shapes without their weights, to measure speed (decoding/shapes.py writes such folders)
     init: str = "checkpoint"
@@ -71,6 +75,12 @@ class ModelSpec:
             raise BackendError(f"{self.key}.prepack={self.prepack!r} must be true or false")
         if not 0 < self.prefix_memory <= 1:
             raise BackendError(f"{self.key}.prefix_memory={self.prefix_memory} must be a share in (0, 1], e.g. 0.25")
+        if not 0 < self.kv_memory <= 1:
+            raise BackendError(f"{self.key}.kv_memory={self.kv_memory} must be a share in (0, 1], e.g. 0.5")
+        if self.kv_memory_mb is not None and self.kv_memory_mb < 1:
+            raise BackendError(
+                f"{self.key}.kv_memory_mb={self.kv_memory_mb} must be a positive size in MB (null: the share)"
+            )
         if self.prefix_memory_mb is not None and self.prefix_memory_mb < 1:
             raise BackendError(
                 f"{self.key}.prefix_memory_mb={self.prefix_memory_mb} must be a positive size in MB (null: the share)"
@@ -116,6 +126,7 @@ class LoadedModel:
     name: str = ""  # the model.path it was loaded from (what the EDD cache is keyed by)
     # What every engine on this model may keep of stored prefixes, together (None: 4 GiB per runner).
     prefix_budget: MemoryBudget | None = None
+    kv_budget: int | None = None  # bytes the target's KV pool may take (None: no bound)
     static: StaticSpec | None = None  # bucketed forwards (CUDA graphs), or None: ragged / unpadded
     strict_graphs: bool = False  # model.cuda_graphs=on: a graph that does not fit is an error
 
@@ -225,8 +236,11 @@ def load_model(spec: ModelSpec) -> LoadedModel:
         if spec.prefix_memory_mb is not None
         else MemoryBudget.share(spec.prefix_memory, device)
     )
+    kv_budget = (
+        spec.kv_memory_mb << 20 if spec.kv_memory_mb is not None else int(spec.kv_memory * available_bytes(device))
+    )
     use_chat = _use_chat_template(spec, tokenizer)
-    return LoadedModel(model, tokenizer, device, use_chat, str(source), spec.path, budget, static, strict)
+    return LoadedModel(model, tokenizer, device, use_chat, str(source), spec.path, budget, kv_budget, static, strict)
 
 
 def _random_model(source: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:

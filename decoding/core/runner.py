@@ -9,7 +9,7 @@ import torch
 
 from decoding.core import attention, llama
 from decoding.core.draft_tree import DraftTree
-from decoding.core.kv_cache import ForwardView, RowKVCache
+from decoding.core.kv_cache import ForwardView, RowKVCache, cache_geometry
 from decoding.core.memory import MemoryBudget
 from decoding.core.packing import Packed, pack
 from decoding.core.prefix_cache import Match, PrefixCache, shared_len
@@ -41,6 +41,7 @@ class ModelRunner:
         prefix_budget: MemoryBudget | None = None,
         static: StaticSpec | None = None,
         strict_graphs: bool = False,
+        kv_budget: int | None = None,
     ) -> None:
         self.model = model
         self.config = model.config
@@ -58,6 +59,7 @@ class ModelRunner:
         self.peak_cache_bytes = 0
         self._score_time: float | _GpuTiming = 0.0  # see last_score_ms
         self.prefixes = PrefixCache(prefix_budget)  # its own 4 GiB without a budget
+        self.kv_budget = kv_budget  # bytes a decoder's KV pool may take (model.kv_memory); None: unbounded
         # Hidden-state capture for drafters that read them (EDD): off unless capture_hidden is called.
         self.hidden_layer: int | None = None
         self.last_hidden: torch.Tensor | None = None  # [B, T, H]: that layer's output in the latest forward
@@ -326,6 +328,23 @@ class ModelRunner:
         (a burst of rows, or a long prompt, gone: memory stays bounded over a long run)."""
         capacity = self.row_capacity([len(s.prompt) for s in live], _room(live, max_nodes)) if live else 0
         cache.give_back(rows, capacity)
+
+    def rows_that_fit(self, live: list[Sequence], waiting: list[Sequence], max_nodes: int) -> int:
+        """How many of `waiting` (in order) can join `live` with the pool inside `kv_budget`."""
+        if self.kv_budget is None:
+            return len(waiting)
+        for k in range(len(waiting), 0, -1):
+            if self.kv_bytes(live + waiting[:k], max_nodes) <= self.kv_budget:
+                return k
+        return 0
+
+    def kv_bytes(self, seqs: list[Sequence], max_nodes: int) -> int:
+        """What a pool of these sequences' rows takes: each row holds what the longest prompt and the
+        largest room need (and a bucketed forward's spare row is one more)."""
+        n_layers, n_kv, head_dim = cache_geometry(self.config)
+        capacity = self.row_capacity([len(s.prompt) for s in seqs], _room(seqs, max_nodes))
+        rows = len(seqs) + (1 if self.static is not None else 0)
+        return rows * capacity * 2 * n_layers * n_kv * head_dim * self.dtype.itemsize
 
     def row_capacity(self, prompt_lens: list[int], room: int) -> int:
         """Positions a row of the pool needs while rows with these prompts decode, `room` past each."""

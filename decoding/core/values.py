@@ -92,6 +92,7 @@ class DecodeStats:
     planned_step_s: float = 0.0
     sequences: int = 0
     sequence_acceptance_sum: float = 0.0  # sum over sequences of each one's acceptance length
+    kv_waits: int = 0  # sequences that waited for the KV pool's memory (model.kv_memory) before decoding
 
     @property
     def wall_s(self) -> float:

@@ -16,6 +16,7 @@ Autoregressive decoding is the case of an empty tree: the target scores the pend
 from __future__ import annotations
 
 import heapq
+import logging
 import threading
 import time
 from collections import deque
@@ -24,6 +25,7 @@ from typing import Literal
 
 from decoding.core.cost import Overhead, forward_cost, node_ms
 from decoding.core.draft_tree import DraftTree
+from decoding.core.errors import BackendError
 from decoding.core.models import cache_root
 from decoding.core.runner import ModelRunner
 from decoding.core.sequence import Sequence
@@ -34,6 +36,8 @@ from decoding.core.verify import Verdict
 from decoding.drafters.base import Drafter
 from decoding.schedules.base import VerifyOptions, cut_to_budget, run_to_end, verify_and_commit
 from decoding.schedules.planner import Planner
+
+log = logging.getLogger(__name__)
 
 State = Literal["drafting", "queued", "verifying"]
 
@@ -205,6 +209,7 @@ class Scheduler:
         self._thread_running = False
         self._drafter_slots: dict[int, Slot] = {}  # slots the drafter has heard of and not yet released
         self._failure: list[BaseException] = []
+        self._held: set[int] = set()  # ids of the sequences counted as waiting for KV memory
 
     @property
     def busy(self) -> bool:
@@ -230,6 +235,7 @@ class Scheduler:
             self._thread, self._thread_running = None, False
         self.drafter.release([self._drafter_slots[r] for r in sorted(self._drafter_slots)])
         self._drafter_slots.clear()
+        self._held.clear()
         self.slots.clear()
         self.waiting.clear()
         self.rounds = Rounds()
@@ -265,7 +271,12 @@ class Scheduler:
 
     def _fill(self) -> None:
         room = len(self.waiting) if self.max_live is None else self.max_live - len(self.slots)
-        new = [self.waiting.popleft() for _ in range(max(0, min(room, len(self.waiting))))]
+        wanted = list(self.waiting)[: max(0, room)]
+        fit = self.target.rows_that_fit([s.seq for s in self.slots.values()], wanted, self.drafter.max_nodes)
+        if fit < len(wanted):
+            self._hold_for_memory(wanted[fit:], alone=not self.slots and not fit)
+        new = [self.waiting.popleft() for _ in range(fit)]
+        self._held.difference_update(id(s) for s in new)
         if not new:
             return
         t0 = time.perf_counter()
@@ -285,6 +296,23 @@ class Scheduler:
             self.planner.forget(rows)
         self.rounds.arrive(rows)
         self.stats.verify_s += time.perf_counter() - t0
+
+    def _hold_for_memory(self, held: list[Sequence], alone: bool) -> None:
+        """Sequences the KV pool has no memory for wait until live ones finish; one that does not
+        fit `alone` never will: a configuration error."""
+        budget = self.target.kv_budget or 0
+        if alone:
+            need = self.target.kv_bytes(held[:1], self.drafter.max_nodes)
+            raise BackendError(
+                f"one sequence needs {need / 2**20:.3g} MB of KV cache (its prompt, gen.max_new_tokens and a draft "
+                f"tree), model.kv_memory allows {budget / 2**20:.3g} MB: raise model.kv_memory or model.kv_memory_mb, "
+                "or lower gen.max_new_tokens"
+            )
+        first = [s for s in held if id(s) not in self._held]
+        if first and not self._held:
+            log.warning("%d sequences wait for KV memory (model.kv_memory allows %.3g MB)", len(held), budget / 2**20)
+        self._held.update(id(s) for s in first)
+        self.stats.kv_waits += len(first)
 
     def _ensure_drafting_thread(self) -> None:
         # The thread ends once the drafter has heard everything and no row is live; it decides so
