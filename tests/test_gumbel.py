@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+from decoding.core.draft_tree import ROOT, DraftTree
 from decoding.core.gumbel import (
     G_MAX,
     G_MIN,
@@ -22,6 +23,9 @@ from decoding.core.gumbel import (
     gumbel_order,
 )
 from decoding.core.sampling import SamplingParams, process_logits, processed_logits
+from decoding.core.sequence import Sequence
+from decoding.core.stopping import StopRule
+from decoding.core.verify import device_targets, target_sampler
 
 N = 20_000
 
@@ -139,3 +143,33 @@ def test_a_coupled_draft_is_the_sample_when_it_knows_the_distribution():
     blind = float((probs * q).sum())  # P(an independent draw from q equals the target's sample)
     tv = 0.5 * float((probs - q).abs().sum())
     assert coupled / 2000 > max(blind + 0.1, (1 - tv) / (1 + tv) - 0.04)
+
+
+@pytest.mark.parametrize("rule", ["match_gumbel", "match_multinomial", "rejection"])
+def test_device_targets_are_the_samplers_own_tokens(rule):
+    """What a GPU's verification computes for every node at once (`device_targets`, one read-back a
+    step) is, node by node, the token `target_sampler` picks lazily on the host: the argmax for a
+    greedy row, the Gumbel-max sample under match_gumbel and for rows without a draft under
+    rejection; rows that sample on the host (a generator's stream, the rejection walk) get None."""
+    gen = torch.Generator().manual_seed(3)
+    trees, seqs, logits, scores = [], [], [], []
+    rows = [(0.0, 0, 1.0, 4), (0.7, 20, 0.9, 6), (1.2, 0, 1.0, 0)]
+    for i, (temperature, top_k, top_p, n_nodes) in enumerate(rows):
+        tree = DraftTree()
+        for n in range(n_nodes):
+            tree.add(int(torch.randint(0, 300, (1,), generator=gen)), n // 2 - 1 if n else ROOT)
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+        seq = Sequence.create(list(range(5 + i)), StopRule(frozenset(), (), 8), params, seed=40 + i)
+        row = torch.randn(1 + n_nodes, 300, generator=gen) * 2
+        trees.append(tree)
+        seqs.append(seq)
+        logits.append(row)
+        scores.append(None if params.greedy else processed_logits(row, params))
+    targets = device_targets(trees, seqs, logits, scores, rule)
+    for tree, seq, row, sc, own in zip(trees, seqs, logits, scores, targets):
+        if sc is not None and (rule == "match_multinomial" or (rule == "rejection" and len(tree))):
+            assert own is None
+            continue
+        depths = [0, *tree.depths()]
+        pick = target_sampler(seq, "match_gumbel" if sc is not None else rule, row, sc, None if sc is None else sc)
+        assert own == [pick(m - 1, depths[m]) for m in range(1 + len(tree))]

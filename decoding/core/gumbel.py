@@ -118,6 +118,21 @@ def gumbel_pick(scores: torch.Tensor, seed: int, position: int) -> int:
     return int(near[noisy.argmax()])
 
 
+def gumbel_targets(scores: torch.Tensor, seed: int, positions: list[int]) -> torch.Tensor:
+    """`gumbel_pick` of every row of processed logits [M, V] at once, row m at `positions[m]`: the
+    tokens [M] on the scores' device, with no read-back (a GPU's verification: every node's own
+    sample in one pass, then one transfer for the whole step). The same float64 sums and argmax as
+    `_noisy_top`, over the whole vocabulary: the same tokens."""
+    keys = torch.tensor([_signed(key(seed, p)) for p in positions], dtype=torch.int64)
+    x = _vocabulary(scores.shape[-1], scores.device)[None, :] * _signed(_GAMMA) + keys.to(scores.device)[:, None]
+    x ^= _srl(x, 30)
+    x *= _signed(_M1)
+    x ^= _srl(x, 27)
+    x *= _signed(_M2)
+    x ^= _srl(x, 31)
+    return (scores.double() + _gumbel_of_bits(_srl(x, 12))).argmax(-1)
+
+
 def _gumbel_np(bits: np.ndarray) -> np.ndarray:
     return -np.log(-np.log((bits.astype(np.float64) + 0.5) * _SCALE))
 

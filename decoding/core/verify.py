@@ -13,7 +13,7 @@ import torch
 
 from decoding.core.acceptance import walk_matched, walk_rejection
 from decoding.core.draft_tree import DraftTree
-from decoding.core.gumbel import gumbel_pick
+from decoding.core.gumbel import gumbel_pick, gumbel_targets
 from decoding.core.kv_cache import RowKVCache
 from decoding.core.packing import Packed, pack
 from decoding.core.runner import ModelRunner
@@ -79,19 +79,25 @@ def verify(
     packed = pack(pending, trees)
     logits = target.score(cache, packed, rows)
     hidden = target.last_hidden if target.hidden_layer is not None else None
+    # Processed once per row: the distributions drafters learn from, and what the samplers read.
+    scores = [None if s.params.greedy else processed_logits(row.float(), s.params) for s, row in zip(seqs, logits)]
+    on_device = bool(logits) and logits[0].device.type != "cpu"
+    # On a GPU every row's own token at its root and at each node is found where the logits are, and
+    # the step reads them back once; the CPU samples lazily, only the nodes a walk reaches.
+    targets = device_targets(trees, seqs, logits, scores, rule) if on_device else [None] * len(trees)
 
     def decide(b: int) -> Verdict:
-        tree, s, row = trees[b], seqs[b], logits[b]
-        # Processed once per row: the distributions drafters learn from, and what the samplers read.
-        scores = None if s.params.greedy else processed_logits(row.float(), s.params)
+        tree, s, row, sc, own = trees[b], seqs[b], logits[b], scores[b], targets[b]
         # Softmax once where the logits are (matched multinomial draws read it there, as transformers
-        # does), then on the CPU, where the rejection walk's scalar work and the drafters read it.
-        dist = None if scores is None else scores.softmax(-1)
-        probs = None if dist is None else dist.cpu()
+        # does); the rejection walk's scalar work reads it on the CPU.
+        dist = None if sc is None else sc.softmax(-1)
+        probs = dist.cpu() if dist is not None and rule == "rejection" else dist
         if rule == "rejection" and len(tree) and probs is not None:
             path, token = walk_rejection(tree, probs, s.generator)
+        elif own is not None:
+            path, token = walk_matched(tree, lambda node, d: own[node + 1])
         else:
-            path, token = walk_matched(tree, target_sampler(s, rule, row, scores, dist))
+            path, token = walk_matched(tree, target_sampler(s, rule, row, sc, dist))
         kept_hidden = None if hidden is None else hidden[b, packed.committed(b, path)]
         return Verdict(tree, path, token, probs, row, hidden=kept_hidden)
 
@@ -102,6 +108,39 @@ def verify(
     if top:
         add_top(verdicts, top)
     return packed, verdicts
+
+
+def device_targets(
+    trees: list[DraftTree],
+    seqs: list[Sequence],
+    logits: list[torch.Tensor],
+    scores: list[torch.Tensor | None],
+    rule: Rule,
+) -> list[list[int] | None]:
+    """Per row, the target's own token after its root and after each node ([1 + N] ids), computed
+    on the logits' device for every row at once and read back in one transfer: the argmax at
+    temperature 0, the Gumbel-max sample under match_gumbel (and for rows without a draft under
+    rejection), exactly as `target_sampler` picks them. None for the rows that sample on the host
+    (match_multinomial's generator stream; rejection's walk)."""
+    parts: list[torch.Tensor | None] = []
+    for tree, s, row, sc in zip(trees, seqs, logits, scores):
+        if sc is None:
+            parts.append(row.argmax(-1))
+        elif rule == "match_gumbel" or (rule == "rejection" and not len(tree)):
+            parts.append(gumbel_targets(sc, s.seed, [s.position + d for d in (0, *tree.depths())]))
+        else:
+            parts.append(None)
+    computed = [p for p in parts if p is not None]
+    flat = torch.cat(computed).tolist() if computed else []
+    out: list[list[int] | None] = []
+    start = 0
+    for p in parts:
+        if p is None:
+            out.append(None)
+            continue
+        out.append(flat[start : start + len(p)])
+        start += len(p)
+    return out
 
 
 def add_top(verdicts: list[Verdict], k: int) -> None:

@@ -61,7 +61,7 @@ class UnionDrafter:
         probs = None
         if v.probs is not None:
             probs = torch.zeros(shape, dtype=v.probs.dtype)
-            probs[[0, *(1 + n for n in own_path)]] = v.probs[rows_needed]
+            probs[[0, *(1 + n for n in own_path)]] = v.probs[rows_needed].cpu()  # (on a GPU's device)
         # Without its own path a drafter learns only the first committed position (kept_rows()
         # stops at the path's end; `kept` still locates the committed tokens).
         top = None if v.top is None else (v.top[0][: 1 + len(own_path)], v.top[1][: 1 + len(own_path)])
