@@ -25,7 +25,7 @@ from decoding.core.gumbel import (
 from decoding.core.sampling import SamplingParams, process_logits, processed_logits
 from decoding.core.sequence import Sequence
 from decoding.core.stopping import StopRule
-from decoding.core.verify import device_targets, target_sampler
+from decoding.core.verify import device_targets, processed, processed_rows, target_sampler
 
 N = 20_000
 
@@ -173,3 +173,18 @@ def test_device_targets_are_the_samplers_own_tokens(rule):
         depths = [0, *tree.depths()]
         pick = target_sampler(seq, "match_gumbel" if sc is not None else rule, row, sc, None if sc is None else sc)
         assert own == [pick(m - 1, depths[m]) for m in range(1 + len(tree))]
+
+
+def test_rows_processed_together_are_the_rows_processed_alone():
+    """A GPU's verification processes every row of one sampling setting in one call
+    (`processed_rows`): each row's scores are what processing it alone gives."""
+    gen = torch.Generator().manual_seed(5)
+    settings = [SamplingParams(0.7, 20, 0.9), SamplingParams(0.0), SamplingParams(1.3), SamplingParams(0.7, 20, 0.9)]
+    seqs = [Sequence.create([1, 2, 3], StopRule(frozenset(), (), 8), p, seed=i) for i, p in enumerate(settings)]
+    logits = [torch.randn(1 + i, 300, generator=gen) * 2 for i in range(len(seqs))]
+    together = processed_rows(seqs, logits)
+    for s, row, t in zip(seqs, logits, together):
+        alone = processed(s, row)
+        assert (t is None) == (alone is None)
+        if t is not None:
+            assert torch.equal(t, alone)

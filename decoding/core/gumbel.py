@@ -36,6 +36,7 @@ _SCALE = 2.0**-52
 # The noise's range, fixed by the uniform's 52 bits.
 G_MAX = -math.log(-math.log1p(-0.5 * _SCALE))
 G_MIN = -math.log(-math.log(0.5 * _SCALE))
+_CHUNK = 1 << 24  # elements of float64 noise one pass of gumbel_targets makes (128 MB)
 _MARGIN = 1e-5  # the pruning bounds', relative: float32 scores compare to 6e-8, float64 sums to 1e-16
 
 
@@ -118,19 +119,25 @@ def gumbel_pick(scores: torch.Tensor, seed: int, position: int) -> int:
     return int(near[noisy.argmax()])
 
 
-def gumbel_targets(scores: torch.Tensor, seed: int, positions: list[int]) -> torch.Tensor:
-    """`gumbel_pick` of every row of processed logits [M, V] at once, row m at `positions[m]`: the
-    tokens [M] on the scores' device, with no read-back (a GPU's verification: every node's own
-    sample in one pass, then one transfer for the whole step). The same float64 sums and argmax as
-    `_noisy_top`, over the whole vocabulary: the same tokens."""
-    keys = torch.tensor([_signed(key(seed, p)) for p in positions], dtype=torch.int64)
-    x = _vocabulary(scores.shape[-1], scores.device)[None, :] * _signed(_GAMMA) + keys.to(scores.device)[:, None]
-    x ^= _srl(x, 30)
-    x *= _signed(_M1)
-    x ^= _srl(x, 27)
-    x *= _signed(_M2)
-    x ^= _srl(x, 31)
-    return (scores.double() + _gumbel_of_bits(_srl(x, 12))).argmax(-1)
+def gumbel_targets(scores: torch.Tensor, keys: list[int]) -> torch.Tensor:
+    """`gumbel_pick` of every row of processed logits [R, V] at once, row r with the noise stream
+    `keys[r]` (`key(seed, position)`): the tokens [R] on the scores' device, with no read-back (a
+    GPU's verification: every node of every row sampled in one pass, one transfer for the step).
+    The same float64 sums and argmax as `_noisy_top`, over the whole vocabulary: the same tokens.
+    In chunks of rows, so the float64 noise of many rows of a large vocabulary never piles up."""
+    vocab = _vocabulary(scores.shape[-1], scores.device)[None, :] * _signed(_GAMMA)
+    starts = torch.tensor([_signed(k) for k in keys], dtype=torch.int64).to(scores.device, non_blocking=True)
+    step = max(1, _CHUNK // scores.shape[-1])
+    out = []
+    for lo in range(0, scores.shape[0], step):
+        x = vocab + starts[lo : lo + step, None]
+        x ^= _srl(x, 30)
+        x *= _signed(_M1)
+        x ^= _srl(x, 27)
+        x *= _signed(_M2)
+        x ^= _srl(x, 31)
+        out.append((scores[lo : lo + step].double() + _gumbel_of_bits(_srl(x, 12))).argmax(-1))
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.long, device=scores.device)
 
 
 def _gumbel_np(bits: np.ndarray) -> np.ndarray:

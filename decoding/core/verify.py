@@ -13,11 +13,11 @@ import torch
 
 from decoding.core.acceptance import walk_matched, walk_rejection
 from decoding.core.draft_tree import DraftTree
-from decoding.core.gumbel import gumbel_pick, gumbel_targets
+from decoding.core.gumbel import gumbel_pick, gumbel_targets, key
 from decoding.core.kv_cache import RowKVCache
 from decoding.core.packing import Packed, pack
 from decoding.core.runner import ModelRunner
-from decoding.core.sampling import Rule, processed_logits, top_k_rows
+from decoding.core.sampling import Rule, SamplingParams, processed_logits, top_k_rows
 from decoding.core.sequence import Sequence
 
 
@@ -79,9 +79,9 @@ def verify(
     packed = pack(pending, trees)
     logits = target.score(cache, packed, rows)
     hidden = target.last_hidden if target.hidden_layer is not None else None
-    # Processed once per row: the distributions drafters learn from, and what the samplers read.
-    scores = [None if s.params.greedy else processed_logits(row.float(), s.params) for s, row in zip(seqs, logits)]
     on_device = bool(logits) and logits[0].device.type != "cpu"
+    # Processed once per row: the distributions drafters learn from, and what the samplers read.
+    scores = processed_rows(seqs, logits) if on_device else [processed(s, row) for s, row in zip(seqs, logits)]
     # On a GPU every row's own token at its root and at each node is found where the logits are, and
     # the step reads them back once; the CPU samples lazily, only the nodes a walk reaches.
     targets = device_targets(trees, seqs, logits, scores, rule) if on_device else [None] * len(trees)
@@ -110,6 +110,27 @@ def verify(
     return packed, verdicts
 
 
+def processed(s: Sequence, row: torch.Tensor) -> torch.Tensor | None:
+    """A row's processed logits (None at temperature 0: only the argmax matters)."""
+    return None if s.params.greedy else processed_logits(row.float(), s.params)
+
+
+def processed_rows(seqs: list[Sequence], logits: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    """`processed` for every row, in one call per sampling setting: on a GPU the per-row calls were
+    a dozen small launches each (thousands a step in the statistical tests), and every operation
+    in it works row by row."""
+    out: list[torch.Tensor | None] = [None] * len(seqs)
+    groups: dict[SamplingParams, list[int]] = {}
+    for b, s in enumerate(seqs):
+        if not s.params.greedy:
+            groups.setdefault(s.params, []).append(b)
+    for params, members in groups.items():
+        done = processed_logits(torch.cat([logits[b] for b in members]).float(), params)
+        for b, part in zip(members, torch.split(done, [len(logits[b]) for b in members])):
+            out[b] = part
+    return out
+
+
 def device_targets(
     trees: list[DraftTree],
     seqs: list[Sequence],
@@ -122,24 +143,24 @@ def device_targets(
     temperature 0, the Gumbel-max sample under match_gumbel (and for rows without a draft under
     rejection), exactly as `target_sampler` picks them. None for the rows that sample on the host
     (match_multinomial's generator stream; rejection's walk)."""
-    parts: list[torch.Tensor | None] = []
-    for tree, s, row, sc in zip(trees, seqs, logits, scores):
-        if sc is None:
-            parts.append(row.argmax(-1))
-        elif rule == "match_gumbel" or (rule == "rejection" and not len(tree)):
-            parts.append(gumbel_targets(sc, s.seed, [s.position + d for d in (0, *tree.depths())]))
-        else:
-            parts.append(None)
-    computed = [p for p in parts if p is not None]
-    flat = torch.cat(computed).tolist() if computed else []
-    out: list[list[int] | None] = []
+    greedy = [b for b, sc in enumerate(scores) if sc is None]
+    sampled = [
+        b
+        for b, sc in enumerate(scores)
+        if sc is not None and (rule == "match_gumbel" or (rule == "rejection" and not len(trees[b])))
+    ]
+    parts = []
+    if greedy:
+        parts.append(torch.cat([logits[b] for b in greedy]).argmax(-1))
+    if sampled:
+        keys = [key(seqs[b].seed, seqs[b].position + d) for b in sampled for d in (0, *trees[b].depths())]
+        parts.append(gumbel_targets(torch.cat([scores[b] for b in sampled]), keys))  # type: ignore[misc]
+    flat = torch.cat(parts).tolist() if parts else []
+    out: list[list[int] | None] = [None] * len(trees)
     start = 0
-    for p in parts:
-        if p is None:
-            out.append(None)
-            continue
-        out.append(flat[start : start + len(p)])
-        start += len(p)
+    for b in greedy + sampled:
+        out[b] = flat[start : start + len(logits[b])]
+        start += len(logits[b])
     return out
 
 
