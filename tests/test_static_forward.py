@@ -9,6 +9,7 @@ import copy
 import dataclasses
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from decoding.engine import Engine
 from decoding.kinds import DECODERS
 
 CAPTURE = DEVICE.type == "cuda"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def same(a: torch.Tensor, b: torch.Tensor, exact: bool = True) -> None:
@@ -210,3 +212,23 @@ def test_graphs_on_without_cuda_is_one_line(tmp_path):
         "error: model.cuda_graphs=on needs a CUDA device, not cpu; use model.cuda_graphs=auto "
         "(or eager for the same bucketed forward without capture)"
     ]
+
+
+def test_the_gpu_check_runs_the_makefiles_cuda_list():
+    """tools/gpu_check.py runs `make test-cuda`'s files (one list, in the Makefile), each a real file;
+    without a GPU it says so in one line."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.pop(0)
+    files = gpu_check.cuda_test_files()
+    assert "tests/test_static_forward.py" in files and "tests/test_continuous.py" in files
+    assert all((ROOT / f).is_file() for f in files)
+    if not torch.cuda.is_available():
+        run = subprocess.run(
+            [sys.executable, str(ROOT / "tools" / "gpu_check.py"), "a", "b"], capture_output=True, text=True
+        )
+        assert run.returncode == 2 and run.stderr.strip().splitlines() == [
+            "error: tools/gpu_check.py measures a GPU and none is visible; on a CPU use make test"
+        ]

@@ -140,6 +140,9 @@ def main() -> None:
     )
     parser.add_argument("--questions", type=Path, default=Path("../shared/data/gsm8k/test.jsonl"))
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("error: tools/gpu_check.py measures a GPU and none is visible; on a CPU use make test", file=sys.stderr)
+        sys.exit(2)
     start = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
     questions = [json.loads(line)["question"] for line in args.questions.read_text().splitlines()[:32]]
