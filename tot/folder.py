@@ -94,8 +94,13 @@ def settings_of(container: Mapping[str, Any], resolved_values: Mapping[str, Any]
     are), with the values `auto` resolved to."""
     flat = flatten({k: v for k, v in container.items() if k != "hydra"})
     flat.update(resolved_values)
-    counted = {k: v for k, v in flat.items() if k not in SELECTION}
+    counted = {k: v for k, v in flat.items() if k not in SELECTION and not _no_draft_model(k, flat)}
     return {k: v for k, v in counted.items() if not any(k == key and when(counted) for key, when in SPEED_ONLY)}
+
+
+def _no_draft_model(key: str, flat: Mapping[str, Any]) -> bool:
+    """A draft model's options where none is configured (draft.path unset): nothing reads them."""
+    return key.startswith("draft.") and key != "draft.path" and not flat.get("draft.path")
 
 
 def resolved(container: Mapping[str, Any]) -> Settings:
