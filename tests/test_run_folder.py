@@ -28,6 +28,7 @@ from test_run import FakeEngine, make_config
 from decoding.cli import prepare_folder
 from tot.config import ConfigError
 from tot.folder import RECORD, SELECTION, SPEED_ONLY, Configuration, flatten, settings_of
+from tot.results import ResultStore, read_results
 from tot.run import run
 
 TINY = [
@@ -234,7 +235,40 @@ def test_the_folder_is_resolved_once_and_pinned(tmp_path, monkeypatch):
     assert prepare_folder(["--cfg", "job"], "config", None) == ""  # Hydra prints; nothing is written
 
 
+def test_a_failed_write_of_the_record_is_one_line_and_the_rerun_writes_it(tiny, tmp_path):
+    """The write of configuration.json refused (injected at the project's writer, tests/fault_run.py):
+    one line, nothing solved; the rerun records the configuration and solves."""
+    run_dir = tmp_path / "run"
+    fault = [str(REPO / "tests" / "fault_run.py"), "EACCES", f"{RECORD}.tmp", "1", "tot.solve"]
+    args = [f"model.path={tiny}", *TINY, "data.limit=1", f"hydra.run.dir={run_dir}"]
+    proc = subprocess.run(
+        [sys.executable, *fault, *args], cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300
+    )
+    assert one_error_line(proc).startswith(f"error: permission denied writing {run_dir / RECORD}; make {run_dir}")
+    assert not (run_dir / RECORD).exists() and not (run_dir / "results.jsonl").exists()
+    assert solve(tiny, run_dir, "data.limit=1").returncode == 0
+    assert json.loads((run_dir / RECORD).read_text())["settings"]["decoder.name"] == "ar"
+
+
 # ----------------------------------------------------------------------------- loading never rewrites
+
+
+def test_reading_results_changes_nothing_and_the_latest_record_wins(tmp_path):
+    def line(pid: str, answer: str) -> str:
+        return json.dumps({"id": pid, "correct": False, "wall_s": 1.0, "phases": {}, "answer": answer}) + "\n"
+
+    path = tmp_path / "results.jsonl"
+    text = line("a", "1") + "\n" + line("b", "2") + line("a", "3") + '{"id": "c", "cor'
+    path.write_text(text)
+    results = read_results(path)
+    assert path.read_text() == text
+    assert {pid: r["answer"] for pid, r in results.latest.items()} == {"a": "3", "b": "2"}
+    assert results.redone == ["a"] and results.torn_line == 5
+    store = ResultStore(tmp_path)
+    assert path.read_text() == text
+    store.append(json.loads(line("c", "4")))  # the torn tail goes just before the first new line
+    assert path.read_text() == text[: text.rindex("\n") + 1] + line("c", "4")
+    assert [r["answer"] for r in store.records] == ["3", "2", "4"]
 
 
 def test_a_torn_last_line_is_ignored_with_a_warning_and_the_problem_solved_again(tiny, finished, tmp_path):
@@ -253,7 +287,7 @@ def test_a_torn_last_line_is_ignored_with_a_warning_and_the_problem_solved_again
 @pytest.mark.parametrize(
     "damage, named",
     [
-        ("not json\n", "not a JSON record"),
+        ("not json\n", "not a JSON record (Expecting value)"),
         ('{"id": "bundled-1"}\n', "not a whole record of tot.solve (no valid correct, wall_s, phases)"),
         ("[1, 2]\n", "not a JSON object"),
     ],
@@ -430,7 +464,7 @@ GOOD_LINE = b'{"question": "1 + 1?", "answer": "#### 2"}\n'
 @pytest.mark.parametrize(
     "content, named",
     [
-        (GOOD_LINE + b'{"question": "caf\xe9?", "answer": "#### 3"}\n', ":2: byte 0xe9 at column 17 is not UTF-8"),
+        (GOOD_LINE + b'{"question": "caf\xe9?", "answer": "#### 3"}\n', ":2: byte 0xe9 at column 18 is not UTF-8"),
         (b'{"question": "  ", "answer": "#### 2"}\n', ":1: the question is '  '; give each problem its question"),
     ],
 )

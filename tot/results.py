@@ -77,7 +77,8 @@ def read_results(path: Path, fingerprint: str | None = None) -> Results:
         results.torn_line = len(lines)
     results.whole_bytes = len(raw) - len(lines[-1])
     for number, line in enumerate(lines[:-1], 1):
-        results.entries.append(parse_record(path, number, line, fingerprint))
+        if line.strip():  # a blank line holds nothing to lose
+            results.entries.append(parse_record(path, number, line, fingerprint))
     return results
 
 

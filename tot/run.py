@@ -66,7 +66,8 @@ def _run(cfg: RunConfig, out_dir: Path, engine: GenerationEngine | None, progres
         "model": cfg.model.path,
         "concurrency": cfg.concurrency,
         "fingerprint": folder.fingerprint,  # configuration.json holds its settings
-        "config": json.loads(json.dumps(asdict(cfg), default=str)),
+        # The config as the run read it (its source is configuration.json's business).
+        "config": json.loads(json.dumps({k: v for k, v in asdict(cfg).items() if k != "source"}, default=str)),
     }
     selected = {p.id for p in problems}
     if todo:
