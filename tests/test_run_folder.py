@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import IO
 
 import pytest
 from hydra import compose, initialize_config_module
@@ -25,7 +26,8 @@ from test_cli import REPO, subprocess_env
 from test_faults import one_error_line
 from test_run import FakeEngine, make_config
 
-from decoding.cli import prepare_folder
+import tot.output
+from decoding.cli import Stopped, prepare_folder
 from tot.config import ConfigError
 from tot.folder import RECORD, SELECTION, SPEED_ONLY, Configuration, flatten, settings_of
 from tot.results import ResultStore, read_results
@@ -341,6 +343,41 @@ def test_an_unreadable_tree_is_named_by_show_and_solved_again_by_a_rerun(tiny, f
     assert [r["id"] for r in lines_of(run_dir / "results.jsonl")] == ["bundled-1", "bundled-2", "bundled-1"]
     json.loads(broken.read_text())  # written again
     assert json.loads((run_dir / "summary.json").read_text())["n_problems"] == 2
+
+
+def test_a_record_cut_mid_append_by_a_signal_is_trimmed(tmp_path, monkeypatch):
+    """SIGTERM (Stopped) or Ctrl-C halfway through a record's write: the file is cut back to its
+    whole lines, and the signal goes on to end the command."""
+    path = tmp_path / "results.jsonl"
+    path.write_text('{"id": "a"}\n')
+    real = tot.output.open_for_write
+
+    class Halfway:
+        def __init__(self, f: IO[str]) -> None:
+            self.f = f
+
+        def write(self, text: str) -> int:
+            self.f.write(text[: len(text) // 2])
+            self.f.flush()
+            raise Stopped(signal.SIGTERM)
+
+        def __enter__(self) -> Halfway:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self.f.close()
+
+    monkeypatch.setattr(tot.output, "open_for_write", lambda p, mode: Halfway(real(p, mode)))
+    with pytest.raises(Stopped):
+        tot.output.append_line(path, '{"id": "b", "answer": "12"}')
+    assert path.read_text() == '{"id": "a"}\n'
+
+
+def test_compare_names_an_unreadable_tree_in_one_line(finished, tmp_path):
+    other = copy_of(finished, tmp_path)
+    (other / "trees" / "bundled-2.json").write_text("{")
+    line = one_error_line(command("tot.compare", str(finished), str(other)))
+    assert line.startswith(f"error: {other / 'trees' / 'bundled-2.json'} cannot be read (")
 
 
 # ----------------------------------------------------------------------------- derived outputs
