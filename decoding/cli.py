@@ -70,7 +70,7 @@ class Stopped(KeyboardInterrupt):
 STOPPED_STATUS = {"SIGINT": 128 + signal.SIGINT, "SIGTERM": 128 + signal.SIGTERM}
 # Hydra's flags that print or read something else than the config a run gets: no folder is checked.
 ONLY_THESE_FLAGS = ("-m", "--multirun")
-SAFE_PATH = re.compile(r"[\w./:@+-]+")  # a path that goes into an override as it is
+SAFE_PATH = re.compile(r"[\w./+-]+")  # a path that goes into an override as it is
 
 
 def _stop(signum: int, frame: object) -> None:

@@ -55,7 +55,7 @@ def _run(cfg: RunConfig, out_dir: Path, engine: GenerationEngine | None, progres
         )
     rule = sampling_rule(cfg)
     check_rule(store.records, rule, out_dir)
-    done = solved(store)
+    done = solved(store, {p.id for p in problems})
     todo = [p for p in problems if p.id not in done]
     if done:
         log.info("resuming in %s: %d of %d problems already done", out_dir, len(problems) - len(todo), len(problems))
@@ -132,10 +132,13 @@ def open_run(cfg: RunConfig, out_dir: Path) -> tuple[Configuration, ResultStore]
     return open_folder(out_dir, Configuration.of(cfg.source))
 
 
-def solved(store: ResultStore) -> set[str]:
-    """The problems with a record and a readable tree: a problem whose tree cannot be read is solved again."""
+def solved(store: ResultStore, selected: set[str]) -> set[str]:
+    """The selected problems with a record and a readable tree: one whose tree cannot be read is
+    solved again."""
     done = set()
     for rec in store.records:
+        if rec["id"] not in selected:
+            continue
         path = store.tree_path(rec["id"])
         problem = unreadable(path)
         if problem is None:
