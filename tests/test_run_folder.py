@@ -211,6 +211,9 @@ def test_every_key_but_the_allow_list_counts_as_configuration():
     assert gpu[0] != gpu[1]
     cpu = [settings_of({**container, "run": {"concurrency": n}}, {"model.device": "cpu"}) for n in (1, 4)]
     assert cpu[0] == cpu[1]
+    # gen.temperature=0 and gen.temperature=0.0 are one setting, with one fingerprint (shards collect as one).
+    zero = [settings_of({**container, "gen": {**container["gen"], "temperature": t}}, {}) for t in (0, 0.0)]
+    assert len({Configuration.from_settings(z).fingerprint for z in zero}) == 1
     # Without a draft model (draft.path unset) nothing reads the draft's options.
     assert "draft.path" in cpu[0] and not [k for k in cpu[0] if k.startswith("draft.") and k != "draft.path"]
 

@@ -75,8 +75,20 @@ class Configuration:
     @classmethod
     def from_settings(cls, settings: Settings, source: str = "this run") -> Configuration:
         plain = json.loads(json.dumps(settings, default=str))  # as it reads back from configuration.json
-        text = json.dumps(plain, sort_keys=True)
+        text = json.dumps(canonical(plain), sort_keys=True)
         return cls(plain, hashlib.sha256(text.encode()).hexdigest()[:16], source)
+
+
+def canonical(value: Any) -> Any:
+    """`value` with whole floats as integers: gen.temperature=0 and =0.0 are one setting (the rerun
+    check compares with ==, which agrees), so they get one fingerprint."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, dict):
+        return {k: canonical(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [canonical(v) for v in value]
+    return value
 
 
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> Settings:
