@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
+import re
+import signal
 import sys
+import tempfile
 from collections.abc import Callable
 from importlib import resources
+from pathlib import Path
 from typing import NoReturn
 
 import hydra
@@ -56,25 +61,101 @@ def fail(message: str) -> NoReturn:
     sys.exit(2)
 
 
+class Stopped(KeyboardInterrupt):
+    """SIGTERM, raised wherever the program is, as Ctrl-C raises KeyboardInterrupt: the same cleanup
+    runs (a record cut mid-append is trimmed, the folder's lock let go)."""
+
+
+# The exit status of a command a signal stopped: 128 + the signal's number, as a shell reports it.
+STOPPED_STATUS = {"SIGINT": 128 + signal.SIGINT, "SIGTERM": 128 + signal.SIGTERM}
+# Hydra's flags that print or read something else than the config a run gets: no folder is checked.
+ONLY_THESE_FLAGS = ("-m", "--multirun")
+SAFE_PATH = re.compile(r"[\w./+-]+")  # a path that goes into an override as it is
+
+
+def _stop(signum: int, frame: object) -> None:
+    raise Stopped(signum)
+
+
 def hydra_command(
-    config_name: str, groups: tuple[str, ...] = ()
+    config_name: str,
+    groups: tuple[str, ...] = (),
+    before: Callable[[DictConfig, Path], None] | None = None,
 ) -> Callable[[Callable[[DictConfig], None]], Callable[[], None]]:
     """The one way a command starts: its overrides checked (one line naming a bad key or group
-    choice, exit 2, before Hydra's long errors), library chatter off, then Hydra with
-    conf/<config_name>.yaml. `groups` are the config groups the command's overrides may choose."""
+    choice, exit 2, before Hydra's long errors), its output folder resolved and checked (one line
+    where it cannot be made or written) and `before(config, folder)` run before Hydra writes anything
+    there, library chatter off, then Hydra with conf/<config_name>.yaml. `groups` are the config
+    groups the command's overrides may choose. SIGINT and SIGTERM end the command with one line and
+    exit status 130 / 143, after the cleanup an exception gets."""
 
     def wrap(body: Callable[[DictConfig], None]) -> Callable[[], None]:
         run = hydra.main(config_path="pkg://conf", config_name=config_name, version_base="1.3")(body)
 
         def command() -> None:
-            check_overrides(sys.argv[1:], config_name, groups)
-            quiet_libraries()
-            run()
+            previous = signal.signal(signal.SIGTERM, _stop)
+            try:
+                check_overrides(sys.argv[1:], config_name, groups)
+                pin = prepare_folder(sys.argv[1:], config_name, before)
+                if pin:
+                    sys.argv.append(pin)
+                quiet_libraries()
+                run()
+            except KeyboardInterrupt as e:
+                name = "SIGTERM" if isinstance(e, Stopped) else "SIGINT"
+                print(
+                    f"error: stopped by {name}; what finished is kept: rerun the same command to go on",
+                    file=sys.stderr,
+                )
+                sys.exit(STOPPED_STATUS[name])
+            finally:
+                signal.signal(signal.SIGTERM, previous)
 
         command.__doc__ = body.__doc__
         return command
 
     return wrap
+
+
+def prepare_folder(argv: list[str], config_name: str, before: Callable[[DictConfig, Path], None] | None) -> str:
+    """Resolve the folder Hydra will write (hydra.run.dir, or hydra.sweep.dir for -m), check it can be
+    made and written, and run `before` on a single run's config and folder. Returns the override that
+    pins the folder (a ${now:...} in it resolves again when Hydra starts), or ""."""
+    if any(a.startswith("-") and a not in ONLY_THESE_FLAGS for a in argv):
+        return ""  # --help, --cfg, -cn...: Hydra prints or composes something else
+    multirun = any(a in ONLY_THESE_FLAGS for a in argv)
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    overrides = [a for a in argv if "=" in a and not a.startswith("-")]
+    if multirun:  # a sweep's values are not one config: only what names its folder
+        overrides = [a for a in overrides if a.startswith("hydra.") and "," not in a]
+    try:
+        with initialize_config_module(config_module="conf", version_base="1.3", job_name=Path(sys.argv[0]).stem):
+            cfg = compose(config_name=config_name, overrides=overrides, return_hydra_config=True)
+        folder = Path(str(OmegaConf.select(cfg, key)))
+    except Exception:  # a folder named from what only Hydra's run knows: Hydra checks it itself
+        return ""
+    check_folder(folder, key)
+    if before is not None and not multirun:
+        body = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
+        before(body, folder)
+    given = any(a.startswith(f"{key}=") for a in argv)
+    return f"{key}={folder}" if not given and SAFE_PATH.fullmatch(str(folder)) else ""
+
+
+def check_folder(path: Path, key: str) -> None:
+    """The folder `key` names, made if need be and written to once (a file made and removed), or one
+    line saying why it cannot be."""
+    existing = next(p for p in (path, *path.parents) if p.exists() or p.is_symlink())
+    if not existing.is_dir():
+        what = "a file" if existing.is_file() else "not a folder"
+        fail(f"{key}={path}: {existing} is {what}, where a folder should be; give another folder with {key}=...")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=path, prefix=".write-check-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        fail(f"{key}={path} cannot be written ({e.strerror or e}); give a writable folder with {key}=...")
 
 
 def check_overrides(argv: list[str], config_name: str, groups: tuple[str, ...]) -> None:

@@ -174,20 +174,40 @@ def read_jsonl(
     if not path.is_file():
         raise DataError(f"{name} does not exist; give {expected}")
     records = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg}); fix or remove that line") from None
-            if not isinstance(rec, dict):
-                raise DataError(f"{path}:{lineno}: not a JSON object; the file should be {expected}")
-            missing = [k for k in required if k not in rec]
-            if missing:
-                raise DataError(f"{path}:{lineno}: record has no {', '.join(missing)}; each line needs {required}")
-            records.append((lineno, rec))
+    for lineno, line in enumerate(text_lines(path), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg}); fix or remove that line") from None
+        if not isinstance(rec, dict):
+            raise DataError(f"{path}:{lineno}: not a JSON object; the file should be {expected}")
+        missing = [k for k in required if k not in rec]
+        if missing:
+            raise DataError(f"{path}:{lineno}: record has no {', '.join(missing)}; each line needs {required}")
+        records.append((lineno, rec))
     if not records:
         raise DataError(f"{name} holds no records; give {expected}")
     return records
+
+
+def text_lines(path: Path) -> list[str]:
+    """The lines of a UTF-8 text file, decoded one by one so that a line that is not UTF-8 is a
+    DataError naming the file, the line and the byte, not a UnicodeDecodeError."""
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise DataError(f"{path} cannot be read ({e.strerror or e}); give a readable data file") from None
+    lines = []
+    for lineno, line in enumerate(raw.split(b"\n"), 1):
+        try:
+            lines.append(line.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise DataError(
+                f"{path}:{lineno}: byte 0x{line[e.start]:02x} at column {e.start + 1} is not UTF-8 text; "
+                "save the file as UTF-8"
+            ) from None
+    if lines and lines[-1] == "":
+        lines.pop()  # the newline that ends the last line starts no line of its own
+    return lines

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from tasks.base import DataError, DataSpec, Problem, Prompt, TaskDefaults, check_evaluator, check_positive
+from tasks.base import DataError, DataSpec, Problem, Prompt, TaskDefaults, check_evaluator, check_positive, text_lines
 
 N_SENTENCES = 4
 PLAN_PREFIX = "Plan:\n"
@@ -129,7 +129,7 @@ class CreativeWriting(TaskDefaults):
         else:
             path = Path(str(resources.files("tasks.data") / "creative_writing_examples.txt"))
         problems = []
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = text_lines(path)
         for lineno, line in enumerate(lines, 1):
             if not line.strip():
                 continue

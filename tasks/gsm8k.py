@@ -146,7 +146,10 @@ class GSM8K(TaskDefaults):
                 gold = gold_answer(str(rec["answer"]))
             except ValueError as e:
                 raise DataError(f"{path}:{lineno}: {e}; the answer must end with '#### <number>'") from None
-            problems.append(Problem(id=str(rec.get("id", f"{path.stem}-{i}")), question=rec["question"], gold=gold))
+            question = rec["question"]
+            if not isinstance(question, str) or not question.strip():
+                raise DataError(f"{path}:{lineno}: the question is {question!r}; give each problem its question text")
+            problems.append(Problem(id=str(rec.get("id", f"{path.stem}-{i}")), question=question, gold=gold))
         return data.select(problems)
 
     # --- thought generator -------------------------------------------------------------------

@@ -20,6 +20,7 @@ from test_run import FakeEngine, make_config
 from decoding.core.errors import OutputError
 from tot.collect import main as collect_main
 from tot.lock import run_lock
+from tot.results import ResultStore
 from tot.run import run
 
 SMALL = [
@@ -141,21 +142,21 @@ def test_a_small_prefix_store_stays_under_its_cap(tmp_path):
     assert memory["kv_pool_mb"] == 0 < memory["peak_kv_mb"] and memory["peak_rss_mb"] >= memory["rss_mb"] > 0
 
 
-def test_problems_written_twice_are_counted_once(tmp_path, capsys):
-    """A folder two runs wrote at once before the lock existed: collect and a resumed run count
-    each problem once and say which were doubled."""
+def test_problems_recorded_twice_count_once_and_nothing_is_rewritten(tmp_path, capsys):
+    """A folder two runs wrote at once before the lock existed (or a problem solved again): collect
+    and a resumed run count each problem once, its latest record, and results.jsonl stays as it is."""
     out = tmp_path / "old-run"
     run(make_config("data.limit=3"), out, engine=FakeEngine(), progress=False)
     results = out / "results.jsonl"
     lines = results.read_text().splitlines(keepends=True)
-    results.write_text("".join(lines + lines[:2]))  # the other run's copies of two problems
+    later = [json.dumps({**json.loads(line), "answer": "later"}) + "\n" for line in lines[:2]]
+    results.write_text("".join(lines + later))  # the other run's records of two problems, written last
     summary = json.loads((out / "summary.json").read_text())
     summary["n_problems"] = 5
     (out / "summary.json").write_text(json.dumps(summary))
     assert collect_main([str(tmp_path)]) == 0
-    printed = capsys.readouterr().out
-    assert "old-run: 2 problem(s) written twice by two runs at once (bundled-1, bundled-2): counted once" in printed
     assert json.loads((tmp_path / "collected.json").read_text())["runs"][0]["n_problems"] == 3
     counting = FakeEngine()
     assert run(make_config("data.limit=3"), out, engine=counting, progress=False)["n_problems"] == 3
-    assert counting.calls == 0 and results.read_text() == "".join(lines)
+    assert counting.calls == 0 and results.read_text() == "".join(lines + later)
+    assert [r["answer"] for r in ResultStore(out).records] == ["later", "later", "12"]

@@ -15,7 +15,7 @@ from conftest import build_model
 from hydra import compose, initialize_config_module
 
 from decoding.cli import check_overrides
-from tot.collect import collect, combine
+from tot.collect import collect
 from tot.config import RunConfig
 from tot.run import run
 
@@ -63,7 +63,7 @@ def check_collected(sweep_dir: Path, single_dir: Path) -> None:
     assert len(shards) == 2
     assert records(sweep_dir) == records(single_dir) and len(records(single_dir)) == 5
     assert trees(sweep_dir) == trees(single_dir)
-    (row,) = combine(collect(sweep_dir))
+    (row,) = collect(sweep_dir)[1]  # one configuration: the shards combined
     whole = json.loads((single_dir / "summary.json").read_text())
     assert (row["n_problems"], row["generated_tokens"]) == (whole["n_problems"], whole["generated_tokens"])
     assert row["accuracy"] == whole["accuracy"]

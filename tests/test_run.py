@@ -226,7 +226,8 @@ def test_a_run_resumes_only_under_its_sampling_rule(tmp_path):
     run(make_config("data.limit=2"), out, engine=FakeEngine(), progress=False)
     assert {r["rule"] for r in read_results(out)} == {"match_gumbel"}  # the default, at t = 0.6
     before = (out / "results.jsonl").read_text()
-    with pytest.raises(ConfigError, match=r"sampled under verify.rule=match_gumbel; .* verify.rule=match_gumbel"):
+    refused = r"\(verify.rule=match_gumbel there, match_multinomial here; .*\(verify.rule=match_gumbel\)"
+    with pytest.raises(ConfigError, match=refused):
         run(make_config("data.limit=3", "verify.rule=match_multinomial"), out, engine=FakeEngine(), progress=False)
     assert (out / "results.jsonl").read_text() == before
     counting = FakeEngine()

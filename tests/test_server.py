@@ -142,7 +142,7 @@ def test_tot_run_on_the_server_end_to_end(llama: LlamaServer, tmp_path: Path):
         thoughts = [n for n in tree["nodes"] if n.get("raw")]
         assert thoughts and all(n["tokens"] > 0 for n in thoughts)  # counted by the server's usage
         assert sum(n["tokens"] for n in thoughts) == r["phases"]["generate"]["tokens"]
-    rows = collect(tmp_path.parent)
+    rows, _ = collect(tmp_path)
     assert any(row["decoder"] == "server" for row in rows)
     assert run(cfg, tmp_path, progress=False)["n_problems"] == 2  # resumed: nothing to decode
 

@@ -43,7 +43,7 @@ def run_dir(tmp_path: Path) -> Path:
     tree, _ = build_tree()
     store = ResultStore(tmp_path / "run")
     tree.save(store.tree_path(PROBLEM_ID))
-    store.append({"id": PROBLEM_ID, "answer": "18", "correct": True})
+    store.append({"id": PROBLEM_ID, "answer": "18", "correct": True, "wall_s": 1.0, "phases": {}})
     return tmp_path / "run"
 
 
@@ -184,6 +184,6 @@ def test_memory_curve_of_a_run(loaded, tmp_path: Path, capsys):
     assert lines[0].startswith("| problem | id | stored prefixes (MB)") and len(lines) == 2 + 3 + 1
     assert (tmp_path / "memory.png").read_bytes()[:4] == b"\x89PNG"
     (tmp_path / "old").mkdir()
-    (tmp_path / "old" / "results.jsonl").write_text('{"id": "a"}\n')
+    (tmp_path / "old" / "results.jsonl").write_text('{"id": "a", "correct": false, "wall_s": 0, "phases": {}}\n')
     assert main([str(tmp_path / "old"), "--memory"]) == 2
     assert "no records with memory figures" in capsys.readouterr().err

@@ -1,26 +1,34 @@
-"""`python -m tot.collect SWEEP_DIR`: one table from the summary.json of every run under a folder.
+"""`python -m tot.collect SWEEP_DIR`: one table from every run under a folder.
 
 For Hydra sweeps (`python -m tot.solve -m ...`, one run per subfolder) and for sharded runs spread
 over machines (`data.shard=i data.num_shards=k`, their folders copied under one root): prints a
-markdown table, one row per run, and writes it to SWEEP_DIR/collected.md and collected.json.
-Shards of one configuration are also summed into one row per (task, decoder, model).
+markdown table, one row per run, and writes it to SWEEP_DIR/collected.md and collected.json. The
+runs of one configuration (the fingerprint in their configuration.json), such as the shards of one
+job, are combined into one row, each problem counted once (a problem found in two of them is
+reported); runs of different configurations stay in different rows. Rows are computed from each
+run's results.jsonl, read and never rewritten; a collection with fewer problems of a configuration
+than the collected.json it would replace is refused.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from decoding.core.errors import OutputError
+from tot.folder import SELECTION, read_record
 from tot.output import write_atomic
-from tot.results import summarize, unique_records
-from tot.saved import read_records
+from tot.results import ResultsError, summarize
+from tot.saved import ShowError, read_json, read_records
 
 COLUMNS = (
     "run",
+    "configuration",
     "task",
     "search",
     "decoder",
@@ -32,86 +40,97 @@ COLUMNS = (
     "acceptance_length",
     "forwards_per_token",
 )
+HEADER = ("task", "search", "decoder", "model")
 
 
-def collect(root: Path, report: Callable[[str], None] = print) -> list[dict]:
-    rows = []
+class CollectError(ValueError):
+    """A folder that cannot be collected as it stands: one line naming it and the fix."""
+
+
+@dataclass(frozen=True)
+class Run:
+    name: str  # its folder, relative to the root
+    configuration: str  # the fingerprint of its configuration
+    header: dict  # task, search, decoder, model
+    records: list[dict]  # the latest record of each of its problems
+
+
+def find_runs(root: Path) -> list[Run]:
+    runs = []
     for path in sorted(root.rglob("summary.json")):
-        s = json.loads(path.read_text())
-        run = str(path.parent.relative_to(root)) or "."
-        dropped = drop_duplicates(path.parent, s)
-        if dropped:
-            report(
-                f"{run}: {len(dropped)} problem(s) written twice by two runs at once ({', '.join(dropped[:5])}"
-                f"{', ...' if len(dropped) > 5 else ''}): counted once"
+        folder = path.parent
+        name = str(folder.relative_to(root)) or "."
+        summary = read_json(path)
+        if not (folder / "results.jsonl").is_file():
+            raise CollectError(
+                f"{folder} has a summary.json but no results.jsonl to count its problems from; restore it, or "
+                f"move that run out of {root}"
             )
-        rows.append(
-            {
-                "run": run,
-                **{k: s.get(k) for k in COLUMNS[1:]},
-                "n_correct": s.get("n_correct", 0),
-                "model": s.get("model"),
-            }
-        )
-    return rows
+        runs.append(Run(name, fingerprint(folder, summary), {k: summary.get(k) for k in HEADER}, read_records(folder)))
+    return runs
 
 
-def drop_duplicates(run_dir: Path, summary: dict) -> list[str]:
-    """A folder two runs wrote at once (before runs locked their folders) holds some problems twice:
-    `summary` is recomputed in place from the first record of each, and the duplicated ids returned."""
-    records = read_records(run_dir)
-    kept, dropped = unique_records(records)
-    if dropped:
-        summary.update(summarize(kept, summary))
-    return dropped
+def fingerprint(folder: Path, summary: dict) -> str:
+    """The run's configuration: its configuration.json, else (a run made before there was one) a
+    fingerprint of the settings its summary.json records, the selection left out."""
+    recorded = read_record(folder)
+    if recorded is not None:
+        return recorded.fingerprint
+    config = dict(summary.get("config") or {})
+    config.pop("concurrency", None)
+    data = {k: v for k, v in (config.pop("data", None) or {}).items() if f"data.{k}" not in SELECTION}
+    text = json.dumps({**config, "data": data}, sort_keys=True, default=str)
+    return "legacy-" + hashlib.sha256(text.encode()).hexdigest()[:9]
 
 
-def combine(rows: list[dict]) -> list[dict]:
-    """Runs of one (task, search, decoder, model), such as the shards of one job, summed into one row."""
-    groups: dict[tuple, dict] = {}
-    for r in rows:
-        key = (r["task"], r["search"], r["decoder"], r["model"])
-        g = groups.setdefault(
-            key,
-            {
-                "task": r["task"],
-                "search": r["search"],
-                "decoder": r["decoder"],
-                "model": r["model"],
-                "runs": 0,
-                "n_problems": 0,
-                "n_correct": 0,
-                "generated_tokens": 0,
-                "wall_s": 0.0,
-                "verify_steps": 0.0,
-                "target_forwards": 0.0,
-            },
-        )
-        g["runs"] += 1
-        for k in ("n_problems", "n_correct", "generated_tokens", "wall_s"):
-            g[k] += r[k] or 0
-        tau = r.get("acceptance_length") or 0
-        g["verify_steps"] += (r["generated_tokens"] or 0) / tau if tau else 0
-        g["target_forwards"] += (r.get("forwards_per_token") or 0) * (r["generated_tokens"] or 0)
-    out = []
-    for g in groups.values():
-        tokens = g["generated_tokens"]
-        out.append(
-            {
-                "run": f"{g['runs']} run(s)",
-                "task": g["task"],
-                "search": g["search"],
-                "decoder": g["decoder"],
-                "n_problems": g["n_problems"],
-                "accuracy": g["n_correct"] / g["n_problems"] if g["n_problems"] else 0.0,
-                "generated_tokens": tokens,
-                "wall_s": g["wall_s"],
-                "tokens_per_s": tokens / g["wall_s"] if g["wall_s"] else 0.0,
-                "acceptance_length": tokens / g["verify_steps"] if g["verify_steps"] else 0.0,
-                "forwards_per_token": g["target_forwards"] / tokens if tokens else 0.0,
-            }
-        )
-    return out
+def collect(root: Path, report: Callable[[str], None] = print) -> tuple[list[dict], list[dict]]:
+    """One row per run, and one per configuration (its runs' problems, each counted once)."""
+    runs = find_runs(root)
+    rows = [row(r.name, r, r.records) for r in runs]
+    combined = []
+    for config in dict.fromkeys(r.configuration for r in runs):
+        members = [r for r in runs if r.configuration == config]
+        kept: dict[str, dict] = {}
+        where: dict[str, list[str]] = {}
+        for r in members:
+            for rec in r.records:
+                kept.setdefault(rec["id"], rec)
+                where.setdefault(rec["id"], []).append(r.name)
+        twice = sorted(pid for pid, names in where.items() if len(names) > 1)
+        if twice:
+            runs_named = sorted({n for pid in twice for n in where[pid]})
+            report(
+                f"configuration {config}: {len(twice)} problem(s) in more than one run ({', '.join(twice[:5])}"
+                f"{', ...' if len(twice) > 5 else ''}; in {', '.join(runs_named[:5])}): each counted once"
+            )
+        combined.append(row(f"{len(members)} run(s)", members[0], list(kept.values())))
+    return rows, combined
+
+
+def row(name: str, run: Run, records: list[dict]) -> dict:
+    s = summarize(records, run.header)
+    return {
+        "run": name,
+        "configuration": run.configuration,
+        **{k: s.get(k) for k in COLUMNS[2:]},
+        "n_correct": s["n_correct"],
+        "model": s.get("model"),
+    }
+
+
+def check_not_fewer(root: Path, combined: list[dict]) -> None:
+    """Refuse to replace a collection with one that counts fewer problems of a configuration."""
+    path = root / "collected.json"
+    if not path.is_file():
+        return
+    before = {r.get("configuration", "?"): r.get("n_problems") or 0 for r in read_json(path).get("combined", [])}
+    now = {r["configuration"]: r["n_problems"] for r in combined}
+    for config, n in before.items():
+        if now.get(config, 0) < n:
+            raise CollectError(
+                f"{path} counts {n} problems of configuration {config}, the runs under {root} now "
+                f"{now.get(config, 0)}; restore the missing runs, or delete {path} to collect what is there"
+            )
 
 
 def markdown(rows: list[dict]) -> str:
@@ -129,18 +148,17 @@ def main(argv: list[str] | None = None) -> int:
     if not args.root.is_dir():
         print(f"error: {args.root} is not a folder; give a sweep folder such as multirun/<date>", file=sys.stderr)
         return 2
-    rows = collect(args.root)
-    if not rows:
-        print(f"error: no summary.json under {args.root}; give the folder of finished tot.solve runs", file=sys.stderr)
-        return 2
-    combined = combine(rows)
-    text = markdown(rows) + "\n\nCombined by task, search, decoder and model:\n\n" + markdown(combined)
-    print(text)
     try:
+        rows, combined = collect(args.root)
+        if not rows:
+            raise CollectError(f"no summary.json under {args.root}; give the folder of finished tot.solve runs")
+        check_not_fewer(args.root, combined)
+        text = markdown(rows) + "\n\nCombined by configuration, each problem once:\n\n" + markdown(combined)
+        print(text)
         write_atomic(args.root / "collected.md", text + "\n")
         write_atomic(args.root / "collected.json", json.dumps({"runs": rows, "combined": combined}, indent=2) + "\n")
-    except OutputError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (CollectError, ResultsError, ShowError, OutputError) as e:
+        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
     return 0
 

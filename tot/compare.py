@@ -8,10 +8,10 @@ Exit status 0 when every common problem's tree is identical, 1 otherwise, 2 on b
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
+from tot.saved import ShowError, read_tree
 from tot.tree import ReasoningTree
 
 COMPARED = ("text", "value", "depth", "chosen", "answer")
@@ -36,8 +36,7 @@ def compare_runs(run_a: Path, run_b: Path) -> tuple[int, list[str]]:
     common = sorted(trees_a.keys() & trees_b.keys())
     diffs = []
     for name in common:
-        ta = ReasoningTree.from_dict(json.loads(trees_a[name].read_text()))
-        tb = ReasoningTree.from_dict(json.loads(trees_b[name].read_text()))
+        ta, tb = read_tree(trees_a[name]), read_tree(trees_b[name])
         where = first_difference(ta, tb)
         if where:
             diffs.append(f"{name[:-5]}: {where}")
@@ -53,7 +52,11 @@ def main(argv: list[str] | None = None) -> int:
         if not (run / "trees").is_dir():
             print(f"error: {run} has no trees/ folder; give a run directory of python -m tot.solve", file=sys.stderr)
             return 2
-    n, diffs = compare_runs(args.run_a, args.run_b)
+    try:
+        n, diffs = compare_runs(args.run_a, args.run_b)
+    except ShowError as e:  # a tree that cannot be read
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if n == 0:
         print("error: the two runs have no problem in common", file=sys.stderr)
         return 2

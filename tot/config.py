@@ -43,6 +43,9 @@ class RunConfig:
     judge: ModelSpec | None = None  # task.judge.path: a separate model scores final answers
     concurrency: int = 1  # run.concurrency: problems searched at once over the one engine
     reward: RewardSpec | None = None  # reward.path: a reward model values states in place of the evaluator
+    # The resolved config this was read from (hydra's own keys left out): what a run folder records
+    # as its configuration (tot/folder.py). A copy made with dataclasses.replace keeps the old one.
+    source: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def search_settings(self) -> BFSSettings | DVTSSettings | BestOfNSettings | MCTSSettings:
@@ -74,6 +77,7 @@ class RunConfig:
     def from_omegaconf(cls, cfg: DictConfig) -> RunConfig:
         try:
             c = OmegaConf.to_container(cfg, resolve=True)
+            c.pop("hydra", None)
             data = c["data"]
             return cls(
                 task=c["task"]["name"],
@@ -102,6 +106,7 @@ class RunConfig:
                 judge=_judge(c),
                 concurrency=as_int("run.concurrency", c["run"]["concurrency"]),
                 reward=_reward(c),
+                source=c,
             )
         except KeyError as e:
             raise ConfigError(f"config key {e} is missing; start from conf/config.yaml") from None

@@ -73,10 +73,14 @@ def append_line(path: Path, line: str) -> None:
             f.write(line + "\n")
             f.flush()
             os.fsync(f.fileno())  # a line counts as done only once it is on disk
-    except OSError as e:
-        with contextlib.suppress(OSError):  # the loader drops a cut last line anyway
+    except BaseException as e:
+        # A failed write, or a signal (tot.solve stopped) before the line is on disk: the file is cut
+        # back to its whole lines, so what is there was finished.
+        with contextlib.suppress(OSError):
             os.truncate(path, size)
-        raise output_error(path, e) from None
+        if isinstance(e, OSError):
+            raise output_error(path, e) from None
+        raise
 
 
 def pyplot() -> ModuleType | None:

@@ -18,17 +18,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from decoding.core.errors import OutputError
 from tasks import DataSpec, Problem, Task, make_task
 from tasks.base import DataError
 from tot.best_of_n import solution_leaves
 from tot.dvts import choose, final_states
+from tot.folder import read_record
+from tot.lock import run_lock
 from tot.output import write_atomic
-from tot.results import answer_fields, summarize
-from tot.saved import ShowError, read_json, read_records, read_tree, tree_file
+from tot.results import ResultsError, answer_fields, read_results, summarize, tree_file
+from tot.saved import ShowError, read_json, read_tree
 from tot.tree import ReasoningTree
 
 # summary.json keys that describe the run rather than its results (kept as they are).
-HEADER = ("task", "search", "decoder", "model", "concurrency", "config")
+HEADER = ("task", "search", "decoder", "model", "concurrency", "fingerprint", "config")
 
 
 @dataclass(frozen=True)
@@ -89,10 +92,16 @@ def voted_leaves(search: str | None, config: dict) -> Callable[[ReasoningTree], 
 
 
 def rescore(run_dir: Path) -> tuple[dict, dict, list[Change]]:
-    """Rescore a run in place; returns (summary before, summary after, the problems that changed)."""
+    """Rescore a run in place; returns (summary before, summary after, the problems that changed).
+    The folder is held as a run holds it (tot/lock.py): a run still writing it is not raced."""
     summary_path = run_dir / "summary.json"
     if not summary_path.is_file():
         raise ShowError(f"{run_dir} has no summary.json; give an output directory of python -m tot.solve")
+    with run_lock(run_dir):
+        return _rescore(run_dir, summary_path)
+
+
+def _rescore(run_dir: Path, summary_path: Path) -> tuple[dict, dict, list[Change]]:
     old = read_json(summary_path)
     config = old.get("config") or {}
     try:
@@ -104,30 +113,61 @@ def rescore(run_dir: Path) -> tuple[dict, dict, list[Change]]:
         raise ShowError(
             f"{summary_path} does not say which task and problems it ran ({e}); give a run of tot.solve"
         ) from None
+    results_path = run_dir / "results.jsonl"
+    if not results_path.is_file():
+        raise ShowError(
+            f"{results_path} is missing, so there is nothing to rescore and {summary_path} is kept; restore it"
+        )
+    record = read_record(run_dir)
+    results = read_results(results_path, record.fingerprint if record else None)
     voted = voted_leaves(old.get("search"), config)
-    records, changes = [], []
-    for rec in read_records(run_dir):
-        problem = problems.get(str(rec["id"]))
-        path = tree_file(run_dir, str(rec["id"]))
-        if problem is None or not path.is_file():
-            records.append(rec)  # nothing to reparse from: kept as it is
+    latest = {id(rec) for rec in results.latest.values()}
+    lines, records, changes, trees = [], [], [], []
+    for rec in results.entries:
+        if id(rec) not in latest:  # an earlier record of a problem solved again: its tree is gone
+            lines.append(rec)
             continue
-        tree = read_tree(path)
-        reparse(task, problem, tree)
-        if voted is not None:
-            revote(task, problem, tree, voted(tree))
-        fields = answer_fields(task, problem, answer_steps(tree))
-        metrics = {**rec.get("metrics", {}), **task.metrics(problem, fields["answer"])}
-        new = {**rec, **fields, "metrics": metrics}
+        path = tree_file(run_dir, str(rec["id"]))
+        new, tree = rescored(task, problems.get(str(rec["id"])), rec, path, voted)
+        if tree is not None:
+            trees.append((tree, path))
         if any(new.get(k) != rec.get(k) for k in ("answer", "correct", "metrics")):
             changes.append(Change(str(rec["id"]), rec, new))
-        tree.save(path)
+        lines.append(new)
         records.append(new)
-    write_atomic(run_dir / "results.jsonl", "".join(json.dumps(r) + "\n" for r in records))
     header = {k: old[k] for k in HEADER if k in old}
     summary = summarize([r for r in records if r["id"] in problems], header)  # the run's selection
+    if summary["n_problems"] < old.get("n_problems", 0):
+        raise ShowError(
+            f"{summary_path} counts {old['n_problems']} problems, {results_path} holds {summary['n_problems']} of "
+            "them: nothing rewritten; restore the missing records, or rerun python -m tot.solve in that folder"
+        )
+    torn = results_path.read_bytes()[results.whole_bytes :].decode("utf-8", "replace")  # kept as it was
+    for tree, path in trees:
+        tree.save(path)
+    write_atomic(results_path, "".join(json.dumps(r) + "\n" for r in lines) + torn)
     write_atomic(summary_path, json.dumps(summary, indent=2))
     return old, summary, changes
+
+
+def rescored(
+    task: Task,
+    problem: Problem | None,
+    rec: dict,
+    path: Path,
+    voted: Callable[[ReasoningTree], list[int]] | None,
+) -> tuple[dict, ReasoningTree | None]:
+    """The record with its answer and metrics read again from its tree, and the tree reparsed; the
+    record as it was (and no tree) where the problem or its tree is not there to read."""
+    if problem is None or not path.is_file():
+        return rec, None
+    tree = read_tree(path)
+    reparse(task, problem, tree)
+    if voted is not None:
+        revote(task, problem, tree, voted(tree))
+    fields = answer_fields(task, problem, answer_steps(tree))
+    metrics = {**rec.get("metrics", {}), **task.metrics(problem, fields["answer"])}
+    return {**rec, **fields, "metrics": metrics}, tree
 
 
 def report(old: dict, new: dict, changes: list[Change]) -> str:
@@ -146,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         old, new, changes = rescore(args.run_dir)
-    except (ShowError, DataError) as e:
+    except (ShowError, DataError, ResultsError, OutputError) as e:
         print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
     print(report(old, new, changes))

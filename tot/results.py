@@ -1,67 +1,139 @@
 """Run outputs: results.jsonl appended per finished problem, summary.json, trees/<id>.json.
 
-A problem counts as done once its line is in results.jsonl; a line cut short by a kill is dropped
-on the next start, so a rerun in the same directory neither loses nor repeats a problem. A folder
-that two runs wrote at once (before runs locked their folders, tot/lock.py) holds some problems
-twice: the first record of each is kept, and the others are reported and dropped.
+A problem counts as done once its line is in results.jsonl and its tree can be read. Reading the
+file never rewrites it: a last line cut short by a kill is ignored (with a warning) and cut off only
+when the next record is appended, so the whole lines before a run stay a prefix of the file after it;
+a line in the middle that is not a whole record is refused, naming the file and line. A problem that
+is solved again (its tree was unreadable) appends a new record, and the latest record of a problem
+is the one that counts.
 """
 
 from __future__ import annotations
 
 import json
-import logging
+import os
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from decoding.core.values import DecodeStats
 from tasks.base import Problem, Task
-from tot.output import append_line, write_atomic
+from tot.output import append_line, output_error
 
-log = logging.getLogger(__name__)
+# What summarize and the tools read of every record; a line without them is not a record of tot.solve.
+REQUIRED = {"id": str, "correct": bool, "wall_s": (int, float), "phases": dict}
+FIX = "remove or repair that line (the other records are kept), then rerun"
+
+
+class ResultsError(ValueError):
+    """A results.jsonl that cannot be read as it stands: one line naming the file, the line and the fix."""
+
+
+@dataclass
+class Results:
+    """What results.jsonl holds: every whole line's record in file order, and where a torn last line starts."""
+
+    path: Path
+    entries: list[dict] = field(default_factory=list)
+    whole_bytes: int = 0  # the length of the whole lines: a torn last line starts here
+    torn_line: int | None = None  # the number of a last line cut short, if there is one
+
+    @property
+    def latest(self) -> dict[str, dict]:
+        """The latest record of each problem, in the order the problems first finished."""
+        out: dict[str, dict] = {}
+        for rec in self.entries:
+            out[rec["id"]] = rec
+        return out
+
+    @property
+    def redone(self) -> list[str]:
+        """The problems with more than one record."""
+        seen: set[str] = set()
+        again: set[str] = set()
+        for rec in self.entries:
+            (again if rec["id"] in seen else seen).add(rec["id"])
+        return sorted(again)
+
+
+def read_results(path: Path, fingerprint: str | None = None) -> Results:
+    """Read results.jsonl without changing it; ResultsError for a line in the middle that is not a
+    whole record (of the configuration `fingerprint`, where given)."""
+    results = Results(path)
+    if not path.exists() and not path.is_symlink():
+        return results
+    if path.is_dir():
+        raise ResultsError(
+            f"{path} is a folder, not the run's results file; move it out of the way (or give this run "
+            "another folder with hydra.run.dir=...)"
+        )
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise ResultsError(f"{path} cannot be read ({e.strerror or e}); make it readable, then rerun") from None
+    lines = raw.split(b"\n")
+    # The part after the last newline: empty, or a record cut short by a kill.
+    if lines[-1]:
+        results.torn_line = len(lines)
+    results.whole_bytes = len(raw) - len(lines[-1])
+    for number, line in enumerate(lines[:-1], 1):
+        if line.strip():  # a blank line holds nothing to lose
+            results.entries.append(parse_record(path, number, line, fingerprint))
+    return results
+
+
+def parse_record(path: Path, number: int, line: bytes, fingerprint: str | None) -> dict:
+    where = f"{path}:{number}"
+    try:
+        rec = json.loads(line.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        reason = e.msg if isinstance(e, json.JSONDecodeError) else "not UTF-8 text"
+        raise ResultsError(f"{where}: not a JSON record ({reason}); {FIX}") from None
+    if not isinstance(rec, dict):
+        raise ResultsError(f"{where}: not a JSON object; {FIX}")
+    wrong = [k for k, kind in REQUIRED.items() if not isinstance(rec.get(k), kind)]
+    if wrong:
+        raise ResultsError(f"{where}: not a whole record of tot.solve (no valid {', '.join(wrong)}); {FIX}")
+    made = rec.get("configuration")
+    if fingerprint is not None and made is not None and made != fingerprint:
+        raise ResultsError(
+            f"{where}: a record of configuration {made}, not this folder's {fingerprint} (configuration.json); {FIX}"
+        )
+    return rec
 
 
 class ResultStore:
-    def __init__(self, out_dir: Path) -> None:
+    """results.jsonl of a run folder: read once (never rewritten), appended to as problems finish."""
+
+    def __init__(self, out_dir: Path, fingerprint: str | None = None) -> None:
         self.out_dir = out_dir
         self.path = out_dir / "results.jsonl"
-        self.records: list[dict] = []
-        self.duplicates: list[str] = []  # problem ids found more than once (and dropped)
-        if self.path.exists():
-            self._load()
-
-    def _load(self) -> None:
-        raw = self.path.read_text(encoding="utf-8")
-        good = []
-        for line in raw.splitlines(keepends=True):
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a record cut short by a kill: that problem is simply run again
-            if line.endswith("\n") and isinstance(rec, dict) and "id" in rec:
-                good.append(line)
-                self.records.append(rec)
-        self.records, self.duplicates = unique_records(self.records)
-        if self.duplicates:
-            log.warning(
-                "%s holds %d problem(s) twice (%s), written by two runs at once: the first record of each is kept",
-                self.path,
-                len(self.duplicates),
-                ", ".join(self.duplicates[:5]) + (", ..." if len(self.duplicates) > 5 else ""),
-            )
-            good = [json.dumps(r) + "\n" for r in self.records]
-        if "".join(good) != raw:
-            write_atomic(self.path, "".join(good))
+        self.results = read_results(self.path, fingerprint)
+        self._latest = self.results.latest
 
     @property
-    def done(self) -> set[str]:
-        return {r["id"] for r in self.records}
+    def records(self) -> list[dict]:
+        """The latest record of each problem."""
+        return list(self._latest.values())
 
     def append(self, record: dict) -> None:
+        if self.results.torn_line is not None:
+            # The cut line goes before the first new one, or the new record would be glued to it.
+            try:
+                os.truncate(self.path, self.results.whole_bytes)
+            except OSError as e:
+                raise output_error(self.path, e) from None
+            self.results.torn_line = None
         append_line(self.path, json.dumps(record))
-        self.records.append(record)
+        self._latest.pop(record["id"], None)  # the latest record of a problem comes last
+        self._latest[record["id"]] = record
 
     def tree_path(self, problem_id: str) -> Path:
-        return self.out_dir / "trees" / (re.sub(r"[^\w.-]", "_", problem_id) + ".json")
+        return tree_file(self.out_dir, problem_id)
+
+
+def tree_file(run_dir: Path, problem_id: str) -> Path:
+    return run_dir / "trees" / (re.sub(r"[^\w.-]", "_", problem_id) + ".json")
 
 
 def answer_fields(task: Task, problem: Problem, steps: list[str]) -> dict:
@@ -144,16 +216,3 @@ def _accuracy_by(records: list[dict]) -> dict[str, float]:
         for rule, ok in r.get("correct_by", {}).items():
             hits.setdefault(rule, []).append(bool(ok))
     return {rule: sum(v) / len(v) for rule, v in hits.items()}
-
-
-def unique_records(records: list[dict]) -> tuple[list[dict], list[str]]:
-    """The first record of each problem id, and the ids that had more than one."""
-    seen: set[str] = set()
-    kept, dropped = [], []
-    for r in records:
-        if r["id"] in seen:
-            dropped.append(r["id"])
-        else:
-            seen.add(r["id"])
-            kept.append(r)
-    return kept, sorted(set(dropped))

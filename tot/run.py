@@ -22,10 +22,12 @@ from decoding.engine import Engine
 from decoding.server import ServerEngine
 from tasks import Problem, Task, make_task
 from tot.config import RunConfig
+from tot.folder import Configuration, open_folder, record
 from tot.lock import run_lock
 from tot.output import make_dirs, write_atomic
 from tot.results import ResultStore, answer_fields, summarize
 from tot.reward import load_reward
+from tot.saved import ShowError, read_tree
 from tot.search import GenerationEngine, Reward, Search, request_seed, run_sync
 from tot.searches import SEARCHES
 
@@ -43,10 +45,17 @@ def run(cfg: RunConfig, out_dir: Path, engine: GenerationEngine | None = None, p
 def _run(cfg: RunConfig, out_dir: Path, engine: GenerationEngine | None, progress: bool) -> dict:
     task = build_task(cfg)
     problems = task.load(cfg.data)
-    store = ResultStore(out_dir)
-    done = store.done
+    folder, store = open_run(cfg, out_dir)
+    record(out_dir, folder)
+    if store.results.torn_line is not None:
+        log.warning(
+            "%s:%d is a record cut short (a run stopped while writing it): ignored, and that problem solved again",
+            store.path,
+            store.results.torn_line,
+        )
     rule = sampling_rule(cfg)
     check_rule(store.records, rule, out_dir)
+    done = solved(store, {p.id for p in problems})
     todo = [p for p in problems if p.id not in done]
     if done:
         log.info("resuming in %s: %d of %d problems already done", out_dir, len(problems) - len(todo), len(problems))
@@ -56,7 +65,9 @@ def _run(cfg: RunConfig, out_dir: Path, engine: GenerationEngine | None, progres
         "decoder": cfg.decoder.name,
         "model": cfg.model.path,
         "concurrency": cfg.concurrency,
-        "config": json.loads(json.dumps(asdict(cfg), default=str)),
+        "fingerprint": folder.fingerprint,  # configuration.json holds its settings
+        # The config as the run read it (its source is configuration.json's business).
+        "config": json.loads(json.dumps({k: v for k, v in asdict(cfg).items() if k != "source"}, default=str)),
     }
     selected = {p.id for p in problems}
     if todo:
@@ -81,6 +92,7 @@ def _run(cfg: RunConfig, out_dir: Path, engine: GenerationEngine | None, progres
                     "gold": problem.gold,
                     "metrics": metrics,
                     "rule": rule,
+                    "configuration": folder.fingerprint,
                     "tokens": sum(p["tokens"] for p in phases.values()),
                     "wall_s": now - t0,  # this problem's latency (problems in flight overlap)
                     # The run's wall time since the previous problem finished: these add up to the
@@ -110,6 +122,41 @@ def _run(cfg: RunConfig, out_dir: Path, engine: GenerationEngine | None, progres
         summary["memory"] = engine.memory()  # where the memory went: decoding/core/memory.py
     write_atomic(out_dir / "summary.json", json.dumps(summary, indent=2))
     return summary
+
+
+def open_run(cfg: RunConfig, out_dir: Path) -> tuple[Configuration, ResultStore]:
+    """The folder's configuration (this run's, checked against what the folder holds) and its
+    results; nothing written but a folder's first record of its configuration from .hydra/."""
+    if not cfg.source:
+        raise ConfigError("this RunConfig has no settings to record; build it with RunConfig.from_omegaconf")
+    return open_folder(out_dir, Configuration.of(cfg.source))
+
+
+def solved(store: ResultStore, selected: set[str]) -> set[str]:
+    """The selected problems with a record and a readable tree: one whose tree cannot be read is
+    solved again."""
+    done = set()
+    for rec in store.records:
+        if rec["id"] not in selected:
+            continue
+        path = store.tree_path(rec["id"])
+        problem = unreadable(path)
+        if problem is None:
+            done.add(rec["id"])
+        else:
+            log.warning("problem %s is solved again: %s", rec["id"], problem)
+    return done
+
+
+def unreadable(path: Path) -> str | None:
+    """Why a saved tree cannot be read, or None where it can."""
+    if not path.is_file():
+        return f"{path} does not exist"
+    try:
+        read_tree(path)
+    except ShowError as e:
+        return str(e)
+    return None
 
 
 def sampling_rule(cfg: RunConfig) -> str:

@@ -6,11 +6,15 @@ Read by `tot.show`, its HTML page and `tot.rescore`.
 from __future__ import annotations
 
 import json
-import re
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from tot.folder import RECORD
+from tot.results import read_results, tree_file
 from tot.tree import ReasoningTree
+
+log = logging.getLogger(__name__)
 
 
 class ShowError(Exception):
@@ -32,26 +36,15 @@ class SavedTree:
         return f"problem {self.id}: answer={answer} correct={correct} nodes={tree.graph.number_of_nodes()}"
 
 
-def tree_file(run_dir: Path, problem_id: str) -> Path:
-    # Must stay the name ResultStore.tree_path writes; not called through it because opening a
-    # ResultStore rewrites a results.jsonl whose last line is still being written by a live run.
-    return run_dir / "trees" / (re.sub(r"[^\w.-]", "_", problem_id) + ".json")
-
-
 def read_records(run_dir: Path) -> list[dict]:
-    """results.jsonl's records, read only: a line cut short (a run still writing it) is skipped."""
-    path = run_dir / "results.jsonl"
-    if not path.exists():
-        return []
-    records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(rec, dict) and "id" in rec:
-            records.append(rec)
-    return records
+    """The latest record of each problem in results.jsonl, read only (tot/results.py): a last line cut
+    short (a run still writing it) is skipped with a warning, damage in the middle is a ResultsError."""
+    record = run_dir / RECORD
+    fingerprint = read_json(record).get("fingerprint") if record.is_file() else None
+    results = read_results(run_dir / "results.jsonl", fingerprint if isinstance(fingerprint, str) else None)
+    if results.torn_line is not None:
+        log.warning("%s:%d is cut short (a run writing it, or one stopped): skipped", results.path, results.torn_line)
+    return list(results.latest.values())
 
 
 def problems(run_dir: Path) -> list[SavedTree]:
@@ -87,7 +80,16 @@ def load_tree(run_dir: Path, problem_id: str) -> ReasoningTree:
 
 
 def read_tree(path: Path) -> ReasoningTree:
-    return ReasoningTree.from_dict(read_json(path))
+    """A saved tree, or ShowError naming the file where it cannot be read as one."""
+    data = read_json(path)
+    try:
+        return ReasoningTree.from_dict(data)
+    except Exception as e:  # networkx's own errors for a JSON object that is not a node-link graph
+        reason = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
+        raise ShowError(
+            f"{path} is not a saved tree ({reason}); rerun python -m tot.solve in its folder to solve that "
+            "problem again"
+        ) from None
 
 
 def read_json(path: Path) -> dict:

@@ -17,6 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from decoding.core.errors import OutputError
+from tot.results import ResultsError
 from tot.saved import SavedTree, ShowError, find_problem, problems, read_tree
 from tot.saved import load_tree as load_tree  # notebooks read a tree with it
 from tot.tree import ReasoningTree
@@ -239,23 +241,31 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--width {args.width} is too small; give at least 4")
     if isinstance(sys.stdout, io.TextIOWrapper):
         sys.stdout.reconfigure(errors="replace")  # a terminal without UTF-8 gets '?' for the tree lines
-    try:
+    try:  # ResultsError: a results.jsonl damaged in the middle
         if args.memory:
             return _memory(args.run_dir, args.out, not args.no_image)
         shown = [find_problem(args.run_dir, args.id)] if args.id is not None else problems(args.run_dir)
         if args.html:
             return _html(args.run_dir, shown, args.out)
         images = [] if args.no_image else image_paths(shown, args.out)
-    except ShowError as e:
+    except (ShowError, ResultsError, OutputError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
     try:
-        print_trees(shown, images, args.width)
+        unreadable = print_trees(shown, images, args.width)
     except BrokenPipeError:
         # The reader left (`| head`): stop quietly, and keep Python's exit flush from raising again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    return 0
+        return 0
+    return name_unreadable(unreadable)
+
+
+def name_unreadable(unreadable: list[str]) -> int:
+    """One line for each tree that could not be read; exit status 2 where there was one."""
+    for line in unreadable:
+        print(f"error: {line}", file=sys.stderr)
+    return 2 if unreadable else 0
 
 
 def _memory(run_dir: Path, out: Path | None, image: bool) -> int:
@@ -278,13 +288,14 @@ def _html(run_dir: Path, shown: list[SavedTree], out: Path | None) -> int:
 
     if out is not None and out.suffix.lower() != ".html":
         raise ShowError(f"--out {out} is not an .html file; give e.g. --out trees.html")
-    page = write_page(run_dir, shown, out or run_dir / "trees.html")
-    print(f"page: {page} ({len(shown)} trees; open it in a browser, it needs no network)")
-    return 0
+    page, unreadable = write_page(run_dir, shown, out or run_dir / "trees.html")
+    print(f"page: {page} ({len(shown) - len(unreadable)} trees; open it in a browser, it needs no network)")
+    return name_unreadable(unreadable)
 
 
-def print_trees(shown: list[SavedTree], images: list[Path], width: int) -> None:
-    """Print each problem's header and tree; write images[i] for shown[i] when images are asked for."""
+def print_trees(shown: list[SavedTree], images: list[Path], width: int) -> list[str]:
+    """Print each problem's header and tree; write images[i] for shown[i] when images are asked for.
+    Returns why each tree that could not be read was skipped."""
     plt = None
     if images:
         try:
@@ -295,8 +306,13 @@ def print_trees(shown: list[SavedTree], images: list[Path], width: int) -> None:
         except ImportError:
             print(f"images skipped: matplotlib is not installed; {MATPLOTLIB_HINT} enables them")
     print(LEGEND)
+    unreadable = []
     for i, saved in enumerate(shown):
-        tree = read_tree(saved.tree_path)
+        try:
+            tree = read_tree(saved.tree_path)
+        except ShowError as e:
+            unreadable.append(str(e))
+            continue
         print()
         print(saved.header(tree))
         print(render_text(tree, width, legend=False))
@@ -306,6 +322,7 @@ def print_trees(shown: list[SavedTree], images: list[Path], width: int) -> None:
             fig.savefig(images[i], dpi=110, bbox_inches="tight")
             plt.close(fig)  # one figure per problem: without closing, a long run's figures pile up
             print(f"image: {images[i]}")
+    return unreadable
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from importlib import resources
 from pathlib import Path
 
 from tot.output import write_atomic
-from tot.saved import SavedTree, ShowError, read_json
+from tot.saved import SavedTree, ShowError, read_json, read_tree
 
 # Record fields shown beside each tree (the rest of a record is the decode statistics per phase).
 RECORD_KEYS = ("id", "question", "answer", "answers", "gold", "correct", "correct_by", "metrics", "tokens", "wall_s")
@@ -23,17 +23,23 @@ SUMMARY_KEYS = ("task", "search", "decoder", "model", "n_problems", "accuracy", 
 SUMMARY_KEYS += ("generated_tokens", "wall_s", "tokens_per_s", "acceptance_length", "rows_per_forward")
 
 
-def page_data(run_dir: Path, shown: list[SavedTree]) -> dict:
+def page_data(run_dir: Path, shown: list[SavedTree], unreadable: list[str]) -> dict:
+    """The page's data: every tree that can be read; why each other one cannot goes to `unreadable`."""
     summary_path = run_dir / "summary.json"
     summary = read_json(summary_path) if summary_path.is_file() else {}
     problems = []
     for saved in shown:
         rec = saved.record or {"id": saved.id}
+        try:
+            tree = read_tree(saved.tree_path).to_dict()
+        except ShowError as e:
+            unreadable.append(str(e))
+            continue
         problems.append(
             {
                 **{k: rec[k] for k in RECORD_KEYS if k in rec},
                 "phases": {p: {k: v[k] for k in PHASE_KEYS if k in v} for p, v in rec.get("phases", {}).items()},
-                "tree": read_json(saved.tree_path),
+                "tree": tree,
             }
         )
     return {"run": str(run_dir), "summary": {k: summary[k] for k in SUMMARY_KEYS if k in summary}, "problems": problems}
@@ -50,12 +56,14 @@ def render_page(data: dict) -> str:
     return template.replace("__TITLE__", _escape(title)).replace("__DATA__", payload)
 
 
-def write_page(run_dir: Path, shown: list[SavedTree], out: Path) -> Path:
+def write_page(run_dir: Path, shown: list[SavedTree], out: Path) -> tuple[Path, list[str]]:
+    """The page written to `out`, and why each tree left out of it could not be read."""
     if out.is_dir():
         raise ShowError(f"--out {out} is a folder; give the page's file name, e.g. --out {out / 'trees.html'}")
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(out, render_page(page_data(run_dir, shown)))
-    return out
+    unreadable: list[str] = []
+    write_atomic(out, render_page(page_data(run_dir, shown, unreadable)))
+    return out, unreadable
 
 
 def _escape(text: str) -> str:

@@ -11,13 +11,25 @@ from decoding.cli import fail, hydra_command
 from decoding.core.errors import BackendError, OutputError
 from tasks.base import DataError
 from tot.config import ConfigError, RunConfig
-from tot.run import run, summary_line
+from tot.results import ResultsError
+from tot.run import build_task, open_run, run, summary_line
 
-USER_ERRORS = (ConfigError, DataError, BackendError, OutputError)
+USER_ERRORS = (ConfigError, DataError, BackendError, OutputError, ResultsError)
 GROUPS = ("task", "search", "decoder", "model")
 
 
-@hydra_command("config", groups=("task", "search", "decoder", "model"))
+def check_run(cfg: DictConfig, run_dir: Path) -> None:
+    """Before Hydra writes into the run folder: the config, the data and what the folder holds
+    (its configuration, its results) checked, so a refused run leaves every file as it was."""
+    try:
+        run_cfg = RunConfig.from_omegaconf(cfg)
+        build_task(run_cfg).load(run_cfg.data)
+        open_run(run_cfg, run_dir)
+    except USER_ERRORS as e:
+        fail(str(e).splitlines()[0])
+
+
+@hydra_command("config", groups=GROUPS, before=check_run)
 def main(cfg: DictConfig) -> None:
     try:
         run_cfg = RunConfig.from_omegaconf(cfg)

@@ -9,6 +9,7 @@ dataclass's own `__post_init__` then checks what types cannot say (ranges, combi
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Iterable, Mapping
@@ -35,7 +36,12 @@ def as_int(key: str, value: object) -> int:
 def as_float(key: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{key}={value!r} is not a number")
-    return float(value)
+    # nan passes every range check (each comparison is false) and inf overflows later: both refused
+    # here, as is an integer too large for a float.
+    number = float(value) if isinstance(value, float) or abs(value) < 2**1023 else math.inf
+    if not math.isfinite(number):
+        raise ConfigError(f"{key}={value} is not a finite number; give a finite one")
+    return number
 
 
 def as_list(key: str, value: object, example: str = "[1,2,3]") -> list:
