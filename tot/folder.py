@@ -53,6 +53,14 @@ SPEED_ONLY: tuple[tuple[str, Callable[[Mapping[str, Any]], bool]], ...] = (
     # The CPU forward is batch-invariant: a token's logits do not depend on what shares the forward.
     # On a GPU in bfloat16 they do, so there the number of problems in flight counts.
     ("run.concurrency", _on_cpu),
+    # The KV memory bounds how many sequences decode at once (the rest wait): the same, for the same reason.
+    ("model.kv_memory", _on_cpu),
+    ("model.kv_memory_mb", _on_cpu),
+    # Graphs replay the same forward; the buckets pad it: on a CPU (eager) the same bits.
+    ("model.cuda_graphs", _on_cpu),
+    ("model.graph_rows", _on_cpu),
+    ("model.graph_tokens", _on_cpu),
+    ("model.graph_context", _on_cpu),
     # At temperature 0 nothing is sampled: every rule gives the argmax.
     ("verify.rule", _greedy),
     # Where a GGUF's conversion is kept: the same weights, only the first load's time differs.
