@@ -546,3 +546,24 @@ def test_a_signal_ends_the_run_in_one_line_keeping_what_finished(tiny, tmp_path,
     text = results.read_text()
     assert text.endswith("\n") and len(lines_of(results)) >= 2  # every line whole, what finished kept
     assert not list(run_dir.rglob("*.tmp"))
+
+
+def test_the_kv_memory_queues_samples_and_the_summary_says_so(tiny, tmp_path):
+    """model.kv_memory_mb too small for a step's samples at once: the run finishes with the same
+    answers as without the bound (on a CPU the forward is batch-invariant: a speed-only key there),
+    and the summary and its line say how many sequences waited."""
+    args = ("data.limit=1", "search.n_thoughts=24")  # ~120 kB of KV a row: 24 rows are ~3 MB
+    free = solve(tiny, tmp_path / "free", *args)
+    bounded = solve(tiny, tmp_path / "bounded", *args, "model.kv_memory_mb=1")
+    assert free.returncode == 0 and bounded.returncode == 0, bounded.stderr[-3000:]
+    assert "sequences waited for KV memory (model.kv_memory)" in bounded.stdout
+    assert "KV memory" not in free.stdout
+    assert json.loads((tmp_path / "bounded" / "summary.json").read_text())["kv_waits"] > 0
+
+    def answers(run_dir: Path) -> list[dict]:
+        return [
+            {k: r.get(k) for k in ("id", "answer", "steps")}
+            for r in read_results(run_dir / "results.jsonl").latest.values()
+        ]
+
+    assert answers(tmp_path / "bounded") == answers(tmp_path / "free")
