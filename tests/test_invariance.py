@@ -5,10 +5,14 @@ checkpoint and for the GGUF int4 path (tests/test_quant.py builds its tiny int4 
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 import torch
 from test_quant import int4_copy
 
+from decoding.core import kernels
 from decoding.core.draft_tree import ROOT, DraftTree
 from decoding.core.runner import ModelRunner
 from decoding.core.verify import pack
@@ -120,3 +124,15 @@ def test_attention_skips_the_queries_no_one_reads():
     part = kernels.load().attend(q, k, v, empty, empty, 0.125, live)
     assert torch.equal(part[live], full[live])
     assert not part[~live].any() and full[~live].abs().sum() > 0
+
+
+def test_a_killed_builds_lock_is_cleared(tmp_path):
+    """A build stopped mid-way leaves torch's lock file, and every later start would wait on it
+    forever: an old one is removed, a fresh one (a build under way) is left."""
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    assert not kernels.clear_stale_lock(tmp_path) and lock.exists()
+    old = time.time() - kernels.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    assert kernels.clear_stale_lock(tmp_path) and not lock.exists()
+    assert not kernels.clear_stale_lock(tmp_path)

@@ -34,6 +34,7 @@ def load() -> ModuleType:
     scripts = sysconfig.get_path("scripts")
     if scripts not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
+    clear_stale_lock(Path(cpp_extension._get_build_directory("tot_kernels", verbose=False)))
     t0 = time.perf_counter()
     try:
         module = cpp_extension.load(
@@ -51,6 +52,24 @@ def load() -> ModuleType:
         ) from e
     log.info("CPU kernels ready in %.1fs", time.perf_counter() - t0)
     return module
+
+
+STALE_LOCK_S = 15 * 60  # a build takes 1-3 minutes; a lock this old was left by a killed one
+
+
+def clear_stale_lock(build_dir: Path, max_age_s: float = STALE_LOCK_S) -> bool:
+    """Remove the build lock a killed build left (Ctrl-C during the first build): torch's waiter
+    polls for it to go and would wait forever. Whether one was removed."""
+    lock = build_dir / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except OSError:
+        return False
+    if age < max_age_s:
+        return False
+    log.warning("removing %s, left %.0f minutes ago by a build that did not finish", lock, age / 60)
+    lock.unlink(missing_ok=True)
+    return True
 
 
 def built() -> ModuleType | None:
