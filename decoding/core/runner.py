@@ -330,20 +330,28 @@ class ModelRunner:
         cache.give_back(rows, capacity)
 
     def rows_that_fit(self, live: list[Sequence], waiting: list[Sequence], max_nodes: int) -> int:
-        """How many of `waiting` (in order) can join `live` with the pool inside `kv_budget`."""
+        """How many of `waiting` (in order) can join `live` with the pool inside `kv_budget`: one pass,
+        since each sequence taken only grows the pool (its rows, their longest prompt and room)."""
         if self.kv_budget is None:
             return len(waiting)
-        for k in range(len(waiting), 0, -1):
-            if self.kv_bytes(live + waiting[:k], max_nodes) <= self.kv_budget:
+        longest = max((len(s.prompt) for s in live), default=0)
+        new_tokens = max((s.rule.max_new_tokens for s in live), default=0)
+        for k, s in enumerate(waiting):
+            longest, new_tokens = max(longest, len(s.prompt)), max(new_tokens, s.rule.max_new_tokens)
+            if self._pool_bytes(len(live) + k + 1, longest, new_tokens + max_nodes + 1) > self.kv_budget:
                 return k
-        return 0
+        return len(waiting)
 
     def kv_bytes(self, seqs: list[Sequence], max_nodes: int) -> int:
-        """What a pool of these sequences' rows takes: each row holds what the longest prompt and the
-        largest room need (and a bucketed forward's spare row is one more)."""
+        """What a pool of these sequences' rows takes (what `rows_that_fit` compares with the budget)."""
+        return self._pool_bytes(len(seqs), max(len(s.prompt) for s in seqs), _room(seqs, max_nodes))
+
+    def _pool_bytes(self, rows: int, longest_prompt: int, room: int) -> int:
+        """Each row holds what the longest prompt and the largest room need (and a bucketed forward's
+        spare row is one more)."""
         n_layers, n_kv, head_dim = cache_geometry(self.config)
-        capacity = self.row_capacity([len(s.prompt) for s in seqs], _room(seqs, max_nodes))
-        rows = len(seqs) + (1 if self.static is not None else 0)
+        capacity = self.row_capacity([longest_prompt], room)
+        rows += 1 if self.static is not None else 0
         return rows * capacity * 2 * n_layers * n_kv * head_dim * self.dtype.itemsize
 
     def row_capacity(self, prompt_lens: list[int], room: int) -> int:
