@@ -66,6 +66,10 @@ SPEED_ONLY: tuple[tuple[str, Callable[[Mapping[str, Any]], bool]], ...] = (
     # Where a GGUF's conversion is kept: the same weights, only the first load's time differs.
     ("model.cache_dir", _always),
     ("draft.cache_dir", _always),
+    # How long to wait for a server and where its key is: a request past the timeout ends the run
+    # (the rerun resumes), it never changes an answer.
+    ("server.timeout", _always),
+    ("server.api_key_env", _always),
 )
 
 
