@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import itertools
 import json
+import weakref
 
 import pytest
 from test_decoders import EOS_ID, encode, reference_greedy
@@ -78,6 +80,37 @@ def test_rows_join_and_leave_mid_decode(name, forward, tiny_model, tokenizer, re
         reused = [r for i, (e, r) in enumerate(log) if e == "admitted" and ("done", r) in log[:i]]
         assert reused, "no row was reused after its sequence left"
         assert decoder.rounds.size < len(seqs)  # the pool holds fewer rows than sequences seen
+
+
+@pytest.mark.parametrize("name", [n for n, kind in DECODERS.items() if kind.schedule != "hf"])
+def test_a_released_slot_leaves_no_trace(name, loaded, perturbed):
+    """Everything the batch knows of a live sequence lives in its slot: once the sequence stopped
+    (and the drafter heard, at the end of that step), no object holds the slot any more (the
+    scheduler, its rounds and queue, the planner, the drafters and their pools), while the others
+    decode on."""
+    engine = engine_for(name, loaded, perturbed)
+    decoder = engine.decoder
+    specs = [("the cat", 3), ("a", 16), ("hello world and more", 12)]
+    seqs = [engine._sequence(GenRequest(p, max_new_tokens=m)) for p, m in specs]
+    seen: dict[int, weakref.ref] = {}  # id(sequence) -> its slot, from its admission on
+    arrive = decoder.rounds.arrive
+
+    def watched(slots: list) -> None:
+        seen.update((id(s.seq), weakref.ref(s)) for s in slots)
+        arrive(slots)
+
+    decoder.rounds.arrive = watched
+    decoder.admit(seqs)
+    released = 0
+    while decoder.busy:
+        finished = decoder.step()
+        gc.collect()
+        for seq in finished:
+            assert seen[id(seq)]() is None, f"{name}: the slot of a finished sequence is still held"
+            assert all(slot.seq is not seq for slot in decoder.slots.values())
+            released += 1
+    assert released == len(seqs) and len(seen) == len(seqs)
+    assert not decoder.rounds.live and not decoder.rounds.queue and decoder.rounds.finished
 
 
 @pytest.mark.parametrize("name", [n for n, kind in DECODERS.items() if kind.schedule in ("batch", "seed")])

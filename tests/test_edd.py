@@ -281,7 +281,7 @@ class CheckedEddDrafter(EddDrafter):
             if not len(tree) or not seq.params.greedy:
                 continue
             context = seq.prompt + seq.generated
-            n = slot.state[self].known
+            n = slot.state(self).known
             feats = target_features(self.target.model, self.edd.config.layer, [context])[0][0][:n]
             block = context[n:]
             width = n + len(block)

@@ -14,7 +14,7 @@ from decoding.core.cost import CONTEXT, ForwardCost, Overhead, cost_key, forward
 from decoding.core.draft_tree import ROOT, DraftTree
 from decoding.core.errors import ConfigError
 from decoding.core.runner import ModelRunner
-from decoding.core.slot import Slot
+from decoding.core.slot import Estimate, Slot
 from decoding.core.values import GenRequest
 from decoding.core.verify import Verdict
 from decoding.drafters.stand import StandDrafter, StandOptions
@@ -52,26 +52,26 @@ def test_no_draft_tokens_where_they_cost_more_than_they_return():
     for _ in range(100):  # accepted one time in five
         record.observe(tree, [0] if np.random.default_rng(len(record.tried)).random() < 0.2 else [], greedy=True)
     planner = Planner(STEEP, record, draft_ms_per_row=8.0)  # drafting costs too (a draft model's forwards)
-    cut, plan = planner.cut([0, 1], [tree, tree], [True, True], [1, 1], 100.0)
+    rows = [Estimate(), Estimate()]  # what the slots of two rows hold for the planner
+    cut, plan = planner.cut(rows, [tree, tree], [True, True], [1, 1], 100.0)
     assert plan.nodes == [0, 0] and [len(t) for t in cut] == [0, 0]
     # Rows whose kept nodes are worth nothing stop being drafted, and are looked at again later:
     # rarely once the trees' best node has seldom been able to pay at this cost (no verdict can change
     # that), not after one such step (one step's trees are one draw of what drafts are worth).
-    planner.cut([0, 1], [tree, tree], [True, True], [1, 1], 100.0)
-    assert [planner.budgets([0, 1], 4) for _ in range(PROBE)][-1] == [4, 4]
+    planner.cut(rows, [tree, tree], [True, True], [1, 1], 100.0)
+    assert [planner.budgets(rows, 4) for _ in range(PROBE)][-1] == [4, 4]
     for _ in range(30):
-        planner.cut([0, 1], [tree, tree], [True, True], [1, 1], 100.0)
+        planner.cut(rows, [tree, tree], [True, True], [1, 1], 100.0)
     assert planner.pays < SELDOM
-    budgets = [planner.budgets([0, 1], 4) for _ in range(FAR_PROBE)]
+    budgets = [planner.budgets(rows, 4) for _ in range(FAR_PROBE)]
     assert budgets == [[0, 0]] * (FAR_PROBE - 1) + [[4, 4]]
     # Where forwards got cheap (fewer rows, another machine) the same nodes pay: looked at every PROBE steps.
     planner.cost = FLAT
-    _, plan = planner.cut([0, 1], [tree, tree], [True, True], [1, 1], 100.0)
+    _, plan = planner.cut(rows, [tree, tree], [True, True], [1, 1], 100.0)
     assert sum(plan.nodes) > 0
-    assert [planner.budgets([0, 1], 4) for _ in range(PROBE)] == [[0, 0]] * (PROBE - 1) + [[4, 4]]
+    assert [planner.budgets(rows, 4) for _ in range(PROBE)] == [[0, 0]] * (PROBE - 1) + [[4, 4]]
     # A new sequence's row starts from what the other rows' drafts were worth: not drafted either.
-    planner.forget([1])
-    assert planner.budgets([1], 4) == [0]
+    assert planner.budgets([Estimate()], 4) == [0]
 
 
 def test_large_trees_under_a_flat_curve():
@@ -85,11 +85,11 @@ def test_large_trees_under_a_flat_curve():
         first = 4 * (i % 4)
         record.observe(tree, [first, first + 1, first + 2, first + 3], greedy=True)
     flat = Planner(FLAT, record)
-    _, plan = flat.cut(list(range(4)), [tree] * 4, [True] * 4, [1] * 4, 100.0)
+    _, plan = flat.cut([Estimate() for _ in range(4)], [tree] * 4, [True] * 4, [1] * 4, 100.0)
     steep = Planner(STEEP, record)
-    _, steep_plan = steep.cut(list(range(4)), [tree] * 4, [True] * 4, [1] * 4, 100.0)
+    _, steep_plan = steep.cut([Estimate() for _ in range(4)], [tree] * 4, [True] * 4, [1] * 4, 100.0)
     assert min(plan.nodes) >= 16 and sum(steep_plan.nodes) < sum(plan.nodes)
-    assert flat.budgets([9], 32) == [32]  # a new row where drafts have paid is drafted from its first step
+    assert flat.budgets([Estimate()], 32) == [32]  # a new row where drafts have paid is drafted from its first step
 
 
 def test_a_cut_keeps_a_first_run_of_siblings_in_draw_order():
@@ -256,8 +256,8 @@ def test_a_measured_gpu_curve_pays_for_large_trees(shape):
     record = AcceptanceRecord()
     for i in range(400):
         record.observe(tree, list(range(16)) if i % 2 else [], greedy=True)
-    _, plan = Planner(cost, record).cut(list(range(8)), [tree] * 8, [True] * 8, [1] * 8, 100.0)
-    _, steep = Planner(STEEP, record).cut(list(range(8)), [tree] * 8, [True] * 8, [1] * 8, 100.0)
+    _, plan = Planner(cost, record).cut([Estimate() for _ in range(8)], [tree] * 8, [True] * 8, [1] * 8, 100.0)
+    _, steep = Planner(STEEP, record).cut([Estimate() for _ in range(8)], [tree] * 8, [True] * 8, [1] * 8, 100.0)
     assert plan.nodes == [16] * 8 and steep.nodes == [0] * 8
 
 

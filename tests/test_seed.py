@@ -11,10 +11,16 @@ from test_decoders import BUDGETS, EOS_ID, PROMPTS, _stop_string_case, encode, r
 from test_speculative import PARAMS, RULES, ScriptedDrafter, check_three_tokens, sample_three
 
 from decoding.config import DecoderConfig
+from decoding.core.draft_tree import DraftTree
 from decoding.core.models import ModelSpec
+from decoding.core.sampling import SamplingParams
+from decoding.core.sequence import Sequence
+from decoding.core.slot import Slot
+from decoding.core.stopping import StopRule
 from decoding.core.values import GenRequest
 from decoding.engine import Engine
-from decoding.schedules.scheduler import Rounds, Scheduler
+from decoding.schedules.rounds import Rounds
+from decoding.schedules.scheduler import Scheduler
 from decoding.schedules.seed import SeedOptions
 from decoding.trees.policies import DraftTreeOptions
 
@@ -100,7 +106,7 @@ class SlowScriptedDrafter(ScriptedDrafter):
     def draft(self, slots):
         rounds = self.rounds_of()
         with rounds.cond:
-            assert all(rounds.state[s.row] == "drafting" for s in slots)
+            assert all(s.phase == "drafting" and rounds.live[s.row] is s for s in slots)
         time.sleep(self.rng.uniform(0, 0.004) * len(slots))
         return super().draft(slots)
 
@@ -154,10 +160,11 @@ def test_check_schedule_catches_violations():
     with pytest.raises(AssertionError):
         check_schedule([("queued", 0), ("verifying", 0), ("done", 0)], 1)  # never admitted
     rounds = Rounds()
-    rounds.arrive([0])
+    slot = Slot(0, Sequence.create([1], StopRule(frozenset(), (), 4), SamplingParams(0.0), 0))
+    rounds.arrive([slot])
     with pytest.raises(AssertionError, match="drafted while queued"):
-        rounds.enqueue([0], [None])  # type: ignore[list-item]
-        rounds.enqueue([0], [None])  # type: ignore[list-item]
+        rounds.enqueue([slot], [DraftTree()], 0.0)
+        rounds.enqueue([slot], [DraftTree()], 0.0)
 
 
 # --- statistical losslessness ------------------------------------------------------------------------

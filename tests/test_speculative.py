@@ -37,9 +37,10 @@ from decoding.core.values import GenRequest
 from decoding.core.verify import verify
 from decoding.drafters.draft_model import ModelDrafter
 from decoding.engine import Engine
-from decoding.schedules.base import VerifyOptions, cut_to_budget
+from decoding.schedules.base import VerifyOptions
 from decoding.schedules.planner import Planner
 from decoding.schedules.scheduler import Scheduler
+from decoding.schedules.step import cut_to_budget
 from decoding.trees.policies import DraftTreeOptions
 
 K_CONFIGS = [(1, 1, 1), (2, 2, 1), (4, 2, 1), (3,)]
@@ -180,14 +181,14 @@ class ScriptedDrafter:
     def admit(self, slots):
         self.order = getattr(self, "order", 0)
         for slot in slots:  # the i-th sequence ever admitted follows refs[i]
-            slot.state[self] = self.order
+            slot.put(self, self.order)
             self.order += 1
 
     def draft(self, slots):
         return [self._tree(slot) for slot in slots]
 
     def _tree(self, slot) -> DraftTree:
-        ref, pos = self.refs[slot.state[self]], len(slot.seq.generated)
+        ref, pos = self.refs[slot.state(self)], len(slot.seq.generated)
         tree = DraftTree(draw=self.draw)
         on_path = {-1: True}
         depth = {-1: 0}
@@ -328,7 +329,7 @@ class CheckedDrafter(ModelDrafter):
             seq = slot.seq
             context = seq.prompt + seq.generated
             n = int(self.cache.lens[b])
-            pending = slot.state[self].pending
+            pending = slot.state(self).pending
             assert n + len(pending) == len(context)
             assert pending == context[n:]
             if n == 0:  # a one-token prompt: nothing in the cache yet

@@ -78,6 +78,20 @@ def verify(
     """
     packed = pack(pending, trees)
     logits = target.score(cache, packed, rows)
+    return packed, accept(target, packed, logits, trees, seqs, rule, top)
+
+
+def accept(
+    target: ModelRunner,
+    packed: Packed,
+    logits: list[torch.Tensor],
+    trees: list[DraftTree],
+    seqs: list[Sequence],
+    rule: Rule,
+    top: int = 0,
+) -> list[Verdict]:
+    """Decide every row of one scored forward (`logits`, one [1 + N, V] per row) under `rule`: the
+    acceptance stage, batched over the step's rows (see `verify`)."""
     hidden = target.last_hidden if target.hidden_layer is not None else None
     on_device = bool(logits) and logits[0].device.type != "cpu"
     # Processed once per row: the distributions drafters learn from, and what the samplers read.
@@ -107,7 +121,7 @@ def verify(
     verdicts = [decide(b) for b in range(len(trees))]
     if top:
         add_top(verdicts, top)
-    return packed, verdicts
+    return verdicts
 
 
 def processed(s: Sequence, row: torch.Tensor) -> torch.Tensor | None:

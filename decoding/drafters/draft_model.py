@@ -73,7 +73,7 @@ class ModelDrafter:
     def admit(self, slots: list[Slot]) -> None:
         rows, seqs = [s.row for s in slots], [s.seq for s in slots]
         for slot, pending in zip(slots, self.model.admit_seqs(self.cache, rows, seqs, self.max_nodes).pending):
-            slot.state[self] = _Row(pending)
+            slot.put(self, _Row(pending))
             self.live[slot.row] = slot
 
     def _measure_ratio(self, context: int = 64, repeats: int = 5) -> float:
@@ -96,7 +96,7 @@ class ModelDrafter:
     def draft(self, slots: list[Slot]) -> list[DraftTree]:
         """Trees for the given slots (any subset: a scheduler drafts the rows that wait to draft)."""
         batch = len(slots)
-        own: list[_Row] = [s.state[self] for s in slots]
+        own: list[_Row] = [s.state(self) for s in slots]
         params = [s.seq.params for s in slots]
         cache_rows = self._cache_rows([s.row for s in slots])
         packed = pack([r.pending for r in own], [DraftTree() for _ in slots])
@@ -138,7 +138,7 @@ class ModelDrafter:
 
     def update(self, slots: list[Slot], verdicts: list[Verdict]) -> None:
         for slot, v in zip(slots, verdicts):
-            own: _Row = slot.state[self]
+            own: _Row = slot.state(self)
             drafted, own.drafted = own.drafted, None
             seq = slot.seq
             if seq.done:

@@ -115,7 +115,7 @@ class EddDrafter:
             else:
                 self.cache.lens[group] = 0
             for slot in members:
-                slot.state[self] = _Row(n)
+                slot.put(self, _Row(n))
 
     def _extend_vocab(self, tokens: Iterable[int]) -> None:
         """Add `tokens` to the draft vocabulary (and the head's rows for it) if any are new."""
@@ -130,7 +130,7 @@ class EddDrafter:
         active = []
         for b, slot in enumerate(slots):
             seq = slot.seq
-            block = (seq.prompt + seq.generated)[slot.state[self].known :]
+            block = (seq.prompt + seq.generated)[slot.state(self).known :]
             if self.base_vocab is not None:
                 self._extend_vocab(block)  # the tokens committed since the last draft
             room = seq.room
@@ -145,7 +145,7 @@ class EddDrafter:
     def _grow(self, active: list[tuple[int, Slot, list[int], int]]) -> list[DraftTree]:
         edd = self.edd
         batch = len(active)
-        own: list[_Row] = [slot.state[self] for _, slot, _, _ in active]
+        own: list[_Row] = [slot.state(self) for _, slot, _, _ in active]
         queued = [torch.cat(r.queue) if r.queue else None for r in own]
         k = [0 if q is None else len(q) for q in queued]
         width = max(kb + len(block) for kb, (_, _, block, _) in zip(k, active))
@@ -201,7 +201,7 @@ class EddDrafter:
                 continue
             if v.hidden is None:
                 raise BackendError("the EDD drafter needs the target's hidden states (ModelRunner.capture_hidden)")
-            own: _Row = slot.state[self]
+            own: _Row = slot.state(self)
             own.queue.append(v.hidden)
             own.known += len(v.hidden)
 

@@ -45,12 +45,12 @@ class CalibrationRecorder:
             self.draft_s += time.perf_counter() - t0
             self.levels += levels
         for slot, tree, room in zip(slots, trees, rooms):
-            slot.state[self] = (tree, room)
+            slot.put(self, (tree, room))
         return trees
 
     def update(self, slots: list[Slot], verdicts: list[Verdict]) -> None:
         for slot, v in zip(slots, verdicts):
-            drafted = slot.state.pop(self, None)
+            drafted = slot.take(self)
             if drafted is None:  # a row the scheduler did not draft this step
                 continue
             tree, room = drafted

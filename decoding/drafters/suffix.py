@@ -184,7 +184,7 @@ class SuffixDrafter:
             if self.options.prime_with_prompt:
                 self.pools.prime(seq.group, seq.prompt)
             trie = self.pools.get(seq.group)
-            slot.state[self] = _Row(trie.resume(seq.tail(trie.depth - 1)), seq.position)
+            slot.put(self, _Row(trie.resume(seq.tail(trie.depth - 1)), seq.position))
 
     def draft(self, slots: list[Slot]) -> list[DraftTree]:
         return [self._draft(slot.seq) for slot in slots]
@@ -201,7 +201,7 @@ class SuffixDrafter:
     def update(self, slots: list[Slot], verdicts: list[Verdict]) -> None:
         """The rows' newly committed tokens enter their pool's trie."""
         for slot, v in zip(slots, verdicts):
-            seq, row = slot.seq, slot.state[self]
+            seq, row = slot.seq, slot.state(self)
             trie = self.pools.get(seq.group)
             for token in seq.tail(seq.position - row.seen):
                 row.open = trie.step(row.open, token)

@@ -37,12 +37,12 @@ class UnionDrafter:
         for b, slot in enumerate(slots):
             trees = [t[b] for t in per_drafter]
             merged, where = graft(trees, self.merge)
-            slot.state[self] = (trees, where)  # until its verdict: which merged node is whose
+            slot.put(self, (trees, where))  # until its verdict: which merged node is whose
             out.append(merged)
         return out
 
     def update(self, slots: list[Slot], verdicts: list[Verdict]) -> None:
-        drafted = [slot.state.pop(self, None) for slot in slots]
+        drafted = [slot.take(self) for slot in slots]
         for k, drafter in enumerate(self.drafters):
             drafter.update(
                 slots, [v if d is None else self._as_drafted_by(k, *d, v) for d, v in zip(drafted, verdicts)]

@@ -1,5 +1,5 @@
-"""What every schedule shares: the `Decoder` protocol, running sequences to the end, and one
-verify-and-commit step (verification and acceptance are the core's, so every schedule is lossless)."""
+"""What every schedule shares: the `Decoder` protocol, running sequences to the end, and the
+`verify:` options (verification and acceptance are the core's, so every schedule is lossless)."""
 
 from __future__ import annotations
 
@@ -9,16 +9,10 @@ from typing import Protocol
 
 import torch
 
-from decoding.core.draft_tree import DraftTree
 from decoding.core.errors import ConfigError
-from decoding.core.kv_cache import RowKVCache
-from decoding.core.runner import ModelRunner
 from decoding.core.sampling import RULES, Rule
 from decoding.core.sequence import Sequence
-from decoding.core.slot import Slot
-from decoding.core.stopping import Detokenizer
 from decoding.core.values import DecodeStats
-from decoding.core.verify import Verdict, verify
 from decoding.drafters.base import Drafter
 
 
@@ -121,45 +115,6 @@ class VerifyOptions:
         if self.max_tokens == "auto":
             return CPU_MAX_TOKENS if device.type == "cpu" else None
         return self.max_tokens  # type: ignore[return-value]
-
-
-def cut_to_budget(trees: list[DraftTree], budget: int | None) -> list[DraftTree]:
-    """Each row's tree cut to its first budget / rows - 1 nodes (at least the root is scored)."""
-    if budget is None:
-        return trees
-    nodes = max(0, budget // len(trees) - 1)
-    return [t.prefix(nodes) for t in trees]
-
-
-def verify_and_commit(
-    target: ModelRunner,
-    tokenizer: Detokenizer,
-    cache: RowKVCache,
-    slots: list[Slot],
-    trees: list[DraftTree],
-    rule: Rule,
-    top: int = 0,
-) -> list[Verdict]:
-    """Verify the slots' trees in one forward and commit what each accepted: tokens to the
-    sequence, the accepted path to its cache row, the bonus token to its pending tokens (`top`: the
-    top-k each verdict carries for the drafter, `Drafter.learns_top`)."""
-    rows = [s.row for s in slots]
-    packed, verdicts = verify(
-        target,
-        cache,
-        [s.pending for s in slots],
-        trees,
-        [s.seq for s in slots],
-        rule,
-        rows=None if rows == list(range(cache.batch)) else rows,
-        top=top,
-    )
-    for b, (slot, v) in enumerate(zip(slots, verdicts)):
-        v.kept = slot.seq.commit(v.tokens, tokenizer, drafted=len(v.tree), accepted=len(v.path))
-        if not slot.seq.done:
-            cache.keep(slot.row, packed.committed(b, v.path))
-            slot.pending = [v.token]
-    return verdicts
 
 
 def add_sequence_totals(stats: DecodeStats, seqs: list[Sequence]) -> DecodeStats:

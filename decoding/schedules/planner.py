@@ -26,6 +26,7 @@ import numpy as np
 from decoding.core.calibration import AcceptanceRecord
 from decoding.core.cost import ForwardCost, Overhead
 from decoding.core.draft_tree import ROOT, DraftTree
+from decoding.core.slot import Estimate
 from decoding.core.verify import Verdict
 
 PROBE = 4  # steps a row goes undrafted before it is drafted again to look
@@ -82,25 +83,16 @@ class Planner:
     # False: plans from `cost` and the verdicts alone, never from the clock, so the same inputs give
     # the same plans (tests, and comparing plans across machines).
     timed: bool = True
-    # row -> what its kept nodes were worth lately: expected tokens less their cost in tokens (EMA)
-    value: dict[int, float] = field(default_factory=dict)
     # What a row's drafts are worth before it has drafted: every row's worth (a slower EMA). A ToT
     # thought is a short sequence, so an optimistic start would be much of a row's life.
     prior: float = 1.0
     rate_per_ms: float = 0.0  # expected tokens per ms of the latest plan
-    idle: dict[int, int] = field(default_factory=dict)  # row -> steps since it was last drafted
     # What one more node must return to pay at the latest plan (tokens), and how often the best node
     # of a step's drafted trees could pay (EMA over steps that verified drafted trees): one step's
     # best is one draw of the trees' worth (at one problem the best node paid about half the time,
     # where the latest step's alone stopped probes for FAR_PROBE steps after every miss).
     node_tokens: float = 0.0
     pays: float = 1.0
-
-    def forget(self, rows: list[int]) -> None:
-        """Rows that a new sequence takes: what the old one's drafts were worth says nothing of it."""
-        for row in rows:
-            self.value.pop(row, None)
-            self.idle.pop(row, None)
 
     def allocate(
         self, gains: list[np.ndarray], pending: list[int], context: float
@@ -137,23 +129,23 @@ class Planner:
             kept[r] += 1
         return kept, float(expected[best]), float(forward[best]), float(step[best])
 
-    def budgets(self, rows: list[int], max_nodes: int) -> list[int]:
+    def budgets(self, rows: list[Estimate], max_nodes: int) -> list[int]:
         """Phase 1: nodes worth drafting per row (max_nodes or 0). A row is drafted while what its
-        kept nodes were recently worth (`value`, in tokens, their cost taken off) pays for drafting
+        kept nodes were recently worth (`worth`, in tokens, their cost taken off) pays for drafting
         them; a row not worth drafting is looked at again every PROBE steps (every FAR_PROBE while
         the drafted trees' best node seldom could pay for itself)."""
         cost = self.rate_per_ms * (self.draft_ms_per_row or 0.0)  # drafting a row, in tokens
         probe = PROBE if self.pays >= SELDOM else FAR_PROBE
         out = []
         for r in rows:
-            worth = self.value.get(r, self.prior) > cost
-            draft = worth or self.idle.get(r, 0) + 1 >= probe
-            self.idle[r] = 0 if draft else self.idle.get(r, 0) + 1
+            worth = (self.prior if r.worth is None else r.worth) > cost
+            draft = worth or r.idle + 1 >= probe
+            r.idle = 0 if draft else r.idle + 1
             out.append(max_nodes if draft else 0)
         return out
 
     def cut(
-        self, rows: list[int], trees: list[DraftTree], greedy: list[bool], pending: list[int], context: float
+        self, rows: list[Estimate], trees: list[DraftTree], greedy: list[bool], pending: list[int], context: float
     ) -> tuple[list[DraftTree], StepPlan]:
         """Phase 2: each row's tree cut to the nodes that pay, by the calibrated reach of every node."""
         if not any(len(t) for t in trees):  # a busy step's usual case: plain decoding, nothing to rank
@@ -186,7 +178,7 @@ class Planner:
                 # plan takes only nodes that pay, so drafting is an option worth at least zero (counting
                 # the shortfall stopped rows at one problem from drafting at all: 1.5 -> 1.1 accepted).
                 worth = float(gain[:k].sum()) - self.node_tokens * k
-                self.value[row] = 0.7 * self.value.get(row, self.prior) + 0.3 * worth
+                row.worth = 0.7 * (self.prior if row.worth is None else row.worth) + 0.3 * worth
                 self.prior = 0.9 * self.prior + 0.1 * worth
         kept_nodes = [None if k == len(t) else sorted(o[:k]) for t, o, k in zip(trees, orders, kept)]
         cut = [t if nodes is None else t.subtree(nodes) for t, nodes in zip(trees, kept_nodes)]

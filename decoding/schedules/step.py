@@ -1,0 +1,187 @@
+"""One decode step of every token-level decoder, on one screen: plan, draft, cut, pack, forward,
+accept, commit, learn.
+
+The stages take their inputs and return their outputs; none writes a counter. What a step did is
+its `StepRecord`, which the scheduler hands to the observers (the statistics, the planner's
+calibration). Times come from the `clock` passed in, so a test can run a step on a fake one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from decoding.core.draft_tree import DraftTree
+from decoding.core.kv_cache import RowKVCache
+from decoding.core.packing import Packed, pack
+from decoding.core.runner import ModelRunner
+from decoding.core.sampling import Rule
+from decoding.core.sequence import Sequence
+from decoding.core.slot import Slot
+from decoding.core.stopping import Detokenizer
+from decoding.core.verify import Verdict, accept
+from decoding.drafters.base import Drafter
+from decoding.schedules.planner import Planner, StepPlan
+from decoding.schedules.rounds import News, Rounds
+
+Clock = Callable[[], float]
+
+
+@dataclass(frozen=True)
+class Engine:
+    """What a step runs on: fixed for a scheduler's life."""
+
+    target: ModelRunner
+    cache: RowKVCache  # the KV pool: row r holds the sequence of the live slot with row r
+    tokenizer: Detokenizer
+    drafter: Drafter
+    planner: Planner | None  # verify.plan=goodput; None: every tree cut to `budget`
+    budget: int | None  # verify.plan=fixed: tree tokens one forward may score (None: no cap)
+    rule: Rule
+    verify_batch: int | None  # queued drafts verified per forward (None: all)
+
+
+@dataclass
+class DraftRecord:
+    """One round of the drafter: it heard the news, then drafted `drafted` of the slots waiting."""
+
+    drafted: int = 0  # slots given a tree by the drafter's one batched call (0: no call)
+    draft_ms: float = 0.0  # that call
+    seconds: float = 0.0  # the round, hearing included
+
+
+@dataclass
+class StepRecord:
+    """What one step did, for the observers."""
+
+    drafts: list[DraftRecord] = field(default_factory=list)
+    slots: list[Slot] = field(default_factory=list)  # verified, in the forward's row order
+    verdicts: list[Verdict] = field(default_factory=list)
+    plan: StepPlan | None = None
+    queue_wait_s: float = 0.0  # summed over the verified slots: queued -> taken
+    forward_ms: float = 0.0
+    verify_s: float = 0.0  # cut, pack, forward, accept, commit
+    other_s: float = 0.0  # the rounds' bookkeeping and the prefix cache after it
+    finished: list[Sequence] = field(default_factory=list)
+
+
+def decode_step(rounds: Rounds, engine: Engine, clock: Clock, draft_here: bool = True) -> StepRecord:
+    """Draft the slots waiting to (unless a drafting thread does: `draft_here` False), verify up to
+    `verify_batch` queued drafts in one target forward, commit and learn what they accepted."""
+    record = StepRecord()
+    if draft_here:
+        record.drafts.append(draft_round(rounds, engine, clock, wait=False))  # plan, draft
+    slots = rounds.take_queued(engine.verify_batch, wait=not draft_here)
+    if slots:
+        t0 = clock()
+        trees, plan = cut(engine, slots, [s.draft for s in slots])  # type: ignore[misc]  # cut
+        packed = pack([s.pending for s in slots], trees)  # pack
+        logits = engine.target.score(engine.cache, packed, rows_of(engine.cache, slots))  # forward
+        seqs = [s.seq for s in slots]
+        verdicts = accept(engine.target, packed, logits, trees, seqs, engine.rule, engine.drafter.learns_top)
+        if plan is not None:  # the drafter's own node numbers, for drafters that keep per-node state
+            for v, kept in zip(verdicts, plan.kept_nodes):
+                v.drafted_nodes = kept
+        commit(engine, slots, verdicts, packed)  # commit
+        t1 = clock()
+        record.finished = finish(engine, slots)
+        rounds.verified_now(slots, verdicts)
+        record.slots, record.verdicts, record.plan = slots, verdicts, plan
+        record.queue_wait_s = sum(t0 - s.queued_at for s in slots)
+        record.forward_ms = engine.target.last_score_ms
+        record.verify_s, record.other_s = t1 - t0, clock() - t1
+    if draft_here:
+        record.drafts.append(draft_round(rounds, engine, clock, wait=False, draft=False))  # learn
+    return record
+
+
+def draft_round(rounds: Rounds, engine: Engine, clock: Clock, wait: bool, draft: bool = True) -> DraftRecord:
+    """The drafter hears what it has not (arrivals, verdicts, departures), then drafts the waiting
+    slots (with `draft`) and queues their trees."""
+    t0 = clock()
+    news = rounds.news(wait)
+    hear(engine.drafter, rounds, news)
+    record = DraftRecord()
+    if draft and news.drafting:
+        budgets = plan_drafts(engine, news.drafting)  # plan
+        chosen = [s for s, b in zip(news.drafting, budgets) if b]
+        t1 = clock()
+        drafted = dict(zip(map(id, chosen), engine.drafter.draft(chosen))) if chosen else {}  # draft
+        trees = [drafted.get(id(s), DraftTree()) for s in news.drafting]
+        assert all(len(t) <= engine.drafter.max_nodes for t in trees), "a tree exceeds the drafter's max_nodes"
+        record.drafted, record.draft_ms = len(chosen), 1000 * (clock() - t1)
+        rounds.enqueue(news.drafting, trees, clock())
+    record.seconds = clock() - t0
+    return record
+
+
+def hear(drafter: Drafter, rounds: Rounds, news: News) -> None:
+    """The drafter admits the new slots, learns from the verdicts before it drafts those slots again,
+    and releases the slots that left (their rows are then free for new sequences)."""
+    if news.arrived:
+        drafter.admit(news.arrived)
+        for slot in news.arrived:
+            slot.heard = True
+    if news.verified:
+        drafter.update(news.verified, [s.verdict for s in news.verified])  # type: ignore[misc]
+        for slot in news.verified:
+            slot.verdict = None
+    if news.left:
+        drafter.release(news.left)
+        for slot in news.left:
+            slot.heard = False
+        rounds.released(news.left)
+
+
+def plan_drafts(engine: Engine, slots: list[Slot]) -> list[int]:
+    """Nodes worth drafting per slot: with the planner, slots whose drafts cannot pay are not drafted
+    (they get empty trees: verified like `ar`'s rows, and their drafter still learns what they commit)."""
+    if engine.planner is None or not engine.drafter.max_nodes:
+        return [engine.drafter.max_nodes] * len(slots)
+    return engine.planner.budgets([s.estimate for s in slots], engine.drafter.max_nodes)
+
+
+def cut(engine: Engine, slots: list[Slot], trees: list[DraftTree]) -> tuple[list[DraftTree], StepPlan | None]:
+    """The trees this forward verifies: cut by the planner to the nodes that pay, or to the fixed budget."""
+    if engine.planner is None:
+        return cut_to_budget(trees, engine.budget), None
+    greedy = [s.seq.params.greedy for s in slots]
+    context = sum(s.committed for s in slots) / len(slots)  # what the forward's attention reads
+    return engine.planner.cut([s.estimate for s in slots], trees, greedy, [len(s.pending) for s in slots], context)
+
+
+def cut_to_budget(trees: list[DraftTree], budget: int | None) -> list[DraftTree]:
+    """Each row's tree cut to its first budget / rows - 1 nodes (at least the root is scored)."""
+    if budget is None:
+        return trees
+    nodes = max(0, budget // len(trees) - 1)
+    return [t.prefix(nodes) for t in trees]
+
+
+def rows_of(cache: RowKVCache, slots: list[Slot]) -> list[int] | None:
+    rows = [s.row for s in slots]
+    return None if rows == list(range(cache.batch)) else rows
+
+
+def commit(engine: Engine, slots: list[Slot], verdicts: list[Verdict], packed: Packed) -> None:
+    """Each slot keeps what its verdict accepted: tokens to the sequence (stop rules may cut them),
+    the accepted path to its cache row, the next token to its pending tokens."""
+    for b, (slot, v) in enumerate(zip(slots, verdicts)):
+        v.kept = slot.seq.commit(v.tokens, engine.tokenizer, drafted=len(v.tree), accepted=len(v.path))
+        if not slot.seq.done:
+            engine.cache.keep(slot.row, packed.committed(b, v.path))
+            slot.pending = [v.token]
+
+
+def finish(engine: Engine, slots: list[Slot]) -> list[Sequence]:
+    """The sequences that stopped; what each committed stays in the prefix cache for later prompts
+    that extend it (the next step's thoughts)."""
+    done = []
+    for slot in slots:
+        s = slot.seq
+        if s.done:
+            engine.target.remember(
+                engine.cache, slot.row, s.prompt + s.generated, s.context(engine.tokenizer) if s.keep else None
+            )
+            done.append(s)
+    return done
