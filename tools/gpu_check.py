@@ -1,5 +1,5 @@
 """The GPU check of one device call: the 8B shape's forward and decode, CUDA graphs off and on, then
-the CUDA test list (`make test-cuda`) in what time is left. docs/performance.md says how to run it.
+the CUDA test list (`make test-cuda`) in what time is left. docs/tools.md says how to run it.
 
     python3 tools/gpu_check.py SHAPE_DIR OUT_DIR [--budget SECONDS] [--skip-tests]
 

@@ -152,9 +152,9 @@ def resolve_device(device: str, key: str = "model") -> torch.device:
 
 def resolve_weights(weights: str, device: torch.device, gguf: Path | None, key: str = "model") -> str:
     """The weight format to run: auto = the GGUF's own 4-bit format on a CPU when the model is a GGUF
-    file (3.5x faster than float32 for one row here, docs/performance.md), else bfloat16 (float16
-    where a GPU lacks bfloat16). Both keep a token's logits independent of the batch; float32's
-    matrix products do not."""
+    file (3.3x faster than float32 on one sequence here, docs/performance.md "Quantized weights and the
+    invariant forward"), else bfloat16 (float16 where a GPU lacks bfloat16). Both keep a token's logits
+    independent of the batch; float32's matrix products do not."""
     if weights == "auto":
         if device.type == "cpu":
             return "gguf" if gguf is not None else "bfloat16"
