@@ -20,10 +20,13 @@ from decoding.core.runner import ModelRunner
 from decoding.core.sampling import Rule, SamplingParams, processed_logits, top_k_rows
 from decoding.core.sequence import Sequence
 
+Top = tuple[list[list[int]], list[list[float]]]  # per row: the top-k token ids and their probabilities
 
-@dataclass
+
+@dataclass(frozen=True)
 class Verdict:
-    """What verification decided for one row."""
+    """What verification decided for one row: made once by the acceptance stage (`accept`); the
+    commit completes it with what the sequence kept (`dataclasses.replace`)."""
 
     tree: DraftTree
     path: list[int]  # accepted nodes, root's child first
@@ -32,7 +35,7 @@ class Verdict:
     # greedy rows, where only the argmax matters); cross-trajectory drafters learn from them.
     probs: torch.Tensor | None
     logits: torch.Tensor  # raw target logits at the same places
-    kept: int = 0  # tokens the sequence kept (stop rules may cut the accepted run); set on commit
+    kept: int = 0  # tokens the sequence kept (stop rules may cut the accepted run); set by the commit
     # With ModelRunner.capture_hidden: the captured layer's hidden states of the tokens this step put in
     # the target's cache (the pending tokens, then the accepted path) [P + len(path), H]; EDD reads them.
     hidden: torch.Tensor | None = None
@@ -42,7 +45,7 @@ class Verdict:
     # verify(top=k): the k most likely next tokens and their probabilities (the processed
     # distribution; the softmax of the logits for greedy rows) at the root and along the accepted
     # path, in that order (1 + len(path) rows of k each), as lists: what drafters' tables take.
-    top: tuple[list[list[int]], list[list[float]]] | None = None
+    top: Top | None = None
 
     @property
     def drafted_path(self) -> list[int]:
@@ -89,9 +92,11 @@ def accept(
     seqs: list[Sequence],
     rule: Rule,
     top: int = 0,
+    drafted_nodes: list[list[int] | None] | None = None,
 ) -> list[Verdict]:
     """Decide every row of one scored forward (`logits`, one [1 + N, V] per row) under `rule`: the
-    acceptance stage, batched over the step's rows (see `verify`)."""
+    acceptance stage, batched over the step's rows (see `verify`). `drafted_nodes`: where the step
+    planner cut each drafted tree (`Verdict.drafted_nodes`)."""
     hidden = target.last_hidden if target.hidden_layer is not None else None
     on_device = bool(logits) and logits[0].device.type != "cpu"
     # Processed once per row: the distributions drafters learn from, and what the samplers read.
@@ -100,7 +105,7 @@ def accept(
     # the step reads them back once; the CPU samples lazily, only the nodes a walk reaches.
     targets = device_targets(trees, seqs, logits, scores, rule) if on_device else [None] * len(trees)
 
-    def decide(b: int) -> Verdict:
+    def decide(b: int) -> tuple[list[int], int, torch.Tensor | None]:
         tree, s, row, sc, own = trees[b], seqs[b], logits[b], scores[b], targets[b]
         # Softmax once where the logits are (matched multinomial draws read it there, as transformers
         # does); the rejection walk's scalar work reads it on the CPU.
@@ -112,16 +117,26 @@ def accept(
             path, token = walk_matched(tree, lambda node, d: own[node + 1])
         else:
             path, token = walk_matched(tree, target_sampler(s, rule, row, sc, dist))
-        kept_hidden = None if hidden is None else hidden[b, packed.committed(b, path)]
-        return Verdict(tree, path, token, probs, row, hidden=kept_hidden)
+        return path, token, probs
 
     # One row after another, in this thread: deciding them in a thread pool slowed the next forwards
     # by a fifth (the pool's threads ran torch operators of their own, and the cores' worker threads
     # contended), for draws that take 0.15 ms a row (decoding/core/gumbel.py).
-    verdicts = [decide(b) for b in range(len(trees))]
-    if top:
-        add_top(verdicts, top)
-    return verdicts
+    decided = [decide(b) for b in range(len(trees))]
+    tops = top_tokens([(path, probs, row) for (path, _, probs), row in zip(decided, logits)], top) if top else None
+    return [
+        Verdict(
+            trees[b],
+            path,
+            token,
+            probs,
+            logits[b],
+            hidden=None if hidden is None else hidden[b, packed.committed(b, path)],
+            drafted_nodes=None if drafted_nodes is None else drafted_nodes[b],
+            top=None if tops is None else tops[b],
+        )
+        for b, (path, token, probs) in enumerate(decided)
+    ]
 
 
 def processed(s: Sequence, row: torch.Tensor) -> torch.Tensor | None:
@@ -178,19 +193,21 @@ def device_targets(
     return out
 
 
-def add_top(verdicts: list[Verdict], k: int) -> None:
-    """Set each verdict's `top`: the k most likely tokens at its root and along its accepted path,
-    by one top-k over the step's rows where they lie (`top_k_rows`)."""
+def top_tokens(decided: list[tuple[list[int], torch.Tensor | None, torch.Tensor]], k: int) -> list[Top]:
+    """Per row (its accepted path, processed distribution or None, raw logits): the k most likely
+    tokens at its root and along its path (`Verdict.top`), by one top-k over the step's rows where
+    they lie (`top_k_rows`)."""
     rows = []
-    for v in verdicts:
-        at = [0, *(1 + n for n in v.path)] if v.path else slice(0, 1)  # a slice: no copy of the row
-        rows.append(v.logits[at].float().softmax(-1) if v.probs is None else v.probs[at])
+    for path, probs, logits in decided:
+        at = [0, *(1 + n for n in path)] if path else slice(0, 1)  # a slice: no copy of the row
+        rows.append(logits[at].float().softmax(-1) if probs is None else probs[at])
     values, ids = top_k_rows(rows, min(k, rows[0].shape[-1]))
     ids_l, values_l = ids.tolist(), values.tolist()  # one conversion for the step
-    start = 0
-    for v, r in zip(verdicts, rows):
-        v.top = (ids_l[start : start + len(r)], values_l[start : start + len(r)])
+    out, start = [], 0
+    for r in rows:
+        out.append((ids_l[start : start + len(r)], values_l[start : start + len(r)]))
         start += len(r)
+    return out
 
 
 def kept_tops(verdicts: list[Verdict], k: int) -> list[tuple[list[list[int]], list[list[float]]]]:

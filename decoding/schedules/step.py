@@ -9,7 +9,7 @@ calibration). Times come from the `clock` passed in, so a test can run a step on
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from decoding.core.draft_tree import DraftTree
 from decoding.core.kv_cache import RowKVCache
@@ -78,11 +78,9 @@ def decode_step(rounds: Rounds, engine: Engine, clock: Clock, draft_here: bool =
         packed = pack([s.pending for s in slots], trees)  # pack
         logits = engine.target.score(engine.cache, packed, rows_of(engine.cache, slots))  # forward
         seqs = [s.seq for s in slots]
-        verdicts = accept(engine.target, packed, logits, trees, seqs, engine.rule, engine.drafter.learns_top)
-        if plan is not None:  # the drafter's own node numbers, for drafters that keep per-node state
-            for v, kept in zip(verdicts, plan.kept_nodes):
-                v.drafted_nodes = kept
-        commit(engine, slots, verdicts, packed)  # commit
+        nodes = None if plan is None else plan.kept_nodes  # the drafter's own node numbers
+        verdicts = accept(engine.target, packed, logits, trees, seqs, engine.rule, engine.drafter.learns_top, nodes)
+        verdicts = commit(engine, slots, verdicts, packed)  # commit
         t1 = clock()
         record.finished = finish(engine, slots)
         rounds.verified_now(slots, verdicts)
@@ -163,14 +161,18 @@ def rows_of(cache: RowKVCache, slots: list[Slot]) -> list[int] | None:
     return None if rows == list(range(cache.batch)) else rows
 
 
-def commit(engine: Engine, slots: list[Slot], verdicts: list[Verdict], packed: Packed) -> None:
+def commit(engine: Engine, slots: list[Slot], verdicts: list[Verdict], packed: Packed) -> list[Verdict]:
     """Each slot keeps what its verdict accepted: tokens to the sequence (stop rules may cut them),
-    the accepted path to its cache row, the next token to its pending tokens."""
+    the accepted path to its cache row, the next token to its pending tokens. The verdicts with
+    what each sequence kept."""
+    out = []
     for b, (slot, v) in enumerate(zip(slots, verdicts)):
-        v.kept = slot.seq.commit(v.tokens, engine.tokenizer, drafted=len(v.tree), accepted=len(v.path))
+        kept = slot.seq.commit(v.tokens, engine.tokenizer, drafted=len(v.tree), accepted=len(v.path))
         if not slot.seq.done:
             engine.cache.keep(slot.row, packed.committed(b, v.path))
             slot.pending = [v.token]
+        out.append(replace(v, kept=kept))
+    return out
 
 
 def finish(engine: Engine, slots: list[Slot]) -> list[Sequence]:
