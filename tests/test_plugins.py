@@ -14,6 +14,7 @@ import pytest
 from test_cli import REPO, save_tiny_checkpoint, subprocess_env
 from test_generate import PROMPTS, read, write_prompts
 
+from conf import reference
 from decoding.config import DecoderConfig
 from decoding.core.errors import ConfigError
 from decoding.kinds import DECODERS, DRAFTERS, MODULES, build_tables
@@ -143,3 +144,11 @@ def test_a_toy_drafter_runs_from_the_command_line_as_ar_does(tmp_path, tiny_mode
         r["token_ids"] for r in read(tmp_path / "ar.jsonl")
     ]
     assert summaries["toy"]["decoder"] == "toy" and summaries["toy"]["drafted_tokens"] > 0
+
+
+def test_a_plugin_yamls_options_are_in_the_reference(tmp_path):
+    (tmp_path / "decoder").mkdir()
+    (tmp_path / "decoder" / "toy.yaml").write_text(TOY_YAML)
+    text = reference.render_decoders(tmp_path)
+    assert "| `toy` | The toy drafter: the last token, repeated. Options: toy.* |" in text
+    assert "| `toy.depth` | `2` | chain length |" in text and "decoder.name" not in text
