@@ -8,7 +8,7 @@ from typing import Any
 from decoding.core.errors import ConfigError
 from decoding.core.models import ModelSpec
 from decoding.core.options import from_dict, option_names
-from decoding.kinds import DECODERS, TABLES
+from decoding.kinds import DECODERS, ENV, TABLES
 from decoding.schedules.base import VerifyOptions
 from decoding.schedules.seed import SeedOptions
 from decoding.server import NAME as SERVER
@@ -16,6 +16,12 @@ from decoding.server import ServerOptions
 from decoding.trees.policies import DraftTreeOptions
 
 CHOICES = (*DECODERS, SERVER)  # decoder=...: the in-process decoders, and a server's engine
+
+
+def unknown_decoder(name: str) -> ConfigError:
+    return ConfigError(
+        f"decoder={name} is not one of {', '.join(CHOICES)} (a plug-in outside decoding/ is named in {ENV})"
+    )
 
 
 @dataclass(frozen=True)
@@ -35,7 +41,7 @@ class ScheduleConfig:
                 raise ConfigError("decoder=server needs the server: options (server.url, server.model, ...)")
             return
         if self.name not in DECODERS:
-            raise ConfigError(f"decoder={self.name} is not one of {', '.join(CHOICES)}")
+            raise unknown_decoder(self.name)
         if DECODERS[self.name].draft_model == "required" and self.draft is None:
             raise ConfigError(
                 f"decoder={self.name} drafts with a draft model: set draft.path=<Hugging Face id or directory "
@@ -49,7 +55,7 @@ class ScheduleConfig:
         if name == SERVER:
             return cls(name=name, server=from_dict(ServerOptions, c.get("server"), "server"))
         if name not in DECODERS:
-            raise ConfigError(f"decoder={name} is not one of {', '.join(CHOICES)}")
+            raise unknown_decoder(name)
         kind = DECODERS[name]
         hints = {"draft_tree": DraftTreeOptions, "seed": SeedOptions, "verify": VerifyOptions, **TABLES.sections}
         options: dict[str, Any] = {}

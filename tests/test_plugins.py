@@ -94,6 +94,8 @@ def test_tables_and_config_come_from_the_declarations():
     config = {f.name: f.type for f in fields(DecoderConfig)}
     assert all(config[s] is o for s, o in sections.items())
     assert DecoderConfig("stand").stand == sections["stand"]()
+    with pytest.raises(ConfigError, match=r"decoder=toy is not one of .* named in TOT_SPEC_PLUGINS"):
+        DecoderConfig("toy")
 
 
 def test_a_module_without_a_declaration_fails_naming_it(tmp_path, monkeypatch):

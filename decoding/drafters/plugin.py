@@ -1,8 +1,9 @@
 """What a drafter module declares to be a plug-in: `PLUGIN = DrafterPlugin(...)`.
 
 The declaration names the drafter, the options dataclass and the config section it reads, its
-builder, and the decoders (`DecoderKind`: a schedule plus this drafter) it adds. decoding/kinds.py
-builds the tables and the config schema from these declarations; nothing else registers a drafter.
+builder, and the decoders (`DecoderKind`: a schedule plus a drafter) it adds. decoding/kinds.py
+imports the plug-in modules (its `MODULES`, and those `TOT_SPEC_PLUGINS` names) and builds the
+tables and `DecoderConfig`'s sections from their declarations alone.
 """
 
 from __future__ import annotations
