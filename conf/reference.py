@@ -180,11 +180,17 @@ def render_file(conf: ConfFile, conf_dir: Path, level: str = "##") -> str:
 
 
 def render_decoders(conf_dir: Path) -> str:
-    """One row per decoder: the yaml holds only its name, so its header comment is what it says."""
+    """One row per decoder, its header comment saying what it is; then the options a decoder's yaml
+    holds itself (a plug-in's section, where no other decoder reads it), one table per yaml."""
     lines = ["## Decoders: conf/decoder/", "", "| `decoder=` | what it is |", "|---|---|"]
+    own = []
     for name in group_options(conf_dir, "decoder"):
-        lines.append(f"| `{name}` | {_cell(parse(conf_dir / 'decoder' / f'{name}.yaml').header)} |")
-    return "\n".join([*lines, ""])
+        conf = parse(conf_dir / "decoder" / f"{name}.yaml")
+        lines.append(f"| `{name}` | {_cell(conf.header)} |")
+        entries = [e for e in conf.entries if not e.key.startswith("decoder.")]
+        if entries:
+            own.append(render_file(ConfFile(conf.path, "", entries), conf_dir, "###"))
+    return "\n".join([*lines, "", *own])
 
 
 def render_group(conf_dir: Path, group: str, title: str) -> str:

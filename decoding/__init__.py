@@ -2,28 +2,67 @@
 
 Layers, each importing only those before it: core (values, the model runner over a row KV cache,
 verification, acceptance), trees (static shapes, tree policies, Sequoia), edd (the EDD model),
-drafters (the `Drafter` protocol and each drafter), schedules (the speculative loop, SEED, hf); then
-the tables (decoders.py), the config (config.py) and the engine. `ServerEngine` is the same engine
-protocol over a server's OpenAI-compatible API (server.py). See docs/decoding.md.
+drafters (the `Drafter` protocol and each drafter, each declaring itself a plug-in), schedules (the
+speculative loop, SEED, hf); then the tables (kinds.py, decoders.py), the config (config.py) and
+the engine. `ServerEngine` is the same engine protocol over a server's OpenAI-compatible API
+(server.py). See docs/decoding.md.
+
+What the searches, runs and benchmarks use is exported here (tests/test_layout.py holds `tot/` to
+it); the tuning tools that work on the internals (tot.calibrate_tree, tot.train_edd) import further.
 """
 
-from decoding.config import DecoderConfig
-from decoding.core.models import ModelSpec, load_model, load_tokenizer
-from decoding.core.values import DecodeStats, GenRequest, GenResult
+from decoding.config import CHOICES, DecoderConfig
+from decoding.core.errors import BackendError, ConfigError, OutputError
+from decoding.core.heap import frozen
+from decoding.core.memory import peak_rss_mb
+from decoding.core.models import (
+    EMBEDDED,
+    LoadedModel,
+    ModelSpec,
+    load_model,
+    load_tokenizer,
+    resolve_attention,
+    resolve_device,
+    resolve_weights,
+)
+from decoding.core.options import as_float, as_int, from_dict
+from decoding.core.rows_linear import resolve_linear
+from decoding.core.values import Completion, DecodeStats, GenRequest, GenResult, Group
 from decoding.drafters.load import load_draft
-from decoding.engine import Engine
-from decoding.server import ServerEngine, ServerOptions
+from decoding.engine import Engine, run_sync
+from decoding.kinds import DECODERS
+from decoding.server import FOLLOW_UPS_REFUSED, ServerEngine, ServerOptions
 
 __all__ = [
+    "CHOICES",
+    "DECODERS",
+    "EMBEDDED",
+    "FOLLOW_UPS_REFUSED",
+    "BackendError",
+    "Completion",
+    "ConfigError",
     "DecodeStats",
     "DecoderConfig",
     "Engine",
     "GenRequest",
     "GenResult",
+    "Group",
+    "LoadedModel",
     "ModelSpec",
+    "OutputError",
     "ServerEngine",
     "ServerOptions",
+    "as_float",
+    "as_int",
+    "from_dict",
+    "frozen",
     "load_draft",
     "load_model",
     "load_tokenizer",
+    "peak_rss_mb",
+    "resolve_attention",
+    "resolve_device",
+    "resolve_linear",
+    "resolve_weights",
+    "run_sync",
 ]

@@ -168,11 +168,11 @@ def check_overrides(argv: list[str], config_name: str, groups: tuple[str, ...]) 
             if not _installed(f"hydra_plugins.{plugin}"):
                 fail(f"hydra/launcher={value} needs Hydra's launcher plugin: pip install 'tot-spec[{extra}]'")
     chosen: dict[str, list[str]] = {}
+    searchpath = [a for a in overrides if a.startswith("hydra.searchpath=")]
     for arg in overrides:
         key, _, value = arg.partition("=")
         if key in groups:
-            options = resources.files("conf").joinpath(key).iterdir()
-            known = sorted(p.name[:-5] for p in options if p.name.endswith(".yaml"))
+            known = group_choices(key, searchpath)
             for choice in value.split(","):
                 if choice not in known:
                     fail(f"{key}={choice} is unknown; choose one of {', '.join(known)}")
@@ -188,10 +188,24 @@ def check_overrides(argv: list[str], config_name: str, groups: tuple[str, ...]) 
     first = {k: v[0] for k, v in chosen.items()}
     variants = [first] + [{**first, k: c} for k, v in chosen.items() for c in v[1:]]
     with initialize_config_module(config_module="conf", version_base="1.3"):
-        cfgs = [compose(config_name=config_name, overrides=[f"{k}={v}" for k, v in o.items()]) for o in variants]
+        cfgs = [
+            compose(config_name=config_name, overrides=[*searchpath, *(f"{k}={v}" for k, v in o.items())])
+            for o in variants
+        ]
     for key in keys:
         if not any(_has_key(cfg, key) for cfg in cfgs):
             fail(f"{key} is not a config key; see docs/configuration.md (or add one with +{key}=...)")
+
+
+def group_choices(group: str, searchpath: list[str]) -> list[str]:
+    """The yamls of a config group in conf/ and in the folders `hydra.searchpath=[file://DIR,...]` adds
+    (where a plug-in's decoder yaml lives: docs/decoding.md)."""
+    folders = [resources.files("conf").joinpath(group)]
+    for arg in searchpath:
+        for entry in arg.partition("=")[2].strip("[]").split(","):
+            if entry.strip().startswith("file://"):
+                folders.append(Path(entry.strip().removeprefix("file://")) / group)
+    return sorted({p.name[:-5] for f in folders if f.is_dir() for p in f.iterdir() if p.name.endswith(".yaml")})
 
 
 def _installed(module: str) -> bool:

@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
-import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, make_dataclass
 from typing import Any
 
 from decoding.core.errors import ConfigError
 from decoding.core.models import ModelSpec
 from decoding.core.options import from_dict, option_names
-from decoding.drafters.aded import AdedOptions
-from decoding.drafters.pld import PLDOptions
-from decoding.drafters.recycling import RecyclingOptions
-from decoding.drafters.stand import StandOptions
-from decoding.drafters.suffix import SuffixOptions
-from decoding.kinds import DECODERS
+from decoding.kinds import DECODERS, ENV, TABLES
 from decoding.schedules.base import VerifyOptions
 from decoding.schedules.seed import SeedOptions
 from decoding.server import NAME as SERVER
@@ -24,18 +18,19 @@ from decoding.trees.policies import DraftTreeOptions
 CHOICES = (*DECODERS, SERVER)  # decoder=...: the in-process decoders, and a server's engine
 
 
+def unknown_decoder(name: str) -> ConfigError:
+    return ConfigError(
+        f"decoder={name} is not one of {', '.join(CHOICES)} (a plug-in outside decoding/ is named in {ENV})"
+    )
+
+
 @dataclass(frozen=True)
-class DecoderConfig:
-    """A decoder (a key of decoding.decoders.DECODERS) and the options of every section it reads."""
+class ScheduleConfig:
+    """The fields of `DecoderConfig` the schedules own; the drafters' sections follow them."""
 
     name: str = "ar"
     draft_tree: DraftTreeOptions = field(default_factory=DraftTreeOptions)  # from sd.* or seed.*
     seed: SeedOptions = field(default_factory=SeedOptions)
-    stand: StandOptions = field(default_factory=StandOptions)
-    pld: PLDOptions = field(default_factory=PLDOptions)
-    recycling: RecyclingOptions = field(default_factory=RecyclingOptions)
-    aded: AdedOptions = field(default_factory=AdedOptions)
-    suffix: SuffixOptions = field(default_factory=SuffixOptions)
     verify: VerifyOptions = field(default_factory=VerifyOptions)
     draft: ModelSpec | None = None  # path "self" drafts with the target itself
     server: ServerOptions | None = None  # decoder=server: the serving engine to send requests to
@@ -46,7 +41,7 @@ class DecoderConfig:
                 raise ConfigError("decoder=server needs the server: options (server.url, server.model, ...)")
             return
         if self.name not in DECODERS:
-            raise ConfigError(f"decoder={self.name} is not one of {', '.join(CHOICES)}")
+            raise unknown_decoder(self.name)
         if DECODERS[self.name].draft_model == "required" and self.draft is None:
             raise ConfigError(
                 f"decoder={self.name} drafts with a draft model: set draft.path=<Hugging Face id or directory "
@@ -60,9 +55,9 @@ class DecoderConfig:
         if name == SERVER:
             return cls(name=name, server=from_dict(ServerOptions, c.get("server"), "server"))
         if name not in DECODERS:
-            raise ConfigError(f"decoder={name} is not one of {', '.join(CHOICES)}")
+            raise unknown_decoder(name)
         kind = DECODERS[name]
-        hints = typing.get_type_hints(cls)
+        hints = {"draft_tree": DraftTreeOptions, "seed": SeedOptions, "verify": VerifyOptions, **TABLES.sections}
         options: dict[str, Any] = {}
         for f in kind.options:
             namespace = kind.tree_section if f == "draft_tree" else f
@@ -76,3 +71,17 @@ class DecoderConfig:
         if "verify" in options:
             options["verify"] = options["verify"].for_decoder(name)
         return cls(name=name, draft=draft, **options)
+
+
+DecoderConfig = make_dataclass(
+    "DecoderConfig",
+    [(section, options, field(default_factory=options)) for section, options in TABLES.sections.items()],
+    bases=(ScheduleConfig,),
+    frozen=True,
+    namespace={
+        "__module__": __name__,
+        "__doc__": "A decoder (a key of decoding.kinds.DECODERS) and the options of every section it reads: "
+        "the schedules' fields, then one field per drafter section (config.stand, config.pld, ...), "
+        "made from the plug-in declarations.",
+    },
+)

@@ -25,7 +25,7 @@ from decoding.core.heap import frozen
 from decoding.core.models import ModelSpec, load_model
 from decoding.core.options import as_float, as_int
 from decoding.core.time_split import gpu_busy
-from decoding.core.values import DecodeStats, GenRequest
+from decoding.core.values import DecodeStats, GenRequest, Group
 from decoding.drafters.load import load_draft
 from decoding.engine import Engine
 
@@ -216,7 +216,7 @@ def _requests(cfg: GenerateConfig, batch: list[PromptRow]) -> list[GenRequest]:
             temperature=cfg.temperature,
             top_p=cfg.top_p,
             top_k=cfg.top_k,
-            group=r.id,
+            group=Group(r.id),
             seed=request_seed(cfg.seed, r.id, k),
         )
         for r in batch

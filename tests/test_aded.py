@@ -16,7 +16,7 @@ from decoding.config import DecoderConfig
 from decoding.core.draft_tree import ROOT
 from decoding.core.errors import ConfigError
 from decoding.core.gumbel import Coupling, gumbel_order
-from decoding.core.values import GenRequest
+from decoding.core.values import GenRequest, Group
 from decoding.drafters.aded import AdedDrafter, AdedOptions, Node, Search, TriGram, exploration, most_visited, puct
 from decoding.engine import Engine
 
@@ -221,7 +221,7 @@ def test_greedy_identity(tiny_model, tokenizer, loaded, scope):
 
 def test_matrix_learns_across_calls(loaded):
     engine = engine_for(loaded, scope="run", prime_with_prompt=False)
-    requests = [GenRequest("once upon a time", max_new_tokens=40, group="g")]
+    requests = [GenRequest("once upon a time", max_new_tokens=40, group=Group("g"))]
     first = engine.generate(requests)[0]
     assert engine.last_stats.acceptance_length < 2.0
     engine.generate(requests)
@@ -248,7 +248,7 @@ def test_corpus_initialises_the_matrix(tmp_path, tiny_model, tokenizer, loaded):
 def test_drafts_fit_the_room_left(loaded):
     """No draft reaches past a sequence's token limit (the tree's depth is cut to the room left)."""
     engine = engine_for(loaded, scope="run", max_depth=6)
-    requests = [GenRequest("the cat", max_new_tokens=30, group="g")]
+    requests = [GenRequest("the cat", max_new_tokens=30, group=Group("g"))]
     engine.generate(requests)  # teach the matrix the continuation
     drafter = engine.decoder.drafter
     seen: list[int] = []
@@ -260,7 +260,7 @@ def test_drafts_fit_the_room_left(loaded):
         return tree
 
     drafter._draft = record
-    engine.generate([GenRequest("the cat", max_new_tokens=5, group="g")])
+    engine.generate([GenRequest("the cat", max_new_tokens=5, group=Group("g"))])
     assert seen and min(seen) >= 0
 
 

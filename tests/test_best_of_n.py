@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import pytest
 from helpers import ScriptedTask, reply
 
-from decoding.core.values import Completion, DecodeStats, GenRequest
+from decoding.core.values import Completion, DecodeStats, GenRequest, Group
 from tasks.base import Problem, Prompt
 from tot.best_of_n import BestOfN, BestOfNSettings
 from tot.config import ConfigError
@@ -103,10 +103,10 @@ def test_solutions_are_chains_of_their_steps():
 def test_one_group_seeds_by_solution_and_the_solution_length():
     _, engine = solve(REPLIES, [1, 2, 3, 4], "best")
     solutions = [r for r in engine.requests if r.prefix == "S"]
-    assert {r.group for r in solutions} == {"p/solutions"}  # STAND's pool sees all N trajectories
+    assert {r.group for r in solutions} == {Group("p", "solutions")}  # STAND's pool sees all N trajectories
     assert sorted(r.seed for r in solutions) == sorted(engine.seeds)
     assert {r.max_new_tokens for r in solutions} == {50}
-    assert {r.group for r in engine.requests if r.prefix == "E"} == {"p/solutions/eval"}
+    assert {r.group for r in engine.requests if r.prefix == "E"} == {Group("p", "solutions/eval")}
 
 
 def test_the_tree_does_not_depend_on_which_reply_finished_first():

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import pytest
 from helpers import AwaitableFake, ScriptedTask, reply
 
-from decoding.core.values import DecodeStats, GenRequest, GenResult
+from decoding.core.values import DecodeStats, GenRequest, GenResult, Group
 from tasks.base import Problem
 from tot.config import ConfigError
 from tot.dvts import DVTS, DVTSSettings
@@ -96,9 +96,9 @@ def test_subtrees_expand_their_best_candidate():
 def test_groups_and_seeds():
     _, engine = solve(VALUES)
     first = engine.calls[0]
-    assert {r.group for r in first} == {"p/d1"}  # all subtrees of a step share one STAND pool
+    assert {r.group for r in first} == {Group("p", "d1")}  # all subtrees of a step share one STAND pool
     assert len({r.seed for r in first}) == 4  # subtrees starting from the root still sample apart
-    assert {r.group for r in engine.calls[1]} == {"p/d1/eval"}
+    assert {r.group for r in engine.calls[1]} == {Group("p", "d1/eval")}
     again = solve(VALUES)[1]
     assert [r.seed for c in again.calls for r in c] == [r.seed for c in engine.calls for r in c]
 

@@ -92,10 +92,26 @@ def test_make_decoder_has_no_chain_over_names():
 
 def test_every_decoder_has_a_yaml_and_every_yaml_a_decoder():
     from decoding.config import CHOICES
-    from decoding.decoders import DRAFTERS, SCHEDULES
-    from decoding.kinds import DECODERS
+    from decoding.decoders import SCHEDULES
+    from decoding.kinds import DECODERS, DRAFTERS
 
     yamls = {p.stem for p in (ROOT / "conf" / "decoder").glob("*.yaml")}
     assert yamls == set(CHOICES) == {*DECODERS, "server"}
     for name, kind in DECODERS.items():
         assert kind.schedule in SCHEDULES and kind.drafter in DRAFTERS, name
+
+
+# The tuning tools run searches to tune the backend's internals (a static tree's calibration, an
+# EDD's training corpus): they may import decoding's modules.
+INTERNALS_TOOLS = ("tot.calibrate_tree", "tot.train_edd")
+# What `tot/` may import of decoding: the public face, and the command framework every command shares.
+PUBLIC = ("decoding", "decoding.cli")
+
+
+def test_tot_uses_decodings_public_face():
+    bad = [
+        (a, b)
+        for a, b in import_graph().edges
+        if a.startswith("tot") and b.startswith("decoding") and b not in PUBLIC and a not in INTERNALS_TOOLS
+    ]
+    assert not bad, f"tot imports decoding's internals (export what it needs in decoding/__init__.py): {bad}"

@@ -15,7 +15,7 @@ from decoding.core.draft_tree import ROOT, DraftTree
 from decoding.core.errors import ConfigError
 from decoding.core.runner import ModelRunner
 from decoding.core.slot import Estimate, Slot
-from decoding.core.values import GenRequest
+from decoding.core.values import GenRequest, Group
 from decoding.core.verify import Verdict
 from decoding.drafters.stand import StandDrafter, StandOptions
 from decoding.engine import Engine
@@ -226,7 +226,7 @@ def test_drafters_keep_learning_without_drafts(tokenizer):
     drafters = [StandDrafter(StandOptions(prime_with_prompt=False), StaticTree.load("default"), len(tokenizer))]
     drafters.append(StandDrafter(StandOptions(prime_with_prompt=False), StaticTree.load("default"), len(tokenizer)))
     rule = StopRule(frozenset(), (), 64)
-    seqs = [Sequence.create(text[:1], rule, SamplingParams(0.0), 0, group="g") for _ in drafters]
+    seqs = [Sequence.create(text[:1], rule, SamplingParams(0.0), 0, group=Group("g")) for _ in drafters]
     slots = [Slot(0, s) for s in seqs]
     for d, slot in zip(drafters, slots):
         d.admit([slot])

@@ -39,7 +39,7 @@ class FakeEngine(AwaitableFake):
 
     def generate(self, requests: list[GenRequest]) -> list[GenResult]:
         self.calls += 1
-        pid = requests[0].group.split("/")[0]
+        pid = requests[0].group.problem
         if pid not in self.problems:
             self.problems.append(pid)
         results = []
@@ -67,7 +67,7 @@ class KilledEngine(FakeEngine):
         self.problem, self.at, self.seen = problem, at, 0
 
     def generate(self, requests: list[GenRequest]) -> list[GenResult]:
-        if requests[0].group.startswith(self.problem + "/"):
+        if requests[0].group.problem == self.problem:
             self.seen += 1
             if self.seen == self.at:
                 raise Killed("killed")

@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 from helpers import AwaitableFake, reply
 
-from decoding.core.values import DecodeStats, GenRequest, GenResult
+from decoding.core.values import DecodeStats, GenRequest, GenResult, Group
 from tasks.base import Problem
 from tasks.gsm8k import FINAL_PREFIX, GSM8K, SCORE_PREFIX
 from tot.search import BFS, BFSSettings, GenSettings, request_seed, run_sync
@@ -102,10 +102,10 @@ def test_thought_requests():
             assert len({r.seed for r in same}) == 3
         assert len({r.group for r in call}) == len(call) // 3
         assert len({r.prompt for r in call}) == len(call) // 3
-    assert [r.group for r in thought_calls[0]] == ["p/0"] * 3
+    assert [r.group for r in thought_calls[0]] == [Group("p", "0")] * 3
     # Only the kept states are expanded, best first: depth 2 expands t1 then t2, depth 3 expands t4 then t6.
-    assert [r.group for r in thought_calls[1]] == [f"p/{node(1)}"] * 3 + [f"p/{node(2)}"] * 3
-    assert [r.group for r in thought_calls[2]] == [f"p/{node(4)}"] * 3 + [f"p/{node(6)}"] * 3
+    assert [r.group for r in thought_calls[1]] == [Group("p", str(node(1)))] * 3 + [Group("p", str(node(2)))] * 3
+    assert [r.group for r in thought_calls[2]] == [Group("p", str(node(4)))] * 3 + [Group("p", str(node(6)))] * 3
     # A state's prompt holds its path and nothing of the pruned thoughts.
     assert "#1" in thought_calls[1][0].prompt and "#0" not in thought_calls[1][0].prompt
     assert "#2" in thought_calls[2][3].prompt and "#6" in thought_calls[2][3].prompt

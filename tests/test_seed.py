@@ -17,7 +17,7 @@ from decoding.core.sampling import SamplingParams
 from decoding.core.sequence import Sequence
 from decoding.core.slot import Slot
 from decoding.core.stopping import StopRule
-from decoding.core.values import GenRequest
+from decoding.core.values import GenRequest, Group
 from decoding.engine import Engine
 from decoding.schedules.rounds import Rounds
 from decoding.schedules.scheduler import Scheduler
@@ -239,7 +239,7 @@ def test_first_draft_verified_beside_rows_far_along(tiny_model, tokenizer, loade
     head = "Rate this passage. "
     bodies = [" ".join(f"word{i}x{j}" for j in range(40 + (9 if i == 8 else 0))) for i in range(9)]
     prompts = [head + b for b in bodies]
-    requests = [GenRequest(p, max_new_tokens=6, temperature=0.0, group="g") for p in prompts]
+    requests = [GenRequest(p, max_new_tokens=6, temperature=0.0, group=Group("g")) for p in prompts]
     refs = [reference_greedy(tiny_model, encode(tokenizer, p), 6, {EOS_ID}) for p in prompts]
     if decoder == "seed":
         engine = seed_engine(loaded, loaded, (2, 2, 1), 8, False)

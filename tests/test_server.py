@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 
 from decoding.core.models import ModelSpec, load_tokenizer
 from decoding.core.prompts import render
-from decoding.core.values import GenRequest
+from decoding.core.values import GenRequest, Group
 from decoding.server import ServerEngine, ServerOptions
 from tasks import DataSpec, make_task
 from tot.collect import collect
@@ -57,9 +57,9 @@ def task_requests(n: int = 2, temperature: float = 0.0) -> list[GenRequest]:
     task = make_task("gsm8k", 4, {})
     problems = task.load(DataSpec(limit=n))
     gen = GenSettings(temperature=temperature, max_thought_tokens=48, max_eval_tokens=24, eval_temperature=temperature)
-    requests = [gen.request(task.generator_prompt(p, []), group=p.id, seed=i) for i, p in enumerate(problems)]
+    requests = [gen.request(task.generator_prompt(p, []), group=Group(p.id), seed=i) for i, p in enumerate(problems)]
     step = ["How many eggs are left? 16 - 3 - 4 = 9 eggs are left."]
-    requests.append(gen.request(task.evaluator_prompt(problems[0], step), group="eval", seed=7, evaluate=True))
+    requests.append(gen.request(task.evaluator_prompt(problems[0], step), group=Group("eval"), seed=7, evaluate=True))
     return requests
 
 

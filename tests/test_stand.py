@@ -16,7 +16,7 @@ from test_speculative import PARAMS, check_three_tokens, sample_three
 from decoding.config import DecoderConfig
 from decoding.core.draft_tree import ROOT, k_config_parents
 from decoding.core.errors import ConfigError
-from decoding.core.values import GenRequest
+from decoding.core.values import GenRequest, Group
 from decoding.drafters.aded import TriGram
 from decoding.drafters.ngram import LogitNGram
 from decoding.drafters.pld import lookup
@@ -101,10 +101,10 @@ def test_a_prompt_is_counted_past_the_prefix_its_pool_holds():
     prompt's own tokens on top of the first."""
     first, second = [1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 9, 8, 7]
     pools = Pools("group", 8, LogitNGram)
-    pools.prime("p/a", first)
-    pools.prime("p/a", second)
-    pools.prime("p/a", second)  # the same prompt again: nothing
-    pool = pools.get("p/a")
+    pools.prime(Group("p", "a"), first)
+    pools.prime(Group("p", "a"), second)
+    pools.prime(Group("p", "a"), second)  # the same prompt again: nothing
+    pool = pools.get(Group("p", "a"))
     assert pool.lookup([1, 2, 3]).count == 1  # the shared text, once
     assert list(pool.lookup([2, 3, 4]).ids) == [5, 9]  # after it, both continuations
     assert list(pool.lookup([9, 8]).ids) == [7]
@@ -113,24 +113,24 @@ def test_a_prompt_is_counted_past_the_prefix_its_pool_holds():
     want.prime(second, start=4)
     assert [dict(t) for t in pool.tables] == [dict(t) for t in want.tables]
     tries = Pools("group", 8, lambda: SuffixTrie(depth=3, capacity=100))
-    tries.prime("p/a", first)
-    tries.prime("p/a", second)
-    trie = tries.get("p/a")
+    tries.prime(Group("p", "a"), first)
+    tries.prime(Group("p", "a"), second)
+    trie = tries.get(Group("p", "a"))
     assert trie.find([2, 3]).count == 1 and trie.find([4, 9]).count == 1 and trie.find([9, 8, 7]) is not None
     grams = Pools("group", 8, TriGram)
-    grams.prime("p/a", first)
-    grams.prime("p/a", second)
+    grams.prime(Group("p", "a"), first)
+    grams.prime(Group("p", "a"), second)
     whole = TriGram()
     whole.update(first)
     whole.update([3, 4, 9, 8, 7])
-    assert grams.get("p/a").tri == whole.tri
+    assert grams.get(Group("p", "a")).tri == whole.tri
 
 
 def test_pools_are_isolated_by_scope():
-    groups = ["p1/a", "p1/b", "p2/a"]
+    groups = [Group("p1", "a"), Group("p1", "b"), Group("p2", "a")]
     for scope, shared in (("group", [False, False]), ("problem", [True, False]), ("run", [True, True])):
         pools = Pools(scope, 256, LogitNGram)
-        pools.get("p1/a").add([1, 2], [3], [1.0])
+        pools.get(groups[0]).add([1, 2], [3], [1.0])
         for g, expect in zip(groups[1:], shared):
             assert (pools.get(g).lookup([1, 2]) is not None) == expect, (scope, g)
     with pytest.raises(ConfigError, match=r"stand\.scope='galaxy'"):
@@ -214,7 +214,7 @@ def engine_for(
 
 def greedy_case(tiny_model, tokenizer):
     specs = [*zip(PROMPTS, BUDGETS), ("the cat", 30), ("the cat", 30), ("the cat", 12)]
-    requests = [GenRequest(p, max_new_tokens=m, group="the cat" if p == "the cat" else p) for p, m in specs]
+    requests = [GenRequest(p, max_new_tokens=m, group=Group(p)) for p, m in specs]
     refs = [reference_greedy(tiny_model, encode(tokenizer, p), m, {EOS_ID}) for p, m in specs]
     prompt, budget, gen, stop = _stop_string_case(tiny_model, tokenizer)
     n = next(i for i in range(1, len(gen) + 1) if stop in tokenizer.decode(gen[:i]))
@@ -242,7 +242,7 @@ def test_greedy_identity(tiny_model, tokenizer, loaded, small_tree, name, verify
 
 def test_pools_learn_across_calls(loaded, small_tree):
     engine = engine_for(loaded, "stand", small_tree, scope="run")
-    requests = [GenRequest("once upon a time", max_new_tokens=40, group="g")]
+    requests = [GenRequest("once upon a time", max_new_tokens=40, group=Group("g"))]
     first = engine.generate(requests)[0]
     engine.generate(requests)
     second = engine.last_stats

@@ -15,7 +15,7 @@ from decoding.core.draft_tree import ROOT
 from decoding.core.errors import ConfigError
 from decoding.core.gumbel import Coupling, gumbel_order
 from decoding.core.sampling import Rule
-from decoding.core.values import GenRequest
+from decoding.core.values import GenRequest, Group
 from decoding.drafters.suffix import SuffixOptions, SuffixTrie, grow
 from decoding.engine import Engine
 from decoding.schedules.base import VerifyOptions
@@ -125,7 +125,7 @@ def test_greedy_identity(tiny_model, tokenizer, loaded, small_tree, name):
 
 def test_a_trajectory_copies_what_its_group_wrote(loaded):
     engine = suffix_engine(loaded, scope="run", min_prob=0.0)
-    requests = [GenRequest("once upon a time", max_new_tokens=40, group="g")]
+    requests = [GenRequest("once upon a time", max_new_tokens=40, group=Group("g"))]
     first = engine.generate(requests)[0]
     assert engine.generate(requests)[0].token_ids == first.token_ids
     second = engine.last_stats

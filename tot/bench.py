@@ -40,18 +40,27 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
+from decoding import (
+    CHOICES,
+    DECODERS,
+    BackendError,
+    ConfigError,
+    DecoderConfig,
+    DecodeStats,
+    Engine,
+    GenRequest,
+    Group,
+    LoadedModel,
+    OutputError,
+    ServerEngine,
+    as_float,
+    as_int,
+    frozen,
+    load_draft,
+    load_model,
+    peak_rss_mb,
+)
 from decoding.cli import fail, hydra_command
-from decoding.config import CHOICES, DecoderConfig
-from decoding.core.errors import BackendError, ConfigError, OutputError
-from decoding.core.heap import frozen
-from decoding.core.memory import peak_rss_mb
-from decoding.core.models import LoadedModel, load_model
-from decoding.core.options import as_float, as_int
-from decoding.core.values import DecodeStats, GenRequest
-from decoding.drafters.load import load_draft
-from decoding.engine import Engine
-from decoding.kinds import DECODERS
-from decoding.server import ServerEngine
 from tasks.base import DataError, Problem, Task
 from tot.compare import first_difference
 from tot.config import RunConfig
@@ -168,7 +177,7 @@ def bench(
     # task.judge.path, as tot.run scores with it; loaded once (else each decoder's engine is its own judge).
     judge = None if cfg.judge is None else make_judge(cfg, next(iter(engines.values())))
     for engine in engines.values():  # warm-up: first-call allocations and kernel choices (a server: its check)
-        run_sync(engine.agenerate([GenRequest("Say hello.", max_new_tokens=8, group="warm-up")]))
+        run_sync(engine.agenerate([GenRequest("Say hello.", max_new_tokens=8, group=Group("warm-up"))]))
     tallies = {name: Tally() for name in engines}
     solutions: dict[str, dict[str, Solution]] = {name: {} for name in engines}
     # Server entries decode in another process: timed by the wall clock, in turns after the others.

@@ -15,7 +15,7 @@ import asyncio
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from decoding.core.values import GenRequest
+from decoding import GenRequest, Group
 from tasks.base import Problem, Prompt
 from tot.dvts import choose
 from tot.search import GenerationEngine, SearchBase, Solution, Step, check_positive, request_seed
@@ -50,7 +50,7 @@ class BestOfN(SearchBase):
         requests = [
             self.gen.request(
                 prompt,
-                group=f"{problem.id}/solutions",
+                group=Group(problem.id, "solutions"),
                 seed=request_seed(self.seed, problem.id, "solution", i),
                 keep=step.in_context and self.settings.scored,
                 max_new_tokens=self.settings.max_tokens,
@@ -83,7 +83,7 @@ class BestOfN(SearchBase):
             def prompt(path: list[str], follow_up: bool) -> Prompt:
                 return self.task.solution_evaluator_prompt(step.problem, path, follow_up)
 
-            group = f"{step.problem.id}/solutions/eval"
+            group = Group(step.problem.id, "solutions/eval")
             valued = await step.judge(steps, out.context if request.keep else (), prompt, group, f"s{i}")
         return out.text, steps, out.stats.generated_tokens, valued
 

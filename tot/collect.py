@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from decoding.core.errors import OutputError
+from decoding import OutputError
 from tot.folder import SELECTION, read_record
 from tot.output import write_atomic
 from tot.results import ResultsError, summarize

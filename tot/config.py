@@ -6,11 +6,7 @@ from dataclasses import dataclass, field
 
 from omegaconf import DictConfig, OmegaConf
 
-from decoding.config import DecoderConfig
-from decoding.core.errors import ConfigError
-from decoding.core.models import ModelSpec
-from decoding.core.options import as_float, as_int, from_dict
-from decoding.server import FOLLOW_UPS_REFUSED
+from decoding import FOLLOW_UPS_REFUSED, ConfigError, DecoderConfig, ModelSpec, as_float, as_int, from_dict
 from tasks import TASKS, DataSpec
 from tot.best_of_n import BestOfNSettings
 from tot.dvts import DVTSSettings

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from decoding.core.errors import ConfigError
+from decoding import ConfigError, Group
 from tasks.base import Problem
 from tot.search import GenerationEngine, SearchBase, Solution, Step, check_positive
 from tot.tree import ReasoningTree
@@ -61,8 +61,8 @@ class DVTS(SearchBase):
             # The seed key names the subtree: subtrees that start from the same state sample apart.
             children = await step.grow(
                 [(current[k], width, f"s{k}") for k in live],
-                f"{problem.id}/d{depth}/eval",
-                group=f"{problem.id}/d{depth}",
+                Group(problem.id, f"d{depth}/eval"),
+                group=Group(problem.id, f"d{depth}"),
             )
             for i, k in enumerate(live):
                 candidates = children[i * width : (i + 1) * width]

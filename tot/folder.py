@@ -20,9 +20,16 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from decoding.core.errors import BackendError, ConfigError
-from decoding.core.models import EMBEDDED, ModelSpec, resolve_attention, resolve_device, resolve_weights
-from decoding.core.rows_linear import resolve_linear
+from decoding import (
+    EMBEDDED,
+    BackendError,
+    ConfigError,
+    ModelSpec,
+    resolve_attention,
+    resolve_device,
+    resolve_linear,
+    resolve_weights,
+)
 from tot.output import write_atomic
 from tot.results import ResultsError, ResultStore
 

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from decoding.core.errors import OutputError
+from decoding import OutputError
 from tot.output import output_error
 
 log = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
-from decoding.core.errors import ConfigError
+from decoding import ConfigError, Group
 from tasks.base import Problem
 from tot.search import GenerationEngine, SearchBase, Solution, Step, check_positive
 from tot.tree import ReasoningTree
@@ -121,7 +121,7 @@ class MCTS(SearchBase):
             live = [p for p in paths if not tree[p[-1]].get("terminal")]
             if not live:
                 return
-            children = await step.grow([(p[-1], width, "") for p in live], f"{step.problem.id}/w{wave}/eval")
+            children = await step.grow([(p[-1], width, "") for p in live], Group(step.problem.id, f"w{wave}/eval"))
             for i, path in enumerate(live):
                 grown = children[i * width : (i + 1) * width]
                 for c in grown:

@@ -15,7 +15,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import IO, Any
 
-from decoding.core.errors import OutputError
+from decoding import OutputError
 
 RESUME = "rerun the same command: what finished is kept and the run resumes"
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from decoding.core.errors import OutputError
+from decoding import OutputError
 from tasks import DataSpec, Problem, Task, make_task
 from tasks.base import DataError
 from tot.best_of_n import solution_leaves

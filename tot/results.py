@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from decoding.core.values import DecodeStats
+from decoding import DecodeStats
 from tasks.base import Problem, Task
 from tot.output import append_line, output_error
 

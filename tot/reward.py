@@ -26,10 +26,7 @@ from typing import Literal
 
 import torch
 
-from decoding.config import DecoderConfig
-from decoding.core.errors import BackendError, ConfigError
-from decoding.core.models import ModelSpec, load_model, resolve_device
-from decoding.engine import Engine
+from decoding import BackendError, ConfigError, DecoderConfig, Engine, ModelSpec, load_model, resolve_device
 
 Kind = Literal["auto", "judge", "classifier", "prm"]
 Aggregate = Literal["min", "last", "mean", "product"]

@@ -13,13 +13,17 @@ from typing import Any
 
 from tqdm import tqdm
 
-from decoding.config import DecoderConfig
-from decoding.core.errors import ConfigError
-from decoding.core.heap import frozen
-from decoding.core.models import load_model, load_tokenizer
-from decoding.drafters.load import load_draft
-from decoding.engine import Engine
-from decoding.server import ServerEngine
+from decoding import (
+    ConfigError,
+    DecoderConfig,
+    Engine,
+    Group,
+    ServerEngine,
+    frozen,
+    load_draft,
+    load_model,
+    load_tokenizer,
+)
 from tasks import Problem, Task, make_task
 from tot.config import RunConfig
 from tot.folder import Configuration, open_folder, record
@@ -228,7 +232,10 @@ async def score(cfg: RunConfig, task: Task, problem: Problem, answer: str, judge
     if prompt is not None:
         requests = [
             cfg.gen.request(
-                prompt, group=f"{problem.id}/judge", seed=request_seed(cfg.seed, problem.id, "judge", j), evaluate=True
+                prompt,
+                group=Group(problem.id, "judge"),
+                seed=request_seed(cfg.seed, problem.id, "judge", j),
+                evaluate=True,
             )
             for j in range(task.n_evaluate)
         ]

@@ -13,8 +13,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from decoding.core.errors import ConfigError
-from decoding.core.options import from_dict
+from decoding import ConfigError, from_dict
 from tot.config import RunConfig
 from tot.output import pyplot, save_figure
 from tot.searches import SEARCHES

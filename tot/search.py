@@ -16,9 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from decoding.core.errors import ConfigError
-from decoding.core.values import Completion, DecodeStats, GenRequest, GenResult
-from decoding.engine import run_sync as run_sync  # searches are run with it
+from decoding import Completion, ConfigError, DecodeStats, GenRequest, GenResult, Group
+from decoding import run_sync as run_sync  # searches are run with it
 from tasks.base import Problem, Prompt, Task
 from tot.reward import ScoringModel
 from tot.tree import ReasoningTree
@@ -40,7 +39,7 @@ class GenSettings:
     def request(
         self,
         prompt: Prompt,
-        group: str,
+        group: Group,
         seed: int,
         evaluate: bool = False,
         context: tuple[int, ...] = (),
@@ -160,7 +159,9 @@ class Step:
         self.in_context = getattr(task, "evaluator", "separate") == "in_context"
         self._replies: dict[int, tuple[int, ...]] = {}  # node -> its thought's whole sequence, until valued
 
-    async def grow(self, parents: list[tuple[int, int, str]], eval_group: str, group: str | None = None) -> list[int]:
+    async def grow(
+        self, parents: list[tuple[int, int, str]], eval_group: Group, group: Group | None = None
+    ) -> list[int]:
         """Sample n thoughts from each (state, n, seed key), in `group` (default: the thoughts of one
         state share a group), and value each thought (in `eval_group`) as soon as it is done.
         Returns the new nodes in request order."""
@@ -171,12 +172,12 @@ class Step:
             for i in range(n):
                 seed = request_seed(self.seed, pid, state, *([key] if key else []), i)
                 child = tree.add(state, "", raw="", tokens=0)  # its id fixed before anything runs
-                request = gen.request(prompt, group=group or f"{pid}/{state}", seed=seed, keep=self.in_context)
+                request = gen.request(prompt, group=group or Group(pid, str(state)), seed=seed, keep=self.in_context)
                 thoughts.append((child, request))
         await asyncio.gather(*(self._thought(child, request, eval_group) for child, request in thoughts))
         return [child for child, _ in thoughts]
 
-    async def _thought(self, child: int, request: GenRequest, eval_group: str) -> None:
+    async def _thought(self, child: int, request: GenRequest, eval_group: Group) -> None:
         (out,) = await self.call([request], "generate")
         steps = self.tree.steps(child)[:-1]
         node = self.tree[child]
@@ -188,7 +189,7 @@ class Step:
             self._replies[child] = out.context
         await self.evaluate([child], eval_group)
 
-    async def evaluate(self, nodes: list[int], group: str) -> None:
+    async def evaluate(self, nodes: list[int], group: Group) -> None:
         """Value each node by the task's state evaluator; with task.evaluator=in_context, asked as a
         follow-up turn of the reply that wrote the node."""
 
@@ -198,13 +199,13 @@ class Step:
 
         await asyncio.gather(*(self.value(c, prompt, group, c) for c in nodes))
 
-    async def value(self, node: int, prompt: EvalPrompt, group: str, key: object) -> None:
+    async def value(self, node: int, prompt: EvalPrompt, group: Group, key: object) -> None:
         """Value a node of the tree (its reply's context, if kept, asked in)."""
         context = self._replies.pop(node, ())
         self.tree[node].update(await self.judge(self.tree.steps(node), context, prompt, group, key))
 
     async def judge(
-        self, steps: list[str], context: tuple[int, ...], prompt: EvalPrompt, group: str, key: object
+        self, steps: list[str], context: tuple[int, ...], prompt: EvalPrompt, group: Group, key: object
     ) -> dict:
         """The attributes valuing the path `steps`: its value, the mean of task.n_evaluate evaluator
         samples of prompt(steps, whether asked in the reply's `context`), all in one call, seeded by
@@ -279,7 +280,7 @@ class BFS(SearchBase):
             if not open_:
                 break
             children = await step.grow(
-                [(s, self.settings.n_thoughts, "") for s in open_], f"{problem.id}/d{depth}/eval"
+                [(s, self.settings.n_thoughts, "") for s in open_], Group(problem.id, f"d{depth}/eval")
             )
             # Stable sort: among equal values the earlier thought wins, deterministically.
             frontier = sorted(done + children, key=lambda c: -tree[c]["value"])[: self.settings.breadth]

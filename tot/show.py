@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from decoding.core.errors import OutputError
+from decoding import OutputError
 from tot.results import ResultsError
 from tot.saved import SavedTree, ShowError, find_problem, problems, read_tree
 from tot.saved import load_tree as load_tree  # notebooks read a tree with it

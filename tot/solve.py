@@ -7,8 +7,8 @@ from pathlib import Path
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from decoding import BackendError, OutputError
 from decoding.cli import fail, hydra_command
-from decoding.core.errors import BackendError, OutputError
 from tasks.base import DataError
 from tot.config import ConfigError, RunConfig
 from tot.results import ResultsError

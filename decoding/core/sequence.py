@@ -9,7 +9,7 @@ import torch
 from decoding.core.gumbel import Coupling
 from decoding.core.sampling import SamplingParams, make_generator
 from decoding.core.stopping import Detokenizer, StopRule, final_text, reply_ids
-from decoding.core.values import DecodeStats, FinishReason
+from decoding.core.values import DecodeStats, FinishReason, Group
 
 DRAFT_SEED_SALT = 0x5EED_D4AF7
 
@@ -25,7 +25,7 @@ class Sequence:
     # Plain decoding's sampling stream under match_multinomial: on the model's device, where
     # `transformers` draws with torch.multinomial (a GPU's stream is not a CPU's).
     sample_generator: torch.Generator
-    group: str = ""  # trajectories of one ToT step share cross-trajectory draft statistics
+    group: Group = field(default_factory=Group)  # trajectories of one ToT step share cross-trajectory draft statistics
     seed: int = 0  # the request's seed: its generator's, and the key of its Gumbel noise
     generated: list[int] = field(default_factory=list)
     reason: FinishReason | None = None
@@ -42,12 +42,12 @@ class Sequence:
         rule: StopRule,
         params: SamplingParams,
         seed: int,
-        group: str = "",
+        group: Group | None = None,
         device: torch.device | None = None,
     ) -> Sequence:
         return cls(
             prompt=prompt,
-            group=group,
+            group=Group() if group is None else group,
             seed=seed,
             rule=rule,
             params=params,

@@ -9,14 +9,24 @@ FinishReason = Literal["stop", "length", "eos"]
 
 
 @dataclass(frozen=True)
+class Group:
+    """Which requests share cross-trajectory draft statistics: the trajectories of one step of one
+    problem (a ToT state's n thoughts, a DVTS depth's candidates, a step's evaluations). A drafter's
+    pool scope reads it: one pool per group, per problem, or one for the run."""
+
+    problem: str = ""
+    step: str = ""
+
+
+@dataclass(frozen=True)
 class GenRequest:
     """One sequence to generate.
 
     `prompt` is text (the engine applies the chat template when the model has one) or token ids
     (used as they are). `prefix` starts the model's reply (after the chat template's assistant
     header): small chat models follow a format far better when its first words are given; the
-    prefix is part of the prompt, not of the returned text. Requests with the same `group` are
-    trajectories of one ToT step and share cross-trajectory draft statistics; `seed` makes a
+    prefix is part of the prompt, not of the returned text. Requests with the same `group` (a
+    `Group`) are trajectories of one ToT step and share cross-trajectory draft statistics; `seed` makes a
     sampled request reproducible.
     """
 
@@ -26,7 +36,7 @@ class GenRequest:
     top_p: float = 1.0
     top_k: int = 0
     stop: tuple[str, ...] = ()
-    group: str = ""
+    group: Group = Group()
     seed: int = 0
     prefix: str = ""
     # A follow-up: the finished sequence it continues with a new user turn (a `GenResult.context`);

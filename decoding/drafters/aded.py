@@ -34,6 +34,7 @@ from decoding.core.gumbel import Coupling
 from decoding.core.sequence import Sequence
 from decoding.core.slot import Slot
 from decoding.core.verify import Verdict
+from decoding.drafters.plugin import DecoderKind, DrafterPlugin
 from decoding.drafters.pools import Pools, Scope
 
 NO_TOKEN = -1  # the context before a sequence's first token (never a real token id)
@@ -374,3 +375,13 @@ class AdedDrafter:
 
     def peak_cache_bytes(self) -> int:
         return 0  # no model, no KV cache
+
+
+PLUGIN = DrafterPlugin(
+    name="aded",
+    # aded.corpus, if any, is tokenised with the target's tokenizer
+    build=lambda config, target, tokenizer, draft: AdedDrafter(config.aded, tokenizer, config.verify.coupled),
+    options=AdedOptions,
+    section="aded",
+    decoders=(DecoderKind("aded", "batch", "aded", ("aded", "verify")),),
+)

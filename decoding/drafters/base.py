@@ -7,6 +7,7 @@ from typing import Protocol
 from decoding.core.draft_tree import DraftTree
 from decoding.core.slot import Slot
 from decoding.core.verify import Verdict
+from decoding.drafters.plugin import DecoderKind, DrafterPlugin
 
 
 class Drafter(Protocol):
@@ -57,3 +58,14 @@ class NoDrafter:
 
     def peak_cache_bytes(self) -> int:
         return 0  # no model, no KV cache
+
+
+PLUGIN = DrafterPlugin(
+    name="none",
+    build=lambda config, target, tokenizer, draft: NoDrafter(),
+    decoders=(
+        # hf and ar read verify.rule alone: which sampler decides their tokens at temperature > 0.
+        DecoderKind("hf", "hf", "none", ("verify",)),
+        DecoderKind("ar", "batch", "none", ("verify",)),
+    ),
+)

@@ -14,16 +14,27 @@ from __future__ import annotations
 import logging
 import statistics
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from decoding.core.draft_tree import DraftTree
+from decoding.core.errors import BackendError
 from decoding.core.runner import ModelRunner
 from decoding.core.sampling import SamplingParams, draft_dists
 from decoding.core.slot import Slot
 from decoding.core.timing import speed_ratio, time_forward
 from decoding.core.verify import Verdict, pack
+from decoding.drafters.edd import EddDrafter
+from decoding.drafters.plugin import DecoderKind, DrafterPlugin
+from decoding.edd.model import EddModel, draft_vocab
 from decoding.trees.policies import DraftTreeOptions, grow_levels, make_policy
+
+if TYPE_CHECKING:
+    from decoding.config import DecoderConfig
+    from decoding.core.models import LoadedModel
+    from decoding.core.stopping import Detokenizer
 
 log = logging.getLogger(__name__)
 
@@ -158,3 +169,32 @@ class ModelDrafter:
         # Rows past the highest live one, and positions no live row needs, go back.
         live = [s.seq for s in self.live.values()]
         self.model.give_back(self.cache, max(self.live, default=-1) + 1, live, self.max_nodes)
+
+
+def model_drafter(
+    config: DecoderConfig, target: ModelRunner, tokenizer: Detokenizer, draft: LoadedModel | None
+) -> ModelDrafter | EddDrafter:
+    """The drafter of a loaded draft model: an EDD (draft.path=edd) reads the target's hidden states,
+    over its draft vocabulary when draft.vocab is set; any other causal LM gets a runner of its own
+    (its own forward count), also for the target's weights."""
+    if draft is None:
+        raise BackendError(f"decoder={config.name} needs a draft model (draft.path)")
+    if isinstance(draft.model, EddModel):
+        size = None if config.draft is None else config.draft.vocab
+        vocab = None if size is None else draft_vocab(Path(draft.source), size)
+        return EddDrafter(draft.model, target, config.draft_tree, vocab, config.verify.coupled)
+    # The target too: tree_policy=pct measures s_d / s_t against it at start-up.
+    # One budget for the target's and the draft's prefixes.
+    runner = ModelRunner(draft.model, target.prefixes.budget, draft.static, draft.strict_graphs)
+    return ModelDrafter(runner, config.draft_tree, target.vocab_size, target=target, coupled=config.verify.coupled)
+
+
+PLUGIN = DrafterPlugin(
+    name="model",
+    build=model_drafter,
+    decoders=(
+        # SEED's SD / MCSD baseline: one sequence at a time; its tree options in sd.*
+        DecoderKind("sd", "serial", "model", ("draft_tree", "verify"), "required", "sd"),
+        DecoderKind("seed", "seed", "model", ("draft_tree", "seed", "verify"), "required", "seed"),
+    ),
+)

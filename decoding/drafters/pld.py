@@ -12,6 +12,7 @@ from decoding.core.draft_tree import ROOT, DraftTree
 from decoding.core.errors import ConfigError
 from decoding.core.slot import Slot
 from decoding.core.verify import Verdict
+from decoding.drafters.plugin import DecoderKind, DrafterPlugin
 
 
 @dataclass(frozen=True)
@@ -65,3 +66,12 @@ class PLDDrafter:
 
     def peak_cache_bytes(self) -> int:
         return 0  # no model, no KV cache
+
+
+PLUGIN = DrafterPlugin(
+    name="pld",
+    build=lambda config, target, tokenizer, draft: PLDDrafter(config.pld),
+    options=PLDOptions,
+    section="pld",
+    decoders=(DecoderKind("pld", "batch", "pld", ("pld", "verify")),),
+)

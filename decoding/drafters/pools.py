@@ -1,7 +1,7 @@
 """Draft statistics kept per scope across engine calls (STAND's N-gram pools, ADED's tri-gram matrices).
 
 The trajectories of one ToT step share a pool (`GenRequest.group`), or all steps of a problem
-(groups are `<problem>/<step>`), or the whole run; the least recently used pools are evicted.
+(`Group.problem`), or the whole run; the least recently used pools are evicted.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import Generic, Literal, Protocol, TypeVar
 
 from decoding.core.prefix_cache import shared_len
+from decoding.core.values import Group
 
 Scope = Literal["group", "problem", "run"]
 
@@ -29,15 +30,15 @@ class Pools(Generic[P]):
         self.scope = scope
         self.max_pools = max_pools
         self.new = new
-        self.pools: OrderedDict[str, P] = OrderedDict()
-        self.primed: dict[str, set[tuple[int, ...]]] = {}  # per pool: the prompts counted already
+        self.pools: OrderedDict[Group, P] = OrderedDict()
+        self.primed: dict[Group, set[tuple[int, ...]]] = {}  # per pool: the prompts counted already
 
-    def key(self, group: str) -> str:
+    def key(self, group: Group) -> Group:
         if self.scope == "run":
-            return ""
-        return group.split("/", 1)[0] if self.scope == "problem" else group
+            return Group()
+        return Group(group.problem) if self.scope == "problem" else group
 
-    def get(self, group: str) -> P:
+    def get(self, group: Group) -> P:
         key = self.key(group)
         pool = self.pools.pop(key, None)
         pool = self.new() if pool is None else pool
@@ -47,7 +48,7 @@ class Pools(Generic[P]):
             self.primed.pop(old, None)
         return pool
 
-    def prime(self, group: str, prompt: list[int]) -> None:
+    def prime(self, group: Group, prompt: list[int]) -> None:
         """Count a prompt into its group's pool once, however many sequences share it, and of a
         prompt that extends one counted before only what follows their common prefix: a ToT step's
         prompts (its thoughts' and each evaluation's) share the question and the steps so far, which

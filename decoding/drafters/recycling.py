@@ -18,6 +18,7 @@ from decoding.core.errors import ConfigError
 from decoding.core.sequence import Sequence
 from decoding.core.slot import Slot
 from decoding.core.verify import Verdict, kept_tops
+from decoding.drafters.plugin import DecoderKind, DrafterPlugin
 from decoding.trees.static import StaticTree
 
 
@@ -83,3 +84,15 @@ class RecyclingDrafter:
 
     def peak_cache_bytes(self) -> int:
         return 0  # no model, no KV cache
+
+
+PLUGIN = DrafterPlugin(
+    name="recycling",
+    # Its tree is STAND's (stand.tree).
+    build=lambda config, target, tokenizer, draft: RecyclingDrafter(
+        config.recycling, StaticTree.load(config.stand.tree), config.verify.coupled
+    ),
+    options=RecyclingOptions,
+    section="recycling",
+    decoders=(DecoderKind("recycling", "batch", "recycling", ("recycling", "stand", "verify")),),
+)

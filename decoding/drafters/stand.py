@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,8 +25,15 @@ from decoding.core.errors import ConfigError
 from decoding.core.slot import Slot
 from decoding.core.verify import Verdict, kept_tops
 from decoding.drafters.ngram import LogitNGram
+from decoding.drafters.plugin import DecoderKind, DrafterPlugin
 from decoding.drafters.pools import Pools, Scope
+from decoding.drafters.suffix import SuffixDrafter
+from decoding.drafters.union import UnionDrafter
 from decoding.trees.static import StaticTree
+
+if TYPE_CHECKING:
+    from decoding.config import DecoderConfig
+    from decoding.core.runner import ModelRunner
 
 TOP = 10  # candidates stored per context (STAND: top-10)
 
@@ -163,3 +171,27 @@ class StandDrafter:
 
     def peak_cache_bytes(self) -> int:
         return 0  # no model, no KV cache
+
+
+def stand_drafter(config: DecoderConfig, target: ModelRunner) -> StandDrafter | UnionDrafter:
+    """STAND's pool, with stand.suffix the suffix drafter's tree beside it (merged as one trie under
+    the matched rules: a token both propose at the same place is verified once)."""
+    stand = StandDrafter(config.stand, StaticTree.load(config.stand.tree), target.vocab_size, config.verify.coupled)
+    if not config.stand.suffix:
+        return stand
+    return UnionDrafter([stand, SuffixDrafter(config.suffix, config.verify.coupled)], config.verify.rule != "rejection")
+
+
+PLUGIN = DrafterPlugin(
+    name="stand",
+    build=lambda config, target, tokenizer, draft: stand_drafter(config, target),
+    options=StandOptions,
+    section="stand",
+    decoders=(
+        DecoderKind("stand", "batch", "stand", ("stand", "suffix", "verify")),
+        # the project's default; with draft.path set, the draft model's tree joins the pool's
+        DecoderKind(
+            "seed_stand", "seed", "stand", ("draft_tree", "seed", "stand", "suffix", "verify"), "optional", "seed"
+        ),
+    ),
+)

@@ -27,6 +27,7 @@ from decoding.core.gumbel import Coupling
 from decoding.core.sequence import Sequence
 from decoding.core.slot import Slot
 from decoding.core.verify import Verdict
+from decoding.drafters.plugin import DecoderKind, DrafterPlugin
 from decoding.drafters.pools import Pools, Scope
 
 
@@ -213,3 +214,12 @@ class SuffixDrafter:
 
     def peak_cache_bytes(self) -> int:
         return 0  # no model, no KV cache
+
+
+PLUGIN = DrafterPlugin(
+    name="suffix",
+    build=lambda config, target, tokenizer, draft: SuffixDrafter(config.suffix, config.verify.coupled),
+    options=SuffixOptions,
+    section="suffix",
+    decoders=(DecoderKind("suffix", "batch", "suffix", ("suffix", "verify")),),
+)
