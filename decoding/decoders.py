@@ -18,16 +18,29 @@ from decoding.drafters.union import UnionDrafter
 from decoding.kinds import DECODERS, DRAFTERS
 from decoding.schedules.base import Decoder
 from decoding.schedules.hf import HFDecoder
+from decoding.schedules.planner import Planner, goodput_planner
 from decoding.schedules.scheduler import Scheduler
 
 Schedule = Callable[[str, DecoderConfig, ModelRunner, Detokenizer, Drafter], Decoder]
 
+
+def planner_for(c: DecoderConfig, target: ModelRunner, drafter: Drafter) -> Planner | None:
+    """The step planner where verify.plan=goodput has trees to plan (its cost profile is measured
+    here, once per machine and cached, not by the schedule)."""
+    goodput = c.verify.for_decoder(c.name).plan == "goodput"
+    return goodput_planner(target, c.verify.cost) if goodput and drafter.max_nodes else None
+
+
 SCHEDULES: dict[str, Schedule] = {
     "hf": lambda name, c, target, tok, drafter: HFDecoder(target, tok, c.verify.rule),
     # Every sequence in flight in each forward (`ar`, `stand`, ...).
-    "batch": lambda name, c, target, tok, drafter: Scheduler(name, target, tok, drafter, verify=c.verify),
+    "batch": lambda name, c, target, tok, drafter: Scheduler(
+        name, target, tok, drafter, verify=c.verify, planner=planner_for(c, target, drafter)
+    ),
     # One sequence at a time, as SEED's SD / MCSD baselines run.
-    "serial": lambda name, c, target, tok, drafter: Scheduler(name, target, tok, drafter, max_live=1, verify=c.verify),
+    "serial": lambda name, c, target, tok, drafter: Scheduler(
+        name, target, tok, drafter, max_live=1, verify=c.verify, planner=planner_for(c, target, drafter)
+    ),
     # SEED's rounds, drafting beside the verifier with overlap; up to verify_batch queued drafts per
     # forward under verify.plan=fixed (SEED's Algorithm 1, `seed`'s default), every ready row under
     # the goodput plan (the planner sizes trees, it never makes a row wait).
@@ -39,6 +52,7 @@ SCHEDULES: dict[str, Schedule] = {
         c.seed.verify_batch if c.verify.plan == "fixed" else None,
         c.seed.overlap,
         verify=c.verify,
+        planner=planner_for(c, target, drafter),
     ),
 }
 

@@ -19,6 +19,7 @@ from decoding.core.slot import Slot
 from decoding.core.stopping import StopRule
 from decoding.core.values import GenRequest, Group
 from decoding.engine import Engine
+from decoding.schedules.planner import goodput_planner
 from decoding.schedules.rounds import Rounds
 from decoding.schedules.scheduler import Scheduler
 from decoding.schedules.seed import SeedOptions
@@ -143,7 +144,8 @@ def test_schedule_properties(tiny_model, tokenizer, loaded, verify_batch, overla
     refs = [reference_greedy(tiny_model, encode(tokenizer, p), m, {EOS_ID}) for p, m in specs]
     engine = Engine(loaded, "ar")
     drafter = SlowScriptedDrafter(refs, lambda: decoder.rounds, vocab=len(tokenizer))
-    decoder = Scheduler("seed", engine.target, tokenizer, drafter, verify_batch, overlap)
+    planner = goodput_planner(engine.target)  # the product default plan, as decoding/decoders.py builds it
+    decoder = Scheduler("seed", engine.target, tokenizer, drafter, verify_batch, overlap, planner=planner)
     engine.decoder = decoder
     results = engine.generate(requests)
     assert [r.token_ids for r in results] == refs

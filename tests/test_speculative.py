@@ -38,7 +38,7 @@ from decoding.core.verify import verify
 from decoding.drafters.draft_model import ModelDrafter
 from decoding.engine import Engine
 from decoding.schedules.base import VerifyOptions
-from decoding.schedules.planner import Planner
+from decoding.schedules.planner import Planner, goodput_planner
 from decoding.schedules.scheduler import Scheduler
 from decoding.schedules.step import cut_to_budget
 from decoding.trees.policies import DraftTreeOptions
@@ -237,7 +237,8 @@ def test_greedy_identity_scripted_drafters(tiny_model, tokenizer, loaded, kind, 
     drafter = ScriptedDrafter(refs, k_config, kind, len(tokenizer))
     # The step planner (the product default) cuts trees as it sees fit: outputs stay hf's.
     verify = VerifyOptions(plan=plan, max_tokens=None)
-    engine.decoder = Scheduler("scripted", engine.target, tokenizer, drafter, verify=verify)
+    planner = goodput_planner(engine.target) if plan == "goodput" else None
+    engine.decoder = Scheduler("scripted", engine.target, tokenizer, drafter, verify=verify, planner=planner)
     results = engine.generate(requests)
     assert [r.token_ids for r in results] == refs
     assert results[-1].finish_reason == "stop"

@@ -24,8 +24,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from decoding.core.calibration import AcceptanceRecord
-from decoding.core.cost import ForwardCost, Overhead
+from decoding.core.cost import ForwardCost, Overhead, forward_cost, node_ms
 from decoding.core.draft_tree import ROOT, DraftTree
+from decoding.core.models import cache_root
+from decoding.core.runner import ModelRunner
 from decoding.core.slot import Estimate
 from decoding.core.verify import Verdict
 
@@ -214,3 +216,9 @@ class Planner:
             self.draft_ms_per_row = per_row
         else:
             self.draft_ms_per_row = 0.9 * self.draft_ms_per_row + 0.1 * min(per_row, 4 * self.draft_ms_per_row)
+
+
+def goodput_planner(target: ModelRunner, cost: str | None = None) -> Planner:
+    """The step planner on `target`'s forward costs: the profile JSON `cost` (verify.cost), or this
+    machine's, profiled once and cached (decoding/core/cost.py)."""
+    return Planner(forward_cost(target, cache_root(), cost), overhead=Overhead(node_ms=node_ms(target)))

@@ -22,10 +22,8 @@ import threading
 import time
 from collections import deque
 
-from decoding.core.cost import Overhead, forward_cost, node_ms
 from decoding.core.errors import BackendError
 from decoding.core.kv_cache import RowKVCache
-from decoding.core.models import cache_root
 from decoding.core.runner import ModelRunner
 from decoding.core.sequence import Sequence
 from decoding.core.slot import Slot
@@ -58,7 +56,7 @@ class Scheduler:
         overlap: bool = False,
         max_live: int | None = None,
         verify: VerifyOptions | None = None,  # None: the product default (the config's), VerifyOptions()
-        planner: Planner | None = None,  # plan=goodput: one is built on the target's measured costs if None
+        planner: Planner | None = None,  # verify.plan=goodput: the step planner (`goodput_planner`)
     ) -> None:
         self.name = name
         self.target = target
@@ -66,9 +64,9 @@ class Scheduler:
         self.overlap = overlap
         self.max_live = max_live
         verify = (verify or VerifyOptions()).for_decoder(name)
+        # The planner comes built (its cost profile measures the machine): a schedule only runs it.
         if verify.plan == "goodput" and planner is None and drafter.max_nodes:
-            overhead = Overhead(node_ms=node_ms(target))
-            planner = Planner(forward_cost(target, cache_root(), verify.cost), overhead=overhead)
+            raise ValueError(f"{name}: verify.plan=goodput with a drafter needs a planner (goodput_planner)")
         self.engine = Engine(
             target,
             target.new_cache(0, 1, graphs=True),
