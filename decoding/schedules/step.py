@@ -102,8 +102,8 @@ def draft_round(rounds: Rounds, engine: Engine, clock: Clock, wait: bool, draft:
     record = DraftRecord()
     if draft and news.drafting:
         budgets = plan_drafts(engine, news.drafting)  # plan
+        t1 = clock()  # what drafting costs the planner charges: the drafter's call and its trees' upkeep
         chosen = [s for s, b in zip(news.drafting, budgets) if b]
-        t1 = clock()
         drafted = dict(zip(map(id, chosen), engine.drafter.draft(chosen))) if chosen else {}  # draft
         trees = [drafted.get(id(s), DraftTree()) for s in news.drafting]
         assert all(len(t) <= engine.drafter.max_nodes for t in trees), "a tree exceeds the drafter's max_nodes"
