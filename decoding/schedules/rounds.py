@@ -4,7 +4,8 @@ Each live slot is in one phase: drafting (the drafter may draft it), queued (its
 target), or verifying. A slot drafts again only after its draft was verified, and the queue is
 served in arrival order, so none is starved. The drafter hears of slots that arrived, verdicts and
 slots that left when it next drafts (in its own thread with `seed.overlap`, hence the lock); a left
-slot's row is free for a new sequence once the drafter has let it go.
+slot's row is free for a new sequence once the drafter has let it go. Without the thread the lock
+is `Unlocked`.
 """
 
 from __future__ import annotations
@@ -29,6 +30,23 @@ class News:
     drafting: list[Slot]  # the slots waiting to be drafted
 
 
+class Unlocked:
+    """The rounds' lock where one thread alone drafts and verifies (no `seed.overlap`): the default
+    step carries no locking."""
+
+    def __enter__(self) -> Unlocked:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def notify_all(self) -> None:
+        return None
+
+    def wait(self) -> None:
+        raise RuntimeError("the rounds wait only for a drafting thread (seed.overlap)")
+
+
 @dataclass
 class Rounds:
     live: dict[int, Slot] = field(default_factory=dict)  # row -> its slot, for every live sequence
@@ -38,7 +56,7 @@ class Rounds:
     left: list[Slot] = field(default_factory=list)
     free: list[int] = field(default_factory=list)  # a heap: rows to admit into, lowest first
     size: int = 0  # rows the pool has handed out so far
-    cond: threading.Condition = field(default_factory=threading.Condition)
+    cond: threading.Condition | Unlocked = field(default_factory=threading.Condition)
     log: list[tuple[str, int]] = field(default_factory=list)  # (event, row), for tests
 
     @property

@@ -32,7 +32,7 @@ from decoding.core.values import DecodeStats
 from decoding.drafters.base import Drafter
 from decoding.schedules.base import VerifyOptions, run_to_end
 from decoding.schedules.planner import Planner
-from decoding.schedules.rounds import Rounds
+from decoding.schedules.rounds import Rounds, Unlocked
 from decoding.schedules.step import DraftRecord, Engine, StepRecord, decode_step, draft_round
 
 log = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ class Scheduler:
             verify_batch,
         )
         self.waiting: deque[Sequence] = deque()
-        self.rounds = Rounds()
+        self.rounds = self._new_rounds()
         self.stats = DecodeStats()  # running totals over every step (tokens are counted per call)
         self._thread: threading.Thread | None = None
         self._thread_running = False
@@ -125,8 +125,11 @@ class Scheduler:
         self.drafter.release(sorted((s for s in known if s.heard), key=lambda s: s.row))
         self._held.clear()
         self.waiting.clear()
-        self.rounds = Rounds()
+        self.rounds = self._new_rounds()
         self._failure.clear()
+
+    def _new_rounds(self) -> Rounds:
+        return Rounds() if self.overlap else Rounds(cond=Unlocked())
 
     def step(self) -> list[Sequence]:
         """Admit waiting sequences, then one decode step; the sequences that stopped."""
