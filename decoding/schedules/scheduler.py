@@ -21,6 +21,7 @@ import logging
 import threading
 import time
 from collections import deque
+from dataclasses import replace
 
 from decoding.core.errors import BackendError
 from decoding.core.kv_cache import RowKVCache
@@ -60,7 +61,6 @@ class Scheduler:
     ) -> None:
         self.name = name
         self.target = target
-        self.drafter = drafter
         self.overlap = overlap
         self.max_live = max_live
         verify = (verify or VerifyOptions()).for_decoder(name)
@@ -84,6 +84,15 @@ class Scheduler:
         self._thread_running = False
         self._failure: list[BaseException] = []
         self._held: set[int] = set()  # ids of the sequences counted as waiting for KV memory
+
+    @property
+    def drafter(self) -> Drafter:
+        return self.engine.drafter
+
+    @drafter.setter
+    def drafter(self, drafter: Drafter) -> None:
+        """A drafter swapped in between steps (tot.calibrate_tree's recorder wraps the built one)."""
+        self.engine = replace(self.engine, drafter=drafter)
 
     @property
     def planner(self) -> Planner | None:
