@@ -92,12 +92,12 @@ def test_weighted_and_best():
 def test_solutions_are_chains_of_their_steps():
     sol, _ = solve(REPLIES)
     tree = sol.tree
-    leaves = [n for n in tree.graph.nodes if tree[n].get("terminal")]
+    leaves = [n for n in tree.graph.nodes if tree[n].terminal]
     assert [tree.steps(n) for n in leaves] == [r.split("|") for r in REPLIES]
-    assert [tree[n]["solution"] for n in leaves] == [0, 1, 2, 3]
+    assert [tree[n].solution for n in leaves] == [0, 1, 2, 3]
     firsts = list(tree.graph.successors(tree.root))
-    assert [tree[n]["reply"] for n in firsts] == REPLIES and [tree[n]["tokens"] for n in firsts] == [1, 2, 3, 4]
-    assert [tree[n]["text"] for n in tree.graph.nodes if tree[n]["answer"]] == ["q", "b", "y"]
+    assert [tree[n].reply for n in firsts] == REPLIES and [tree[n].tokens for n in firsts] == [1, 2, 3, 4]
+    assert [tree[n].text for n in tree.graph.nodes if tree[n].answer] == ["q", "b", "y"]
 
 
 def test_one_group_seeds_by_solution_and_the_solution_length():

@@ -12,8 +12,8 @@ def _tree(texts: list[str], chosen: int = 1) -> ReasoningTree:
     tree = ReasoningTree("q")
     for t in texts:
         node = tree.add(tree.root, t)
-        tree[node]["value"] = 5.0
-    tree[chosen]["chosen"] = True
+        tree[node].value = 5.0
+    tree[chosen].chosen = True
     tree.mark_answer(chosen)
     return tree
 

@@ -67,7 +67,7 @@ def solve(values, n=4, width=2, aggregate="best", depth=3, **task_kw):
 
 
 def node_of(sol, k: int) -> int:
-    return next(n for n, d in sol.tree.graph.nodes(data=True) if d["text"] == f"t{k}")
+    return next(n for n, t in sol.tree.thoughts.items() if t.text == f"t{k}")
 
 
 # n=4, width 2: subtrees 0 and 1. Step 1: t0,t1 (subtree 0), t2,t3 (subtree 1).
@@ -79,18 +79,18 @@ def test_subtrees_expand_their_best_candidate():
     gen_calls = [c for c in engine.calls if c[0].prefix == "G"]
     assert [len(c) for c in gen_calls] == [4, 4, 4]  # every live subtree's candidates in one call
     assert [len(c) for c in engine.calls if c[0].prefix == "E"] == [4, 4, 4]
-    g = sol.tree.graph
+    t = sol.tree
     # subtree 0 keeps t1 (5 > 1), subtree 1 keeps t2 (7 = 7: the first of equals)
-    assert g.nodes[node_of(sol, 1)]["chosen"] and g.nodes[node_of(sol, 2)]["chosen"]
-    assert not g.nodes[node_of(sol, 3)]["chosen"]
+    assert t[node_of(sol, 1)].chosen and t[node_of(sol, 2)].chosen
+    assert not t[node_of(sol, 3)].chosen
     # step 2: t4,t5 continue t1; t6,t7 continue t2
     assert sol.tree.steps(node_of(sol, 5)) == ["t1", "t5"] and sol.tree.steps(node_of(sol, 6)) == ["t2", "t6"]
-    assert {g.nodes[node_of(sol, k)]["subtree"] for k in (0, 1, 4, 5, 8, 9)} == {0}
-    assert {g.nodes[node_of(sol, k)]["subtree"] for k in (2, 3, 6, 7, 10, 11)} == {1}
+    assert {t[node_of(sol, k)].subtree for k in (0, 1, 4, 5, 8, 9)} == {0}
+    assert {t[node_of(sol, k)].subtree for k in (2, 3, 6, 7, 10, 11)} == {1}
     # step 3: subtree 0 ends at t9 (6), subtree 1 at t10 (8) -> best is subtree 1
     assert sol.answer == "a10"
-    answer_path = [n for n, d in g.nodes(data=True) if d["answer"]]
-    assert [g.nodes[n]["text"] for n in answer_path] == ["q", "t2", "t6", "t10"]
+    answer_path = [n for n in t.graph if t[n].answer]
+    assert [t[n].text for n in answer_path] == ["q", "t2", "t6", "t10"]
 
 
 def test_groups_and_seeds():
@@ -107,7 +107,7 @@ def test_finished_subtrees_stop():
     # t1 finishes subtree 0 at step 1: later steps expand subtree 1 only.
     sol, engine = solve(VALUES, terminal={1})
     assert [len(c) for c in engine.calls if c[0].prefix == "G"] == [4, 2, 2]
-    assert sol.tree[node_of(sol, 1)]["terminal"]
+    assert sol.tree[node_of(sol, 1)].terminal
     # subtree 1: t2 -> t4,t5 (2, 3) -> t5 -> t6,t7 (9, 1) -> t6; best final values: t1 5, t6 9
     assert sol.answer == "a6"
 
@@ -125,8 +125,8 @@ def test_weighted_vote_beats_single_best():
     vote, _ = solve(values, n=6, width=1, depth=1, answers=answers, aggregate="vote")
     assert best.answer == "x"
     assert vote.answer == "y"  # 4 + 4 + 3 = 11 > 9
-    answer_nodes = [n for n, d in vote.tree.graph.nodes(data=True) if d["answer"] and n != 0]
-    assert [vote.tree[n]["text"] for n in answer_nodes] == ["t1"]  # the best state of the winning answer
+    answer_nodes = [n for n, t in vote.tree.thoughts.items() if t.answer and n != 0]
+    assert [vote.tree[n].text for n in answer_nodes] == ["t1"]  # the best state of the winning answer
 
 
 def test_vote_ties_go_to_more_subtrees_then_earlier():

@@ -150,7 +150,7 @@ def run_tree(loaded, tmp_path, name: str, *overrides: str) -> tuple[list, dict]:
     run(cfg, out, engine=Engine(loaded, cfg.decoder), progress=False)
     record = json.loads((out / "results.jsonl").read_text().splitlines()[0])
     tree = load_tree(out, record["id"])
-    return [(d["text"], d["value"]) for _, d in sorted(tree.graph.nodes(data=True))], record | {"tree": tree}
+    return [(t.text, t.value) for _, t in sorted(tree.thoughts.items())], record | {"tree": tree}
 
 
 @pytest.mark.parametrize("search", list(SEARCHES))
@@ -165,13 +165,13 @@ def test_in_context_evaluations_compute_only_their_turn(task, search, long_conte
     assert ours == reference
     _, separate = run_tree(long_context, tmp_path, "sep", *args, "decoder=ar", "task.evaluator=separate")
     tree, evaluate = record["tree"], record["phases"]["evaluate"]
-    nodes = [d for n, d in tree.graph.nodes(data=True) if n != tree.root]
-    assert nodes and all(d.get("eval_in_context") and d["eval_prompt"] for d in nodes)
+    nodes = [t for n, t in tree.thoughts.items() if n != tree.root]
+    assert nodes and all(t.eval_in_context and t.eval_prompt for t in nodes)
     tok = long_context.tokenizer
     n_evaluate = make_config(*args).task_options.get("n_evaluate", 1)
     bound = sum(
-        n_evaluate * (len(tok(PLAIN_SEAM.text(d["eval_prompt"], ""), add_special_tokens=False)["input_ids"]) + 12)
-        for d in nodes
+        n_evaluate * (len(tok(PLAIN_SEAM.text(t.eval_prompt, ""), add_special_tokens=False)["input_ids"]) + 12)
+        for t in nodes
     )  # + the reply's prefix (a few bytes here) and the reply's last two tokens
     assert evaluate["decode_prompt_tokens_computed"] <= bound
     assert evaluate["decode_prompt_tokens_computed"] < separate["phases"]["evaluate"]["decode_prompt_tokens_computed"]
@@ -201,7 +201,7 @@ def test_every_decoder_builds_hfs_tree_in_context(name, temperature, long_contex
     record = json.loads((tmp_path / name / "results.jsonl").read_text())
     tree = load_tree(tmp_path / name, record["id"])
     reference, _ = run_tree(long_context, tmp_path, "hf", *args, "decoder=hf")
-    assert [(d["text"], d["value"]) for _, d in sorted(tree.graph.nodes(data=True))] == reference
+    assert [(t.text, t.value) for _, t in sorted(tree.thoughts.items())] == reference
 
 
 def test_a_model_without_a_usable_template_refuses_follow_ups(loaded, smol):

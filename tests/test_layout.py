@@ -115,3 +115,18 @@ def test_tot_uses_decodings_public_face():
         if a.startswith("tot") and b.startswith("decoding") and b not in PUBLIC and a not in INTERNALS_TOOLS
     ]
     assert not bad, f"tot imports decoding's internals (export what it needs in decoding/__init__.py): {bad}"
+
+
+def test_notebooks_use_decodings_public_face():
+    """A notebook is a user's code: what it imports of decoding is what users are promised."""
+    import json
+
+    bad = []
+    for path in (ROOT / "notebooks").glob("*.ipynb"):
+        cells = json.loads(path.read_text())["cells"]
+        code = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+        tree = ast.parse("\n".join(line for line in code.splitlines() if not line.lstrip().startswith(("%", "!"))))
+        for node in runtime_imports(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            bad += [(path.name, n) for n in names if n.startswith("decoding") and n not in PUBLIC]
+    assert not bad, f"notebooks import decoding's internals (export what they need in decoding/__init__.py): {bad}"

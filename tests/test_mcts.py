@@ -58,14 +58,14 @@ def test_one_iteration_expands_the_root_and_simulates_its_best_child():
     sol, _ = solve(iterations=1, n_thoughts=3, simulation_depth=1)
     tree = sol.tree
     first = children(tree, tree.root)
-    assert len(first) == 3 and all(tree[c]["value"] is not None for c in first)
-    best = max(first, key=lambda c: tree[c]["value"])
+    assert len(first) == 3 and all(tree[c].value is not None for c in first)
+    best = max(first, key=lambda c: tree[c].value)
     assert [len(children(tree, c)) for c in first] == [3 if c == best else 0 for c in first]
     assert tree.graph.number_of_nodes() == 1 + 3 + 3
-    end = max(children(tree, best), key=lambda c: tree[c]["value"])
+    end = max(children(tree, best), key=lambda c: tree[c].value)
     # The return is the value of the state the simulation ended in, backed up along the path.
     for node in (tree.root, best, end):
-        assert tree[node]["visits"] == 1 and tree[node]["q"] == tree[end]["value"]
+        assert tree[node].visits == 1 and tree[node].q == tree[end].value
 
 
 def test_a_wave_selects_apart_under_virtual_loss():
@@ -74,7 +74,7 @@ def test_a_wave_selects_apart_under_virtual_loss():
     # wave 1: the root alone (every selection reaches it); wave 2: two different children at once.
     grown = [c for c in engine.calls if c[0].prefix == "G"]
     assert len(grown) == 3 + 6
-    assert tree[tree.root]["visits"] == 3
+    assert tree[tree.root].visits == 3
     expanded = [c for c in children(tree, tree.root) if children(tree, c)]
     assert len(expanded) == 2
 
@@ -82,22 +82,22 @@ def test_a_wave_selects_apart_under_virtual_loss():
 def test_the_budget_is_the_root_visits_and_visits_add_up():
     sol, _ = solve(iterations=7, n_thoughts=2, simulation_depth=1, parallel=3)
     tree = sol.tree
-    assert tree[tree.root]["visits"] == 7
+    assert tree[tree.root].visits == 7
     for node in tree.graph.nodes:
-        kids = [c for c in children(tree, node) if tree[c].get("visits")]
-        if kids and tree[node].get("visits") and not tree[node].get("terminal"):
+        kids = [c for c in children(tree, node) if tree[c].visits]
+        if kids and tree[node].visits and not tree[node].terminal:
             # A node's visits are its children's plus the iterations that ended at it.
-            assert tree[node]["visits"] >= sum(tree[c]["visits"] for c in kids)
+            assert tree[node].visits >= sum(tree[c].visits for c in kids)
 
 
 def test_the_answer_is_the_best_valued_finished_state():
     sol, _ = solve(iterations=6, n_thoughts=2, simulation_depth=2, parallel=2)
     tree = sol.tree
-    finished = [n for n in tree.graph.nodes if n != tree.root and tree[n].get("terminal")]
-    assert finished and all(tree[n]["depth"] == 3 for n in finished)
-    best = max(tree[n]["value"] for n in finished)
-    answer = [n for n in tree.graph.nodes if tree[n]["answer"]]
-    assert tree[answer[-1]]["value"] == best and tree[answer[-1]]["terminal"]
+    finished = [n for n in tree.graph.nodes if n != tree.root and tree[n].terminal]
+    assert finished and all(tree[n].depth == 3 for n in finished)
+    best = max(tree[n].value for n in finished)
+    answer = [n for n in tree.graph.nodes if tree[n].answer]
+    assert tree[answer[-1]].value == best and tree[answer[-1]].terminal
     assert sol.steps == tree.steps(answer[-1])
 
 
@@ -112,7 +112,7 @@ def test_exploration_spreads_the_visits():
     wide, _ = solve(iterations=12, n_thoughts=3, simulation_depth=0, parallel=1, exploration=5.0)
 
     def visited_first_level(sol):
-        return sum(1 for c in children(sol.tree, sol.tree.root) if sol.tree[c].get("visits"))
+        return sum(1 for c in children(sol.tree, sol.tree.root) if sol.tree[c].visits)
 
     assert visited_first_level(wide) == 3 > visited_first_level(greedy)
 

@@ -88,7 +88,7 @@ def test_dvts_vote_is_taken_again_on_the_reread_answers():
     tree.mark_answer(finals[1])  # the old vote's winner
     reparse(task, problem, tree)
     revote(task, problem, tree, final_states(tree))
-    assert [n for n in finals if tree[n]["answer"]] == [finals[2]]
+    assert [n for n in finals if tree[n].answer] == [finals[2]]
     assert task.answer(problem, answer_steps(tree)) == "12"
 
 
@@ -105,6 +105,6 @@ def test_best_of_n_votes_are_taken_again_and_value_choices_are_kept():
     voted = voted_leaves("best_of_n", {"best_of_n": {"aggregate": "majority"}})
     assert voted is not None and voted(tree) == leaves
     revote(task, problem, tree, voted(tree))
-    assert [n for n in leaves if tree[n]["answer"]] == [leaves[0]]
+    assert [n for n in leaves if tree[n].answer] == [leaves[0]]
     assert voted_leaves("best_of_n", {"best_of_n": {"aggregate": "best"}}) is None
     assert voted_leaves("bfs", {}) is None

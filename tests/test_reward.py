@@ -165,14 +165,14 @@ def test_a_reward_model_drives_the_search(checkpoints, long_context, tmp_path, s
         trees[name] = load_tree(tmp_path / name, record["id"])
     tree = trees["reward"]
     valued = [n for n in tree.graph.nodes if n != tree.root]
-    assert valued and all(tree[n]["value"] is not None for n in valued)
+    assert valued and all(tree[n].value is not None for n in valued)
     if kind == "judge":
-        own = [trees["target"][n]["evaluation"] for n in trees["target"].graph.nodes if n != 0]
-        assert [tree[n]["evaluation"] for n in valued][: len(own)] != own  # another model answered
+        own = [trees["target"][n].evaluation for n in trees["target"].graph.nodes if n != 0]
+        assert [tree[n].evaluation for n in valued][: len(own)] != own  # another model answered
     else:
-        assert all(0 <= tree[n]["value"] <= 1 and tree[n]["evaluation"].startswith("reward ") for n in valued)
-        assert all(len(tree[n].get("reward_steps", [])) == tree[n]["depth"] for n in valued) or kind != "prm"
+        assert all(0 <= tree[n].value <= 1 and tree[n].evaluation.startswith("reward ") for n in valued)
+        assert all(len(tree[n].reward_steps or []) == tree[n].depth for n in valued) or kind != "prm"
     if search == "bfs":
         first = list(tree.graph.successors(tree.root))
-        chosen = [n for n in first if tree[n]["chosen"]]
-        assert chosen == [max(first, key=lambda n: tree[n]["value"])]
+        chosen = [n for n in first if tree[n].chosen]
+        assert chosen == [max(first, key=lambda n: tree[n].value)]

@@ -31,9 +31,9 @@ def build_tree() -> tuple[ReasoningTree, set[int]]:
     e = tree.add(a, "Sub-question 2: what does she earn?")
     f = tree.add(e, "The answer is 18", terminal=True)
     for node, value in ((a, 8.0), (b, 3.0), (d, 2.0), (e, 9.0), (f, 10.0)):
-        tree[node]["value"] = value
+        tree[node].value = value
     for node in (a, e, f):
-        tree[node]["chosen"] = True
+        tree[node].chosen = True
     tree.mark_answer(f)
     return tree, {0, a, e, f}
 
@@ -66,13 +66,13 @@ def test_render_text_lines_values_and_markers():
     lines = node_lines(text)
     assert sorted(lines) == sorted(tree.graph.nodes)
     for node, line in lines.items():
-        shown = clip(tree[node]["text"], 40)
+        shown = clip(tree[node].text, 40)
         assert line.endswith(shown)
         assert len(shown) <= 40
-        value = tree[node]["value"]
+        value = tree[node].value
         assert f"v={value:.1f}" in line if value is not None else "v=-" in line
         assert (f" {ANSWER} " in line) == (node in answer_path)
-        assert (f" {CHOSEN} " in line) == bool(tree[node]["chosen"])
+        assert (f" {CHOSEN} " in line) == bool(tree[node].chosen)
     cut = "Sub-question 1: how many eggs are lef"
     assert len(cut) == 37 and lines[1].endswith(cut + "...")  # 40 characters in all, the cut marked
     assert "left? Answer 1: 16 - 3" in render_text(tree, width=200)  # the newline collapsed, nothing cut

@@ -19,7 +19,7 @@ from decoding import GenRequest, Group
 from tasks.base import Problem, Prompt
 from tot.dvts import choose
 from tot.search import GenerationEngine, SearchBase, Solution, Step, check_positive, request_seed
-from tot.tree import ReasoningTree
+from tot.tree import ReasoningTree, Valuation
 
 Vote = Literal["majority", "weighted", "best"]
 
@@ -67,17 +67,18 @@ class BestOfN(SearchBase):
             for j, text in enumerate(steps):
                 node = tree.add(node, text, solution=i, **({"reply": reply, "tokens": tokens} if j == 0 else {}))
             # A majority vote is a vote weighted by 1 per solution.
-            tree[node].update(terminal=True, chosen=True, **(valued or {"value": 1.0}))
+            tree[node].terminal = tree[node].chosen = True
+            tree[node].take(valued or Valuation(1.0))
             leaves.append(node)
         aggregate = "best" if self.settings.aggregate == "best" else "vote"
         return step.solution(choose(tree, leaves, lambda s: self.task.answer(problem, tree.steps(s)), aggregate))
 
-    async def _solution(self, step: Step, i: int, request: GenRequest) -> tuple[str, list[str], int, dict]:
+    async def _solution(self, step: Step, i: int, request: GenRequest) -> tuple[str, list[str], int, Valuation | None]:
         """One solution: its reply, the steps the task reads in it, its tokens and, when the vote
         needs it, what values it (asked as soon as it is written)."""
         (out,) = await step.call([request], "generate")
         steps = self.task.solution_steps(step.problem, out.text)
-        valued = {}
+        valued = None
         if self.settings.scored:
 
             def prompt(path: list[str], follow_up: bool) -> Prompt:
@@ -90,5 +91,5 @@ class BestOfN(SearchBase):
 
 def solution_leaves(tree: ReasoningTree) -> list[int]:
     """The last step of each solution in a saved best-of-N tree, in solution order (what it voted over)."""
-    leaves = [n for n in tree.graph.nodes if "solution" in tree[n] and tree[n].get("terminal")]
-    return sorted(leaves, key=lambda n: tree[n]["solution"])
+    leaves = [n for n in tree.graph.nodes if tree[n].solution is not None and tree[n].terminal]
+    return sorted(leaves, key=lambda n: tree[n].solution)

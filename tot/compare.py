@@ -23,7 +23,7 @@ def first_difference(a: ReasoningTree, b: ReasoningTree) -> str | None:
         return "different tree shapes (other states were kept and expanded)"
     for node in sorted(a.graph.nodes):
         for key in COMPARED:
-            va, vb = a[node].get(key), b[node].get(key)
+            va, vb = getattr(a[node], key), getattr(b[node], key)
             if va != vb:
                 return f"node {node} {key}: {str(va)[:60]!r} vs {str(vb)[:60]!r}"
     return None

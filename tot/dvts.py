@@ -67,10 +67,10 @@ class DVTS(SearchBase):
             for i, k in enumerate(live):
                 candidates = children[i * width : (i + 1) * width]
                 for c in candidates:
-                    tree[c]["subtree"] = k
-                current[k] = max(candidates, key=lambda c: tree[c]["value"])  # the first of equals
-                tree[current[k]]["chosen"] = True
-            live = [k for k in live if not tree[current[k]]["terminal"]]
+                    tree[c].subtree = k
+                current[k] = max(candidates, key=lambda c: tree[c].value)  # the first of equals
+                tree[current[k]].chosen = True
+            live = [k for k in live if not tree[current[k]].terminal]
         return step.solution(self.choose(step, current))
 
     def choose(self, step: Step, leaves: list[int]) -> int:
@@ -83,16 +83,16 @@ def choose(tree: ReasoningTree, leaves: list[int], answer_of: Callable[[int], st
     """The subtree state whose answer wins: the best value, or the largest summed value of an answer
     (ties: more subtrees, then the earlier subtree); within the answer, its best state."""
     if aggregate == "best":
-        return max(leaves, key=lambda s: tree[s]["value"])
+        return max(leaves, key=lambda s: tree[s].value)
     weight: dict[str, float] = defaultdict(float)
     count: dict[str, int] = defaultdict(int)
     answers = [answer_of(s) for s in leaves]
     for s, a in zip(leaves, answers):
-        weight[a] += tree[s]["value"]
+        weight[a] += tree[s].value
         count[a] += 1
     order = {a: -i for i, a in reversed(list(enumerate(answers)))}
     winner = max(weight, key=lambda a: (weight[a], count[a], order[a]))
-    return max((s for s, a in zip(leaves, answers) if a == winner), key=lambda s: tree[s]["value"])
+    return max((s for s, a in zip(leaves, answers) if a == winner), key=lambda s: tree[s].value)
 
 
 def final_states(tree: ReasoningTree) -> list[int]:
@@ -100,8 +100,7 @@ def final_states(tree: ReasoningTree) -> list[int]:
     last: dict[int, int] = {}
     for n in tree.graph.nodes:
         node = tree[n]
-        if node.get("chosen") and "subtree" in node:
-            k = node["subtree"]
-            if k not in last or node["depth"] > tree[last[k]]["depth"]:
-                last[k] = n
+        k = node.subtree
+        if node.chosen and k is not None and (k not in last or node.depth > tree[last[k]].depth):
+            last[k] = n
     return [last[k] for k in sorted(last)]

@@ -70,7 +70,7 @@ class Stats:
         worst value (0 once rescaled)."""
         n = self.visits[node] + self.virtual[node]
         if n == 0:
-            return self.scaled(tree[node]["value"])
+            return self.scaled(tree[node].value)
         return self.scaled(self.total[node] / self.visits[node]) * self.visits[node] / n if self.visits[node] else 0.0
 
 
@@ -84,13 +84,14 @@ class MCTS(SearchBase):
             paths = self._select(step.tree, stats, self.settings.iterations - done)
             await self._simulate(step, stats, paths, wave)
             for path in paths:
-                ret = step.tree[path[-1]]["value"]
+                ret = step.tree[path[-1]].value
                 for node in path:
                     stats.visits[node] += 1
                     stats.total[node] += ret
             done, wave = done + len(paths), wave + 1
         for node, n in stats.visits.items():
-            step.tree[node].update(visits=n, q=stats.total[node] / n, chosen=True)
+            thought = step.tree[node]
+            thought.visits, thought.q, thought.chosen = n, stats.total[node] / n, True
         return step.solution(self._answer(step.tree, stats))
 
     def _select(self, tree: ReasoningTree, stats: Stats, budget: int) -> list[list[int]]:
@@ -99,7 +100,7 @@ class MCTS(SearchBase):
         stats.virtual.clear()
         for _ in range(min(self.settings.parallel, budget)):
             path = [tree.root]
-            while (children := list(tree.graph.successors(path[-1]))) and not tree[path[-1]].get("terminal"):
+            while (children := tree.children(path[-1])) and not tree[path[-1]].terminal:
                 path.append(max(children, key=lambda c: self._uct(tree, stats, path[-1], c)))
             if any(p[-1] == path[-1] for p in paths):
                 break  # the wave holds this leaf already
@@ -118,22 +119,22 @@ class MCTS(SearchBase):
         levels more or until a path finishes, all paths one level at a time; paths are extended."""
         tree, width = step.tree, self.settings.n_thoughts
         for _ in range(1 + self.settings.simulation_depth):
-            live = [p for p in paths if not tree[p[-1]].get("terminal")]
+            live = [p for p in paths if not tree[p[-1]].terminal]
             if not live:
                 return
             children = await step.grow([(p[-1], width, "") for p in live], Group(step.problem.id, f"w{wave}/eval"))
             for i, path in enumerate(live):
                 grown = children[i * width : (i + 1) * width]
                 for c in grown:
-                    stats.see(tree[c]["value"])
-                path.append(max(grown, key=lambda c: tree[c]["value"]))  # the first of equals
+                    stats.see(tree[c].value)
+                path.append(max(grown, key=lambda c: tree[c].value))  # the first of equals
 
     @staticmethod
     def _answer(tree: ReasoningTree, stats: Stats) -> int:
-        finished = [n for n in tree.graph.nodes if n != tree.root and tree[n].get("terminal")]
+        finished = [n for n in tree.graph.nodes if n != tree.root and tree[n].terminal]
         if finished:
-            return max(finished, key=lambda n: (tree[n]["value"], stats.visits[n], -n))
+            return max(finished, key=lambda n: (tree[n].value, stats.visits[n], -n))
         node = tree.root
-        while children := [c for c in tree.graph.successors(node) if stats.visits[c]]:
+        while children := [c for c in tree.children(node) if stats.visits[c]]:
             node = max(children, key=lambda c: (stats.visits[c], -c))
         return node

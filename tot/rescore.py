@@ -50,23 +50,20 @@ class Change:
 
 def reparse(task: Task, problem: Problem, tree: ReasoningTree) -> None:
     """Every node's thought parsed again from its saved reply, parents first."""
-    graph = tree.graph
-    order = sorted(graph.nodes, key=lambda n: graph.nodes[n].get("depth", 0))
-    for node in order:
-        if node == tree.root or "raw" not in graph.nodes[node]:
+    for node in sorted(tree.graph.nodes, key=lambda n: tree[n].depth):
+        if node == tree.root or tree[node].raw is None:
             continue
-        parent = next(iter(graph.predecessors(node)))
+        parent = next(iter(tree.graph.predecessors(node)))
         before = tree.steps(parent) if parent != tree.root else []
-        graph.nodes[node]["text"] = task.parse_thought(problem, before, graph.nodes[node]["raw"])
+        tree[node].text = task.parse_thought(problem, before, tree[node].raw)
 
 
 def answer_steps(tree: ReasoningTree) -> list[str]:
     """The thoughts of the path marked as the answer."""
-    graph = tree.graph
-    path = [n for n in graph.nodes if graph.nodes[n].get("answer") and n != tree.root]
+    path = [n for n in tree.graph.nodes if tree[n].answer and n != tree.root]
     if not path:
         return []
-    return tree.steps(max(path, key=lambda n: graph.nodes[n].get("depth", 0)))
+    return tree.steps(max(path, key=lambda n: tree[n].depth))
 
 
 def revote(task: Task, problem: Problem, tree: ReasoningTree, leaves: list[int]) -> None:
@@ -76,8 +73,8 @@ def revote(task: Task, problem: Problem, tree: ReasoningTree, leaves: list[int])
     if not leaves:
         return
     best = choose(tree, leaves, lambda s: task.answer(problem, tree.steps(s)), "vote")
-    for n in tree.graph.nodes:
-        tree.graph.nodes[n]["answer"] = False
+    for thought in tree.thoughts.values():
+        thought.answer = False
     tree.mark_answer(best)
 
 

@@ -20,7 +20,7 @@ from decoding import Completion, ConfigError, DecodeStats, GenRequest, GenResult
 from decoding import run_sync as run_sync  # searches are run with it
 from tasks.base import Problem, Prompt, Task
 from tot.reward import ScoringModel
-from tot.tree import ReasoningTree
+from tot.tree import ReasoningTree, Valuation
 
 PHASES = ("generate", "evaluate")
 # An evaluator prompt for a path: (its steps, whether asked as a follow-up in its reply's context).
@@ -181,10 +181,9 @@ class Step:
         (out,) = await self.call([request], "generate")
         steps = self.tree.steps(child)[:-1]
         node = self.tree[child]
-        node.update(
-            text=self.task.parse_thought(self.problem, steps, out.text), raw=out.text, tokens=out.stats.generated_tokens
-        )
-        node["terminal"] = self.finished(child)
+        node.text = self.task.parse_thought(self.problem, steps, out.text)
+        node.raw, node.tokens = out.text, out.stats.generated_tokens
+        node.terminal = self.finished(child)
         if self.in_context:
             self._replies[child] = out.context
         await self.evaluate([child], eval_group)
@@ -202,19 +201,19 @@ class Step:
     async def value(self, node: int, prompt: EvalPrompt, group: Group, key: object) -> None:
         """Value a node of the tree (its reply's context, if kept, asked in)."""
         context = self._replies.pop(node, ())
-        self.tree[node].update(await self.judge(self.tree.steps(node), context, prompt, group, key))
+        self.tree[node].take(await self.judge(self.tree.steps(node), context, prompt, group, key))
 
     async def judge(
         self, steps: list[str], context: tuple[int, ...], prompt: EvalPrompt, group: Group, key: object
-    ) -> dict:
-        """The attributes valuing the path `steps`: its value, the mean of task.n_evaluate evaluator
+    ) -> Valuation:
+        """The valuation of the path `steps`: its value, the mean of task.n_evaluate evaluator
         samples of prompt(steps, whether asked in the reply's `context`), all in one call, seeded by
         `key` (the path's place in the search), and the evaluation that gave it."""
         if isinstance(self.reward, ScoringModel):
             scored = self.reward.score(self.problem.question, steps)
             self.phases["evaluate"].calls += 1
-            per_step = {"reward_steps": list(scored.steps)} if scored.steps else {}  # a PRM's step scores
-            return {"value": scored.value, "evaluation": f"reward {scored.value:.4f}", **per_step}
+            steps_scored = list(scored.steps) if scored.steps else None  # a PRM's step scores
+            return Valuation(scored.value, f"reward {scored.value:.4f}", reward_steps=steps_scored)
         task, pid, k = self.task, self.problem.id, self.task.n_evaluate
         asked = prompt(steps, bool(context))
         requests = [
@@ -230,11 +229,8 @@ class Step:
         ]
         # A judge (reward.kind=judge) answers the task's evaluator prompt on its own engine.
         texts = [o.text for o in await self.call(requests, "evaluate", self.reward)]
-        attrs = {"eval_prompt": asked.text, "value": sum(map(task.parse_value, texts)) / k}
-        attrs["evaluation"] = texts[0] if k == 1 else texts
-        if context:
-            attrs["eval_in_context"] = True
-        return attrs
+        value = sum(map(task.parse_value, texts)) / k
+        return Valuation(value, texts[0] if k == 1 else texts, asked.text, True if context else None)
 
     def finished(self, node: int) -> bool:
         """A path ends at the depth limit or where the task says it is complete."""
@@ -275,7 +271,7 @@ class BFS(SearchBase):
         frontier = [tree.root]
         for depth in range(1, self.task.depth + 1):
             # Finished states are not extended; they compete with the new thoughts for the frontier.
-            done = [s for s in frontier if s != tree.root and tree[s]["terminal"]]
+            done = [s for s in frontier if s != tree.root and tree[s].terminal]
             open_ = [s for s in frontier if s not in done]
             if not open_:
                 break
@@ -283,7 +279,7 @@ class BFS(SearchBase):
                 [(s, self.settings.n_thoughts, "") for s in open_], Group(problem.id, f"d{depth}/eval")
             )
             # Stable sort: among equal values the earlier thought wins, deterministically.
-            frontier = sorted(done + children, key=lambda c: -tree[c]["value"])[: self.settings.breadth]
+            frontier = sorted(done + children, key=lambda c: -tree[c].value)[: self.settings.breadth]
             for c in frontier:
-                tree[c]["chosen"] = True
+                tree[c].chosen = True
         return step.solution(frontier[0])

@@ -79,10 +79,10 @@ def render_text(tree: ReasoningTree, width: int = 100, legend: bool = True) -> s
     """The tree indented with box-drawing lines, one line per node: number, value, markers, thought."""
     lines = [LEGEND] if legend else []
     for node, prefix in _walk(tree):
-        attrs = tree[node]
-        marks = f"{CHOSEN if attrs.get('chosen') else ' '} {ANSWER if attrs.get('answer') else '  '}"
-        value = format_value(attrs.get("value")).ljust(4)  # markers in one column for values up to 99.9
-        lines.append(f"{prefix}[{node}] v={value} {marks} {clip(attrs['text'], width)}")
+        thought = tree[node]
+        marks = f"{CHOSEN if thought.chosen else ' '} {ANSWER if thought.answer else '  '}"
+        value = format_value(thought.value).ljust(4)  # markers in one column for values up to 99.9
+        lines.append(f"{prefix}[{node}] v={value} {marks} {clip(thought.text, width)}")
     return "\n".join(lines)
 
 
@@ -111,9 +111,9 @@ def layout(tree: ReasoningTree) -> dict[int, tuple[float, float]]:
 
 
 def _label(tree: ReasoningTree, node: int) -> str:
-    snippet = clip(tree[node]["text"], LABEL_CHARS)
+    snippet = clip(tree[node].text, LABEL_CHARS)
     wrapped = textwrap.wrap(snippet, LABEL_LINE, max_lines=2, placeholder="...") or [""]
-    return "\n".join([f"{node}  v={format_value(tree[node].get('value'))}", *wrapped])
+    return "\n".join([f"{node}  v={format_value(tree[node].value)}", *wrapped])
 
 
 def _pyplot() -> Any:
@@ -143,9 +143,8 @@ def draw(tree: ReasoningTree, ax: Axes | None = None, title: str | None = None) 
     if ax is None:
         _, ax = plt.subplots(figsize=figure_size(pos))
     fig = ax.figure
-    g = tree.graph
-    for u, v in g.edges:
-        on_path = bool(g.nodes[u].get("answer") and g.nodes[v].get("answer"))
+    for u, v in tree.graph.edges:
+        on_path = bool(tree[u].answer and tree[v].answer)
         (x0, y0), (x1, y1) = pos[u], pos[v]
         ax.plot(
             [x0, x1],
@@ -155,15 +154,14 @@ def draw(tree: ReasoningTree, ax: Axes | None = None, title: str | None = None) 
             zorder=2 if on_path else 1,
         )
 
-    values = [float(a["value"]) for _, a in g.nodes(data=True) if _is_number(a.get("value"))]
+    values = [float(t.value) for t in tree.thoughts.values() if _is_number(t.value)]
     lo, hi = (min(values), max(values)) if values else (0.0, 1.0)
     norm = Normalize(lo - 0.5, hi + 0.5) if lo == hi else Normalize(lo, hi)
     cmap = plt.get_cmap("RdYlGn")
     for node, (x, y) in pos.items():
-        attrs = g.nodes[node]
-        value = attrs.get("value")
+        value = tree[node].value
         face = cmap(norm(float(value))) if _is_number(value) else (0.92, 0.92, 0.92, 1.0)
-        chosen = bool(attrs.get("chosen"))
+        chosen = bool(tree[node].chosen)
         # The colormap's dark ends (the best and worst values) would hide black text.
         dark = 0.299 * face[0] + 0.587 * face[1] + 0.114 * face[2] < 0.45
         ax.text(
