@@ -1,7 +1,7 @@
 """The default forward is batch- and tree-invariant, bitwise: a token's logits are the same scored
 alone one at a time, as a chunk, beside 7 other rows of other lengths, inside a 16-node draft tree,
 and when a subset of the cache's rows is verified in place. Checked for the bfloat16 default of a
-checkpoint and for the GGUF int4 path (tests/test_quant.py builds its tiny int4 model)."""
+checkpoint and for the GGUF int4 paths (float and int8 activations) (tests/test_quant.py builds its tiny int4 model)."""
 
 from __future__ import annotations
 
@@ -21,9 +21,11 @@ PROMPT = [5 + (7 * i) % 90 for i in range(21)]
 CONTINUATION = [11, 42, 17, 63, 8, 29]  # the pending token, then 5 tokens scored after it
 
 
-@pytest.fixture(scope="module", params=["bfloat16", "gguf-int4"])
+@pytest.fixture(scope="module", params=["bfloat16", "gguf-int4", "gguf-int4-int8"])
 def runner(request, tiny_model) -> ModelRunner:
-    return ModelRunner(tiny_model if request.param == "bfloat16" else int4_copy(tiny_model))
+    if request.param == "bfloat16":
+        return ModelRunner(tiny_model)
+    return ModelRunner(int4_copy(tiny_model, "int8" if request.param.endswith("int8") else "float"))
 
 
 def _run(runner: ModelRunner, prompts: list[list[int]], steps) -> list[torch.Tensor]:

@@ -24,10 +24,10 @@ from decoding.core.verify import pack
 PROMPTS = [[5 + (7 * i + j) % 90 for i in range(n)] for j, n in enumerate((9, 23, 70))]
 
 
-@pytest.fixture(scope="module", params=["bfloat16-aten", "bfloat16-rows", "gguf-int4"])
+@pytest.fixture(scope="module", params=["bfloat16-aten", "bfloat16-rows", "gguf-int4", "gguf-int4-int8"])
 def model(request, tiny_model) -> torch.nn.Module:
-    if request.param == "gguf-int4":
-        return int4_copy(tiny_model)
+    if request.param.startswith("gguf-int4"):
+        return int4_copy(tiny_model, "int8" if request.param.endswith("int8") else "float")
     return with_linear_kernel(tiny_model, request.param.removeprefix("bfloat16-"))
 
 

@@ -22,21 +22,22 @@ def _gguf_bytes(weights: np.ndarray, kind: str) -> np.ndarray:
     return quantize(weights.astype(np.float32), GGMLQuantizationType[kind])
 
 
-def int4_linear(linear: torch.nn.Linear, kind: str = "Q4_1") -> Int4Linear:
-    """The layer as a GGUF file would ship it in `kind`, run by the int4 kernel."""
+def int4_linear(linear: torch.nn.Linear, kind: str = "Q4_1", activations: str = "float") -> Int4Linear:
+    """The layer as a GGUF file would ship it in `kind`, its input multiplied as `activations`."""
     w = linear.weight.detach().float().numpy()
     blocks = decode_int4(_gguf_bytes(w, kind), kind, *w.shape)
     t = [torch.from_numpy(np.ascontiguousarray(a)) for a in (blocks.codes, blocks.scale, blocks.minimum)]
-    return Int4Linear(*t, linear.bias)
+    return Int4Linear(*t, linear.bias, activations)
 
 
-def int4_copy(model: torch.nn.Module) -> torch.nn.Module:
-    """A copy of a tiny model whose decoder linear layers are Q4_1 GGUF blocks (the LM head stays)."""
+def int4_copy(model: torch.nn.Module, activations: str = "float") -> torch.nn.Module:
+    """A copy of a tiny model whose decoder linear layers are Q4_1 GGUF blocks (the LM head stays),
+    their input multiplied as `activations` (model.activations)."""
     model = copy.deepcopy(model)
     for name, module in list(model.named_modules()):
         if name != "lm_head" and kernel_fits(module):
             parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent), child, int4_linear(module))
+            setattr(model.get_submodule(parent), child, int4_linear(module, activations=activations))
     return model
 
 
@@ -109,8 +110,18 @@ def int4_loaded(tiny_model, tokenizer):
     return LoadedModel(int4_copy(tiny_model), tokenizer, torch.device("cpu"), use_chat_template=False, source="int4")
 
 
+@pytest.fixture(scope="module")
+def int8_loaded(tiny_model, tokenizer):
+    """The same blocks multiplied by int8 activations (model.activations=int8)."""
+    from decoding.core.models import LoadedModel
+
+    model = int4_copy(tiny_model, "int8")
+    return LoadedModel(model, tokenizer, torch.device("cpu"), use_chat_template=False, source="int4 x int8")
+
+
+@pytest.mark.parametrize("loaded", ["int4_loaded", "int8_loaded"])
 @pytest.mark.parametrize("decoder", ["hf", "ar", "stand", "seed_stand", "pld", "recycling", "aded", "sd", "seed"])
-def test_every_decoder_on_int4_weights_returns_generates_greedy_output(int4_loaded, tokenizer, decoder):
+def test_every_decoder_on_int4_weights_returns_generates_greedy_output(request, loaded, tokenizer, decoder):
     from test_decoders import BUDGETS, PROMPTS, encode, reference_greedy
 
     from decoding.config import DecoderConfig
@@ -120,6 +131,7 @@ def test_every_decoder_on_int4_weights_returns_generates_greedy_output(int4_load
     from decoding.schedules.seed import SeedOptions
     from decoding.trees.policies import DraftTreeOptions
 
+    int4_loaded = request.getfixturevalue(loaded)
     model = int4_loaded.model
     assert sum(isinstance(m, Int4Linear) for m in model.modules()) > 0
     refs = [reference_greedy(model, encode(tokenizer, p), m, {2}) for p, m in zip(PROMPTS, BUDGETS)]

@@ -188,6 +188,8 @@ def cost_key(target: ModelRunner) -> str:
     c = target.config
     # The weight format shows in the linear layers' classes (nn.Linear, Int4Linear, PrepackedLinear).
     linears = sorted({type(m).__name__ for m in target.model.modules() if "Linear" in type(m).__name__})
+    # What a 4-bit layer multiplies its input as (model.activations): another kernel, another cost.
+    linears += sorted({f"{m.activations} activations" for m in target.model.modules() if hasattr(m, "activations")})
     parts = [
         str(getattr(c, "_name_or_path", "")),
         str(getattr(c, "hidden_size", "")),

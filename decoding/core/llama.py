@@ -59,7 +59,7 @@ class Layers:
             for name in PROJECTIONS:
                 proj = layer.get_submodule(name)
                 if type(proj) is Int4Linear:
-                    weights += [proj.packed, proj.scales_zeros]
+                    weights += list(proj.weights())
                 elif type(proj) in (torch.nn.Linear, RowsLinear):
                     weights += [proj.weight, _NONE]
                     dense.add(type(proj))

@@ -20,7 +20,7 @@ from decoding.core.memory import MemoryBudget, available_bytes
 from decoding.core.model_files import check_checkpoint, check_gguf
 from decoding.core.options import from_dict
 from decoding.core.prepack import prepack_linears
-from decoding.core.quant import check_types, quantize_from_gguf
+from decoding.core.quant import ACTIVATIONS, check_types, quantize_from_gguf
 from decoding.core.static_forward import GRAPH_CHOICES, Buckets, StaticSpec, resolve_graphs
 
 log = logging.getLogger(__name__)
@@ -59,6 +59,9 @@ class ModelSpec:
     # real shapes without their weights, to measure speed (decoding/shapes.py writes such folders)
     init: str = "checkpoint"
     linear: str = "auto"  # bfloat16 linear layers: decoding/core/rows_linear.py's kernel (rows) or torch's (aten)
+    # A GGUF's 4-bit layers multiply their input as float (torch's int4 kernel) or as int8 quantized
+    # per block of 32 (csrc/q4_int8.cpp: integer multiply-adds, outputs a little different)
+    activations: str = "float"
     # Bucketed forwards replayed from CUDA graphs (decoding/core/static_forward.py): auto = on for CUDA
     cuda_graphs: str = "auto"
     graph_rows: tuple[int, ...] = Buckets.rows
@@ -103,6 +106,8 @@ class ModelSpec:
             raise BackendError(f"{self.key}.weights={self.weights!r} is not one of {', '.join(WEIGHTS)}")
         if self.linear not in LINEARS:
             raise BackendError(f"{self.key}.linear={self.linear!r} is not one of {', '.join(LINEARS)}")
+        if self.activations not in ACTIVATIONS:
+            raise BackendError(f"{self.key}.activations={self.activations!r} is not one of {', '.join(ACTIVATIONS)}")
         if self.attention not in ATTENTION:
             raise BackendError(f"{self.key}.attention={self.attention!r} is not one of {', '.join(ATTENTION)}")
         if self.cuda_graphs not in GRAPH_CHOICES:
@@ -183,6 +188,7 @@ def prepare_for_inference(
     gguf: Path | None = None,
     prepack: bool = True,
     linear: str = "aten",
+    activations: str = "float",
 ) -> str:
     """Put a loaded (float32) model into the form the decoders run: its device, weight format and
     attention implementation (all resolved already); returns what was done, for the log."""
@@ -191,7 +197,13 @@ def prepare_for_inference(
     done = [str(dtype).removeprefix("torch.")]
     if weights == "gguf":
         assert gguf is not None
-        done.append(f"{quantize_from_gguf(model, gguf)} linear layers in the GGUF's int4")
+        replaced = quantize_from_gguf(model, gguf, activations)
+        if activations == "int8":
+            done.append(
+                f"{replaced} linear layers in the GGUF's int4 x int8 activations ({kernels.load().q4_int8_path()})"
+            )
+        else:
+            done.append(f"{replaced} linear layers in the GGUF's int4")
     if attn == attention.CHOICE:
         attention.register()
         kernels.load()  # build it now: a missing compiler is a load-time error
@@ -229,7 +241,8 @@ def load_model(spec: ModelSpec) -> LoadedModel:
             f"{spec.key}.path={spec.path!r} could not be loaded ({str(e).splitlines()[0][:160]}); give a local "
             f"checkpoint directory, a Hugging Face id with network access, or the embedded {spec.key}.path=smollm2-135m"
         ) from e
-    done = prepare_for_inference(model, device, weights, attn, gguf, spec.prepack, linear)
+    check_activations(spec, device, weights)
+    done = prepare_for_inference(model, device, weights, attn, gguf, spec.prepack, linear, spec.activations)
     log.info("loaded %s in %.1fs on %s (%s)", source, time.perf_counter() - t0, device, done)
     budget = (
         MemoryBudget(spec.prefix_memory_mb << 20)
@@ -241,6 +254,22 @@ def load_model(spec: ModelSpec) -> LoadedModel:
     )
     use_chat = _use_chat_template(spec, tokenizer)
     return LoadedModel(model, tokenizer, device, use_chat, str(source), spec.path, budget, kv_budget, static, strict)
+
+
+def check_activations(spec: ModelSpec, device: torch.device, weights: str) -> None:
+    """int8 activations run a GGUF's 4-bit layers on the CPU kernel: refused elsewhere, in one line."""
+    if spec.activations != "int8":
+        return
+    if device.type != "cpu":
+        raise BackendError(
+            f"{spec.key}.activations=int8 is the CPU's kernel, and {spec.key}.device resolved to {device}; "
+            f"use {spec.key}.activations=float"
+        )
+    if weights != "gguf":
+        raise BackendError(
+            f"{spec.key}.activations=int8 multiplies a GGUF file's 4-bit blocks, and the weights are {weights}; "
+            f"give a .gguf {spec.key}.path (with {spec.key}.weights=auto or gguf) or use {spec.key}.activations=float"
+        )
 
 
 def _random_model(source: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:

@@ -9,6 +9,11 @@ significant bits; GGUF's fp16 scales have 11), z after an exact-or-float32 sum; 
 0. The codes are the file's own. Activations are bfloat16. `Int4Linear.dequantized` is the matrix
 the kernel multiplies by, and tests/test_quant.py checks it against the file.
 
+With `model.activations=int8` the same blocks run through csrc/q4_int8.cpp instead: scale and
+minimum kept in float32 (the file's fp16 exactly), codes in the file's nibble order, and each row of
+activations quantized to int8 per block of 32 (its scale and sum beside it), so that the
+multiply-adds run on the integer units; `Int4Linear.dequantized` is then scale * q + minimum.
+
 Every other tensor type (Q8_0, Q6_K, F16, ...) runs in bfloat16: `transformers` dequantizes it to
 float32 and it is rounded once. The kernel gives a row the same bits whatever the number of rows
 (measured for 1-600 rows), which the batch-invariant forward rests on.
@@ -24,6 +29,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from decoding.core import kernels
 from decoding.core.errors import BackendError
 from decoding.core.rows_linear import RowsLinear
 
@@ -32,24 +38,43 @@ if TYPE_CHECKING:
 
 GROUP = 32  # the kernel's group size along the input dimension, GGUF's 4-bit block (or sub-block)
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+ACTIVATIONS = ("float", "int8")  # model.activations: what a 4-bit layer multiplies its input as
 # Types `transformers` (gguf-py) dequantizes, run in bfloat16.
 DEQUANTIZED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q5_K", "Q6_K", "Q8_K")
 
 
 class Int4Linear(torch.nn.Module):
-    """A linear layer y = x W^T (+ b) with W held as 4-bit codes and bfloat16 group scales/zeros."""
+    """A linear layer y = x W^T (+ b) with W held as 4-bit codes and group scales/zeros: bfloat16
+    for torch's kernel (activations="float"), float32 for the int8-activation kernel ("int8")."""
 
-    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(
+        self,
+        codes: torch.Tensor,
+        scale: torch.Tensor,
+        minimum: torch.Tensor,
+        bias: torch.Tensor | None,
+        activations: str = "float",
+    ):
         super().__init__()
         self.out_features, self.in_features = codes.shape
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1))
-        zero = minimum.float() + 8 * scale.float()
-        # [groups, out, 2]: the kernel's layout.
-        self.register_buffer("scales_zeros", torch.stack([scale.float().t(), zero.t()], -1).to(torch.bfloat16))
+        self.activations = activations
+        if activations == "int8":
+            kernels.load()  # built now: a missing compiler is a load-time error
+            blocks = codes.to(torch.uint8).reshape(self.out_features, -1, 2, GROUP // 2)
+            # GGUF's order: element j of a block in byte j's low nibble, element j + 16 in its high one.
+            self.register_buffer("nibbles", (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(self.out_features, -1))
+            self.register_buffer("scale_min", torch.stack([scale.float(), minimum.float()], 1).contiguous())
+        else:
+            self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1))
+            zero = minimum.float() + 8 * scale.float()
+            # [groups, out, 2]: the kernel's layout.
+            self.register_buffer("scales_zeros", torch.stack([scale.float().t(), zero.t()], -1).to(torch.bfloat16))
         self.register_buffer("codes", codes.to(torch.uint8), persistent=False)
         self.bias = None if bias is None else torch.nn.Parameter(bias.to(torch.bfloat16), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.activations == "int8":
+            return kernels.load().q4_int8_linear(x, self.nibbles, self.scale_min, _bias(self.bias))
         shape = x.shape
         flat = x.reshape(-1, shape[-1]).to(torch.bfloat16)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scales_zeros)
@@ -57,14 +82,29 @@ class Int4Linear(torch.nn.Module):
             y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features)
 
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """What csrc/layers.cpp passes to the kernel this layer runs (float32 scales: the int8 path)."""
+        return (self.nibbles, self.scale_min) if self.activations == "int8" else (self.packed, self.scales_zeros)
+
     def dequantized(self) -> torch.Tensor:
-        """The float32 matrix [out, in] the kernel multiplies by: (q - 8) * s + z per group."""
+        """The float32 matrix [out, in] the kernel multiplies by: (q - 8) * s + z per group, or
+        scale * q + minimum for the int8 path."""
+        if self.activations == "int8":
+            s, m = (self.scale_min[:, i].repeat_interleave(GROUP, 1) for i in (0, 1))
+            return self.codes.float() * s + m
         s = self.scales_zeros[..., 0].float().t().repeat_interleave(GROUP, 1)
         z = self.scales_zeros[..., 1].float().t().repeat_interleave(GROUP, 1)
         return (self.codes.float() - 8) * s + z
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int4 group {GROUP}"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, int4 group {GROUP}, "
+            f"{self.activations} activations"
+        )
+
+
+def _bias(bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.empty(0) if bias is None else bias
 
 
 def kernel_fits(module: torch.nn.Module | None) -> bool:
@@ -188,9 +228,10 @@ def check_types(path: Path, key: str) -> dict[str, int]:
 
 
 @torch.no_grad()
-def quantize_from_gguf(model: torch.nn.Module, path: Path) -> int:
+def quantize_from_gguf(model: torch.nn.Module, path: Path, activations: str = "float") -> int:
     """Replace the model's linear layers whose GGUF tensors are 4-bit by `Int4Linear`s built from
-    the file's own codes (the rest of the model runs in bfloat16); returns how many."""
+    the file's own codes (the rest of the model runs in bfloat16), multiplying their input as
+    `activations`; returns how many."""
     from transformers.modeling_gguf_pytorch_utils import (
         TENSOR_PROCESSORS,
         TensorProcessor,
@@ -217,6 +258,7 @@ def quantize_from_gguf(model: torch.nn.Module, path: Path) -> int:
             torch.from_numpy(np.ascontiguousarray(blocks.scale)),
             torch.from_numpy(np.ascontiguousarray(blocks.minimum)),
             module.bias,
+            activations,
         )
         setattr(modules[parent] if parent else model, child, int4)
         replaced += 1

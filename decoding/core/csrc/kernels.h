@@ -23,4 +23,9 @@ std::vector<at::Tensor> decoder_layers(at::Tensor h, const std::vector<at::Tenso
                                        const at::Tensor& slots, int64_t kv_len, const at::Tensor& mask,
                                        const at::Tensor& kv_rows, int64_t capture, const at::Tensor& real, bool rows_kernel);
 
+at::Tensor q4_int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale_min,
+                          const at::Tensor& bias);
+std::vector<at::Tensor> q4_int8_quantize(const at::Tensor& x);
+const char* q4_int8_path();
+
 std::vector<at::Tensor> top_k_rows(const std::vector<at::Tensor>& blocks, int64_t k);

@@ -10,10 +10,11 @@
 namespace {
 
 // Int4Linear.forward / nn.Linear / RowsLinear (`rows_kernel`): [w, scales_zeros, bias] with scales_zeros
-// empty for a dense weight.
+// empty for a dense weight; [codes, scale_min, bias] with float32 scale_min for int8 activations.
 at::Tensor linear(const at::Tensor& x, const at::Tensor* w, bool rows_kernel) {
   if (w[1].numel() == 0 && rows_kernel) return rows_linear(x, w[0], w[2]);
   if (w[1].numel() == 0) return at::linear(x, w[0], w[2].numel() ? c10::optional<at::Tensor>(w[2]) : c10::nullopt);
+  if (w[1].scalar_type() == at::kFloat) return q4_int8_linear(x, w[0], w[1], w[2]);
   const int64_t out_features = w[1].size(1);
   at::Tensor y = at::_weight_int4pack_mm_for_cpu(x.reshape({-1, x.size(-1)}).to(at::kBFloat16), w[0], 32, w[1]);
   if (w[2].numel()) y = y + w[2];

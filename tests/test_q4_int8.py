@@ -1,0 +1,135 @@
+"""model.activations=int8: a GGUF's 4-bit blocks multiplied by activations quantized to int8 per row
+and block of 32 (decoding/core/csrc/q4_int8.cpp), against a float reference of the same blocks,
+row-invariant, run by the C++ layers as by `hf`, and refused where it cannot run."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quantize
+from test_quant import int4_copy
+
+from decoding.core import kernels
+from decoding.core.errors import BackendError
+from decoding.core.llama import Layers
+from decoding.core.models import ModelSpec, check_activations
+from decoding.core.quant import GROUP, Int4Linear, decode_int4
+
+RNG = np.random.default_rng(1)
+
+
+def gguf_layer(n_out: int, n_in: int, kind: str, activations: str = "int8") -> Int4Linear:
+    """A layer as a GGUF file ships it in `kind` (Q4_K from random bytes: its 6-bit scales)."""
+    if kind == "Q4_K":
+        raw = RNG.integers(0, 256, size=(n_out, n_in // 256, 144), dtype=np.uint8)
+        for offset in (0, 2):  # d and dmin: finite fp16 values
+            scales = RNG.uniform(0.0005, 0.003, size=(n_out, n_in // 256)).astype(np.float16)
+            raw[..., offset : offset + 2] = scales.view(np.uint8).reshape(n_out, -1, 2)
+        raw = raw.reshape(n_out, -1)
+    else:
+        raw = quantize(RNG.normal(scale=0.05, size=(n_out, n_in)).astype(np.float32), GGMLQuantizationType[kind])
+    blocks = decode_int4(raw, kind, n_out, n_in)
+    t = [torch.from_numpy(np.ascontiguousarray(a)) for a in (blocks.codes, blocks.scale, blocks.minimum)]
+    return Int4Linear(*t, None, activations)
+
+
+def quantized_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The int8 rule in numpy: per row and block of 32, d = max|x| / 127, q = x * (127 / max|x|)
+    rounded half to even, s = d * sum(q) (float32 arithmetic, as the kernel)."""
+    b = x.astype(np.float32).reshape(x.shape[0], -1, GROUP)
+    amax = np.abs(b).max(-1)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    q = np.rint(b * inv[..., None]).astype(np.int8)
+    d = (amax / np.float32(127)).astype(np.float32)
+    return q.reshape(x.shape), d, (d * q.astype(np.int32).sum(-1)).astype(np.float32)
+
+
+def test_activations_are_quantized_by_the_stated_rule():
+    x = torch.randn(9, 256) * torch.logspace(-3, 2, 256)  # blocks of very different scales
+    x[3, :32] = 0  # an all-zero block: scale 0, codes 0
+    q, d, s = kernels.load().q4_int8_quantize(x)
+    rq, rd, rs = quantized_rows(x.numpy())
+    assert np.array_equal(q.numpy(), rq) and np.array_equal(d.numpy(), rd) and np.array_equal(s.numpy(), rs)
+    assert q.abs().max() == 127
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])
+def test_the_kernel_computes_the_blocks_against_the_quantized_rows(kind):
+    """Against float64 of the same blocks and the same int8 rows, the output is exact up to its
+    bfloat16 rounding (half a unit in the last place: 2^-8 relative) and float32 accumulation
+    (1e-5 of the output's scale); against the float rows, within 2% of the outputs' RMS."""
+    layer = gguf_layer(96, 512, kind)
+    x = torch.randn(13, 512).to(torch.bfloat16)
+    y = layer(x).double()
+    q, d, _ = quantized_rows(x.float().numpy())
+    xq = torch.from_numpy((q.astype(np.float64).reshape(13, -1, GROUP) * d[..., None]).reshape(13, 512))
+    w = layer.dequantized().double()
+    expected = xq @ w.t()
+    scale = expected.abs().max()
+    assert ((y - expected).abs() <= expected.abs() * 2**-8 + 1e-5 * scale).all()
+    from_float = x.double() @ w.t()
+    assert ((y - from_float).pow(2).mean().sqrt() / from_float.pow(2).mean().sqrt()) < 0.02
+
+
+def test_a_rows_output_does_not_depend_on_the_rows_beside_it():
+    layer = gguf_layer(64, 256, "Q4_1")
+    x = torch.randn(70, 256).to(torch.bfloat16)
+    every = layer(x)
+    for m in (1, 2, 3, 4, 5, 7, 8, 9, 33, 64, 70):
+        assert torch.equal(layer(x[:m]), every[:m]), m
+    assert torch.equal(layer(x[5:6]), every[5:6])  # alone, not only as a prefix
+    with_bias = Int4Linear(layer.codes, *layer.scale_min.unbind(1), torch.randn(64), "int8")
+    assert torch.equal(with_bias(x[:1]), with_bias(x)[:1])
+
+
+def test_the_cpp_layers_take_the_int8_kernel(tiny_model):
+    """The decoder layers (csrc/layers.cpp) get every projection's int8 operands, not a silent
+    fallback to the Python modules (tests/test_llama.py shows their forward has `hf`'s bits)."""
+    model = int4_copy(tiny_model, "int8")
+    layers = Layers.of(model)
+    assert layers is not None
+    scales = [w for w in layers.weights if w.dtype == torch.float32 and w.dim() == 3]
+    assert len(scales) == 7 * len(model.model.layers)  # every projection's [N, 2, K / 32] scales and minimums
+
+
+def test_int8_is_refused_where_it_cannot_run():
+    with pytest.raises(BackendError, match=r"model\.activations='int4' is not one of float, int8"):
+        ModelSpec(activations="int4")
+    spec = ModelSpec(activations="int8")
+    with pytest.raises(BackendError, match=r"the weights are bfloat16; give a \.gguf model\.path") as info:
+        check_activations(spec, torch.device("cpu"), "bfloat16")
+    assert "\n" not in str(info.value)
+    with pytest.raises(
+        BackendError, match=r"model\.activations=int8 is the CPU's kernel.*use model\.activations=float"
+    ):
+        check_activations(spec, torch.device("cuda"), "gguf")
+    check_activations(spec, torch.device("cpu"), "gguf")  # what it runs on
+
+
+@pytest.mark.skipif(kernels.load().q4_int8_path() == "portable", reason="this machine builds the portable loop only")
+def test_the_portable_loop_gives_the_vectorized_paths_bits(tmp_path):
+    """The kernel built for a baseline x86-64 (no AVX2, no FMA: the portable loop, std::fma in
+    software) gives the bits of this machine's vectorized path (AVX2, or VNNI where it has it)."""
+    from torch.utils import cpp_extension
+
+    source = tmp_path / "portable.cpp"
+    source.write_text(
+        f'#include "{kernels.CSRC / "q4_int8.cpp"}"\n'
+        "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {\n"
+        '  m.def("q4_int8_linear", &q4_int8_linear);\n  m.def("q4_int8_path", &q4_int8_path);\n}\n'
+    )
+    portable = cpp_extension.load(
+        name="tot_q4_int8_portable",
+        sources=[str(source)],
+        extra_cflags=["-O2", "-march=x86-64", "-mno-avx2", "-mno-fma", "-ffp-contract=off", "-fopenmp"],
+        extra_include_paths=[str(kernels.CSRC)],
+        extra_ldflags=["-fopenmp"],
+    )
+    assert portable.q4_int8_path() == "portable"
+    for kind in ("Q4_1", "Q4_K"):
+        layer = gguf_layer(80, 512, kind)
+        x = torch.randn(11, 512).to(torch.bfloat16)
+        bias = torch.randn(80).to(torch.bfloat16)
+        expected = kernels.load().q4_int8_linear(x, layer.nibbles, layer.scale_min, bias)
+        assert torch.equal(portable.q4_int8_linear(x, layer.nibbles, layer.scale_min, bias), expected), kind
