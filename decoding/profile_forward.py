@@ -21,10 +21,12 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from decoding.cli import fail, hydra_command
+from decoding.core import kernels
 from decoding.core.cost import ForwardCost, forward_cost
 from decoding.core.errors import BackendError, ConfigError
 from decoding.core.models import ModelSpec, cache_root, load_model
 from decoding.core.options import as_int
+from decoding.core.quant import Int4Linear
 from decoding.core.runner import ModelRunner
 from decoding.core.time_split import PARTS, gpu_busy, time_split
 from decoding.core.timing import timed_ms, verification
@@ -140,6 +142,33 @@ def split_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def int4_macs_per_token(model: torch.nn.Module) -> int:
+    """Multiply-adds a token costs in the model's 4-bit layers (GGUF weights)."""
+    return sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, Int4Linear))
+
+
+def print_int4_rate(rows: list[dict], model: torch.nn.Module, about: dict) -> None:
+    """The 4-bit layers' multiply-adds a second in each forward ("linears" holds only them in a GGUF
+    model: its LM head is counted apart), and with int8 activations what a tight loop of the kernel's
+    integer instructions reaches here, so the kernel's rate reads as a share of it."""
+    macs = int4_macs_per_token(model)
+    rows = [r for r in rows if r["split"]["linears"] > 0]
+    if not macs or not rows:
+        return
+    for r in rows:
+        r["int4_gmacs"] = macs * r["batch"] * r["tree_tokens"] / (r["ms"] * r["split"]["linears"] / 1000) / 1e9
+    line = "4-bit layers, G multiply-adds a second: " + ", ".join(
+        f"{r['batch']} x {r['tree_tokens']} {r['int4_gmacs']:.1f}" for r in rows
+    )
+    if any(getattr(m, "activations", "") == "int8" for m in model.modules()):
+        k = kernels.load()
+        peak = k.q4_int8_peak(20_000_000) / 1e9
+        about["int8_peak_gmacs"], about["int8_path"] = peak, k.q4_int8_path()
+        line += f"; a tight loop of its integer dot products ({k.q4_int8_path()}) {peak:.1f}"
+        line += f", so {100 * max(r['int4_gmacs'] for r in rows) / peak:.0f}% at best"
+    print(line)
+
+
 @hydra_command("profile_forward", groups=("model",))
 def main(cfg: DictConfig) -> None:
     try:
@@ -181,6 +210,7 @@ def main(cfg: DictConfig) -> None:
     elif pcfg.split:
         print("\nwhere the time goes (ms, torch.profiler's shares of the median above)")
         print(split_table(rows))
+        print_int4_rate(rows, target.model, about)
     if pcfg.out:
         Path(pcfg.out).write_text(json.dumps({**about, "rows": rows}, indent=2) + "\n")
 

@@ -14,13 +14,19 @@ from decoding.core import kernels
 from decoding.core.errors import BackendError
 from decoding.core.llama import Layers
 from decoding.core.models import ModelSpec, check_activations
-from decoding.core.quant import GROUP, Int4Linear, decode_int4
+from decoding.core.quant import GROUP, Int4Linear, Q8Linear, decode_int4, decode_q8_0
 
 RNG = np.random.default_rng(1)
 
 
-def gguf_layer(n_out: int, n_in: int, kind: str, activations: str = "int8") -> Int4Linear:
-    """A layer as a GGUF file ships it in `kind` (Q4_K from random bytes: its 6-bit scales)."""
+def gguf_layer(n_out: int, n_in: int, kind: str, activations: str = "int8") -> Int4Linear | Q8Linear:
+    """A layer as a GGUF file ships it in `kind` (Q4_K from random bytes: its 6-bit scales; Q8_0 as
+    the int8 path's LM head)."""
+    if kind == "Q8_0":
+        w = RNG.normal(scale=0.05, size=(n_out, n_in)).astype(np.float32)
+        codes, scale = decode_q8_0(quantize(w, GGMLQuantizationType.Q8_0), n_out, n_in)
+        weight = torch.nn.Parameter(torch.from_numpy(w).to(torch.bfloat16), requires_grad=False)
+        return Q8Linear(weight, torch.from_numpy(codes), torch.from_numpy(scale), None)
     if kind == "Q4_K":
         raw = RNG.integers(0, 256, size=(n_out, n_in // 256, 144), dtype=np.uint8)
         for offset in (0, 2):  # d and dmin: finite fp16 values
@@ -54,7 +60,7 @@ def test_activations_are_quantized_by_the_stated_rule():
     assert q.abs().max() == 127
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q8_0"])
 def test_the_kernel_computes_the_blocks_against_the_quantized_rows(kind):
     """Against float64 of the same blocks and the same int8 rows, the output is exact up to its
     bfloat16 rounding (half a unit in the last place: 2^-8 relative) and float32 accumulation
@@ -72,13 +78,23 @@ def test_the_kernel_computes_the_blocks_against_the_quantized_rows(kind):
     assert ((y - from_float).pow(2).mean().sqrt() / from_float.pow(2).mean().sqrt()) < 0.02
 
 
-def test_a_rows_output_does_not_depend_on_the_rows_beside_it():
-    layer = gguf_layer(64, 256, "Q4_1")
-    x = torch.randn(70, 256).to(torch.bfloat16)
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_a_rows_output_does_not_depend_on_the_rows_beside_it(kind):
+    layer = gguf_layer(64, 256, kind)
+    x = torch.randn(150, 256).to(torch.bfloat16)
     every = layer(x)
-    for m in (1, 2, 3, 4, 5, 7, 8, 9, 33, 64, 70):
+    for m in (1, 2, 3, 4, 5, 7, 8, 9, 33, 64, 65, 70, 150):  # tiles of 4 rows, panels of 64
         assert torch.equal(layer(x[:m]), every[:m]), m
     assert torch.equal(layer(x[5:6]), every[5:6])  # alone, not only as a prefix
+    assert torch.equal(layer(x[100:101]), every[100:101])  # a row of the second panel, alone
+    # The first 63 columns: the last one computed alone instead of in a pair, with the same bits.
+    if kind == "Q8_0":
+        odd = Q8Linear(layer.weight[:63], layer.codes[:63].view(torch.int8), layer.scales[:63, 0], None)
+    else:
+        odd = Int4Linear(layer.codes[:63], *layer.scale_min[:63].unbind(1), None, "int8")
+    assert torch.equal(odd(x), every[:, :63])
+    if kind == "Q8_0":
+        return
     with_bias = Int4Linear(layer.codes, *layer.scale_min.unbind(1), torch.randn(64), "int8")
     assert torch.equal(with_bias(x[:1]), with_bias(x)[:1])
 
@@ -91,6 +107,7 @@ def test_the_cpp_layers_take_the_int8_kernel(tiny_model):
     assert layers is not None
     scales = [w for w in layers.weights if w.dtype == torch.float32 and w.dim() == 3]
     assert len(scales) == 7 * len(model.model.layers)  # every projection's [N, 2, K / 32] scales and minimums
+    assert type(model.get_output_embeddings()) is Q8Linear  # the head on the int8 path too
 
 
 def test_int8_is_refused_where_it_cannot_run():
@@ -117,7 +134,8 @@ def test_the_portable_loop_gives_the_vectorized_paths_bits(tmp_path):
     source.write_text(
         f'#include "{kernels.CSRC / "q4_int8.cpp"}"\n'
         "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {\n"
-        '  m.def("q4_int8_linear", &q4_int8_linear);\n  m.def("q4_int8_path", &q4_int8_path);\n}\n'
+        '  m.def("q4_int8_linear", &q4_int8_linear);\n  m.def("q8_int8_linear", &q8_int8_linear);\n'
+        '  m.def("q4_int8_path", &q4_int8_path);\n}\n'
     )
     portable = cpp_extension.load(
         name="tot_q4_int8_portable",
@@ -127,9 +145,67 @@ def test_the_portable_loop_gives_the_vectorized_paths_bits(tmp_path):
         extra_ldflags=["-fopenmp"],
     )
     assert portable.q4_int8_path() == "portable"
-    for kind in ("Q4_1", "Q4_K"):
-        layer = gguf_layer(80, 512, kind)
+    for kind in ("Q4_1", "Q4_K", "Q8_0"):
+        layer = gguf_layer(81, 512, kind)
         x = torch.randn(11, 512).to(torch.bfloat16)
-        bias = torch.randn(80).to(torch.bfloat16)
-        expected = kernels.load().q4_int8_linear(x, layer.nibbles, layer.scale_min, bias)
-        assert torch.equal(portable.q4_int8_linear(x, layer.nibbles, layer.scale_min, bias), expected), kind
+        bias = torch.randn(81).to(torch.bfloat16)
+        call = "q8_int8_linear" if kind == "Q8_0" else "q4_int8_linear"
+        operands = (layer.codes, layer.scales) if kind == "Q8_0" else (layer.nibbles, layer.scale_min)
+        expected = getattr(kernels.load(), call)(x, *operands, bias)
+        assert torch.equal(getattr(portable, call)(x, *operands, bias), expected), kind
+
+
+def test_activation_error_measures_each_way_against_float32(tiny_model):
+    """decoding.activation_error's comparison: the reference against itself is 0 nats with the
+    perplexity of its own log-probabilities; both ways of running the 4-bit layers (int8, float)
+    differ from their float32 dequantization, by a little."""
+    import math
+
+    from decoding.activation_error import compare, float32_reference, float_activations, log_probs
+
+    model = int4_copy(tiny_model, "int8")
+    texts = [[5, 17, 3, 99, 42, 7, 11, 64], [9, 8, 7, 6, 5, 4]]
+    ref_model = float32_reference(model)
+    assert not any(isinstance(m, Int4Linear) for m in ref_model.modules())
+    reference = [log_probs(ref_model, t) for t in texts]
+    same = compare(reference, reference, texts)
+    assert same.kl == pytest.approx(0, abs=1e-12) and same.tokens == 7 + 5
+    nll = -sum(float(r[range(len(t) - 1), t[1:]].sum()) for r, t in zip(reference, texts))
+    assert same.perplexity == pytest.approx(math.exp(nll / 12))
+    int8 = compare(reference, [log_probs(model, t) for t in texts], texts)
+    as_float = compare(reference, [log_probs(float_activations(model), t) for t in texts], texts)
+    assert 0 < int8.kl < 0.05 and 0 < as_float.kl < 0.05
+    assert all(m.activations == "float" for m in float_activations(model).modules() if isinstance(m, Int4Linear))
+
+
+def test_the_loader_gives_the_embedded_models_head_its_q8_0_blocks():
+    """The embedded GGUF ties its LM head to a Q8_0 embedding: with int8 activations the head runs on
+    those blocks (the matrix gguf-py dequantizes, exactly), keeping the bfloat16 weight for readers."""
+    from types import SimpleNamespace
+
+    from gguf import dequantize
+
+    from decoding.core.models import embedded_file
+    from decoding.core.quant import q8_head_from_gguf, read_gguf
+
+    class Model(torch.nn.Module):  # what the loader reads of a causal LM
+        def __init__(self) -> None:
+            super().__init__()
+            self.config = SimpleNamespace(tie_word_embeddings=True)
+            self.lm_head = torch.nn.Linear(576, 49152, bias=False, dtype=torch.bfloat16)
+
+        def get_output_embeddings(self) -> torch.nn.Module:
+            return self.lm_head
+
+        def set_output_embeddings(self, head: torch.nn.Module) -> None:
+            self.lm_head = head
+
+    path = embedded_file("smollm2-135m")
+    model = Model()
+    weight = model.lm_head.weight
+    assert q8_head_from_gguf(model, path)
+    head = model.lm_head
+    assert type(head) is Q8Linear and head.weight is weight
+    raw = next(t for t in read_gguf(path).tensors if t.name == "token_embd.weight")
+    expected = dequantize(np.asarray(raw.data), GGMLQuantizationType.Q8_0).reshape(49152, 576)
+    assert torch.equal(head.dequantized(), torch.from_numpy(expected))

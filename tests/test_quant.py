@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType, GGUFWriter, dequantize, quantize
 from helpers import UNCAPPED
 
 from decoding.core.errors import BackendError
-from decoding.core.quant import GROUP, Int4Linear, check_types, decode_int4, kernel_fits
+from decoding.core.quant import GROUP, Int4Linear, Q8Linear, check_types, decode_int4, decode_q8_0, kernel_fits
 
 RNG = np.random.default_rng(0)
 
@@ -30,14 +30,25 @@ def int4_linear(linear: torch.nn.Linear, kind: str = "Q4_1", activations: str = 
     return Int4Linear(*t, linear.bias, activations)
 
 
+def q8_head(model: torch.nn.Module) -> None:
+    """The model's LM head as a GGUF file ships it in Q8_0, on the int8 path (what the loader does
+    for model.activations=int8)."""
+    head = model.get_output_embeddings()
+    w = head.weight.detach().float().numpy()
+    codes, scale = decode_q8_0(_gguf_bytes(w, "Q8_0"), *w.shape)
+    model.set_output_embeddings(Q8Linear(head.weight, torch.from_numpy(codes), torch.from_numpy(scale), head.bias))
+
+
 def int4_copy(model: torch.nn.Module, activations: str = "float") -> torch.nn.Module:
-    """A copy of a tiny model whose decoder linear layers are Q4_1 GGUF blocks (the LM head stays),
-    their input multiplied as `activations` (model.activations)."""
+    """A copy of a tiny model whose decoder linear layers are Q4_1 GGUF blocks, their input
+    multiplied as `activations` (model.activations); with int8 the LM head is Q8_0 blocks too."""
     model = copy.deepcopy(model)
     for name, module in list(model.named_modules()):
         if name != "lm_head" and kernel_fits(module):
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, int4_linear(module, activations=activations))
+    if activations == "int8":
+        q8_head(model)
     return model
 
 

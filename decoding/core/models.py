@@ -20,7 +20,7 @@ from decoding.core.memory import MemoryBudget, available_bytes
 from decoding.core.model_files import check_checkpoint, check_gguf
 from decoding.core.options import from_dict
 from decoding.core.prepack import prepack_linears
-from decoding.core.quant import ACTIVATIONS, check_types, quantize_from_gguf
+from decoding.core.quant import ACTIVATIONS, check_types, q8_head_from_gguf, quantize_from_gguf
 from decoding.core.static_forward import GRAPH_CHOICES, Buckets, StaticSpec, resolve_graphs
 
 log = logging.getLogger(__name__)
@@ -199,9 +199,9 @@ def prepare_for_inference(
         assert gguf is not None
         replaced = quantize_from_gguf(model, gguf, activations)
         if activations == "int8":
-            done.append(
-                f"{replaced} linear layers in the GGUF's int4 x int8 activations ({kernels.load().q4_int8_path()})"
-            )
+            head = " and its Q8_0 LM head" if q8_head_from_gguf(model, gguf) else ""
+            path = kernels.load().q4_int8_path()
+            done.append(f"{replaced} linear layers in the GGUF's int4{head} x int8 activations ({path})")
         else:
             done.append(f"{replaced} linear layers in the GGUF's int4")
     if attn == attention.CHOICE:
@@ -305,6 +305,11 @@ def _use_chat_template(spec: ModelSpec, tokenizer: object) -> bool:
     if use_chat and not has_template:
         raise BackendError(f"{spec.key}.chat_template=true but {spec.path} has no chat template; use auto or false")
     return use_chat
+
+
+def gguf_file(spec: ModelSpec) -> Path | None:
+    """The GGUF file the model is loaded from (the embedded model's included), or None."""
+    return _checkpoint_dir(spec)[1]
 
 
 def _checkpoint_dir(spec: ModelSpec) -> tuple[str, Path | None]:

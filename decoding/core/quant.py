@@ -103,6 +103,56 @@ class Int4Linear(torch.nn.Module):
         )
 
 
+class Q8Linear(torch.nn.Module):
+    """An LM head (y = x W^T (+ b)) in a GGUF file's Q8_0 blocks (32 signed bytes and an fp16 scale),
+    multiplied by int8 activations (model.activations=int8: csrc/q4_int8.cpp's Q8 path). `weight`
+    stays the bfloat16 matrix (tied to the embedding) for code that reads its rows (EDD's head)."""
+
+    def __init__(self, weight: torch.nn.Parameter, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = codes.shape
+        self.weight = weight
+        self.register_buffer("codes", codes.to(torch.int8).view(torch.uint8).contiguous())
+        self.register_buffer("scales", scale.float()[:, None, :].contiguous())  # [N, 1, K / 32]
+        self.bias = bias
+        kernels.load()  # built now: a missing compiler is a load-time error
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.load().q8_int8_linear(x, self.codes, self.scales, _bias(self.bias))
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 matrix the kernel multiplies by: scale * code per block of 32."""
+        return self.codes.view(torch.int8).float() * self.scales[:, 0].repeat_interleave(GROUP, 1)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, Q8_0, int8 activations"
+
+
+def decode_q8_0(data: np.ndarray, n_out: int, n_in: int) -> tuple[np.ndarray, np.ndarray]:
+    """A GGUF Q8_0 tensor's raw bytes -> codes [N, K] int8 and scales [N, K / 32] float32."""
+    blocks = data.reshape(n_out, n_in // GROUP, 34)
+    return np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(n_out, n_in), _f16(blocks[..., 0:2])
+
+
+@torch.no_grad()
+def q8_head_from_gguf(model: torch.nn.Module, path: Path) -> bool:
+    """Give the model an LM head on the Q8 path where the file stores it (or the embedding it is tied
+    to) as Q8_0; whether it did."""
+    head = model.get_output_embeddings()
+    if type(head) not in (torch.nn.Linear, RowsLinear) or head.in_features % GROUP:
+        return False
+    tensors = {t.name: t for t in read_gguf(path).tensors}
+    source = tensors.get("output.weight") or (
+        tensors.get("token_embd.weight") if getattr(model.config, "tie_word_embeddings", False) else None
+    )
+    if source is None or source.tensor_type.name != "Q8_0":
+        return False
+    codes, scale = decode_q8_0(np.asarray(source.data), head.out_features, head.in_features)
+    bias = None if head.bias is None else head.bias
+    model.set_output_embeddings(Q8Linear(head.weight, torch.from_numpy(codes), torch.from_numpy(scale), bias))
+    return True
+
+
 def _bias(bias: torch.Tensor | None) -> torch.Tensor:
     return torch.empty(0) if bias is None else bias
 

@@ -19,6 +19,7 @@ LINEAR_OPS = {
     "aten::mkldnn_linear",
     "tot::rows_linear",
     "tot::q4_int8_linear",
+    "tot::q8_int8_linear",
 }
 # The attention kernels: the invariant one (decoding/core/csrc) or torch's fused one, with callees.
 ATTENTION_OPS = {"tot::attend", "aten::scaled_dot_product_attention"}

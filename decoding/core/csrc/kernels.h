@@ -25,7 +25,10 @@ std::vector<at::Tensor> decoder_layers(at::Tensor h, const std::vector<at::Tenso
 
 at::Tensor q4_int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale_min,
                           const at::Tensor& bias);
+at::Tensor q8_int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                          const at::Tensor& bias);
 std::vector<at::Tensor> q4_int8_quantize(const at::Tensor& x);
 const char* q4_int8_path();
+double q4_int8_peak(int64_t iterations);
 
 std::vector<at::Tensor> top_k_rows(const std::vector<at::Tensor>& blocks, int64_t k);

@@ -18,6 +18,8 @@
 #include "kernels.h"
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -34,6 +36,7 @@ constexpr int64_t QK = 32;  // inputs per block
 constexpr int64_t L = 8;    // float lanes of a block's partial sums
 constexpr int64_t R = 4;    // rows of x per tile: one weight block unpacked feeds R rows
 constexpr int64_t NB = 8;   // output columns per parallel task
+constexpr int64_t NC = 2;   // output columns per tile: one row's codes loaded feed NC columns
 constexpr int64_t MP = 64;  // rows per panel (a multiple of R: a row's tile does not depend on M)
 
 inline float lanes_sum8(const float* a) {
@@ -51,16 +54,44 @@ struct QuantRows {
 void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s) {
   for (int64_t b = 0; b < K / QK; ++b) {
     const float* xb = x + b * QK;
+#if defined(Q4_AVX2)
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 v[4];
+    for (int k = 0; k < 4; ++k) v[k] = _mm256_loadu_ps(xb + 8 * k);
+    const __m256 m4 = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                    _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+    alignas(32) float lanes[L];
+    _mm256_store_ps(lanes, m4);
+    float amax = 0.0f;
+    for (int64_t l = 0; l < L; ++l) amax = std::max(amax, lanes[l]);
+#else
     float amax = 0.0f;
     for (int64_t i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(xb[i]));
+#endif
     const float scale = amax / 127.0f;
     const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
     int32_t sum = 0;
+#if defined(Q4_AVX2)
+    // Rounded to nearest even, as nearbyint; packing saturates nothing (|code| <= 127).
+    __m256i c[4];
+    for (int k = 0; k < 4; ++k)
+      c[k] = _mm256_cvtps_epi32(
+          _mm256_round_ps(_mm256_mul_ps(v[k], _mm256_set1_ps(inv)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+    // The packs work within 128-bit halves: put the eight 4-byte groups back in order.
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * QK),
+                        _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    alignas(32) int32_t partial[L];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(partial),
+                       _mm256_add_epi32(_mm256_add_epi32(c[0], c[1]), _mm256_add_epi32(c[2], c[3])));
+    for (int64_t l = 0; l < L; ++l) sum += partial[l];
+#else
     for (int64_t i = 0; i < QK; ++i) {
       const int32_t v = static_cast<int32_t>(std::nearbyint(xb[i] * inv));
       q[b * QK + i] = static_cast<int8_t>(v);
       sum += v;
     }
+#endif
     d[b] = scale;
     s[b] = scale * static_cast<float>(sum);
   }
@@ -108,48 +139,139 @@ inline __m256i block_dot(__m256i w, __m256i x) {
 }
 #endif
 
-// out[r] = the scale terms of rows r of the tile against output column n (before the minimum term).
-template <int64_t ROWS>
+// A weight format: Q4 (16 bytes of 4-bit codes in 0..15 per block, a scale and a minimum) or Q8
+// (Q8_0: 32 signed bytes per block and a scale, no minimum).
+template <bool Q8>
+struct Format {
+  static constexpr int64_t bytes = Q8 ? QK : QK / 2;  // code bytes per block
+  static constexpr int64_t factors = Q8 ? 1 : 2;      // scale (and minimum) arrays per output
+};
+
+// out[r * COLS + c] = the scale terms of row r of the tile against output column c (before the
+// minimum term); column c's codes at codes + c * nb * bytes and its scales at sc + c * factors * nb.
+// Each (row, column) runs the same operations whatever the tile's size.
+template <bool Q8, int64_t ROWS, int64_t COLS>
 inline void scale_terms(const uint8_t* codes, const float* sc, const int8_t* q, const float* d, int64_t K,
                         float* out) {
+  using F = Format<Q8>;
   const int64_t nb = K / QK;
 #if defined(Q4_AVX2)
-  __m256 acc[ROWS];
-  for (int64_t r = 0; r < ROWS; ++r) acc[r] = _mm256_setzero_ps();
+  __m256 acc[ROWS][COLS];
+  for (int64_t r = 0; r < ROWS; ++r)
+    for (int64_t c = 0; c < COLS; ++c) acc[r][c] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const __m256i w = unpack(codes + b * (QK / 2));
-    const __m256 ws = _mm256_set1_ps(sc[b]);
+    __m256i w[COLS];
+    __m256 ws[COLS];
+    for (int64_t c = 0; c < COLS; ++c) {
+      const uint8_t* bytes = codes + (c * nb + b) * F::bytes;
+      // Q8: |w| as the unsigned operand, w's sign moved onto x below (the same products).
+      w[c] = Q8 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes)) : unpack(bytes);
+      ws[c] = _mm256_set1_ps(sc[c * F::factors * nb + b]);
+    }
     for (int64_t r = 0; r < ROWS; ++r) {
       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * K + b * QK));
-      const __m256 f = _mm256_cvtepi32_ps(block_dot(w, x));
-      acc[r] = _mm256_fmadd_ps(f, _mm256_mul_ps(ws, _mm256_set1_ps(d[r * nb + b])), acc[r]);
-    }
-  }
-  for (int64_t r = 0; r < ROWS; ++r) {
-    alignas(32) float lanes[L];
-    _mm256_store_ps(lanes, acc[r]);
-    out[r] = lanes_sum8(lanes);
-  }
-#else
-  float acc[ROWS][L] = {};
-  for (int64_t b = 0; b < nb; ++b) {
-    int32_t w[QK];
-    for (int64_t j = 0; j < QK / 2; ++j) {
-      w[j] = codes[b * (QK / 2) + j] & 0x0F;
-      w[j + QK / 2] = codes[b * (QK / 2) + j] >> 4;
-    }
-    for (int64_t r = 0; r < ROWS; ++r) {
-      const int8_t* x = q + r * K + b * QK;
-      const float scale = sc[b] * d[r * nb + b];
-      for (int64_t l = 0; l < L; ++l) {
-        const int32_t lane = w[4 * l] * x[4 * l] + w[4 * l + 1] * x[4 * l + 1] + w[4 * l + 2] * x[4 * l + 2] +
-                             w[4 * l + 3] * x[4 * l + 3];
-        acc[r][l] = std::fma(static_cast<float>(lane), scale, acc[r][l]);
+      const __m256 dx = _mm256_set1_ps(d[r * nb + b]);
+      for (int64_t c = 0; c < COLS; ++c) {
+        const __m256i dot = Q8 ? block_dot(_mm256_sign_epi8(w[c], w[c]), _mm256_sign_epi8(x, w[c])) : block_dot(w[c], x);
+        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(ws[c], dx), acc[r][c]);
       }
     }
   }
-  for (int64_t r = 0; r < ROWS; ++r) out[r] = lanes_sum8(acc[r]);
+  for (int64_t r = 0; r < ROWS; ++r)
+    for (int64_t c = 0; c < COLS; ++c) {
+      alignas(32) float lanes[L];
+      _mm256_store_ps(lanes, acc[r][c]);
+      out[r * COLS + c] = lanes_sum8(lanes);
+    }
+#else
+  float acc[ROWS][COLS][L] = {};
+  for (int64_t b = 0; b < nb; ++b)
+    for (int64_t c = 0; c < COLS; ++c) {
+      int32_t w[QK];
+      const uint8_t* bytes = codes + (c * nb + b) * F::bytes;
+      for (int64_t j = 0; j < QK / 2; ++j) {
+        w[j] = Q8 ? static_cast<int8_t>(bytes[j]) : bytes[j] & 0x0F;
+        w[j + QK / 2] = Q8 ? static_cast<int8_t>(bytes[j + QK / 2]) : bytes[j] >> 4;
+      }
+      for (int64_t r = 0; r < ROWS; ++r) {
+        const int8_t* x = q + r * K + b * QK;
+        const float scale = sc[c * F::factors * nb + b] * d[r * nb + b];
+        for (int64_t l = 0; l < L; ++l) {
+          const int32_t lane = w[4 * l] * x[4 * l] + w[4 * l + 1] * x[4 * l + 1] + w[4 * l + 2] * x[4 * l + 2] +
+                               w[4 * l + 3] * x[4 * l + 3];
+          acc[r][c][l] = std::fma(static_cast<float>(lane), scale, acc[r][c][l]);
+        }
+      }
+    }
+  for (int64_t r = 0; r < ROWS; ++r)
+    for (int64_t c = 0; c < COLS; ++c) out[r * COLS + c] = lanes_sum8(acc[r][c]);
 #endif
+}
+
+// Rows m0..m1 of y against columns n..n + COLS - 1.
+template <bool Q8, int64_t COLS>
+inline void columns(const QuantRows& qx, const uint8_t* cp, const float* sp, const float* bp, int64_t n, int64_t m0,
+                    int64_t m1, int64_t N, int64_t K, float* yp) {
+  using F = Format<Q8>;
+  const int64_t nb = K / QK;
+  const uint8_t* wc = cp + n * nb * F::bytes;
+  const float* sc = sp + n * F::factors * nb;
+  float out[R * COLS];
+  auto finish = [&](int64_t m, int64_t rows) {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < COLS; ++c) {
+        const float add = bp ? bp[n + c] : 0.0f;
+        const float terms = Q8 ? out[r * COLS + c]
+                               : out[r * COLS + c] + minimum_term(sc + c * 2 * nb + nb, qx.s.data() + (m + r) * nb, nb);
+        yp[(m + r) * N + n + c] = terms + add;
+      }
+  };
+  int64_t m = m0;
+  for (; m + R <= m1; m += R) {
+    scale_terms<Q8, R, COLS>(wc, sc, qx.q.data() + m * K, qx.d.data() + m * nb, K, out);
+    finish(m, R);
+  }
+  for (; m < m1; ++m) {
+    scale_terms<Q8, 1, COLS>(wc, sc, qx.q.data() + m * K, qx.d.data() + m * nb, K, out);
+    finish(m, 1);
+  }
+}
+
+// y = x W^T (+ bias) for W in `codes` / `scales` of format Q8 or Q4, as bfloat16.
+template <bool Q8>
+at::Tensor blocks_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& bias,
+                         const char* name) {
+  using F = Format<Q8>;
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.dim() == 2, name,
+              ": codes [N, bytes] uint8");
+  const int64_t N = codes.size(0), K = codes.size(1) / F::bytes * QK, nb = K / QK;
+  TORCH_CHECK(codes.size(1) % F::bytes == 0 && K > 0, name, ": ", codes.size(1), " code bytes a row is not whole blocks");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                  scales.sizes() == at::IntArrayRef({N, F::factors, nb}),
+              name, ": scales [N, ", F::factors, ", K / 32] float32");
+  const at::Tensor xf = x.reshape({-1, x.size(-1)}).to(at::kFloat).contiguous();
+  TORCH_CHECK(xf.size(1) == K, name, ": x has ", xf.size(1), " features, the weight ", K);
+  const int64_t M = xf.size(0);
+  const QuantRows qx = quantize(xf.data_ptr<float>(), M, K);
+  at::Tensor y = at::empty({M, N}, xf.options());
+  float* yp = y.data_ptr<float>();
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  const at::Tensor b = bias.numel() ? bias.to(at::kFloat).contiguous() : bias;
+  const float* bp = bias.numel() ? b.data_ptr<float>() : nullptr;
+  at::parallel_for(0, (N + NB - 1) / NB, 1, [&](int64_t begin, int64_t end) {
+    const int64_t n_end = std::min(end * NB, N);
+    // Rows in panels whose int8 codes stay in L2 while the task's columns pass over them.
+    for (int64_t m0 = 0; m0 < M; m0 += MP) {
+      const int64_t m1 = std::min(M, m0 + MP);
+      int64_t n = begin * NB;
+      for (; n + NC <= n_end; n += NC) columns<Q8, NC>(qx, cp, sp, bp, n, m0, m1, N, K, yp);
+      for (; n < n_end; ++n) columns<Q8, 1>(qx, cp, sp, bp, n, m0, m1, N, K, yp);
+    }
+  });
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
+  shape.push_back(N);
+  return y.to(at::kBFloat16).reshape(shape);
 }
 
 }  // namespace
@@ -169,49 +291,42 @@ const char* q4_int8_path() {
 at::Tensor q4_int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale_min,
                           const at::Tensor& bias) {
   RECORD_FUNCTION("tot::q4_int8_linear", std::vector<c10::IValue>());  // torch.profiler counts it as a linear
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.dim() == 2,
-              "q4_int8_linear: codes [N, K / 2] uint8");
-  const int64_t N = codes.size(0), K = codes.size(1) * 2, nb = K / QK;
-  TORCH_CHECK(K % QK == 0, "q4_int8_linear: ", K, " inputs is not a multiple of ", QK);
-  TORCH_CHECK(scale_min.scalar_type() == at::kFloat && scale_min.is_contiguous() &&
-                  scale_min.sizes() == at::IntArrayRef({N, 2, nb}),
-              "q4_int8_linear: scale_min [N, 2, K / 32] float32");
-  const at::Tensor xf = x.reshape({-1, x.size(-1)}).to(at::kFloat).contiguous();
-  TORCH_CHECK(xf.size(1) == K, "q4_int8_linear: x has ", xf.size(1), " features, the weight ", K);
-  const int64_t M = xf.size(0);
-  const QuantRows qx = quantize(xf.data_ptr<float>(), M, K);
-  at::Tensor y = at::empty({M, N}, xf.options());
-  float* yp = y.data_ptr<float>();
-  const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const float* sp = scale_min.data_ptr<float>();
-  const at::Tensor b = bias.numel() ? bias.to(at::kFloat).contiguous() : bias;
-  const float* bp = bias.numel() ? b.data_ptr<float>() : nullptr;
-  at::parallel_for(0, (N + NB - 1) / NB, 1, [&](int64_t begin, int64_t end) {
-    float out[R];
-    // Rows in panels whose int8 codes stay in L2 while the task's columns pass over them.
-    for (int64_t m0 = 0; m0 < M; m0 += MP) {
-      const int64_t m1 = std::min(M, m0 + MP);
-      for (int64_t n = begin * NB; n < std::min(end * NB, N); ++n) {
-        const uint8_t* wc = cp + n * (K / 2);
-        const float* sc = sp + n * 2 * nb;
-        const float* mn = sc + nb;
-        const float add = bp ? bp[n] : 0.0f;
-        int64_t m = m0;
-        for (; m + R <= m1; m += R) {
-          scale_terms<R>(wc, sc, qx.q.data() + m * K, qx.d.data() + m * nb, K, out);
-          for (int64_t r = 0; r < R; ++r)
-            yp[(m + r) * N + n] = (out[r] + minimum_term(mn, qx.s.data() + (m + r) * nb, nb)) + add;
-        }
-        for (; m < m1; ++m) {
-          scale_terms<1>(wc, sc, qx.q.data() + m * K, qx.d.data() + m * nb, K, out);
-          yp[m * N + n] = (out[0] + minimum_term(mn, qx.s.data() + m * nb, nb)) + add;
-        }
-      }
+  return blocks_linear<false>(x, codes, scale_min, bias, "q4_int8_linear");
+}
+
+at::Tensor q8_int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                          const at::Tensor& bias) {
+  RECORD_FUNCTION("tot::q8_int8_linear", std::vector<c10::IValue>());  // torch.profiler counts it as a linear
+  return blocks_linear<true>(x, codes, scales, bias, "q8_int8_linear");
+}
+
+// Multiply-adds a second of a tight loop of the block dot product on every thread, with eight
+// independent accumulators and no loads or conversions: the integer rate the kernel's inner
+// instructions can reach on this machine, what its measured rate is read against.
+double q4_int8_peak(int64_t iterations) {
+  const int64_t threads = at::get_num_threads();
+  std::atomic<int64_t> sink{0};
+  const auto t0 = std::chrono::steady_clock::now();
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+#if defined(Q4_AVX2)
+      __m256i acc[8];
+      for (int j = 0; j < 8; ++j) acc[j] = _mm256_set1_epi32(j);
+      const __m256i w = _mm256_set1_epi8(static_cast<char>(7 + t)), x = _mm256_set1_epi8(-3);
+      for (int64_t i = 0; i < iterations; ++i)
+        for (int j = 0; j < 8; ++j) acc[j] = _mm256_add_epi32(acc[j], block_dot(w, x));
+      int64_t s = 0;
+      for (int j = 0; j < 8; ++j) s += _mm256_extract_epi32(acc[j], 0);
+      sink += s;
+#else
+      int32_t acc = 0;
+      for (int64_t i = 0; i < iterations * 8 * QK; ++i) acc += static_cast<int32_t>((i + t) & 15) * -3;
+      sink += acc;
+#endif
     }
   });
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
-  shape.push_back(N);
-  return y.to(at::kBFloat16).reshape(shape);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return static_cast<double>(threads * iterations * 8 * QK) / seconds;  // sink keeps the loop: it is read by no one
 }
 
 std::vector<at::Tensor> q4_int8_quantize(const at::Tensor& x) {

@@ -1,0 +1,161 @@
+"""`python -m decoding.activation_error`: what model.activations=int8 does to a GGUF model's outputs (Hydra).
+
+On held text (GSM8K test questions with their solutions), the next-token distributions of the model's
+4-bit layers run three ways: a float32 dequantization of the same weights (the reference: every
+4-bit layer as float32 scale * q + minimum, the rest of the model in float32), `float` (torch's int4
+kernel, bfloat16 activations) and `int8` (activations quantized per block of 32). Prints, per way,
+the mean KL divergence of its next-token distributions from the reference's (nats a token) and the
+perplexity of the text; with llama-cpp-python installed, llama.cpp on the same file and tokens too.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from decoding.cli import fail, hydra_command
+from decoding.core.errors import BackendError, ConfigError
+from decoding.core.models import ModelSpec, gguf_file, load_model
+from decoding.core.options import as_int
+from decoding.core.quant import Int4Linear, Q8Linear
+
+
+@dataclass(frozen=True)
+class ActivationErrorConfig:
+    model: ModelSpec
+    data: str
+    limit: int
+    out: str | None
+
+    @classmethod
+    def from_omegaconf(cls, cfg: DictConfig) -> ActivationErrorConfig:
+        c = OmegaConf.to_container(cfg, resolve=True)
+        data = Path(str(c["data"])).expanduser()
+        if not data.is_file():
+            raise ConfigError(f"data={data} does not exist; give a GSM8K jsonl file (question, answer per line)")
+        limit = as_int("limit", c["limit"])
+        if limit < 1:
+            raise ConfigError(f"limit={limit} must be a positive number of texts")
+        model = replace(ModelSpec.from_config(c["model"]), activations="int8")
+        return cls(model, str(data), limit, c.get("out"))
+
+
+@dataclass(frozen=True)
+class Error:
+    """One way of running the model against the reference, over every predicted token of the texts."""
+
+    kl: float  # mean KL(reference || this way), nats a token
+    perplexity: float
+    tokens: int
+
+
+def texts(path: str, limit: int) -> list[str]:
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()][:limit]
+    return [f"{r['question']}\n{r['answer']}" for r in rows]
+
+
+def float32_reference(model: torch.nn.Module) -> torch.nn.Module:
+    """The model in float32 with each 4-bit layer (and a Q8_0 head) as the dense matrix its int8 path
+    multiplies by."""
+    ref = copy.deepcopy(model)
+    for name, module in list(ref.named_modules()):
+        if isinstance(module, (Int4Linear, Q8Linear)):
+            dense = torch.nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
+            dense.weight.data = module.dequantized().float()
+            if module.bias is not None:
+                dense.bias.data = module.bias.float()
+            parent, _, child = name.rpartition(".")
+            setattr(ref.get_submodule(parent) if parent else ref, child, dense)
+    ref.set_attn_implementation("sdpa")
+    return ref.float()
+
+
+def float_activations(model: torch.nn.Module) -> torch.nn.Module:
+    """The model with its 4-bit layers on torch's int4 kernel and its head the bfloat16 matrix
+    (model.activations=float)."""
+    out = copy.deepcopy(model)
+    head = out.get_output_embeddings()
+    if isinstance(head, Q8Linear):
+        dense = torch.nn.Linear(head.in_features, head.out_features, bias=head.bias is not None)
+        dense.weight, dense.bias = head.weight, head.bias
+        out.set_output_embeddings(dense)
+    for name, module in list(out.named_modules()):
+        if isinstance(module, Int4Linear) and module.activations == "int8":
+            scale, minimum = module.scale_min.unbind(1)
+            layer = Int4Linear(module.codes, scale, minimum, module.bias, "float")
+            parent, _, child = name.rpartition(".")
+            setattr(out.get_submodule(parent) if parent else out, child, layer)
+    return out
+
+
+@torch.inference_mode()
+def log_probs(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    """Next-token log-probabilities [T - 1, V] (float64) at every position but the last."""
+    logits = model(input_ids=torch.tensor([ids])).logits[0, :-1]
+    return torch.log_softmax(logits.double(), -1)
+
+
+def compare(reference: list[torch.Tensor], way: list[torch.Tensor], texts_ids: list[list[int]]) -> Error:
+    """KL(reference || way) and the text's perplexity under `way`, over every predicted token."""
+    kl, nll, n = 0.0, 0.0, 0
+    for ref, got, ids in zip(reference, way, texts_ids, strict=True):
+        kl += float((ref.exp() * (ref - got)).sum())
+        nll -= float(got.gather(1, torch.tensor(ids[1:])[:, None]).sum())
+        n += len(ids) - 1
+    return Error(kl / n, math.exp(nll / n), n)
+
+
+def llama_cpp_log_probs(gguf: Path, texts_ids: list[list[int]]) -> list[torch.Tensor] | None:
+    """llama.cpp's next-token log-probabilities on the same tokens, or None without llama-cpp-python."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    n_ctx = max(len(ids) for ids in texts_ids) + 8
+    llm = Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=torch.get_num_threads(), logits_all=True, verbose=False)
+    out = []
+    for ids in texts_ids:
+        llm.reset()
+        llm.eval(ids)
+        scores = torch.tensor(llm.scores[: len(ids) - 1], dtype=torch.float64)
+        out.append(torch.log_softmax(scores, -1))
+    return out
+
+
+@hydra_command("activation_error", groups=("model",))
+def main(cfg: DictConfig) -> None:
+    try:
+        acfg = ActivationErrorConfig.from_omegaconf(cfg)
+        loaded = load_model(acfg.model)
+        gguf = gguf_file(acfg.model)
+    except (ConfigError, BackendError) as e:
+        fail(str(e).splitlines()[0])
+    tok = loaded.tokenizer
+    ids = [tok(t)["input_ids"] for t in texts(acfg.data, acfg.limit)]
+    ref_model, float_model = float32_reference(loaded.model), float_activations(loaded.model)
+    reference = [log_probs(ref_model, i) for i in ids]
+    ways = {"float": [log_probs(float_model, i) for i in ids], "int8": [log_probs(loaded.model, i) for i in ids]}
+    by_llama = llama_cpp_log_probs(gguf, ids) if gguf else None
+    if by_llama is not None:
+        ways["llama.cpp"] = by_llama
+    rows = {name: compare(reference, lp, ids) for name, lp in ways.items()}
+    ref_ppl = compare(reference, reference, ids).perplexity
+    print(f"{loaded.source}: {len(ids)} texts of {acfg.data}, {rows['int8'].tokens} predicted tokens")
+    print("| way | mean KL from float32 (nats a token) | perplexity | vs float32's perplexity |")
+    print("|---|---|---|---|")
+    print(f"| float32 dequantized | 0 | {ref_ppl:.4f} | 1.0000x |")
+    for name, e in rows.items():
+        print(f"| {name} | {e.kl:.6f} | {e.perplexity:.4f} | {e.perplexity / ref_ppl:.4f}x |")
+    if acfg.out:
+        result = {"reference_perplexity": ref_ppl, **{k: vars(v) for k, v in rows.items()}}
+        Path(acfg.out).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
