@@ -40,7 +40,7 @@ def solve(smol: LoadedModel, out: Path, *overrides: str) -> tuple[dict, list]:
     summary = run(cfg, out, engine=Engine(smol, cfg.decoder), progress=False)
     record = json.loads((out / "results.jsonl").read_text().splitlines()[0])
     tree = load_tree(out, record["id"])
-    return summary, [(d["text"], d["value"]) for _, d in sorted(tree.graph.nodes(data=True))]
+    return summary, [(t.text, t.value) for _, t in sorted(tree.thoughts.items())]
 
 
 @pytest.mark.slow
@@ -71,7 +71,7 @@ def test_a_best_of_n_gsm8k_answer_is_the_vote_over_the_replies(smol, tmp_path):
     tree = load_tree(tmp_path, record["id"])
     firsts = list(tree.graph.successors(tree.root))
     task = GSM8K()
-    answers = [task.answer(None, [tree[n]["text"]]) for n in firsts]  # type: ignore[arg-type]
-    assert len(firsts) == 4 and all(tree[n]["reply"] for n in firsts)
+    answers = [task.answer(None, [tree[n].text]) for n in firsts]  # type: ignore[arg-type]
+    assert len(firsts) == 4 and all(tree[n].reply for n in firsts)
     assert record["answer"] == max(answers, key=answers.count)
     assert summary["accuracy_by"].keys() == {"strict", "flexible"}

@@ -41,14 +41,14 @@ def test_task_and_search_end_to_end(task, search, long_context, tmp_path):
         assert summary["generated_tokens"] > 0
         record = json.loads((out / "results.jsonl").read_text().splitlines()[0])
         tree = load_tree(out, record["id"])
-        answer_path = [n for n, d in tree.graph.nodes(data=True) if d["answer"]]
+        answer_path = [n for n in tree.graph if tree[n].answer]
         # A best-of-N solution is valued whole, at its last step; the other searches value each step.
         valued = answer_path[-1:] if search == "best_of_n" else answer_path[1:]
-        assert len(answer_path) >= 2 and all(tree[n]["value"] is not None for n in valued)
+        assert len(answer_path) >= 2 and all(tree[n].value is not None for n in valued)
         if task == "creative_writing":  # the judge scored the passage with the target
             assert set(record["metrics"]) == {"endings_met", "paragraphs", "coherency"}
             assert "coherency" in summary["metrics"]
-        trees[decoder] = [(d["text"], d["value"]) for _, d in sorted(tree.graph.nodes(data=True))]
+        trees[decoder] = [(t.text, t.value) for _, t in sorted(tree.thoughts.items())]
     assert trees["ar"] == trees["seed_stand"]  # lossless: the same tree, thought for thought
 
 
@@ -68,6 +68,6 @@ def test_new_searches_build_hf_trees_under_matched_samples(search, long_context,
             run(cfg, out, engine=Engine(long_context, cfg.decoder), progress=False)
             record = json.loads((out / "results.jsonl").read_text().splitlines()[0])
             tree = load_tree(out, record["id"])
-            trees[decoder] = [(d["text"], d["value"]) for _, d in sorted(tree.graph.nodes(data=True))]
+            trees[decoder] = [(t.text, t.value) for _, t in sorted(tree.thoughts.items())]
         assert trees["hf"] == trees["ar"] == trees["seed_stand"], rule
         assert len({text for text, _ in trees["hf"][1:]}) > 1  # sampled: the replies differ
