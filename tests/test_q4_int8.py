@@ -124,11 +124,13 @@ def test_int8_is_refused_where_it_cannot_run():
     check_activations(spec, torch.device("cpu"), "gguf")  # what it runs on
 
 
-@pytest.mark.skipif(kernels.load().q4_int8_path() == "portable", reason="this machine builds the portable loop only")
 def test_the_portable_loop_gives_the_vectorized_paths_bits(tmp_path):
     """The kernel built for a baseline x86-64 (no AVX2, no FMA: the portable loop, std::fma in
     software) gives the bits of this machine's vectorized path (AVX2, or VNNI where it has it)."""
     from torch.utils import cpp_extension
+
+    if kernels.load().q4_int8_path() == "portable":  # checked here, not at collection: no build then
+        pytest.skip("this machine builds the portable loop only: nothing to compare it with")
 
     source = tmp_path / "portable.cpp"
     source.write_text(
