@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from decoding.cli import fail, hydra_command
 from decoding.core.errors import BackendError, ConfigError
 from decoding.core.models import ModelSpec, gguf_file, load_model
-from decoding.core.options import as_int
+from decoding.core.options import as_int, held_text
 from decoding.core.quant import Int4Linear, Q8Linear
 
 
@@ -36,14 +36,12 @@ class ActivationErrorConfig:
     @classmethod
     def from_omegaconf(cls, cfg: DictConfig) -> ActivationErrorConfig:
         c = OmegaConf.to_container(cfg, resolve=True)
-        data = Path(str(c["data"])).expanduser()
-        if not data.is_file():
-            raise ConfigError(f"data={data} does not exist; give a GSM8K jsonl file (question, answer per line)")
+        data = held_text("data", c["data"])
         limit = as_int("limit", c["limit"])
         if limit < 1:
             raise ConfigError(f"limit={limit} must be a positive number of texts")
         model = replace(ModelSpec.from_config(c["model"]), activations="int8")
-        return cls(model, str(data), limit, c.get("out"))
+        return cls(model, data, limit, c.get("out"))
 
 
 @dataclass(frozen=True)
@@ -87,7 +85,7 @@ def float_activations(model: torch.nn.Module) -> torch.nn.Module:
         out.set_output_embeddings(dense)
     for name, module in list(out.named_modules()):
         if isinstance(module, Int4Linear) and module.activations == "int8":
-            scale, minimum = module.scale_min.unbind(1)
+            scale, minimum = module.scale_minimum()
             layer = Int4Linear(module.codes, scale, minimum, module.bias, "float")
             parent, _, child = name.rpartition(".")
             setattr(out.get_submodule(parent) if parent else out, child, layer)

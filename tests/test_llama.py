@@ -12,11 +12,13 @@ import pytest
 import torch
 from helpers import select_rows, with_linear_kernel
 from test_quant import int4_copy
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from decoding.core.draft_tree import ROOT, DraftTree
 from decoding.core.kv_cache import RowKVCache
 from decoding.core.llama import Layers
 from decoding.core.models import prepare_for_inference
+from decoding.core.norm import RowsRMSNorm
 from decoding.core.prefix_cache import PrefixCache
 from decoding.core.runner import ModelRunner
 from decoding.core.verify import pack
@@ -24,11 +26,26 @@ from decoding.core.verify import pack
 PROMPTS = [[5 + (7 * i + j) % 90 for i in range(n)] for j, n in enumerate((9, 23, 70))]
 
 
-@pytest.fixture(scope="module", params=["bfloat16-aten", "bfloat16-rows", "gguf-int4", "gguf-int4-int8"])
+@pytest.fixture(
+    scope="module", params=["bfloat16-aten", "bfloat16-rows", "bfloat16-llama-norms", "gguf-int4", "gguf-int4-int8"]
+)
 def model(request, tiny_model) -> torch.nn.Module:
     if request.param.startswith("gguf-int4"):
         return int4_copy(tiny_model, "int8" if request.param.endswith("int8") else "float")
+    if request.param == "bfloat16-llama-norms":  # transformers' own norms (ATen ops), not RowsRMSNorm
+        return llama_norms(tiny_model)
     return with_linear_kernel(tiny_model, request.param.removeprefix("bfloat16-"))
+
+
+def llama_norms(model: torch.nn.Module) -> torch.nn.Module:
+    model = copy.deepcopy(model)
+    for name, module in list(model.named_modules()):
+        if type(module) is RowsRMSNorm:
+            norm = LlamaRMSNorm(module.weight.shape[0], eps=module.variance_epsilon)
+            norm.weight = module.weight
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, norm)
+    return model
 
 
 def _forwards(runner: ModelRunner) -> list[torch.Tensor]:

@@ -13,7 +13,7 @@ from test_quant import int4_copy
 from decoding.core import kernels
 from decoding.core.errors import BackendError
 from decoding.core.llama import Layers
-from decoding.core.models import ModelSpec, check_activations
+from decoding.core.models import ModelSpec, resolve_activations
 from decoding.core.quant import GROUP, Int4Linear, Q8Linear, decode_int4, decode_q8_0
 
 RNG = np.random.default_rng(1)
@@ -87,16 +87,19 @@ def test_a_rows_output_does_not_depend_on_the_rows_beside_it(kind):
         assert torch.equal(layer(x[:m]), every[:m]), m
     assert torch.equal(layer(x[5:6]), every[5:6])  # alone, not only as a prefix
     assert torch.equal(layer(x[100:101]), every[100:101])  # a row of the second panel, alone
-    # The first 63 columns: the last one computed alone instead of in a pair, with the same bits.
+    # Fewer columns beside it: Q8_0's last one computed alone instead of in a pair, Q4's first groups
+    # of 8 without the rest, with the same bits.
     if kind == "Q8_0":
-        odd = Q8Linear(layer.weight[:63], layer.codes[:63].view(torch.int8), layer.scales[:63, 0], None)
+        fewer = Q8Linear(layer.weight[:63], layer.codes[:63].view(torch.int8), layer.scales[:63, 0], None)
     else:
-        odd = Int4Linear(layer.codes[:63], *layer.scale_min[:63].unbind(1), None, "int8")
-    assert torch.equal(odd(x), every[:, :63])
+        fewer = Int4Linear(layer.codes[:56], *(t[:56] for t in layer.scale_minimum()), None, "int8")
+    assert torch.equal(fewer(x), every[:, : fewer.out_features])
     if kind == "Q8_0":
         return
-    with_bias = Int4Linear(layer.codes, *layer.scale_min.unbind(1), torch.randn(64), "int8")
+    with_bias = Int4Linear(layer.codes, *layer.scale_minimum(), torch.randn(64), "int8")
     assert torch.equal(with_bias(x[:1]), with_bias(x)[:1])
+    with pytest.raises(ValueError, match=r"outputs in groups of 8 and inputs in blocks of 32, not \[63, 256\]"):
+        Int4Linear(layer.codes[:63], *(t[:63] for t in layer.scale_minimum()), None, "int8")
 
 
 def test_the_cpp_layers_take_the_int8_kernel(tiny_model):
@@ -105,23 +108,36 @@ def test_the_cpp_layers_take_the_int8_kernel(tiny_model):
     model = int4_copy(tiny_model, "int8")
     layers = Layers.of(model)
     assert layers is not None
-    scales = [w for w in layers.weights if w.dtype == torch.float32 and w.dim() == 3]
-    assert len(scales) == 7 * len(model.model.layers)  # every projection's [N, 2, K / 32] scales and minimums
+    factors = [w for w in layers.weights if w.dtype == torch.float32 and w.dim() == 4]
+    # Per layer q, k, v joined, o, gate and up joined, down: [N / 8, K / 32, 2, 8] scales and minimums each.
+    assert len(factors) == 4 * len(model.model.layers)
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    joined = [w for w in layers.weights[: 2 + 7 * 3] if w.dim() == 4]
+    n = attn.q_proj.out_features + attn.k_proj.out_features + attn.v_proj.out_features
+    assert joined[0].shape[0] * 8 == n and joined[2].shape[0] * 8 == mlp.gate_proj.out_features * 2
+    # The modules' buffers are views of the joined weights, not a second copy.
+    assert attn.v_proj.factors.untyped_storage().data_ptr() == joined[0].untyped_storage().data_ptr()
+    assert mlp.up_proj.packed8.untyped_storage().data_ptr() == layers.weights[2 + 4 * 3].untyped_storage().data_ptr()
     assert type(model.get_output_embeddings()) is Q8Linear  # the head on the int8 path too
 
 
-def test_int8_is_refused_where_it_cannot_run():
-    with pytest.raises(BackendError, match=r"model\.activations='int4' is not one of float, int8"):
+def test_int8_is_refused_where_it_cannot_run_and_auto_picks_what_runs():
+    with pytest.raises(BackendError, match=r"model\.activations='int4' is not one of float, int8, auto"):
         ModelSpec(activations="int4")
     spec = ModelSpec(activations="int8")
     with pytest.raises(BackendError, match=r"the weights are bfloat16; give a \.gguf model\.path") as info:
-        check_activations(spec, torch.device("cpu"), "bfloat16")
+        resolve_activations(spec, torch.device("cpu"), "bfloat16")
     assert "\n" not in str(info.value)
     with pytest.raises(
         BackendError, match=r"model\.activations=int8 is the CPU's kernel.*use model\.activations=float"
     ):
-        check_activations(spec, torch.device("cuda"), "gguf")
-    check_activations(spec, torch.device("cpu"), "gguf")  # what it runs on
+        resolve_activations(spec, torch.device("cuda"), "gguf")
+    assert resolve_activations(spec, torch.device("cpu"), "gguf") == "int8"  # what it runs on
+    auto = ModelSpec(activations="auto")
+    assert resolve_activations(auto, torch.device("cuda"), "gguf") == "float"
+    assert resolve_activations(auto, torch.device("cpu"), "bfloat16") == "float"
+    vectorized = kernels.load().q4_int8_path() != "portable"
+    assert resolve_activations(auto, torch.device("cpu"), "gguf") == ("int8" if vectorized else "float")
 
 
 def test_the_portable_loop_gives_the_vectorized_paths_bits(tmp_path):
@@ -148,11 +164,11 @@ def test_the_portable_loop_gives_the_vectorized_paths_bits(tmp_path):
     )
     assert portable.q4_int8_path() == "portable"
     for kind in ("Q4_1", "Q4_K", "Q8_0"):
-        layer = gguf_layer(81, 512, kind)
+        layer = gguf_layer(81 if kind == "Q8_0" else 80, 512, kind)  # Q8_0: a column outside the pairs
         x = torch.randn(11, 512).to(torch.bfloat16)
-        bias = torch.randn(81).to(torch.bfloat16)
+        bias = torch.randn(layer.out_features).to(torch.bfloat16)
         call = "q8_int8_linear" if kind == "Q8_0" else "q4_int8_linear"
-        operands = (layer.codes, layer.scales) if kind == "Q8_0" else (layer.nibbles, layer.scale_min)
+        operands = (layer.codes, layer.scales) if kind == "Q8_0" else (layer.packed8, layer.factors)
         expected = getattr(kernels.load(), call)(x, *operands, bias)
         assert torch.equal(getattr(portable, call)(x, *operands, bias), expected), kind
 

@@ -1,7 +1,7 @@
 """What a run folder promises (docs/tools.md, "What a run folder promises"): one configuration.
 
 The settings that change how a problem is computed are recorded at the folder's first run, as the
-values that ran (the device, weight format, attention and linear kernel `auto` chose), in
+values that ran (the device, weight format, attention, linear kernel and activations `auto` chose), in
 configuration.json, written once; each record carries the configuration's fingerprint. A rerun under
 other settings is refused in one line naming each difference. Which problems run (data.limit,
 data.offset, the shards) is a selection, not a configuration, and the keys in SPEED_ONLY change
@@ -25,6 +25,7 @@ from decoding import (
     BackendError,
     ConfigError,
     ModelSpec,
+    resolve_activations,
     resolve_attention,
     resolve_device,
     resolve_linear,
@@ -136,7 +137,7 @@ def _no_draft_model(key: str, flat: Mapping[str, Any]) -> bool:
 
 def resolved(container: Mapping[str, Any]) -> Settings:
     """What `auto` means for the target (and the draft model) here: the device, weight format,
-    attention and linear kernel load_model will use. A server's decoding is its own: nothing to resolve."""
+    attention, linear kernel and activations load_model will use. A server's decoding is its own: nothing to resolve."""
     if (container.get("decoder") or {}).get("name") == "server":
         return {}
     out: Settings = {}
@@ -148,7 +149,8 @@ def resolved(container: Mapping[str, Any]) -> Settings:
         device = resolve_device(spec.device, key)
         gguf = Path(spec.path) if spec.path in EMBEDDED or spec.path.endswith(".gguf") else None
         out[f"{key}.device"] = str(device)
-        out[f"{key}.weights"] = resolve_weights(spec.weights, device, gguf, key)
+        out[f"{key}.weights"] = weights = resolve_weights(spec.weights, device, gguf, key)
+        out[f"{key}.activations"] = resolve_activations(spec, device, weights)
         out[f"{key}.attention"] = resolve_attention(spec.attention, device, key)
         out[f"{key}.linear"] = resolve_linear(spec.linear, device, key)
     return out

@@ -68,6 +68,7 @@ def _run(cfg: RunConfig, out_dir: Path, engine: GenerationEngine | None, progres
         "search": cfg.search,
         "decoder": cfg.decoder.name,
         "model": cfg.model.path,
+        "activations": folder.settings.get("model.activations"),  # what `auto` chose (None: a server's model)
         "concurrency": cfg.concurrency,
         "fingerprint": folder.fingerprint,  # configuration.json holds its settings
         # The config as the run read it (its source is configuration.json's business).
@@ -261,6 +262,7 @@ def summary_line(s: dict) -> str:
         f"= {s['tokens_per_s']:.1f} tok/s, {forwards}"
         f"{s['prompt_tokens_computed']}/{s['prompt_tokens']} prompt tokens computed, "
         f"run.concurrency={s.get('concurrency', 1)}"
+        + (f", model.activations={s['activations']}" if s.get("activations") else "")
         + (f", {s['kv_waits']} sequences waited for KV memory (model.kv_memory)" if s.get("kv_waits") else "")
     )
 

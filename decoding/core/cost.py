@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from decoding.core import kernels
 from decoding.core.errors import ConfigError
 from decoding.core.runner import ModelRunner
 from decoding.core.timing import timed_ms, verification
@@ -190,6 +191,7 @@ def cost_key(target: ModelRunner) -> str:
     linears = sorted({type(m).__name__ for m in target.model.modules() if "Linear" in type(m).__name__})
     # What a 4-bit layer multiplies its input as (model.activations): another kernel, another cost.
     linears += sorted({f"{m.activations} activations" for m in target.model.modules() if hasattr(m, "activations")})
+    linears += sorted({type(m).__name__ for m in target.model.modules() if "Norm" in type(m).__name__})
     parts = [
         str(getattr(c, "_name_or_path", "")),
         str(getattr(c, "hidden_size", "")),
@@ -205,6 +207,8 @@ def cost_key(target: ModelRunner) -> str:
         repr(None if target.static is None else target.static.spec),
         torch.__version__,
         str(VERSION),
+        # The CPU forward runs the project's kernels: another version of them, another cost.
+        kernels.source_digest() if target.device.type == "cpu" else "",
     ]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 

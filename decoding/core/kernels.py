@@ -6,6 +6,7 @@ TORCH_EXTENSIONS_DIR)."""
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import sysconfig
@@ -18,7 +19,7 @@ from decoding.core.errors import BackendError
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("attention.cpp", "layers.cpp", "matmul.cpp", "q4_int8.cpp", "topk.cpp", "module.cpp")
+SOURCES = ("attention.cpp", "layers.cpp", "matmul.cpp", "norm.cpp", "q4_int8.cpp", "topk.cpp", "module.cpp")
 # -ffp-contract=off: the only fused multiply-adds are the explicit ones (attention.cpp's header);
 # -fno-trapping-math lets floor and selects vectorize; neither changes a value.
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fopenmp"]
@@ -52,6 +53,15 @@ def load() -> ModuleType:
         ) from e
     log.info("CPU kernels ready in %.1fs", time.perf_counter() - t0)
     return module
+
+
+@functools.cache
+def source_digest() -> str:
+    """A digest of the kernels' sources and flags: what a measured cost of them is valid for."""
+    digest = hashlib.sha256(" ".join(FLAGS).encode())
+    for name in (*SOURCES, "kernels.h"):
+        digest.update((CSRC / name).read_bytes())
+    return digest.hexdigest()[:12]
 
 
 STALE_LOCK_S = 15 * 60  # a build takes 1-3 minutes; a lock this old was left by a killed one

@@ -16,22 +16,45 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaForCausalLM
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaRMSNorm
 
 from decoding.core import attention, kernels
 from decoding.core.kv_cache import ForwardView
+from decoding.core.norm import RowsRMSNorm
 from decoding.core.quant import Int4Linear
 from decoding.core.rows_linear import RowsLinear
 
 _NONE = torch.empty(0)
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
 PROJECTIONS += ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+SAME_INPUT = ((0, 1, 2), (3,), (4, 5), (6,))  # projections of one input: q, k, v; o; gate, up; down
+
+
+def _joined(projections: list[torch.nn.Module]) -> list[torch.Tensor] | None:
+    """Projections of one input on the int8 kernel as one product (q, k and v; gate and up): their
+    weights side by side, the modules' own buffers then views of them (no second copy). A column's
+    bits do not depend on the columns beside it (csrc/q4_int8.cpp), so each keeps its module's bits;
+    one call quantizes the input once. None where they are not all on that kernel."""
+    if len(projections) < 2 or any(type(p) is not Int4Linear or p.activations != "int8" for p in projections):
+        return None
+    if len({p.bias is None for p in projections}) != 1 or len({p.in_features for p in projections}) != 1:
+        return None
+    packed = torch.cat([p.packed8 for p in projections])
+    factors = torch.cat([p.factors for p in projections])
+    bias = _NONE if projections[0].bias is None else torch.cat([p.bias for p in projections])
+    start = 0
+    for p in projections:
+        n = p.packed8.shape[0]
+        p.packed8, p.factors = packed[start : start + n], factors[start : start + n]
+        start += n
+    return [packed, factors, bias]
 
 
 @dataclass(frozen=True)
 class Layers:
     """A Llama model's decoder-layer weights as csrc/layers.cpp reads them: per layer the two norm
-    weights, then per projection [weight or int4 codes, int4 scales/zeros or empty, bias or empty]."""
+    weights, then per projection [weight or int4 codes, int4 scales/zeros or empty, bias or empty]
+    (q, k, v and gate, up on the int8 kernel: the first's place holds them joined, the rest empty)."""
 
     model: LlamaForCausalLM
     weights: list[torch.Tensor]
@@ -39,33 +62,43 @@ class Layers:
     head_dim: int
     scaling: float
     rows: bool  # the dense projections are RowsLinear (the row-invariant kernel), not nn.Linear
+    rows_norm: bool  # the norms are RowsRMSNorm (csrc/norm.cpp), not LlamaRMSNorm
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> Layers | None:
         """The layers, or None where this path would not compute the model's own forward: not a
         Llama causal LM, another attention than the invariant one, another activation or norm, or
         a projection that is neither `nn.Linear`, `RowsLinear` nor `Int4Linear` (e.g. float32's
-        PrepackedLinear), or dense projections of both kinds."""
+        PrepackedLinear), dense projections of both kinds, or norms of both kinds."""
         if type(model) is not LlamaForCausalLM or model.config._attn_implementation != attention.NAME:
             return None
         if model.config.hidden_act != "silu" or not model.model.layers:
             return None
         weights: list[torch.Tensor] = []
         dense: set[type] = set()
+        layers = model.model.layers
+        norms = {type(m) for layer in layers for m in (layer.input_layernorm, layer.post_attention_layernorm)}
+        if len(norms) != 1 or not norms <= {LlamaRMSNorm, RowsRMSNorm}:
+            return None
         for layer in model.model.layers:
             if type(layer) is not LlamaDecoderLayer:
                 return None
             weights += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-            for name in PROJECTIONS:
-                proj = layer.get_submodule(name)
-                if type(proj) is Int4Linear:
-                    weights += list(proj.weights())
-                elif type(proj) in (torch.nn.Linear, RowsLinear):
-                    weights += [proj.weight, _NONE]
-                    dense.add(type(proj))
-                else:
-                    return None
-                weights.append(_NONE if proj.bias is None else proj.bias)
+            projections = [layer.get_submodule(name) for name in PROJECTIONS]
+            for group in SAME_INPUT:
+                joined = _joined([projections[i] for i in group])
+                if joined is not None:  # the first one's place holds them all, the others' are empty
+                    weights += joined + [_NONE] * 3 * (len(group) - 1)
+                    continue
+                for proj in (projections[i] for i in group):
+                    if type(proj) is Int4Linear:
+                        weights += list(proj.weights())
+                    elif type(proj) in (torch.nn.Linear, RowsLinear):
+                        weights += [proj.weight, _NONE]
+                        dense.add(type(proj))
+                    else:
+                        return None
+                    weights.append(_NONE if proj.bias is None else proj.bias)
         if len(dense) > 1:
             return None
         first = model.model.layers[0]
@@ -73,7 +106,8 @@ class Layers:
         if len(eps) != 1 or eps != {layer.post_attention_layernorm.variance_epsilon for layer in model.model.layers}:
             return None
         scaling = float(first.self_attn.scaling)
-        return cls(model, weights, float(eps.pop()), first.self_attn.head_dim, scaling, RowsLinear in dense)
+        head_dim, rows = first.self_attn.head_dim, RowsLinear in dense
+        return cls(model, weights, float(eps.pop()), head_dim, scaling, rows, RowsRMSNorm in norms)
 
     @torch.inference_mode()
     def forward(
@@ -114,6 +148,7 @@ class Layers:
             -1 if capture is None else capture,
             _NONE if real is None else real,
             self.rows,
+            self.rows_norm,
         )
         h = inner.norm(h)
         if logits_at is not None:

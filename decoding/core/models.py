@@ -18,6 +18,7 @@ from decoding.core import attention, kernels, rows_linear
 from decoding.core.errors import BackendError
 from decoding.core.memory import MemoryBudget, available_bytes
 from decoding.core.model_files import check_checkpoint, check_gguf
+from decoding.core.norm import use_rows_norm
 from decoding.core.options import from_dict
 from decoding.core.prepack import prepack_linears
 from decoding.core.quant import ACTIVATIONS, check_types, q8_head_from_gguf, quantize_from_gguf
@@ -209,6 +210,9 @@ def prepare_for_inference(
         kernels.load()  # build it now: a missing compiler is a load-time error
     model.set_attn_implementation(attention.NAME if attn == attention.CHOICE else attn)
     done.append(f"{attn} attention")
+    norms = use_rows_norm(model) if attn == attention.CHOICE and device.type == "cpu" else 0
+    if norms:
+        done.append(f"{norms} RMSNorms in one pass")
     rows = rows_linear.use_rows_kernel(model) if linear == "rows" else 0
     if rows:
         done.append(f"{rows} bfloat16 linear layers on the row-invariant kernel")
@@ -241,8 +245,8 @@ def load_model(spec: ModelSpec) -> LoadedModel:
             f"{spec.key}.path={spec.path!r} could not be loaded ({str(e).splitlines()[0][:160]}); give a local "
             f"checkpoint directory, a Hugging Face id with network access, or the embedded {spec.key}.path=smollm2-135m"
         ) from e
-    check_activations(spec, device, weights)
-    done = prepare_for_inference(model, device, weights, attn, gguf, spec.prepack, linear, spec.activations)
+    activations = resolve_activations(spec, device, weights)
+    done = prepare_for_inference(model, device, weights, attn, gguf, spec.prepack, linear, activations)
     log.info("loaded %s in %.1fs on %s (%s)", source, time.perf_counter() - t0, device, done)
     budget = (
         MemoryBudget(spec.prefix_memory_mb << 20)
@@ -256,10 +260,21 @@ def load_model(spec: ModelSpec) -> LoadedModel:
     return LoadedModel(model, tokenizer, device, use_chat, str(source), spec.path, budget, kv_budget, static, strict)
 
 
+def resolve_activations(spec: ModelSpec, device: torch.device, weights: str) -> str:
+    """float or int8. int8 activations run a GGUF's 4-bit layers on the CPU kernel: refused elsewhere,
+    in one line. auto: int8 where it can run on vector instructions (AVX2 or VNNI), where it measured
+    faster than float at the same error as llama.cpp (docs/performance.md); float elsewhere."""
+    if spec.activations == "auto":
+        if device.type != "cpu" or weights != "gguf":
+            return "float"
+        return "float" if kernels.load().q4_int8_path() == "portable" else "int8"
+    if spec.activations == "int8":
+        check_activations(spec, device, weights)
+    return spec.activations
+
+
 def check_activations(spec: ModelSpec, device: torch.device, weights: str) -> None:
-    """int8 activations run a GGUF's 4-bit layers on the CPU kernel: refused elsewhere, in one line."""
-    if spec.activations != "int8":
-        return
+    """Refuses int8 activations where they cannot run."""
     if device.type != "cpu":
         raise BackendError(
             f"{spec.key}.activations=int8 is the CPU's kernel, and {spec.key}.device resolved to {device}; "

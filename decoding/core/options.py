@@ -13,6 +13,7 @@ import math
 import types
 import typing
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from decoding.core.errors import ConfigError
@@ -31,6 +32,14 @@ def as_int(key: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"{key}={value!r} is not an integer")
     return value
+
+
+def held_text(key: str, value: object) -> str:
+    """A GSM8K jsonl file (question and answer per line) that exists: the held text tools read."""
+    path = Path(str(value)).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"{key}={path} does not exist; give a GSM8K jsonl file (question, answer per line)")
+    return str(path)
 
 
 def as_float(key: str, value: object) -> float:

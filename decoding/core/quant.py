@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 GROUP = 32  # the kernel's group size along the input dimension, GGUF's 4-bit block (or sub-block)
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
-ACTIVATIONS = ("float", "int8")  # model.activations: what a 4-bit layer multiplies its input as
+ACTIVATIONS = ("float", "int8", "auto")  # model.activations: what a 4-bit layer multiplies its input as
 # Types `transformers` (gguf-py) dequantizes, run in bfloat16.
 DEQUANTIZED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q5_K", "Q6_K", "Q8_K")
 
@@ -60,10 +60,9 @@ class Int4Linear(torch.nn.Module):
         self.activations = activations
         if activations == "int8":
             kernels.load()  # built now: a missing compiler is a load-time error
-            blocks = codes.to(torch.uint8).reshape(self.out_features, -1, 2, GROUP // 2)
-            # GGUF's order: element j of a block in byte j's low nibble, element j + 16 in its high one.
-            self.register_buffer("nibbles", (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(self.out_features, -1))
-            self.register_buffer("scale_min", torch.stack([scale.float(), minimum.float()], 1).contiguous())
+            packed, factors = pack_q4(codes, scale, minimum)
+            self.register_buffer("packed8", packed)
+            self.register_buffer("factors", factors)
         else:
             self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1))
             zero = minimum.float() + 8 * scale.float()
@@ -74,7 +73,7 @@ class Int4Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.activations == "int8":
-            return kernels.load().q4_int8_linear(x, self.nibbles, self.scale_min, _bias(self.bias))
+            return kernels.load().q4_int8_linear(x, self.packed8, self.factors, _bias(self.bias))
         shape = x.shape
         flat = x.reshape(-1, shape[-1]).to(torch.bfloat16)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scales_zeros)
@@ -84,17 +83,22 @@ class Int4Linear(torch.nn.Module):
 
     def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """What csrc/layers.cpp passes to the kernel this layer runs (float32 scales: the int8 path)."""
-        return (self.nibbles, self.scale_min) if self.activations == "int8" else (self.packed, self.scales_zeros)
+        return (self.packed8, self.factors) if self.activations == "int8" else (self.packed, self.scales_zeros)
 
     def dequantized(self) -> torch.Tensor:
         """The float32 matrix [out, in] the kernel multiplies by: (q - 8) * s + z per group, or
         scale * q + minimum for the int8 path."""
         if self.activations == "int8":
-            s, m = (self.scale_min[:, i].repeat_interleave(GROUP, 1) for i in (0, 1))
+            s, m = (t.repeat_interleave(GROUP, 1) for t in self.scale_minimum())
             return self.codes.float() * s + m
         s = self.scales_zeros[..., 0].float().t().repeat_interleave(GROUP, 1)
         z = self.scales_zeros[..., 1].float().t().repeat_interleave(GROUP, 1)
         return (self.codes.float() - 8) * s + z
+
+    def scale_minimum(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The int8 path's scale and minimum per output and block [N, K / 32], float32."""
+        n = self.out_features
+        return tuple(self.factors[:, :, i].permute(0, 2, 1).reshape(n, -1) for i in (0, 1))  # type: ignore[return-value]
 
     def extra_repr(self) -> str:
         return (
@@ -126,6 +130,23 @@ class Q8Linear(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, Q8_0, int8 activations"
+
+
+def pack_q4(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes [N, K] in 0..15 and scale, minimum [N, K / 32] in csrc/q4_int8.cpp's layout, in groups of
+    8 outputs: codes [N / 8, K / 32 * 128] (per block, vector j's byte 4c + i holds output c's code for
+    input 4j + i in its low nibble and for 16 + 4j + i in its high one) and factors [N / 8, K / 32, 2, 8]
+    (per block, the 8 outputs' scales, then their minimums)."""
+    n, k = codes.shape
+    if n % 8 or k % GROUP:
+        raise ValueError(f"the int8 kernel takes outputs in groups of 8 and inputs in blocks of 32, not [{n}, {k}]")
+    # [group, column, block, half, j, i]: input 16 * half + 4 * j + i of the block
+    c = codes.to(torch.uint8).reshape(n // 8, 8, k // GROUP, 2, 4, 4)
+    nibbles = c[:, :, :, 0] | (c[:, :, :, 1] << 4)  # [group, column, block, j, i]
+    packed = nibbles.permute(0, 2, 3, 1, 4).reshape(n // 8, -1).contiguous()
+    factors = torch.stack([scale.float(), minimum.float()], 1)  # [N, 2, blocks]
+    factors = factors.reshape(n // 8, 8, 2, -1).permute(0, 3, 2, 1).contiguous()
+    return packed, factors
 
 
 def decode_q8_0(data: np.ndarray, n_out: int, n_in: int) -> tuple[np.ndarray, np.ndarray]:

@@ -21,7 +21,8 @@ std::vector<at::Tensor> decoder_layers(at::Tensor h, const std::vector<at::Tenso
                                        const at::Tensor& sin, const std::vector<at::Tensor>& keys,
                                        const std::vector<at::Tensor>& values, const at::Tensor& rows,
                                        const at::Tensor& slots, int64_t kv_len, const at::Tensor& mask,
-                                       const at::Tensor& kv_rows, int64_t capture, const at::Tensor& real, bool rows_kernel);
+                                       const at::Tensor& kv_rows, int64_t capture, const at::Tensor& real, bool rows_kernel,
+                                       bool rows_norm);
 
 at::Tensor q4_int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale_min,
                           const at::Tensor& bias);
@@ -30,5 +31,7 @@ at::Tensor q8_int8_linear(const at::Tensor& x, const at::Tensor& codes, const at
 std::vector<at::Tensor> q4_int8_quantize(const at::Tensor& x);
 const char* q4_int8_path();
 double q4_int8_peak(int64_t iterations);
+
+at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, double eps);
 
 std::vector<at::Tensor> top_k_rows(const std::vector<at::Tensor>& blocks, int64_t k);

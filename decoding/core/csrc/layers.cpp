@@ -23,17 +23,76 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor* w, bool rows_kernel) {
   return y.reshape(shape);
 }
 
-// LlamaRMSNorm.forward
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+// RowsRMSNorm.forward (csrc/norm.cpp) or LlamaRMSNorm.forward
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool rows_norm) {
+  if (rows_norm) return rms_norm_rows(x, weight, eps);
   const at::Tensor xf = x.to(at::kFloat);
   const at::Tensor variance = xf.pow(2).mean(-1, true);
   return weight * (xf * at::rsqrt(variance + eps)).to(x.scalar_type());
 }
 
-// apply_rotary_pos_emb for one tensor (rotate_half inlined)
+// apply_rotary_pos_emb for one tensor, x [N, heads, D] and cos, sin [N, D], in one pass: per element
+// the three rounded operations ATen runs (x * cos, rotate_half(x) * sin, their sum), each rounded to
+// x's type as ATen rounds it, so the bits are transformers' (five ATen ops and their buffers saved).
+template <typename T>
+void rotate_rows(const T* x, const T* cos, const T* sin, T* out, int64_t n, int64_t heads, int64_t d) {
+  const int64_t half = d / 2;
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t h = 0; h < heads; ++h) {
+        const T* xr = x + (t * heads + h) * d;
+        T* o = out + (t * heads + h) * d;
+        for (int64_t i = 0; i < d; ++i) {
+          const float rotated = i < half ? -static_cast<float>(xr[i + half]) : static_cast<float>(xr[i - half]);
+          const T a = static_cast<T>(static_cast<float>(xr[i]) * static_cast<float>(cos[t * d + i]));
+          const T b = static_cast<T>(rotated * static_cast<float>(sin[t * d + i]));  // -x is exact
+          o[i] = static_cast<T>(static_cast<float>(a) + static_cast<float>(b));
+        }
+      }
+  });
+}
+
+// x [N, heads, D] (a view of a linear's output), cos and sin [N, 1, D]
 at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  const int64_t half = x.size(-1) / 2;
-  return (x * cos) + (at::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1) * sin);
+  const at::Tensor xc = x.contiguous(), c = cos.contiguous(), s = sin.contiguous();
+  TORCH_CHECK(c.scalar_type() == xc.scalar_type() && s.scalar_type() == xc.scalar_type() && c.numel() == xc.size(0) * xc.size(2),
+              "rotate: cos and sin [N, 1, D] of x's type");
+  at::Tensor out = at::empty_like(xc);
+  const int64_t n = xc.size(0), heads = xc.size(1), d = xc.size(2);
+  if (xc.scalar_type() == at::kBFloat16)
+    rotate_rows(xc.data_ptr<at::BFloat16>(), c.data_ptr<at::BFloat16>(), s.data_ptr<at::BFloat16>(),
+                out.data_ptr<at::BFloat16>(), n, heads, d);
+  else if (xc.scalar_type() == at::kFloat)
+    rotate_rows(xc.data_ptr<float>(), c.data_ptr<float>(), s.data_ptr<float>(), out.data_ptr<float>(), n, heads, d);
+  else {
+    const int64_t h = d / 2;  // another type: ATen's ops
+    return (xc * c) + (at::cat({-xc.slice(-1, h), xc.slice(-1, 0, h)}, -1) * s);
+  }
+  return out;
+}
+
+// The products of projections that read one input: [w] alone each, or joined in the first's place
+// (Layers.of: the others' codes empty) and split by columns, `sizes` per projection (-1: an equal
+// share of the columns the given sizes leave).
+std::vector<at::Tensor> products(const at::Tensor& x, const at::Tensor* w, const std::vector<int64_t>& sizes,
+                                 bool rows_kernel) {
+  std::vector<at::Tensor> out;
+  if (w[3].numel() > 0) {
+    for (size_t j = 0; j < sizes.size(); ++j) out.push_back(linear(x, w + 3 * j, rows_kernel));
+    return out;
+  }
+  const at::Tensor joined = linear(x, w, rows_kernel);
+  int64_t given = 0, shares = 0;
+  for (int64_t n : sizes) n < 0 ? ++shares : given += n;
+  const int64_t share = shares ? (joined.size(-1) - given) / shares : 0;
+  int64_t start = 0;
+  for (int64_t n : sizes) {
+    n = n < 0 ? share : n;
+    out.push_back(joined.narrow(-1, start, n).contiguous());
+    start += n;
+  }
+  TORCH_CHECK(start == joined.size(-1), "decoder_layers: joined projections of ", joined.size(-1), " columns");
+  return out;
 }
 
 }  // namespace
@@ -43,7 +102,8 @@ std::vector<at::Tensor> decoder_layers(at::Tensor h, const std::vector<at::Tenso
                                        const at::Tensor& sin, const std::vector<at::Tensor>& keys,
                                        const std::vector<at::Tensor>& values, const at::Tensor& rows,
                                        const at::Tensor& slots, int64_t kv_len, const at::Tensor& mask,
-                                       const at::Tensor& kv_rows, int64_t capture, const at::Tensor& real, bool rows_kernel) {
+                                       const at::Tensor& kv_rows, int64_t capture, const at::Tensor& real, bool rows_kernel,
+                                       bool rows_norm) {
   constexpr size_t PER_LAYER = 2 + 7 * 3;  // two norm weights, then q, k, v, o, gate, up, down
   TORCH_CHECK(weights.size() == keys.size() * PER_LAYER && keys.size() == values.size(), "decoder_layers: weights");
   const int64_t batch = h.size(0), n_new = h.size(1);
@@ -54,35 +114,39 @@ std::vector<at::Tensor> decoder_layers(at::Tensor h, const std::vector<at::Tenso
   // The real tokens' slots, so that attention skips the pads' queries (empty: every slot is real).
   const at::Tensor live = ragged ? at::zeros({batch * n_new}, real.options().dtype(at::kBool)).index_fill_(0, real, true)
                                  : at::empty({0}, real.options().dtype(at::kBool));
-  at::Tensor cos_t = cos, sin_t = sin;
+  // cos and sin come as [B, 1, T, D]: per token [B * T, 1, D] (the same values, one row a token)
+  at::Tensor cos_t = cos.reshape({batch * n_new, 1, head_dim}), sin_t = sin.reshape({batch * n_new, 1, head_dim});
   c10::List<c10::optional<at::Tensor>> where({rows, c10::nullopt, slots});
   if (ragged) {
     h = h.reshape({batch * n_new, -1}).index_select(0, real);
-    cos_t = cos.reshape({batch * n_new, 1, head_dim}).index_select(0, real);
-    sin_t = sin.reshape({batch * n_new, 1, head_dim}).index_select(0, real);
+    cos_t = cos_t.index_select(0, real);
+    sin_t = sin_t.index_select(0, real);
     const at::Tensor flat_rows = rows.expand({batch, n_new}).reshape({-1}).index_select(0, real);
     where = c10::List<c10::optional<at::Tensor>>({flat_rows, c10::nullopt, slots.reshape({-1}).index_select(0, real)});
   }
   at::Tensor hidden;
   for (size_t i = 0; i < keys.size(); ++i) {
     const at::Tensor* w = weights.data() + i * PER_LAYER;
-    const at::Tensor x = rms_norm(h, w[0], eps);
+    const at::Tensor x = rms_norm(h, w[0], eps, rows_norm);
+    // k's and v's columns: kv heads x head_dim each; q's the rest
+    const int64_t kv = keys[i].size(1) * head_dim;
+    const std::vector<at::Tensor> qkv = products(x, w + 2, {-1, kv, kv}, rows_kernel);
     at::Tensor q, k, v;
     if (ragged) {  // [N, heads, D]
       const std::vector<int64_t> shape{x.size(0), -1, head_dim};
-      q = rotate(linear(x, w + 2, rows_kernel).view(shape), cos_t, sin_t);
-      k = rotate(linear(x, w + 5, rows_kernel).view(shape), cos_t, sin_t);
-      v = linear(x, w + 8, rows_kernel).view(shape);
+      q = rotate(qkv[0].view(shape), cos_t, sin_t);
+      k = rotate(qkv[1].view(shape), cos_t, sin_t);
+      v = qkv[2].view(shape);
       keys[i].index_put_(where, k.to(keys[i].scalar_type()));
       values[i].index_put_(where, v.to(values[i].scalar_type()));
       // Pad queries see only their own (unwritten) slot; their outputs are dropped below.
       q = at::zeros({batch * n_new, q.size(1), head_dim}, q.options()).index_copy_(0, real, q);
       q = q.view({batch, n_new, -1, head_dim}).transpose(1, 2);
-    } else {
-      const std::vector<int64_t> shape{batch, n_new, -1, head_dim};
-      q = rotate(linear(x, w + 2, rows_kernel).view(shape).transpose(1, 2), cos, sin);
-      k = rotate(linear(x, w + 5, rows_kernel).view(shape).transpose(1, 2), cos, sin);
-      v = linear(x, w + 8, rows_kernel).view(shape).transpose(1, 2);
+    } else {  // rotated as [B * T, heads, D], then [B, heads, T, D]
+      const std::vector<int64_t> flat{batch * n_new, -1, head_dim}, shape{batch, n_new, -1, head_dim};
+      q = rotate(qkv[0].view(flat), cos_t, sin_t).view(shape).transpose(1, 2);
+      k = rotate(qkv[1].view(flat), cos_t, sin_t).view(shape).transpose(1, 2);
+      v = qkv[2].view(shape).transpose(1, 2);
       // RowKVCache.update, in place: this forward's slots of each row, then every row up to kv_len.
       keys[i].index_put_(where, k.transpose(1, 2).to(keys[i].scalar_type()));
       values[i].index_put_(where, v.transpose(1, 2).to(values[i].scalar_type()));
@@ -90,8 +154,9 @@ std::vector<at::Tensor> decoder_layers(at::Tensor h, const std::vector<at::Tenso
     at::Tensor out = attend(q, keys[i].slice(2, 0, kv_len), values[i].slice(2, 0, kv_len), mask, kv_rows, scaling, live);
     out = ragged ? out.reshape({batch * n_new, -1}).index_select(0, real) : out.reshape({batch, n_new, -1});
     h = h + linear(out, w + 11, rows_kernel);
-    const at::Tensor y = rms_norm(h, w[1], eps);
-    h = h + linear(at::silu(linear(y, w + 14, rows_kernel)) * linear(y, w + 17, rows_kernel), w + 20, rows_kernel);
+    const at::Tensor y = rms_norm(h, w[1], eps, rows_norm);
+    const std::vector<at::Tensor> gate_up = products(y, w + 14, {-1, -1}, rows_kernel);
+    h = h + linear(at::silu(gate_up[0]) * gate_up[1], w + 20, rows_kernel);
     if (static_cast<int64_t>(i) == capture) hidden = h;
   }
   return {h, hidden.defined() ? hidden : at::Tensor()};

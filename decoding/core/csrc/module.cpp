@@ -9,5 +9,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_int8_quantize", &q4_int8_quantize, "x's rows quantized to int8 per block of 32: codes, scales, sums");
   m.def("q4_int8_path", &q4_int8_path, "the instructions q4_int8_linear was built for");
   m.def("q4_int8_peak", &q4_int8_peak, "multiply-adds a second of a tight loop of q4_int8_linear's block dot product");
+  m.def("rms_norm_rows", &rms_norm_rows, "RMSNorm per row in one pass (CPU)");
   m.def("decoder_layers", &decoder_layers, "a Llama model's decoder layers over a row KV cache");
 }

@@ -1,18 +1,16 @@
 // y = x W^T with W in a GGUF file's own 4-bit blocks and x quantized to int8 per row and block of
 // 32 (decoding/core/quant.py, model.activations=int8): the multiply-adds run on the integer units.
 //
-// W: per output n and block b of 32 inputs, 16 bytes of codes q in 0..15 (element j in the low
-// nibble of byte j, element j + 16 in its high nibble: GGUF's Q4_0 / Q4_1 order), and a float scale
+// W: per output n and block b of 32 inputs, 32 codes q in 0..15 (the file's own) and a float scale
 // and minimum (w = scale * q + minimum; Q4_0's minimum is -8 scale, Q4_K's sub-blocks are decoded to
-// this form at load). x: each row's block quantized alone, d = max |x| / 127, qx = round-to-even(x / d),
-// s = d * sum(qx). Then
-//     y[m, n] = sum_b scale[n, b] * d[m, b] * (q . qx)[b]  +  sum_b minimum[n, b] * s[m, b].
-// The block's integer dot product is exact; it is formed in 8 lanes of 4 products each (what
-// VPMADDUBSW + VPMADDWD give on AVX2 and VPDPBUSD on AVX-512 VNNI: the same integers), each lane
-// converted to float and accumulated with a fused multiply-add in block order, the lanes then added
-// in a fixed tree. Nothing depends on the number of rows, on which rows share a tile or on threads:
-// a row gets the same bits alone or in any batch, on every path (the portable loop does the same
-// operations in the same order; built with -ffp-contract=off).
+// this form at load), repacked at load in groups of 8 columns (below). x: each row's block quantized
+// alone, d = max |x| / 127, qx = round-to-even(x / d), s = d * sum(qx). Then
+//     y[m, n] = sum_b scale[n, b] * d[m, b] * (q . qx)[b]  +  minimum[n, b] * s[m, b],
+// accumulated per block in order with two fused multiply-adds. The block's integer dot product is
+// exact (VPMADDUBSW + VPMADDWD on AVX2, VPDPBUSD with VNNI: the same integers). The tied Q8_0 LM
+// head runs a column-at-a-time form of the same sums. Nothing depends on the number of rows, on
+// which rows share a tile or on threads: a row gets the same bits alone or in any batch, on every
+// path (the portable loop does the same operations in the same order; built with -ffp-contract=off).
 #include <ATen/Parallel.h>
 
 #include "kernels.h"
@@ -33,10 +31,10 @@
 namespace {
 
 constexpr int64_t QK = 32;  // inputs per block
-constexpr int64_t L = 8;    // float lanes of a block's partial sums
+constexpr int64_t L = 8;    // float lanes of a Q8_0 block's partial sums
 constexpr int64_t R = 4;    // rows of x per tile: one weight block unpacked feeds R rows
-constexpr int64_t NB = 8;   // output columns per parallel task
-constexpr int64_t NC = 2;   // output columns per tile: one row's codes loaded feed NC columns
+constexpr int64_t NB = 8;   // Q8_0 output columns per parallel task
+constexpr int64_t NC = 2;   // Q8_0 output columns per tile: one row's codes loaded feed NC columns
 constexpr int64_t MP = 64;  // rows per panel (a multiple of R: a row's tile does not depend on M)
 
 inline float lanes_sum8(const float* a) {
@@ -106,27 +104,7 @@ QuantRows quantize(const float* x, int64_t M, int64_t K) {
   return r;
 }
 
-// sum_b minimum[b] * s[b]: 8 lanes of fused multiply-adds over whole groups of 8 blocks, then the
-// rest in order into one float.
-inline float minimum_term(const float* mn, const float* s, int64_t nb) {
-  float acc[L] = {};
-  int64_t b = 0;
-  for (; b + L <= nb; b += L)
-    for (int64_t l = 0; l < L; ++l) acc[l] = std::fma(mn[b + l], s[b + l], acc[l]);
-  float tail = 0.0f;
-  for (; b < nb; ++b) tail = std::fma(mn[b], s[b], tail);
-  return lanes_sum8(acc) + tail;
-}
-
 #if defined(Q4_AVX2)
-// The 32 codes of a block as bytes 0..31, in element order.
-inline __m256i unpack(const uint8_t* bytes) {
-  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
-  const __m128i low = _mm_set1_epi8(0x0F);
-  const __m128i lo = _mm_and_si128(packed, low), hi = _mm_and_si128(_mm_srli_epi16(packed, 4), low);
-  return _mm256_set_m128i(hi, lo);
-}
-
 // Lane j: the sum of the 4 products w[4j..4j+3] * x[4j..4j+3] (w unsigned, x signed).
 inline __m256i block_dot(__m256i w, __m256i x) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -139,21 +117,98 @@ inline __m256i block_dot(__m256i w, __m256i x) {
 }
 #endif
 
-// A weight format: Q4 (16 bytes of 4-bit codes in 0..15 per block, a scale and a minimum) or Q8
-// (Q8_0: 32 signed bytes per block and a scale, no minimum).
-template <bool Q8>
-struct Format {
-  static constexpr int64_t bytes = Q8 ? QK : QK / 2;  // code bytes per block
-  static constexpr int64_t factors = Q8 ? 1 : 2;      // scale (and minimum) arrays per output
-};
+// Q4 weights in groups of 8 output columns (quant.py `pack_q4`): per group and block of 32 inputs,
+// 4 vectors of 32 bytes, byte 4c + i of vector j holding column c's code for input 4j + i in its
+// low nibble and for input 16 + 4j + i in its high nibble; beside them, per group and block, the 8
+// columns' scales then their 8 minimums (float32). A block's products for one column then sum in one
+// 32-bit lane: no reduction across lanes, and the scales apply to 8 columns in one instruction.
+constexpr int64_t G = 8;                // output columns per group
+constexpr int64_t GROUP_BYTES = G * QK / 2;  // code bytes per group and block
+constexpr int64_t GROUP_FACTORS = 2 * G;     // floats per group and block: scales, minimums
 
-// out[r * COLS + c] = the scale terms of row r of the tile against output column c (before the
-// minimum term); column c's codes at codes + c * nb * bytes and its scales at sc + c * factors * nb.
-// Each (row, column) runs the same operations whatever the tile's size.
-template <bool Q8, int64_t ROWS, int64_t COLS>
-inline void scale_terms(const uint8_t* codes, const float* sc, const int8_t* q, const float* d, int64_t K,
-                        float* out) {
-  using F = Format<Q8>;
+#if defined(Q4_AVX2)
+// Lane c: the exact integer dot product of column c's 32 codes (v: the block's 8 unpacked vectors)
+// with the row's 32 int8 codes x. AVX2: VPMADDUBSW pairs (at most 2 * 15 * 127 each, so eight of
+// them add in 16 bits exactly), then VPMADDWD; VNNI: VPDPBUSD. The same integers either way.
+inline __m256i group_dot(const __m256i* v, const int8_t* x) {
+  auto group = [&](int j) {
+    int32_t t;
+    std::memcpy(&t, x + 4 * j, 4);
+    return _mm256_set1_epi32(t);
+  };
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), v[0], group(0));
+  for (int j = 1; j < 8; ++j) dot = _mm256_dpbusd_epi32(dot, v[j], group(j));
+  return dot;
+#elif defined(__AVXVNNI__)
+  __m256i dot = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), v[0], group(0));
+  for (int j = 1; j < 8; ++j) dot = _mm256_dpbusd_avx_epi32(dot, v[j], group(j));
+  return dot;
+#else
+  __m256i pairs = _mm256_maddubs_epi16(v[0], group(0));
+  for (int j = 1; j < 8; ++j) pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(v[j], group(j)));
+  return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+#endif
+}
+#endif
+
+// out[r * G + c] = row r of the tile against column c of group `w` / `f`: per block in order,
+//     acc = fma(dot, scale * d, acc), then acc = fma(minimum, s, acc),
+// the same operations for every column, row and tile size.
+template <int64_t ROWS>
+inline void q4_group(const uint8_t* w, const float* f, const int8_t* q, const float* d, const float* s, int64_t K,
+                     float* out) {
+  const int64_t nb = K / QK;
+#if defined(Q4_AVX2)
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  __m256 acc[ROWS];
+  for (int64_t r = 0; r < ROWS; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i v[8];
+    for (int j = 0; j < 4; ++j) {
+      const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * GROUP_BYTES + 32 * j));
+      v[j] = _mm256_and_si256(p, low);
+      v[j + 4] = _mm256_and_si256(_mm256_srli_epi16(p, 4), low);
+    }
+    const __m256 scale = _mm256_loadu_ps(f + b * GROUP_FACTORS), minimum = _mm256_loadu_ps(f + b * GROUP_FACTORS + G);
+    for (int64_t r = 0; r < ROWS; ++r) {
+      const __m256i dot = group_dot(v, q + r * K + b * QK);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(scale, _mm256_set1_ps(d[r * nb + b])), acc[r]);
+      acc[r] = _mm256_fmadd_ps(minimum, _mm256_set1_ps(s[r * nb + b]), acc[r]);
+    }
+  }
+  for (int64_t r = 0; r < ROWS; ++r) _mm256_storeu_ps(out + r * G, acc[r]);
+#else
+  float acc[ROWS][G] = {};
+  for (int64_t b = 0; b < nb; ++b)
+    for (int64_t c = 0; c < G; ++c) {
+      int32_t code[QK];
+      for (int64_t j = 0; j < 4; ++j)
+        for (int64_t i = 0; i < 4; ++i) {
+          const uint8_t byte = w[b * GROUP_BYTES + 32 * j + 4 * c + i];
+          code[4 * j + i] = byte & 0x0F;
+          code[16 + 4 * j + i] = byte >> 4;
+        }
+      const float scale = f[b * GROUP_FACTORS + c], minimum = f[b * GROUP_FACTORS + G + c];
+      for (int64_t r = 0; r < ROWS; ++r) {
+        const int8_t* x = q + r * K + b * QK;
+        int32_t dot = 0;
+        for (int64_t k = 0; k < QK; ++k) dot += code[k] * x[k];
+        acc[r][c] = std::fma(static_cast<float>(dot), scale * d[r * nb + b], acc[r][c]);
+        acc[r][c] = std::fma(minimum, s[r * nb + b], acc[r][c]);
+      }
+    }
+  for (int64_t r = 0; r < ROWS; ++r)
+    for (int64_t c = 0; c < G; ++c) out[r * G + c] = acc[r][c];
+#endif
+}
+
+// Q8_0 (the LM head): per output column, blocks of 32 signed codes and a scale. The products of a
+// block form 8 lanes of 4 (|w| as the unsigned operand, w's sign moved onto x), each lane converted
+// and accumulated with a fused multiply-add in block order, the lanes added in a fixed tree.
+// out[r * COLS + c]: row r of the tile against column c (codes + c * K, scales + c * nb).
+template <int64_t ROWS, int64_t COLS>
+inline void q8_columns(const int8_t* codes, const float* sc, const int8_t* q, const float* d, int64_t K, float* out) {
   const int64_t nb = K / QK;
 #if defined(Q4_AVX2)
   __m256 acc[ROWS][COLS];
@@ -163,16 +218,14 @@ inline void scale_terms(const uint8_t* codes, const float* sc, const int8_t* q, 
     __m256i w[COLS];
     __m256 ws[COLS];
     for (int64_t c = 0; c < COLS; ++c) {
-      const uint8_t* bytes = codes + (c * nb + b) * F::bytes;
-      // Q8: |w| as the unsigned operand, w's sign moved onto x below (the same products).
-      w[c] = Q8 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes)) : unpack(bytes);
-      ws[c] = _mm256_set1_ps(sc[c * F::factors * nb + b]);
+      w[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + c * K + b * QK));
+      ws[c] = _mm256_set1_ps(sc[c * nb + b]);
     }
     for (int64_t r = 0; r < ROWS; ++r) {
       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * K + b * QK));
       const __m256 dx = _mm256_set1_ps(d[r * nb + b]);
       for (int64_t c = 0; c < COLS; ++c) {
-        const __m256i dot = Q8 ? block_dot(_mm256_sign_epi8(w[c], w[c]), _mm256_sign_epi8(x, w[c])) : block_dot(w[c], x);
+        const __m256i dot = block_dot(_mm256_sign_epi8(w[c], w[c]), _mm256_sign_epi8(x, w[c]));
         acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(ws[c], dx), acc[r][c]);
       }
     }
@@ -187,15 +240,10 @@ inline void scale_terms(const uint8_t* codes, const float* sc, const int8_t* q, 
   float acc[ROWS][COLS][L] = {};
   for (int64_t b = 0; b < nb; ++b)
     for (int64_t c = 0; c < COLS; ++c) {
-      int32_t w[QK];
-      const uint8_t* bytes = codes + (c * nb + b) * F::bytes;
-      for (int64_t j = 0; j < QK / 2; ++j) {
-        w[j] = Q8 ? static_cast<int8_t>(bytes[j]) : bytes[j] & 0x0F;
-        w[j + QK / 2] = Q8 ? static_cast<int8_t>(bytes[j + QK / 2]) : bytes[j] >> 4;
-      }
+      const int8_t* w = codes + c * K + b * QK;
       for (int64_t r = 0; r < ROWS; ++r) {
         const int8_t* x = q + r * K + b * QK;
-        const float scale = sc[c * F::factors * nb + b] * d[r * nb + b];
+        const float scale = sc[c * nb + b] * d[r * nb + b];
         for (int64_t l = 0; l < L; ++l) {
           const int32_t lane = w[4 * l] * x[4 * l] + w[4 * l + 1] * x[4 * l + 1] + w[4 * l + 2] * x[4 * l + 2] +
                                w[4 * l + 3] * x[4 * l + 3];
@@ -208,70 +256,32 @@ inline void scale_terms(const uint8_t* codes, const float* sc, const int8_t* q, 
 #endif
 }
 
-// Rows m0..m1 of y against columns n..n + COLS - 1.
-template <bool Q8, int64_t COLS>
-inline void columns(const QuantRows& qx, const uint8_t* cp, const float* sp, const float* bp, int64_t n, int64_t m0,
-                    int64_t m1, int64_t N, int64_t K, float* yp) {
-  using F = Format<Q8>;
-  const int64_t nb = K / QK;
-  const uint8_t* wc = cp + n * nb * F::bytes;
-  const float* sc = sp + n * F::factors * nb;
-  float out[R * COLS];
-  auto finish = [&](int64_t m, int64_t rows) {
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t c = 0; c < COLS; ++c) {
-        const float add = bp ? bp[n + c] : 0.0f;
-        const float terms = Q8 ? out[r * COLS + c]
-                               : out[r * COLS + c] + minimum_term(sc + c * 2 * nb + nb, qx.s.data() + (m + r) * nb, nb);
-        yp[(m + r) * N + n + c] = terms + add;
-      }
-  };
-  int64_t m = m0;
-  for (; m + R <= m1; m += R) {
-    scale_terms<Q8, R, COLS>(wc, sc, qx.q.data() + m * K, qx.d.data() + m * nb, K, out);
-    finish(m, R);
-  }
-  for (; m < m1; ++m) {
-    scale_terms<Q8, 1, COLS>(wc, sc, qx.q.data() + m * K, qx.d.data() + m * nb, K, out);
-    finish(m, 1);
-  }
-}
+// x [.., K] as float32 rows [M, K] and their int8 blocks.
+struct Rows {
+  at::Tensor xf;
+  QuantRows qx;
+  int64_t M;
+};
 
-// y = x W^T (+ bias) for W in `codes` / `scales` of format Q8 or Q4, as bfloat16.
-template <bool Q8>
-at::Tensor blocks_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& bias,
-                         const char* name) {
-  using F = Format<Q8>;
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.dim() == 2, name,
-              ": codes [N, bytes] uint8");
-  const int64_t N = codes.size(0), K = codes.size(1) / F::bytes * QK, nb = K / QK;
-  TORCH_CHECK(codes.size(1) % F::bytes == 0 && K > 0, name, ": ", codes.size(1), " code bytes a row is not whole blocks");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
-                  scales.sizes() == at::IntArrayRef({N, F::factors, nb}),
-              name, ": scales [N, ", F::factors, ", K / 32] float32");
-  const at::Tensor xf = x.reshape({-1, x.size(-1)}).to(at::kFloat).contiguous();
+Rows quantized_rows(const at::Tensor& x, int64_t K, const char* name) {
+  at::Tensor xf = x.reshape({-1, x.size(-1)}).to(at::kFloat).contiguous();
   TORCH_CHECK(xf.size(1) == K, name, ": x has ", xf.size(1), " features, the weight ", K);
   const int64_t M = xf.size(0);
-  const QuantRows qx = quantize(xf.data_ptr<float>(), M, K);
-  at::Tensor y = at::empty({M, N}, xf.options());
-  float* yp = y.data_ptr<float>();
-  const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const float* sp = scales.data_ptr<float>();
-  const at::Tensor b = bias.numel() ? bias.to(at::kFloat).contiguous() : bias;
-  const float* bp = bias.numel() ? b.data_ptr<float>() : nullptr;
-  at::parallel_for(0, (N + NB - 1) / NB, 1, [&](int64_t begin, int64_t end) {
-    const int64_t n_end = std::min(end * NB, N);
-    // Rows in panels whose int8 codes stay in L2 while the task's columns pass over them.
-    for (int64_t m0 = 0; m0 < M; m0 += MP) {
-      const int64_t m1 = std::min(M, m0 + MP);
-      int64_t n = begin * NB;
-      for (; n + NC <= n_end; n += NC) columns<Q8, NC>(qx, cp, sp, bp, n, m0, m1, N, K, yp);
-      for (; n < n_end; ++n) columns<Q8, 1>(qx, cp, sp, bp, n, m0, m1, N, K, yp);
-    }
-  });
+  QuantRows qx = quantize(xf.data_ptr<float>(), M, K);
+  return {xf, std::move(qx), M};
+}
+
+// y [M, N] float32 -> bfloat16 in x's shape with N features.
+at::Tensor shaped(const at::Tensor& y, const at::Tensor& x, int64_t N) {
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
   shape.push_back(N);
   return y.to(at::kBFloat16).reshape(shape);
+}
+
+const float* bias_ptr(const at::Tensor& bias, at::Tensor& holder) {
+  if (!bias.numel()) return nullptr;
+  holder = bias.to(at::kFloat).contiguous();
+  return holder.data_ptr<float>();
 }
 
 }  // namespace
@@ -288,16 +298,95 @@ const char* q4_int8_path() {
 #endif
 }
 
-at::Tensor q4_int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale_min,
+at::Tensor q4_int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& factors,
                           const at::Tensor& bias) {
   RECORD_FUNCTION("tot::q4_int8_linear", std::vector<c10::IValue>());  // torch.profiler counts it as a linear
-  return blocks_linear<false>(x, codes, scale_min, bias, "q4_int8_linear");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 2 &&
+                  packed.size(1) % GROUP_BYTES == 0 && packed.size(1) > 0,
+              "q4_int8_linear: packed codes [N / 8, K / 32 * 128] uint8 (quant.py pack_q4)");
+  const int64_t groups = packed.size(0), nb = packed.size(1) / GROUP_BYTES, K = nb * QK, N = groups * G;
+  TORCH_CHECK(factors.scalar_type() == at::kFloat && factors.is_contiguous() &&
+                  factors.sizes() == at::IntArrayRef({groups, nb, 2, G}),
+              "q4_int8_linear: factors [N / 8, K / 32, 2, 8] float32");
+  Rows rows = quantized_rows(x, K, "q4_int8_linear");
+  const int64_t M = rows.M;
+  at::Tensor y = at::empty({M, N}, rows.xf.options());
+  at::Tensor bias_f;
+  const float* bp = bias_ptr(bias, bias_f);
+  float* yp = y.data_ptr<float>();
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const float* fp = factors.data_ptr<float>();
+  const QuantRows& qx = rows.qx;
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    float out[R * G];
+    // Rows in panels whose int8 codes stay in L2 while the task's groups pass over them.
+    for (int64_t m0 = 0; m0 < M; m0 += MP) {
+      const int64_t m1 = std::min(M, m0 + MP);
+      for (int64_t g = begin; g < end; ++g) {
+        const uint8_t* w = wp + g * nb * GROUP_BYTES;
+        const float* f = fp + g * nb * GROUP_FACTORS;
+        auto write = [&](int64_t m, int64_t n_rows) {
+          for (int64_t r = 0; r < n_rows; ++r)
+            for (int64_t c = 0; c < G; ++c) yp[(m + r) * N + g * G + c] = out[r * G + c] + (bp ? bp[g * G + c] : 0.0f);
+        };
+        int64_t m = m0;
+        for (; m + R <= m1; m += R) {
+          q4_group<R>(w, f, qx.q.data() + m * K, qx.d.data() + m * nb, qx.s.data() + m * nb, K, out);
+          write(m, R);
+        }
+        for (; m < m1; ++m) {
+          q4_group<1>(w, f, qx.q.data() + m * K, qx.d.data() + m * nb, qx.s.data() + m * nb, K, out);
+          write(m, 1);
+        }
+      }
+    }
+  });
+  return shaped(y, x, N);
 }
 
 at::Tensor q8_int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                           const at::Tensor& bias) {
   RECORD_FUNCTION("tot::q8_int8_linear", std::vector<c10::IValue>());  // torch.profiler counts it as a linear
-  return blocks_linear<true>(x, codes, scales, bias, "q8_int8_linear");
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.dim() == 2 && codes.size(1) % QK == 0 &&
+                  codes.size(1) > 0,
+              "q8_int8_linear: codes [N, K] (int8 viewed as uint8), K a multiple of 32");
+  const int64_t N = codes.size(0), K = codes.size(1), nb = K / QK;
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.sizes() == at::IntArrayRef({N, 1, nb}),
+              "q8_int8_linear: scales [N, 1, K / 32] float32");
+  Rows rows = quantized_rows(x, K, "q8_int8_linear");
+  const int64_t M = rows.M;
+  at::Tensor y = at::empty({M, N}, rows.xf.options());
+  at::Tensor bias_f;
+  const float* bp = bias_ptr(bias, bias_f);
+  float* yp = y.data_ptr<float>();
+  const int8_t* cp = reinterpret_cast<const int8_t*>(codes.data_ptr<uint8_t>());
+  const float* sp = scales.data_ptr<float>();
+  const QuantRows& qx = rows.qx;
+  at::parallel_for(0, (N + NB - 1) / NB, 1, [&](int64_t begin, int64_t end) {
+    const int64_t n_end = std::min(end * NB, N);
+    float out[R * NC];
+    for (int64_t m0 = 0; m0 < M; m0 += MP) {
+      const int64_t m1 = std::min(M, m0 + MP);
+      for (int64_t n = begin * NB; n < n_end;) {
+        const int64_t cols = n + NC <= n_end ? NC : 1;
+        auto tile = [&](int64_t m, int64_t n_rows) {
+          const int8_t* q = qx.q.data() + m * K;
+          const float* d = qx.d.data() + m * nb;
+          if (n_rows == R && cols == NC) q8_columns<R, NC>(cp + n * K, sp + n * nb, q, d, K, out);
+          else if (n_rows == R) q8_columns<R, 1>(cp + n * K, sp + n * nb, q, d, K, out);
+          else if (cols == NC) q8_columns<1, NC>(cp + n * K, sp + n * nb, q, d, K, out);
+          else q8_columns<1, 1>(cp + n * K, sp + n * nb, q, d, K, out);
+          for (int64_t r = 0; r < n_rows; ++r)
+            for (int64_t c = 0; c < cols; ++c) yp[(m + r) * N + n + c] = out[r * cols + c] + (bp ? bp[n + c] : 0.0f);
+        };
+        int64_t m = m0;
+        for (; m + R <= m1; m += R) tile(m, R);
+        for (; m < m1; ++m) tile(m, 1);
+        n += cols;
+      }
+    }
+  });
+  return shaped(y, x, N);
 }
 
 // Multiply-adds a second of a tight loop of the block dot product on every thread, with eight
