@@ -65,7 +65,7 @@ def test_the_kernel_computes_the_blocks_against_the_quantized_rows(kind):
     """Against float64 of the same blocks and the same int8 rows, the output is exact up to its
     bfloat16 rounding (half a unit in the last place: 2^-8 relative) and float32 accumulation
     (1e-5 of the output's scale); against the float rows, within 2% of the outputs' RMS."""
-    layer = gguf_layer(96, 512, kind)
+    layer = gguf_layer(90 if kind == "Q8_0" else 96, 512, kind)  # a head of 90: padded to groups of 8
     x = torch.randn(13, 512).to(torch.bfloat16)
     y = layer(x).double()
     q, d, _ = quantized_rows(x.float().numpy())
@@ -87,13 +87,12 @@ def test_a_rows_output_does_not_depend_on_the_rows_beside_it(kind):
         assert torch.equal(layer(x[:m]), every[:m]), m
     assert torch.equal(layer(x[5:6]), every[5:6])  # alone, not only as a prefix
     assert torch.equal(layer(x[100:101]), every[100:101])  # a row of the second panel, alone
-    # Fewer columns beside it: Q8_0's last one computed alone instead of in a pair, Q4's first groups
-    # of 8 without the rest, with the same bits.
+    # Fewer columns beside it: the first groups of 8 without the rest, with the same bits.
     if kind == "Q8_0":
-        fewer = Q8Linear(layer.weight[:63], layer.codes[:63].view(torch.int8), layer.scales[:63, 0], None)
+        fewer = Q8Linear(layer.weight[:56], *(t[:56] for t in layer.codes_scales()), None)
     else:
         fewer = Int4Linear(layer.codes[:56], *(t[:56] for t in layer.scale_minimum()), None, "int8")
-    assert torch.equal(fewer(x), every[:, : fewer.out_features])
+    assert torch.equal(fewer(x), every[:, :56])
     if kind == "Q8_0":
         return
     with_bias = Int4Linear(layer.codes, *layer.scale_minimum(), torch.randn(64), "int8")
@@ -164,13 +163,12 @@ def test_the_portable_loop_gives_the_vectorized_paths_bits(tmp_path):
     )
     assert portable.q4_int8_path() == "portable"
     for kind in ("Q4_1", "Q4_K", "Q8_0"):
-        layer = gguf_layer(81 if kind == "Q8_0" else 80, 512, kind)  # Q8_0: a column outside the pairs
+        layer = gguf_layer(80, 512, kind)
         x = torch.randn(11, 512).to(torch.bfloat16)
-        bias = torch.randn(layer.out_features).to(torch.bfloat16)
+        bias = torch.randn(80).to(torch.bfloat16)
         call = "q8_int8_linear" if kind == "Q8_0" else "q4_int8_linear"
-        operands = (layer.codes, layer.scales) if kind == "Q8_0" else (layer.packed8, layer.factors)
-        expected = getattr(kernels.load(), call)(x, *operands, bias)
-        assert torch.equal(getattr(portable, call)(x, *operands, bias), expected), kind
+        expected = getattr(kernels.load(), call)(x, layer.packed8, layer.factors, bias)
+        assert torch.equal(getattr(portable, call)(x, layer.packed8, layer.factors, bias), expected), kind
 
 
 def test_activation_error_measures_each_way_against_float32(tiny_model):

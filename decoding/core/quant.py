@@ -116,17 +116,33 @@ class Q8Linear(torch.nn.Module):
         super().__init__()
         self.out_features, self.in_features = codes.shape
         self.weight = weight
-        self.register_buffer("codes", codes.to(torch.int8).view(torch.uint8).contiguous())
-        self.register_buffer("scales", scale.float()[:, None, :].contiguous())  # [N, 1, K / 32]
+        # The kernel takes outputs in groups of 8: a vocabulary that is not a multiple of 8 gets zero
+        # columns, computed and dropped.
+        pad = -self.out_features % 8
+        codes, scale = (torch.cat([t, t.new_zeros(pad, t.shape[1])]) for t in (codes.to(torch.int8), scale.float()))
+        packed, factors = pack_q8(codes, scale)
+        self.register_buffer("packed8", packed)
+        self.register_buffer("factors", factors)
         self.bias = bias
+        self._padded_bias = None if bias is None or not pad else torch.cat([bias, bias.new_zeros(pad)])
         kernels.load()  # built now: a missing compiler is a load-time error
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.load().q8_int8_linear(x, self.codes, self.scales, _bias(self.bias))
+        bias = self.bias if self._padded_bias is None else self._padded_bias
+        y = kernels.load().q8_int8_linear(x, self.packed8, self.factors, _bias(bias))
+        return y if y.shape[-1] == self.out_features else y[..., : self.out_features]
+
+    def codes_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The Q8_0 codes [N, K] (int8) and scales [N, K / 32] (float32), from the kernel's layout."""
+        n, k = self.packed8.shape[0] * 8, self.in_features
+        codes = self.packed8.view(torch.int8).reshape(n // 8, k // GROUP, 8, 8, 4).permute(0, 3, 1, 2, 4)
+        scales = self.factors[:, :, 0].permute(0, 2, 1).reshape(n, -1)
+        return codes.reshape(n, k)[: self.out_features], scales[: self.out_features]
 
     def dequantized(self) -> torch.Tensor:
         """The float32 matrix the kernel multiplies by: scale * code per block of 32."""
-        return self.codes.view(torch.int8).float() * self.scales[:, 0].repeat_interleave(GROUP, 1)
+        codes, scales = self.codes_scales()
+        return codes.float() * scales.repeat_interleave(GROUP, 1)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, Q8_0, int8 activations"
@@ -146,6 +162,19 @@ def pack_q4(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> 
     packed = nibbles.permute(0, 2, 3, 1, 4).reshape(n // 8, -1).contiguous()
     factors = torch.stack([scale.float(), minimum.float()], 1)  # [N, 2, blocks]
     factors = factors.reshape(n // 8, 8, 2, -1).permute(0, 3, 2, 1).contiguous()
+    return packed, factors
+
+
+def pack_q8(codes: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0 codes [N, K] (int8) and scales [N, K / 32] in csrc/q4_int8.cpp's layout, in groups of 8
+    outputs: codes [N / 8, K / 32 * 256] (per block, vector j's byte 4c + i holds output c's code for
+    input 4j + i, int8 viewed as uint8) and factors [N / 8, K / 32, 1, 8]."""
+    n, k = codes.shape
+    if n % 8 or k % GROUP:
+        raise ValueError(f"the int8 kernel takes outputs in groups of 8 and inputs in blocks of 32, not [{n}, {k}]")
+    c = codes.to(torch.int8).reshape(n // 8, 8, k // GROUP, 8, 4)  # [group, column, block, j, i]
+    packed = c.permute(0, 2, 3, 1, 4).reshape(n // 8, -1).contiguous().view(torch.uint8)
+    factors = scale.float().reshape(n // 8, 8, 1, -1).permute(0, 3, 2, 1).contiguous()
     return packed, factors
 
 

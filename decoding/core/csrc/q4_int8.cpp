@@ -8,7 +8,7 @@
 //     y[m, n] = sum_b scale[n, b] * d[m, b] * (q . qx)[b]  +  minimum[n, b] * s[m, b],
 // accumulated per block in order with two fused multiply-adds. The block's integer dot product is
 // exact (VPMADDUBSW + VPMADDWD on AVX2, VPDPBUSD with VNNI: the same integers). The tied Q8_0 LM
-// head runs a column-at-a-time form of the same sums. Nothing depends on the number of rows, on
+// head runs the same sums without the minimum term. Nothing depends on the number of rows, on
 // which rows share a tile or on threads: a row gets the same bits alone or in any batch, on every
 // path (the portable loop does the same operations in the same order; built with -ffp-contract=off).
 #include <ATen/Parallel.h>
@@ -31,15 +31,9 @@
 namespace {
 
 constexpr int64_t QK = 32;  // inputs per block
-constexpr int64_t L = 8;    // float lanes of a Q8_0 block's partial sums
+constexpr int64_t L = 8;    // 32-bit lanes of an AVX2 register
 constexpr int64_t R = 4;    // rows of x per tile: one weight block unpacked feeds R rows
-constexpr int64_t NB = 8;   // Q8_0 output columns per parallel task
-constexpr int64_t NC = 2;   // Q8_0 output columns per tile: one row's codes loaded feed NC columns
 constexpr int64_t MP = 64;  // rows per panel (a multiple of R: a row's tile does not depend on M)
-
-inline float lanes_sum8(const float* a) {
-  return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
-}
 
 struct QuantRows {
   std::vector<int8_t> q;   // [M, K]
@@ -104,77 +98,107 @@ QuantRows quantize(const float* x, int64_t M, int64_t K) {
   return r;
 }
 
+// Weights in groups of 8 output columns (quant.py `pack_q4`, `pack_q8`), per group and block of 32
+// inputs:
+//   Q4: 4 vectors of 32 bytes, byte 4c + i of vector j holding column c's code for input 4j + i in
+//       its low nibble and for input 16 + 4j + i in its high nibble; then the 8 columns' scales and
+//       their 8 minimums (float32);
+//   Q8 (Q8_0, the LM head): 8 vectors of 32 signed bytes, byte 4c + i of vector j column c's code for
+//       input 4j + i; then the 8 columns' scales.
+// A block's products for one column then sum in one 32-bit lane: no reduction across lanes, and the
+// scales apply to 8 columns in one instruction.
+constexpr int64_t G = 8;  // output columns per group
+
+template <bool Q8>
+struct Format {
+  static constexpr int64_t bytes = Q8 ? G * QK : G * QK / 2;  // code bytes per group and block
+  static constexpr int64_t factors = Q8 ? G : 2 * G;          // floats per group and block
+};
+
 #if defined(Q4_AVX2)
-// Lane j: the sum of the 4 products w[4j..4j+3] * x[4j..4j+3] (w unsigned, x signed).
-inline __m256i block_dot(__m256i w, __m256i x) {
+inline __m256i x_group(const int8_t* x, int j) {  // x[4j..4j+3] in every lane
+  int32_t t;
+  std::memcpy(&t, x + 4 * j, 4);
+  return _mm256_set1_epi32(t);
+}
+
+// u8 x s8 products of 4 bytes a lane summed into acc: VPDPBUSD, or VPMADDUBSW + VPMADDWD (the same
+// integers wherever no pair of products passes 16 bits, as in both formats here).
+inline __m256i dot_add(__m256i acc, __m256i u, __m256i x) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
+  return _mm256_dpbusd_epi32(acc, u, x);
 #elif defined(__AVXVNNI__)
-  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, x);
+  return _mm256_dpbusd_avx_epi32(acc, u, x);
 #else
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)));
 #endif
 }
-#endif
 
-// Q4 weights in groups of 8 output columns (quant.py `pack_q4`): per group and block of 32 inputs,
-// 4 vectors of 32 bytes, byte 4c + i of vector j holding column c's code for input 4j + i in its
-// low nibble and for input 16 + 4j + i in its high nibble; beside them, per group and block, the 8
-// columns' scales then their 8 minimums (float32). A block's products for one column then sum in one
-// 32-bit lane: no reduction across lanes, and the scales apply to 8 columns in one instruction.
-constexpr int64_t G = 8;                // output columns per group
-constexpr int64_t GROUP_BYTES = G * QK / 2;  // code bytes per group and block
-constexpr int64_t GROUP_FACTORS = 2 * G;     // floats per group and block: scales, minimums
-
-#if defined(Q4_AVX2)
-// Lane c: the exact integer dot product of column c's 32 codes (v: the block's 8 unpacked vectors)
-// with the row's 32 int8 codes x. AVX2: VPMADDUBSW pairs (at most 2 * 15 * 127 each, so eight of
-// them add in 16 bits exactly), then VPMADDWD; VNNI: VPDPBUSD. The same integers either way.
-inline __m256i group_dot(const __m256i* v, const int8_t* x) {
-  auto group = [&](int j) {
-    int32_t t;
-    std::memcpy(&t, x + 4 * j, 4);
-    return _mm256_set1_epi32(t);
-  };
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), v[0], group(0));
-  for (int j = 1; j < 8; ++j) dot = _mm256_dpbusd_epi32(dot, v[j], group(j));
-  return dot;
-#elif defined(__AVXVNNI__)
-  __m256i dot = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), v[0], group(0));
-  for (int j = 1; j < 8; ++j) dot = _mm256_dpbusd_avx_epi32(dot, v[j], group(j));
+// Lane c: the exact integer dot product of column c's 32 codes with the row's 32 int8 codes x.
+// Q4 (v: the 8 unpacked vectors, codes 0..15): without VNNI the pairs (at most 2 * 15 * 127) add
+// eight times in 16 bits exactly before one VPMADDWD. Q8 (v: |w|, w: the signed codes): w's sign
+// moved onto x, each pair (at most 2 * 127 * 127) widened at once.
+inline __m256i q4_dot(const __m256i* v, const int8_t* x) {
+#if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
+  __m256i dot = _mm256_setzero_si256();
+  for (int j = 0; j < 8; ++j) dot = dot_add(dot, v[j], x_group(x, j));
   return dot;
 #else
-  __m256i pairs = _mm256_maddubs_epi16(v[0], group(0));
-  for (int j = 1; j < 8; ++j) pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(v[j], group(j)));
+  __m256i pairs = _mm256_maddubs_epi16(v[0], x_group(x, 0));
+  for (int j = 1; j < 8; ++j) pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(v[j], x_group(x, j)));
   return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
 #endif
 }
+
+inline __m256i q8_dot(const __m256i* v, const uint8_t* w, const int8_t* x) {
+  __m256i dot = _mm256_setzero_si256();
+  for (int j = 0; j < 8; ++j) {
+    const __m256i signs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * j));
+    dot = dot_add(dot, v[j], _mm256_sign_epi8(x_group(x, j), signs));
+  }
+  return dot;
+}
 #endif
 
+// Column c's code for input k of a block (w: the group's block).
+template <bool Q8>
+inline int32_t code_at(const uint8_t* w, int64_t c, int64_t k) {
+  if (Q8) return static_cast<int8_t>(w[32 * (k / 4) + 4 * c + k % 4]);
+  const uint8_t byte = w[32 * (k % 16 / 4) + 4 * c + k % 4];
+  return k < 16 ? byte & 0x0F : byte >> 4;
+}
+
 // out[r * G + c] = row r of the tile against column c of group `w` / `f`: per block in order,
-//     acc = fma(dot, scale * d, acc), then acc = fma(minimum, s, acc),
+//     acc = fma(dot, scale * d, acc), then (Q4) acc = fma(minimum, s, acc),
 // the same operations for every column, row and tile size.
-template <int64_t ROWS>
-inline void q4_group(const uint8_t* w, const float* f, const int8_t* q, const float* d, const float* s, int64_t K,
-                     float* out) {
+template <bool Q8, int64_t ROWS>
+inline void group_tile(const uint8_t* w, const float* f, const int8_t* q, const float* d, const float* s, int64_t K,
+                       float* out) {
+  using F = Format<Q8>;
   const int64_t nb = K / QK;
 #if defined(Q4_AVX2)
   const __m256i low = _mm256_set1_epi8(0x0F);
   __m256 acc[ROWS];
   for (int64_t r = 0; r < ROWS; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* wb = w + b * F::bytes;
     __m256i v[8];
-    for (int j = 0; j < 4; ++j) {
-      const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * GROUP_BYTES + 32 * j));
-      v[j] = _mm256_and_si256(p, low);
-      v[j + 4] = _mm256_and_si256(_mm256_srli_epi16(p, 4), low);
+    for (int j = 0; j < (Q8 ? 8 : 4); ++j) {
+      const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * j));
+      if (Q8) {
+        v[j] = _mm256_abs_epi8(p);
+      } else {
+        v[j] = _mm256_and_si256(p, low);
+        v[j + 4] = _mm256_and_si256(_mm256_srli_epi16(p, 4), low);
+      }
     }
-    const __m256 scale = _mm256_loadu_ps(f + b * GROUP_FACTORS), minimum = _mm256_loadu_ps(f + b * GROUP_FACTORS + G);
+    const float* fb = f + b * F::factors;
+    const __m256 scale = _mm256_loadu_ps(fb);
     for (int64_t r = 0; r < ROWS; ++r) {
-      const __m256i dot = group_dot(v, q + r * K + b * QK);
+      const int8_t* x = q + r * K + b * QK;
+      const __m256i dot = Q8 ? q8_dot(v, wb, x) : q4_dot(v, x);
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(scale, _mm256_set1_ps(d[r * nb + b])), acc[r]);
-      acc[r] = _mm256_fmadd_ps(minimum, _mm256_set1_ps(s[r * nb + b]), acc[r]);
+      if (!Q8) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(fb + G), _mm256_set1_ps(s[r * nb + b]), acc[r]);
     }
   }
   for (int64_t r = 0; r < ROWS; ++r) _mm256_storeu_ps(out + r * G, acc[r]);
@@ -183,76 +207,18 @@ inline void q4_group(const uint8_t* w, const float* f, const int8_t* q, const fl
   for (int64_t b = 0; b < nb; ++b)
     for (int64_t c = 0; c < G; ++c) {
       int32_t code[QK];
-      for (int64_t j = 0; j < 4; ++j)
-        for (int64_t i = 0; i < 4; ++i) {
-          const uint8_t byte = w[b * GROUP_BYTES + 32 * j + 4 * c + i];
-          code[4 * j + i] = byte & 0x0F;
-          code[16 + 4 * j + i] = byte >> 4;
-        }
-      const float scale = f[b * GROUP_FACTORS + c], minimum = f[b * GROUP_FACTORS + G + c];
+      for (int64_t k = 0; k < QK; ++k) code[k] = code_at<Q8>(w + b * F::bytes, c, k);
+      const float* fb = f + b * F::factors;
       for (int64_t r = 0; r < ROWS; ++r) {
         const int8_t* x = q + r * K + b * QK;
         int32_t dot = 0;
         for (int64_t k = 0; k < QK; ++k) dot += code[k] * x[k];
-        acc[r][c] = std::fma(static_cast<float>(dot), scale * d[r * nb + b], acc[r][c]);
-        acc[r][c] = std::fma(minimum, s[r * nb + b], acc[r][c]);
+        acc[r][c] = std::fma(static_cast<float>(dot), fb[c] * d[r * nb + b], acc[r][c]);
+        if (!Q8) acc[r][c] = std::fma(fb[G + c], s[r * nb + b], acc[r][c]);
       }
     }
   for (int64_t r = 0; r < ROWS; ++r)
     for (int64_t c = 0; c < G; ++c) out[r * G + c] = acc[r][c];
-#endif
-}
-
-// Q8_0 (the LM head): per output column, blocks of 32 signed codes and a scale. The products of a
-// block form 8 lanes of 4 (|w| as the unsigned operand, w's sign moved onto x), each lane converted
-// and accumulated with a fused multiply-add in block order, the lanes added in a fixed tree.
-// out[r * COLS + c]: row r of the tile against column c (codes + c * K, scales + c * nb).
-template <int64_t ROWS, int64_t COLS>
-inline void q8_columns(const int8_t* codes, const float* sc, const int8_t* q, const float* d, int64_t K, float* out) {
-  const int64_t nb = K / QK;
-#if defined(Q4_AVX2)
-  __m256 acc[ROWS][COLS];
-  for (int64_t r = 0; r < ROWS; ++r)
-    for (int64_t c = 0; c < COLS; ++c) acc[r][c] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    __m256i w[COLS];
-    __m256 ws[COLS];
-    for (int64_t c = 0; c < COLS; ++c) {
-      w[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + c * K + b * QK));
-      ws[c] = _mm256_set1_ps(sc[c * nb + b]);
-    }
-    for (int64_t r = 0; r < ROWS; ++r) {
-      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * K + b * QK));
-      const __m256 dx = _mm256_set1_ps(d[r * nb + b]);
-      for (int64_t c = 0; c < COLS; ++c) {
-        const __m256i dot = block_dot(_mm256_sign_epi8(w[c], w[c]), _mm256_sign_epi8(x, w[c]));
-        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(ws[c], dx), acc[r][c]);
-      }
-    }
-  }
-  for (int64_t r = 0; r < ROWS; ++r)
-    for (int64_t c = 0; c < COLS; ++c) {
-      alignas(32) float lanes[L];
-      _mm256_store_ps(lanes, acc[r][c]);
-      out[r * COLS + c] = lanes_sum8(lanes);
-    }
-#else
-  float acc[ROWS][COLS][L] = {};
-  for (int64_t b = 0; b < nb; ++b)
-    for (int64_t c = 0; c < COLS; ++c) {
-      const int8_t* w = codes + c * K + b * QK;
-      for (int64_t r = 0; r < ROWS; ++r) {
-        const int8_t* x = q + r * K + b * QK;
-        const float scale = sc[c * nb + b] * d[r * nb + b];
-        for (int64_t l = 0; l < L; ++l) {
-          const int32_t lane = w[4 * l] * x[4 * l] + w[4 * l + 1] * x[4 * l + 1] + w[4 * l + 2] * x[4 * l + 2] +
-                               w[4 * l + 3] * x[4 * l + 3];
-          acc[r][c][l] = std::fma(static_cast<float>(lane), scale, acc[r][c][l]);
-        }
-      }
-    }
-  for (int64_t r = 0; r < ROWS; ++r)
-    for (int64_t c = 0; c < COLS; ++c) out[r * COLS + c] = lanes_sum8(acc[r][c]);
 #endif
 }
 
@@ -284,6 +250,52 @@ const float* bias_ptr(const at::Tensor& bias, at::Tensor& holder) {
   return holder.data_ptr<float>();
 }
 
+// y = x W^T (+ bias) for W in groups of 8 columns of format Q8 or Q4 (packed [N / 8, K / 32 * bytes],
+// factors [N / 8, K / 32, factors / 8, 8]), as bfloat16 in x's shape.
+template <bool Q8>
+at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& factors,
+                          const at::Tensor& bias, const char* name) {
+  using F = Format<Q8>;
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 2 &&
+                  packed.size(1) % F::bytes == 0 && packed.size(1) > 0,
+              name, ": packed codes [N / 8, K / 32 * ", F::bytes, "] uint8 (quant.py pack_q4 / pack_q8)");
+  const int64_t groups = packed.size(0), nb = packed.size(1) / F::bytes, K = nb * QK, N = groups * G;
+  TORCH_CHECK(factors.scalar_type() == at::kFloat && factors.is_contiguous() &&
+                  factors.sizes() == at::IntArrayRef({groups, nb, F::factors / G, G}),
+              name, ": factors [N / 8, K / 32, ", F::factors / G, ", 8] float32");
+  Rows rows = quantized_rows(x, K, name);
+  const int64_t M = rows.M;
+  at::Tensor y = at::empty({M, N}, rows.xf.options());
+  at::Tensor bias_f;
+  const float* bp = bias_ptr(bias, bias_f);
+  float* yp = y.data_ptr<float>();
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const float* fp = factors.data_ptr<float>();
+  const QuantRows& qx = rows.qx;
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    float out[R * G];
+    // Rows in panels whose int8 codes stay in L2 while the task's groups pass over them.
+    for (int64_t m0 = 0; m0 < M; m0 += MP) {
+      const int64_t m1 = std::min(M, m0 + MP);
+      for (int64_t g = begin; g < end; ++g) {
+        const uint8_t* w = wp + g * nb * F::bytes;
+        const float* f = fp + g * nb * F::factors;
+        auto tile = [&](int64_t m, int64_t n_rows) {
+          const int8_t* q = qx.q.data() + m * K;
+          if (n_rows == R) group_tile<Q8, R>(w, f, q, qx.d.data() + m * nb, qx.s.data() + m * nb, K, out);
+          else group_tile<Q8, 1>(w, f, q, qx.d.data() + m * nb, qx.s.data() + m * nb, K, out);
+          for (int64_t r = 0; r < n_rows; ++r)
+            for (int64_t c = 0; c < G; ++c) yp[(m + r) * N + g * G + c] = out[r * G + c] + (bp ? bp[g * G + c] : 0.0f);
+        };
+        int64_t m = m0;
+        for (; m + R <= m1; m += R) tile(m, R);
+        for (; m < m1; ++m) tile(m, 1);
+      }
+    }
+  });
+  return shaped(y, x, N);
+}
+
 }  // namespace
 
 const char* q4_int8_path() {
@@ -301,92 +313,13 @@ const char* q4_int8_path() {
 at::Tensor q4_int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& factors,
                           const at::Tensor& bias) {
   RECORD_FUNCTION("tot::q4_int8_linear", std::vector<c10::IValue>());  // torch.profiler counts it as a linear
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 2 &&
-                  packed.size(1) % GROUP_BYTES == 0 && packed.size(1) > 0,
-              "q4_int8_linear: packed codes [N / 8, K / 32 * 128] uint8 (quant.py pack_q4)");
-  const int64_t groups = packed.size(0), nb = packed.size(1) / GROUP_BYTES, K = nb * QK, N = groups * G;
-  TORCH_CHECK(factors.scalar_type() == at::kFloat && factors.is_contiguous() &&
-                  factors.sizes() == at::IntArrayRef({groups, nb, 2, G}),
-              "q4_int8_linear: factors [N / 8, K / 32, 2, 8] float32");
-  Rows rows = quantized_rows(x, K, "q4_int8_linear");
-  const int64_t M = rows.M;
-  at::Tensor y = at::empty({M, N}, rows.xf.options());
-  at::Tensor bias_f;
-  const float* bp = bias_ptr(bias, bias_f);
-  float* yp = y.data_ptr<float>();
-  const uint8_t* wp = packed.data_ptr<uint8_t>();
-  const float* fp = factors.data_ptr<float>();
-  const QuantRows& qx = rows.qx;
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    float out[R * G];
-    // Rows in panels whose int8 codes stay in L2 while the task's groups pass over them.
-    for (int64_t m0 = 0; m0 < M; m0 += MP) {
-      const int64_t m1 = std::min(M, m0 + MP);
-      for (int64_t g = begin; g < end; ++g) {
-        const uint8_t* w = wp + g * nb * GROUP_BYTES;
-        const float* f = fp + g * nb * GROUP_FACTORS;
-        auto write = [&](int64_t m, int64_t n_rows) {
-          for (int64_t r = 0; r < n_rows; ++r)
-            for (int64_t c = 0; c < G; ++c) yp[(m + r) * N + g * G + c] = out[r * G + c] + (bp ? bp[g * G + c] : 0.0f);
-        };
-        int64_t m = m0;
-        for (; m + R <= m1; m += R) {
-          q4_group<R>(w, f, qx.q.data() + m * K, qx.d.data() + m * nb, qx.s.data() + m * nb, K, out);
-          write(m, R);
-        }
-        for (; m < m1; ++m) {
-          q4_group<1>(w, f, qx.q.data() + m * K, qx.d.data() + m * nb, qx.s.data() + m * nb, K, out);
-          write(m, 1);
-        }
-      }
-    }
-  });
-  return shaped(y, x, N);
+  return grouped_linear<false>(x, packed, factors, bias, "q4_int8_linear");
 }
 
-at::Tensor q8_int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+at::Tensor q8_int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& factors,
                           const at::Tensor& bias) {
   RECORD_FUNCTION("tot::q8_int8_linear", std::vector<c10::IValue>());  // torch.profiler counts it as a linear
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.dim() == 2 && codes.size(1) % QK == 0 &&
-                  codes.size(1) > 0,
-              "q8_int8_linear: codes [N, K] (int8 viewed as uint8), K a multiple of 32");
-  const int64_t N = codes.size(0), K = codes.size(1), nb = K / QK;
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.sizes() == at::IntArrayRef({N, 1, nb}),
-              "q8_int8_linear: scales [N, 1, K / 32] float32");
-  Rows rows = quantized_rows(x, K, "q8_int8_linear");
-  const int64_t M = rows.M;
-  at::Tensor y = at::empty({M, N}, rows.xf.options());
-  at::Tensor bias_f;
-  const float* bp = bias_ptr(bias, bias_f);
-  float* yp = y.data_ptr<float>();
-  const int8_t* cp = reinterpret_cast<const int8_t*>(codes.data_ptr<uint8_t>());
-  const float* sp = scales.data_ptr<float>();
-  const QuantRows& qx = rows.qx;
-  at::parallel_for(0, (N + NB - 1) / NB, 1, [&](int64_t begin, int64_t end) {
-    const int64_t n_end = std::min(end * NB, N);
-    float out[R * NC];
-    for (int64_t m0 = 0; m0 < M; m0 += MP) {
-      const int64_t m1 = std::min(M, m0 + MP);
-      for (int64_t n = begin * NB; n < n_end;) {
-        const int64_t cols = n + NC <= n_end ? NC : 1;
-        auto tile = [&](int64_t m, int64_t n_rows) {
-          const int8_t* q = qx.q.data() + m * K;
-          const float* d = qx.d.data() + m * nb;
-          if (n_rows == R && cols == NC) q8_columns<R, NC>(cp + n * K, sp + n * nb, q, d, K, out);
-          else if (n_rows == R) q8_columns<R, 1>(cp + n * K, sp + n * nb, q, d, K, out);
-          else if (cols == NC) q8_columns<1, NC>(cp + n * K, sp + n * nb, q, d, K, out);
-          else q8_columns<1, 1>(cp + n * K, sp + n * nb, q, d, K, out);
-          for (int64_t r = 0; r < n_rows; ++r)
-            for (int64_t c = 0; c < cols; ++c) yp[(m + r) * N + n + c] = out[r * cols + c] + (bp ? bp[n + c] : 0.0f);
-        };
-        int64_t m = m0;
-        for (; m + R <= m1; m += R) tile(m, R);
-        for (; m < m1; ++m) tile(m, 1);
-        n += cols;
-      }
-    }
-  });
-  return shaped(y, x, N);
+  return grouped_linear<true>(x, packed, factors, bias, "q8_int8_linear");
 }
 
 // Multiply-adds a second of a tight loop of the block dot product on every thread, with eight
@@ -403,7 +336,7 @@ double q4_int8_peak(int64_t iterations) {
       for (int j = 0; j < 8; ++j) acc[j] = _mm256_set1_epi32(j);
       const __m256i w = _mm256_set1_epi8(static_cast<char>(7 + t)), x = _mm256_set1_epi8(-3);
       for (int64_t i = 0; i < iterations; ++i)
-        for (int j = 0; j < 8; ++j) acc[j] = _mm256_add_epi32(acc[j], block_dot(w, x));
+        for (int j = 0; j < 8; ++j) acc[j] = dot_add(acc[j], w, x);
       int64_t s = 0;
       for (int j = 0; j < 8; ++j) s += _mm256_extract_epi32(acc[j], 0);
       sink += s;
