@@ -20,8 +20,10 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from decoding.cli import fail, hydra_command
+from decoding.core import numerics
 from decoding.core.errors import BackendError, ConfigError
-from decoding.core.models import ModelSpec, gguf_file, load_model
+from decoding.core.models import ModelSpec, cache_root, gguf_file, load_model
+from decoding.core.numerics import Numerics
 from decoding.core.options import as_int, held_text
 from decoding.core.quant import Int4Linear, Q8Linear
 
@@ -150,6 +152,12 @@ def main(cfg: DictConfig) -> None:
     print(f"| float32 dequantized | 0 | {ref_ppl:.4f} | 1.0000x |")
     for name, e in rows.items():
         print(f"| {name} | {e.kl:.6f} | {e.perplexity:.4f} | {e.perplexity / ref_ppl:.4f}x |")
+    if gguf is not None:  # what model.activations=auto reads
+        llama = rows.get("llama.cpp")
+        record = Numerics(rows["int8"].kl, rows["int8"].perplexity, rows["float"].perplexity, llama and llama.kl)
+        ok, why = record.int8_ok()
+        print(f"model.activations=auto runs {'int8' if ok else 'float'} on this file: {why}")
+        print(f"(recorded in {numerics.write(cache_root(), gguf, record)})")
     if acfg.out:
         result = {"reference_perplexity": ref_ppl, **{k: vars(v) for k, v in rows.items()}}
         Path(acfg.out).write_text(json.dumps(result, indent=2))

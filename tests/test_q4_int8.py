@@ -4,16 +4,19 @@ row-invariant, run by the C++ layers as by `hf`, and refused where it cannot run
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, quantize
 from test_quant import int4_copy
 
-from decoding.core import kernels
+from decoding.core import kernels, numerics
 from decoding.core.errors import BackendError
 from decoding.core.llama import Layers
-from decoding.core.models import ModelSpec, resolve_activations
+from decoding.core.models import ModelSpec, default_cache_dir, gguf_file, resolve_activations
+from decoding.core.numerics import Numerics
 from decoding.core.quant import GROUP, Int4Linear, Q8Linear, decode_int4, decode_q8_0
 
 RNG = np.random.default_rng(1)
@@ -135,8 +138,27 @@ def test_int8_is_refused_where_it_cannot_run_and_auto_picks_what_runs():
     auto = ModelSpec(activations="auto")
     assert resolve_activations(auto, torch.device("cuda"), "gguf") == "float"
     assert resolve_activations(auto, torch.device("cpu"), "bfloat16") == "float"
+
+
+def test_auto_runs_int8_only_where_the_files_numerics_are_on_record(tmp_path, monkeypatch):
+    """auto: int8 on a vectorized CPU once decoding.activation_error recorded the file's int8 KL no
+    worse than llama.cpp's and its perplexity within 1% of float's; float without a record or past either."""
+    spec = ModelSpec(activations="auto", cache_dir=str(default_cache_dir()))  # the converted model where it is
+    monkeypatch.setenv("TOT_CACHE_DIR", str(tmp_path))  # the records here
+    cpu = torch.device("cpu")
+    assert resolve_activations(spec, cpu, "gguf") == "float"  # nothing on record
+    gguf = gguf_file(spec)
     vectorized = kernels.load().q4_int8_path() != "portable"
-    assert resolve_activations(auto, torch.device("cpu"), "gguf") == ("int8" if vectorized else "float")
+    numerics.write(tmp_path, gguf, Numerics(0.0020, 6.25, 6.22, 0.0026))
+    assert resolve_activations(spec, cpu, "gguf") == ("int8" if vectorized else "float")
+    for worse, why in (
+        (Numerics(0.0039, 6.26, 6.22, 0.0026), r"int8's mean KL 0\.00390 is above llama\.cpp's 0\.00260"),
+        (Numerics(0.0020, 6.40, 6.22, 0.0026), r"int8's perplexity is 2\.9% above float's \(at most 1%\)"),
+        (Numerics(0.0020, 6.25, 6.22, None), r"no llama\.cpp figure"),
+    ):
+        numerics.write(tmp_path, gguf, worse)
+        assert resolve_activations(spec, cpu, "gguf") == "float"
+        assert re.search(why, worse.int8_ok()[1])
 
 
 def test_the_portable_loop_gives_the_vectorized_paths_bits(tmp_path):

@@ -21,13 +21,16 @@ QUESTIONS = [
 COMMON = ["gen.temperature=0.6", "gen.max_new_tokens=40"]
 
 
-def generate(tmp_path: Path, name: str, *overrides: str) -> tuple[list[list[int]], dict, list[dict]]:
+def generate(
+    tmp_path: Path, name: str, *overrides: str, common: list[str] = COMMON
+) -> tuple[list[list[int]], dict, list[dict]]:
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"q{i}", "prompt": q}) + "\n" for i, q in enumerate(QUESTIONS)))
     out = tmp_path / f"{name}.jsonl"
-    cmd = [sys.executable, "-m", "decoding.generate", f"prompts={prompts}", f"out={out}", *COMMON, *overrides]
+    cmd = [sys.executable, "-m", "decoding.generate", f"prompts={prompts}", f"out={out}", *common, *overrides]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    (tmp_path / f"{name}.log").write_text(proc.stdout + proc.stderr)
     rows = sorted((json.loads(line) for line in out.read_text().splitlines()), key=lambda r: r["id"])
     return [r["token_ids"] for r in rows], json.loads(Path(f"{out}.summary.json").read_text()), rows
 
@@ -56,3 +59,16 @@ def test_every_decoder_samples_what_hf_samples_on_the_embedded_model(tmp_path, r
     else:
         # Blind to the target's stream, a draft is kept about p(x) of the time.
         assert stats["accepted_tokens"] / stats["drafted_tokens"] < 0.8
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("temperature", [0.0, 0.6])
+def test_every_decoder_returns_hfs_tokens_with_int8_activations_on_the_embedded_model(tmp_path, temperature):
+    """model.activations=int8 (the 4-bit layers and the Q8_0 head on csrc/q4_int8.cpp): greedy and
+    sampled (match_gumbel), each decoder's tokens are `hf`'s on the same loaded model."""
+    common = [f"gen.temperature={temperature}", "gen.max_new_tokens=40"]
+    hf, _, _ = generate(tmp_path, "hf", "decoder=hf", "model.activations=int8", common=common)
+    assert "x int8 activations" in (tmp_path / "hf.log").read_text()  # the load took the setting
+    for name in ("ar", "seed_stand", "pld"):
+        tokens, _, _ = generate(tmp_path, name, f"decoder={name}", "model.activations=int8", common=common)
+        assert tokens == hf, name

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from decoding.core import attention, kernels, rows_linear
+from decoding.core import attention, kernels, numerics, rows_linear
 from decoding.core.errors import BackendError
 from decoding.core.memory import MemoryBudget, available_bytes
 from decoding.core.model_files import check_checkpoint, check_gguf
@@ -262,12 +262,23 @@ def load_model(spec: ModelSpec) -> LoadedModel:
 
 def resolve_activations(spec: ModelSpec, device: torch.device, weights: str) -> str:
     """float or int8. int8 activations run a GGUF's 4-bit layers on the CPU kernel: refused elsewhere,
-    in one line. auto: int8 where it can run on vector instructions (AVX2 or VNNI), where it measured
-    faster than float at the same error as llama.cpp (docs/performance.md); float elsewhere."""
+    in one line. auto: int8 where the kernel runs on vector instructions (AVX2 or VNNI: faster than
+    float in every forward measured, docs/performance.md) and `decoding.activation_error` measured
+    this file's int8 outputs as close to float32 as llama.cpp's (decoding/core/numerics.py); float
+    elsewhere, with a log line saying why."""
     if spec.activations == "auto":
         if device.type != "cpu" or weights != "gguf":
             return "float"
-        return "float" if kernels.load().q4_int8_path() == "portable" else "int8"
+        if kernels.load().q4_int8_path() == "portable":
+            log.info("%s.activations=auto: float (the int8 kernel has no vector path on this CPU)", spec.key)
+            return "float"
+        gguf = gguf_file(spec)
+        record = numerics.read(cache_root(), gguf) if gguf is not None else None
+        ok, why = record.int8_ok() if record else (False, "no measurement of its outputs on record")
+        if not ok and not record:
+            why += " (python -m decoding.activation_error measures them)"
+        log.info("%s.activations=auto: %s (%s: %s)", spec.key, "int8" if ok else "float", gguf and gguf.name, why)
+        return "int8" if ok else "float"
     if spec.activations == "int8":
         check_activations(spec, device, weights)
     return spec.activations

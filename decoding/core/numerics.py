@@ -1,0 +1,59 @@
+"""What `decoding.activation_error` measured for a GGUF file, kept for `model.activations=auto`.
+
+auto runs int8 activations only where they were measured to cost no more accuracy than llama.cpp's
+own int8 path on the same file (mean KL from the float32 dequantization no larger than llama.cpp's)
+and to keep the perplexity within 1% of the float path's. A record is one JSON file per GGUF file
+(keyed by its path, size and modification time) under the project's cache folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+PERPLEXITY_WITHIN = 0.01  # int8's perplexity at most this much above the float path's
+
+
+@dataclass(frozen=True)
+class Numerics:
+    """Mean KL from float32 (nats a token) and perplexity, per way, on one file's held text."""
+
+    int8_kl: float
+    int8_perplexity: float
+    float_perplexity: float
+    llama_cpp_kl: float | None  # None: llama-cpp-python was not installed
+
+    def int8_ok(self) -> tuple[bool, str]:
+        """Whether auto may run int8 here, and why not."""
+        if self.llama_cpp_kl is None:
+            return False, "no llama.cpp figure to compare int8's KL with (install llama-cpp-python)"
+        if self.int8_kl > self.llama_cpp_kl:
+            return False, f"int8's mean KL {self.int8_kl:.5f} is above llama.cpp's {self.llama_cpp_kl:.5f}"
+        if self.int8_perplexity > self.float_perplexity * (1 + PERPLEXITY_WITHIN):
+            over = self.int8_perplexity / self.float_perplexity - 1
+            return False, f"int8's perplexity is {over:.1%} above float's (at most {PERPLEXITY_WITHIN:.0%})"
+        return True, "its KL is no worse than llama.cpp's and its perplexity within 1% of float's"
+
+
+def record_path(cache: Path, gguf: Path) -> Path:
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    return cache / "numerics" / f"{key}.json"
+
+
+def write(cache: Path, gguf: Path, numerics: Numerics) -> Path:
+    path = record_path(cache, gguf)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"gguf": str(gguf), **asdict(numerics)}, indent=2) + "\n")
+    return path
+
+
+def read(cache: Path, gguf: Path) -> Numerics | None:
+    """The file's record, or None where it has none (or an unreadable one)."""
+    try:
+        data = json.loads(record_path(cache, gguf).read_text())
+        return Numerics(**{k: data[k] for k in Numerics.__dataclass_fields__})
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
