@@ -64,8 +64,20 @@ class BesideConfig:
 
 
 def held_rows(path: str) -> list[dict]:
+    """The held texts' rows; a line that is not a JSON object with a question and an answer is refused."""
+    rows = []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError:
+                row = None
+            if not isinstance(row, dict) or not {"question", "answer"} <= row.keys():
+                raise ConfigError(f"data={path} line {n} is not a JSON object with question and answer (GSM8K jsonl)")
+            rows.append(row)
+    return rows
 
 
 def prompt_ids(tokenize: Callable[[str], list[int]], rows: list[dict], n: int) -> list[int]:
@@ -133,11 +145,11 @@ def main(cfg: DictConfig) -> None:
             raise ConfigError(f"model.path={bcfg.model.path} is not a GGUF file; llama.cpp runs GGUF files")
         loaded = load_model(bcfg.model)
         engine = Engine(loaded, DecoderConfig(bcfg.decoder))
+        rows = held_rows(bcfg.data)
+        tokenize = lambda text: loaded.tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+        ids = prompt_ids(tokenize, rows, bcfg.prompt_tokens)
     except (ConfigError, BackendError) as e:
         fail(str(e).splitlines()[0])
-    rows = held_rows(bcfg.data)
-    tokenize = lambda text: loaded.tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
-    ids = prompt_ids(tokenize, rows, bcfg.prompt_tokens)
     question = rows[0]["question"]
     chat_ids = engine.encode(question)
     llm = Llama(

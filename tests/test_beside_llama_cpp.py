@@ -8,6 +8,7 @@ from omegaconf import OmegaConf
 
 from decoding.beside_llama_cpp import (
     BesideConfig,
+    held_rows,
     llama_decode,
     llama_prompt_s,
     project_decode,
@@ -52,3 +53,6 @@ def test_bad_settings_are_refused_in_one_line(tmp_path):
     held.write_text('{"question": "q", "answer": "a"}\n')
     with pytest.raises(ConfigError, match=r"repeats=0 must be a positive integer"):
         BesideConfig.from_omegaconf(OmegaConf.create({**base, "data": str(held), "repeats": 0}))
+    held.write_text('{"question": "q", "answer": "a"}\n{"question": "q"\n')
+    with pytest.raises(ConfigError, match=r"held.jsonl line 2 is not a JSON object with question and answer"):
+        held_rows(str(held))
