@@ -24,7 +24,7 @@ from decoding.core import numerics
 from decoding.core.errors import BackendError, ConfigError
 from decoding.core.models import ModelSpec, cache_root, gguf_file, load_model
 from decoding.core.numerics import Numerics
-from decoding.core.options import as_int, held_text
+from decoding.core.options import as_int, held_rows, held_text
 from decoding.core.quant import Int4Linear, Q8Linear
 
 
@@ -56,8 +56,7 @@ class Error:
 
 
 def texts(path: str, limit: int) -> list[str]:
-    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()][:limit]
-    return [f"{r['question']}\n{r['answer']}" for r in rows]
+    return [f"{r['question']}\n{r['answer']}" for r in held_rows(path)[:limit]]
 
 
 def float32_reference(model: torch.nn.Module) -> torch.nn.Module:

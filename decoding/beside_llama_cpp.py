@@ -32,7 +32,7 @@ from decoding.config import DecoderConfig
 from decoding.core.draft_tree import DraftTree
 from decoding.core.errors import BackendError, ConfigError
 from decoding.core.models import ModelSpec, gguf_file, load_model
-from decoding.core.options import as_int, held_text
+from decoding.core.options import as_int, held_rows, held_text
 from decoding.core.packing import pack
 from decoding.core.runner import ModelRunner
 from decoding.core.values import GenRequest
@@ -61,23 +61,6 @@ class BesideConfig:
             if value < 1:
                 raise ConfigError(f"{key}={value} must be a positive integer")
         return cls(ModelSpec.from_config(c["model"]), str(c["decoder"]), data, **counts, out=c.get("out"))
-
-
-def held_rows(path: str) -> list[dict]:
-    """The held texts' rows; a line that is not a JSON object with a question and an answer is refused."""
-    rows = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except ValueError:
-                row = None
-            if not isinstance(row, dict) or not {"question", "answer"} <= row.keys():
-                raise ConfigError(f"data={path} line {n} is not a JSON object with question and answer (GSM8K jsonl)")
-            rows.append(row)
-    return rows
 
 
 def prompt_ids(tokenize: Callable[[str], list[int]], rows: list[dict], n: int) -> list[int]:

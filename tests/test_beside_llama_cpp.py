@@ -8,7 +8,6 @@ from omegaconf import OmegaConf
 
 from decoding.beside_llama_cpp import (
     BesideConfig,
-    held_rows,
     llama_decode,
     llama_prompt_s,
     project_decode,
@@ -17,6 +16,7 @@ from decoding.beside_llama_cpp import (
 )
 from decoding.core.errors import ConfigError
 from decoding.core.models import embedded_file
+from decoding.core.options import held_rows
 from decoding.engine import Engine
 
 ROWS = [{"question": "a b c", "answer": "d e"}, {"question": "f g", "answer": "h i j"}]

@@ -9,6 +9,7 @@ dataclass's own `__post_init__` then checks what types cannot say (ranges, combi
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import types
 import typing
@@ -40,6 +41,23 @@ def held_text(key: str, value: object) -> str:
     if not path.is_file():
         raise ConfigError(f"{key}={path} does not exist; give a GSM8K jsonl file (question, answer per line)")
     return str(path)
+
+
+def held_rows(path: str) -> list[dict]:
+    """The held texts' rows; a line that is not a JSON object with a question and an answer is refused."""
+    rows = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError:
+                row = None
+            if not isinstance(row, dict) or not {"question", "answer"} <= row.keys():
+                raise ConfigError(f"data={path} line {n} is not a JSON object with question and answer (GSM8K jsonl)")
+            rows.append(row)
+    return rows
 
 
 def as_float(key: str, value: object) -> float:
