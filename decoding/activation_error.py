@@ -133,10 +133,9 @@ def main(cfg: DictConfig) -> None:
         acfg = ActivationErrorConfig.from_omegaconf(cfg)
         loaded = load_model(acfg.model)
         gguf = gguf_file(acfg.model)
+        ids = [loaded.tokenizer(t)["input_ids"] for t in texts(acfg.data, acfg.limit)]
     except (ConfigError, BackendError) as e:
         fail(str(e).splitlines()[0])
-    tok = loaded.tokenizer
-    ids = [tok(t)["input_ids"] for t in texts(acfg.data, acfg.limit)]
     ref_model, float_model = float32_reference(loaded.model), float_activations(loaded.model)
     reference = [log_probs(ref_model, i) for i in ids]
     ways = {"float": [log_probs(float_model, i) for i in ids], "int8": [log_probs(loaded.model, i) for i in ids]}
