@@ -3,7 +3,8 @@
 On held text (GSM8K test questions with their solutions), the next-token distributions of the model's
 4-bit layers run three ways: a float32 dequantization of the same weights (the reference: every
 4-bit layer as float32 scale * q + minimum, the rest of the model in float32), `float` (torch's int4
-kernel, bfloat16 activations) and `int8` (activations quantized per block of 32). Prints, per way,
+kernel, bfloat16 activations) and `int8` (activations quantized per block of 32, the hidden states
+between the layers float32). Prints, per way,
 the mean KL divergence of its next-token distributions from the reference's (nats a token) and the
 perplexity of the text; with llama-cpp-python installed, llama.cpp on the same file and tokens too.
 """
@@ -21,11 +22,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from decoding.cli import fail, hydra_command
 from decoding.core import numerics
+from decoding.core.draft_tree import DraftTree
 from decoding.core.errors import BackendError, ConfigError
 from decoding.core.models import ModelSpec, cache_root, gguf_file, load_model
 from decoding.core.numerics import Numerics
 from decoding.core.options import as_int, held_rows, held_text
+from decoding.core.packing import pack
 from decoding.core.quant import Int4Linear, Q8Linear
+from decoding.core.runner import ModelRunner
 
 
 @dataclass(frozen=True)
@@ -76,8 +80,8 @@ def float32_reference(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def float_activations(model: torch.nn.Module) -> torch.nn.Module:
-    """The model with its 4-bit layers on torch's int4 kernel and its head the bfloat16 matrix
-    (model.activations=float)."""
+    """The model as model.activations=float runs it: its 4-bit layers on torch's int4 kernel, its head
+    the bfloat16 matrix and the rest in bfloat16 (the int8 path's is float32)."""
     out = copy.deepcopy(model)
     head = out.get_output_embeddings()
     if isinstance(head, Q8Linear):
@@ -90,13 +94,22 @@ def float_activations(model: torch.nn.Module) -> torch.nn.Module:
             layer = Int4Linear(module.codes, scale, minimum, module.bias, "float")
             parent, _, child = name.rpartition(".")
             setattr(out.get_submodule(parent) if parent else out, child, layer)
-    return out
+    return out.to(torch.bfloat16)
 
 
 @torch.inference_mode()
 def log_probs(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
     """Next-token log-probabilities [T - 1, V] (float64) at every position but the last."""
     logits = model(input_ids=torch.tensor([ids])).logits[0, :-1]
+    return torch.log_softmax(logits.double(), -1)
+
+
+@torch.inference_mode()
+def runner_log_probs(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
+    """`log_probs` through the decoders' forward (the C++ layers over the row KV cache, in its type)."""
+    cache = runner.new_cache(1, len(ids) + 1)
+    packed = pack([ids], [DraftTree()])
+    logits = runner.forward(cache, packed.tokens, packed.see, packed.depth)[0, :-1]
     return torch.log_softmax(logits.double(), -1)
 
 
@@ -138,7 +151,8 @@ def main(cfg: DictConfig) -> None:
         fail(str(e).splitlines()[0])
     ref_model, float_model = float32_reference(loaded.model), float_activations(loaded.model)
     reference = [log_probs(ref_model, i) for i in ids]
-    ways = {"float": [log_probs(float_model, i) for i in ids], "int8": [log_probs(loaded.model, i) for i in ids]}
+    runner = ModelRunner(loaded.model)
+    ways = {"float": [log_probs(float_model, i) for i in ids], "int8": [runner_log_probs(runner, i) for i in ids]}
     by_llama = llama_cpp_log_probs(gguf, ids) if gguf else None
     if by_llama is not None:
         ways["llama.cpp"] = by_llama

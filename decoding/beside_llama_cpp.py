@@ -74,11 +74,12 @@ def prompt_ids(tokenize: Callable[[str], list[int]], rows: list[dict], n: int) -
 
 
 def project_prompt_s(runner: ModelRunner, ids: list[int]) -> float:
-    """Seconds to compute `ids` into a fresh cache row: one forward of the whole prompt."""
+    """Seconds to compute `ids` into a fresh cache row: one forward of the whole prompt, the LM head on
+    its last token only (as the engine's prefill and llama.cpp's `eval` compute it)."""
     cache = runner.new_cache(1, len(ids) + 1)
     packed = pack([ids], [DraftTree()])
     t0 = time.perf_counter()
-    runner.forward(cache, packed.tokens, packed.see, packed.depth)
+    runner.forward(cache, packed.tokens, packed.see, packed.depth, logits_at=torch.tensor([len(ids) - 1]))
     return time.perf_counter() - t0
 
 

@@ -20,6 +20,7 @@ from decoding.core.llama import Layers
 from decoding.core.models import prepare_for_inference
 from decoding.core.norm import RowsRMSNorm
 from decoding.core.prefix_cache import PrefixCache
+from decoding.core.rows_linear import RowsLinear, dense_in_bfloat16
 from decoding.core.runner import ModelRunner
 from decoding.core.verify import pack
 
@@ -27,14 +28,30 @@ PROMPTS = [[5 + (7 * i + j) % 90 for i in range(n)] for j, n in enumerate((9, 23
 
 
 @pytest.fixture(
-    scope="module", params=["bfloat16-aten", "bfloat16-rows", "bfloat16-llama-norms", "gguf-int4", "gguf-int4-int8"]
+    scope="module",
+    params=["bfloat16-aten", "bfloat16-rows", "bfloat16-llama-norms", "gguf-int4", "gguf-int4-int8", "gguf-mixed-int8"],
 )
 def model(request, tiny_model) -> torch.nn.Module:
+    if request.param == "gguf-mixed-int8":
+        return mixed_int8(tiny_model)
     if request.param.startswith("gguf-int4"):
         return int4_copy(tiny_model, "int8" if request.param.endswith("int8") else "float")
     if request.param == "bfloat16-llama-norms":  # transformers' own norms (ATen ops), not RowsRMSNorm
         return llama_norms(tiny_model)
     return with_linear_kernel(tiny_model, request.param.removeprefix("bfloat16-"))
+
+
+def mixed_int8(tiny_model: torch.nn.Module) -> torch.nn.Module:
+    """int8 activations in a file of mixed types (a Q4_K_M file's Q6_K tensors): each layer's down
+    projection dense, as the load path leaves it (bfloat16 on the row-invariant kernel, in a float32 model)."""
+    model = int4_copy(tiny_model, "int8")
+    for layer, source in zip(model.model.layers, tiny_model.model.layers, strict=True):
+        dense = torch.nn.Linear(source.mlp.down_proj.in_features, source.mlp.down_proj.out_features, bias=False)
+        dense.weight.data = source.mlp.down_proj.weight.detach().float()
+        layer.mlp.down_proj = dense
+    assert dense_in_bfloat16(model) == len(model.model.layers)
+    assert all(type(layer.mlp.down_proj) is RowsLinear for layer in model.model.layers)
+    return model
 
 
 def llama_norms(model: torch.nn.Module) -> torch.nn.Module:

@@ -13,7 +13,16 @@ from gguf import GGMLQuantizationType, GGUFWriter, dequantize, quantize
 from helpers import UNCAPPED
 
 from decoding.core.errors import BackendError
-from decoding.core.quant import GROUP, Int4Linear, Q8Linear, check_types, decode_int4, decode_q8_0, kernel_fits
+from decoding.core.quant import (
+    GROUP,
+    INT8_HIDDEN,
+    Int4Linear,
+    Q8Linear,
+    check_types,
+    decode_int4,
+    decode_q8_0,
+    kernel_fits,
+)
 
 RNG = np.random.default_rng(0)
 
@@ -41,8 +50,11 @@ def q8_head(model: torch.nn.Module) -> None:
 
 def int4_copy(model: torch.nn.Module, activations: str = "float") -> torch.nn.Module:
     """A copy of a tiny model whose decoder linear layers are Q4_1 GGUF blocks, their input
-    multiplied as `activations` (model.activations); with int8 the LM head is Q8_0 blocks too."""
+    multiplied as `activations` (model.activations); with int8 the LM head is Q8_0 blocks too and the
+    rest of the model float32, as the load path makes it."""
     model = copy.deepcopy(model)
+    if activations == "int8":
+        model.to(INT8_HIDDEN)
     for name, module in list(model.named_modules()):
         if name != "lm_head" and kernel_fits(module):
             parent, _, child = name.rpartition(".")

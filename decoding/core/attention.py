@@ -16,6 +16,7 @@ import torch
 
 from decoding.core import kernels
 from decoding.core.errors import BackendError
+from decoding.core.quant import INT8_CACHE, Int4Linear
 
 CHOICE = "invariant"  # the model.attention value
 NAME = "tot_invariant"  # the `attn_implementation` name models are switched to
@@ -35,7 +36,9 @@ def invariant_attention(
 ) -> tuple[torch.Tensor, None]:
     """The `transformers` attention interface: query [B, H, T, D], key/value [B', H_kv, L, D] (B' > B
     when `kv_rows` picks the cache rows of the query rows), a boolean mask [B, 1, T, L] (True:
-    visible) or None for causal. Returns [B, T, H, D]."""
+    visible) or None for causal. Returns [B, T, H, D] in the query's type; the attention runs in the
+    keys' type, or in quant.INT8_CACHE where the layer's projections take int8 activations (the
+    decoders' cache is then of that type; `transformers`' own cache, which `hf` uses, is not)."""
     if module.training and dropout:
         raise BackendError("the invariant attention is for inference; use model.attention=sdpa to train")
     mask = _EMPTY if attention_mask is None else attention_mask
@@ -43,7 +46,10 @@ def invariant_attention(
         mask = mask == 0  # an additive float mask: 0 where visible
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     rows = _EMPTY if kv_rows is None else kv_rows
-    return kernels.load().attend(query, key, value, mask, rows, float(scale), _EMPTY), None
+    q_proj = getattr(module, "q_proj", None)
+    dtype = INT8_CACHE if type(q_proj) is Int4Linear and q_proj.activations == "int8" else key.dtype
+    out = kernels.load().attend(query.to(dtype), key.to(dtype), value.to(dtype), mask, rows, float(scale), _EMPTY)
+    return out.to(query.dtype), None
 
 
 def register() -> None:

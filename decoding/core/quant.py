@@ -12,7 +12,8 @@ the kernel multiplies by, and tests/test_quant.py checks it against the file.
 With `model.activations=int8` the same blocks run through csrc/q4_int8.cpp instead: scale and
 minimum kept in float32 (the file's fp16 exactly), codes in the file's nibble order, and each row of
 activations quantized to int8 per block of 32 (its scale and sum beside it), so that the
-multiply-adds run on the integer units; `Int4Linear.dequantized` is then scale * q + minimum.
+multiply-adds run on the integer units; `Int4Linear.dequantized` is then scale * q + minimum. The
+kernel returns its input's type; the model around it runs in float32 on that path (models.py).
 
 Every other tensor type (Q8_0, Q6_K, F16, ...) runs in bfloat16: `transformers` dequantizes it to
 float32 and it is rounded once. The kernel gives a row the same bits whatever the number of rows
@@ -39,6 +40,12 @@ if TYPE_CHECKING:
 GROUP = 32  # the kernel's group size along the input dimension, GGUF's 4-bit block (or sub-block)
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 ACTIVATIONS = ("float", "int8", "auto")  # model.activations: what a 4-bit layer multiplies its input as
+# int8 activations keep the hidden states between the 4-bit products in this type, as llama.cpp does:
+# bfloat16 ones would add their rounding to the activations' (docs/performance.md "int8 activations").
+INT8_HIDDEN = torch.float32
+# ... and the KV cache in this one (llama.cpp's is float16): attention reads the cache whole at every
+# token, and float32 keys cost 13-25% of a forward for a KL from float32 1% lower.
+INT8_CACHE = torch.bfloat16
 # Types `transformers` (gguf-py) dequantizes, run in bfloat16.
 DEQUANTIZED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q5_K", "Q6_K", "Q8_K")
 
@@ -69,7 +76,8 @@ class Int4Linear(torch.nn.Module):
             # [groups, out, 2]: the kernel's layout.
             self.register_buffer("scales_zeros", torch.stack([scale.float().t(), zero.t()], -1).to(torch.bfloat16))
         self.register_buffer("codes", codes.to(torch.uint8), persistent=False)
-        self.bias = None if bias is None else torch.nn.Parameter(bias.to(torch.bfloat16), requires_grad=False)
+        dtype = INT8_HIDDEN if activations == "int8" else torch.bfloat16  # the type the layer returns
+        self.bias = None if bias is None else torch.nn.Parameter(bias.to(dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.activations == "int8":
@@ -201,6 +209,14 @@ def q8_head_from_gguf(model: torch.nn.Module, path: Path) -> bool:
     bias = None if head.bias is None else head.bias
     model.set_output_embeddings(Q8Linear(head.weight, torch.from_numpy(codes), torch.from_numpy(scale), bias))
     return True
+
+
+def cache_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The KV cache's type: INT8_CACHE where the model's 4-bit layers take int8 activations, else the
+    model's own. The attention then runs in that type (decoding/core/attention.py)."""
+    if any(type(m) is Int4Linear and m.activations == "int8" for m in model.modules()):
+        return INT8_CACHE
+    return next(model.parameters()).dtype
 
 
 def _bias(bias: torch.Tensor | None) -> torch.Tensor:

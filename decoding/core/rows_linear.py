@@ -35,13 +35,11 @@ class RowsLinear(torch.nn.Linear):
 def fits(module: torch.nn.Module) -> bool:
     """Whether the kernel can run this layer: a contiguous bfloat16 CPU weight, in_features in lanes."""
     w = getattr(module, "weight", None)
-    return (
-        isinstance(w, torch.Tensor)
-        and w.dtype == torch.bfloat16
-        and w.device.type == "cpu"
-        and w.is_contiguous()
-        and w.shape[-1] % LANES == 0
-    )
+    return isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16 and fits_shape(w)
+
+
+def fits_shape(w: torch.Tensor) -> bool:
+    return w.device.type == "cpu" and w.is_contiguous() and w.shape[-1] % LANES == 0
 
 
 def resolve_linear(choice: str, device: torch.device, key: str = "model") -> str:
@@ -65,4 +63,22 @@ def use_rows_kernel(model: torch.nn.Module) -> int:
             n += 1
     if n:
         kernels.load()  # build it now: a missing compiler is a load-time error
+    return n
+
+
+@torch.no_grad()
+def dense_in_bfloat16(model: torch.nn.Module) -> int:
+    """With int8 activations the model runs in float32 (quant.INT8_HIDDEN); its linear layers that are
+    neither 4-bit nor Q8_0 (a GGUF's Q6_K or F16 tensors) keep the bfloat16 weights the float path
+    has, on this kernel, which takes float32 rows and returns float32 (a row's bits alone, as ever).
+    A weight tied to the embedding gets its own copy: the embedding stays float32. Returns how many."""
+    n = 0
+    for module in model.modules():
+        if type(module) is torch.nn.Linear and module.weight.dtype == torch.float32 and fits_shape(module.weight):
+            w = module.weight
+            module.weight = torch.nn.Parameter(w.detach().to(torch.bfloat16), requires_grad=False)
+            module.__class__ = RowsLinear
+            n += 1
+    if n:
+        kernels.load()
     return n

@@ -13,6 +13,7 @@ from decoding.core.kv_cache import ForwardView, RowKVCache, cache_geometry
 from decoding.core.memory import MemoryBudget
 from decoding.core.packing import Packed, pack
 from decoding.core.prefix_cache import Match, PrefixCache, shared_len
+from decoding.core.quant import cache_dtype
 from decoding.core.sequence import Sequence
 from decoding.core.static_forward import StaticForward, StaticSpec
 
@@ -47,6 +48,7 @@ class ModelRunner:
         self.config = model.config
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        self.cache_dtype = cache_dtype(model)
         impl = getattr(model.config, "_attn_implementation", "sdpa")
         self.reads_rows_in_place = impl == attention.NAME  # the kernel takes the verified rows' indices
         self.additive_mask = impl == "eager"  # eager attention adds its mask (a boolean one is misread)
@@ -93,7 +95,7 @@ class ModelRunner:
             self.config,
             batch,
             capacity,
-            self.dtype,
+            self.cache_dtype,
             self.device,
             keys_by_position=self.reads_rows_in_place,
             spare=1 if self.static is not None else 0,
@@ -352,7 +354,7 @@ class ModelRunner:
         n_layers, n_kv, head_dim = cache_geometry(self.config)
         capacity = self.row_capacity([longest_prompt], room)
         rows += 1 if self.static is not None else 0
-        return rows * capacity * 2 * n_layers * n_kv * head_dim * self.dtype.itemsize
+        return rows * capacity * 2 * n_layers * n_kv * head_dim * self.cache_dtype.itemsize
 
     def row_capacity(self, prompt_lens: list[int], room: int) -> int:
         """Positions a row of the pool needs while rows with these prompts decode, `room` past each."""

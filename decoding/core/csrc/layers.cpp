@@ -4,7 +4,7 @@
 // the same order and dtypes (RMSNorm in float32, rotary embedding, the linears as Int4Linear or
 // nn.Linear compute them, the invariant attention, SiLU MLP, residual adds), so the result has the
 // same bits; only the Python between the ops is gone, which at one row cost more than the
-// arithmetic.
+// arithmetic, and the cache writes and joined products' splits are plain copies and views.
 #include "kernels.h"
 
 namespace {
@@ -35,12 +35,13 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, b
 // the three rounded operations ATen runs (x * cos, rotate_half(x) * sin, their sum), each rounded to
 // x's type as ATen rounds it, so the bits are transformers' (five ATen ops and their buffers saved).
 template <typename T>
-void rotate_rows(const T* x, const T* cos, const T* sin, T* out, int64_t n, int64_t heads, int64_t d) {
+void rotate_rows(const T* x, int64_t x_stride, const T* cos, const T* sin, T* out, int64_t n, int64_t heads,
+                 int64_t d) {
   const int64_t half = d / 2;
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
       for (int64_t h = 0; h < heads; ++h) {
-        const T* xr = x + (t * heads + h) * d;
+        const T* xr = x + t * x_stride + h * d;
         T* o = out + (t * heads + h) * d;
         for (int64_t i = 0; i < d; ++i) {
           const float rotated = i < half ? -static_cast<float>(xr[i + half]) : static_cast<float>(xr[i - half]);
@@ -52,18 +53,21 @@ void rotate_rows(const T* x, const T* cos, const T* sin, T* out, int64_t n, int6
   });
 }
 
-// x [N, heads, D] (a view of a linear's output), cos and sin [N, 1, D]
+// x [N, heads, D] (a view of a linear's output: its tokens may lie apart, a joined product's columns),
+// cos and sin [N, 1, D]; the result is contiguous.
 at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  const at::Tensor xc = x.contiguous(), c = cos.contiguous(), s = sin.contiguous();
+  const bool rows_apart = x.stride(2) == 1 && x.stride(1) == x.size(2);
+  const at::Tensor xc = rows_apart ? x : x.contiguous(), c = cos.contiguous(), s = sin.contiguous();
   TORCH_CHECK(c.scalar_type() == xc.scalar_type() && s.scalar_type() == xc.scalar_type() && c.numel() == xc.size(0) * xc.size(2),
               "rotate: cos and sin [N, 1, D] of x's type");
-  at::Tensor out = at::empty_like(xc);
   const int64_t n = xc.size(0), heads = xc.size(1), d = xc.size(2);
+  at::Tensor out = at::empty({n, heads, d}, xc.options());
   if (xc.scalar_type() == at::kBFloat16)
-    rotate_rows(xc.data_ptr<at::BFloat16>(), c.data_ptr<at::BFloat16>(), s.data_ptr<at::BFloat16>(),
+    rotate_rows(xc.data_ptr<at::BFloat16>(), xc.stride(0), c.data_ptr<at::BFloat16>(), s.data_ptr<at::BFloat16>(),
                 out.data_ptr<at::BFloat16>(), n, heads, d);
   else if (xc.scalar_type() == at::kFloat)
-    rotate_rows(xc.data_ptr<float>(), c.data_ptr<float>(), s.data_ptr<float>(), out.data_ptr<float>(), n, heads, d);
+    rotate_rows(xc.data_ptr<float>(), xc.stride(0), c.data_ptr<float>(), s.data_ptr<float>(), out.data_ptr<float>(), n,
+                heads, d);
   else {
     const int64_t h = d / 2;  // another type: ATen's ops
     return (xc * c) + (at::cat({-xc.slice(-1, h), xc.slice(-1, 0, h)}, -1) * s);
@@ -71,11 +75,49 @@ at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   return out;
 }
 
+// cache[rows[n], :, slots[n]] = x[n] in the cache's type, for x [N, heads, D] (any strides) and a cache
+// [R, heads, S, D] of any layout: RowKVCache.update's index_put_ for real tokens (the same values),
+// without the indexing machinery that cost more than the copy at a token a row.
+template <typename C, typename X>
+void put_typed(const at::Tensor& cache, const at::Tensor& x, const int64_t* rows, const int64_t* slots) {
+  C* dst = cache.data_ptr<C>();
+  const X* src = x.data_ptr<X>();
+  const int64_t n = x.size(0), heads = x.size(1), d = x.size(2);
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t h = 0; h < heads; ++h) {
+      C* out = dst + rows[t] * cache.stride(0) + h * cache.stride(1) + slots[t] * cache.stride(2);
+      const X* in = src + t * x.stride(0) + h * x.stride(1);
+      for (int64_t i = 0; i < d; ++i) out[i * cache.stride(3)] = static_cast<C>(static_cast<float>(in[i * x.stride(2)]));
+    }
+}
+
+void put_rows(const at::Tensor& cache, const at::Tensor& x, const at::Tensor& rows, const at::Tensor& slots) {
+  TORCH_CHECK(cache.dim() == 4 && x.dim() == 3 && x.size(1) == cache.size(1) && x.size(2) == cache.size(3) &&
+                  rows.numel() == x.size(0) && slots.numel() == x.size(0) && rows.scalar_type() == at::kLong &&
+                  slots.scalar_type() == at::kLong && rows.is_contiguous() && slots.is_contiguous(),
+              "put_rows: cache [R, heads, S, D], x [N, heads, D], rows and slots [N] int64");
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < x.size(0); ++t)
+    TORCH_CHECK(rp[t] >= 0 && rp[t] < cache.size(0) && sp[t] >= 0 && sp[t] < cache.size(2), "put_rows: (row ", rp[t],
+                ", slot ", sp[t], ") outside the cache");
+  const auto c = cache.scalar_type(), t = x.scalar_type();
+  if (c == at::kFloat && t == at::kFloat) put_typed<float, float>(cache, x, rp, sp);
+  else if (c == at::kBFloat16 && t == at::kBFloat16) put_typed<at::BFloat16, at::BFloat16>(cache, x, rp, sp);
+  else if (c == at::kBFloat16 && t == at::kFloat) put_typed<at::BFloat16, float>(cache, x, rp, sp);
+  else if (c == at::kFloat && t == at::kBFloat16) put_typed<float, at::BFloat16>(cache, x, rp, sp);
+  else {  // another type: ATen's indexing
+    c10::List<c10::optional<at::Tensor>> where({rows, c10::nullopt, slots});
+    const_cast<at::Tensor&>(cache).index_put_(where, x.to(c));
+  }
+}
+
 // The products of projections that read one input: [w] alone each, or joined in the first's place
 // (Layers.of: the others' codes empty) and split by columns, `sizes` per projection (-1: an equal
-// share of the columns the given sizes leave).
+// share of the columns the given sizes leave); `views`: the split parts are views of the joined
+// product, else contiguous copies.
 std::vector<at::Tensor> products(const at::Tensor& x, const at::Tensor* w, const std::vector<int64_t>& sizes,
-                                 bool rows_kernel) {
+                                 bool rows_kernel, bool views) {
   std::vector<at::Tensor> out;
   if (w[3].numel() > 0) {
     for (size_t j = 0; j < sizes.size(); ++j) out.push_back(linear(x, w + 3 * j, rows_kernel));
@@ -88,7 +130,8 @@ std::vector<at::Tensor> products(const at::Tensor& x, const at::Tensor* w, const
   int64_t start = 0;
   for (int64_t n : sizes) {
     n = n < 0 ? share : n;
-    out.push_back(joined.narrow(-1, start, n).contiguous());
+    const at::Tensor part = joined.narrow(-1, start, n);
+    out.push_back(views ? part : part.contiguous());
     start += n;
   }
   TORCH_CHECK(start == joined.size(-1), "decoder_layers: joined projections of ", joined.size(-1), " columns");
@@ -111,18 +154,28 @@ std::vector<at::Tensor> decoder_layers(at::Tensor h, const std::vector<at::Tenso
   // norms, linears and cache writes, as [N, H]; attention alone sees the [B, T] layout. Each row
   // of a linear is computed alone (quant.py's invariance), so a real token's bits do not change.
   const bool ragged = real.numel() > 0;
+  // Without pads (`real` is sorted) the [N, H] and [B, T] layouts hold the same tokens in the same order.
+  const bool padded = ragged && real.numel() < batch * n_new;
   // The real tokens' slots, so that attention skips the pads' queries (empty: every slot is real).
-  const at::Tensor live = ragged ? at::zeros({batch * n_new}, real.options().dtype(at::kBool)).index_fill_(0, real, true)
+  const at::Tensor live = padded ? at::zeros({batch * n_new}, real.options().dtype(at::kBool)).index_fill_(0, real, true)
                                  : at::empty({0}, real.options().dtype(at::kBool));
   // cos and sin come as [B, 1, T, D]: per token [B * T, 1, D] (the same values, one row a token)
   at::Tensor cos_t = cos.reshape({batch * n_new, 1, head_dim}), sin_t = sin.reshape({batch * n_new, 1, head_dim});
   c10::List<c10::optional<at::Tensor>> where({rows, c10::nullopt, slots});
+  at::Tensor real_rows, real_slots;  // ragged: each real token's cache row and slot
   if (ragged) {
-    h = h.reshape({batch * n_new, -1}).index_select(0, real);
-    cos_t = cos_t.index_select(0, real);
-    sin_t = sin_t.index_select(0, real);
-    const at::Tensor flat_rows = rows.expand({batch, n_new}).reshape({-1}).index_select(0, real);
-    where = c10::List<c10::optional<at::Tensor>>({flat_rows, c10::nullopt, slots.reshape({-1}).index_select(0, real)});
+    h = h.reshape({batch * n_new, -1});
+    real_rows = rows.expand({batch, n_new}).reshape({-1});
+    real_slots = slots.reshape({-1});
+    if (padded) {
+      h = h.index_select(0, real);
+      cos_t = cos_t.index_select(0, real);
+      sin_t = sin_t.index_select(0, real);
+      real_rows = real_rows.index_select(0, real);
+      real_slots = real_slots.index_select(0, real);
+    }
+    real_rows = real_rows.contiguous();
+    real_slots = real_slots.contiguous();
   }
   at::Tensor hidden;
   for (size_t i = 0; i < keys.size(); ++i) {
@@ -130,17 +183,18 @@ std::vector<at::Tensor> decoder_layers(at::Tensor h, const std::vector<at::Tenso
     const at::Tensor x = rms_norm(h, w[0], eps, rows_norm);
     // k's and v's columns: kv heads x head_dim each; q's the rest
     const int64_t kv = keys[i].size(1) * head_dim;
-    const std::vector<at::Tensor> qkv = products(x, w + 2, {-1, kv, kv}, rows_kernel);
+    // q, k and v as views of a joined product (read in place by rotate and put_rows)
+    const std::vector<at::Tensor> qkv = products(x, w + 2, {-1, kv, kv}, rows_kernel, true);
     at::Tensor q, k, v;
     if (ragged) {  // [N, heads, D]
       const std::vector<int64_t> shape{x.size(0), -1, head_dim};
       q = rotate(qkv[0].view(shape), cos_t, sin_t);
       k = rotate(qkv[1].view(shape), cos_t, sin_t);
       v = qkv[2].view(shape);
-      keys[i].index_put_(where, k.to(keys[i].scalar_type()));
-      values[i].index_put_(where, v.to(values[i].scalar_type()));
+      put_rows(keys[i], k, real_rows, real_slots);
+      put_rows(values[i], v, real_rows, real_slots);
       // Pad queries see only their own (unwritten) slot; their outputs are dropped below.
-      q = at::zeros({batch * n_new, q.size(1), head_dim}, q.options()).index_copy_(0, real, q);
+      if (padded) q = at::zeros({batch * n_new, q.size(1), head_dim}, q.options()).index_copy_(0, real, q);
       q = q.view({batch, n_new, -1, head_dim}).transpose(1, 2);
     } else {  // rotated as [B * T, heads, D], then [B, heads, T, D]
       const std::vector<int64_t> flat{batch * n_new, -1, head_dim}, shape{batch, n_new, -1, head_dim};
@@ -151,11 +205,17 @@ std::vector<at::Tensor> decoder_layers(at::Tensor h, const std::vector<at::Tenso
       keys[i].index_put_(where, k.transpose(1, 2).to(keys[i].scalar_type()));
       values[i].index_put_(where, v.transpose(1, 2).to(values[i].scalar_type()));
     }
-    at::Tensor out = attend(q, keys[i].slice(2, 0, kv_len), values[i].slice(2, 0, kv_len), mask, kv_rows, scaling, live);
-    out = ragged ? out.reshape({batch * n_new, -1}).index_select(0, real) : out.reshape({batch, n_new, -1});
+    // in the cache's type, as attention.py's invariant_attention
+    at::Tensor out = attend(q.to(keys[i].scalar_type()), keys[i].slice(2, 0, kv_len), values[i].slice(2, 0, kv_len),
+                            mask, kv_rows, scaling, live)
+                         .to(h.scalar_type());
+    out = !ragged ? out.reshape({batch, n_new, -1})
+          : padded ? out.reshape({batch * n_new, -1}).index_select(0, real)
+                   : out.reshape({batch * n_new, -1});
     h = h + linear(out, w + 11, rows_kernel);
     const at::Tensor y = rms_norm(h, w[1], eps, rows_norm);
-    const std::vector<at::Tensor> gate_up = products(y, w + 14, {-1, -1}, rows_kernel);
+    // contiguous, as the separate modules return them: SiLU's vector loop and tail then split the same way
+    const std::vector<at::Tensor> gate_up = products(y, w + 14, {-1, -1}, rows_kernel, false);
     h = h + linear(at::silu(gate_up[0]) * gate_up[1], w + 20, rows_kernel);
     if (static_cast<int64_t>(i) == capture) hidden = h;
   }

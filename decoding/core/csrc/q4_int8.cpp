@@ -237,11 +237,11 @@ Rows quantized_rows(const at::Tensor& x, int64_t K, const char* name) {
   return {xf, std::move(qx), M};
 }
 
-// y [M, N] float32 -> bfloat16 in x's shape with N features.
+// y [M, N] float32 -> x's type and shape with N features.
 at::Tensor shaped(const at::Tensor& y, const at::Tensor& x, int64_t N) {
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
   shape.push_back(N);
-  return y.to(at::kBFloat16).reshape(shape);
+  return y.to(x.scalar_type()).reshape(shape);
 }
 
 const float* bias_ptr(const at::Tensor& bias, at::Tensor& holder) {
@@ -251,7 +251,7 @@ const float* bias_ptr(const at::Tensor& bias, at::Tensor& holder) {
 }
 
 // y = x W^T (+ bias) for W in groups of 8 columns of format Q8 or Q4 (packed [N / 8, K / 32 * bytes],
-// factors [N / 8, K / 32, factors / 8, 8]), as bfloat16 in x's shape.
+// factors [N / 8, K / 32, factors / 8, 8]), in x's type and shape.
 template <bool Q8>
 at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& factors,
                           const at::Tensor& bias, const char* name) {
