@@ -16,7 +16,7 @@ import torch
 
 from decoding.core import kernels
 from decoding.core.errors import BackendError
-from decoding.core.quant import INT8_CACHE, Int4Linear
+from decoding.core.quant import INT8_CACHE, takes_int8
 
 CHOICE = "invariant"  # the model.attention value
 NAME = "tot_invariant"  # the `attn_implementation` name models are switched to
@@ -46,8 +46,7 @@ def invariant_attention(
         mask = mask == 0  # an additive float mask: 0 where visible
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     rows = _EMPTY if kv_rows is None else kv_rows
-    q_proj = getattr(module, "q_proj", None)
-    dtype = INT8_CACHE if type(q_proj) is Int4Linear and q_proj.activations == "int8" else key.dtype
+    dtype = INT8_CACHE if takes_int8(module) else key.dtype
     out = kernels.load().attend(query.to(dtype), key.to(dtype), value.to(dtype), mask, rows, float(scale), _EMPTY)
     return out.to(query.dtype), None
 

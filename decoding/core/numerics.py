@@ -4,7 +4,7 @@ auto runs int8 activations only where they were measured to cost no more accurac
 own int8 path on the same file (mean KL from the float32 dequantization no larger than llama.cpp's)
 and to keep the perplexity within 1% of the float path's. A record is one JSON file per GGUF file
 (keyed by its path, size and modification time) under the project's cache folder, holding the
-arithmetic it measured (`arithmetic()`): a record of other kernels or hidden-state types is not read.
+arithmetic it measured (`arithmetic()`): a record of other kernels, hidden-state or cache types is not read.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from decoding.core import kernels
-from decoding.core.quant import INT8_HIDDEN
+from decoding.core.quant import INT8_CACHE, INT8_HIDDEN
 
 PERPLEXITY_WITHIN = 0.01  # int8's perplexity at most this much above the float path's
 
@@ -42,9 +42,10 @@ class Numerics:
 
 
 def arithmetic() -> str:
-    """What the int8 path's outputs depend on besides the file: the kernels' sources and the type of the
-    hidden states between the layers."""
-    return f"kernels {kernels.source_digest()}, hidden {str(INT8_HIDDEN).removeprefix('torch.')}"
+    """What the int8 path's outputs depend on besides the file: the kernels' sources and the types of the
+    hidden states between the layers and of the KV cache."""
+    hidden, cache = (str(t).removeprefix("torch.") for t in (INT8_HIDDEN, INT8_CACHE))
+    return f"kernels {kernels.source_digest()}, hidden {hidden}, cache {cache}"
 
 
 def record_path(cache: Path, gguf: Path) -> Path:

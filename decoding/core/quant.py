@@ -211,12 +211,15 @@ def q8_head_from_gguf(model: torch.nn.Module, path: Path) -> bool:
     return True
 
 
+def takes_int8(module: torch.nn.Module) -> bool:
+    """Whether the module's 4-bit layers (a model's, or one attention layer's) take int8 activations."""
+    return any(type(m) is Int4Linear and m.activations == "int8" for m in module.modules())
+
+
 def cache_dtype(model: torch.nn.Module) -> torch.dtype:
     """The KV cache's type: INT8_CACHE where the model's 4-bit layers take int8 activations, else the
     model's own. The attention then runs in that type (decoding/core/attention.py)."""
-    if any(type(m) is Int4Linear and m.activations == "int8" for m in model.modules()):
-        return INT8_CACHE
-    return next(model.parameters()).dtype
+    return INT8_CACHE if takes_int8(model) else next(model.parameters()).dtype
 
 
 def _bias(bias: torch.Tensor | None) -> torch.Tensor:
