@@ -82,7 +82,7 @@ def profile(cfg: ProfileConfig, target: ModelRunner) -> list[dict]:
             if cfg.split and target.device.type == "cuda":
                 row["gpu_busy"] = gpu_busy(lambda s=step: [s() for _ in range(cfg.repeats)])[1]
             elif cfg.split:
-                row["split"] = time_split(target.model, step, cfg.repeats)
+                row["split"] = time_split(target.model, step, cfg.repeats, row["ms"])
             rows.append(row)
     base = next((r["ms"] for r in rows if r["batch"] == 1 and r["tree_tokens"] == 1), rows[0]["ms"])
     for r in rows:

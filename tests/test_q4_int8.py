@@ -104,6 +104,24 @@ def test_a_rows_output_does_not_depend_on_the_rows_beside_it(kind):
         Int4Linear(layer.codes[:63], *(t[:63] for t in layer.scale_minimum()), None, "int8")
 
 
+def test_the_fused_form_has_the_bits_of_norm_linear_and_residual_add():
+    """csrc/layers.cpp's q4_int8_fused: the norm's values quantized without its buffer, and the
+    residual added in the kernel's output loop, bitwise what the separate modules compute."""
+    k = kernels.load()
+    layer = gguf_layer(64, 256, "Q4_1")
+    h, weight, residual = torch.randn(9, 256) * 3, torch.rand(256) + 0.5, torch.randn(9, 64)
+    ops = (layer.packed8, layer.factors, torch.empty(0))
+    normed = k.rms_norm_rows(h, weight, 1e-5)
+    assert torch.equal(k.q4_int8_fused(h, *ops, weight, 1e-5, None), layer(normed))
+    assert torch.equal(k.q4_int8_fused(normed, *ops, None, 0.0, residual), residual + layer(normed))
+    both = k.q4_int8_fused(h.view(3, 3, 256), *ops, weight, 1e-5, residual.view(3, 3, 64))
+    assert both.shape == (3, 3, 64) and torch.equal(both.view(9, 64), residual + layer(normed))
+    for m in (1, 4, 5):  # a row's bits alone and in any batch
+        assert torch.equal(k.q4_int8_fused(h[:m], *ops, weight, 1e-5, residual[:m]), both.view(9, 64)[:m])
+    with pytest.raises(RuntimeError, match="a residual"):
+        k.q4_int8_fused(h, *ops, weight, 1e-5, residual[:3])
+
+
 def test_the_cpp_layers_take_the_int8_kernel(tiny_model):
     """The decoder layers (csrc/layers.cpp) get every projection's int8 operands, not a silent
     fallback to the Python modules (tests/test_llama.py shows their forward has `hf`'s bits)."""

@@ -19,7 +19,8 @@ from decoding.core.errors import BackendError
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("attention.cpp", "layers.cpp", "matmul.cpp", "norm.cpp", "q4_int8.cpp", "topk.cpp", "module.cpp")
+SOURCES = ("activation.cpp", "attention.cpp", "layers.cpp", "matmul.cpp", "norm.cpp", "q4_int8.cpp", "topk.cpp")
+SOURCES += ("module.cpp",)
 # -ffp-contract=off: the only fused multiply-adds are the explicit ones (attention.cpp's header);
 # -fno-trapping-math lets floor and selects vectorize; neither changes a value.
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fopenmp"]

@@ -19,6 +19,7 @@ import torch
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaRMSNorm
 
 from decoding.core import attention, kernels
+from decoding.core.activation import FixedSiLU
 from decoding.core.kv_cache import ForwardView
 from decoding.core.norm import RowsRMSNorm
 from decoding.core.quant import Int4Linear
@@ -63,11 +64,13 @@ class Layers:
     scaling: float
     rows: bool  # the dense projections are RowsLinear (the row-invariant kernel), not nn.Linear
     rows_norm: bool  # the norms are RowsRMSNorm (csrc/norm.cpp), not LlamaRMSNorm
+    fixed_silu: bool  # the MLPs' act_fn is FixedSiLU (csrc/activation.cpp), not torch's SiLU
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> Layers | None:
         """The layers, or None where this path would not compute the model's own forward: not a
-        Llama causal LM, another attention than the invariant one, another activation or norm, or
+        Llama causal LM, another attention than the invariant one, another activation or norm (or
+        FixedSiLU in some layers only), or
         a projection that is neither `nn.Linear`, `RowsLinear` nor `Int4Linear` (e.g. float32's
         PrepackedLinear), dense projections of both kinds, or norms of both kinds."""
         if type(model) is not LlamaForCausalLM or model.config._attn_implementation != attention.NAME:
@@ -79,6 +82,9 @@ class Layers:
         layers = model.model.layers
         norms = {type(m) for layer in layers for m in (layer.input_layernorm, layer.post_attention_layernorm)}
         if len(norms) != 1 or not norms <= {LlamaRMSNorm, RowsRMSNorm}:
+            return None
+        silus = {type(layer.mlp.act_fn) is FixedSiLU for layer in layers}
+        if len(silus) != 1:
             return None
         for layer in model.model.layers:
             if type(layer) is not LlamaDecoderLayer:
@@ -107,7 +113,7 @@ class Layers:
             return None
         scaling = float(first.self_attn.scaling)
         head_dim, rows = first.self_attn.head_dim, RowsLinear in dense
-        return cls(model, weights, float(eps.pop()), head_dim, scaling, rows, RowsRMSNorm in norms)
+        return cls(model, weights, float(eps.pop()), head_dim, scaling, rows, RowsRMSNorm in norms, silus.pop())
 
     @torch.inference_mode()
     def forward(
@@ -149,6 +155,7 @@ class Layers:
             _NONE if real is None else real,
             self.rows,
             self.rows_norm,
+            self.fixed_silu,
         )
         h = inner.norm(h)
         if logits_at is not None:

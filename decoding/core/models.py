@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from decoding.core import attention, kernels, numerics, rows_linear
+from decoding.core.activation import use_fixed_silu
 from decoding.core.errors import BackendError
 from decoding.core.memory import MemoryBudget, available_bytes
 from decoding.core.model_files import check_checkpoint, check_gguf
@@ -217,6 +218,9 @@ def prepare_for_inference(
     norms = use_rows_norm(model) if attn == attention.CHOICE and device.type == "cpu" else 0
     if norms:
         done.append(f"{norms} RMSNorms in one pass")
+    silus = use_fixed_silu(model) if activations == "int8" and attn == attention.CHOICE else 0
+    if silus:
+        done.append(f"{silus} SiLUs with a fixed exp")
     rows = rows_linear.use_rows_kernel(model) if linear == "rows" else 0
     if rows:
         done.append(f"{rows} bfloat16 linear layers on the row-invariant kernel")

@@ -26,23 +26,6 @@ namespace {
 constexpr int64_t W = 16;  // vector lanes (floats) the loops below are written for
 constexpr int64_t U = 4;   // independent score chains per query, to hide the fused multiply-add latency
 
-// exp(x) for x <= 0 (Cephes expf's range reduction and polynomial): plain float arithmetic, so the
-// compiler's vector and scalar code give the same bits.
-inline float fixed_exp(float x) {
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  float r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * (r * r) + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(std::max(n, -126.0f)) + 127) << 23;
-  return x < -87.0f ? 0.0f : p * __builtin_bit_cast(float, bits);
-}
-
 // Widen n values to float (bfloat16 through its bits: a shift the compiler vectorizes).
 template <typename scalar_t>
 inline void widen(const scalar_t* src, float* dst, int64_t n) {

@@ -112,18 +112,29 @@ void put_rows(const at::Tensor& cache, const at::Tensor& x, const at::Tensor& ro
   }
 }
 
-// The products of projections that read one input: [w] alone each, or joined in the first's place
-// (Layers.of: the others' codes empty) and split by columns, `sizes` per projection (-1: an equal
-// share of the columns the given sizes leave); `views`: the split parts are views of the joined
-// product, else contiguous copies.
-std::vector<at::Tensor> products(const at::Tensor& x, const at::Tensor* w, const std::vector<int64_t>& sizes,
-                                 bool rows_kernel, bool views) {
+// Whether a projection [codes, scale_min, bias] is on the int8 kernel (float32 scales and minimums).
+bool on_int8(const at::Tensor* w) { return w[1].numel() > 0 && w[1].scalar_type() == at::kFloat; }
+
+// The products of projections that read one input, rms_norm(h, norm): [w] alone each, or joined in the
+// first's place (Layers.of: the others' codes empty) and split by columns, `sizes` per projection (-1:
+// an equal share of the columns the given sizes leave); `views`: the split parts are views of the
+// joined product, else contiguous copies. A product on the int8 kernel normalizes float32 rows itself
+// (the norm's values, without its buffer); the others read the norm's output.
+std::vector<at::Tensor> products(const at::Tensor& h, const at::Tensor& norm, double eps, bool rows_norm,
+                                 const at::Tensor* w, const std::vector<int64_t>& sizes, bool rows_kernel, bool views) {
+  at::Tensor normed;  // rms_norm(h, norm), made where a product reads it
+  auto product = [&](const at::Tensor* wj) {
+    if (rows_norm && on_int8(wj) && h.scalar_type() == at::kFloat)
+      return q4_int8_fused(h, wj[0], wj[1], wj[2], norm, eps, at::Tensor());
+    if (!normed.defined()) normed = rms_norm(h, norm, eps, rows_norm);
+    return linear(normed, wj, rows_kernel);
+  };
   std::vector<at::Tensor> out;
   if (w[3].numel() > 0) {
-    for (size_t j = 0; j < sizes.size(); ++j) out.push_back(linear(x, w + 3 * j, rows_kernel));
+    for (size_t j = 0; j < sizes.size(); ++j) out.push_back(product(w + 3 * j));
     return out;
   }
-  const at::Tensor joined = linear(x, w, rows_kernel);
+  const at::Tensor joined = product(w);
   int64_t given = 0, shares = 0;
   for (int64_t n : sizes) n < 0 ? ++shares : given += n;
   const int64_t share = shares ? (joined.size(-1) - given) / shares : 0;
@@ -138,6 +149,13 @@ std::vector<at::Tensor> products(const at::Tensor& x, const at::Tensor* w, const
   return out;
 }
 
+// h + x W^T, the residual add: on the int8 kernel in its output loop (the same rounding, no buffer).
+at::Tensor add_linear(const at::Tensor& h, const at::Tensor& x, const at::Tensor* w, bool rows_kernel) {
+  if (on_int8(w) && h.scalar_type() == at::kFloat && h.is_contiguous())
+    return q4_int8_fused(x, w[0], w[1], w[2], at::Tensor(), 0.0, h);
+  return h + linear(x, w, rows_kernel);
+}
+
 }  // namespace
 
 std::vector<at::Tensor> decoder_layers(at::Tensor h, const std::vector<at::Tensor>& weights, double eps,
@@ -146,7 +164,7 @@ std::vector<at::Tensor> decoder_layers(at::Tensor h, const std::vector<at::Tenso
                                        const std::vector<at::Tensor>& values, const at::Tensor& rows,
                                        const at::Tensor& slots, int64_t kv_len, const at::Tensor& mask,
                                        const at::Tensor& kv_rows, int64_t capture, const at::Tensor& real, bool rows_kernel,
-                                       bool rows_norm) {
+                                       bool rows_norm, bool fixed_silu) {
   constexpr size_t PER_LAYER = 2 + 7 * 3;  // two norm weights, then q, k, v, o, gate, up, down
   TORCH_CHECK(weights.size() == keys.size() * PER_LAYER && keys.size() == values.size(), "decoder_layers: weights");
   const int64_t batch = h.size(0), n_new = h.size(1);
@@ -180,14 +198,14 @@ std::vector<at::Tensor> decoder_layers(at::Tensor h, const std::vector<at::Tenso
   at::Tensor hidden;
   for (size_t i = 0; i < keys.size(); ++i) {
     const at::Tensor* w = weights.data() + i * PER_LAYER;
-    const at::Tensor x = rms_norm(h, w[0], eps, rows_norm);
     // k's and v's columns: kv heads x head_dim each; q's the rest
     const int64_t kv = keys[i].size(1) * head_dim;
+    const int64_t n_tokens = ragged ? h.size(0) : batch * n_new;
     // q, k and v as views of a joined product (read in place by rotate and put_rows)
-    const std::vector<at::Tensor> qkv = products(x, w + 2, {-1, kv, kv}, rows_kernel, true);
+    const std::vector<at::Tensor> qkv = products(h, w[0], eps, rows_norm, w + 2, {-1, kv, kv}, rows_kernel, true);
     at::Tensor q, k, v;
     if (ragged) {  // [N, heads, D]
-      const std::vector<int64_t> shape{x.size(0), -1, head_dim};
+      const std::vector<int64_t> shape{n_tokens, -1, head_dim};
       q = rotate(qkv[0].view(shape), cos_t, sin_t);
       k = rotate(qkv[1].view(shape), cos_t, sin_t);
       v = qkv[2].view(shape);
@@ -212,11 +230,12 @@ std::vector<at::Tensor> decoder_layers(at::Tensor h, const std::vector<at::Tenso
     out = !ragged ? out.reshape({batch, n_new, -1})
           : padded ? out.reshape({batch * n_new, -1}).index_select(0, real)
                    : out.reshape({batch * n_new, -1});
-    h = h + linear(out, w + 11, rows_kernel);
-    const at::Tensor y = rms_norm(h, w[1], eps, rows_norm);
-    // contiguous, as the separate modules return them: SiLU's vector loop and tail then split the same way
-    const std::vector<at::Tensor> gate_up = products(y, w + 14, {-1, -1}, rows_kernel, false);
-    h = h + linear(at::silu(gate_up[0]) * gate_up[1], w + 20, rows_kernel);
+    h = add_linear(h, out, w + 11, rows_kernel);
+    // torch's SiLU: gate and up contiguous, as the separate modules return them, so that its vector loop
+    // and tail split them the same way; FixedSiLU's bits do not depend on the split: read in place.
+    const std::vector<at::Tensor> gate_up = products(h, w[1], eps, rows_norm, w + 14, {-1, -1}, rows_kernel, fixed_silu);
+    const at::Tensor act = fixed_silu ? silu_mul(gate_up[0], gate_up[1]) : at::silu(gate_up[0]) * gate_up[1];
+    h = add_linear(h, act, w + 20, rows_kernel);
     if (static_cast<int64_t>(i) == capture) hidden = h;
   }
   return {h, hidden.defined() ? hidden : at::Tensor()};

@@ -222,17 +222,30 @@ inline void group_tile(const uint8_t* w, const float* f, const int8_t* q, const 
 #endif
 }
 
-// x [.., K] as float32 rows [M, K] and their int8 blocks.
+// x [.., K] as float32 rows [M, K] (normalized first by `norm`, a weight [K], where it is defined)
+// and their int8 blocks.
 struct Rows {
   at::Tensor xf;
   QuantRows qx;
   int64_t M;
 };
 
-Rows quantized_rows(const at::Tensor& x, int64_t K, const char* name) {
+Rows quantized_rows(const at::Tensor& x, int64_t K, const char* name, const at::Tensor& norm, double eps) {
   at::Tensor xf = x.reshape({-1, x.size(-1)}).to(at::kFloat).contiguous();
   TORCH_CHECK(xf.size(1) == K, name, ": x has ", xf.size(1), " features, the weight ", K);
   const int64_t M = xf.size(0);
+  if (norm.defined()) {
+    TORCH_CHECK(x.scalar_type() == at::kFloat && norm.scalar_type() == at::kFloat && norm.is_contiguous() &&
+                    norm.numel() == K,
+                name, ": a norm weight [", K, "] float32 for float32 rows");
+    at::Tensor normed = at::empty_like(xf);
+    const float *in = xf.data_ptr<float>(), *w = norm.data_ptr<float>();
+    float* out = normed.data_ptr<float>();
+    at::parallel_for(0, M, 8, [&](int64_t begin, int64_t end) {
+      for (int64_t m = begin; m < end; ++m) norm_row(in + m * K, w, out + m * K, K, static_cast<float>(eps));
+    });
+    xf = normed;
+  }
   QuantRows qx = quantize(xf.data_ptr<float>(), M, K);
   return {xf, std::move(qx), M};
 }
@@ -251,10 +264,12 @@ const float* bias_ptr(const at::Tensor& bias, at::Tensor& holder) {
 }
 
 // y = x W^T (+ bias) for W in groups of 8 columns of format Q8 or Q4 (packed [N / 8, K / 32 * bytes],
-// factors [N / 8, K / 32, factors / 8, 8]), in x's type and shape.
+// factors [N / 8, K / 32, factors / 8, 8]), in x's type and shape; x's rows normalized first by `norm`
+// and `residual` + y returned where they are defined (q4_int8_fused).
 template <bool Q8>
 at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& factors,
-                          const at::Tensor& bias, const char* name) {
+                          const at::Tensor& bias, const char* name, const at::Tensor& norm = {}, double eps = 0.0,
+                          const at::Tensor& residual = {}) {
   using F = Format<Q8>;
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 2 &&
                   packed.size(1) % F::bytes == 0 && packed.size(1) > 0,
@@ -263,9 +278,15 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& packed, const a
   TORCH_CHECK(factors.scalar_type() == at::kFloat && factors.is_contiguous() &&
                   factors.sizes() == at::IntArrayRef({groups, nb, F::factors / G, G}),
               name, ": factors [N / 8, K / 32, ", F::factors / G, ", 8] float32");
-  Rows rows = quantized_rows(x, K, name);
+  Rows rows = quantized_rows(x, K, name, norm, eps);
   const int64_t M = rows.M;
   at::Tensor y = at::empty({M, N}, rows.xf.options());
+  const float* rp = nullptr;
+  if (residual.defined()) {
+    TORCH_CHECK(residual.scalar_type() == at::kFloat && residual.is_contiguous() && residual.numel() == M * N,
+                name, ": a residual [.., ", N, "] float32, contiguous");
+    rp = residual.data_ptr<float>();
+  }
   at::Tensor bias_f;
   const float* bp = bias_ptr(bias, bias_f);
   float* yp = y.data_ptr<float>();
@@ -285,7 +306,11 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& packed, const a
           if (n_rows == R) group_tile<Q8, R>(w, f, q, qx.d.data() + m * nb, qx.s.data() + m * nb, K, out);
           else group_tile<Q8, 1>(w, f, q, qx.d.data() + m * nb, qx.s.data() + m * nb, K, out);
           for (int64_t r = 0; r < n_rows; ++r)
-            for (int64_t c = 0; c < G; ++c) yp[(m + r) * N + g * G + c] = out[r * G + c] + (bp ? bp[g * G + c] : 0.0f);
+            for (int64_t c = 0; c < G; ++c) {
+              const int64_t at = (m + r) * N + g * G + c;
+              const float v = out[r * G + c] + (bp ? bp[g * G + c] : 0.0f);
+              yp[at] = rp ? rp[at] + v : v;  // the residual add's one rounding, as h + linear(x)
+            }
         };
         int64_t m = m0;
         for (; m + R <= m1; m += R) tile(m, R);
@@ -314,6 +339,12 @@ at::Tensor q4_int8_linear(const at::Tensor& x, const at::Tensor& packed, const a
                           const at::Tensor& bias) {
   RECORD_FUNCTION("tot::q4_int8_linear", std::vector<c10::IValue>());  // torch.profiler counts it as a linear
   return grouped_linear<false>(x, packed, factors, bias, "q4_int8_linear");
+}
+
+at::Tensor q4_int8_fused(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& factors,
+                         const at::Tensor& bias, const at::Tensor& norm, double eps, const at::Tensor& residual) {
+  RECORD_FUNCTION("tot::q4_int8_linear", std::vector<c10::IValue>());  // torch.profiler counts it as a linear
+  return grouped_linear<false>(x, packed, factors, bias, "q4_int8_fused", norm, eps, residual);
 }
 
 at::Tensor q8_int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& factors,

@@ -1,0 +1,36 @@
+"""SiLU with a fixed exp (csrc/activation.cpp) for the int8 path's float32 model.
+
+ATen's SiLU computes a vector's lanes with one exp and the loop's tail with another, so an
+element's bits depend on where the tail falls: csrc/layers.cpp had to copy gate and up out of their
+joined product (four ops a layer) for its SiLU to split as the model's did. `FixedSiLU` replaces the
+model's own `act_fn`, so the model's forward (what `hf` runs) and the C++ layers compute every
+element alike, and the C++ layers read gate and up in place and multiply in the same pass.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.models.llama.modeling_llama import LlamaMLP
+
+from decoding.core import kernels
+
+
+class FixedSiLU(torch.nn.Module):
+    """x / (1 + exp(-x)) in float32, exp a fixed polynomial (Cephes expf's): within 2 ulp of torch's."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.load().silu_fixed(x)
+
+
+def use_fixed_silu(model: torch.nn.Module) -> int:
+    """Give the Llama MLPs of a float32 SiLU model `FixedSiLU`; how many."""
+    embeddings = model.get_input_embeddings()
+    if getattr(model.config, "hidden_act", None) != "silu" or embeddings.weight.dtype != torch.float32:
+        return 0
+    kernels.load()  # built now: a missing compiler is a load-time error
+    replaced = 0
+    for module in model.modules():
+        if type(module) is LlamaMLP:
+            module.act_fn = FixedSiLU()
+            replaced += 1
+    return replaced
