@@ -33,44 +33,49 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, b
 
 // apply_rotary_pos_emb for one tensor, x [N, heads, D] and cos, sin [N, D], in one pass: per element
 // the three rounded operations ATen runs (x * cos, rotate_half(x) * sin, their sum), each rounded to
-// x's type as ATen rounds it, so the bits are transformers' (five ATen ops and their buffers saved).
-template <typename T>
-void rotate_rows(const T* x, int64_t x_stride, const T* cos, const T* sin, T* out, int64_t n, int64_t heads,
+// x's type T as ATen rounds it, so the bits are transformers' (five ATen ops and their buffers saved);
+// the result then rounded once to O (attention's type: the copy attention.py makes of the queries).
+template <typename T, typename O>
+void rotate_rows(const T* x, int64_t x_stride, const T* cos, const T* sin, O* out, int64_t n, int64_t heads,
                  int64_t d) {
   const int64_t half = d / 2;
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
       for (int64_t h = 0; h < heads; ++h) {
         const T* xr = x + t * x_stride + h * d;
-        T* o = out + (t * heads + h) * d;
+        O* o = out + (t * heads + h) * d;
         for (int64_t i = 0; i < d; ++i) {
           const float rotated = i < half ? -static_cast<float>(xr[i + half]) : static_cast<float>(xr[i - half]);
           const T a = static_cast<T>(static_cast<float>(xr[i]) * static_cast<float>(cos[t * d + i]));
           const T b = static_cast<T>(rotated * static_cast<float>(sin[t * d + i]));  // -x is exact
-          o[i] = static_cast<T>(static_cast<float>(a) + static_cast<float>(b));
+          o[i] = static_cast<O>(static_cast<float>(static_cast<T>(static_cast<float>(a) + static_cast<float>(b))));
         }
       }
   });
 }
 
 // x [N, heads, D] (a view of a linear's output: its tokens may lie apart, a joined product's columns),
-// cos and sin [N, 1, D]; the result is contiguous.
-at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+// cos and sin [N, 1, D]; the result is contiguous, in `out_type` (x's, or bfloat16 from float32).
+at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::ScalarType out_type) {
   const bool rows_apart = x.stride(2) == 1 && x.stride(1) == x.size(2);
   const at::Tensor xc = rows_apart ? x : x.contiguous(), c = cos.contiguous(), s = sin.contiguous();
   TORCH_CHECK(c.scalar_type() == xc.scalar_type() && s.scalar_type() == xc.scalar_type() && c.numel() == xc.size(0) * xc.size(2),
               "rotate: cos and sin [N, 1, D] of x's type");
   const int64_t n = xc.size(0), heads = xc.size(1), d = xc.size(2);
-  at::Tensor out = at::empty({n, heads, d}, xc.options());
-  if (xc.scalar_type() == at::kBFloat16)
+  const auto type = xc.scalar_type();
+  at::Tensor out = at::empty({n, heads, d}, xc.options().dtype(out_type));
+  if (type == at::kBFloat16 && out_type == at::kBFloat16)
     rotate_rows(xc.data_ptr<at::BFloat16>(), xc.stride(0), c.data_ptr<at::BFloat16>(), s.data_ptr<at::BFloat16>(),
                 out.data_ptr<at::BFloat16>(), n, heads, d);
-  else if (xc.scalar_type() == at::kFloat)
+  else if (type == at::kFloat && out_type == at::kFloat)
     rotate_rows(xc.data_ptr<float>(), xc.stride(0), c.data_ptr<float>(), s.data_ptr<float>(), out.data_ptr<float>(), n,
                 heads, d);
+  else if (type == at::kFloat && out_type == at::kBFloat16)
+    rotate_rows(xc.data_ptr<float>(), xc.stride(0), c.data_ptr<float>(), s.data_ptr<float>(),
+                out.data_ptr<at::BFloat16>(), n, heads, d);
   else {
     const int64_t h = d / 2;  // another type: ATen's ops
-    return (xc * c) + (at::cat({-xc.slice(-1, h), xc.slice(-1, 0, h)}, -1) * s);
+    return ((xc * c) + (at::cat({-xc.slice(-1, h), xc.slice(-1, 0, h)}, -1) * s)).to(out_type);
   }
   return out;
 }
@@ -206,8 +211,8 @@ std::vector<at::Tensor> decoder_layers(at::Tensor h, const std::vector<at::Tenso
     at::Tensor q, k, v;
     if (ragged) {  // [N, heads, D]
       const std::vector<int64_t> shape{n_tokens, -1, head_dim};
-      q = rotate(qkv[0].view(shape), cos_t, sin_t);
-      k = rotate(qkv[1].view(shape), cos_t, sin_t);
+      q = rotate(qkv[0].view(shape), cos_t, sin_t, keys[i].scalar_type());  // in attention's type
+      k = rotate(qkv[1].view(shape), cos_t, sin_t, qkv[1].scalar_type());
       v = qkv[2].view(shape);
       put_rows(keys[i], k, real_rows, real_slots);
       put_rows(values[i], v, real_rows, real_slots);
@@ -216,8 +221,8 @@ std::vector<at::Tensor> decoder_layers(at::Tensor h, const std::vector<at::Tenso
       q = q.view({batch, n_new, -1, head_dim}).transpose(1, 2);
     } else {  // rotated as [B * T, heads, D], then [B, heads, T, D]
       const std::vector<int64_t> flat{batch * n_new, -1, head_dim}, shape{batch, n_new, -1, head_dim};
-      q = rotate(qkv[0].view(flat), cos_t, sin_t).view(shape).transpose(1, 2);
-      k = rotate(qkv[1].view(flat), cos_t, sin_t).view(shape).transpose(1, 2);
+      q = rotate(qkv[0].view(flat), cos_t, sin_t, keys[i].scalar_type()).view(shape).transpose(1, 2);
+      k = rotate(qkv[1].view(flat), cos_t, sin_t, qkv[1].scalar_type()).view(shape).transpose(1, 2);
       v = qkv[2].view(shape).transpose(1, 2);
       // RowKVCache.update, in place: this forward's slots of each row, then every row up to kv_len.
       keys[i].index_put_(where, k.transpose(1, 2).to(keys[i].scalar_type()));

@@ -231,9 +231,11 @@ struct Rows {
 };
 
 Rows quantized_rows(const at::Tensor& x, int64_t K, const char* name, const at::Tensor& norm, double eps) {
-  at::Tensor xf = x.reshape({-1, x.size(-1)}).to(at::kFloat).contiguous();
-  TORCH_CHECK(xf.size(1) == K, name, ": x has ", xf.size(1), " features, the weight ", K);
-  const int64_t M = xf.size(0);
+  TORCH_CHECK(x.dim() > 0 && x.size(-1) == K, name, ": x has ", x.dim() ? x.size(-1) : 0, " features, the weight ", K);
+  // float32 rows in place where they are (the C++ layers' case: no op at one token), else a copy
+  const bool in_place = x.scalar_type() == at::kFloat && x.is_contiguous();
+  at::Tensor xf = in_place ? x : x.reshape({-1, K}).to(at::kFloat).contiguous();
+  const int64_t M = K ? x.numel() / K : 0;
   if (norm.defined()) {
     TORCH_CHECK(x.scalar_type() == at::kFloat && norm.scalar_type() == at::kFloat && norm.is_contiguous() &&
                     norm.numel() == K,
@@ -252,6 +254,7 @@ Rows quantized_rows(const at::Tensor& x, int64_t K, const char* name, const at::
 
 // y [M, N] float32 -> x's type and shape with N features.
 at::Tensor shaped(const at::Tensor& y, const at::Tensor& x, int64_t N) {
+  if (x.dim() == 2 && x.scalar_type() == at::kFloat) return y;  // already [M, N] float32
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
   shape.push_back(N);
   return y.to(x.scalar_type()).reshape(shape);
