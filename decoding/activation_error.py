@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from decoding.cli import fail, hydra_command
 from decoding.core import numerics
+from decoding.core.activation import use_torch_silu
 from decoding.core.draft_tree import DraftTree
 from decoding.core.errors import BackendError, ConfigError
 from decoding.core.models import ModelSpec, cache_root, gguf_file, load_model
@@ -76,12 +77,13 @@ def float32_reference(model: torch.nn.Module) -> torch.nn.Module:
             parent, _, child = name.rpartition(".")
             setattr(ref.get_submodule(parent) if parent else ref, child, dense)
     ref.set_attn_implementation("sdpa")
+    use_torch_silu(ref)
     return ref.float()
 
 
 def float_activations(model: torch.nn.Module) -> torch.nn.Module:
     """The model as model.activations=float runs it: its 4-bit layers on torch's int4 kernel, its head
-    the bfloat16 matrix and the rest in bfloat16 (the int8 path's is float32)."""
+    the bfloat16 matrix, torch's SiLU and the rest in bfloat16 (the int8 path's is float32)."""
     out = copy.deepcopy(model)
     head = out.get_output_embeddings()
     if isinstance(head, Q8Linear):
@@ -94,6 +96,7 @@ def float_activations(model: torch.nn.Module) -> torch.nn.Module:
             layer = Int4Linear(module.codes, scale, minimum, module.bias, "float")
             parent, _, child = name.rpartition(".")
             setattr(out.get_submodule(parent) if parent else out, child, layer)
+    use_torch_silu(out)
     return out.to(torch.bfloat16)
 
 

@@ -4,9 +4,11 @@ path's float32 model and read in place by the C++ layers (tests/test_llama.py: b
 
 from __future__ import annotations
 
+import pytest
 import torch
 from test_quant import int4_copy
 
+from decoding.activation_error import float32_reference, float_activations
 from decoding.core import kernels
 from decoding.core.activation import FixedSiLU, use_fixed_silu
 from decoding.core.llama import Layers
@@ -45,6 +47,13 @@ def test_the_int8_paths_model_gets_it_and_the_cpp_layers_read_it(tiny_model):
     assert all(type(layer.mlp.act_fn) is FixedSiLU for layer in model.model.layers)
     layers = Layers.of(model)
     assert layers is not None and layers.fixed_silu
+    # activation_error's other ways give the model torch's SiLU back (the float way runs in bfloat16)
+    ids = torch.tensor([[1, 5, 9, 2]])
+    for way in (float32_reference(model), float_activations(model)):
+        assert not any(type(m) is FixedSiLU for m in way.modules())
+        assert way(input_ids=ids).logits.isfinite().all()
+    with pytest.raises(TypeError, match="FixedSiLU computes float32, not torch.bfloat16"):
+        FixedSiLU()(torch.ones(3, dtype=torch.bfloat16))
     model.model.layers[0].mlp.act_fn = torch.nn.SiLU()  # some layers only: not a forward the C++ layers run
     assert Layers.of(model) is None
     assert use_fixed_silu(tiny_model.to(torch.bfloat16)) == 0  # a bfloat16 model keeps torch's

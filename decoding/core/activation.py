@@ -10,6 +10,7 @@ element alike, and the C++ layers read gate and up in place and multiply in the 
 from __future__ import annotations
 
 import torch
+from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaMLP
 
 from decoding.core import kernels
@@ -19,6 +20,8 @@ class FixedSiLU(torch.nn.Module):
     """x / (1 + exp(-x)) in float32, exp a fixed polynomial (Cephes expf's): within 2 ulp of torch's."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32:
+            raise TypeError(f"FixedSiLU computes float32, not {x.dtype}: give the model torch's SiLU (use_torch_silu)")
         return kernels.load().silu_fixed(x)
 
 
@@ -32,5 +35,15 @@ def use_fixed_silu(model: torch.nn.Module) -> int:
     for module in model.modules():
         if type(module) is LlamaMLP:
             module.act_fn = FixedSiLU()
+            replaced += 1
+    return replaced
+
+
+def use_torch_silu(model: torch.nn.Module) -> int:
+    """Give the model's MLPs torch's SiLU back (before the model leaves float32); how many."""
+    replaced = 0
+    for module in model.modules():
+        if type(module) is LlamaMLP and type(module.act_fn) is FixedSiLU:
+            module.act_fn = ACT2FN["silu"]
             replaced += 1
     return replaced

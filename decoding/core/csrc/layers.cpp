@@ -1,10 +1,12 @@
 // The decoder layers of a Llama-family model, one call per forward (decoding/core/llama.py).
 //
-// Each layer runs the ATen ops that transformers' LlamaDecoderLayer runs through its modules, in
-// the same order and dtypes (RMSNorm in float32, rotary embedding, the linears as Int4Linear or
-// nn.Linear compute them, the invariant attention, SiLU MLP, residual adds), so the result has the
-// same bits; only the Python between the ops is gone, which at one row cost more than the
-// arithmetic, and the cache writes and joined products' splits are plain copies and views.
+// Each layer computes what transformers' LlamaDecoderLayer computes through its modules, in the same
+// order and dtypes (RMSNorm, rotary embedding, the linears as Int4Linear or nn.Linear compute them,
+// the invariant attention, SiLU MLP, residual adds), so the result has the same bits; only the Python
+// between the ops is gone, which at one row cost more than the arithmetic, and where one pass gives
+// the values of several ops it takes their place: the cache writes and joined products' splits are
+// plain copies and views, on the int8 kernel the norms and residual adds run inside the products that
+// read and write them, and FixedSiLU's product reads gate and up in place.
 #include "kernels.h"
 
 namespace {
@@ -205,12 +207,11 @@ std::vector<at::Tensor> decoder_layers(at::Tensor h, const std::vector<at::Tenso
     const at::Tensor* w = weights.data() + i * PER_LAYER;
     // k's and v's columns: kv heads x head_dim each; q's the rest
     const int64_t kv = keys[i].size(1) * head_dim;
-    const int64_t n_tokens = ragged ? h.size(0) : batch * n_new;
     // q, k and v as views of a joined product (read in place by rotate and put_rows)
     const std::vector<at::Tensor> qkv = products(h, w[0], eps, rows_norm, w + 2, {-1, kv, kv}, rows_kernel, true);
     at::Tensor q, k, v;
     if (ragged) {  // [N, heads, D]
-      const std::vector<int64_t> shape{n_tokens, -1, head_dim};
+      const std::vector<int64_t> shape{h.size(0), -1, head_dim};
       q = rotate(qkv[0].view(shape), cos_t, sin_t, keys[i].scalar_type());  // in attention's type
       k = rotate(qkv[1].view(shape), cos_t, sin_t, qkv[1].scalar_type());
       v = qkv[2].view(shape);
