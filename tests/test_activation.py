@@ -52,7 +52,7 @@ def test_the_int8_paths_model_gets_it_and_the_cpp_layers_read_it(tiny_model):
     for way in (float32_reference(model), float_activations(model)):
         assert not any(type(m) is FixedSiLU for m in way.modules())
         assert way(input_ids=ids).logits.isfinite().all()
-    with pytest.raises(TypeError, match="FixedSiLU computes float32, not torch.bfloat16"):
+    with pytest.raises(TypeError, match=r"FixedSiLU computes float32, not torch\.bfloat16"):
         FixedSiLU()(torch.ones(3, dtype=torch.bfloat16))
     model.model.layers[0].mlp.act_fn = torch.nn.SiLU()  # some layers only: not a forward the C++ layers run
     assert Layers.of(model) is None
