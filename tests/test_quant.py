@@ -12,6 +12,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFWriter, dequantize, quantize
 from helpers import UNCAPPED
 
+from decoding.core.activation import use_fixed_silu
 from decoding.core.errors import BackendError
 from decoding.core.quant import (
     GROUP,
@@ -51,7 +52,7 @@ def q8_head(model: torch.nn.Module) -> None:
 def int4_copy(model: torch.nn.Module, activations: str = "float") -> torch.nn.Module:
     """A copy of a tiny model whose decoder linear layers are Q4_1 GGUF blocks, their input
     multiplied as `activations` (model.activations); with int8 the LM head is Q8_0 blocks too and the
-    rest of the model float32, as the load path makes it."""
+    rest of the model float32 with FixedSiLU, as the load path makes it."""
     model = copy.deepcopy(model)
     if activations == "int8":
         model.to(INT8_HIDDEN)
@@ -61,6 +62,7 @@ def int4_copy(model: torch.nn.Module, activations: str = "float") -> torch.nn.Mo
             setattr(model.get_submodule(parent), child, int4_linear(module, activations=activations))
     if activations == "int8":
         q8_head(model)
+        use_fixed_silu(model)
     return model
 
 

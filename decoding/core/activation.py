@@ -17,7 +17,8 @@ from decoding.core import kernels
 
 
 class FixedSiLU(torch.nn.Module):
-    """x / (1 + exp(-x)) in float32, exp a fixed polynomial (Cephes expf's): within 2 ulp of torch's."""
+    """x / (1 + exp(-x)) in float32, exp a fixed polynomial (Cephes expf's): within 4e-7 of the exact
+    value (torch's SiLU: 2.6e-7)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32:
