@@ -57,10 +57,30 @@ def quantized_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 def test_activations_are_quantized_by_the_stated_rule():
     x = torch.randn(9, 256) * torch.logspace(-3, 2, 256)  # blocks of very different scales
     x[3, :32] = 0  # an all-zero block: scale 0, codes 0
-    q, d, s = kernels.load().q4_int8_quantize(x)
+    q, d, s = kernels.load().q4_int8_quantize(x, 1)
     rq, rd, rs = quantized_rows(x.numpy())
     assert np.array_equal(q.numpy(), rq) and np.array_equal(d.numpy(), rd) and np.array_equal(s.numpy(), rs)
     assert q.abs().max() == 127
+
+
+def test_two_levels_quantize_the_first_levels_residual_by_the_same_rule():
+    """Level 2: r = x - d q (one rounding), quantized as x is; s = d sum(q) + d2 sum(q2) (one
+    rounding); x then within 1/508 of the first level's step, about 16 bits of the block's maximum."""
+    x = torch.randn(9, 256) * torch.logspace(-3, 2, 256)
+    x[3, :32] = 0
+    q, d, s, q2, d2 = kernels.load().q4_int8_quantize(x, 2)
+    rq, rd, rs = quantized_rows(x.numpy())
+    assert np.array_equal(q.numpy(), rq) and np.array_equal(d.numpy(), rd)
+    step = np.repeat(rd, GROUP, axis=1)
+    residual = (x.numpy().astype(np.float64) - step.astype(np.float64) * rq).astype(np.float32)  # exact, then rounded
+    rq2, rd2, _ = quantized_rows(residual)
+    assert np.array_equal(q2.numpy(), rq2) and np.array_equal(d2.numpy(), rd2)
+    sums = rd2.astype(np.float64) * rq2.reshape(9, -1, GROUP).astype(np.int64).sum(-1) + rs.astype(np.float64)
+    assert np.array_equal(s.numpy(), sums.astype(np.float32))
+    x_hat = step * rq + np.repeat(rd2, GROUP, axis=1) * rq2
+    assert (np.abs(x.numpy() - x_hat) <= step / 508 * (1 + 1e-5)).all()
+    with pytest.raises(RuntimeError, match="in 1 or 2 int8 levels, not 3"):
+        kernels.load().q4_int8_quantize(x, 3)
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q8_0"])
@@ -71,9 +91,9 @@ def test_the_kernel_computes_the_blocks_against_the_quantized_rows(kind):
     layer = gguf_layer(90 if kind == "Q8_0" else 96, 512, kind)  # a head of 90: padded to groups of 8
     x = torch.randn(13, 512).to(torch.bfloat16)
     y = layer(x).double()
+    w = layer.dequantized().double()
     q, d, _ = quantized_rows(x.float().numpy())
     xq = torch.from_numpy((q.astype(np.float64).reshape(13, -1, GROUP) * d[..., None]).reshape(13, 512))
-    w = layer.dequantized().double()
     expected = xq @ w.t()
     scale = expected.abs().max()
     assert ((y - expected).abs() <= expected.abs() * 2**-8 + 1e-5 * scale).all()
@@ -81,9 +101,29 @@ def test_the_kernel_computes_the_blocks_against_the_quantized_rows(kind):
     assert ((y - from_float).pow(2).mean().sqrt() / from_float.pow(2).mean().sqrt()) < 0.02
 
 
-@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
-def test_a_rows_output_does_not_depend_on_the_rows_beside_it(kind):
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])
+def test_two_levels_compute_the_blocks_against_both_levels(kind):
+    """In two levels the output is the blocks against d q + d2 q2, exact up to the float32 result's
+    rounding and accumulation (1e-5 of the outputs' scale), and within 2e-4 of the float rows' RMS."""
+    layer = gguf_layer(96, 512, kind)
+    layer.levels = 2
+    x = torch.randn(13, 512) * torch.logspace(-1, 1, 512)
+    y = layer(x).double()
+    q, d, _, q2, d2 = kernels.load().q4_int8_quantize(x, 2)
+    x_hat = sum((c.double().view(13, -1, GROUP) * f.double()[..., None]).view(13, 512) for c, f in ((q, d), (q2, d2)))
+    w = layer.dequantized().double()
+    expected = x_hat @ w.t()
+    assert ((y - expected).abs() <= 1e-5 * expected.abs().max()).all()
+    from_float = x.double() @ w.t()
+    assert ((y - from_float).pow(2).mean().sqrt() / from_float.pow(2).mean().sqrt()) < 2e-4
+    layer.levels = 1
+    assert ((layer(x).double() - from_float).pow(2).mean().sqrt() / from_float.pow(2).mean().sqrt()) > 2e-3
+
+
+@pytest.mark.parametrize("kind, levels", [("Q4_1", 1), ("Q4_1", 2), ("Q8_0", 1)])
+def test_a_rows_output_does_not_depend_on_the_rows_beside_it(kind, levels):
     layer = gguf_layer(64, 256, kind)
+    layer.levels = levels
     x = torch.randn(150, 256).to(torch.bfloat16)
     every = layer(x)
     for m in (1, 2, 3, 4, 5, 7, 8, 9, 33, 64, 65, 70, 150):  # tiles of 4 rows, panels of 64
@@ -95,10 +135,12 @@ def test_a_rows_output_does_not_depend_on_the_rows_beside_it(kind):
         fewer = Q8Linear(layer.weight[:56], *(t[:56] for t in layer.codes_scales()), None)
     else:
         fewer = Int4Linear(layer.codes[:56], *(t[:56] for t in layer.scale_minimum()), None, "int8")
+        fewer.levels = levels
     assert torch.equal(fewer(x), every[:, :56])
     if kind == "Q8_0":
         return
     with_bias = Int4Linear(layer.codes, *layer.scale_minimum(), torch.randn(64), "int8")
+    with_bias.levels = levels
     assert torch.equal(with_bias(x[:1]), with_bias(x)[:1])
     with pytest.raises(ValueError, match=r"outputs in groups of 8 and inputs in blocks of 32, not \[63, 256\]"):
         Int4Linear(layer.codes[:63], *(t[:63] for t in layer.scale_minimum()), None, "int8")
@@ -110,7 +152,7 @@ def test_the_fused_form_has_the_bits_of_norm_linear_and_residual_add():
     k = kernels.load()
     layer = gguf_layer(64, 256, "Q4_1")
     h, weight, residual = torch.randn(9, 256) * 3, torch.rand(256) + 0.5, torch.randn(9, 64)
-    ops = (layer.packed8, layer.factors, torch.empty(0))
+    ops = (layer.packed8, layer.factors, torch.empty(0), 1)
     normed = k.rms_norm_rows(h, weight, 1e-5)
     assert torch.equal(k.q4_int8_fused(h, *ops, weight, 1e-5, None), layer(normed))
     assert torch.equal(k.q4_int8_fused(normed, *ops, None, 0.0, residual), residual + layer(normed))
@@ -120,6 +162,8 @@ def test_the_fused_form_has_the_bits_of_norm_linear_and_residual_add():
         assert torch.equal(k.q4_int8_fused(h[:m], *ops, weight, 1e-5, residual[:m]), both.view(9, 64)[:m])
     with pytest.raises(RuntimeError, match="a residual"):
         k.q4_int8_fused(h, *ops, weight, 1e-5, residual[:3])
+    layer.levels = 2  # q, k and v's case: normalized, then in two levels
+    assert torch.equal(k.q4_int8_fused(h, *ops[:3], 2, weight, 1e-5, None), layer(normed))
 
 
 def test_the_cpp_layers_take_the_int8_kernel(tiny_model):
@@ -139,6 +183,12 @@ def test_the_cpp_layers_take_the_int8_kernel(tiny_model):
     assert attn.v_proj.factors.untyped_storage().data_ptr() == joined[0].untyped_storage().data_ptr()
     assert mlp.up_proj.packed8.untyped_storage().data_ptr() == layers.weights[2 + 4 * 3].untyped_storage().data_ptr()
     assert type(model.get_output_embeddings()) is Q8Linear  # the head on the int8 path too
+    # q, k and v's input in two levels (the load path's), the others' in one; other levels are not run
+    assert layers.qkv_levels == 2 and attn.k_proj.levels == 2 and attn.o_proj.levels == 1
+    attn.o_proj.levels = 2
+    assert Layers.of(model) is None
+    attn.o_proj.levels, attn.v_proj.levels = 1, 1
+    assert Layers.of(model) is None
 
 
 def test_int8_is_refused_where_it_cannot_run_and_auto_picks_what_runs():
@@ -206,9 +256,10 @@ def test_the_portable_loop_gives_the_vectorized_paths_bits(tmp_path):
         layer = gguf_layer(80, 512, kind)
         x = torch.randn(11, 512).to(torch.bfloat16)
         bias = torch.randn(80).to(torch.bfloat16)
-        call = "q8_int8_linear" if kind == "Q8_0" else "q4_int8_linear"
-        expected = getattr(kernels.load(), call)(x, layer.packed8, layer.factors, bias)
-        assert torch.equal(getattr(portable, call)(x, layer.packed8, layer.factors, bias), expected), kind
+        for levels in (1,) if kind == "Q8_0" else (1, 2):
+            call, args = ("q8_int8_linear", ()) if kind == "Q8_0" else ("q4_int8_linear", (levels,))
+            expected = getattr(kernels.load(), call)(x, layer.packed8, layer.factors, bias, *args)
+            assert torch.equal(getattr(portable, call)(x, layer.packed8, layer.factors, bias, *args), expected), kind
 
 
 def test_activation_error_measures_each_way_against_float32(tiny_model):

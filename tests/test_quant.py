@@ -23,6 +23,7 @@ from decoding.core.quant import (
     decode_int4,
     decode_q8_0,
     kernel_fits,
+    two_level_inputs,
 )
 
 RNG = np.random.default_rng(0)
@@ -52,7 +53,7 @@ def q8_head(model: torch.nn.Module) -> None:
 def int4_copy(model: torch.nn.Module, activations: str = "float") -> torch.nn.Module:
     """A copy of a tiny model whose decoder linear layers are Q4_1 GGUF blocks, their input
     multiplied as `activations` (model.activations); with int8 the LM head is Q8_0 blocks too and the
-    rest of the model float32 with FixedSiLU, as the load path makes it."""
+    rest of the model float32 with FixedSiLU and q, k, v's input in two levels, as the load path makes it."""
     model = copy.deepcopy(model)
     if activations == "int8":
         model.to(INT8_HIDDEN)
@@ -63,6 +64,7 @@ def int4_copy(model: torch.nn.Module, activations: str = "float") -> torch.nn.Mo
     if activations == "int8":
         q8_head(model)
         use_fixed_silu(model)
+        two_level_inputs(model)
     return model
 
 

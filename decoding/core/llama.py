@@ -38,7 +38,7 @@ def _joined(projections: list[torch.nn.Module]) -> list[torch.Tensor] | None:
     one call quantizes the input once. None where they are not all on that kernel."""
     if len(projections) < 2 or any(type(p) is not Int4Linear or p.activations != "int8" for p in projections):
         return None
-    if len({p.bias is None for p in projections}) != 1 or len({p.in_features for p in projections}) != 1:
+    if any(len({f(p) for p in projections}) != 1 for f in (lambda p: p.bias is None, lambda p: p.in_features, _levels)):
         return None
     packed = torch.cat([p.packed8 for p in projections])
     factors = torch.cat([p.factors for p in projections])
@@ -49,6 +49,11 @@ def _joined(projections: list[torch.nn.Module]) -> list[torch.Tensor] | None:
         p.packed8, p.factors = packed[start : start + n], factors[start : start + n]
         start += n
     return [packed, factors, bias]
+
+
+def _levels(projection: torch.nn.Module) -> int:
+    """The int8 levels a projection quantizes its input in (1 for every other kind)."""
+    return projection.levels if type(projection) is Int4Linear and projection.activations == "int8" else 1
 
 
 @dataclass(frozen=True)
@@ -65,6 +70,7 @@ class Layers:
     rows: bool  # the dense projections are RowsLinear (the row-invariant kernel), not nn.Linear
     rows_norm: bool  # the norms are RowsRMSNorm (csrc/norm.cpp), not LlamaRMSNorm
     fixed_silu: bool  # the MLPs' act_fn is FixedSiLU (csrc/activation.cpp), not torch's SiLU
+    qkv_levels: int  # int8 levels of q, k and v's input (quant.py two_level_inputs); the others' is 1
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> Layers | None:
@@ -72,7 +78,8 @@ class Layers:
         Llama causal LM, another attention than the invariant one, another activation or norm (or
         FixedSiLU in some layers only), or
         a projection that is neither `nn.Linear`, `RowsLinear` nor `Int4Linear` (e.g. float32's
-        PrepackedLinear), dense projections of both kinds, or norms of both kinds."""
+        PrepackedLinear), dense projections of both kinds, norms of both kinds, or int8 levels other
+        than one for q, k and v (as `qkv_levels`) and one for the rest."""
         if type(model) is not LlamaForCausalLM or model.config._attn_implementation != attention.NAME:
             return None
         if model.config.hidden_act != "silu" or not model.model.layers:
@@ -107,13 +114,18 @@ class Layers:
                     weights.append(_NONE if proj.bias is None else proj.bias)
         if len(dense) > 1:
             return None
+        levels = [{_levels(layer.get_submodule(name)) for layer in layers} for name in PROJECTIONS]
+        qkv_levels = levels[0] | levels[1] | levels[2]
+        if len(qkv_levels) != 1 or any(s != {1} for s in levels[3:]):
+            return None
         first = model.model.layers[0]
         eps = {layer.input_layernorm.variance_epsilon for layer in model.model.layers}
         if len(eps) != 1 or eps != {layer.post_attention_layernorm.variance_epsilon for layer in model.model.layers}:
             return None
         scaling = float(first.self_attn.scaling)
         head_dim, rows = first.self_attn.head_dim, RowsLinear in dense
-        return cls(model, weights, float(eps.pop()), head_dim, scaling, rows, RowsRMSNorm in norms, silus.pop())
+        norm_rows, silu, qkv = RowsRMSNorm in norms, silus.pop(), qkv_levels.pop()
+        return cls(model, weights, float(eps.pop()), head_dim, scaling, rows, norm_rows, silu, qkv)
 
     @torch.inference_mode()
     def forward(
@@ -156,6 +168,7 @@ class Layers:
             self.rows,
             self.rows_norm,
             self.fixed_silu,
+            self.qkv_levels,
         )
         h = inner.norm(h)
         if logits_at is not None:

@@ -22,7 +22,14 @@ from decoding.core.model_files import check_checkpoint, check_gguf
 from decoding.core.norm import use_rows_norm
 from decoding.core.options import from_dict
 from decoding.core.prepack import prepack_linears
-from decoding.core.quant import ACTIVATIONS, INT8_HIDDEN, check_types, q8_head_from_gguf, quantize_from_gguf
+from decoding.core.quant import (
+    ACTIVATIONS,
+    INT8_HIDDEN,
+    check_types,
+    q8_head_from_gguf,
+    quantize_from_gguf,
+    two_level_inputs,
+)
 from decoding.core.static_forward import GRAPH_CHOICES, Buckets, StaticSpec, resolve_graphs
 
 log = logging.getLogger(__name__)
@@ -203,7 +210,8 @@ def prepare_for_inference(
         if activations == "int8":
             head = " and its Q8_0 LM head" if q8_head_from_gguf(model, gguf) else ""
             path = kernels.load().q4_int8_path()
-            done.append(f"{replaced} linear layers in the GGUF's int4{head} x int8 activations ({path})")
+            two = f"; {two_level_inputs(model)} attention inputs in two levels"
+            done.append(f"{replaced} linear layers in the GGUF's int4{head} x int8 activations ({path}{two})")
         else:
             done.append(f"{replaced} linear layers in the GGUF's int4")
     if attn == attention.CHOICE:

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from decoding.core import kernels
-from decoding.core.quant import INT8_CACHE, INT8_HIDDEN
+from decoding.core.quant import INT8_CACHE, INT8_HIDDEN, TWO_LEVEL_INPUTS
 
 PERPLEXITY_WITHIN = 0.01  # int8's perplexity at most this much above the float path's
 
@@ -42,10 +42,10 @@ class Numerics:
 
 
 def arithmetic() -> str:
-    """What the int8 path's outputs depend on besides the file: the kernels' sources and the types of the
-    hidden states between the layers and of the KV cache."""
+    """What the int8 path's outputs depend on besides the file: the kernels' sources, the types of the
+    hidden states between the layers and of the KV cache, and which inputs are quantized in two levels."""
     hidden, cache = (str(t).removeprefix("torch.") for t in (INT8_HIDDEN, INT8_CACHE))
-    return f"kernels {kernels.source_digest()}, hidden {hidden}, cache {cache}"
+    return f"kernels {kernels.source_digest()}, hidden {hidden}, cache {cache}, two levels {'/'.join(TWO_LEVEL_INPUTS)}"
 
 
 def record_path(cache: Path, gguf: Path) -> Path:

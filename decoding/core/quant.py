@@ -13,7 +13,8 @@ With `model.activations=int8` the same blocks run through csrc/q4_int8.cpp inste
 minimum kept in float32 (the file's fp16 exactly), codes in the file's nibble order, and each row of
 activations quantized to int8 per block of 32 (its scale and sum beside it), so that the
 multiply-adds run on the integer units; `Int4Linear.dequantized` is then scale * q + minimum. The
-kernel returns its input's type; the model around it runs in float32 on that path (models.py).
+attention's q, k and v take their input in two int8 levels (`two_level_inputs`). The kernel returns
+its input's type; the model around it runs in float32 on that path (models.py).
 
 Every other tensor type (Q8_0, Q6_K, F16, ...) runs in bfloat16: `transformers` dequantizes it to
 float32 and it is rounded once. The kernel gives a row the same bits whatever the number of rows
@@ -46,6 +47,10 @@ INT8_HIDDEN = torch.float32
 # ... and the KV cache in this one (llama.cpp's is float16): attention reads the cache whole at every
 # token, and float32 keys cost 13-25% of a forward for a KL from float32 1% lower.
 INT8_CACHE = torch.bfloat16
+# The int8 projections whose input is quantized in two levels (the residual of the first quantized
+# again: about 16 bits): q, k and v's error reaches the logits through the softmax of q . k, and on
+# the embedded model they carried ~40% of int8's KL from float32 at one level (docs/performance.md).
+TWO_LEVEL_INPUTS = ("q_proj", "k_proj", "v_proj")
 # Types `transformers` (gguf-py) dequantizes, run in bfloat16.
 DEQUANTIZED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q5_K", "Q6_K", "Q8_K")
 
@@ -65,6 +70,7 @@ class Int4Linear(torch.nn.Module):
         super().__init__()
         self.out_features, self.in_features = codes.shape
         self.activations = activations
+        self.levels = 1  # int8 levels the input is quantized in (two_level_inputs)
         if activations == "int8":
             kernels.load()  # built now: a missing compiler is a load-time error
             packed, factors = pack_q4(codes, scale, minimum)
@@ -81,7 +87,7 @@ class Int4Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.activations == "int8":
-            return kernels.load().q4_int8_linear(x, self.packed8, self.factors, _bias(self.bias))
+            return kernels.load().q4_int8_linear(x, self.packed8, self.factors, _bias(self.bias), self.levels)
         shape = x.shape
         flat = x.reshape(-1, shape[-1]).to(torch.bfloat16)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scales_zeros)
@@ -109,9 +115,10 @@ class Int4Linear(torch.nn.Module):
         return tuple(self.factors[:, :, i].permute(0, 2, 1).reshape(n, -1) for i in (0, 1))  # type: ignore[return-value]
 
     def extra_repr(self) -> str:
+        levels = " in two levels" if self.levels == 2 else ""
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, int4 group {GROUP}, "
-            f"{self.activations} activations"
+            f"{self.activations} activations{levels}"
         )
 
 
@@ -209,6 +216,16 @@ def q8_head_from_gguf(model: torch.nn.Module, path: Path) -> bool:
     bias = None if head.bias is None else head.bias
     model.set_output_embeddings(Q8Linear(head.weight, torch.from_numpy(codes), torch.from_numpy(scale), bias))
     return True
+
+
+def two_level_inputs(model: torch.nn.Module) -> int:
+    """Quantize the input of the model's int8 projections named in TWO_LEVEL_INPUTS in two levels; how many."""
+    changed = 0
+    for name, module in model.named_modules():
+        if type(module) is Int4Linear and module.activations == "int8" and name.rpartition(".")[2] in TWO_LEVEL_INPUTS:
+            module.levels = 2
+            changed += 1
+    return changed
 
 
 def takes_int8(module: torch.nn.Module) -> bool:

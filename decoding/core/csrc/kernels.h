@@ -69,10 +69,11 @@ std::vector<at::Tensor> decoder_layers(at::Tensor h, const std::vector<at::Tenso
                                        const std::vector<at::Tensor>& values, const at::Tensor& rows,
                                        const at::Tensor& slots, int64_t kv_len, const at::Tensor& mask,
                                        const at::Tensor& kv_rows, int64_t capture, const at::Tensor& real, bool rows_kernel,
-                                       bool rows_norm, bool fixed_silu);
+                                       bool rows_norm, bool fixed_silu, int64_t qkv_levels);
 
+// x's rows in `levels` int8 levels: 1 (llama.cpp's rule) or 2 (the first's residual quantized again).
 at::Tensor q4_int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale_min,
-                          const at::Tensor& bias);
+                          const at::Tensor& bias, int64_t levels);
 at::Tensor q8_int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                           const at::Tensor& bias);
 // q4_int8_linear as csrc/layers.cpp calls it on float32 rows: with `norm` (a weight [K]; undefined:
@@ -80,8 +81,10 @@ at::Tensor q8_int8_linear(const at::Tensor& x, const at::Tensor& codes, const at
 // undefined: none) the result residual + y, the model's residual add: the bits of the separate ops
 // without their buffers and dispatch.
 at::Tensor q4_int8_fused(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale_min,
-                         const at::Tensor& bias, const at::Tensor& norm, double eps, const at::Tensor& residual);
-std::vector<at::Tensor> q4_int8_quantize(const at::Tensor& x);
+                         const at::Tensor& bias, int64_t levels, const at::Tensor& norm, double eps,
+                         const at::Tensor& residual);
+// codes, scales, sums (and with two levels the second's codes and scales)
+std::vector<at::Tensor> q4_int8_quantize(const at::Tensor& x, int64_t levels);
 const char* q4_int8_path();
 double q4_int8_peak(int64_t iterations);
 

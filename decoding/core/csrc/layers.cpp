@@ -12,11 +12,12 @@
 namespace {
 
 // Int4Linear.forward / nn.Linear / RowsLinear (`rows_kernel`): [w, scales_zeros, bias] with scales_zeros
-// empty for a dense weight; [codes, scale_min, bias] with float32 scale_min for int8 activations.
-at::Tensor linear(const at::Tensor& x, const at::Tensor* w, bool rows_kernel) {
+// empty for a dense weight; [codes, scale_min, bias] with float32 scale_min for int8 activations (in
+// `levels` levels).
+at::Tensor linear(const at::Tensor& x, const at::Tensor* w, bool rows_kernel, int64_t levels) {
   if (w[1].numel() == 0 && rows_kernel) return rows_linear(x, w[0], w[2]);
   if (w[1].numel() == 0) return at::linear(x, w[0], w[2].numel() ? c10::optional<at::Tensor>(w[2]) : c10::nullopt);
-  if (w[1].scalar_type() == at::kFloat) return q4_int8_linear(x, w[0], w[1], w[2]);
+  if (w[1].scalar_type() == at::kFloat) return q4_int8_linear(x, w[0], w[1], w[2], levels);
   const int64_t out_features = w[1].size(1);
   at::Tensor y = at::_weight_int4pack_mm_for_cpu(x.reshape({-1, x.size(-1)}).to(at::kBFloat16), w[0], 32, w[1]);
   if (w[2].numel()) y = y + w[2];
@@ -126,15 +127,17 @@ bool on_int8(const at::Tensor* w) { return w[1].numel() > 0 && w[1].scalar_type(
 // first's place (Layers.of: the others' codes empty) and split by columns, `sizes` per projection (-1:
 // an equal share of the columns the given sizes leave); `views`: the split parts are views of the
 // joined product, else contiguous copies. A product on the int8 kernel normalizes float32 rows itself
-// (the norm's values, without its buffer); the others read the norm's output.
+// (the norm's values, without its buffer); the others read the norm's output. `levels`: the int8
+// kernel's activation levels for these projections.
 std::vector<at::Tensor> products(const at::Tensor& h, const at::Tensor& norm, double eps, bool rows_norm,
-                                 const at::Tensor* w, const std::vector<int64_t>& sizes, bool rows_kernel, bool views) {
+                                 const at::Tensor* w, const std::vector<int64_t>& sizes, bool rows_kernel, bool views,
+                                 int64_t levels) {
   at::Tensor normed;  // rms_norm(h, norm), made where a product reads it
   auto product = [&](const at::Tensor* wj) {
     if (rows_norm && on_int8(wj) && h.scalar_type() == at::kFloat)
-      return q4_int8_fused(h, wj[0], wj[1], wj[2], norm, eps, at::Tensor());
+      return q4_int8_fused(h, wj[0], wj[1], wj[2], levels, norm, eps, at::Tensor());
     if (!normed.defined()) normed = rms_norm(h, norm, eps, rows_norm);
-    return linear(normed, wj, rows_kernel);
+    return linear(normed, wj, rows_kernel, levels);
   };
   std::vector<at::Tensor> out;
   if (w[3].numel() > 0) {
@@ -159,8 +162,8 @@ std::vector<at::Tensor> products(const at::Tensor& h, const at::Tensor& norm, do
 // h + x W^T, the residual add: on the int8 kernel in its output loop (the same rounding, no buffer).
 at::Tensor add_linear(const at::Tensor& h, const at::Tensor& x, const at::Tensor* w, bool rows_kernel) {
   if (on_int8(w) && h.scalar_type() == at::kFloat && h.is_contiguous())
-    return q4_int8_fused(x, w[0], w[1], w[2], at::Tensor(), 0.0, h);
-  return h + linear(x, w, rows_kernel);
+    return q4_int8_fused(x, w[0], w[1], w[2], 1, at::Tensor(), 0.0, h);
+  return h + linear(x, w, rows_kernel, 1);
 }
 
 }  // namespace
@@ -171,7 +174,7 @@ std::vector<at::Tensor> decoder_layers(at::Tensor h, const std::vector<at::Tenso
                                        const std::vector<at::Tensor>& values, const at::Tensor& rows,
                                        const at::Tensor& slots, int64_t kv_len, const at::Tensor& mask,
                                        const at::Tensor& kv_rows, int64_t capture, const at::Tensor& real, bool rows_kernel,
-                                       bool rows_norm, bool fixed_silu) {
+                                       bool rows_norm, bool fixed_silu, int64_t qkv_levels) {
   constexpr size_t PER_LAYER = 2 + 7 * 3;  // two norm weights, then q, k, v, o, gate, up, down
   TORCH_CHECK(weights.size() == keys.size() * PER_LAYER && keys.size() == values.size(), "decoder_layers: weights");
   const int64_t batch = h.size(0), n_new = h.size(1);
@@ -208,7 +211,7 @@ std::vector<at::Tensor> decoder_layers(at::Tensor h, const std::vector<at::Tenso
     // k's and v's columns: kv heads x head_dim each; q's the rest
     const int64_t kv = keys[i].size(1) * head_dim;
     // q, k and v as views of a joined product (read in place by rotate and put_rows)
-    const std::vector<at::Tensor> qkv = products(h, w[0], eps, rows_norm, w + 2, {-1, kv, kv}, rows_kernel, true);
+    const std::vector<at::Tensor> qkv = products(h, w[0], eps, rows_norm, w + 2, {-1, kv, kv}, rows_kernel, true, qkv_levels);
     at::Tensor q, k, v;
     if (ragged) {  // [N, heads, D]
       const std::vector<int64_t> shape{h.size(0), -1, head_dim};
@@ -239,7 +242,7 @@ std::vector<at::Tensor> decoder_layers(at::Tensor h, const std::vector<at::Tenso
     h = add_linear(h, out, w + 11, rows_kernel);
     // torch's SiLU: gate and up contiguous, as the separate modules return them, so that its vector loop
     // and tail split them the same way; FixedSiLU's bits do not depend on the split: read in place.
-    const std::vector<at::Tensor> gate_up = products(h, w[1], eps, rows_norm, w + 14, {-1, -1}, rows_kernel, fixed_silu);
+    const std::vector<at::Tensor> gate_up = products(h, w[1], eps, rows_norm, w + 14, {-1, -1}, rows_kernel, fixed_silu, 1);
     const at::Tensor act = fixed_silu ? silu_mul(gate_up[0], gate_up[1]) : at::silu(gate_up[0]) * gate_up[1];
     h = add_linear(h, act, w + 20, rows_kernel);
     if (static_cast<int64_t>(i) == capture) hidden = h;

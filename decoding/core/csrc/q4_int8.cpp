@@ -8,7 +8,10 @@
 //     y[m, n] = sum_b scale[n, b] * d[m, b] * (q . qx)[b]  +  minimum[n, b] * s[m, b],
 // accumulated per block in order with two fused multiply-adds. The block's integer dot product is
 // exact (VPMADDUBSW + VPMADDWD on AVX2, VPDPBUSD with VNNI: the same integers). The tied Q8_0 LM
-// head runs the same sums without the minimum term. Nothing depends on the number of rows, on
+// head runs the same sums without the minimum term. In two levels (quant.py: the attention's
+// projections) the residual x - d qx is quantized again, d2 and qx2, and each block adds
+// scale * d2 * (q . qx2) after its first term: the input to about 16 bits for one more dot product
+// per unpacked block. Nothing depends on the number of rows, on
 // which rows share a tile or on threads: a row gets the same bits alone or in any batch, on every
 // path (the portable loop does the same operations in the same order; built with -ffp-contract=off).
 #include <ATen/Parallel.h>
@@ -39,61 +42,79 @@ struct QuantRows {
   std::vector<int8_t> q;   // [M, K]
   std::vector<float> d;    // [M, K / 32]
   std::vector<float> s;    // [M, K / 32]
+  std::vector<int8_t> q2;  // two levels: the first level's residual quantized alone [M, K]; else empty
+  std::vector<float> d2;   // ... and its scales [M, K / 32]
 };
 
-// One row's blocks quantized: the same arithmetic on every path (max and scaling are exact or one
-// rounding each; nearbyint is round-half-even like _mm256_round_ps's nearest mode).
-void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s) {
+// One block's codes: d = max |x| / 127, q = round-to-even(x * 127 / max |x|); returns sum(q). The
+// same arithmetic on every path (max and scaling are exact or one rounding each; nearbyint is
+// round-half-even like _mm256_round_ps's nearest mode).
+int32_t quantize_block(const float* xb, int8_t* q, float* d) {
+#if defined(Q4_AVX2)
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 v[4];
+  for (int k = 0; k < 4; ++k) v[k] = _mm256_loadu_ps(xb + 8 * k);
+  const __m256 m4 = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                  _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+  alignas(32) float lanes[L];
+  _mm256_store_ps(lanes, m4);
+  float amax = 0.0f;
+  for (int64_t l = 0; l < L; ++l) amax = std::max(amax, lanes[l]);
+#else
+  float amax = 0.0f;
+  for (int64_t i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(xb[i]));
+#endif
+  *d = amax / 127.0f;
+  const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+  int32_t sum = 0;
+#if defined(Q4_AVX2)
+  // Rounded to nearest even, as nearbyint; packing saturates nothing (|code| <= 127).
+  __m256i c[4];
+  for (int k = 0; k < 4; ++k)
+    c[k] = _mm256_cvtps_epi32(
+        _mm256_round_ps(_mm256_mul_ps(v[k], _mm256_set1_ps(inv)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+  // The packs work within 128-bit halves: put the eight 4-byte groups back in order.
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  alignas(32) int32_t partial[L];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(partial),
+                     _mm256_add_epi32(_mm256_add_epi32(c[0], c[1]), _mm256_add_epi32(c[2], c[3])));
+  for (int64_t l = 0; l < L; ++l) sum += partial[l];
+#else
+  for (int64_t i = 0; i < QK; ++i) {
+    const int32_t v = static_cast<int32_t>(std::nearbyint(xb[i] * inv));
+    q[i] = static_cast<int8_t>(v);
+    sum += v;
+  }
+#endif
+  return sum;
+}
+
+// One row's blocks, s = d * sum(q). With two levels, the residual x - d q (one rounding, fma) is
+// quantized again by the same rule, x ~ d q + d2 q2 to about 16 bits, and s = d * sum(q) + d2 * sum(q2).
+void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s, int8_t* q2, float* d2) {
   for (int64_t b = 0; b < K / QK; ++b) {
     const float* xb = x + b * QK;
-#if defined(Q4_AVX2)
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    __m256 v[4];
-    for (int k = 0; k < 4; ++k) v[k] = _mm256_loadu_ps(xb + 8 * k);
-    const __m256 m4 = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
-                                    _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
-    alignas(32) float lanes[L];
-    _mm256_store_ps(lanes, m4);
-    float amax = 0.0f;
-    for (int64_t l = 0; l < L; ++l) amax = std::max(amax, lanes[l]);
-#else
-    float amax = 0.0f;
-    for (int64_t i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(xb[i]));
-#endif
-    const float scale = amax / 127.0f;
-    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-    int32_t sum = 0;
-#if defined(Q4_AVX2)
-    // Rounded to nearest even, as nearbyint; packing saturates nothing (|code| <= 127).
-    __m256i c[4];
-    for (int k = 0; k < 4; ++k)
-      c[k] = _mm256_cvtps_epi32(
-          _mm256_round_ps(_mm256_mul_ps(v[k], _mm256_set1_ps(inv)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
-    // The packs work within 128-bit halves: put the eight 4-byte groups back in order.
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * QK),
-                        _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-    alignas(32) int32_t partial[L];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(partial),
-                       _mm256_add_epi32(_mm256_add_epi32(c[0], c[1]), _mm256_add_epi32(c[2], c[3])));
-    for (int64_t l = 0; l < L; ++l) sum += partial[l];
-#else
-    for (int64_t i = 0; i < QK; ++i) {
-      const int32_t v = static_cast<int32_t>(std::nearbyint(xb[i] * inv));
-      q[b * QK + i] = static_cast<int8_t>(v);
-      sum += v;
-    }
-#endif
-    d[b] = scale;
-    s[b] = scale * static_cast<float>(sum);
+    const int32_t sum = quantize_block(xb, q + b * QK, d + b);
+    s[b] = d[b] * static_cast<float>(sum);
+    if (!q2) continue;
+    float residual[QK];
+    for (int64_t i = 0; i < QK; ++i) residual[i] = std::fma(-d[b], static_cast<float>(q[b * QK + i]), xb[i]);
+    const int32_t sum2 = quantize_block(residual, q2 + b * QK, d2 + b);
+    s[b] = std::fma(d2[b], static_cast<float>(sum2), s[b]);
   }
 }
 
-QuantRows quantize(const float* x, int64_t M, int64_t K) {
-  QuantRows r{std::vector<int8_t>(M * K), std::vector<float>(M * (K / QK)), std::vector<float>(M * (K / QK))};
+QuantRows quantize(const float* x, int64_t M, int64_t K, int64_t levels) {
+  TORCH_CHECK(levels == 1 || levels == 2, "q4_int8: activations in 1 or 2 int8 levels, not ", levels);
+  const int64_t nb = K / QK, fine = levels == 2 ? M : 0;
+  QuantRows r{std::vector<int8_t>(M * K), std::vector<float>(M * nb), std::vector<float>(M * nb),
+              std::vector<int8_t>(fine * K), std::vector<float>(fine * nb)};
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m)
-      quantize_row(x + m * K, K, r.q.data() + m * K, r.d.data() + m * (K / QK), r.s.data() + m * (K / QK));
+      quantize_row(x + m * K, K, r.q.data() + m * K, r.d.data() + m * nb, r.s.data() + m * nb,
+                   fine ? r.q2.data() + m * K : nullptr, fine ? r.d2.data() + m * nb : nullptr);
   });
   return r;
 }
@@ -168,12 +189,23 @@ inline int32_t code_at(const uint8_t* w, int64_t c, int64_t k) {
   return k < 16 ? byte & 0x0F : byte >> 4;
 }
 
+// The tile's rows in int8: codes, scales and sums from row 0 on (rows K codes and K / 32 factors
+// apart), and the second level's codes and scales (TWO).
+struct TileRows {
+  const int8_t* q;
+  const float* d;
+  const float* s;
+  const int8_t* q2;
+  const float* d2;
+};
+
 // out[r * G + c] = row r of the tile against column c of group `w` / `f`: per block in order,
-//     acc = fma(dot, scale * d, acc), then (Q4) acc = fma(minimum, s, acc),
+//     acc = fma(dot, scale * d, acc), (TWO) acc = fma(dot2, scale * d2, acc), (Q4) acc = fma(minimum, s, acc),
 // the same operations for every column, row and tile size.
-template <bool Q8, int64_t ROWS>
-inline void group_tile(const uint8_t* w, const float* f, const int8_t* q, const float* d, const float* s, int64_t K,
-                       float* out) {
+template <bool Q8, int64_t ROWS, bool TWO>
+inline void group_tile(const uint8_t* w, const float* f, const TileRows& x_rows, int64_t K, float* out) {
+  const int8_t *q = x_rows.q, *q2 = x_rows.q2;
+  const float *d = x_rows.d, *s = x_rows.s, *d2 = x_rows.d2;
   using F = Format<Q8>;
   const int64_t nb = K / QK;
 #if defined(Q4_AVX2)
@@ -198,6 +230,11 @@ inline void group_tile(const uint8_t* w, const float* f, const int8_t* q, const 
       const int8_t* x = q + r * K + b * QK;
       const __m256i dot = Q8 ? q8_dot(v, wb, x) : q4_dot(v, x);
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(scale, _mm256_set1_ps(d[r * nb + b])), acc[r]);
+      if (TWO) {
+        const int8_t* x2 = q2 + r * K + b * QK;
+        const __m256i dot2 = Q8 ? q8_dot(v, wb, x2) : q4_dot(v, x2);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot2), _mm256_mul_ps(scale, _mm256_set1_ps(d2[r * nb + b])), acc[r]);
+      }
       if (!Q8) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(fb + G), _mm256_set1_ps(s[r * nb + b]), acc[r]);
     }
   }
@@ -214,6 +251,12 @@ inline void group_tile(const uint8_t* w, const float* f, const int8_t* q, const 
         int32_t dot = 0;
         for (int64_t k = 0; k < QK; ++k) dot += code[k] * x[k];
         acc[r][c] = std::fma(static_cast<float>(dot), fb[c] * d[r * nb + b], acc[r][c]);
+        if (TWO) {
+          const int8_t* x2 = q2 + r * K + b * QK;
+          int32_t dot2 = 0;
+          for (int64_t k = 0; k < QK; ++k) dot2 += code[k] * x2[k];
+          acc[r][c] = std::fma(static_cast<float>(dot2), fb[c] * d2[r * nb + b], acc[r][c]);
+        }
         if (!Q8) acc[r][c] = std::fma(fb[G + c], s[r * nb + b], acc[r][c]);
       }
     }
@@ -230,7 +273,8 @@ struct Rows {
   int64_t M;
 };
 
-Rows quantized_rows(const at::Tensor& x, int64_t K, const char* name, const at::Tensor& norm, double eps) {
+Rows quantized_rows(const at::Tensor& x, int64_t K, const char* name, const at::Tensor& norm, double eps,
+                    int64_t levels) {
   TORCH_CHECK(x.dim() > 0 && x.size(-1) == K, name, ": x has ", x.dim() ? x.size(-1) : 0, " features, the weight ", K);
   // float32 rows in place where they are (the C++ layers' case: no op at one token), else a copy
   const bool in_place = x.scalar_type() == at::kFloat && x.is_contiguous();
@@ -248,7 +292,7 @@ Rows quantized_rows(const at::Tensor& x, int64_t K, const char* name, const at::
     });
     xf = normed;
   }
-  QuantRows qx = quantize(xf.data_ptr<float>(), M, K);
+  QuantRows qx = quantize(xf.data_ptr<float>(), M, K, levels);
   return {xf, std::move(qx), M};
 }
 
@@ -267,12 +311,12 @@ const float* bias_ptr(const at::Tensor& bias, at::Tensor& holder) {
 }
 
 // y = x W^T (+ bias) for W in groups of 8 columns of format Q8 or Q4 (packed [N / 8, K / 32 * bytes],
-// factors [N / 8, K / 32, factors / 8, 8]), in x's type and shape; x's rows normalized first by `norm`
-// and `residual` + y returned where they are defined (q4_int8_fused).
+// factors [N / 8, K / 32, factors / 8, 8]), in x's type and shape, x in `levels` int8 levels; x's rows
+// normalized first by `norm` and `residual` + y returned where they are defined (q4_int8_fused).
 template <bool Q8>
 at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& factors,
-                          const at::Tensor& bias, const char* name, const at::Tensor& norm = {}, double eps = 0.0,
-                          const at::Tensor& residual = {}) {
+                          const at::Tensor& bias, const char* name, int64_t levels, const at::Tensor& norm = {},
+                          double eps = 0.0, const at::Tensor& residual = {}) {
   using F = Format<Q8>;
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 2 &&
                   packed.size(1) % F::bytes == 0 && packed.size(1) > 0,
@@ -281,7 +325,7 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& packed, const a
   TORCH_CHECK(factors.scalar_type() == at::kFloat && factors.is_contiguous() &&
                   factors.sizes() == at::IntArrayRef({groups, nb, F::factors / G, G}),
               name, ": factors [N / 8, K / 32, ", F::factors / G, ", 8] float32");
-  Rows rows = quantized_rows(x, K, name, norm, eps);
+  Rows rows = quantized_rows(x, K, name, norm, eps, levels);
   const int64_t M = rows.M;
   at::Tensor y = at::empty({M, N}, rows.xf.options());
   const float* rp = nullptr;
@@ -305,9 +349,13 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& packed, const a
         const uint8_t* w = wp + g * nb * F::bytes;
         const float* f = fp + g * nb * F::factors;
         auto tile = [&](int64_t m, int64_t n_rows) {
-          const int8_t* q = qx.q.data() + m * K;
-          if (n_rows == R) group_tile<Q8, R>(w, f, q, qx.d.data() + m * nb, qx.s.data() + m * nb, K, out);
-          else group_tile<Q8, 1>(w, f, q, qx.d.data() + m * nb, qx.s.data() + m * nb, K, out);
+          const bool two = !qx.q2.empty();
+          const TileRows t{qx.q.data() + m * K, qx.d.data() + m * nb, qx.s.data() + m * nb,
+                           two ? qx.q2.data() + m * K : nullptr, two ? qx.d2.data() + m * nb : nullptr};
+          if (n_rows == R && two) group_tile<Q8, R, true>(w, f, t, K, out);
+          else if (n_rows == R) group_tile<Q8, R, false>(w, f, t, K, out);
+          else if (two) group_tile<Q8, 1, true>(w, f, t, K, out);
+          else group_tile<Q8, 1, false>(w, f, t, K, out);
           for (int64_t r = 0; r < n_rows; ++r)
             for (int64_t c = 0; c < G; ++c) {
               const int64_t at = (m + r) * N + g * G + c;
@@ -339,21 +387,22 @@ const char* q4_int8_path() {
 }
 
 at::Tensor q4_int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& factors,
-                          const at::Tensor& bias) {
+                          const at::Tensor& bias, int64_t levels) {
   RECORD_FUNCTION("tot::q4_int8_linear", std::vector<c10::IValue>());  // torch.profiler counts it as a linear
-  return grouped_linear<false>(x, packed, factors, bias, "q4_int8_linear");
+  return grouped_linear<false>(x, packed, factors, bias, "q4_int8_linear", levels);
 }
 
 at::Tensor q4_int8_fused(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& factors,
-                         const at::Tensor& bias, const at::Tensor& norm, double eps, const at::Tensor& residual) {
+                         const at::Tensor& bias, int64_t levels, const at::Tensor& norm, double eps,
+                         const at::Tensor& residual) {
   RECORD_FUNCTION("tot::q4_int8_linear", std::vector<c10::IValue>());  // torch.profiler counts it as a linear
-  return grouped_linear<false>(x, packed, factors, bias, "q4_int8_fused", norm, eps, residual);
+  return grouped_linear<false>(x, packed, factors, bias, "q4_int8_fused", levels, norm, eps, residual);
 }
 
 at::Tensor q8_int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& factors,
                           const at::Tensor& bias) {
   RECORD_FUNCTION("tot::q8_int8_linear", std::vector<c10::IValue>());  // torch.profiler counts it as a linear
-  return grouped_linear<true>(x, packed, factors, bias, "q8_int8_linear");
+  return grouped_linear<true>(x, packed, factors, bias, "q8_int8_linear", 1);
 }
 
 // Multiply-adds a second of a tight loop of the block dot product on every thread, with eight
@@ -385,14 +434,17 @@ double q4_int8_peak(int64_t iterations) {
   return static_cast<double>(threads * iterations * 8 * QK) / seconds;  // sink keeps the loop: it is read by no one
 }
 
-std::vector<at::Tensor> q4_int8_quantize(const at::Tensor& x) {
+std::vector<at::Tensor> q4_int8_quantize(const at::Tensor& x, int64_t levels) {
   const at::Tensor xf = x.reshape({-1, x.size(-1)}).to(at::kFloat).contiguous();
   const int64_t M = xf.size(0), K = xf.size(1);
   TORCH_CHECK(K % QK == 0, "q4_int8_quantize: ", K, " features is not a multiple of ", QK);
-  QuantRows r = quantize(xf.data_ptr<float>(), M, K);
-  at::Tensor q = at::empty({M, K}, xf.options().dtype(at::kChar));
-  std::memcpy(q.data_ptr<int8_t>(), r.q.data(), M * K);
-  at::Tensor d = at::from_blob(r.d.data(), {M, K / QK}, xf.options()).clone();
-  at::Tensor s = at::from_blob(r.s.data(), {M, K / QK}, xf.options()).clone();
-  return {q, d, s};
+  QuantRows r = quantize(xf.data_ptr<float>(), M, K, levels);
+  auto codes = [&](std::vector<int8_t>& from) {
+    at::Tensor t = at::empty({M, K}, xf.options().dtype(at::kChar));
+    std::memcpy(t.data_ptr<int8_t>(), from.data(), M * K);
+    return t;
+  };
+  auto floats = [&](std::vector<float>& from) { return at::from_blob(from.data(), {M, K / QK}, xf.options()).clone(); };
+  if (levels == 1) return {codes(r.q), floats(r.d), floats(r.s)};
+  return {codes(r.q), floats(r.d), floats(r.s), codes(r.q2), floats(r.d2)};
 }
