@@ -30,6 +30,12 @@
 #include <immintrin.h>
 #define Q4_AVX2 1
 #endif
+#if defined(Q4_AVX2) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__) && \
+    defined(__AVX512DQ__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define Q4_AMX 1
+#endif
 
 namespace {
 
@@ -265,6 +271,151 @@ inline void group_tile(const uint8_t* w, const float* f, const TileRows& x_rows,
 #endif
 }
 
+#if defined(Q4_AMX)
+// AMX (Sapphire Rapids on): 16 rows x 16 columns (two groups) a tile. Per block one TDPBSUD (or
+// TDPBSSD for Q8's signed codes) gives the tile's exact integer dot products, the same integers as
+// q4_dot / q8_dot, and the AVX-512 epilogue applies them per column and row with the operations of
+// group_tile in its order (a product of two floats is the same either way round): a row's outputs
+// keep their bits whichever path ran its tile.
+constexpr int64_t TM = 16;                   // rows per AMX tile
+constexpr int64_t TN = 2 * G;                // columns per AMX tile: two groups
+constexpr int64_t TILE_CODES = QK * TN;      // bytes of one block's codes for the pair
+constexpr int64_t TILE_DOTS = TM * TN;       // int32 dot products per tile
+
+// Linux grants a process the tiles' state on request, once; without it the instructions fault.
+bool amx_permitted() {
+  static const bool permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return permitted;
+}
+
+// The tile instructions as asm that names what it reads and writes: GCC's intrinsics do not tell the
+// compiler they touch memory, so it could drop the configuration's stores or read a stored tile early.
+template <int T>
+inline void tile_load(const void* base, int64_t stride) {
+  asm volatile("tileloadd (%0,%1,1), %%tmm%c2" ::"r"(base), "r"(stride), "i"(T) : "memory");
+}
+template <int T>
+inline void tile_store(void* base, int64_t stride) {
+  asm volatile("tilestored %%tmm%c2, (%0,%1,1)" ::"r"(base), "r"(stride), "i"(T) : "memory");
+}
+template <int T>
+inline void tile_zero() {
+  asm volatile("tilezero %%tmm%c0" ::"i"(T));
+}
+template <int C, int A, int B, bool SIGNED_B>  // C += A (int8 rows) . B (unsigned or signed codes)
+inline void tile_dot() {
+  if (SIGNED_B) asm volatile("tdpbssd %%tmm%c0, %%tmm%c1, %%tmm%c2" ::"i"(B), "i"(A), "i"(C));
+  else asm volatile("tdpbsud %%tmm%c0, %%tmm%c1, %%tmm%c2" ::"i"(B), "i"(A), "i"(C));
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Two slots, so one block's products run while the other's are applied: slot S has tiles S and 2 + S
+// for the dot products [16 rows, 16 columns] int32 (2 + S: the second level's), 4 + S for the rows'
+// codes of a block [16, 32] and 6 + S for the pair's codes of that block as [8 input quads,
+// 16 columns x 4] bytes. Tile state is per thread: each task loads it.
+void configure_tiles() {
+  TileConfig c;
+  for (int t = 0; t < 4; ++t) c.colsb[t] = TN * 4, c.rows[t] = TM;
+  for (int t = 4; t < 6; ++t) c.colsb[t] = QK, c.rows[t] = TM;
+  for (int t = 6; t < 8; ++t) c.colsb[t] = TN * 4, c.rows[t] = QK / 4;
+  asm volatile("ldtilecfg %0" ::"m"(c));
+}
+
+// Groups g and g + 1's codes, block by block, in a B tile's layout: quad row j holds every column's
+// codes for inputs 4j..4j+3 (group g's 8 columns, then g + 1's). Q4 codes are unpacked to 0..15.
+template <bool Q8>
+void pair_codes(const uint8_t* w0, const uint8_t* w1, int64_t nb, uint8_t* out) {
+  using F = Format<Q8>;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nb; ++b) {
+    uint8_t* o = out + b * TILE_CODES;
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t* wb = (h ? w1 : w0) + b * F::bytes;
+      for (int j = 0; j < (Q8 ? 8 : 4); ++j) {
+        const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * j));
+        __m256i* row = reinterpret_cast<__m256i*>(o + j * TN * 4 + 32 * h);
+        if (Q8) {
+          _mm256_storeu_si256(row, p);
+        } else {
+          _mm256_storeu_si256(row, _mm256_and_si256(p, low));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + (j + 4) * TN * 4 + 32 * h),
+                              _mm256_and_si256(_mm256_srli_epi16(p, 4), low));
+        }
+      }
+    }
+  }
+}
+
+// Slot S's products for block b: the rows' codes (and the second level's) against the pair's codes.
+template <int S, bool Q8, bool TWO>
+inline void block_dots(const uint8_t* codes, const TileRows& x, int64_t b, int64_t K) {
+  tile_load<6 + S>(codes + b * TILE_CODES, TN * 4);
+  tile_load<4 + S>(x.q + b * QK, K);
+  tile_zero<S>();
+  tile_dot<S, 4 + S, 6 + S, Q8>();
+  if (TWO) {
+    tile_load<4 + S>(x.q2 + b * QK, K);
+    tile_zero<2 + S>();
+    tile_dot<2 + S, 4 + S, 6 + S, Q8>();
+  }
+}
+
+template <int S, bool TWO>
+inline void block_store(int32_t* dots) {
+  tile_store<S>(dots, TN * 4);
+  if (TWO) tile_store<2 + S>(dots + TILE_DOTS, TN * 4);
+}
+
+inline __m512 pair_floats(const float* f0, const float* f1) {
+  return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(f0)), _mm256_loadu_ps(f1), 1);
+}
+
+// out[r * 16 + c] for the tile's 16 rows against the pair's 16 columns (codes: pair_codes' blocks;
+// f0, f1: the two groups' factors), per block in group_tile's order. Blocks go in rounds of two, one a
+// slot, and a round's products are started before the previous round is applied.
+template <bool Q8, bool TWO>
+void amx_tile(const uint8_t* codes, const float* f0, const float* f1, const TileRows& x, int64_t K, float* out) {
+  using F = Format<Q8>;
+  const int64_t nb = K / QK;
+  constexpr int64_t levels = TWO ? 2 : 1;
+  alignas(64) int32_t dots[2][2][levels * TILE_DOTS];  // [round parity][slot]
+  __m512 acc[TM];
+  for (int64_t r = 0; r < TM; ++r) acc[r] = _mm512_setzero_ps();
+  auto start = [&](int64_t b) {
+    block_dots<0, Q8, TWO>(codes, x, b, K);
+    if (b + 1 < nb) block_dots<1, Q8, TWO>(codes, x, b + 1, K);
+  };
+  auto apply = [&](const int32_t* d1, int64_t b) {
+    const __m512 scale = pair_floats(f0 + b * F::factors, f1 + b * F::factors);
+    const __m512 minimum = Q8 ? scale : pair_floats(f0 + b * F::factors + G, f1 + b * F::factors + G);
+    for (int64_t r = 0; r < TM; ++r) {
+      const __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512(d1 + r * TN));
+      acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale, _mm512_set1_ps(x.d[r * nb + b])), acc[r]);
+      if (TWO) {
+        const __m512 dot2 = _mm512_cvtepi32_ps(_mm512_load_si512(d1 + TILE_DOTS + r * TN));
+        acc[r] = _mm512_fmadd_ps(dot2, _mm512_mul_ps(scale, _mm512_set1_ps(x.d2[r * nb + b])), acc[r]);
+      }
+      if (!Q8) acc[r] = _mm512_fmadd_ps(minimum, _mm512_set1_ps(x.s[r * nb + b]), acc[r]);
+    }
+  };
+  start(0);
+  for (int64_t b = 0; b < nb; b += 2) {
+    int32_t(*round)[levels * TILE_DOTS] = dots[(b / 2) & 1];
+    block_store<0, TWO>(round[0]);
+    if (b + 1 < nb) block_store<1, TWO>(round[1]);
+    if (b + 2 < nb) start(b + 2);
+    apply(round[0], b);
+    if (b + 1 < nb) apply(round[1], b + 1);
+  }
+  for (int64_t r = 0; r < TM; ++r) _mm512_storeu_ps(out + r * TN, acc[r]);
+}
+#endif
+
 // x [.., K] as float32 rows [M, K] (normalized first by `norm`, a weight [K], where it is defined)
 // and their int8 blocks.
 struct Rows {
@@ -340,30 +491,62 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& packed, const a
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* fp = factors.data_ptr<float>();
   const QuantRows& qx = rows.qx;
+  const bool two = !qx.q2.empty();
+  auto tile_rows = [&](int64_t m) {
+    return TileRows{qx.q.data() + m * K, qx.d.data() + m * nb, qx.s.data() + m * nb,
+                    two ? qx.q2.data() + m * K : nullptr, two ? qx.d2.data() + m * nb : nullptr};
+  };
+  // out [n_rows, cols] (row stride cols) for rows m.. and columns from group g's first on
+  auto store = [&](const float* out, int64_t m, int64_t n_rows, int64_t g, int64_t cols) {
+    for (int64_t r = 0; r < n_rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) {
+        const int64_t at = (m + r) * N + g * G + c;
+        const float v = out[r * cols + c] + (bp ? bp[g * G + c] : 0.0f);
+        yp[at] = rp ? rp[at] + v : v;  // the residual add's one rounding, as h + linear(x)
+      }
+  };
+#if defined(Q4_AMX)
+  const int64_t m_amx = M >= TM && amx_permitted() ? M / TM * TM : 0;  // rows in AMX tiles
+#else
+  const int64_t m_amx = 0;
+#endif
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    // The task's groups in pairs take rows [0, m_amx) in AMX tiles; the rest run group_tile.
+    const int64_t paired = m_amx ? begin + (end - begin) / 2 * 2 : begin;
+#if defined(Q4_AMX)
+    if (paired > begin) {
+      configure_tiles();
+      std::vector<uint8_t> codes(nb * TILE_CODES);
+      float out[TM * TN];
+      for (int64_t g = begin; g < paired; g += 2) {
+        pair_codes<Q8>(wp + g * nb * F::bytes, wp + (g + 1) * nb * F::bytes, nb, codes.data());
+        const float *f0 = fp + g * nb * F::factors, *f1 = fp + (g + 1) * nb * F::factors;
+        for (int64_t m = 0; m < m_amx; m += TM) {
+          if (two) amx_tile<Q8, true>(codes.data(), f0, f1, tile_rows(m), K, out);
+          else amx_tile<Q8, false>(codes.data(), f0, f1, tile_rows(m), K, out);
+          store(out, m, TM, g, TN);
+        }
+      }
+      _tile_release();
+    }
+#endif
     float out[R * G];
     // Rows in panels whose int8 codes stay in L2 while the task's groups pass over them.
     for (int64_t m0 = 0; m0 < M; m0 += MP) {
       const int64_t m1 = std::min(M, m0 + MP);
       for (int64_t g = begin; g < end; ++g) {
+        const int64_t first = std::max(m0, g < paired ? m_amx : 0);
         const uint8_t* w = wp + g * nb * F::bytes;
         const float* f = fp + g * nb * F::factors;
         auto tile = [&](int64_t m, int64_t n_rows) {
-          const bool two = !qx.q2.empty();
-          const TileRows t{qx.q.data() + m * K, qx.d.data() + m * nb, qx.s.data() + m * nb,
-                           two ? qx.q2.data() + m * K : nullptr, two ? qx.d2.data() + m * nb : nullptr};
+          const TileRows t = tile_rows(m);
           if (n_rows == R && two) group_tile<Q8, R, true>(w, f, t, K, out);
           else if (n_rows == R) group_tile<Q8, R, false>(w, f, t, K, out);
           else if (two) group_tile<Q8, 1, true>(w, f, t, K, out);
           else group_tile<Q8, 1, false>(w, f, t, K, out);
-          for (int64_t r = 0; r < n_rows; ++r)
-            for (int64_t c = 0; c < G; ++c) {
-              const int64_t at = (m + r) * N + g * G + c;
-              const float v = out[r * G + c] + (bp ? bp[g * G + c] : 0.0f);
-              yp[at] = rp ? rp[at] + v : v;  // the residual add's one rounding, as h + linear(x)
-            }
+          store(out, m, n_rows, g, G);
         };
-        int64_t m = m0;
+        int64_t m = first;
         for (; m + R <= m1; m += R) tile(m, R);
         for (; m < m1; ++m) tile(m, 1);
       }
@@ -375,6 +558,9 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& packed, const a
 }  // namespace
 
 const char* q4_int8_path() {
+#if defined(Q4_AMX)
+  if (amx_permitted()) return "amx-int8";  // tiles of 16 rows; fewer rows on AVX-512 VNNI
+#endif
 #if defined(Q4_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
   return "avx512-vnni";
 #elif defined(Q4_AVX2) && defined(__AVXVNNI__)
