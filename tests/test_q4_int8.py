@@ -326,3 +326,12 @@ def test_the_loader_gives_the_embedded_models_head_its_q8_0_blocks():
     raw = next(t for t in read_gguf(path).tensors if t.name == "token_embd.weight")
     expected = dequantize(np.asarray(raw.data), GGMLQuantizationType.Q8_0).reshape(49152, 576)
     assert torch.equal(head.dequantized(), torch.from_numpy(expected))
+
+
+def test_the_peak_loops_measure_the_paths_instructions():
+    """profile_forward reads the kernel's rate against tight loops of its dot products: the vector
+    one everywhere, the tile one only where the kernel runs AMX tiles."""
+    k = kernels.load()
+    assert k.q4_int8_peak(100_000) > 0
+    tiles = k.q4_int8_tile_peak(10_000)
+    assert (tiles > 0) == (k.q4_int8_path() == "amx-int8")

@@ -87,6 +87,7 @@ at::Tensor q4_int8_fused(const at::Tensor& x, const at::Tensor& codes, const at:
 std::vector<at::Tensor> q4_int8_quantize(const at::Tensor& x, int64_t levels);
 const char* q4_int8_path();
 double q4_int8_peak(int64_t iterations);
+double q4_int8_tile_peak(int64_t iterations);
 
 // SiLU with fixed_silu (the model's act_fn where it is decoding/core/activation.py's FixedSiLU).
 at::Tensor silu_fixed(const at::Tensor& x);

@@ -18,6 +18,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_int8_quantize", &q4_int8_quantize, "x's rows quantized to int8 per block of 32, in 1 or 2 levels");
   m.def("q4_int8_path", &q4_int8_path, "the instructions q4_int8_linear was built for");
   m.def("q4_int8_peak", &q4_int8_peak, "multiply-adds a second of a tight loop of q4_int8_linear's block dot product");
+  m.def("q4_int8_tile_peak", &q4_int8_tile_peak, "the same for its AMX tiles; 0 without them");
   m.def("silu_fixed", &silu_fixed, "SiLU with a fixed exp: one set of bits in every lane (CPU)");
   m.def("silu_mul", &silu_mul, "silu_fixed(gate) * up, gate and up read in place (CPU)");
   m.def("rms_norm_rows", &rms_norm_rows, "RMSNorm per row in one pass (CPU)");
