@@ -7,12 +7,12 @@
 // alone, d = max |x| / 127, qx = round-to-even(x / d), s = d * sum(qx). Then
 //     y[m, n] = sum_b scale[n, b] * d[m, b] * (q . qx)[b]  +  minimum[n, b] * s[m, b],
 // accumulated per block in order with two fused multiply-adds. The block's integer dot product is
-// exact (VPMADDUBSW + VPMADDWD on AVX2, VPDPBUSD with VNNI: the same integers). The tied Q8_0 LM
-// head runs the same sums without the minimum term. In two levels (quant.py: the attention's
-// projections) the residual x - d qx is quantized again, d2 and qx2, and each block adds
-// scale * d2 * (q . qx2) after its first term: the input to about 16 bits for one more dot product
-// per unpacked block. Nothing depends on the number of rows, on
-// which rows share a tile or on threads: a row gets the same bits alone or in any batch, on every
+// exact (VPMADDUBSW + VPMADDWD on AVX2, VPDPBUSD with VNNI, TDPBSUD on AMX tiles of 16 rows: the
+// same integers). The tied Q8_0 LM head runs the same sums without the minimum term. In two levels
+// (quant.py: the attention's projections) the residual x - d qx is quantized again, d2 and qx2, and
+// each block adds scale * d2 * (q . qx2) after its first term: the input to about 16 bits for one more
+// dot product per unpacked block. Nothing depends on the number of rows, on which rows share a tile
+// or on threads: a row gets the same bits alone or in any batch, on every
 // path (the portable loop does the same operations in the same order; built with -ffp-contract=off).
 #include <ATen/Parallel.h>
 
