@@ -19,14 +19,17 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 # What the whole test suite needs beyond setup: llama.cpp's server (the server backend's tests and
-# bench peer; built from source, about 4 minutes on 2 cores the first time, then pip's cache) and the
-# cluster launchers (submitit, Ray). Its multimodal library is not built: the server does not need it.
-# Nor are its AMX kernels: on Sapphire Rapids-class CPUs (amx_int8) their matmul crashes the server
-# in its first forward (llama.cpp issue 20824); GCC lets -mno-amx-* stand beside -march=native.
+# bench peer; built from source, about 4 minutes on 2 cores for each new .venv) and the cluster
+# launchers (submitit, Ray). Its multimodal library is not built: the server does not need it. Nor
+# are its AMX kernels: on Sapphire Rapids-class CPUs (amx_int8) their matmul crashes the server in
+# its first forward (llama.cpp issue 20824); GCC lets -mno-amx-* stand beside -march=native. pip's
+# cache is bypassed for it: it keys a built wheel by the source alone, not by CMAKE_ARGS, and would
+# hand back a build made with other flags.
 NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 $(VENV)/.extras: $(VENV)/.installed
+	$(BIN)/python -m pip install --quiet -e ".[dev,slurm,ray]"
 	CMAKE_ARGS='-DLLAVA_BUILD=OFF -DCMAKE_C_FLAGS="$(NO_AMX)" -DCMAKE_CXX_FLAGS="$(NO_AMX)"' \
-		$(BIN)/python -m pip install --quiet -e ".[dev,llama,slurm,ray]"
+		$(BIN)/python -m pip install --quiet --no-cache-dir -e ".[llama]"
 	touch $@
 
 # The tree view's test renders the page in a real headless browser: Debian's chromium (apt, about
