@@ -19,7 +19,12 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -58,31 +63,129 @@ struct Task {
 
 struct Scratch {
   std::vector<float> qf, kblk, vf, p, allow;
+  std::vector<int64_t> live;  // the task's queries whose outputs are read
 };
 
-// sum_l w[l] * v[l] over the visible positions in order: C vectors of W lanes across d.
-template <int C, typename value_t>
-inline void weighted_values(const float* w, const value_t* v, int64_t vs, int64_t L, float* out, float& sum) {
-  float acc[C][W] = {};
-  sum = 0.0f;
+// Queries a pass shares each key and value load between: their chains are independent, so a pass
+// keeps J * U (scores) or J * C (values) vector accumulators in flight where one query had U or C,
+// enough to hide the fused multiply-add's latency. A query's own chains are unchanged.
+constexpr int J = 4;
+
+// Scores of NJ queries over one block of BL positions (keys as [D][BL] floats): per query and position
+// one chain of fused multiply-adds over d in order, lanes across positions.
+template <int NJ>
+inline void block_scores(const float* const* q, const float* kb, int64_t D, float scale, float* const* p) {
+  float acc[NJ][U][W];
+  for (int j = 0; j < NJ; ++j)
+    for (int64_t u = 0; u < U; ++u)
+      for (int64_t i = 0; i < W; ++i) acc[j][u][i] = q[j][0] * kb[u * W + i];
+  for (int64_t d = 1; d < D; ++d) {
+    const float* kd = kb + d * BL;
+    for (int j = 0; j < NJ; ++j) {
+      const float qd = q[j][d];
+      for (int64_t u = 0; u < U; ++u)
+        for (int64_t i = 0; i < W; ++i) acc[j][u][i] = std::fma(qd, kd[u * W + i], acc[j][u][i]);
+    }
+  }
+  for (int j = 0; j < NJ; ++j)
+    for (int64_t u = 0; u < U; ++u)
+      for (int64_t i = 0; i < W; ++i) p[j][u * W + i] = acc[j][u][i] * scale;
+}
+
+// sum_l w[l] * v[l] over each of NJ queries' visible positions in order: C vectors of W lanes across
+// d per query; a position no query sees is not read. A hidden position adds nothing: its weight is +0
+// (s + 0 is s, s >= +0) and its products are not taken (its values may be anything, even a pad slot's
+// unwritten ones). With AVX-512 the products run as masked fused multiply-adds on 16-lane registers
+// (GCC spilled the plain loop's accumulators); each lane's value is the plain loop's.
+template <int C, int NJ, typename value_t>
+inline void weighted_values(const float* const* w, const value_t* v, int64_t vs, int64_t L, float* const* out,
+                            float* sum) {
+  float s[NJ] = {};
+#if defined(__AVX512F__)
+  static_assert(W == 16, "one 512-bit register a vector");
+  __m512 acc[NJ][C];
+  for (int j = 0; j < NJ; ++j)
+    for (int c = 0; c < C; ++c) acc[j][c] = _mm512_setzero_ps();
+#else
+  float acc[NJ][C * W] = {};
+#endif
   for (int64_t l = 0; l < L; ++l) {
-    const float wl = w[l];
-    if (wl == 0.0f) continue;  // adds nothing
-    sum = sum + wl;
+    bool seen = false;
+    for (int j = 0; j < NJ; ++j) seen = seen || w[j][l] != 0.0f;
+    if (!seen) continue;
     float vl[C * W];
     widen(v + l * vs, vl, C * W);
-    for (int c = 0; c < C; ++c)
-      for (int64_t i = 0; i < W; ++i) acc[c][i] = std::fma(wl, vl[c * W + i], acc[c][i]);
+#if defined(__AVX512F__)
+    __m512 x[C];
+    for (int c = 0; c < C; ++c) x[c] = _mm512_loadu_ps(vl + c * W);
+    for (int j = 0; j < NJ; ++j) {
+      const float wl = w[j][l];
+      s[j] = s[j] + wl;
+      const __mmask16 take = wl != 0.0f ? 0xFFFF : 0;
+      const __m512 wv = _mm512_set1_ps(wl);
+      for (int c = 0; c < C; ++c) acc[j][c] = _mm512_mask3_fmadd_ps(wv, x[c], acc[j][c], take);
+    }
+#else
+    for (int j = 0; j < NJ; ++j) {
+      const float wl = w[j][l];
+      if (wl == 0.0f) continue;
+      s[j] = s[j] + wl;
+      for (int64_t i = 0; i < C * W; ++i) acc[j][i] = std::fma(wl, vl[i], acc[j][i]);
+    }
+#endif
   }
-  for (int c = 0; c < C; ++c)
-    for (int64_t i = 0; i < W; ++i) out[c * W + i] = acc[c][i];
+  for (int j = 0; j < NJ; ++j) {
+    sum[j] = s[j];
+#if defined(__AVX512F__)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(out[j] + c * W, acc[j][c]);
+#else
+    for (int64_t i = 0; i < C * W; ++i) out[j][i] = acc[j][i];
+#endif
+  }
 }
+
+// The most queries a values pass takes at C vectors a query (32 vector registers in all).
+constexpr int values_width(int C) { return C <= 4 ? J : C == 8 ? 2 : 1; }
 
 template <typename scalar_t>
 void write_zeros(const Task<scalar_t>& a, int64_t j, int64_t D) {
   const int64_t g = (a.j0 + j) / a.T, t = (a.j0 + j) % a.T;
   scalar_t* dst = a.out + t * a.os1 + g * a.os2;
   for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(0.0f);
+}
+
+// Scores of the queries js[0..NJ) (rows of qf, Dp apart) over the key block at l0 into their rows of p.
+template <int NJ>
+inline void scores_pass(const int64_t* js, const float* qf, int64_t Dp, const float* kb, int64_t D, float scale,
+                        float* p, int64_t Lp, int64_t l0) {
+  const float* q[NJ];
+  float* out[NJ];
+  for (int j = 0; j < NJ; ++j) {
+    q[j] = qf + js[j] * Dp;
+    out[j] = p + js[j] * Lp + l0;
+  }
+  block_scores<NJ>(q, kb, D, scale, out);
+}
+
+// The outputs of the queries js[0..NJ) from their softmax weights (rows of p, Lp apart) and the values.
+template <int C, int NJ, typename scalar_t, typename value_t>
+inline void values_pass(const Task<scalar_t>& a, const int64_t* js, const float* p, int64_t Lp, const value_t* v,
+                        int64_t vs) {
+  constexpr int64_t Dp = C * W;
+  const float* w[NJ];
+  float o[NJ][Dp], sum[NJ];
+  float* out[NJ];
+  for (int j = 0; j < NJ; ++j) {
+    w[j] = p + js[j] * Lp;
+    out[j] = o[j];
+  }
+  weighted_values<C, NJ>(w, v, vs, a.L, out, sum);
+  for (int j = 0; j < NJ; ++j) {
+    const int64_t g = (a.j0 + js[j]) / a.T, t = (a.j0 + js[j]) % a.T;
+    scalar_t* dst = a.out + t * a.os1 + g * a.os2;
+    const float sc = sum[j] > 0.0f ? sum[j] : 1.0f;  // no visible position: zeros
+    for (int64_t d = 0; d < a.D; ++d) dst[d] = static_cast<scalar_t>(o[j][d] / sc);
+  }
 }
 
 template <int C, typename scalar_t>
@@ -97,27 +200,32 @@ void attend_task(const Task<scalar_t>& a, Scratch& s) {
   // A ragged forward's pad slots are never read: their queries are skipped (zeros written), so a
   // wide row costs the rows beside it nothing. Each query is its own computation: the others' bits
   // do not change.
-  auto live = [&](int64_t j) { return a.live == nullptr || a.live[(a.j0 + j) % a.T]; };
-  bool any = false;
-  for (int64_t j = 0; j < nq; ++j) any = any || live(j);
-  if (!any) {
-    for (int64_t j = 0; j < nq; ++j) write_zeros(a, j, D);
-    return;
-  }
+  s.live.clear();
   for (int64_t j = 0; j < nq; ++j) {
-    if (!live(j)) continue;
+    if (a.live != nullptr && !a.live[(a.j0 + j) % a.T]) {
+      write_zeros(a, j, D);
+      continue;
+    }
+    s.live.push_back(j);
     const int64_t g = (a.j0 + j) / a.T, t = (a.j0 + j) % a.T;
     widen(a.q + g * a.qs1 + t * a.qs2, s.qf.data() + j * Dp, D);
     float* al = s.allow.data() + j * Lr;
-    if (a.mask != nullptr) {
+    if (a.mask != nullptr && a.ms3 == 1) {  // a contiguous mask row: a vector loop
+      const bool* mrow = a.mask + t * a.ms2;
+      const uint8_t* bytes = reinterpret_cast<const uint8_t*>(mrow);  // a bool is 0 or 1
+      for (int64_t l = 0; l < L; ++l) al[l] = static_cast<float>(bytes[l]);
+    } else if (a.mask != nullptr) {
       const bool* mrow = a.mask + t * a.ms2;
       for (int64_t l = 0; l < L; ++l) al[l] = mrow[l * a.ms3] ? 1.0f : 0.0f;
     } else {
       for (int64_t l = 0; l <= L - a.T + t; ++l) al[l] = 1.0f;
     }
   }
+  const int64_t n_live = static_cast<int64_t>(s.live.size());
+  if (n_live == 0) return;
+  const int64_t* js = s.live.data();
   // Scores, a block of BL positions at a time: the block's keys as [D][BL] floats (zero past L),
-  // then every query over them, U * W positions as independent chains.
+  // then the queries over them, J at a time.
   float* kb = s.kblk.data();
   for (int64_t l0 = 0; l0 < Lr; l0 += BL) {
     const int64_t n = std::min(BL, L - l0);
@@ -138,54 +246,56 @@ void attend_task(const Task<scalar_t>& a, Scratch& s) {
         for (int64_t d = 0; d < D; ++d) kb[d * BL + l] = l < n ? row[d] : 0.0f;
       }
     }
-    for (int64_t j = 0; j < nq; ++j) {
-      if (!live(j)) continue;
-      const float* qj = s.qf.data() + j * Dp;
-      float acc[U][W];
-      for (int64_t u = 0; u < U; ++u)
-        for (int64_t i = 0; i < W; ++i) acc[u][i] = qj[0] * kb[u * W + i];
-      for (int64_t d = 1; d < D; ++d) {
-        const float qd = qj[d];
-        const float* kd = kb + d * BL;
-        for (int64_t u = 0; u < U; ++u)
-          for (int64_t i = 0; i < W; ++i) acc[u][i] = std::fma(qd, kd[u * W + i], acc[u][i]);
-      }
-      float* pj = s.p.data() + j * Lp + l0;
-      for (int64_t u = 0; u < U; ++u)
-        for (int64_t i = 0; i < W; ++i) pj[u * W + i] = acc[u][i] * a.scale;
+    int64_t at = 0;
+    for (; at + J <= n_live; at += J) scores_pass<J>(js + at, s.qf.data(), Dp, kb, D, a.scale, s.p.data(), Lp, l0);
+    switch (n_live - at) {
+      case 3: scores_pass<3>(js + at, s.qf.data(), Dp, kb, D, a.scale, s.p.data(), Lp, l0); break;
+      case 2: scores_pass<2>(js + at, s.qf.data(), Dp, kb, D, a.scale, s.p.data(), Lp, l0); break;
+      case 1: scores_pass<1>(js + at, s.qf.data(), Dp, kb, D, a.scale, s.p.data(), Lp, l0); break;
+      default: break;
     }
+  }
+  for (int64_t at = 0; at < n_live; ++at) {
+    float* __restrict pj = s.p.data() + js[at] * Lp;
+    const float* __restrict al = s.allow.data() + js[at] * Lr;
+    const float hidden = -std::numeric_limits<float>::infinity();
+    float lane_max[W];
+    // A maximum is exact in any order. lane_max[i] = std::max(lane_max[i], x), (lane < x) ? x : lane,
+    // is MAXPS(x, lane) lane by lane (GCC kept the scalar loop's branches).
+#if defined(__AVX512F__)
+    __m512 most = _mm512_set1_ps(hidden);
+    for (int64_t l0 = 0; l0 < Lr; l0 += W) {
+      const __mmask16 seen = _mm512_cmp_ps_mask(_mm512_loadu_ps(al + l0), _mm512_setzero_ps(), _CMP_NEQ_UQ);
+      most = _mm512_max_ps(_mm512_mask_blend_ps(seen, _mm512_set1_ps(hidden), _mm512_loadu_ps(pj + l0)), most);
+    }
+    _mm512_storeu_ps(lane_max, most);
+#else
+    for (int64_t i = 0; i < W; ++i) lane_max[i] = hidden;
+    for (int64_t l0 = 0; l0 < Lr; l0 += W)
+      for (int64_t i = 0; i < W; ++i) lane_max[i] = std::max(lane_max[i], al[l0 + i] != 0.0f ? pj[l0 + i] : hidden);
+#endif
+    float m = hidden;
+    for (int64_t i = 0; i < W; ++i) m = std::max(m, lane_max[i]);
+    // Softmax weights, exactly 0 where hidden (clamped first: a hidden score may exceed the maximum).
+    for (int64_t l = 0; l < Lr; ++l) pj[l] = fixed_exp(std::min(pj[l] - m, 0.0f)) * al[l];
   }
   const bool direct = D == Dp;  // values read in place; else widened into rows padded to Dp
   if (!direct) {
     s.vf.assign(L * Dp, 0.0f);
     for (int64_t l = 0; l < L; ++l) widen(a.v + l * a.vs2, s.vf.data() + l * Dp, D);
   }
-  for (int64_t j = 0; j < nq; ++j) {
-    if (!live(j)) {
-      write_zeros(a, j, D);
-      continue;
-    }
-    float* __restrict pj = s.p.data() + j * Lp;
-    const float* __restrict al = s.allow.data() + j * Lr;
-    const float hidden = -std::numeric_limits<float>::infinity();
-    float lane_max[W];
-    for (int64_t i = 0; i < W; ++i) lane_max[i] = hidden;
-    for (int64_t l0 = 0; l0 < Lr; l0 += W)  // a maximum is exact in any order
-      for (int64_t i = 0; i < W; ++i) lane_max[i] = std::max(lane_max[i], al[l0 + i] != 0.0f ? pj[l0 + i] : hidden);
-    float m = hidden;
-    for (int64_t i = 0; i < W; ++i) m = std::max(m, lane_max[i]);
-    // Softmax weights, exactly 0 where hidden (clamped first: a hidden score may exceed the maximum).
-    for (int64_t l = 0; l < Lr; ++l) pj[l] = fixed_exp(std::min(pj[l] - m, 0.0f)) * al[l];
-    float o[Dp], sum;
-    if (direct) {
-      weighted_values<C>(pj, a.v, a.vs2, L, o, sum);
-    } else {
-      weighted_values<C>(pj, s.vf.data(), Dp, L, o, sum);
-    }
-    const int64_t g = (a.j0 + j) / a.T, t = (a.j0 + j) % a.T;
-    scalar_t* dst = a.out + t * a.os1 + g * a.os2;
-    const float sc = sum > 0.0f ? sum : 1.0f;  // no visible position: zeros
-    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(o[d] / sc);
+  auto pass = [&](auto width, int64_t at) {
+    constexpr int NJ = decltype(width)::value;
+    if (direct) values_pass<C, NJ>(a, js + at, s.p.data(), Lp, a.v, a.vs2);
+    else values_pass<C, NJ>(a, js + at, s.p.data(), Lp, s.vf.data(), Dp);
+  };
+  for (int64_t at = 0; at < n_live;) {
+    const int64_t width = std::min<int64_t>(values_width(C), n_live - at);
+    if (width == 4) pass(std::integral_constant<int, 4>(), at);
+    else if (width == 3) pass(std::integral_constant<int, 3>(), at);
+    else if (width == 2) pass(std::integral_constant<int, 2>(), at);
+    else pass(std::integral_constant<int, 1>(), at);
+    at += width;
   }
 }
 

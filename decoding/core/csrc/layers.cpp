@@ -85,18 +85,32 @@ at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
 
 // cache[rows[n], :, slots[n]] = x[n] in the cache's type, for x [N, heads, D] (any strides) and a cache
 // [R, heads, S, D] of any layout: RowKVCache.update's index_put_ for real tokens (the same values),
-// without the indexing machinery that cost more than the copy at a token a row.
+// without the indexing machinery that cost more than the copy at a token a row. Strides are read once:
+// Tensor::stride(dim) in the inner loop cost more than the copy. Tokens are split across threads: with
+// keys stored position-contiguous each element lands in its own cache line, a miss apiece.
 template <typename C, typename X>
 void put_typed(const at::Tensor& cache, const at::Tensor& x, const int64_t* rows, const int64_t* slots) {
   C* dst = cache.data_ptr<C>();
   const X* src = x.data_ptr<X>();
   const int64_t n = x.size(0), heads = x.size(1), d = x.size(2);
-  for (int64_t t = 0; t < n; ++t)
-    for (int64_t h = 0; h < heads; ++h) {
-      C* out = dst + rows[t] * cache.stride(0) + h * cache.stride(1) + slots[t] * cache.stride(2);
-      const X* in = src + t * x.stride(0) + h * x.stride(1);
-      for (int64_t i = 0; i < d; ++i) out[i * cache.stride(3)] = static_cast<C>(static_cast<float>(in[i * x.stride(2)]));
-    }
+  const int64_t cr = cache.stride(0), ch = cache.stride(1), cs = cache.stride(2), cd = cache.stride(3);
+  const int64_t xt = x.stride(0), xh = x.stride(1), xd = x.stride(2);
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    // Misses overlap: every destination line of the range is requested (for writing) before the first
+    // store, which otherwise waits in the store buffer behind the misses before it.
+    if (cd != 1)
+      for (int64_t t = begin; t < end; ++t)
+        for (int64_t h = 0; h < heads; ++h) {
+          const C* out = dst + rows[t] * cr + h * ch + slots[t] * cs;
+          for (int64_t i = 0; i < d; ++i) __builtin_prefetch(out + i * cd, 1);
+        }
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t h = 0; h < heads; ++h) {
+        C* out = dst + rows[t] * cr + h * ch + slots[t] * cs;
+        const X* in = src + t * xt + h * xh;
+        for (int64_t i = 0; i < d; ++i) out[i * cd] = static_cast<C>(static_cast<float>(in[i * xd]));
+      }
+  });
 }
 
 void put_rows(const at::Tensor& cache, const at::Tensor& x, const at::Tensor& rows, const at::Tensor& slots) {
