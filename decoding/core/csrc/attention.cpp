@@ -304,7 +304,19 @@ void attend_kernel(const torch::Tensor& q, const torch::Tensor& k, const torch::
                    const torch::Tensor& mask, bool has_mask, const torch::Tensor& rows, bool has_rows,
                    const torch::Tensor& live, double scale, torch::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3);
-  const int64_t Hk = k.size(1), G = H / Hk, nq = G * T, chunks_per_head = (nq + QC - 1) / QC;
+  const int64_t Hk = k.size(1), G = H / Hk, nq = G * T;
+  // Tasks of at most QC queries; a few tasks (each thread's share decides the time) are split finer
+  // until every thread gets as many: one row's 16-token tree was 9 tasks on 2 threads, one ran 5.
+  const int64_t threads = at::get_num_threads();
+  int64_t chunks_per_head = (nq + QC - 1) / QC;
+  const bool few = B * Hk * chunks_per_head < 8 * threads;
+  for (int64_t c = chunks_per_head; few && c <= std::min(nq, 2 * chunks_per_head); ++c)
+    if (B * Hk * c % threads == 0) {
+      chunks_per_head = c;
+      break;
+    }
+  const int64_t chunk = (nq + chunks_per_head - 1) / chunks_per_head;
+  chunks_per_head = (nq + chunk - 1) / chunk;
   const int64_t C = (D + W - 1) / W;
   TORCH_CHECK(C == 1 || C == 2 || C == 4 || C == 8 || C == 16,
               "attend: head dimension ", D, " is not supported (up to 256, in steps of 16, 32, 64 or 128)");
@@ -329,7 +341,7 @@ void attend_kernel(const torch::Tensor& q, const torch::Tensor& k, const torch::
     Scratch s;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / (Hk * chunks_per_head), hk = task / chunks_per_head % Hk;
-      const int64_t chunk = task % chunks_per_head, r = has_rows ? rp[b] : b;
+      const int64_t part = task % chunks_per_head, r = has_rows ? rp[b] : b;
       Task<scalar_t> a = base;
       a.q = q.data_ptr<scalar_t>() + b * q.stride(0) + hk * G * q.stride(1);
       a.k = k.data_ptr<scalar_t>() + r * k.stride(0) + hk * k.stride(1);
@@ -337,8 +349,8 @@ void attend_kernel(const torch::Tensor& q, const torch::Tensor& k, const torch::
       a.out = out.data_ptr<scalar_t>() + b * out.stride(0) + hk * G * out.stride(2);
       a.mask = has_mask ? mask.data_ptr<bool>() + b * mask.stride(0) : nullptr;
       a.live = lp != nullptr ? lp + b * T : nullptr;
-      a.j0 = chunk * QC;
-      a.j1 = std::min(nq, a.j0 + QC);
+      a.j0 = part * chunk;
+      a.j1 = std::min(nq, a.j0 + chunk);
       switch (C) {
         case 1: attend_task<1>(a, s); break;
         case 2: attend_task<2>(a, s); break;

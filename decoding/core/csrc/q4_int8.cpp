@@ -112,15 +112,24 @@ void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s, int8
   }
 }
 
-QuantRows quantize(const float* x, int64_t M, int64_t K, int64_t levels) {
+// Rows x [M, K] quantized; with `norm` (a weight [K], else null) each row is first normalized into
+// `normed` (RMSNorm, norm_row), in the same task: one parallel region, rows split in fours.
+QuantRows quantize(const float* x, int64_t M, int64_t K, int64_t levels, const float* norm = nullptr,
+                   float eps = 0.0f, float* normed = nullptr) {
   TORCH_CHECK(levels == 1 || levels == 2, "q4_int8: activations in 1 or 2 int8 levels, not ", levels);
   const int64_t nb = K / QK, fine = levels == 2 ? M : 0;
   QuantRows r{std::vector<int8_t>(M * K), std::vector<float>(M * nb), std::vector<float>(M * nb),
               std::vector<int8_t>(fine * K), std::vector<float>(fine * nb)};
-  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m)
-      quantize_row(x + m * K, K, r.q.data() + m * K, r.d.data() + m * nb, r.s.data() + m * nb,
+  at::parallel_for(0, M, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const float* row = x + m * K;
+      if (norm != nullptr) {
+        norm_row(row, norm, normed + m * K, K, eps);
+        row = normed + m * K;
+      }
+      quantize_row(row, K, r.q.data() + m * K, r.d.data() + m * nb, r.s.data() + m * nb,
                    fine ? r.q2.data() + m * K : nullptr, fine ? r.d2.data() + m * nb : nullptr);
+    }
   });
   return r;
 }
@@ -328,11 +337,21 @@ void configure_tiles() {
 
 // Groups g and g + 1's codes, block by block, in a B tile's layout: quad row j holds every column's
 // codes for inputs 4j..4j+3 (group g's 8 columns, then g + 1's). Q4 codes are unpacked to 0..15.
+// The next pair's codes and factors (contiguous after this pair's; null: none) are prefetched block by
+// block, so that they arrive while this pair's tiles run: with one tile of rows the kernel otherwise
+// waited on each pair's weights, then computed with the memory idle.
 template <bool Q8>
-void pair_codes(const uint8_t* w0, const uint8_t* w1, int64_t nb, uint8_t* out) {
+void pair_codes(const uint8_t* w0, const uint8_t* w1, int64_t nb, uint8_t* out, const uint8_t* next_codes,
+                const float* next_factors) {
   using F = Format<Q8>;
+  constexpr int64_t code_span = 2 * F::bytes, factor_span = 2 * F::factors * sizeof(float);
   const __m256i low = _mm256_set1_epi8(0x0F);
   for (int64_t b = 0; b < nb; ++b) {
+    if (next_codes != nullptr) {
+      for (int64_t at = 0; at < code_span; at += 64) __builtin_prefetch(next_codes + b * code_span + at);
+      const char* f = reinterpret_cast<const char*>(next_factors) + b * factor_span;
+      for (int64_t at = 0; at < factor_span; at += 64) __builtin_prefetch(f + at);
+    }
     uint8_t* o = out + b * TILE_CODES;
     for (int h = 0; h < 2; ++h) {
       const uint8_t* wb = (h ? w1 : w0) + b * F::bytes;
@@ -436,12 +455,9 @@ Rows quantized_rows(const at::Tensor& x, int64_t K, const char* name, const at::
                     norm.numel() == K,
                 name, ": a norm weight [", K, "] float32 for float32 rows");
     at::Tensor normed = at::empty_like(xf);
-    const float *in = xf.data_ptr<float>(), *w = norm.data_ptr<float>();
-    float* out = normed.data_ptr<float>();
-    at::parallel_for(0, M, 8, [&](int64_t begin, int64_t end) {
-      for (int64_t m = begin; m < end; ++m) norm_row(in + m * K, w, out + m * K, K, static_cast<float>(eps));
-    });
-    xf = normed;
+    QuantRows qx = quantize(xf.data_ptr<float>(), M, K, levels, norm.data_ptr<float>(), static_cast<float>(eps),
+                            normed.data_ptr<float>());
+    return {normed, std::move(qx), M};
   }
   QuantRows qx = quantize(xf.data_ptr<float>(), M, K, levels);
   return {xf, std::move(qx), M};
@@ -496,14 +512,25 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& packed, const a
     return TileRows{qx.q.data() + m * K, qx.d.data() + m * nb, qx.s.data() + m * nb,
                     two ? qx.q2.data() + m * K : nullptr, two ? qx.d2.data() + m * nb : nullptr};
   };
-  // out [n_rows, cols] (row stride cols) for rows m.. and columns from group g's first on
+  // out [n_rows, cols] (row stride cols) for rows m.. and columns from group g's first on: y = out +
+  // bias (+ 0 without one, as before: -0 becomes +0), then residual + y, the residual add's one rounding
+  // as h + linear(x). The cases apart, so that each row is one vector loop.
   auto store = [&](const float* out, int64_t m, int64_t n_rows, int64_t g, int64_t cols) {
-    for (int64_t r = 0; r < n_rows; ++r)
-      for (int64_t c = 0; c < cols; ++c) {
-        const int64_t at = (m + r) * N + g * G + c;
-        const float v = out[r * cols + c] + (bp ? bp[g * G + c] : 0.0f);
-        yp[at] = rp ? rp[at] + v : v;  // the residual add's one rounding, as h + linear(x)
+    for (int64_t r = 0; r < n_rows; ++r) {
+      float* __restrict y = yp + (m + r) * N + g * G;
+      const float* __restrict o = out + r * cols;
+      const float* __restrict h = rp ? rp + (m + r) * N + g * G : nullptr;
+      const float* __restrict b = bp ? bp + g * G : nullptr;
+      if (b && h) {
+        for (int64_t c = 0; c < cols; ++c) y[c] = h[c] + (o[c] + b[c]);
+      } else if (b) {
+        for (int64_t c = 0; c < cols; ++c) y[c] = o[c] + b[c];
+      } else if (h) {
+        for (int64_t c = 0; c < cols; ++c) y[c] = h[c] + (o[c] + 0.0f);
+      } else {
+        for (int64_t c = 0; c < cols; ++c) y[c] = o[c] + 0.0f;
       }
+    }
   };
 #if defined(Q4_AMX)
   const int64_t m_amx = M >= TM && amx_permitted() ? M / TM * TM : 0;  // rows in AMX tiles
@@ -519,7 +546,9 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& packed, const a
       std::vector<uint8_t> codes(nb * TILE_CODES);
       float out[TM * TN];
       for (int64_t g = begin; g < paired; g += 2) {
-        pair_codes<Q8>(wp + g * nb * F::bytes, wp + (g + 1) * nb * F::bytes, nb, codes.data());
+        const bool more = g + 2 < paired;
+        pair_codes<Q8>(wp + g * nb * F::bytes, wp + (g + 1) * nb * F::bytes, nb, codes.data(),
+                       more ? wp + (g + 2) * nb * F::bytes : nullptr, more ? fp + (g + 2) * nb * F::factors : nullptr);
         const float *f0 = fp + g * nb * F::factors, *f1 = fp + (g + 1) * nb * F::factors;
         for (int64_t m = 0; m < m_amx; m += TM) {
           if (two) amx_tile<Q8, true>(codes.data(), f0, f1, tile_rows(m), K, out);
