@@ -128,6 +128,42 @@ def test_attention_skips_the_queries_no_one_reads():
     assert not part[~live].any() and full[~live].abs().sum() > 0
 
 
+@pytest.mark.parametrize("tokens", [1, 2, 3, 5, 9])
+def test_a_hidden_positions_values_add_nothing_whatever_they_hold(tokens):
+    """Queries run up to four a pass, sharing each value load: a position hidden from a query (a pad
+    slot, another branch of the tree) may hold anything, even inf and NaN, and that query's output has
+    the bits it has when the position holds zeros, whether the others in its pass see it or not; and
+    each query's output is the one it has alone."""
+    g = torch.Generator().manual_seed(tokens)
+    q = torch.randn(2, 8, tokens, 64, generator=g).to(torch.bfloat16)  # 8 query heads over 2 kv heads
+    k = torch.randn(2, 2, 48, 64, generator=g).to(torch.bfloat16)
+    v = torch.randn(2, 2, 48, 64, generator=g).to(torch.bfloat16)
+    mask = torch.rand(2, 1, tokens, 48, generator=g) < 0.7
+    mask[..., 0] = True
+    mask[..., 20:26] = False  # hidden from every query
+    mask[:, :, 0::2, 30:34] = False  # hidden from the even tokens, seen by the odd ones
+    mask[:, :, 1::2, 30:34] = True
+    empty = torch.empty(0)
+    clean = v.clone()
+    clean[:, :, 20:26] = 0
+    clean[:, :, 30:34] = 0
+    garbage = v.clone()
+    garbage[:, :, 20:23] = float("inf")
+    garbage[:, :, 23:26] = float("nan")
+    garbage[:, :, 30:32] = float("inf")
+    garbage[:, :, 32:34] = float("nan")
+    attend = kernels.load().attend
+    reference = attend(q, k, clean, mask, empty, 0.125, empty)  # [B, T, H, D]
+    assert torch.isfinite(reference.float()).all()
+    out = attend(q, k, garbage, mask, empty, 0.125, empty)
+    assert torch.equal(out[:, 0::2], reference[:, 0::2])
+    if tokens > 1:
+        assert not torch.isfinite(out[:, 1::2].float()).any()  # a seen position's garbage is read
+    for t in range(tokens):  # each query alone: the same bits as in its pass
+        alone = attend(q[:, :, t : t + 1], k, clean, mask[:, :, t : t + 1], empty, 0.125, empty)
+        assert torch.equal(alone[:, 0], reference[:, t])
+
+
 def test_a_killed_builds_lock_is_cleared(tmp_path):
     """A build stopped mid-way leaves torch's lock file, and every later start would wait on it
     forever: an old one is removed, a fresh one (a build under way) is left."""

@@ -9,6 +9,7 @@ import functools
 import hashlib
 import logging
 import os
+import platform
 import sysconfig
 import time
 from pathlib import Path
@@ -22,11 +23,13 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("activation.cpp", "attention.cpp", "layers.cpp", "matmul.cpp", "norm.cpp", "q4_int8.cpp", "topk.cpp")
 SOURCES += ("module.cpp",)
 # -ffp-contract=off: the only fused multiply-adds are the explicit ones (attention.cpp's header);
-# -fno-trapping-math lets floor and selects vectorize; -mprefer-vector-width=512: GCC's loops use the
-# 512-bit registers where the CPU has them (it tunes Intel's AVX-512 cores to 256 bits, which halved
-# attention's lanes and spilled its accumulators). None changes a value: no loop's lanes run across a
-# floating-point reduction, which GCC does not reorder without -ffast-math.
-FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off", "-fno-trapping-math", "-fopenmp"]
+# -fno-trapping-math lets floor and selects vectorize; on x86, -mprefer-vector-width=512: GCC's loops
+# use the 512-bit registers where the CPU has them (it tunes Intel's AVX-512 cores to 256 bits, which
+# halved attention's lanes and spilled its accumulators). None changes a value: no loop's lanes run
+# across a floating-point reduction, which GCC does not reorder without -ffast-math.
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fopenmp"]
+if platform.machine().lower() in ("x86_64", "amd64"):
+    FLAGS.insert(2, "-mprefer-vector-width=512")
 
 
 @functools.cache
