@@ -513,8 +513,8 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& packed, const a
                     two ? qx.q2.data() + m * K : nullptr, two ? qx.d2.data() + m * nb : nullptr};
   };
   // out [n_rows, cols] (row stride cols) for rows m.. and columns from group g's first on: y = out +
-  // bias (+ 0 without one, as before: -0 becomes +0), then residual + y, the residual add's one rounding
-  // as h + linear(x). The cases apart, so that each row is one vector loop.
+  // bias (+ 0 without one: the bits of a zero bias), then residual + y,
+  // the residual add's one rounding as h + linear(x). The cases apart, so each row is one vector loop.
   auto store = [&](const float* out, int64_t m, int64_t n_rows, int64_t g, int64_t cols) {
     for (int64_t r = 0; r < n_rows; ++r) {
       float* __restrict y = yp + (m + r) * N + g * G;
