@@ -42,6 +42,7 @@ inline void widen<at::BFloat16>(const at::BFloat16* src, float* dst, int64_t n) 
 }
 
 constexpr int64_t BL = U * W;  // positions per key block
+constexpr int64_t SPAN = 8 * BL;  // positions of keys widened at once: [D][SPAN] floats, 128 KiB at D 64
 constexpr int64_t QC = 16;     // queries per task at most (tasks split a row's queries, never a reduction)
 
 // One task: queries [j0, j1) of one (row, key/value head), G * T of them in all, against the row's
@@ -74,13 +75,14 @@ constexpr int J = 4;
 // Scores of NJ queries over one block of BL positions (keys as [D][BL] floats): per query and position
 // one chain of fused multiply-adds over d in order, lanes across positions.
 template <int NJ>
-inline void block_scores(const float* const* q, const float* kb, int64_t D, float scale, float* const* p) {
+inline void block_scores(const float* const* q, const float* kb, int64_t ks, int64_t D, float scale,
+                         float* const* p) {
   float acc[NJ][U][W];
   for (int j = 0; j < NJ; ++j)
     for (int64_t u = 0; u < U; ++u)
       for (int64_t i = 0; i < W; ++i) acc[j][u][i] = q[j][0] * kb[u * W + i];
   for (int64_t d = 1; d < D; ++d) {
-    const float* kd = kb + d * BL;
+    const float* kd = kb + d * ks;
     for (int j = 0; j < NJ; ++j) {
       const float qd = q[j][d];
       for (int64_t u = 0; u < U; ++u)
@@ -156,15 +158,15 @@ void write_zeros(const Task<scalar_t>& a, int64_t j, int64_t D) {
 
 // Scores of the queries js[0..NJ) (rows of qf, Dp apart) over the key block at l0 into their rows of p.
 template <int NJ>
-inline void scores_pass(const int64_t* js, const float* qf, int64_t Dp, const float* kb, int64_t D, float scale,
-                        float* p, int64_t Lp, int64_t l0) {
+inline void scores_pass(const int64_t* js, const float* qf, int64_t Dp, const float* kb, int64_t ks, int64_t D,
+                        float scale, float* p, int64_t Lp, int64_t l0) {
   const float* q[NJ];
   float* out[NJ];
   for (int j = 0; j < NJ; ++j) {
     q[j] = qf + js[j] * Dp;
     out[j] = p + js[j] * Lp + l0;
   }
-  block_scores<NJ>(q, kb, D, scale, out);
+  block_scores<NJ>(q, kb, ks, D, scale, out);
 }
 
 // The outputs of the queries js[0..NJ) from their softmax weights (rows of p, Lp apart) and the values.
@@ -194,7 +196,6 @@ void attend_task(const Task<scalar_t>& a, Scratch& s) {
   const int64_t nq = a.j1 - a.j0, L = a.L, D = a.D, Lr = (L + BL - 1) / BL * BL;
   const int64_t Lp = Lr + W;  // the row stride of scores: not a multiple of 4 KiB (cache sets)
   s.qf.assign(nq * Dp, 0.0f);
-  s.kblk.resize(D * BL);
   s.p.assign(nq * Lp, 0.0f);
   s.allow.assign(nq * Lr, 0.0f);  // 1 where the query sees the position, else 0
   // A ragged forward's pad slots are never read: their queries are skipped (zeros written), so a
@@ -224,35 +225,47 @@ void attend_task(const Task<scalar_t>& a, Scratch& s) {
   const int64_t n_live = static_cast<int64_t>(s.live.size());
   if (n_live == 0) return;
   const int64_t* js = s.live.data();
-  // Scores, a block of BL positions at a time: the block's keys as [D][BL] floats (zero past L),
-  // then the queries over them, J at a time.
-  float* kb = s.kblk.data();
-  for (int64_t l0 = 0; l0 < Lr; l0 += BL) {
-    const int64_t n = std::min(BL, L - l0);
+  // Scores, a block of BL positions at a time, the queries J at a time, over keys widened a span of
+  // blocks at a time into [D][Ls] floats (zero past L). Position-contiguous keys are read row d after
+  // row d: one ascending sweep through the cache that the hardware prefetcher follows (read block by
+  // block, the D rows were D strided streams it lost, and a forward of many rows waited on memory).
+  // A span of one block where several passes reuse it: it stays in the first-level cache.
+  const int64_t span = n_live <= J ? std::min(SPAN, Lr) : BL;
+  s.kblk.resize(D * (span + W));
+  float* kspan = s.kblk.data();
+  // The values' lines are fetched while the keys are widened, a D-th of them with each row of keys:
+  // they arrive while the scores run instead of when the values pass asks for them.
+  const char* vbytes = reinterpret_cast<const char*>(a.v);
+  const int64_t vlines = (L * a.vs2 * static_cast<int64_t>(sizeof(scalar_t)) + 63) / 64;
+  int64_t vline = 0;
+  for (int64_t s0 = 0; s0 < Lr; s0 += span) {
+    const int64_t Ls = std::min(span, Lr - s0), n = std::min(Ls, L - s0);  // Ls: a multiple of BL
+    const int64_t kstride = Ls + W;  // rows of keys not a multiple of 4 KiB apart (cache sets)
+    const int64_t vstep = (vlines * Ls / Lr + D - 1) / D;
     if (a.ksl == 1) {
       for (int64_t d = 0; d < D; ++d) {
-        // The next block's part of row d: the rows lie a cache capacity apart, D streams the hardware
-        // prefetcher does not follow, so a forward of many rows waited on memory for each block.
-        const char* next = reinterpret_cast<const char*>(a.k + d * a.ksd + l0 + BL);
-        if (l0 + BL < L)
-          for (size_t at = 0; at < BL * sizeof(scalar_t); at += 64) __builtin_prefetch(next + at);
-        widen(a.k + d * a.ksd + l0, kb + d * BL, n);
-        for (int64_t l = n; l < BL; ++l) kb[d * BL + l] = 0.0f;
+        for (int64_t i = 0; i < vstep && vline < vlines; ++i, ++vline) __builtin_prefetch(vbytes + vline * 64, 0, 2);
+        widen(a.k + d * a.ksd + s0, kspan + d * kstride, n);
+        for (int64_t l = n; l < Ls; ++l) kspan[d * kstride + l] = 0.0f;
       }
     } else {
       float row[Dp];
-      for (int64_t l = 0; l < BL; ++l) {
-        if (l < n) widen(a.k + (l0 + l) * a.ksl, row, D);
-        for (int64_t d = 0; d < D; ++d) kb[d * BL + l] = l < n ? row[d] : 0.0f;
+      for (int64_t l = 0; l < Ls; ++l) {
+        if (l < n) widen(a.k + (s0 + l) * a.ksl, row, D);
+        for (int64_t d = 0; d < D; ++d) kspan[d * kstride + l] = l < n ? row[d] : 0.0f;
       }
     }
-    int64_t at = 0;
-    for (; at + J <= n_live; at += J) scores_pass<J>(js + at, s.qf.data(), Dp, kb, D, a.scale, s.p.data(), Lp, l0);
-    switch (n_live - at) {
-      case 3: scores_pass<3>(js + at, s.qf.data(), Dp, kb, D, a.scale, s.p.data(), Lp, l0); break;
-      case 2: scores_pass<2>(js + at, s.qf.data(), Dp, kb, D, a.scale, s.p.data(), Lp, l0); break;
-      case 1: scores_pass<1>(js + at, s.qf.data(), Dp, kb, D, a.scale, s.p.data(), Lp, l0); break;
-      default: break;
+    for (int64_t l0 = s0; l0 < s0 + Ls; l0 += BL) {
+      const float* kb = kspan + (l0 - s0);
+      int64_t at = 0;
+      for (; at + J <= n_live; at += J)
+        scores_pass<J>(js + at, s.qf.data(), Dp, kb, kstride, D, a.scale, s.p.data(), Lp, l0);
+      switch (n_live - at) {
+        case 3: scores_pass<3>(js + at, s.qf.data(), Dp, kb, kstride, D, a.scale, s.p.data(), Lp, l0); break;
+        case 2: scores_pass<2>(js + at, s.qf.data(), Dp, kb, kstride, D, a.scale, s.p.data(), Lp, l0); break;
+        case 1: scores_pass<1>(js + at, s.qf.data(), Dp, kb, kstride, D, a.scale, s.p.data(), Lp, l0); break;
+        default: break;
+      }
     }
   }
   for (int64_t at = 0; at < n_live; ++at) {
