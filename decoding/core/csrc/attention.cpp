@@ -243,8 +243,13 @@ void attend_task(const Task<scalar_t>& a, Scratch& s) {
     const int64_t kstride = Ls + W;  // rows of keys not a multiple of 4 KiB apart (cache sets)
     const int64_t vstep = (vlines * Ls / Lr + D - 1) / D;
     if (a.ksl == 1) {
+      // and each row's part of the next span, where there is one (a span of one block is read while
+      // the passes over the last one run)
+      const int64_t next = std::min(span, L - s0 - Ls) * static_cast<int64_t>(sizeof(scalar_t));
       for (int64_t d = 0; d < D; ++d) {
         for (int64_t i = 0; i < vstep && vline < vlines; ++i, ++vline) __builtin_prefetch(vbytes + vline * 64, 0, 2);
+        const char* row = reinterpret_cast<const char*>(a.k + d * a.ksd + s0 + Ls);
+        for (int64_t at = 0; at < next; at += 64) __builtin_prefetch(row + at);
         widen(a.k + d * a.ksd + s0, kspan + d * kstride, n);
         for (int64_t l = n; l < Ls; ++l) kspan[d * kstride + l] = 0.0f;
       }
