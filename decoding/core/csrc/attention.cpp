@@ -72,8 +72,8 @@ struct Scratch {
 // enough to hide the fused multiply-add's latency. A query's own chains are unchanged.
 constexpr int J = 4;
 
-// Scores of NJ queries over one block of BL positions (keys as [D][BL] floats): per query and position
-// one chain of fused multiply-adds over d in order, lanes across positions.
+// Scores of NJ queries over one block of BL positions (keys as D rows of BL floats, ks apart): per query
+// and position one chain of fused multiply-adds over d in order, lanes across positions.
 template <int NJ>
 inline void block_scores(const float* const* q, const float* kb, int64_t ks, int64_t D, float scale,
                          float* const* p) {
@@ -227,14 +227,16 @@ void attend_task(const Task<scalar_t>& a, Scratch& s) {
   const int64_t* js = s.live.data();
   // Scores, a block of BL positions at a time, the queries J at a time, over keys widened a span of
   // blocks at a time into [D][Ls] floats (zero past L). Position-contiguous keys are read row d after
-  // row d: one ascending sweep through the cache that the hardware prefetcher follows (read block by
-  // block, the D rows were D strided streams it lost, and a forward of many rows waited on memory).
-  // A span of one block where several passes reuse it: it stays in the first-level cache.
+  // row d: one ascending sweep through the cache that the hardware prefetcher follows (block by block
+  // the D rows, a capacity apart, would be D short streams it loses, and a forward of many rows would
+  // wait on memory). A span of one block where several passes reuse it: it stays in the first-level
+  // cache.
   const int64_t span = n_live <= J ? std::min(SPAN, Lr) : BL;
   s.kblk.resize(D * (span + W));
   float* kspan = s.kblk.data();
-  // The values' lines are fetched while the keys are widened, a D-th of them with each row of keys:
-  // they arrive while the scores run instead of when the values pass asks for them.
+  // While a span's keys are widened, each row's part of the next span (where there is one) and a D-th
+  // of the values' lines with each row are requested: they arrive while the scores run instead of when
+  // the next span or the values pass asks for them.
   const char* vbytes = reinterpret_cast<const char*>(a.v);
   const int64_t vlines = (L * a.vs2 * static_cast<int64_t>(sizeof(scalar_t)) + 63) / 64;
   int64_t vline = 0;
@@ -243,8 +245,6 @@ void attend_task(const Task<scalar_t>& a, Scratch& s) {
     const int64_t kstride = Ls + W;  // rows of keys not a multiple of 4 KiB apart (cache sets)
     const int64_t vstep = (vlines * Ls / Lr + D - 1) / D;
     if (a.ksl == 1) {
-      // and each row's part of the next span, where there is one (a span of one block is read while
-      // the passes over the last one run)
       const int64_t next = std::min(span, L - s0 - Ls) * static_cast<int64_t>(sizeof(scalar_t));
       for (int64_t d = 0; d < D; ++d) {
         for (int64_t i = 0; i < vstep && vline < vlines; ++i, ++vline) __builtin_prefetch(vbytes + vline * 64, 0, 2);
