@@ -164,6 +164,32 @@ def test_a_hidden_positions_values_add_nothing_whatever_they_hold(tokens):
         assert torch.equal(alone[:, 0], reference[:, t])
 
 
+def test_long_rows_read_in_spans_or_blocks_give_the_same_bits():
+    """A task of few queries widens position-contiguous keys a span of up to 512 positions at a time,
+    one of many queries a block of 64 at a time, and keys stored [L, D] are transposed as they are
+    read: over 1,100 positions (two whole spans and a part) a query has the same bits each way, and
+    its output is attention's to float rounding."""
+    g = torch.Generator().manual_seed(3)
+    L, tokens = 1100, 6
+    q = torch.randn(1, 4, tokens, 64, generator=g).to(torch.bfloat16)  # 4 query heads over 1 kv head
+    by_dim = torch.randn(1, 1, L, 64, generator=g).to(torch.bfloat16)
+    by_pos = by_dim.transpose(2, 3).contiguous().transpose(2, 3)  # stored [D, L], as the RowKVCache
+    v = torch.randn(1, 1, L, 64, generator=g).to(torch.bfloat16)
+    mask = torch.rand(1, 1, tokens, L, generator=g) < 0.8
+    mask[..., 0] = True
+    empty = torch.empty(0)
+    attend = kernels.load().attend
+    together = attend(q, by_pos, v, mask, empty, 0.125, empty)  # 24 queries: blocks
+    assert torch.equal(attend(q, by_dim, v, mask, empty, 0.125, empty), together)
+    for t in range(tokens):  # 4 queries: spans
+        alone = attend(q[:, :, t : t + 1], by_pos, v, mask[:, :, t : t + 1], empty, 0.125, empty)
+        assert torch.equal(alone[:, 0], together[:, t])
+    scores = (q.float() @ by_dim.float().transpose(2, 3)) * 0.125
+    weights = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+    expected = (weights @ v.float()).transpose(1, 2)  # [B, T, H, D]
+    torch.testing.assert_close(together.float(), expected, atol=2e-2, rtol=2e-2)
+
+
 def test_a_killed_builds_lock_is_cleared(tmp_path):
     """A build stopped mid-way leaves torch's lock file, and every later start would wait on it
     forever: an old one is removed, a fresh one (a build under way) is left."""
