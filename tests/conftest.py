@@ -12,7 +12,7 @@ import pytest
 import torch
 from llama_server import LlamaServer, llama_server
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from decoding.core.draft_tree import k_config_parents
 from decoding.core.models import LoadedModel, embedded_file, prepare_for_inference
@@ -97,9 +97,12 @@ def tokenizer() -> PreTrainedTokenizerFast:
     return build_tokenizer()
 
 
-def build_model(vocab_size: int, seed: int = 0, max_positions: int = 512) -> LlamaForCausalLM:
+def build_model(vocab_size: int, seed: int = 0, max_positions: int = 512, arch: str = "llama") -> torch.nn.Module:
+    """A tiny random causal LM of `arch` (llama, or qwen2: Llama's layers with q, k and v biases,
+    given random values here so that they count)."""
     torch.manual_seed(seed)
-    config = LlamaConfig(
+    config_type, model_type = (LlamaConfig, LlamaForCausalLM) if arch == "llama" else (Qwen2Config, Qwen2ForCausalLM)
+    config = config_type(
         vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
@@ -116,9 +119,12 @@ def build_model(vocab_size: int, seed: int = 0, max_positions: int = 512) -> Lla
         tie_word_embeddings=False,
         attn_implementation="sdpa",
     )
-    model = LlamaForCausalLM(config).eval()
+    model = model_type(config).eval()
     for p in model.parameters():
         p.requires_grad_(False)
+    for name, p in model.named_parameters():
+        if name.endswith("_proj.bias"):
+            p.normal_(std=0.2)
     if DEVICE.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
@@ -132,6 +138,11 @@ def build_model(vocab_size: int, seed: int = 0, max_positions: int = 512) -> Lla
 @pytest.fixture(scope="session")
 def tiny_model(tokenizer: PreTrainedTokenizerFast) -> LlamaForCausalLM:
     return build_model(len(tokenizer))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tokenizer: PreTrainedTokenizerFast) -> Qwen2ForCausalLM:
+    return build_model(len(tokenizer), arch="qwen2")
 
 
 @pytest.fixture(scope="session")

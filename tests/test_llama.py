@@ -11,7 +11,7 @@ import copy
 import pytest
 import torch
 from helpers import select_rows, with_linear_kernel
-from test_quant import int4_copy
+from test_quant import int4_copy, mixed_blocks
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from decoding.core.draft_tree import ROOT, DraftTree
@@ -29,16 +29,31 @@ PROMPTS = [[5 + (7 * i + j) % 90 for i in range(n)] for j, n in enumerate((9, 23
 
 @pytest.fixture(
     scope="module",
-    params=["bfloat16-aten", "bfloat16-rows", "bfloat16-llama-norms", "gguf-int4", "gguf-int4-int8", "gguf-mixed-int8"],
+    params=[
+        "bfloat16-aten",
+        "bfloat16-rows",
+        "bfloat16-llama-norms",
+        "gguf-int4",
+        "gguf-int4-int8",
+        "gguf-mixed-int8",
+        "qwen2-bfloat16-rows",
+        "qwen2-gguf-int4-int8",
+        "qwen2-gguf-blocks-int8",
+    ],
 )
-def model(request, tiny_model) -> torch.nn.Module:
-    if request.param == "gguf-mixed-int8":
+def model(request, tiny_model, tiny_qwen2) -> torch.nn.Module:
+    param = request.param.removeprefix("qwen2-")
+    if param != request.param:
+        tiny_model = tiny_qwen2
+    if param == "gguf-blocks-int8":
+        return mixed_blocks(tiny_model)
+    if param == "gguf-mixed-int8":
         return mixed_int8(tiny_model)
-    if request.param.startswith("gguf-int4"):
-        return int4_copy(tiny_model, "int8" if request.param.endswith("int8") else "float")
-    if request.param == "bfloat16-llama-norms":  # transformers' own norms (ATen ops), not RowsRMSNorm
+    if param.startswith("gguf-int4"):
+        return int4_copy(tiny_model, "int8" if param.endswith("int8") else "float")
+    if param == "bfloat16-llama-norms":  # transformers' own norms (ATen ops), not RowsRMSNorm
         return llama_norms(tiny_model)
-    return with_linear_kernel(tiny_model, request.param.removeprefix("bfloat16-"))
+    return with_linear_kernel(tiny_model, param.removeprefix("bfloat16-"))
 
 
 def mixed_int8(tiny_model: torch.nn.Module) -> torch.nn.Module:

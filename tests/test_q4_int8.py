@@ -17,17 +17,17 @@ from decoding.core.errors import BackendError
 from decoding.core.llama import Layers
 from decoding.core.models import ModelSpec, default_cache_dir, gguf_file, resolve_activations
 from decoding.core.numerics import Numerics
-from decoding.core.quant import GROUP, Int4Linear, Q8Linear, decode_int4, decode_q8_0
+from decoding.core.quant import GROUP, Q8_TYPES, Int4Linear, Q8Linear, decode_int4, decode_q8
 
 RNG = np.random.default_rng(1)
 
 
 def gguf_layer(n_out: int, n_in: int, kind: str, activations: str = "int8") -> Int4Linear | Q8Linear:
-    """A layer as a GGUF file ships it in `kind` (Q4_K from random bytes: its 6-bit scales; Q8_0 as
-    the int8 path's LM head)."""
-    if kind == "Q8_0":
+    """A layer as a GGUF file ships it in `kind` (Q4_K from random bytes: its 6-bit scales; Q8_0 and
+    Q5_0 as the int8 path's Q8Linear, with the bfloat16 weight an LM head keeps)."""
+    if kind in Q8_TYPES:
         w = RNG.normal(scale=0.05, size=(n_out, n_in)).astype(np.float32)
-        codes, scale = decode_q8_0(quantize(w, GGMLQuantizationType.Q8_0), n_out, n_in)
+        codes, scale = decode_q8(quantize(w, GGMLQuantizationType[kind]), kind, n_out, n_in)
         weight = torch.nn.Parameter(torch.from_numpy(w).to(torch.bfloat16), requires_grad=False)
         return Q8Linear(weight, torch.from_numpy(codes), torch.from_numpy(scale), None)
     if kind == "Q4_K":
@@ -84,12 +84,12 @@ def test_two_levels_quantize_the_first_levels_residual_by_the_same_rule():
         kernels.load().q4_int8_quantize(x, 3)
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q8_0"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q5_0"])
 def test_the_kernel_computes_the_blocks_against_the_quantized_rows(kind):
     """Against float64 of the same blocks and the same int8 rows, the output is exact up to its
     bfloat16 rounding (half a unit in the last place: 2^-8 relative) and float32 accumulation
     (1e-5 of the output's scale); against the float rows, within 2% of the outputs' RMS."""
-    layer = gguf_layer(90 if kind == "Q8_0" else 96, 512, kind)  # a head of 90: padded to groups of 8
+    layer = gguf_layer(90 if kind in Q8_TYPES else 96, 512, kind)  # 90 outputs: padded to groups of 8
     x = torch.randn(13, 512).to(torch.bfloat16)
     y = layer(x).double()
     w = layer.dequantized().double()
@@ -102,7 +102,7 @@ def test_the_kernel_computes_the_blocks_against_the_quantized_rows(kind):
     assert ((y - from_float).pow(2).mean().sqrt() / from_float.pow(2).mean().sqrt()) < 0.02
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q5_0"])
 def test_two_levels_compute_the_blocks_against_both_levels(kind):
     """In two levels the output is the blocks against d q + d2 q2, exact up to the float32 result's
     rounding and accumulation (1e-5 of the outputs' scale), and within 2e-4 of the float rows' RMS."""
@@ -121,7 +121,7 @@ def test_two_levels_compute_the_blocks_against_both_levels(kind):
     assert ((layer(x).double() - from_float).pow(2).mean().sqrt() / from_float.pow(2).mean().sqrt()) > 2e-3
 
 
-@pytest.mark.parametrize("kind, levels", [("Q4_1", 1), ("Q4_1", 2), ("Q8_0", 1)])
+@pytest.mark.parametrize("kind, levels", [("Q4_1", 1), ("Q4_1", 2), ("Q8_0", 1), ("Q8_0", 2), ("Q5_0", 2)])
 def test_a_rows_output_does_not_depend_on_the_rows_beside_it(kind, levels):
     layer = gguf_layer(64, 256, kind)
     layer.levels = levels
@@ -132,13 +132,13 @@ def test_a_rows_output_does_not_depend_on_the_rows_beside_it(kind, levels):
     assert torch.equal(layer(x[5:6]), every[5:6])  # alone, not only as a prefix
     assert torch.equal(layer(x[100:101]), every[100:101])  # a row of the second panel, alone
     # Fewer columns beside it: the first groups of 8 without the rest, with the same bits.
-    if kind == "Q8_0":
+    if kind in Q8_TYPES:
         fewer = Q8Linear(layer.weight[:56], *(t[:56] for t in layer.codes_scales()), None)
     else:
         fewer = Int4Linear(layer.codes[:56], *(t[:56] for t in layer.scale_minimum()), None, "int8")
-        fewer.levels = levels
+    fewer.levels = levels
     assert torch.equal(fewer(x), every[:, :56])
-    if kind == "Q8_0":
+    if kind in Q8_TYPES:
         return
     with_bias = Int4Linear(layer.codes, *layer.scale_minimum(), torch.randn(64), "int8")
     with_bias.levels = levels
@@ -147,11 +147,13 @@ def test_a_rows_output_does_not_depend_on_the_rows_beside_it(kind, levels):
         Int4Linear(layer.codes[:63], *(t[:63] for t in layer.scale_minimum()), None, "int8")
 
 
-def test_the_fused_form_has_the_bits_of_norm_linear_and_residual_add():
-    """csrc/layers.cpp's q4_int8_fused: the norm's values quantized without its buffer, and the
-    residual added in the kernel's output loop, bitwise what the separate modules compute."""
+@pytest.mark.parametrize("kind", ["Q4_1", "Q5_0"])
+def test_the_fused_form_has_the_bits_of_norm_linear_and_residual_add(kind):
+    """csrc/layers.cpp's q4_int8_fused (either format, told by the factors): the norm's values
+    quantized without its buffer, and the residual added in the kernel's output loop, bitwise what
+    the separate modules compute."""
     k = kernels.load()
-    layer = gguf_layer(64, 256, "Q4_1")
+    layer = gguf_layer(64, 256, kind)
     h, weight, residual = torch.randn(9, 256) * 3, torch.rand(256) + 0.5, torch.randn(9, 64)
     ops = (layer.packed8, layer.factors, torch.empty(0), 1)
     normed = k.rms_norm_rows(h, weight, 1e-5)
@@ -266,10 +268,10 @@ def test_every_path_gives_the_same_bits(tmp_path, build):
         layer = gguf_layer(80, 512, kind)
         x = torch.randn(37, 512).to(torch.bfloat16)
         bias = torch.randn(80).to(torch.bfloat16)
-        for levels in (1,) if kind == "Q8_0" else (1, 2):
-            call, args = ("q8_int8_linear", ()) if kind == "Q8_0" else ("q4_int8_linear", (levels,))
-            expected = getattr(kernels.load(), call)(x, layer.packed8, layer.factors, bias, *args)
-            assert torch.equal(getattr(other, call)(x, layer.packed8, layer.factors, bias, *args), expected), kind
+        for levels in (1, 2):
+            call = "q8_int8_linear" if kind == "Q8_0" else "q4_int8_linear"
+            expected = getattr(kernels.load(), call)(x, layer.packed8, layer.factors, bias, levels)
+            assert torch.equal(getattr(other, call)(x, layer.packed8, layer.factors, bias, levels), expected), kind
 
 
 def test_activation_error_measures_each_way_against_float32(tiny_model):

@@ -21,6 +21,7 @@ from decoding.core.quant import (
     Q8Linear,
     check_types,
     decode_int4,
+    decode_q8,
     decode_q8_0,
     kernel_fits,
     two_level_inputs,
@@ -39,6 +40,29 @@ def int4_linear(linear: torch.nn.Linear, kind: str = "Q4_1", activations: str = 
     blocks = decode_int4(_gguf_bytes(w, kind), kind, *w.shape)
     t = [torch.from_numpy(np.ascontiguousarray(a)) for a in (blocks.codes, blocks.scale, blocks.minimum)]
     return Int4Linear(*t, linear.bias, activations)
+
+
+def q8_linear(linear: torch.nn.Module, kind: str) -> Q8Linear:
+    """A decoder projection as a GGUF file ships it in `kind` (Q8_0 or Q5_0), on the int8 path."""
+    w = linear.weight.detach().float().numpy() if isinstance(linear, torch.nn.Linear) else linear.dequantized().numpy()
+    codes, scale = decode_q8(_gguf_bytes(w, kind), kind, *w.shape)
+    return Q8Linear(None, torch.from_numpy(codes), torch.from_numpy(scale), linear.bias)
+
+
+def mixed_blocks(model: torch.nn.Module) -> torch.nn.Module:
+    """An int8 copy of a tiny model whose projections are in the block types of a real file (the
+    Qwen2.5-Coder 0.5B's Q5_0 and Q8_0 beside Q4): layer 0's q, k, v and gate Q5_0, o and up Q4_1 (a
+    pair of two formats, run apart), down Q8_0; every later layer's projections Q8_0."""
+    model = int4_copy(model, "int8")
+    for i, layer in enumerate(model.model.layers):
+        kinds = {"q_proj": "Q5_0", "k_proj": "Q5_0", "v_proj": "Q5_0", "gate_proj": "Q5_0", "down_proj": "Q8_0"}
+        for name, module in list(layer.named_modules()):
+            kind = kinds.get(name.rpartition(".")[2]) if i == 0 else "Q8_0" if name.endswith("_proj") else None
+            if kind:
+                parent, _, child = name.rpartition(".")
+                setattr(layer.get_submodule(parent), child, q8_linear(module, kind))
+    two_level_inputs(model)
+    return model
 
 
 def q8_head(model: torch.nn.Module) -> None:
@@ -75,6 +99,19 @@ def test_decoded_blocks_equal_gguf_dequantization(kind):
     blocks = decode_int4(raw, kind, 48, 256)
     assert blocks.codes.min() >= 0 and blocks.codes.max() <= 15
     assert np.array_equal(blocks.weights(), dequantize(raw, GGMLQuantizationType[kind]).reshape(48, 256))
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q5_0"])
+def test_q8_form_blocks_equal_gguf_dequantization(kind):
+    """Q8_0 and Q5_0 decoded to signed codes and one scale per block of 32 (Q8Linear's form) give
+    gguf-py's dequantization exactly; Q5_0's codes keep to -16..15."""
+    w = RNG.normal(size=(24, 256)).astype(np.float32)
+    raw = _gguf_bytes(w, kind)
+    codes, scale = decode_q8(raw, kind, 24, 256)
+    if kind == "Q5_0":
+        assert codes.min() >= -16 and codes.max() <= 15 and codes.min() < -8 and codes.max() > 8
+    weights = codes.astype(np.float32) * np.repeat(scale, GROUP, 1)
+    assert np.array_equal(weights, dequantize(raw, GGMLQuantizationType[kind]).reshape(24, 256))
 
 
 def test_q4_k_blocks_equal_gguf_dequantization():
@@ -146,7 +183,15 @@ def int8_loaded(tiny_model, tokenizer):
     return LoadedModel(model, tokenizer, torch.device("cpu"), use_chat_template=False, source="int4 x int8")
 
 
-@pytest.mark.parametrize("loaded", ["int4_loaded", "int8_loaded"])
+@pytest.fixture(scope="module")
+def qwen2_blocks_loaded(tiny_qwen2, tokenizer):
+    """A tiny Qwen2 (q, k and v biases) in a real file's mix of blocks (Q5_0, Q8_0, Q4_1) on int8."""
+    from decoding.core.models import LoadedModel
+
+    return LoadedModel(mixed_blocks(tiny_qwen2), tokenizer, torch.device("cpu"), False, "qwen2 blocks x int8")
+
+
+@pytest.mark.parametrize("loaded", ["int4_loaded", "int8_loaded", "qwen2_blocks_loaded"])
 @pytest.mark.parametrize("decoder", ["hf", "ar", "stand", "seed_stand", "pld", "recycling", "aded", "sd", "seed"])
 def test_every_decoder_on_int4_weights_returns_generates_greedy_output(request, loaded, tokenizer, decoder):
     from test_decoders import BUDGETS, PROMPTS, encode, reference_greedy

@@ -66,7 +66,7 @@ def sdpa_model(tiny_model):
     return model
 
 
-@pytest.mark.parametrize("attn", ["default", "sdpa"])
+@pytest.mark.parametrize("attn", ["default", "sdpa", "qwen2"])
 @pytest.mark.parametrize(
     "rows, n_new, lens",
     [
@@ -77,11 +77,12 @@ def sdpa_model(tiny_model):
         ([0, 1, 2, 3, 4], 2, [3, 3, 8, 1, 6]),  # past the largest row bucket
     ],
 )
-def test_bucketed_logits_and_cache_are_the_unpadded_ones(tiny_model, sdpa_model, attn, rows, n_new, lens):
+def test_bucketed_logits_and_cache_are_the_unpadded_ones(tiny_model, tiny_qwen2, sdpa_model, attn, rows, n_new, lens):
+    """qwen2: a tiny Qwen2 (q, k and v biases) on the default attention."""
     batch = len(lens)
     results = []
-    exact = attn == "default"
-    for runner in both(tiny_model if exact else sdpa_model):
+    exact = attn != "sdpa"
+    for runner in both({"default": tiny_model, "sdpa": sdpa_model, "qwen2": tiny_qwen2}[attn]):
         gen = torch.Generator().manual_seed(n_new)
         cache = runner.new_cache(batch, 48, graphs=True)
         # Committed prefixes of the given lengths, one causal forward per row.

@@ -21,10 +21,10 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from decoding import (
-    EMBEDDED,
     BackendError,
     ConfigError,
     ModelSpec,
+    is_gguf,
     resolve_activations,
     resolve_attention,
     resolve_device,
@@ -147,7 +147,7 @@ def resolved(container: Mapping[str, Any]) -> Settings:
             continue
         spec = ModelSpec.from_config(values, key)
         device = resolve_device(spec.device, key)
-        gguf = Path(spec.path) if spec.path in EMBEDDED or spec.path.endswith(".gguf") else None
+        gguf = Path(spec.path) if is_gguf(spec.path) else None
         out[f"{key}.device"] = str(device)
         out[f"{key}.weights"] = weights = resolve_weights(spec.weights, device, gguf, key)
         out[f"{key}.activations"] = resolve_activations(spec, device, weights)

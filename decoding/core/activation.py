@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 from transformers.activations import ACT2FN
-from transformers.models.llama.modeling_llama import LlamaMLP
 
 from decoding.core import kernels
+from decoding.core.architectures import MLPS
 
 
 class FixedSiLU(torch.nn.Module):
@@ -27,14 +27,14 @@ class FixedSiLU(torch.nn.Module):
 
 
 def use_fixed_silu(model: torch.nn.Module) -> int:
-    """Give the Llama MLPs of a float32 SiLU model `FixedSiLU`; how many."""
+    """Give the MLPs (of an architectures.ARCHITECTURES entry) of a float32 SiLU model `FixedSiLU`; how many."""
     embeddings = model.get_input_embeddings()
     if getattr(model.config, "hidden_act", None) != "silu" or embeddings.weight.dtype != torch.float32:
         return 0
     kernels.load()  # built now: a missing compiler is a load-time error
     replaced = 0
     for module in model.modules():
-        if type(module) is LlamaMLP:
+        if type(module) in MLPS:
             module.act_fn = FixedSiLU()
             replaced += 1
     return replaced
@@ -44,7 +44,7 @@ def use_torch_silu(model: torch.nn.Module) -> int:
     """Give the model's MLPs torch's SiLU back (before the model leaves float32); how many."""
     replaced = 0
     for module in model.modules():
-        if type(module) is LlamaMLP and type(module.act_fn) is FixedSiLU:
+        if type(module) in MLPS and type(module.act_fn) is FixedSiLU:
             module.act_fn = ACT2FN["silu"]
             replaced += 1
     return replaced

@@ -1,4 +1,5 @@
-"""The forward of a Llama-family model over a RowKVCache: the ops `transformers` runs, without its plumbing.
+"""The forward of a Llama-family model (architectures.py: Llama, Qwen2) over a RowKVCache: the ops
+`transformers` runs, without its plumbing.
 
 At one row the embedded model's int4 weights take about 3 ms per forward to read, yet a forward
 through `transformers` took 13 ms on the 2-core machine: the Python around some 2,000 small ops per
@@ -16,13 +17,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaRMSNorm
 
-from decoding.core import attention, kernels
+from decoding.core import architectures, attention, kernels
 from decoding.core.activation import FixedSiLU
 from decoding.core.kv_cache import ForwardView
 from decoding.core.norm import RowsRMSNorm
-from decoding.core.quant import Int4Linear
+from decoding.core.quant import Int4Linear, Q8Linear, takes_int8
 from decoding.core.rows_linear import RowsLinear
 
 _NONE = torch.empty(0)
@@ -36,7 +36,9 @@ def _joined(projections: list[torch.nn.Module]) -> list[torch.Tensor] | None:
     weights side by side, the modules' own buffers then views of them (no second copy). A column's
     bits do not depend on the columns beside it (csrc/q4_int8.cpp), so each keeps its module's bits;
     one call quantizes the input once. None where they are not all on that kernel."""
-    if len(projections) < 2 or any(type(p) is not Int4Linear or p.activations != "int8" for p in projections):
+    if len(projections) < 2 or any(not takes_int8(p, alone=True) for p in projections):
+        return None
+    if len({type(p) for p in projections}) != 1:  # 4-bit and Q8 codes are packed apart
         return None
     if any(len({f(p) for p in projections}) != 1 for f in (lambda p: p.bias is None, lambda p: p.in_features, _levels)):
         return None
@@ -53,7 +55,7 @@ def _joined(projections: list[torch.nn.Module]) -> list[torch.Tensor] | None:
 
 def _levels(projection: torch.nn.Module) -> int:
     """The int8 levels a projection quantizes its input in (1 for every other kind)."""
-    return projection.levels if type(projection) is Int4Linear and projection.activations == "int8" else 1
+    return projection.levels if takes_int8(projection, alone=True) else 1
 
 
 @dataclass(frozen=True)
@@ -62,7 +64,7 @@ class Layers:
     weights, then per projection [weight or int4 codes, int4 scales/zeros or empty, bias or empty]
     (q, k, v and gate, up on the int8 kernel: the first's place holds them joined, the rest empty)."""
 
-    model: LlamaForCausalLM
+    model: torch.nn.Module  # a causal LM of an architectures.ARCHITECTURES entry
     weights: list[torch.Tensor]
     eps: float
     head_dim: int
@@ -75,12 +77,13 @@ class Layers:
     @classmethod
     def of(cls, model: torch.nn.Module) -> Layers | None:
         """The layers, or None where this path would not compute the model's own forward: not a
-        Llama causal LM, another attention than the invariant one, another activation or norm (or
+        causal LM of the architecture table, another attention than the invariant one, another activation or norm (or
         FixedSiLU in some layers only), or
         a projection that is neither `nn.Linear`, `RowsLinear` nor `Int4Linear` (e.g. float32's
         PrepackedLinear), dense projections of both kinds, norms of both kinds, or int8 levels other
         than one for q, k and v (as `qkv_levels`) and one for the rest."""
-        if type(model) is not LlamaForCausalLM or model.config._attn_implementation != attention.NAME:
+        arch = architectures.of(model)
+        if arch is None or model.config._attn_implementation != attention.NAME:
             return None
         if model.config.hidden_act != "silu" or not model.model.layers:
             return None
@@ -88,13 +91,13 @@ class Layers:
         dense: set[type] = set()
         layers = model.model.layers
         norms = {type(m) for layer in layers for m in (layer.input_layernorm, layer.post_attention_layernorm)}
-        if len(norms) != 1 or not norms <= {LlamaRMSNorm, RowsRMSNorm}:
+        if len(norms) != 1 or not norms <= {arch.rms_norm, RowsRMSNorm}:
             return None
         silus = {type(layer.mlp.act_fn) is FixedSiLU for layer in layers}
         if len(silus) != 1:
             return None
         for layer in model.model.layers:
-            if type(layer) is not LlamaDecoderLayer:
+            if type(layer) is not arch.decoder_layer:
                 return None
             weights += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
             projections = [layer.get_submodule(name) for name in PROJECTIONS]
@@ -104,7 +107,7 @@ class Layers:
                     weights += joined + [_NONE] * 3 * (len(group) - 1)
                     continue
                 for proj in (projections[i] for i in group):
-                    if type(proj) is Int4Linear:
+                    if type(proj) in (Int4Linear, Q8Linear):
                         weights += list(proj.weights())
                     elif type(proj) in (torch.nn.Linear, RowsLinear):
                         weights += [proj.weight, _NONE]

@@ -21,6 +21,7 @@ from decoding.core.memory import MemoryBudget, available_bytes
 from decoding.core.model_files import check_checkpoint, check_gguf
 from decoding.core.norm import use_rows_norm
 from decoding.core.options import from_dict
+from decoding.core.packaged import PACKAGED, packaged_file
 from decoding.core.prepack import prepack_linears
 from decoding.core.quant import (
     ACTIVATIONS,
@@ -106,7 +107,7 @@ class ModelSpec:
             raise BackendError(f"{self.key}.device={self.device!r} is not one of auto, cpu, cuda, cuda:N")
         if self.init not in INITS:
             raise BackendError(f"{self.key}.init={self.init!r} is not one of {', '.join(INITS)}")
-        if self.init == "random" and (self.path in EMBEDDED or self.path.endswith(".gguf")):
+        if self.init == "random" and is_gguf(self.path):
             raise BackendError(
                 f"{self.key}.init=random builds a checkpoint folder's config.json, not {self.path}; give a folder "
                 "(python -m decoding.shapes NAME DIR writes one) or use init=checkpoint"
@@ -207,13 +208,14 @@ def prepare_for_inference(
     if weights == "gguf":
         assert gguf is not None
         replaced = quantize_from_gguf(model, gguf, activations)
+        blocks = ", ".join(f"{n} {kind}" for kind, n in replaced.items())
         if activations == "int8":
-            head = " and its Q8_0 LM head" if q8_head_from_gguf(model, gguf) else ""
+            head = " and its LM head" if q8_head_from_gguf(model, gguf) else ""
             path = kernels.load().q4_int8_path()
             two = f"; {two_level_inputs(model)} attention inputs in two levels"
-            done.append(f"{replaced} linear layers in the GGUF's int4{head} x int8 activations ({path}{two})")
+            done.append(f"linear layers in the GGUF's blocks ({blocks}){head} x int8 activations ({path}{two})")
         else:
-            done.append(f"{replaced} linear layers in the GGUF's int4")
+            done.append(f"linear layers in the GGUF's int4 ({blocks})")
     if attn == attention.CHOICE:
         attention.register()
         kernels.load()  # build it now: a missing compiler is a load-time error
@@ -355,12 +357,20 @@ def gguf_file(spec: ModelSpec) -> Path | None:
     return _checkpoint_dir(spec)[1]
 
 
+def is_gguf(path: str) -> bool:
+    """Whether a model.path names a GGUF file: an embedded or packaged model's name, or a .gguf path."""
+    return path in EMBEDDED or path in PACKAGED or path.endswith(".gguf")
+
+
 def _checkpoint_dir(spec: ModelSpec) -> tuple[str, Path | None]:
     """A directory or hub id that `from_pretrained` can read, converting GGUF files once, and the
     GGUF file if the model is one."""
+    cache = Path(spec.cache_dir).expanduser() if spec.cache_dir else default_cache_dir()
     if spec.path in EMBEDDED:
         dist, filename = EMBEDDED[spec.path]
         gguf = _embedded_file(dist, filename, f"{spec.key}.path={spec.path}")
+    elif spec.path in PACKAGED:
+        gguf = packaged_file(spec.path, cache, spec.key)
     elif spec.path.endswith(".gguf"):
         gguf = Path(spec.path).expanduser()
         if not gguf.is_file():
@@ -372,7 +382,6 @@ def _checkpoint_dir(spec: ModelSpec) -> tuple[str, Path | None]:
         return spec.path, None
     check_gguf(gguf, spec.key)
     check_types(gguf, spec.key)
-    cache = Path(spec.cache_dir).expanduser() if spec.cache_dir else default_cache_dir()
     target = cache / gguf.stem
     if (target / "config.json").is_file():
         try:

@@ -1,8 +1,8 @@
 """RMSNorm in one pass per row (csrc/norm.cpp) for the CPU forward.
 
-`transformers`' LlamaRMSNorm runs eight ATen ops per call (a float copy, square, mean, add, rsqrt,
-multiply, a bfloat16 copy, the weight), 61 calls per forward of the embedded model: at one token
-their dispatch and buffers cost more than their arithmetic. `RowsRMSNorm` replaces the model's own
+`transformers`' LlamaRMSNorm (Qwen2's is the same) runs eight ATen ops per call (a float copy, square,
+mean, add, rsqrt, multiply, a bfloat16 copy, the weight), 61 calls per forward of the embedded
+model: at one token their dispatch and buffers cost more than their arithmetic. `RowsRMSNorm` replaces the model's own
 modules, so the model's forward (what `hf` runs) and csrc/layers.cpp run the same kernel: one set of
 bits for every decoder. Each row is normalized alone, in a fixed order (batch-invariant).
 """
@@ -10,9 +10,9 @@ bits for every decoder. Each row is normalized alone, in a fixed order (batch-in
 from __future__ import annotations
 
 import torch
-from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from decoding.core import kernels
+from decoding.core.architectures import RMS_NORMS
 
 
 class RowsRMSNorm(torch.nn.Module):
@@ -31,11 +31,11 @@ class RowsRMSNorm(torch.nn.Module):
 
 
 def use_rows_norm(model: torch.nn.Module) -> int:
-    """Replace the model's LlamaRMSNorm modules (bfloat16 or float32 weights) by `RowsRMSNorm`; how many."""
+    """Replace the model's RMSNorms (bfloat16 or float32 weights) by `RowsRMSNorm`; how many."""
     kernels.load()  # built now: a missing compiler is a load-time error
     replaced = 0
     for name, module in list(model.named_modules()):
-        if type(module) is LlamaRMSNorm and module.weight.dtype in (torch.bfloat16, torch.float32):
+        if type(module) in RMS_NORMS and module.weight.dtype in (torch.bfloat16, torch.float32):
             parent, _, child = name.rpartition(".")
             norm = RowsRMSNorm(module.weight, module.variance_epsilon)
             setattr(model.get_submodule(parent) if parent else model, child, norm)

@@ -16,8 +16,11 @@ multiply-adds run on the integer units; `Int4Linear.dequantized` is then scale *
 attention's q, k and v take their input in two int8 levels (`two_level_inputs`). The kernel returns
 its input's type; the model around it runs in float32 on that path (models.py).
 
-Every other tensor type (Q8_0, Q6_K, F16, ...) runs in bfloat16: `transformers` dequantizes it to
-float32 and it is rounded once. The kernel gives a row the same bits whatever the number of rows
+On that path a layer in Q8_0 or Q5_0 blocks (one fp16 scale per 32 weights: w = d * q with q in
+-128..127, or in -16..15 for Q5_0) runs as `Q8Linear`, the same kernel's signed-code format: the
+file's weights exactly, int8 activations. Every other tensor type (Q6_K, F16, ...) and every non-4-bit
+type on the float path runs in bfloat16: `transformers` dequantizes it to float32 and it is rounded
+once. The kernel gives a row the same bits whatever the number of rows
 (measured for 1-600 rows), which the batch-invariant forward rests on.
 """
 
@@ -40,6 +43,7 @@ if TYPE_CHECKING:
 
 GROUP = 32  # the kernel's group size along the input dimension, GGUF's 4-bit block (or sub-block)
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+Q8_TYPES = ("Q8_0", "Q5_0")  # blocks of 32 with one scale and signed codes: Q8Linear on the int8 path
 ACTIVATIONS = ("float", "int8", "auto")  # model.activations: what a 4-bit layer multiplies its input as
 # int8 activations keep the hidden states between the 4-bit products in this type, as llama.cpp does:
 # bfloat16 ones would add their rounding to the activations' (docs/performance.md "int8 activations").
@@ -123,14 +127,19 @@ class Int4Linear(torch.nn.Module):
 
 
 class Q8Linear(torch.nn.Module):
-    """An LM head (y = x W^T (+ b)) in a GGUF file's Q8_0 blocks (32 signed bytes and an fp16 scale),
-    multiplied by int8 activations (model.activations=int8: csrc/q4_int8.cpp's Q8 path). `weight`
-    stays the bfloat16 matrix (tied to the embedding) for code that reads its rows (EDD's head)."""
+    """A linear layer y = x W^T (+ b) in a GGUF file's blocks of 32 signed codes and one scale (Q8_0;
+    Q5_0's codes are -16..15 in the same form), multiplied by int8 activations (model.activations=int8:
+    csrc/q4_int8.cpp's Q8 path). An LM head keeps `weight`, the bfloat16 matrix (tied to the
+    embedding), for code that reads its rows (EDD's head); a decoder projection has none."""
 
-    def __init__(self, weight: torch.nn.Parameter, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(
+        self, weight: torch.nn.Parameter | None, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+    ):
         super().__init__()
         self.out_features, self.in_features = codes.shape
         self.weight = weight
+        self.levels = 1  # int8 levels the input is quantized in (two_level_inputs)
+        self.activations = "int8"
         # The kernel takes outputs in groups of 8: a vocabulary that is not a multiple of 8 gets zero
         # columns, computed and dropped.
         pad = -self.out_features % 8
@@ -138,17 +147,21 @@ class Q8Linear(torch.nn.Module):
         packed, factors = pack_q8(codes, scale)
         self.register_buffer("packed8", packed)
         self.register_buffer("factors", factors)
-        self.bias = bias
-        self._padded_bias = None if bias is None or not pad else torch.cat([bias, bias.new_zeros(pad)])
+        self.bias = None if bias is None else torch.nn.Parameter(bias.to(INT8_HIDDEN), requires_grad=False)
+        self._padded_bias = None if bias is None or not pad else torch.cat([self.bias, self.bias.new_zeros(pad)])
         kernels.load()  # built now: a missing compiler is a load-time error
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self._padded_bias is None else self._padded_bias
-        y = kernels.load().q8_int8_linear(x, self.packed8, self.factors, _bias(bias))
+        y = kernels.load().q8_int8_linear(x, self.packed8, self.factors, _bias(bias), self.levels)
         return y if y.shape[-1] == self.out_features else y[..., : self.out_features]
 
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """What csrc/layers.cpp passes to the kernel (which tells the format by the factors' shape)."""
+        return self.packed8, self.factors
+
     def codes_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The Q8_0 codes [N, K] (int8) and scales [N, K / 32] (float32), from the kernel's layout."""
+        """The codes [N, K] (int8) and scales [N, K / 32] (float32), from the kernel's layout."""
         n, k = self.packed8.shape[0] * 8, self.in_features
         codes = self.packed8.view(torch.int8).reshape(n // 8, k // GROUP, 8, 8, 4).permute(0, 3, 1, 2, 4)
         scales = self.factors[:, :, 0].permute(0, 2, 1).reshape(n, -1)
@@ -160,7 +173,8 @@ class Q8Linear(torch.nn.Module):
         return codes.float() * scales.repeat_interleave(GROUP, 1)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, Q8_0, int8 activations"
+        levels = " in two levels" if self.levels == 2 else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, Q8, int8 activations{levels}"
 
 
 def pack_q4(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -199,10 +213,26 @@ def decode_q8_0(data: np.ndarray, n_out: int, n_in: int) -> tuple[np.ndarray, np
     return np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(n_out, n_in), _f16(blocks[..., 0:2])
 
 
+def decode_q5_0(data: np.ndarray, n_out: int, n_in: int) -> tuple[np.ndarray, np.ndarray]:
+    """A GGUF Q5_0 tensor's raw bytes -> codes [N, K] int8 in -16..15 and scales [N, K / 32] float32:
+    per block an fp16 scale d, 32 high bits, 16 bytes of low nibbles (weight j's in byte j % 16, low
+    nibble for j < 16), w = d * (q - 16)."""
+    blocks = data.reshape(n_out, n_in // GROUP, 22)
+    high = np.ascontiguousarray(blocks[..., 2:6]).view(np.uint32)  # [N, blocks, 1]: bit j is weight j's
+    bits = ((high >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4
+    codes = (_nibbles(blocks[..., 6:]) | bits).astype(np.int8) - np.int8(16)
+    return codes.reshape(n_out, n_in), _f16(blocks[..., 0:2])
+
+
+def decode_q8(data: np.ndarray, type_name: str, n_out: int, n_in: int) -> tuple[np.ndarray, np.ndarray]:
+    """Codes and scales of a tensor of one of Q8_TYPES."""
+    return (decode_q8_0 if type_name == "Q8_0" else decode_q5_0)(data, n_out, n_in)
+
+
 @torch.no_grad()
 def q8_head_from_gguf(model: torch.nn.Module, path: Path) -> bool:
     """Give the model an LM head on the Q8 path where the file stores it (or the embedding it is tied
-    to) as Q8_0; whether it did."""
+    to) in one of Q8_TYPES; whether it did."""
     head = model.get_output_embeddings()
     if type(head) not in (torch.nn.Linear, RowsLinear) or head.in_features % GROUP:
         return False
@@ -210,9 +240,9 @@ def q8_head_from_gguf(model: torch.nn.Module, path: Path) -> bool:
     source = tensors.get("output.weight") or (
         tensors.get("token_embd.weight") if getattr(model.config, "tie_word_embeddings", False) else None
     )
-    if source is None or source.tensor_type.name != "Q8_0":
+    if source is None or source.tensor_type.name not in Q8_TYPES:
         return False
-    codes, scale = decode_q8_0(np.asarray(source.data), head.out_features, head.in_features)
+    codes, scale = decode_q8(np.asarray(source.data), source.tensor_type.name, head.out_features, head.in_features)
     bias = None if head.bias is None else head.bias
     model.set_output_embeddings(Q8Linear(head.weight, torch.from_numpy(codes), torch.from_numpy(scale), bias))
     return True
@@ -222,15 +252,17 @@ def two_level_inputs(model: torch.nn.Module) -> int:
     """Quantize the input of the model's int8 projections named in TWO_LEVEL_INPUTS in two levels; how many."""
     changed = 0
     for name, module in model.named_modules():
-        if type(module) is Int4Linear and module.activations == "int8" and name.rpartition(".")[2] in TWO_LEVEL_INPUTS:
+        if takes_int8(module, alone=True) and name.rpartition(".")[2] in TWO_LEVEL_INPUTS:
             module.levels = 2
             changed += 1
     return changed
 
 
-def takes_int8(module: torch.nn.Module) -> bool:
-    """Whether the module's 4-bit layers (a model's, or one attention layer's) take int8 activations."""
-    return any(type(m) is Int4Linear and m.activations == "int8" for m in module.modules())
+def takes_int8(module: torch.nn.Module, alone: bool = False) -> bool:
+    """Whether the module's quantized layers (a model's, or one attention layer's) take int8
+    activations; `alone`: whether the module itself is such a layer."""
+    layers = [module] if alone else module.modules()
+    return any(type(m) in (Int4Linear, Q8Linear) and m.activations == "int8" for m in layers)
 
 
 def cache_dtype(model: torch.nn.Module) -> torch.dtype:
@@ -252,7 +284,11 @@ def kernel_fits(module: torch.nn.Module | None) -> bool:
 def dense_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The module's state dict with each `Int4Linear` as the plain `weight` (and `bias`) of the
     matrix it multiplies by: what a bfloat16 copy of the layer loads (EDD starts from a target layer)."""
-    int4 = {name: m for name, m in module.named_modules() if isinstance(m, Int4Linear)}
+    int4 = {
+        name: m
+        for name, m in module.named_modules()
+        if isinstance(m, Int4Linear) or (isinstance(m, Q8Linear) and m.weight is None)
+    }
     state = {k: v for k, v in module.state_dict().items() if k.rpartition(".")[0] not in int4}
     for name, layer in int4.items():
         state[f"{name}.weight"] = layer.dequantized().to(torch.bfloat16)
@@ -272,9 +308,6 @@ class Int4Blocks:
     def weights(self) -> np.ndarray:
         """w = scale * q + minimum, float32 (as gguf-py dequantizes Q4_1 and Q4_K)."""
         return self.codes * np.repeat(self.scale, GROUP, 1) + np.repeat(self.minimum, GROUP, 1)
-
-    def permute_rows(self, permute: callable) -> Int4Blocks:  # type: ignore[valid-type]
-        return Int4Blocks(permute(self.codes), permute(self.scale), permute(self.minimum))
 
 
 def _nibbles(qs: np.ndarray) -> np.ndarray:
@@ -364,10 +397,11 @@ def check_types(path: Path, key: str) -> dict[str, int]:
 
 
 @torch.no_grad()
-def quantize_from_gguf(model: torch.nn.Module, path: Path, activations: str = "float") -> int:
-    """Replace the model's linear layers whose GGUF tensors are 4-bit by `Int4Linear`s built from
-    the file's own codes (the rest of the model runs in bfloat16), multiplying their input as
-    `activations`; returns how many."""
+def quantize_from_gguf(model: torch.nn.Module, path: Path, activations: str = "float") -> dict[str, int]:
+    """Replace the model's linear layers whose GGUF tensors are 4-bit by `Int4Linear`s built from the
+    file's own codes, and with int8 activations those in Q8_TYPES by `Q8Linear`s (the LM head apart:
+    q8_head_from_gguf), multiplying their input as `activations`; the rest of the model runs in
+    bfloat16. Returns how many layers of each GGUF type were replaced."""
     from transformers.modeling_gguf_pytorch_utils import (
         TENSOR_PROCESSORS,
         TensorProcessor,
@@ -378,24 +412,27 @@ def quantize_from_gguf(model: torch.nn.Module, path: Path, activations: str = "f
     processor = TENSOR_PROCESSORS.get(config.model_type, TensorProcessor)(config=config.to_dict())
     names = get_gguf_hf_weights_map(_TopLevel(model), processor)
     modules = dict(model.named_modules())
-    replaced = 0
+    head = model.get_output_embeddings()
+    replaced: dict[str, int] = {}
     for tensor in read_gguf(path).tensors:
         hf_name = names.get(tensor.name, "")
         module = modules.get(hf_name.removesuffix(".weight"))
         kind = tensor.tensor_type.name
-        if kind not in INT4_TYPES or not kernel_fits(module):
+        q8 = kind in Q8_TYPES and activations == "int8" and module is not head
+        if not (kind in INT4_TYPES or q8) or not kernel_fits(module):
             continue
-        blocks = decode_int4(np.asarray(tensor.data), kind, module.out_features, module.in_features)
+        data, shape = np.asarray(tensor.data), (module.out_features, module.in_features)
+
         # The converter permuted q/k rows for llama.cpp's rotary layout; undo it as transformers does.
-        blocks = blocks.permute_rows(lambda a, n=tensor.name: processor.process(a, n).weights)
+        def rows(a: np.ndarray, name: str = tensor.name) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(processor.process(a, name).weights))
+
+        if q8:
+            layer: torch.nn.Module = Q8Linear(None, *(rows(a) for a in decode_q8(data, kind, *shape)), module.bias)
+        else:
+            blocks = decode_int4(data, kind, *shape)
+            layer = Int4Linear(rows(blocks.codes), rows(blocks.scale), rows(blocks.minimum), module.bias, activations)
         parent, _, child = hf_name.removesuffix(".weight").rpartition(".")
-        int4 = Int4Linear(
-            torch.from_numpy(np.ascontiguousarray(blocks.codes)),
-            torch.from_numpy(np.ascontiguousarray(blocks.scale)),
-            torch.from_numpy(np.ascontiguousarray(blocks.minimum)),
-            module.bias,
-            activations,
-        )
-        setattr(modules[parent] if parent else model, child, int4)
-        replaced += 1
+        setattr(modules[parent] if parent else model, child, layer)
+        replaced[kind] = replaced.get(kind, 0) + 1
     return replaced

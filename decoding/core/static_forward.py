@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.llama.modeling_llama import LlamaDecoderLayer, apply_rotary_pos_emb, eager_attention_forward
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward
 
-from decoding.core import attention
+from decoding.core import architectures, attention
 from decoding.core.errors import BackendError, ConfigError
 from decoding.core.kv_cache import RowKVCache, to_device
 
@@ -175,11 +175,12 @@ class StaticForward:
             inner is None
             or any(not hasattr(inner, p) for p in parts)
             or model.get_output_embeddings() is None
-            or any(type(layer) is not LlamaDecoderLayer for layer in inner.layers)
+            or (arch := architectures.of(model)) is None
+            or any(type(layer) is not arch.decoder_layer for layer in inner.layers)
         ):
             raise BackendError(
-                f"model.cuda_graphs: {type(model).__name__} is not a Llama model (its layers LlamaDecoderLayer), "
-                "the architecture the bucketed forward computes; set model.cuda_graphs=off"
+                f"model.cuda_graphs: {type(model).__name__} is not a causal LM of an architecture the bucketed "
+                f"forward computes ({architectures.names()}); set model.cuda_graphs=off"
             )
         return cls(model, spec, strict)
 

@@ -72,10 +72,11 @@ std::vector<at::Tensor> decoder_layers(at::Tensor h, const std::vector<at::Tenso
                                        bool rows_norm, bool fixed_silu, int64_t qkv_levels);
 
 // x's rows in `levels` int8 levels: 1 (llama.cpp's rule) or 2 (the first's residual quantized again).
+// q4_int8_linear and q4_int8_fused take either format, told apart by the factors' shape.
 at::Tensor q4_int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale_min,
                           const at::Tensor& bias, int64_t levels);
 at::Tensor q8_int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                          const at::Tensor& bias);
+                          const at::Tensor& bias, int64_t levels);
 // q4_int8_linear as csrc/layers.cpp calls it on float32 rows: with `norm` (a weight [K]; undefined:
 // none) each row normalized first as rms_norm_rows does, and with `residual` ([.., N] float32;
 // undefined: none) the result residual + y, the model's residual add: the bits of the separate ops

@@ -584,6 +584,10 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& packed, const a
   return shaped(y, x, N);
 }
 
+// Whether factors [N / 8, K / 32, 1 or 2, 8] are Q8's (scales alone) rather than Q4's (scales and
+// minimums): the format a layer's weights were packed in (quant.py pack_q8 / pack_q4).
+bool q8_factors(const at::Tensor& factors) { return factors.dim() == 4 && factors.size(2) == 1; }
+
 }  // namespace
 
 const char* q4_int8_path() {
@@ -604,6 +608,7 @@ const char* q4_int8_path() {
 at::Tensor q4_int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& factors,
                           const at::Tensor& bias, int64_t levels) {
   RECORD_FUNCTION("tot::q4_int8_linear", std::vector<c10::IValue>());  // torch.profiler counts it as a linear
+  if (q8_factors(factors)) return grouped_linear<true>(x, packed, factors, bias, "q8_int8_linear", levels);
   return grouped_linear<false>(x, packed, factors, bias, "q4_int8_linear", levels);
 }
 
@@ -611,13 +616,15 @@ at::Tensor q4_int8_fused(const at::Tensor& x, const at::Tensor& packed, const at
                          const at::Tensor& bias, int64_t levels, const at::Tensor& norm, double eps,
                          const at::Tensor& residual) {
   RECORD_FUNCTION("tot::q4_int8_linear", std::vector<c10::IValue>());  // torch.profiler counts it as a linear
+  if (q8_factors(factors))
+    return grouped_linear<true>(x, packed, factors, bias, "q8_int8_fused", levels, norm, eps, residual);
   return grouped_linear<false>(x, packed, factors, bias, "q4_int8_fused", levels, norm, eps, residual);
 }
 
 at::Tensor q8_int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& factors,
-                          const at::Tensor& bias) {
+                          const at::Tensor& bias, int64_t levels) {
   RECORD_FUNCTION("tot::q8_int8_linear", std::vector<c10::IValue>());  // torch.profiler counts it as a linear
-  return grouped_linear<true>(x, packed, factors, bias, "q8_int8_linear", 1);
+  return grouped_linear<true>(x, packed, factors, bias, "q8_int8_linear", levels);
 }
 
 // Multiply-adds a second of a tight loop of the block dot product on every thread, with eight
