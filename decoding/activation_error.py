@@ -39,6 +39,7 @@ class ActivationErrorConfig:
     data: str
     limit: int
     out: str | None
+    ship: bool  # the record goes to decoding/core/records/ (shipped with the project), not the cache
 
     @classmethod
     def from_omegaconf(cls, cfg: DictConfig) -> ActivationErrorConfig:
@@ -48,7 +49,10 @@ class ActivationErrorConfig:
         if limit < 1:
             raise ConfigError(f"limit={limit} must be a positive number of texts")
         model = replace(ModelSpec.from_config(c["model"]), activations="int8")
-        return cls(model, data, limit, c.get("out"))
+        ship = c.get("ship", False)
+        if not isinstance(ship, bool):
+            raise ConfigError(f"ship={ship!r} must be true or false")
+        return cls(model, data, limit, c.get("out"), ship)
 
 
 @dataclass(frozen=True)
@@ -93,9 +97,16 @@ def float_activations(model: torch.nn.Module) -> torch.nn.Module:
     for name, module in list(out.named_modules()):
         if isinstance(module, Int4Linear) and module.activations == "int8":
             scale, minimum = module.scale_minimum()
-            layer = Int4Linear(module.codes, scale, minimum, module.bias, "float")
-            parent, _, child = name.rpartition(".")
-            setattr(out.get_submodule(parent) if parent else out, child, layer)
+            layer: torch.nn.Module = Int4Linear(module.codes, scale, minimum, module.bias, "float")
+        elif isinstance(module, Q8Linear) and module.weight is None:  # Q8_0 / Q5_0: bfloat16 on the float path
+            layer = torch.nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
+            layer.weight.data = module.dequantized()
+            if module.bias is not None:
+                layer.bias.data = module.bias.detach().clone()
+        else:
+            continue
+        parent, _, child = name.rpartition(".")
+        setattr(out.get_submodule(parent) if parent else out, child, layer)
     use_torch_silu(out)
     return out.to(torch.bfloat16)
 
@@ -172,7 +183,9 @@ def main(cfg: DictConfig) -> None:
         record = Numerics(rows["int8"].kl, rows["int8"].perplexity, rows["float"].perplexity, llama and llama.kl)
         ok, why = record.int8_ok()
         print(f"model.activations=auto runs {'int8' if ok else 'float'} on this file: {why}")
-        print(f"(recorded in {numerics.write(cache_root(), gguf, record)})")
+        folder = numerics.SHIPPED if acfg.ship else cache_root() / "numerics"
+        digest = numerics.file_digest(gguf, cache_root())
+        print(f"(recorded in {numerics.write(folder, gguf, record, digest)})")
     if acfg.out:
         result = {"reference_perplexity": ref_ppl, **{k: vars(v) for k, v in rows.items()}}
         Path(acfg.out).write_text(json.dumps(result, indent=2))

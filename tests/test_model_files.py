@@ -8,17 +8,15 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 from test_cli import REPO, save_tiny_checkpoint, solve_cmd, subprocess_env
 
-from decoding.core import models
 from decoding.core.errors import BackendError
 from decoding.core.model_files import check_checkpoint, check_gguf, gguf_size
-from decoding.core.models import ModelSpec, embedded_file
+from decoding.core.models import embedded_file
 
 CUT = 30 * 2**20  # a download stopped at 30 MB
 
@@ -96,47 +94,3 @@ def test_broken_model_files_through_the_cli(gguf, tiny_model, tokenizer, tmp_pat
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, report
         errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and expected in errors[0], report
-
-
-KILL_HALFWAY = """
-import os, signal
-from pathlib import Path
-from transformers import PreTrainedTokenizerBase
-from decoding.core.models import ModelSpec, _checkpoint_dir
-
-def killed(self, *args, **kwargs):  # the weights are written, the tokenizer never is
-    os.kill(os.getpid(), signal.SIGKILL)
-
-PreTrainedTokenizerBase.save_pretrained = killed
-_checkpoint_dir(ModelSpec("smollm2-135m", cache_dir={cache!r}))
-"""
-
-
-def test_a_conversion_killed_halfway_is_never_loaded(tmp_path, monkeypatch):
-    cache = tmp_path / "cache"
-    proc = subprocess.run(
-        [sys.executable, "-c", KILL_HALFWAY.format(cache=str(cache))], cwd=REPO, env=subprocess_env(), timeout=600
-    )
-    assert proc.returncode == -9
-    target = cache / "SmolLM2-135M-Instruct.Q4_1"
-    half = [p for p in cache.iterdir() if p.name.startswith(target.name + ".tmp")]
-    assert half and (half[0] / "model.safetensors").is_file() and not target.exists()
-
-    converted: list[Path] = []
-
-    def convert(gguf: Path, to: Path) -> None:  # stands for the real conversion (about 30 s)
-        converted.append(to)
-        raise BackendError("converted again")
-
-    monkeypatch.setattr(models, "_convert_gguf", convert)
-    with pytest.raises(BackendError, match="converted again"):
-        models._checkpoint_dir(ModelSpec("smollm2-135m", cache_dir=str(cache)))
-    assert converted == [target]  # the second run converts again rather than load the half
-    # A finished conversion broken since (a weight file cut short) is converted again too.
-    half[0].rename(target)
-    (target / "config.json").write_text("{}")
-    weights = target / "model.safetensors"
-    os.truncate(weights, weights.stat().st_size // 2)
-    with pytest.raises(BackendError, match="converted again"):
-        models._checkpoint_dir(ModelSpec("smollm2-135m", cache_dir=str(cache)))
-    assert converted == [target, target] and not target.exists()

@@ -4,6 +4,7 @@ row-invariant, run by the C++ layers as by `hf`, and refused where it cannot run
 
 from __future__ import annotations
 
+import json
 import re
 
 import numpy as np
@@ -216,20 +217,35 @@ def test_auto_runs_int8_only_where_the_files_numerics_are_on_record(tmp_path, mo
     worse than llama.cpp's and its perplexity within 1% of float's; float without a record or past either."""
     spec = ModelSpec(activations="auto", cache_dir=str(default_cache_dir()))  # the converted model where it is
     monkeypatch.setenv("TOT_CACHE_DIR", str(tmp_path))  # the records here
+    monkeypatch.setattr(numerics, "SHIPPED", tmp_path / "shipped")  # and none shipped
     cpu = torch.device("cpu")
     assert resolve_activations(spec, cpu, "gguf") == "float"  # nothing on record
     gguf = gguf_file(spec)
     vectorized = kernels.load().q4_int8_path() != "portable"
-    numerics.write(tmp_path, gguf, Numerics(0.0020, 6.25, 6.22, 0.0026))
+    digest = numerics.file_digest(gguf, tmp_path)
+    numerics.write(tmp_path / "numerics", gguf, Numerics(0.0020, 6.25, 6.22, 0.0026), digest)
     assert resolve_activations(spec, cpu, "gguf") == ("int8" if vectorized else "float")
     for worse, why in (
         (Numerics(0.0039, 6.26, 6.22, 0.0026), r"int8's mean KL 0\.00390 is above llama\.cpp's 0\.00260"),
         (Numerics(0.0020, 6.40, 6.22, 0.0026), r"int8's perplexity is 2\.9% above float's \(at most 1%\)"),
         (Numerics(0.0020, 6.25, 6.22, None), r"no llama\.cpp figure"),
     ):
-        numerics.write(tmp_path, gguf, worse)
+        numerics.write(tmp_path / "numerics", gguf, worse, digest)
         assert resolve_activations(spec, cpu, "gguf") == "float"
         assert re.search(why, worse.int8_ok()[1])
+
+
+def test_shipped_records_are_of_this_arithmetic():
+    """A kernel change that alters int8's outputs changes `arithmetic()`: the records shipped for the
+    installed files must then be measured again (python -m decoding.activation_error model=NAME
+    ship=true), or auto would silently run float on them."""
+    records = sorted(numerics.SHIPPED.glob("*.json"))
+    assert records, "no shipped records"
+    for path in records:
+        data = json.loads(path.read_text())
+        assert data["arithmetic"] == numerics.arithmetic(), f"{path.name} ({data['gguf']}): measured on other kernels"
+        assert path == numerics.record_path(numerics.SHIPPED, data["sha256"])
+        assert Numerics(**{k: data[k] for k in Numerics.__dataclass_fields__}).int8_ok()[0], path.name
 
 
 # Builds of the kernel without this machine's wider instructions: the portable loop (no AVX2, no FMA:

