@@ -280,3 +280,21 @@ def test_the_work_around_the_forward_and_drafting_are_charged_as_measured(tiny_m
     assert planner.draft_ms_per_row == pytest.approx(0.5)
     planner.drafted(1, 500.0)
     assert planner.draft_ms_per_row == pytest.approx(0.9 * 0.5 + 0.1 * 2.0)
+
+
+def test_the_profiled_forward_scores_what_a_batched_prefill_would(tiny_model):
+    """timing.verification computes one row's prompt and copies its keys and values into the others:
+    every row then scores its tree with the logits of a row whose prompt was computed in the batch."""
+    from decoding.core.runner import ModelRunner
+    from decoding.core.timing import chain_tree, verification
+    from decoding.core.verify import pack
+
+    runner = ModelRunner(tiny_model)
+    scored = verification(runner, 20, 4, 3)()
+    cache = runner.new_cache(3, 26)
+    fill = pack([[(100 + i) % tiny_model.config.vocab_size for i in range(20)]] * 3, [DraftTree()] * 3)
+    runner.forward(cache, fill.tokens, fill.see, fill.depth)
+    cache.advance(torch.full((3,), 20))
+    tree = chain_tree(3, tiny_model.config.vocab_size)
+    batched = runner.score(cache, pack([[7]] * 3, [tree] * 3))
+    assert all(torch.equal(a, b) for a, b in zip(scored, batched, strict=True))
