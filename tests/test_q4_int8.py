@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, quantize
-from test_quant import int4_copy
+from test_quant import int4_copy, q6_k_bytes
 
 from decoding.core import kernels, numerics
 from decoding.core.errors import BackendError
@@ -28,7 +28,8 @@ def gguf_layer(n_out: int, n_in: int, kind: str, activations: str = "int8") -> I
     Q5_0 as the int8 path's Q8Linear, with the bfloat16 weight an LM head keeps)."""
     if kind in Q8_TYPES:
         w = RNG.normal(scale=0.05, size=(n_out, n_in)).astype(np.float32)
-        codes, scale = decode_q8(quantize(w, GGMLQuantizationType[kind]), kind, n_out, n_in)
+        raw = q6_k_bytes(n_out, n_in) if kind == "Q6_K" else quantize(w, GGMLQuantizationType[kind])
+        codes, scale = decode_q8(raw, kind, n_out, n_in)
         weight = torch.nn.Parameter(torch.from_numpy(w).to(torch.bfloat16), requires_grad=False)
         return Q8Linear(weight, torch.from_numpy(codes), torch.from_numpy(scale), None)
     if kind == "Q4_K":
@@ -85,12 +86,13 @@ def test_two_levels_quantize_the_first_levels_residual_by_the_same_rule():
         kernels.load().q4_int8_quantize(x, 3)
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q5_0"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q5_0", "Q6_K"])
 def test_the_kernel_computes_the_blocks_against_the_quantized_rows(kind):
     """Against float64 of the same blocks and the same int8 rows, the output is exact up to its
     bfloat16 rounding (half a unit in the last place: 2^-8 relative) and float32 accumulation
     (1e-5 of the output's scale); against the float rows, within 2% of the outputs' RMS."""
     layer = gguf_layer(90 if kind in Q8_TYPES else 96, 512, kind)  # 90 outputs: padded to groups of 8
+    assert layer.dequantized().abs().max() > 0
     x = torch.randn(13, 512).to(torch.bfloat16)
     y = layer(x).double()
     w = layer.dequantized().double()
@@ -103,7 +105,7 @@ def test_the_kernel_computes_the_blocks_against_the_quantized_rows(kind):
     assert ((y - from_float).pow(2).mean().sqrt() / from_float.pow(2).mean().sqrt()) < 0.02
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q5_0"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q5_0", "Q6_K"])
 def test_two_levels_compute_the_blocks_against_both_levels(kind):
     """In two levels the output is the blocks against d q + d2 q2, exact up to the float32 result's
     rounding and accumulation (1e-5 of the outputs' scale), and within 2e-4 of the float rows' RMS."""
@@ -122,7 +124,9 @@ def test_two_levels_compute_the_blocks_against_both_levels(kind):
     assert ((layer(x).double() - from_float).pow(2).mean().sqrt() / from_float.pow(2).mean().sqrt()) > 2e-3
 
 
-@pytest.mark.parametrize("kind, levels", [("Q4_1", 1), ("Q4_1", 2), ("Q8_0", 1), ("Q8_0", 2), ("Q5_0", 2)])
+@pytest.mark.parametrize(
+    "kind, levels", [("Q4_1", 1), ("Q4_1", 2), ("Q8_0", 1), ("Q8_0", 2), ("Q5_0", 2), ("Q6_K", 1), ("Q6_K", 2)]
+)
 def test_a_rows_output_does_not_depend_on_the_rows_beside_it(kind, levels):
     layer = gguf_layer(64, 256, kind)
     layer.levels = levels
@@ -148,7 +152,7 @@ def test_a_rows_output_does_not_depend_on_the_rows_beside_it(kind, levels):
         Int4Linear(layer.codes[:63], *(t[:63] for t in layer.scale_minimum()), None, "int8")
 
 
-@pytest.mark.parametrize("kind", ["Q4_1", "Q5_0"])
+@pytest.mark.parametrize("kind", ["Q4_1", "Q5_0", "Q6_K"])
 def test_the_fused_form_has_the_bits_of_norm_linear_and_residual_add(kind):
     """csrc/layers.cpp's q4_int8_fused (either format, told by the factors): the norm's values
     quantized without its buffer, and the residual added in the kernel's output loop, bitwise what
@@ -280,12 +284,12 @@ def test_every_path_gives_the_same_bits(tmp_path, build):
         extra_ldflags=["-fopenmp"],
     )
     assert other.q4_int8_path() == build
-    for kind in ("Q4_1", "Q4_K", "Q8_0"):
+    for kind in ("Q4_1", "Q4_K", "Q8_0", "Q6_K"):
         layer = gguf_layer(80, 512, kind)
         x = torch.randn(37, 512).to(torch.bfloat16)
         bias = torch.randn(80).to(torch.bfloat16)
         for levels in (1, 2):
-            call = "q8_int8_linear" if kind == "Q8_0" else "q4_int8_linear"
+            call = "q8_int8_linear" if kind in Q8_TYPES else "q4_int8_linear"
             expected = getattr(kernels.load(), call)(x, layer.packed8, layer.factors, bias, levels)
             assert torch.equal(getattr(other, call)(x, layer.packed8, layer.factors, bias, levels), expected), kind
 

@@ -101,16 +101,26 @@ def test_decoded_blocks_equal_gguf_dequantization(kind):
     assert np.array_equal(blocks.weights(), dequantize(raw, GGMLQuantizationType[kind]).reshape(48, 256))
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q5_0"])
+def q6_k_bytes(n_out: int, n_in: int) -> np.ndarray:
+    """Random Q6_K blocks (gguf-py has no Q6_K quantizer) with a finite fp16 d."""
+    raw = RNG.integers(0, 256, size=(n_out, n_in // 256, 210), dtype=np.uint8)
+    d = RNG.uniform(0.0005, 0.003, size=(n_out, n_in // 256)).astype(np.float16)
+    raw[..., 208:210] = d.view(np.uint8).reshape(n_out, -1, 2)
+    return raw.reshape(n_out, -1)
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q5_0", "Q6_K"])
 def test_q8_form_blocks_equal_gguf_dequantization(kind):
-    """Q8_0 and Q5_0 decoded to signed codes and one scale per block of 32 (Q8Linear's form) give
-    gguf-py's dequantization exactly; Q5_0's codes keep to -16..15."""
+    """Q8_0, Q5_0 and Q6_K decoded to signed codes and a scale per block of 32 (Q6_K: per 16),
+    Q8Linear's form, give gguf-py's dequantization exactly; Q5_0's codes keep to -16..15, Q6_K's to
+    -32..31."""
     w = RNG.normal(size=(24, 256)).astype(np.float32)
-    raw = _gguf_bytes(w, kind)
+    raw = q6_k_bytes(24, 256) if kind == "Q6_K" else _gguf_bytes(w, kind)
     codes, scale = decode_q8(raw, kind, 24, 256)
-    if kind == "Q5_0":
-        assert codes.min() >= -16 and codes.max() <= 15 and codes.min() < -8 and codes.max() > 8
-    weights = codes.astype(np.float32) * np.repeat(scale, GROUP, 1)
+    bound = {"Q5_0": 16, "Q6_K": 32}.get(kind)
+    if bound:
+        assert codes.min() == -bound and codes.max() == bound - 1
+    weights = codes.astype(np.float32) * np.repeat(scale, 256 // scale.shape[1], 1)
     assert np.array_equal(weights, dequantize(raw, GGMLQuantizationType[kind]).reshape(24, 256))
 
 

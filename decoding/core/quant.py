@@ -16,9 +16,10 @@ multiply-adds run on the integer units; `Int4Linear.dequantized` is then scale *
 attention's q, k and v take their input in two int8 levels (`two_level_inputs`). The kernel returns
 its input's type; the model around it runs in float32 on that path (models.py).
 
-On that path a layer in Q8_0 or Q5_0 blocks (one fp16 scale per 32 weights: w = d * q with q in
--128..127, or in -16..15 for Q5_0) runs as `Q8Linear`, the same kernel's signed-code format: the
-file's weights exactly, int8 activations. Every other tensor type (Q6_K, F16, ...) and every non-4-bit
+On that path a layer in Q8_0, Q5_0 or Q6_K blocks (w = scale * q with signed codes q: one fp16
+scale per 32 weights and q in -128..127, or -16..15 for Q5_0; Q6_K's q in -32..31 with a scale per
+16, d times a signed 8-bit sub-scale) runs as `Q8Linear`, the same kernel's signed-code format: the
+file's weights exactly, int8 activations. Every other tensor type (F16, ...) and every non-4-bit
 type on the float path runs in bfloat16: `transformers` dequantizes it to float32 and it is rounded
 once. The kernel gives a row the same bits whatever the number of rows
 (measured for 1-600 rows), which the batch-invariant forward rests on.
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
 
 GROUP = 32  # the kernel's group size along the input dimension, GGUF's 4-bit block (or sub-block)
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
-Q8_TYPES = ("Q8_0", "Q5_0")  # blocks of 32 with one scale and signed codes: Q8Linear on the int8 path
+Q8_TYPES = ("Q8_0", "Q5_0", "Q6_K")  # signed codes and a scale per 32 (or 16) weights: Q8Linear on the int8 path
 ACTIVATIONS = ("float", "int8", "auto")  # model.activations: what a 4-bit layer multiplies its input as
 # int8 activations keep the hidden states between the 4-bit products in this type, as llama.cpp does:
 # bfloat16 ones would add their rounding to the activations' (docs/performance.md "int8 activations").
@@ -127,9 +128,9 @@ class Int4Linear(torch.nn.Module):
 
 
 class Q8Linear(torch.nn.Module):
-    """A linear layer y = x W^T (+ b) in a GGUF file's blocks of 32 signed codes and one scale (Q8_0;
-    Q5_0's codes are -16..15 in the same form), multiplied by int8 activations (model.activations=int8:
-    csrc/q4_int8.cpp's Q8 path). An LM head keeps `weight`, the bfloat16 matrix (tied to the
+    """A linear layer y = x W^T (+ b) in a GGUF file's signed codes with a scale per block of 32 (Q8_0;
+    Q5_0's codes are -16..15 in the same form) or per half block of 16 (Q6_K: `scale` [N, K / 16]),
+    multiplied by int8 activations (model.activations=int8: csrc/q4_int8.cpp's Q8 path). An LM head keeps `weight`, the bfloat16 matrix (tied to the
     embedding), for code that reads its rows (EDD's head); a decoder projection has none."""
 
     def __init__(
@@ -143,6 +144,7 @@ class Q8Linear(torch.nn.Module):
         # The kernel takes outputs in groups of 8: a vocabulary that is not a multiple of 8 gets zero
         # columns, computed and dropped.
         pad = -self.out_features % 8
+        self.halves = scale.shape[1] * GROUP // 2 == self.in_features  # a scale per 16 inputs
         codes, scale = (torch.cat([t, t.new_zeros(pad, t.shape[1])]) for t in (codes.to(torch.int8), scale.float()))
         packed, factors = pack_q8(codes, scale)
         self.register_buffer("packed8", packed)
@@ -161,16 +163,17 @@ class Q8Linear(torch.nn.Module):
         return self.packed8, self.factors
 
     def codes_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The codes [N, K] (int8) and scales [N, K / 32] (float32), from the kernel's layout."""
+        """The codes [N, K] (int8) and scales [N, K / 32] (or [N, K / 16] in halves; float32), from the
+        kernel's layout."""
         n, k = self.packed8.shape[0] * 8, self.in_features
         codes = self.packed8.view(torch.int8).reshape(n // 8, k // GROUP, 8, 8, 4).permute(0, 3, 1, 2, 4)
-        scales = self.factors[:, :, 0].permute(0, 2, 1).reshape(n, -1)
+        scales = self.factors.permute(0, 3, 1, 2).reshape(n, -1)  # [group, column, block, half]
         return codes.reshape(n, k)[: self.out_features], scales[: self.out_features]
 
     def dequantized(self) -> torch.Tensor:
-        """The float32 matrix the kernel multiplies by: scale * code per block of 32."""
+        """The float32 matrix the kernel multiplies by: scale * code per block of 32 (or 16)."""
         codes, scales = self.codes_scales()
-        return codes.float() * scales.repeat_interleave(GROUP, 1)
+        return codes.float() * scales.repeat_interleave(GROUP // 2 if self.halves else GROUP, 1)
 
     def extra_repr(self) -> str:
         levels = " in two levels" if self.levels == 2 else ""
@@ -195,15 +198,17 @@ def pack_q4(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> 
 
 
 def pack_q8(codes: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q8_0 codes [N, K] (int8) and scales [N, K / 32] in csrc/q4_int8.cpp's layout, in groups of 8
-    outputs: codes [N / 8, K / 32 * 256] (per block, vector j's byte 4c + i holds output c's code for
-    input 4j + i, int8 viewed as uint8) and factors [N / 8, K / 32, 1, 8]."""
+    """Signed codes [N, K] (int8) and scales [N, K / 32] (or [N, K / 16]: a scale per half block) in
+    csrc/q4_int8.cpp's layout, in groups of 8 outputs: codes [N / 8, K / 32 * 256] (per block, vector
+    j's byte 4c + i holds output c's code for input 4j + i, int8 viewed as uint8) and factors
+    [N / 8, K / 32, 1, 8] (or [N / 8, K / 32, 2, 8]: the 8 outputs' first halves, then second)."""
     n, k = codes.shape
     if n % 8 or k % GROUP:
         raise ValueError(f"the int8 kernel takes outputs in groups of 8 and inputs in blocks of 32, not [{n}, {k}]")
     c = codes.to(torch.int8).reshape(n // 8, 8, k // GROUP, 8, 4)  # [group, column, block, j, i]
     packed = c.permute(0, 2, 3, 1, 4).reshape(n // 8, -1).contiguous().view(torch.uint8)
-    factors = scale.float().reshape(n // 8, 8, 1, -1).permute(0, 3, 2, 1).contiguous()
+    per = scale.shape[1] // (k // GROUP)  # scales per block: 1, or 2 in halves
+    factors = scale.float().reshape(n // 8, 8, k // GROUP, per).permute(0, 2, 3, 1).contiguous()
     return packed, factors
 
 
@@ -224,9 +229,27 @@ def decode_q5_0(data: np.ndarray, n_out: int, n_in: int) -> tuple[np.ndarray, np
     return codes.reshape(n_out, n_in), _f16(blocks[..., 0:2])
 
 
+def decode_q6_k(data: np.ndarray, n_out: int, n_in: int) -> tuple[np.ndarray, np.ndarray]:
+    """A GGUF Q6_K tensor's raw bytes -> codes [N, K] int8 in -32..31 and scales [N, K / 16] float32
+    (d times each sub-block's signed 8-bit scale). Per super-block of 256: 128 bytes of low nibbles,
+    64 of high bit pairs, 16 sub-scales, an fp16 d; each half of 128 weights takes 64 low and 32 high
+    bytes, weight 32 i + l from byte l (+ 32 for odd i) of the lows, nibble i // 2, and bit pair i
+    of high byte l."""
+    blocks = data.reshape(n_out, n_in // 256, 210)
+    low = blocks[..., :128].reshape(n_out, -1, 2, 2, 32)  # [.., half, byte block l / 32, l]
+    high = blocks[..., 128:192].reshape(n_out, -1, 2, 1, 32)
+    nibbles = np.stack([low[..., 0, :] & 0x0F, low[..., 1, :] & 0x0F, low[..., 0, :] >> 4, low[..., 1, :] >> 4], 3)
+    pairs = (high >> (2 * np.arange(4, dtype=np.uint8)).reshape(4, 1)) & 3  # [.., half, 4, 32]
+    codes = (nibbles | (pairs << 4)).astype(np.int8) - np.int8(32)
+    sub = np.ascontiguousarray(blocks[..., 192:208]).view(np.int8).astype(np.float32)
+    scale = _f16(blocks[..., 208:210])[..., None] * sub
+    return codes.reshape(n_out, n_in), scale.reshape(n_out, -1)
+
+
 def decode_q8(data: np.ndarray, type_name: str, n_out: int, n_in: int) -> tuple[np.ndarray, np.ndarray]:
     """Codes and scales of a tensor of one of Q8_TYPES."""
-    return (decode_q8_0 if type_name == "Q8_0" else decode_q5_0)(data, n_out, n_in)
+    decode = {"Q8_0": decode_q8_0, "Q5_0": decode_q5_0, "Q6_K": decode_q6_k}[type_name]
+    return decode(data, n_out, n_in)
 
 
 @torch.no_grad()

@@ -8,7 +8,8 @@
 //     y[m, n] = sum_b scale[n, b] * d[m, b] * (q . qx)[b]  +  minimum[n, b] * s[m, b],
 // accumulated per block in order with two fused multiply-adds. The block's integer dot product is
 // exact (VPMADDUBSW + VPMADDWD on AVX2, VPDPBUSD with VNNI, TDPBSUD on AMX tiles of 16 rows: the
-// same integers). The tied Q8_0 LM head runs the same sums without the minimum term. In two levels
+// same integers). Q8_0 and Q5_0 layers (signed codes, one scale a block) run the same sums without
+// the minimum term, Q6_K's (signed codes, a scale per 16 inputs) as two such sums a block. In two levels
 // (quant.py: the attention's projections) the residual x - d qx is quantized again, d2 and qx2, and
 // each block adds scale * d2 * (q . qx2) after its first term: the input to about 16 bits for one more
 // dot product per unpacked block. Nothing depends on the number of rows, on which rows share a tile
@@ -139,16 +140,18 @@ QuantRows quantize(const float* x, int64_t M, int64_t K, int64_t levels, const f
 //   Q4: 4 vectors of 32 bytes, byte 4c + i of vector j holding column c's code for input 4j + i in
 //       its low nibble and for input 16 + 4j + i in its high nibble; then the 8 columns' scales and
 //       their 8 minimums (float32);
-//   Q8 (Q8_0, the LM head): 8 vectors of 32 signed bytes, byte 4c + i of vector j column c's code for
-//       input 4j + i; then the 8 columns' scales.
+//   Q8 (Q8_0 and Q5_0): 8 vectors of 32 signed bytes, byte 4c + i of vector j column c's code for
+//       input 4j + i; then the 8 columns' scales;
+//   Q8 in halves (Q6_K, HALVES): Q8's codes, then the 8 columns' scales of inputs 0-15 and their 8
+//       scales of inputs 16-31 (Q6_K's sub-blocks of 16 each have their own).
 // A block's products for one column then sum in one 32-bit lane: no reduction across lanes, and the
 // scales apply to 8 columns in one instruction.
 constexpr int64_t G = 8;  // output columns per group
 
-template <bool Q8>
+template <bool Q8, bool HALVES = false>
 struct Format {
-  static constexpr int64_t bytes = Q8 ? G * QK : G * QK / 2;  // code bytes per group and block
-  static constexpr int64_t factors = Q8 ? G : 2 * G;          // floats per group and block
+  static constexpr int64_t bytes = Q8 ? G * QK : G * QK / 2;             // code bytes per group and block
+  static constexpr int64_t factors = Q8 && !HALVES ? G : 2 * G;          // floats per group and block
 };
 
 #if defined(Q4_AVX2)
@@ -186,9 +189,11 @@ inline __m256i q4_dot(const __m256i* v, const int8_t* x) {
 #endif
 }
 
+// Q8's lane c: column c's codes against x over vectors [J0, J1) (inputs 4 J0 to 4 J1 - 1).
+template <int J0 = 0, int J1 = 8>
 inline __m256i q8_dot(const __m256i* v, const uint8_t* w, const int8_t* x) {
   __m256i dot = _mm256_setzero_si256();
-  for (int j = 0; j < 8; ++j) {
+  for (int j = J0; j < J1; ++j) {
     const __m256i signs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * j));
     dot = dot_add(dot, v[j], _mm256_sign_epi8(x_group(x, j), signs));
   }
@@ -216,12 +221,13 @@ struct TileRows {
 
 // out[r * G + c] = row r of the tile against column c of group `w` / `f`: per block in order,
 //     acc = fma(dot, scale * d, acc), (TWO) acc = fma(dot2, scale * d2, acc), (Q4) acc = fma(minimum, s, acc),
-// the same operations for every column, row and tile size.
-template <bool Q8, int64_t ROWS, bool TWO>
+// the same operations for every column, row and tile size; in halves each product is two, the block's
+// first 16 inputs with their scale, then its last 16 with theirs.
+template <bool Q8, int64_t ROWS, bool TWO, bool HALVES = false>
 inline void group_tile(const uint8_t* w, const float* f, const TileRows& x_rows, int64_t K, float* out) {
   const int8_t *q = x_rows.q, *q2 = x_rows.q2;
   const float *d = x_rows.d, *s = x_rows.s, *d2 = x_rows.d2;
-  using F = Format<Q8>;
+  using F = Format<Q8, HALVES>;
   const int64_t nb = K / QK;
 #if defined(Q4_AVX2)
   const __m256i low = _mm256_set1_epi8(0x0F);
@@ -241,6 +247,18 @@ inline void group_tile(const uint8_t* w, const float* f, const TileRows& x_rows,
     }
     const float* fb = f + b * F::factors;
     const __m256 scale = _mm256_loadu_ps(fb);
+    if (HALVES) {
+      const __m256 upper = _mm256_loadu_ps(fb + G);
+      auto half = [&](__m256 a, const int8_t* x, float dx) {
+        a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q8_dot<0, 4>(v, wb, x)), _mm256_mul_ps(scale, _mm256_set1_ps(dx)), a);
+        return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q8_dot<4, 8>(v, wb, x)), _mm256_mul_ps(upper, _mm256_set1_ps(dx)), a);
+      };
+      for (int64_t r = 0; r < ROWS; ++r) {
+        acc[r] = half(acc[r], q + r * K + b * QK, d[r * nb + b]);
+        if (TWO) acc[r] = half(acc[r], q2 + r * K + b * QK, d2[r * nb + b]);
+      }
+      continue;
+    }
     for (int64_t r = 0; r < ROWS; ++r) {
       const int8_t* x = q + r * K + b * QK;
       const __m256i dot = Q8 ? q8_dot(v, wb, x) : q4_dot(v, x);
@@ -261,6 +279,20 @@ inline void group_tile(const uint8_t* w, const float* f, const TileRows& x_rows,
       int32_t code[QK];
       for (int64_t k = 0; k < QK; ++k) code[k] = code_at<Q8>(w + b * F::bytes, c, k);
       const float* fb = f + b * F::factors;
+      if (HALVES) {
+        auto half = [&](float a, const int8_t* x, float dx) {
+          int32_t lo = 0, hi = 0;
+          for (int64_t k = 0; k < QK / 2; ++k) lo += code[k] * x[k];
+          for (int64_t k = QK / 2; k < QK; ++k) hi += code[k] * x[k];
+          a = std::fma(static_cast<float>(lo), fb[c] * dx, a);
+          return std::fma(static_cast<float>(hi), fb[G + c] * dx, a);
+        };
+        for (int64_t r = 0; r < ROWS; ++r) {
+          acc[r][c] = half(acc[r][c], q + r * K + b * QK, d[r * nb + b]);
+          if (TWO) acc[r][c] = half(acc[r][c], q2 + r * K + b * QK, d2[r * nb + b]);
+        }
+        continue;
+      }
       for (int64_t r = 0; r < ROWS; ++r) {
         const int8_t* x = q + r * K + b * QK;
         int32_t dot = 0;
@@ -480,11 +512,11 @@ const float* bias_ptr(const at::Tensor& bias, at::Tensor& holder) {
 // y = x W^T (+ bias) for W in groups of 8 columns of format Q8 or Q4 (packed [N / 8, K / 32 * bytes],
 // factors [N / 8, K / 32, factors / 8, 8]), in x's type and shape, x in `levels` int8 levels; x's rows
 // normalized first by `norm` and `residual` + y returned where they are defined (q4_int8_fused).
-template <bool Q8>
+template <bool Q8, bool HALVES = false>
 at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& factors,
                           const at::Tensor& bias, const char* name, int64_t levels, const at::Tensor& norm = {},
                           double eps = 0.0, const at::Tensor& residual = {}) {
-  using F = Format<Q8>;
+  using F = Format<Q8, HALVES>;
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 2 &&
                   packed.size(1) % F::bytes == 0 && packed.size(1) > 0,
               name, ": packed codes [N / 8, K / 32 * ", F::bytes, "] uint8 (quant.py pack_q4 / pack_q8)");
@@ -533,7 +565,8 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& packed, const a
     }
   };
 #if defined(Q4_AMX)
-  const int64_t m_amx = M >= TM && amx_permitted() ? M / TM * TM : 0;  // rows in AMX tiles
+  // rows in AMX tiles (none in halves: a tile's product spans a whole block, one scale)
+  const int64_t m_amx = !HALVES && M >= TM && amx_permitted() ? M / TM * TM : 0;
 #else
   const int64_t m_amx = 0;
 #endif
@@ -569,10 +602,10 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& packed, const a
         const float* f = fp + g * nb * F::factors;
         auto tile = [&](int64_t m, int64_t n_rows) {
           const TileRows t = tile_rows(m);
-          if (n_rows == R && two) group_tile<Q8, R, true>(w, f, t, K, out);
-          else if (n_rows == R) group_tile<Q8, R, false>(w, f, t, K, out);
-          else if (two) group_tile<Q8, 1, true>(w, f, t, K, out);
-          else group_tile<Q8, 1, false>(w, f, t, K, out);
+          if (n_rows == R && two) group_tile<Q8, R, true, HALVES>(w, f, t, K, out);
+          else if (n_rows == R) group_tile<Q8, R, false, HALVES>(w, f, t, K, out);
+          else if (two) group_tile<Q8, 1, true, HALVES>(w, f, t, K, out);
+          else group_tile<Q8, 1, false, HALVES>(w, f, t, K, out);
           store(out, m, n_rows, g, G);
         };
         int64_t m = first;
@@ -584,9 +617,27 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& packed, const a
   return shaped(y, x, N);
 }
 
-// Whether factors [N / 8, K / 32, 1 or 2, 8] are Q8's (scales alone) rather than Q4's (scales and
-// minimums): the format a layer's weights were packed in (quant.py pack_q8 / pack_q4).
-bool q8_factors(const at::Tensor& factors) { return factors.dim() == 4 && factors.size(2) == 1; }
+// The format a layer's weights were packed in (quant.py pack_q4 / pack_q8 / pack_q8 in halves), told
+// by the code bytes per block (Q4: 128 a group, Q8: 256) and the factors per block (1 or 2 vectors).
+enum class Packing { Q4, Q8, Q8_HALVES };
+Packing packing(const at::Tensor& packed, const at::Tensor& factors) {
+  if (factors.dim() == 4 && factors.size(2) == 1) return Packing::Q8;
+  const bool wide = factors.dim() == 4 && packed.dim() == 2 && packed.size(1) == factors.size(1) * G * QK;
+  return wide ? Packing::Q8_HALVES : Packing::Q4;
+}
+
+template <typename... Args>
+at::Tensor any_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& factors, const at::Tensor& bias,
+                      const char* name, int64_t levels, Args&&... rest) {
+  switch (packing(packed, factors)) {
+    case Packing::Q8:
+      return grouped_linear<true>(x, packed, factors, bias, name, levels, rest...);
+    case Packing::Q8_HALVES:
+      return grouped_linear<true, true>(x, packed, factors, bias, name, levels, rest...);
+    default:
+      return grouped_linear<false>(x, packed, factors, bias, name, levels, rest...);
+  }
+}
 
 }  // namespace
 
@@ -608,23 +659,20 @@ const char* q4_int8_path() {
 at::Tensor q4_int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& factors,
                           const at::Tensor& bias, int64_t levels) {
   RECORD_FUNCTION("tot::q4_int8_linear", std::vector<c10::IValue>());  // torch.profiler counts it as a linear
-  if (q8_factors(factors)) return grouped_linear<true>(x, packed, factors, bias, "q8_int8_linear", levels);
-  return grouped_linear<false>(x, packed, factors, bias, "q4_int8_linear", levels);
+  return any_linear(x, packed, factors, bias, "q4_int8_linear", levels);
 }
 
 at::Tensor q4_int8_fused(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& factors,
                          const at::Tensor& bias, int64_t levels, const at::Tensor& norm, double eps,
                          const at::Tensor& residual) {
   RECORD_FUNCTION("tot::q4_int8_linear", std::vector<c10::IValue>());  // torch.profiler counts it as a linear
-  if (q8_factors(factors))
-    return grouped_linear<true>(x, packed, factors, bias, "q8_int8_fused", levels, norm, eps, residual);
-  return grouped_linear<false>(x, packed, factors, bias, "q4_int8_fused", levels, norm, eps, residual);
+  return any_linear(x, packed, factors, bias, "q4_int8_fused", levels, norm, eps, residual);
 }
 
 at::Tensor q8_int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& factors,
                           const at::Tensor& bias, int64_t levels) {
   RECORD_FUNCTION("tot::q8_int8_linear", std::vector<c10::IValue>());  // torch.profiler counts it as a linear
-  return grouped_linear<true>(x, packed, factors, bias, "q8_int8_linear", levels);
+  return any_linear(x, packed, factors, bias, "q8_int8_linear", levels);
 }
 
 // Multiply-adds a second of a tight loop of the block dot product on every thread, with eight
