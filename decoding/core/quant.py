@@ -130,8 +130,9 @@ class Int4Linear(torch.nn.Module):
 class Q8Linear(torch.nn.Module):
     """A linear layer y = x W^T (+ b) in a GGUF file's signed codes with a scale per block of 32 (Q8_0;
     Q5_0's codes are -16..15 in the same form) or per half block of 16 (Q6_K: `scale` [N, K / 16]),
-    multiplied by int8 activations (model.activations=int8: csrc/q4_int8.cpp's Q8 path). An LM head keeps `weight`, the bfloat16 matrix (tied to the
-    embedding), for code that reads its rows (EDD's head); a decoder projection has none."""
+    multiplied by int8 activations (model.activations=int8: csrc/q4_int8.cpp's Q8 path). An LM head
+    keeps `weight`, the bfloat16 matrix (tied to the embedding), for code that reads its rows (EDD's
+    head); a decoder projection has none."""
 
     def __init__(
         self, weight: torch.nn.Parameter | None, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
