@@ -247,7 +247,7 @@ def load_model(spec: ModelSpec) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = resolve_device(spec.device, spec.key)
-    source, gguf = _checkpoint_dir(spec)
+    source, gguf = _model_source(spec)
     weights = resolve_weights(spec.weights, device, gguf, spec.key)
     attn = resolve_attention(spec.attention, device, spec.key)
     linear = rows_linear.resolve_linear(spec.linear, device, spec.key)
@@ -352,7 +352,7 @@ def load_tokenizer(spec: ModelSpec) -> tuple[object, bool]:
     of a server that serves the model needs to build the very prompts the in-process engine builds."""
     from transformers import AutoTokenizer
 
-    source, gguf = _checkpoint_dir(spec)
+    source, gguf = _model_source(spec)
     if gguf is not None:
         tokenizer = gguf_load.load_tokenizer(gguf, _cache_dir(spec))
         return tokenizer, _use_chat_template(spec, tokenizer)
@@ -376,7 +376,7 @@ def _use_chat_template(spec: ModelSpec, tokenizer: object) -> bool:
 
 def gguf_file(spec: ModelSpec) -> Path | None:
     """The GGUF file the model is loaded from (the embedded model's included), or None."""
-    return _checkpoint_dir(spec)[1]
+    return _model_source(spec)[1]
 
 
 def is_gguf(path: str) -> bool:
@@ -388,7 +388,7 @@ def _cache_dir(spec: ModelSpec) -> Path:
     return Path(spec.cache_dir).expanduser() if spec.cache_dir else default_cache_dir()
 
 
-def _checkpoint_dir(spec: ModelSpec) -> tuple[str, Path | None]:
+def _model_source(spec: ModelSpec) -> tuple[str, Path | None]:
     """What the model is loaded from (a directory or hub id, or a GGUF file, joined into the cache
     first for a packaged model), and the GGUF file if the model is one."""
     if spec.path in EMBEDDED:
