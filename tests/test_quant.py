@@ -239,15 +239,19 @@ def test_an_int4_layer_loads_into_a_plain_copy(tiny_model):
     torch.testing.assert_close(plain.mlp(x), layer.mlp(x), atol=0.05, rtol=0.05)
 
 
+@pytest.mark.parametrize("loaded", ["int4_loaded", "qwen2_blocks_loaded"])
 @pytest.mark.parametrize("decoder", ["ar", "seed_stand"])
-def test_sampling_on_int4_weights_follows_the_targets_distribution(int4_loaded, tokenizer, decoder):
-    """8,000 seeded first tokens at temperature 1.0 match the int4 model's own distribution (the
-    tolerance is test_decoders' total-variation bound); a 0.8 temperature is rejected by it."""
+def test_sampling_on_int4_weights_follows_the_targets_distribution(request, loaded, tokenizer, decoder):
+    """8,000 seeded first tokens at temperature 1.0 match the quantized model's own distribution (the
+    tolerance is test_decoders' total-variation bound); a 0.8 temperature is rejected by it. Also on a
+    tiny Qwen2 in a real file's block mix (Q5_0, Q8_0, Q4_1) on int8."""
     from test_decoders import empirical, encode, target_probs, tvd, tvd_tolerance
 
     from decoding.core.sampling import SamplingParams
     from decoding.core.values import GenRequest
     from decoding.engine import Engine
+
+    int4_loaded = request.getfixturevalue(loaded)
 
     n, prompt, params = 8000, encode(tokenizer, "once upon a time"), SamplingParams(temperature=1.0)
     engine = Engine(int4_loaded, decoder)
