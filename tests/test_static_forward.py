@@ -108,6 +108,22 @@ def test_bucketed_logits_and_cache_are_the_unpadded_ones(tiny_model, tiny_qwen2,
         same(b[:live], a, exact)  # padding wrote nothing into a live row
 
 
+def test_folded_attention_takes_sdpa_output_in_a_gpu_layout(sdpa_model, monkeypatch):
+    """CUDA's sdpa kernels return [B, H, T, D] stored as [B, T, H, D]: the folded attention unfolds
+    that layout too (a `view` of it failed every bucketed test through graphs on an H100)."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def gpu_layout(*args, **kwargs):
+        return sdpa(*args, **kwargs).transpose(1, 2).contiguous().transpose(1, 2)
+
+    plain, bucketed = both(sdpa_model)
+    tokens, causal = torch.tensor([[5, 6, 7]]), torch.ones(1, 3, 3, dtype=torch.bool).tril()
+    expected = plain.forward(plain.new_cache(1, 16), tokens, causal, torch.arange(3)[None])
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", gpu_layout)
+    got = bucketed.forward(bucketed.new_cache(1, 16, graphs=True), tokens, causal, torch.arange(3)[None])
+    same(got, expected, exact=False)
+
+
 def test_tree_levels_after_earlier_forwards_of_the_step(tiny_model):
     """A drafter grows its tree level by level (`offset` uncommitted slots before the new ones):
     each level sees the earlier ones, in buckets as unpadded."""
@@ -164,15 +180,17 @@ def _emulated_capture(self, cache, inputs, positions, reads):
     return sf._Graph(inputs, out, _Replay(lambda: out.copy_(self._forward(cache, inputs, positions, reads))))
 
 
-@pytest.mark.skipif(CAPTURE, reason="the GPU captures for real")
 @pytest.mark.parametrize("name", ["ar", "seed_stand", "sd"])
 def test_replayed_graphs_decode_what_the_unpadded_forward_does(name, loaded, perturbed, monkeypatch):
-    """With graphs' replay semantics (input buffers filled per forward, one output buffer per bucket,
-    graphs kept per cache and dropped when it grows, the pool rounded up to buckets), every
-    sequence decodes the unpadded forward's tokens, greedy and sampled."""
-    monkeypatch.setattr(sf.StaticForward, "_capture", _emulated_capture)
-    replayed = dataclasses.replace(loaded, static=StaticSpec(TEST_BUCKETS, capture=True), strict_graphs=True)
-    replayed_draft = dataclasses.replace(perturbed, static=StaticSpec(TEST_BUCKETS, capture=True))
+    """Forwards replayed from CUDA graphs decode the unpadded forward's tokens, greedy and sampled.
+    On the CPU, graphs' replay semantics emulated (input buffers filled per forward, one output
+    buffer per bucket, graphs kept per cache and dropped when it grows, the pool rounded up to
+    buckets) give the same tokens."""
+    if not CAPTURE:
+        monkeypatch.setattr(sf.StaticForward, "_capture", _emulated_capture)
+    static = StaticSpec(TEST_BUCKETS, capture=True)
+    replayed = dataclasses.replace(loaded, static=static, strict_graphs=True)
+    replayed_draft = dataclasses.replace(perturbed, static=static)
     requests = [
         GenRequest(p, max_new_tokens=m, temperature=t, seed=i)
         for i, (p, m, t) in enumerate(

@@ -79,8 +79,7 @@ class StaticSpec:
 def resolve_graphs(choice: str, device: torch.device, buckets: Buckets, key: str = "model") -> StaticSpec | None:
     """on: bucketed forwards replayed from CUDA graphs (CUDA only); eager: the bucketed forward
     without capture (any device); off and auto: the unpadded forward. auto stays off on CUDA until
-    the CUDA lossless test list passes through graphs (docs/performance.md, "On a GPU": fast, its
-    tests not yet green there)."""
+    the CUDA lossless test list is seen passing through graphs (docs/performance.md, "On a GPU")."""
     if choice not in GRAPH_CHOICES:
         raise ConfigError(f"{key}.cuda_graphs={choice!r} is not one of {', '.join(GRAPH_CHOICES)}")
     if choice == "on" and device.type != "cuda":
@@ -289,7 +288,8 @@ class StaticForward:
         kv_heads = k.shape[1]
         folded = q.reshape(b, kv_heads, heads // kv_heads * t, d)
         out = torch.nn.functional.scaled_dot_product_attention(folded, k, v, attn_mask=mask, scale=module.scaling)
-        return out.view(b, heads, t, d).transpose(1, 2)
+        # (reshape: CUDA's sdpa kernels return a [B, T, H, D] layout transposed, which no view unfolds)
+        return out.reshape(b, heads, t, d).transpose(1, 2)
 
     def _graph(self, cache: RowKVCache, shape: tuple[int, int, int], host: _Inputs, reads: str) -> _Graph | None:
         """The bucket's graph over this cache, captured now if it is new (None: it does not fit in
