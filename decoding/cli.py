@@ -1,21 +1,31 @@
-"""What every Hydra command of the project shares: one-line errors and early override checks."""
+"""What every Hydra command of the project shares: one-line errors, early override checks, run folders
+checked before Hydra writes into them (a single run's and each sweep member's), and a job log that
+cannot print tracebacks."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import json
 import logging
 import os
 import re
+import shutil
 import signal
 import sys
 import tempfile
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from importlib import resources
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import hydra
 from hydra import compose, initialize_config_module
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.experimental.callback import Callback
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
@@ -61,6 +71,10 @@ def fail(message: str) -> NoReturn:
     sys.exit(2)
 
 
+class Refused(Exception):
+    """A command's folder check (`hydra_command(before=...)`) saying no: one line, the reason and the fix."""
+
+
 class Stopped(KeyboardInterrupt):
     """SIGTERM, raised wherever the program is, as Ctrl-C raises KeyboardInterrupt: the same cleanup
     runs (a record cut mid-append is trimmed, the folder's lock let go)."""
@@ -71,6 +85,15 @@ STOPPED_STATUS = {"SIGINT": 128 + signal.SIGINT, "SIGTERM": 128 + signal.SIGTERM
 # Hydra's flags that print or read something else than the config a run gets: no folder is checked.
 ONLY_THESE_FLAGS = ("-m", "--multirun")
 SAFE_PATH = re.compile(r"[\w./+-]+")  # a path that goes into an override as it is
+HYDRA_FILES = ".hydra"  # where Hydra keeps a job's config (hydra.output_subdir's default)
+REFUSALS = ".refused"  # in a sweep's folder: one record per member refused (members may run on other machines)
+# A sweep of a command with a folder check: Hydra itself writes nothing into a member's folder before
+# the member has checked it (checked_member writes .hydra/; the job log is made at its first line),
+# and the sweep ends naming the members refused (RefusedMembers).
+CHECKED_SWEEP = (
+    "hydra.output_subdir=null",
+    "+hydra.callbacks.refused_members._target_=decoding.cli.RefusedMembers",
+)
 
 
 def _stop(signum: int, frame: object) -> None:
@@ -85,20 +108,27 @@ def hydra_command(
     """The one way a command starts: its overrides checked (one line naming a bad key or group
     choice, exit 2, before Hydra's long errors), its output folder resolved and checked (one line
     where it cannot be made or written) and `before(config, folder)` run before Hydra writes anything
-    there, library chatter off, then Hydra with conf/<config_name>.yaml. `groups` are the config
-    groups the command's overrides may choose. SIGINT and SIGTERM end the command with one line and
-    exit status 130 / 143, after the cleanup an exception gets."""
+    there (raising Refused to say no), library chatter off, then Hydra with conf/<config_name>.yaml.
+    In a sweep (-m), `before` checks each member's folder in the member's own process, before anything
+    is written there; a refused member is left as it was, the others run, and the sweep ends with one
+    line naming the refused and exit status 2. `groups` are the config groups the command's overrides
+    may choose. SIGINT and SIGTERM end the command with one line and exit status 130 / 143, after the
+    cleanup an exception gets."""
 
     def wrap(body: Callable[[DictConfig], None]) -> Callable[[], None]:
-        run = hydra.main(config_path="pkg://conf", config_name=config_name, version_base="1.3")(body)
+        task = body if before is None else checked_member(body, before)
+        run = hydra.main(config_path="pkg://conf", config_name=config_name, version_base="1.3")(task)
 
         def command() -> None:
             previous = signal.signal(signal.SIGTERM, _stop)
             try:
-                check_overrides(sys.argv[1:], config_name, groups)
-                pin = prepare_folder(sys.argv[1:], config_name, before)
+                argv = sys.argv[1:]
+                check_overrides(argv, config_name, groups)
+                pin = prepare_folder(argv, config_name, before)
                 if pin:
                     sys.argv.append(pin)
+                if before is not None and checks_folders(argv) and multirun(argv):
+                    sys.argv += CHECKED_SWEEP
                 quiet_libraries()
                 run()
             except KeyboardInterrupt as e:
@@ -121,12 +151,11 @@ def prepare_folder(argv: list[str], config_name: str, before: Callable[[DictConf
     """Resolve the folder Hydra will write (hydra.run.dir, or hydra.sweep.dir for -m), check it can be
     made and written, and run `before` on a single run's config and folder. Returns the override that
     pins the folder (a ${now:...} in it resolves again when Hydra starts), or ""."""
-    if any(a.startswith("-") and a not in ONLY_THESE_FLAGS for a in argv):
+    if not checks_folders(argv):
         return ""  # --help, --cfg, -cn...: Hydra prints or composes something else
-    multirun = any(a in ONLY_THESE_FLAGS for a in argv)
-    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    key = "hydra.sweep.dir" if multirun(argv) else "hydra.run.dir"
     overrides = [a for a in argv if "=" in a and not a.startswith("-")]
-    if multirun:  # a sweep's values are not one config: only what names its folder
+    if multirun(argv):  # a sweep's values are not one config: only what names its folder
         overrides = [a for a in overrides if a.startswith("hydra.") and "," not in a]
     try:
         with initialize_config_module(config_module="conf", version_base="1.3", job_name=Path(sys.argv[0]).stem):
@@ -135,11 +164,23 @@ def prepare_folder(argv: list[str], config_name: str, before: Callable[[DictConf
     except Exception:  # a folder named from what only Hydra's run knows: Hydra checks it itself
         return ""
     check_folder(folder, key)
-    if before is not None and not multirun:
+    if before is not None and not multirun(argv):  # a sweep member's folder: checked_member
         body = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
-        before(body, folder)
+        try:
+            before(body, folder)
+        except Refused as e:
+            fail(str(e))
     given = any(a.startswith(f"{key}=") for a in argv)
     return f"{key}={folder}" if not given and SAFE_PATH.fullmatch(str(folder)) else ""
+
+
+def checks_folders(argv: list[str]) -> bool:
+    """Whether the command runs (a run or a sweep), rather than print or compose something else."""
+    return not any(a.startswith("-") and a not in ONLY_THESE_FLAGS for a in argv)
+
+
+def multirun(argv: list[str]) -> bool:
+    return any(a in ONLY_THESE_FLAGS for a in argv)
 
 
 def check_folder(path: Path, key: str) -> None:
@@ -221,3 +262,114 @@ def _has_key(cfg: DictConfig, key: str) -> bool:
         return OmegaConf.select(cfg, key, default=absent, throw_on_missing=True) is not absent
     except MissingMandatoryValue:  # a required value (???) not given yet: the key exists
         return True
+
+
+# A sweep's members. Hydra writes a job's .hydra/ files before it calls the task, and before any
+# callback's on_job_start (hydra.core.utils.run_job), in whichever process the launcher runs the job.
+# So under CHECKED_SWEEP Hydra writes none, and the task itself checks the folder, then writes them.
+
+
+@dataclass(frozen=True)
+class RefusedMember:
+    num: int  # hydra.job.num
+    overrides: list[str]  # the member's own overrides (hydra.overrides.task)
+    reason: str
+
+    def name(self, swept: set[str]) -> str:
+        """#num, with the member's values of the keys the sweep varies."""
+        values = " ".join(o for o in self.overrides if o.partition("=")[0].lstrip("+~") in swept)
+        return f"#{self.num} ({values})" if values else f"#{self.num}"
+
+
+def checked_member(
+    body: Callable[[DictConfig], None], before: Callable[[DictConfig, Path], None]
+) -> Callable[[DictConfig], None]:
+    """The task Hydra runs: for a sweep member, its folder checked by `before` first; refused, the folder
+    is left as it was, else Hydra's .hydra/ files are written and `body` runs. (A single run's folder
+    was checked before Hydra started: prepare_folder.)"""
+
+    @functools.wraps(body)  # Hydra unwraps it to name the job (the log file) after the command
+    def task(cfg: DictConfig) -> None:
+        if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+            return body(cfg)
+        hydra_cfg = HydraConfig.get()
+        folder = Path(hydra_cfg.runtime.output_dir)
+        try:
+            before(cfg, folder)
+        except Refused as e:
+            refuse(RefusedMember(hydra_cfg.job.num, list(hydra_cfg.overrides.task), str(e)), folder)
+            return None
+        save_hydra_files(cfg, folder / HYDRA_FILES)
+        return body(cfg)
+
+    return task
+
+
+def save_hydra_files(cfg: DictConfig, out: Path) -> None:
+    """The files Hydra writes for a job (hydra.core.utils.run_job), as it writes them."""
+    hydra_cfg = HydraConfig.instance().cfg
+    assert hydra_cfg is not None
+    out.mkdir(parents=True, exist_ok=True)
+    files = {"config.yaml": cfg, "hydra.yaml": hydra_cfg, "overrides.yaml": hydra_cfg.hydra.overrides.task}
+    for name, node in files.items():
+        OmegaConf.save(node, out / name)
+
+
+def refuse(member: RefusedMember, folder: Path) -> None:
+    """One line now, and the member's record in the sweep's folder for the sweep's end."""
+    let_go_of_logs(folder)
+    print(f"error: sweep member #{member.num} refused: {member.reason}", file=sys.stderr)
+    records = Path(HydraConfig.get().sweep.dir).absolute() / REFUSALS
+    records.mkdir(parents=True, exist_ok=True)
+    (records / f"{member.num}.json").write_text(json.dumps(asdict(member)) + "\n", encoding="utf-8")
+
+
+def let_go_of_logs(folder: Path) -> None:
+    """Close the job log Hydra opened in `folder` (not made yet: it is made at its first line), so that
+    no later line (the launcher's, about the next member) makes it there."""
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).is_relative_to(folder):
+            root.removeHandler(handler)
+            handler.close()
+
+
+class RefusedMembers(Callback):
+    """A checked sweep's start and end, in the process that launched it: an earlier sweep's records in
+    the same folder cleared; the members refused named in one line, exit status 2."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        shutil.rmtree(Path(config.hydra.sweep.dir) / REFUSALS, ignore_errors=True)
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        records = Path(config.hydra.sweep.dir) / REFUSALS
+        refused = sorted(
+            (RefusedMember(**json.loads(p.read_text(encoding="utf-8"))) for p in records.glob("*.json")),
+            key=lambda m: m.num,
+        )
+        if not refused:
+            return
+        parsed = OverridesParser.create().parse_overrides(list(config.hydra.overrides.task))
+        swept = {o.key_or_group for o in parsed if o.is_sweep_override()}
+        # The reasons again: a member's own line may be in a cluster job's log, or not printed yet (Ray).
+        by_reason: dict[str, list[str]] = {}
+        for member in refused:
+            by_reason.setdefault(member.reason, []).append(member.name(swept))
+        named = "; ".join(f"{', '.join(names)} because {reason}" for reason, names in by_reason.items())
+        fail(f"sweep members refused, their folders left as they were (the others ran): {named}")
+
+
+class LogFile(logging.FileHandler):
+    """A job's log file that cannot print tracebacks: a line it cannot write (a full disk) is reported
+    once, in one line, and the run goes on (to its own error, where its own writes fail too)."""
+
+    reported = False  # set on the handler at its first line that fails
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        if self.reported:
+            return
+        self.reported = True
+        error = sys.exc_info()[1]
+        why = (error.strerror if isinstance(error, OSError) else None) or str(error) or type(error).__name__
+        line = f"warning: the log {self.baseFilename} cannot be written ({why}); the run goes on without it"
+        print(line, file=sys.stderr)

@@ -9,16 +9,25 @@ Sampling is plain: top_k=0 (on llama.cpp, whose default is 40) and min_p=0 turn 
 repeat_penalty=1 llama.cpp's default penalty (servers that do not know a field ignore it). What a
 server cannot do ends in one error line; the outputs are the server's and follow its numeric path,
 so they are not checked against `transformers` as the in-process decoders' are.
+
+A reply is data from another process and is checked as such: read as it arrives and refused past
+what its `max_tokens` can take, bounded in time as a whole by `server.timeout`, and each field the
+run uses checked for its type and range; a reply that fails ends in one error line naming the
+server, the request and the field.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import logging
 import os
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from decoding.core.errors import BackendError, ConfigError
@@ -29,6 +38,18 @@ log = logging.getLogger(__name__)
 
 NAME = "server"  # decoder=server
 LLAMA_CPP_OWNERS = frozenset({"me", "llamacpp"})  # /v1/models' owned_by of llama.cpp's servers
+
+# A completion's reply may take what its max_tokens can hold and no more, so a server that sends
+# without end is cut off: a token is at most a few hundred bytes of text (the longest in common
+# vocabularies, runs of spaces or dashes, stay under 256) and JSON may write each byte as \u00XX
+# (6 bytes), so 2 KiB a token is more than any honest reply needs; 64 KiB more holds what servers
+# put around the text (ids, usage, llama.cpp's timings).
+REPLY_BYTES_PER_TOKEN = 2048
+REPLY_ENVELOPE_BYTES = 64 * 1024
+MODELS_BYTES = 4 * 1024 * 1024  # a model list: a router lists some hundreds of models with their metadata
+ERROR_BYTES = 16 * 1024  # an error reply: only its first line is shown
+_MISSING = object()  # a field a reply leaves out (null is a value: it is shown as null)
+T = TypeVar("T")
 
 # The server is sent text: it cannot continue a finished sequence's very tokens.
 FOLLOW_UPS_REFUSED = (
@@ -45,7 +66,7 @@ class ServerOptions:
     model: str | None = None  # the served model's name; null: the one model the server lists
     api_key_env: str = "OPENAI_API_KEY"  # the environment variable holding the API key (unset: none)
     concurrency: int = 16  # requests in flight at once (vLLM and SGLang batch them; llama.cpp queues them)
-    timeout: float = 600.0  # seconds a request may take, waiting in the server's queue included
+    timeout: float = 600.0  # seconds a whole request may take: the server's queue and every byte of its reply
 
     def __post_init__(self) -> None:
         try:
@@ -60,6 +81,42 @@ class ServerOptions:
             raise ConfigError(f"server.concurrency={self.concurrency} must be >= 1")
         if self.timeout <= 0:
             raise ConfigError(f"server.timeout={self.timeout} must be a positive number of seconds")
+
+
+class BadReply(ValueError):
+    """A reply that is not what the API promises; the message names the field and what it holds."""
+
+
+class BadStatus(ValueError):
+    """An error status, with the first line of the reply's message."""
+
+
+@dataclass(frozen=True)
+class Call:
+    """A request as an error line names it, and the most bytes its reply may take."""
+
+    method: str
+    path: str  # under server.url
+    limit: int
+    asked: str = ""  # what it asked for, e.g. "max_tokens=24, seed=3"
+
+    def __str__(self) -> str:
+        return f"{self.method} {self.path}" + (f" ({self.asked})" if self.asked else "")
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What a run uses of a completion, each field checked."""
+
+    text: str
+    finish_reason: str  # "length" or "stop"
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int  # prompt tokens the server took from its cache (0 where it reports none)
+
+
+def reply_limit(max_tokens: int) -> int:
+    return REPLY_ENVELOPE_BYTES + REPLY_BYTES_PER_TOKEN * max_tokens
 
 
 class ServerEngine:
@@ -105,8 +162,10 @@ class ServerEngine:
         loop = asyncio.get_running_loop()
         if self._loop is not loop:  # the client's connections belong to one loop
             key = os.environ.get(self.options.api_key_env, "") or "EMPTY"
+            # No timeout per read: server.timeout bounds each whole request (_fetch).
+            http = self._openai.DefaultAsyncHttpxClient(timeout=None, event_hooks={"response": [_refuse_status]})
             self._client = self._openai.AsyncOpenAI(
-                base_url=self.options.url, api_key=key, timeout=self.options.timeout, max_retries=0
+                base_url=self.options.url, api_key=key, timeout=None, max_retries=0, http_client=http
             )
             self._slots = asyncio.Semaphore(self.options.concurrency)
             self._checked = loop.create_task(self._check_model()) if not self.model_checked else None
@@ -115,13 +174,13 @@ class ServerEngine:
             await asyncio.shield(self._checked)  # one caller cancelled does not cancel the others' check
 
     async def _check_model(self) -> None:
-        page = await self._call(self._client.models.list())
-        served = [m.id for m in page.data]
+        call = Call("GET", "/models", MODELS_BYTES)
+        owners = await self._fetch(call, self._client.models.with_streaming_response.list, parse_models)
+        served = list(owners)
         # llama.cpp (llama-cpp-python's server says "me", llama-server "llamacpp") filters to top-k 40
         # unless asked for 0; vLLM, SGLang and TGI sample from the whole vocabulary by default and
         # some of their versions refuse 0, so "off" is left unsaid there.
-        owners = {getattr(m, "owned_by", "") for m in page.data}
-        self._top_k_off = 0 if owners & LLAMA_CPP_OWNERS else None
+        self._top_k_off = 0 if set(owners.values()) & LLAMA_CPP_OWNERS else None
         if not self.model:
             if len(served) != 1:
                 raise BackendError(
@@ -140,46 +199,39 @@ class ServerEngine:
         if r.context:
             raise BackendError(FOLLOW_UPS_REFUSED)
         prompt = render(self.tokenizer, self.use_chat_template, r.prompt, r.prefix)
+        call = Call(
+            "POST", "/completions", reply_limit(r.max_new_tokens), f"max_tokens={r.max_new_tokens}, seed={r.seed}"
+        )
+        send = partial(
+            self._client.completions.with_streaming_response.create,
+            model=self.model,
+            prompt=prompt.text,
+            max_tokens=r.max_new_tokens,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            seed=r.seed,
+            stop=list(r.stop) or None,
+            n=1,
+            extra_body=self._sampling_extras(r.top_k, prompt.special),
+        )
         assert self._slots is not None
         async with self._slots:
             token = object()
             self._tick(+1, token)
             try:
-                reply = await self._call(
-                    self._client.completions.create(
-                        model=self.model,
-                        prompt=prompt.text,
-                        max_tokens=r.max_new_tokens,
-                        temperature=r.temperature,
-                        top_p=r.top_p,
-                        seed=r.seed,
-                        stop=list(r.stop) or None,
-                        n=1,
-                        extra_body=self._sampling_extras(r.top_k, prompt.special),
-                    )
-                )
+                reply = await self._fetch(call, send, partial(parse_completion, max_tokens=r.max_new_tokens))
             finally:
                 share = self._tick(-1, token)
-        if len(reply.choices) != 1:
-            raise BackendError(
-                f"the server at {self.options.url} returned {len(reply.choices)} choices for one completion; "
-                "it does not serve the completions API as OpenAI specifies it"
-            )
-        choice, usage = reply.choices[0], reply.usage
-        if usage is None:
-            raise BackendError(f"the server at {self.options.url} reports no token usage, by which the backend counts")
-        self._check_tokens(usage.prompt_tokens, len(prompt.ids))
-        cached = getattr(getattr(usage, "prompt_tokens_details", None), "cached_tokens", None) or 0
+        self._check_tokens(reply.prompt_tokens, len(prompt.ids))
         stats = DecodeStats(
-            generated_tokens=usage.completion_tokens,
-            prompt_tokens=usage.prompt_tokens,
+            generated_tokens=reply.completion_tokens,
+            prompt_tokens=reply.prompt_tokens,
             # Servers that do not report their cache hits count every prompt token as computed.
-            prompt_tokens_computed=usage.prompt_tokens - cached,
+            prompt_tokens_computed=reply.prompt_tokens - reply.cached_tokens,
             other_s=share,
             sequences=1,
         )
-        reason = "length" if choice.finish_reason == "length" else "stop"
-        return GenResult(text=choice.text, token_ids=[], finish_reason=reason, stats=stats)
+        return GenResult(text=reply.text, token_ids=[], finish_reason=reply.finish_reason, stats=stats)
 
     def _sampling_extras(self, top_k: int, special: bool) -> dict[str, Any]:
         """Fields beyond OpenAI's: plain sampling on every server (a server ignores what it does
@@ -189,25 +241,28 @@ class ServerEngine:
             extras["top_k"] = top_k or self._top_k_off
         return extras
 
-    async def _call(self, request: Any) -> Any:
-        """A request's reply, or one error line saying what the server did."""
-        openai, url = self._openai, self.options.url
+    async def _fetch(self, call: Call, send: Callable[[], Any], parse: Callable[[Any], T]) -> T:
+        """A request's reply, read whole within server.timeout (sending, the server's queue and every
+        byte of the reply) and `call.limit` bytes, and parsed; or one error line naming the server,
+        the request and what was wrong."""
+        url = self.options.url
         try:
-            return await request
-        except openai.APITimeoutError:
+            body = await asyncio.wait_for(_exchange(call, send), self.options.timeout)
+            return parse(_json(body))
+        except asyncio.TimeoutError:
             raise BackendError(
-                f"the server at {url} did not answer within server.timeout={self.options.timeout}s; "
+                f"the server at {url} did not answer within server.timeout={self.options.timeout}s to {call}; "
                 "raise server.timeout or lower server.concurrency"
             ) from None
-        except openai.APIConnectionError:
+        except self._openai.APIConnectionError:
             raise BackendError(
                 f"no server answers at server.url={url}; start one (e.g. python -m llama_cpp.server --model "
                 "FILE.gguf) or fix server.url"
             ) from None
-        except openai.APIStatusError as e:
-            raise BackendError(
-                f"the server at {url} refused a request ({e.status_code}: {str(e.message).splitlines()[0][:200]})"
-            ) from None
+        except BadStatus as e:
+            raise BackendError(f"the server at {url} refused {call} with {e}") from None
+        except BadReply as e:
+            raise BackendError(f"the server at {url} sent a bad reply to {call}: {e}") from None
 
     def _tick(self, change: int, request: object) -> float:
         """Share the time since the last start or end of a request among the requests in flight;
@@ -232,3 +287,132 @@ class ServerEngine:
                 served,
                 local,
             )
+
+
+async def _exchange(call: Call, send: Callable[[], Any]) -> bytes:
+    async with send() as response:
+        return await _read(response.iter_bytes(), call.limit)
+
+
+async def _read(chunks: AsyncIterator[bytes], limit: int) -> bytes:
+    """A body read as it arrives (decoded: a compressed reply counts as what it unpacks to), refused
+    once past `limit` bytes."""
+    body = bytearray()
+    while True:
+        try:
+            chunk = await anext(chunks)
+        except StopAsyncIteration:
+            return bytes(body)
+        except Exception as e:  # the HTTP library's read errors (its module differs across SDK versions)
+            raise BadReply(f"the connection broke mid-reply ({type(e).__name__}: {_first_line(str(e))})") from None
+        body += chunk
+        if len(body) > limit:
+            raise BadReply(f"it runs past {limit} bytes, more than what was asked for can take")
+
+
+async def _refuse_status(response: Any) -> None:
+    """The HTTP client's response hook: an error status is refused here, its body read no further
+    than ERROR_BYTES (the SDK would read it whole, however long)."""
+    if response.status_code < 400:
+        return
+    body = bytearray()
+    with contextlib.suppress(Exception):  # a body cut short: its status says enough
+        async for chunk in response.aiter_bytes():
+            body += chunk
+            if len(body) >= ERROR_BYTES:
+                break
+    raise BadStatus(f"status {response.status_code}: {_error_message(bytes(body[:ERROR_BYTES]))}")
+
+
+def _error_message(body: bytes) -> str:
+    """An error reply's message (OpenAI's error.message, or a message or FastAPI's detail, else its
+    text): its first line, cut to 200 characters."""
+    text = body.decode("utf-8", "replace")
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError):
+        data = None
+    if isinstance(data, dict):
+        error = data.get("error")
+        found = [error.get("message") if isinstance(error, dict) else error, data.get("message"), data.get("detail")]
+        text = next((x for x in found if isinstance(x, str)), text)
+    return _first_line(text) or "no message"
+
+
+def _first_line(text: str, width: int = 200) -> str:
+    lines = text.strip().splitlines()
+    return lines[0][:width] if lines else ""
+
+
+def _json(body: bytes) -> Any:
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        raise BadReply(f"it is not JSON ({str(e)[:100]}; it starts {body[:40]!r})") from None
+
+
+def parse_completion(data: Any, max_tokens: int) -> Reply:
+    """The fields a run uses of a `/v1/completions` reply, each checked for its type and range."""
+    reply = _object(data, "the reply")
+    choices = reply.get("choices", _MISSING)
+    if not isinstance(choices, list) or len(choices) != 1:
+        raise BadReply(f"choices is {_show(choices)}, not a list of the one completion asked for")
+    choice = _object(choices[0], "choices[0]")
+    text = _string(choice.get("text", _MISSING), "choices[0].text")
+    reason = _string(choice.get("finish_reason"), "choices[0].finish_reason", optional=True)
+    usage = _object(reply.get("usage", _MISSING), "usage")  # the token counts the run reports
+    prompt = _count(usage.get("prompt_tokens", _MISSING), "usage.prompt_tokens")
+    generated = _count(usage.get("completion_tokens", _MISSING), "usage.completion_tokens", high=max_tokens)
+    details = usage.get("prompt_tokens_details")
+    cached = 0
+    if details is not None:
+        cached_tokens = _object(details, "usage.prompt_tokens_details").get("cached_tokens")
+        if cached_tokens is not None:
+            cached = _count(cached_tokens, "usage.prompt_tokens_details.cached_tokens", high=prompt)
+    return Reply(text, "length" if reason == "length" else "stop", prompt, generated, cached)
+
+
+def parse_models(data: Any) -> dict[str, str]:
+    """A `/v1/models` reply's models: name -> owner ("" where it names none)."""
+    models = _object(data, "the reply").get("data", _MISSING)
+    if not isinstance(models, list):
+        raise BadReply(f"data is {_show(models)}, not a list of models")
+    served = {}
+    for i, entry in enumerate(models):
+        model = _object(entry, f"data[{i}]")
+        name = _string(model.get("id", _MISSING), f"data[{i}].id")
+        if not name:
+            raise BadReply(f"data[{i}].id is empty, not a model's name")
+        served[name] = _string(model.get("owned_by"), f"data[{i}].owned_by", optional=True)
+    return served
+
+
+def _object(value: Any, path: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise BadReply(f"{path} is {_show(value)}, not an object")
+    return value
+
+
+def _string(value: Any, path: str, optional: bool = False) -> str:
+    if optional and (value is None or value is _MISSING):
+        return ""
+    if not isinstance(value, str):
+        raise BadReply(f"{path} is {_show(value)}, not a string")
+    return value
+
+
+def _count(value: Any, path: str, high: int | None = None) -> int:
+    """A token count: a whole number from 0 (to `high`, what was asked for, where there is a bound)."""
+    whole = isinstance(value, int) and not isinstance(value, bool)
+    if whole and value >= 0 and (high is None or value <= high):
+        return value
+    bound = "of 0 or more" if high is None else f"from 0 to {high}"
+    raise BadReply(f"{path} is {_show(value)}, not a token count {bound}")
+
+
+def _show(value: Any) -> str:
+    """A value as an error line shows it: its JSON, cut short."""
+    if value is _MISSING:
+        return "missing"
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."

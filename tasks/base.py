@@ -21,6 +21,7 @@ class Problem:
     question: str
     gold: str
     meta: dict = field(default_factory=dict)
+    line: int = field(default=0, compare=False)  # its line in the data file (0: not read from one), for messages
 
 
 @dataclass(frozen=True)
@@ -51,10 +52,37 @@ class DataSpec:
                 "and 0 <= shard < num_shards"
             )
 
-    def select(self, problems: list[Problem]) -> list[Problem]:
+    def select(self, problems: list[Problem], source: str = "the data") -> list[Problem]:
+        """This run's problems of a file's (`source` names it): DataError where the file's ids are
+        not valid and unique, or where data.offset leaves nothing. A shard may be empty (fewer
+        problems than shards): the run says so."""
+        check_ids(problems, source)
         end = None if self.limit is None else self.offset + self.limit
+        window = problems[self.offset : end]
+        if not window:
+            limit = "null" if self.limit is None else self.limit
+            raise DataError(
+                f"data.offset={self.offset} data.limit={limit} selects no problem of {source} "
+                f"({len(problems)} problems); give data.offset below {len(problems)}"
+            )
         # Round robin, so that every shard gets easy and hard problems alike.
-        return problems[self.offset : end][self.shard :: self.num_shards]
+        return window[self.shard :: self.num_shards]
+
+
+def check_ids(problems: list[Problem], source: str) -> None:
+    """Every id non-empty, on one line, and unique over the whole file, not only the selection:
+    the selections of one file may share a folder, where an id is one problem."""
+    where: dict[str, str] = {}
+    for i, p in enumerate(problems):
+        here = f"line {p.line}" if p.line else f"problem {i + 1}"
+        if not p.id.strip() or p.id.splitlines() != [p.id]:
+            raise DataError(f"{source}: {here} has the id {p.id!r}; give each problem a non-empty id on one line")
+        if p.id in where:
+            raise DataError(
+                f"{source}: {where[p.id]} and {here} have the same id {p.id!r}; ids must be unique (compared "
+                'as the strings runs store: 1 and "1" are one id)'
+            )
+        where[p.id] = here
 
 
 EVALUATORS = ("separate", "in_context")
@@ -190,6 +218,18 @@ def read_jsonl(
     if not records:
         raise DataError(f"{name} holds no records; give {expected}")
     return records
+
+
+def record_id(path: Path, lineno: int, rec: dict, default: str) -> str:
+    """A record's id as runs store it, a string (a number's digits); `default` where it has none.
+    A null, a float or any other JSON value is a DataError naming the line: str() would store
+    "None" or "1.0" for it."""
+    if "id" not in rec:
+        return default
+    value = rec["id"]
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise DataError(f"{path}:{lineno}: the id is {json.dumps(value)}; give each problem a string (or integer) id")
+    return str(value)
 
 
 def text_lines(path: Path) -> list[str]:

@@ -140,10 +140,10 @@ class CreativeWriting(TaskDefaults):
                     "each line holds the 4 sentences that end the paragraphs"
                 )
             pid = f"{path.stem}-{lineno - 1}"
-            problems.append(Problem(id=pid, question=line.strip(), gold="", meta={"sentences": sentences}))
+            problems.append(Problem(pid, line.strip(), "", meta={"sentences": sentences}, line=lineno))
         if not problems:
             raise DataError(f"data.path={path} holds no lines")
-        return data.select(problems)
+        return data.select(problems, f"data file {path}")
 
     def _instruction(self, problem: Problem) -> str:
         endings = "\n".join(f"{i}. {s}" for i, s in enumerate(problem.meta["sentences"], 1))

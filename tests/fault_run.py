@@ -1,19 +1,23 @@
-"""`python tests/fault_run.py ERRNO PATTERN NTH MODULE ARGS...`: run `python -m MODULE ARGS...` with one
-write failure injected at the project's writer (tot.output.open_for_write), which works as root and
-without mount rights, where chmod and small filesystems do not.
+"""`python tests/fault_run.py ERRNO PATTERN NTH [ERRNO PATTERN NTH ...] MODULE ARGS...`: run
+`python -m MODULE ARGS...` with write failures injected at the project's writer (tot.output.open_for_write)
+and at the opening of log files (logging.FileHandler), which works as root and without mount rights,
+where chmod and small filesystems do not.
 
-The NTH file opened for writing whose name matches PATTERN (fnmatch) fails with ERRNO: ENOSPC once
-half of the first write is on disk (a disk that fills mid-line), any other errno at the open (a
-permission refused).
+For each ERRNO PATTERN NTH, the NTH file opened for writing whose name matches PATTERN (fnmatch)
+fails with ERRNO: ENOSPC once half of a write is on disk (a disk that fills mid-line), any other
+errno at the open (a permission refused).
 """
 
 from __future__ import annotations
 
 import errno
 import fnmatch
+import logging
 import os
 import runpy
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
@@ -37,24 +41,52 @@ class FillingFile:
     def __exit__(self, *exc: object) -> None:
         self.f.close()
 
+    def close(self) -> None:
+        self.f.close()
+
+
+@dataclass
+class Fault:
+    code: int  # an errno
+    pattern: str  # fnmatch, on the file's name
+    nth: int  # the matching open that fails
+    seen: int = 0
+
+    def hits(self, path: Path) -> bool:
+        if not fnmatch.fnmatch(path.name, self.pattern):
+            return False
+        self.seen += 1
+        return self.seen == self.nth
+
+
+def opened(path: Path, faults: list[Fault], open_file: Callable[[], IO[str]]) -> IO[str]:
+    """The file `open_file` opens at `path`, or the failure of the first fault it hits."""
+    hit = [f for f in faults if f.hits(path)]  # every fault counts every open of its files
+    if not hit:
+        return open_file()
+    if hit[0].code == errno.ENOSPC:
+        return FillingFile(open_file(), path)  # type: ignore[return-value]
+    raise OSError(hit[0].code, os.strerror(hit[0].code), str(path))
+
 
 def main() -> None:
-    name, pattern, nth, module, *args = sys.argv[1:]
-    code = getattr(errno, name)
-    real = tot.output.open_for_write
-    seen = [0]
+    args = sys.argv[1:]
+    faults = []
+    while hasattr(errno, args[0]):
+        faults.append(Fault(getattr(errno, args[0]), args[1], int(args[2])))
+        args = args[3:]
+    module, *rest = args
+    real, real_log = tot.output.open_for_write, logging.FileHandler._open
 
-    def open_for_write(path: Path, mode: str):
-        if fnmatch.fnmatch(path.name, pattern):
-            seen[0] += 1
-            if seen[0] == int(nth):
-                if code == errno.ENOSPC:
-                    return FillingFile(real(path, mode), path)
-                raise OSError(code, os.strerror(code), str(path))
-        return real(path, mode)
+    def open_for_write(path: Path, mode: str) -> IO[str]:
+        return opened(path, faults, lambda: real(path, mode))
+
+    def open_log(handler: logging.FileHandler) -> IO[str]:
+        return opened(Path(handler.baseFilename), faults, lambda: real_log(handler))
 
     tot.output.open_for_write = open_for_write
-    sys.argv = [module, *args]
+    logging.FileHandler._open = open_log  # type: ignore[method-assign]
+    sys.argv = [module, *rest]
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 

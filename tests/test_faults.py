@@ -34,8 +34,9 @@ SMALL = [
 ]
 
 
-def solve(run_dir: Path, fault: tuple[str, str, int] | None = None, *more: str) -> subprocess.CompletedProcess:
-    """tot.solve on the embedded model, small; with `fault` = (errno name, file pattern, nth open)."""
+def solve(run_dir: Path, fault: tuple[str | int, ...] | None = None, *more: str) -> subprocess.CompletedProcess:
+    """tot.solve on the embedded model, small; with `fault` = (errno name, file pattern, nth open), or
+    several of these one after the other."""
     head = [str(REPO / "tests" / "fault_run.py"), *map(str, fault)] if fault else ["-m"]
     cmd = [sys.executable, *head, "tot.solve", *SMALL, *more, f"hydra.run.dir={run_dir}"]
     return subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=600)
@@ -87,6 +88,26 @@ def test_no_space_halfway_through_a_result_line(tmp_path):
     line = one_error_line(solve(run_dir, ("ENOSPC", "results.jsonl", 2)))
     assert line.startswith(f"error: no space left on the device writing {run_dir / 'results.jsonl'};")
     check_intact_and_resumes(run_dir, done=1)  # the half line was cut back off
+
+
+def test_a_full_disk_under_the_log_is_one_warning_then_the_runs_error(tmp_path):
+    """The disk fills under a resumed run: its log file cannot be written (one line, once: no "---
+    Logging error ---" traceback per record), the run goes on until its own write fails (its one-line
+    error, exit 2)."""
+    run_dir = tmp_path / "run"
+    one_error_line(solve(run_dir, ("ENOSPC", "results.jsonl", 2)))  # one problem done: the rerun logs that it resumes
+    proc = solve(run_dir, ("ENOSPC", "*.log", 1, "ENOSPC", "results.jsonl", 1))
+    line = one_error_line(proc)
+    assert line.startswith(f"error: no space left on the device writing {run_dir / 'results.jsonl'};")
+    assert "Logging error" not in proc.stderr
+    lines = proc.stderr.splitlines()
+    (warning,) = [x for x in lines if x.startswith("warning: the log")]
+    assert warning == (
+        f"warning: the log {run_dir / 'solve.log'} cannot be written (No space left on device); "
+        "the run goes on without it"
+    )
+    assert lines.index(warning) < lines.index(line)
+    check_intact_and_resumes(run_dir, done=1)
 
 
 def test_permission_refused(tmp_path):

@@ -1,6 +1,7 @@
 """Runs spread over a cluster with Hydra's launchers: a sweep over data shards with submitit (its local
 executor, what SLURM runs) and with Ray (a local cluster), collected by `tot.collect`, gives the
-single-process run's results and trees; the shipped cluster presets compose."""
+single-process run's results and trees; under every launcher shipped, a member refused by its folder
+leaves that folder as it was while the others run; the shipped cluster presets compose."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import build_model
 from hydra import compose, initialize_config_module
+from omegaconf import OmegaConf
 
 from decoding.cli import check_overrides
 from tot.collect import collect
@@ -22,20 +24,49 @@ from tot.run import run
 REPO = Path(__file__).resolve().parents[1]
 RAY_REMOTE = {"num_gpus": 1, "num_cpus": 4}
 SMALL = ["data.limit=5", "task.depth=2", "search.n_thoughts=2", "gen.max_thought_tokens=8", "gen.max_eval_tokens=4"]
+# The launchers shipped (hydra/launcher=...), each with the plugin it needs and the extra that installs it.
+SHIPPED = {
+    "basic": None,
+    "joblib": ("hydra_plugins.hydra_joblib_launcher", "the sweeps extra"),
+    "submitit_local": ("hydra_plugins.hydra_submitit_launcher", "the slurm extra"),
+    "ray": ("hydra_plugins.hydra_ray_launcher", "the ray extra"),
+}
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory, tokenizer) -> tuple[list[str], Path]:
-    """The run's options (a tiny checkpoint on disk) and its single-process run directory."""
-    root = tmp_path_factory.mktemp("launchers")
+def options(tmp_path_factory, tokenizer) -> list[str]:
+    """A run's options, on a tiny checkpoint on disk."""
+    root = tmp_path_factory.mktemp("tiny")
     model = build_model(len(tokenizer), max_positions=4096)
-    model.save_pretrained(root / "tiny")
-    tokenizer.save_pretrained(root / "tiny")
-    options = [f"model.path={root / 'tiny'}", "decoder=ar", "gen.temperature=0.8", *SMALL]
+    model.save_pretrained(root)
+    tokenizer.save_pretrained(root)
+    return [f"model.path={root}", "decoder=ar", "gen.temperature=0.8", *SMALL]
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory, options) -> tuple[list[str], Path]:
+    """The run's options and its single-process run directory."""
+    folder = tmp_path_factory.mktemp("launchers") / "single"
     with initialize_config_module(config_module="conf", version_base="1.3"):
         cfg = RunConfig.from_omegaconf(compose(config_name="config", overrides=options))
-    run(cfg, root / "single", progress=False)
-    return options, root / "single"
+    run(cfg, folder, progress=False)
+    return options, folder
+
+
+def made_by_a_run(folder: Path, options: list[str]) -> dict[str, bytes]:
+    """`folder` as a command-line run under `options` leaves it (results, configuration.json, Hydra's
+    .hydra/config.yaml, its log), and every file's bytes."""
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        cfg = compose(config_name="config", overrides=options)
+    run(RunConfig.from_omegaconf(cfg), folder, progress=False)
+    (folder / ".hydra").mkdir()
+    OmegaConf.save(cfg, folder / ".hydra" / "config.yaml")
+    (folder / "solve.log").write_text("[2026-11-30 10:00:00,000][tot.run][INFO] - a line of that run\n")
+    return contents(folder)
+
+
+def contents(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() if p.is_file() else b"/" for p in folder.rglob("*")}
 
 
 def sweep(cwd: Path, launcher: str, options: list[str], *extra: str) -> subprocess.CompletedProcess:
@@ -86,6 +117,27 @@ def test_sharded_sweep_on_a_local_ray_cluster_equals_one_process(single, tmp_pat
     assert proc.returncode == 0, proc.stderr[-3000:]
     (sweep_dir,) = (tmp_path / "multirun").iterdir()
     check_collected(sweep_dir, single_dir)
+
+
+@pytest.mark.parametrize("launcher", SHIPPED)
+def test_a_member_refused_by_its_folder_is_left_as_it_was(launcher, options, tmp_path):
+    """A sweep over two shards where shard 1's folder holds results made at another temperature: that
+    folder is byte for byte as it was (Hydra's .hydra/config.yaml in it too), shard 0 runs, and the
+    sweep ends with exit status 2 and one line naming the member refused."""
+    if SHIPPED[launcher]:
+        plugin, extra = SHIPPED[launcher]
+        pytest.importorskip(plugin, reason=extra)
+    refused = tmp_path / "sweep" / "1_gsm8k_ar"
+    earlier = made_by_a_run(refused, [*options, "gen.temperature=0.7", "data.shard=1", "data.num_shards=2"])
+    extra = ["+hydra.launcher.ray.init.include_dashboard=false"] if launcher == "ray" else []
+    proc = sweep(REPO, launcher, options, f"hydra.sweep.dir={tmp_path / 'sweep'}", *extra)
+    report = f"exit {proc.returncode}\nstderr:\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 2, report
+    assert contents(refused) == earlier
+    assert json.loads((tmp_path / "sweep" / "0_gsm8k_ar" / "summary.json").read_text())["n_problems"] == 3
+    assert "Traceback" not in proc.stderr, report
+    (line,) = [x for x in proc.stderr.splitlines() if x.startswith("error: sweep members refused")]
+    assert "#1 (data.shard=1)" in line and "#0" not in line, report
 
 
 @pytest.mark.parametrize(

@@ -146,7 +146,7 @@ def test_the_selection_and_speed_only_keys_may_differ(tiny, finished, tmp_path):
     proc = solve(tiny, run_dir, "data.limit=1", "run.concurrency=3", f"model.cache_dir={tmp_path / 'cache'}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (run_dir / "results.jsonl").read_bytes() == results  # the problem was done: nothing solved
-    assert json.loads((run_dir / "summary.json").read_text())["n_problems"] == 1
+    assert json.loads((run_dir / "summary.json").read_text())["n_problems"] == 2  # the folder's, not the selection's
 
 
 def test_a_folder_made_before_configuration_json(tiny, finished, tmp_path):

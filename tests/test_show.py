@@ -10,13 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from tot.results import ResultStore
-from tot.saved import tree_file
+from tot.results import ResultStore, tree_file
 from tot.show import ANSWER, CHOSEN, clip, layout, load_tree, main, render_text
 from tot.tree import ReasoningTree
 
 REPO = Path(__file__).resolve().parents[1]
-PROBLEM_ID = "gsm8k/7 b"  # '/' and ' ' are replaced in the tree's file name
+PROBLEM_ID = "gsm8k/7 b"  # '/' and ' ' are %-encoded in the tree's file name
 LONG = "Sub-question 1: how many eggs are left?\nAnswer 1: 16 - 3 - 4 = 9 eggs are left over " + "x" * 60
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
@@ -119,7 +118,7 @@ def test_cli_prints_tree_and_writes_png(run_dir: Path):
     assert f"problem {PROBLEM_ID}: answer=18 correct=True nodes=7" in result.stdout
     assert "[6] v=10.0 * => The answer is 18" in result.stdout
     assert "[3] v=-" in result.stdout
-    png = run_dir / "trees" / "gsm8k_7_b.png"
+    png = run_dir / "trees" / "gsm8k%2F7%20b.png"
     if HAS_MATPLOTLIB:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f"image: {png}" in result.stdout
@@ -134,7 +133,7 @@ def test_cli_one_id_to_out_path_and_no_image(run_dir: Path, tmp_path: Path):
     assert out.exists() == HAS_MATPLOTLIB
     result = show(str(run_dir), "--no-image")
     assert result.returncode == 0 and "image" not in result.stdout
-    assert not (run_dir / "trees" / "gsm8k_7_b.png").exists()
+    assert not (run_dir / "trees" / "gsm8k%2F7%20b.png").exists()
 
 
 def test_without_matplotlib_text_and_one_line(run_dir: Path, monkeypatch, capsys):

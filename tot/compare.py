@@ -11,7 +11,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from tot.saved import ShowError, read_tree
+from tot.results import ResultsError
+from tot.saved import ShowError, problems, read_tree
 from tot.tree import ReasoningTree
 
 COMPARED = ("text", "value", "depth", "chosen", "answer")
@@ -30,16 +31,16 @@ def first_difference(a: ReasoningTree, b: ReasoningTree) -> str | None:
 
 
 def compare_runs(run_a: Path, run_b: Path) -> tuple[int, list[str]]:
-    """(number of problems compared, descriptions of the differing ones)."""
-    trees_a = {p.name: p for p in (run_a / "trees").glob("*.json")}
-    trees_b = {p.name: p for p in (run_b / "trees").glob("*.json")}
+    """(number of problems compared, descriptions of the differing ones). Problems are matched by
+    id, not by file name: a folder written before tree files had their names of now still matches."""
+    trees_a = {p.id: p.tree_path for p in problems(run_a)}
+    trees_b = {p.id: p.tree_path for p in problems(run_b)}
     common = sorted(trees_a.keys() & trees_b.keys())
     diffs = []
-    for name in common:
-        ta, tb = read_tree(trees_a[name]), read_tree(trees_b[name])
-        where = first_difference(ta, tb)
+    for pid in common:
+        where = first_difference(read_tree(trees_a[pid]), read_tree(trees_b[pid]))
         if where:
-            diffs.append(f"{name[:-5]}: {where}")
+            diffs.append(f"{pid}: {where}")
     return len(common), diffs
 
 
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     try:
         n, diffs = compare_runs(args.run_a, args.run_b)
-    except ShowError as e:  # a tree that cannot be read
+    except (ShowError, ResultsError) as e:  # a tree or a results.jsonl that cannot be read
         print(f"error: {e}", file=sys.stderr)
         return 2
     if n == 0:

@@ -37,7 +37,7 @@ from tot.results import ResultsError, ResultStore
 RECORD = "configuration.json"
 LEGACY = Path(".hydra") / "config.yaml"  # what Hydra wrote for the latest run, before configuration.json
 SELECTION = ("data.limit", "data.offset", "data.shard", "data.num_shards")  # which problems, not how
-ANOTHER_FOLDER = "give this run its own folder with hydra.run.dir=..."
+ANOTHER_FOLDER = "give this run its own folder with hydra.run.dir=... (in a sweep: hydra.sweep.dir=...)"
 MAX_NAMED = 8  # differences named in the one line; the rest are counted
 
 Settings = dict[str, Any]

@@ -26,7 +26,7 @@ from tot.dvts import choose, final_states
 from tot.folder import read_record
 from tot.lock import run_lock
 from tot.output import write_atomic
-from tot.results import ResultsError, answer_fields, read_results, summarize, tree_file
+from tot.results import ResultsError, TreeFiles, answer_fields, read_results, summarize
 from tot.saved import ShowError, read_json, read_tree
 from tot.tree import ReasoningTree
 
@@ -103,7 +103,9 @@ def _rescore(run_dir: Path, summary_path: Path) -> tuple[dict, dict, list[Change
     config = old.get("config") or {}
     try:
         task = make_task(old["task"], int(config["depth"]), dict(config.get("task_options") or {}))
-        problems = {p.id: p for p in task.load(DataSpec(**config["data"]))}
+        # The whole file: the folder's records may come from several selections of it.
+        whole = {**config["data"], "limit": None, "offset": 0, "shard": 0, "num_shards": 1}
+        problems = {p.id: p for p in task.load(DataSpec(**whole))}
     except (KeyError, TypeError, ValueError) as e:
         if isinstance(e, DataError):
             raise
@@ -119,21 +121,22 @@ def _rescore(run_dir: Path, summary_path: Path) -> tuple[dict, dict, list[Change
     results = read_results(results_path, record.fingerprint if record else None)
     voted = voted_leaves(old.get("search"), config)
     latest = {id(rec) for rec in results.latest.values()}
+    files = TreeFiles.of(run_dir, [str(rec["id"]) for rec in results.entries])
     lines, records, changes, trees = [], [], [], []
     for rec in results.entries:
         if id(rec) not in latest:  # an earlier record of a problem solved again: its tree is gone
             lines.append(rec)
             continue
-        path = tree_file(run_dir, str(rec["id"]))
+        path = files.find(str(rec["id"]))
         new, tree = rescored(task, problems.get(str(rec["id"])), rec, path, voted)
-        if tree is not None:
+        if tree is not None and path is not None:
             trees.append((tree, path))
         if any(new.get(k) != rec.get(k) for k in ("answer", "correct", "metrics")):
             changes.append(Change(str(rec["id"]), rec, new))
         lines.append(new)
         records.append(new)
     header = {k: old[k] for k in HEADER if k in old}
-    summary = summarize([r for r in records if r["id"] in problems], header)  # the run's selection
+    summary = summarize(records, header)  # every problem of the folder, as tot.solve summarizes it
     if summary["n_problems"] < old.get("n_problems", 0):
         raise ShowError(
             f"{summary_path} counts {old['n_problems']} problems, {results_path} holds {summary['n_problems']} of "
@@ -151,12 +154,12 @@ def rescored(
     task: Task,
     problem: Problem | None,
     rec: dict,
-    path: Path,
+    path: Path | None,
     voted: Callable[[ReasoningTree], list[int]] | None,
 ) -> tuple[dict, ReasoningTree | None]:
     """The record with its answer and metrics read again from its tree, and the tree reparsed; the
     record as it was (and no tree) where the problem or its tree is not there to read."""
-    if problem is None or not path.is_file():
+    if problem is None or path is None or not path.is_file():
         return rec, None
     tree = read_tree(path)
     reparse(task, problem, tree)

@@ -1,4 +1,5 @@
-"""Run outputs: results.jsonl appended per finished problem, summary.json, trees/<id>.json.
+"""Run outputs: results.jsonl appended per finished problem, summary.json, trees/<id>.json (the id
+encoded: tree_name).
 
 A problem counts as done once its line is in results.jsonl and its tree can be read. Reading the
 file never rewrites it: a last line cut short by a kill is ignored (with a warning) and cut off only
@@ -10,11 +11,15 @@ is the one that counts.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import quote, unquote
 
 from decoding import DecodeStats
 from tasks.base import Problem, Task
@@ -23,6 +28,7 @@ from tot.output import append_line, output_error
 # What summarize and the tools read of every record; a line without them is not a record of tot.solve.
 REQUIRED = {"id": str, "correct": bool, "wall_s": (int, float), "phases": dict}
 FIX = "remove or repair that line (the other records are kept), then rerun"
+MAX_NAME = 200  # characters of a tree file's name before .json: ASCII, within the usual 255-byte limit
 
 
 class ResultsError(ValueError):
@@ -133,7 +139,54 @@ class ResultStore:
 
 
 def tree_file(run_dir: Path, problem_id: str) -> Path:
+    """Where a run writes a problem's tree."""
+    return run_dir / "trees" / f"{tree_name(problem_id)}.json"
+
+
+def tree_name(problem_id: str) -> str:
+    """A tree's file name (without .json), one per id: letters, digits, '-', '_' and '.' as they are,
+    every other character as the %XX of its UTF-8 bytes ('%' and '/' too), so 'a/1' and 'a_1' differ.
+    A name too long for a file system (255 bytes) keeps its start and ends in '~' and a digest of
+    the id: '~' is encoded everywhere else, so such a name is never another id's."""
+    name = quote(problem_id, safe="").replace("~", "%7E")
+    if len(name) <= MAX_NAME:
+        return name
+    return f"{name[: MAX_NAME - 65]}~{hashlib.sha256(problem_id.encode()).hexdigest()}"
+
+
+def problem_of(name: str) -> str:
+    """The id a tree file's name (without .json) stands for, where no record names it: tree_name
+    undone (a name of before, or one cut for length, reads as itself)."""
+    return unquote(name) if "~" not in name else name
+
+
+def legacy_tree_file(run_dir: Path, problem_id: str) -> Path:
+    """Where runs before tree_name wrote a tree: every character but [\\w.-] became '_', so that
+    'a/1' and 'a_1' shared a file."""
     return run_dir / "trees" / (re.sub(r"[^\w.-]", "_", problem_id) + ".json")
+
+
+@dataclass(frozen=True)
+class TreeFiles:
+    """Where a run folder's trees are: each id's own name (tree_name), else, in a folder written
+    before those names, the name it had then, unless another of the folder's ids had it too (that
+    file holds the tree of whichever was written last)."""
+
+    run_dir: Path
+    shared: frozenset[Path]  # old names that more than one of the folder's ids had
+
+    @classmethod
+    def of(cls, run_dir: Path, ids: Iterable[str]) -> TreeFiles:
+        names = Counter(legacy_tree_file(run_dir, i) for i in set(ids))
+        return cls(run_dir, frozenset(path for path, n in names.items() if n > 1))
+
+    def find(self, problem_id: str) -> Path | None:
+        """The problem's tree file, or None where it has none (or only a shared one)."""
+        own = tree_file(self.run_dir, problem_id)
+        if own.exists():
+            return own
+        before = legacy_tree_file(self.run_dir, problem_id)
+        return before if before.exists() and before not in self.shared else None
 
 
 def answer_fields(task: Task, problem: Problem, steps: list[str]) -> dict:

@@ -24,12 +24,12 @@ from decoding import (
     load_model,
     load_tokenizer,
 )
-from tasks import Problem, Task, make_task
+from tasks import DataError, Problem, Task, make_task
 from tot.config import RunConfig
 from tot.folder import Configuration, open_folder, record
 from tot.lock import run_lock
 from tot.output import make_dirs, write_atomic
-from tot.results import ResultStore, answer_fields, summarize
+from tot.results import ResultStore, TreeFiles, answer_fields, summarize
 from tot.reward import load_reward
 from tot.saved import ShowError, read_tree
 from tot.search import GenerationEngine, Reward, Search, request_seed, run_sync
@@ -49,6 +49,7 @@ def run(cfg: RunConfig, out_dir: Path, engine: GenerationEngine | None = None, p
 def _run(cfg: RunConfig, out_dir: Path, engine: GenerationEngine | None, progress: bool) -> dict:
     task = build_task(cfg)
     problems = task.load(cfg.data)
+    check_selection(cfg, problems)
     folder, store = open_run(cfg, out_dir)
     record(out_dir, folder)
     if store.results.torn_line is not None:
@@ -74,7 +75,6 @@ def _run(cfg: RunConfig, out_dir: Path, engine: GenerationEngine | None, progres
         # The config as the run read it (its source is configuration.json's business).
         "config": json.loads(json.dumps({k: v for k, v in asdict(cfg).items() if k != "source"}, default=str)),
     }
-    selected = {p.id for p in problems}
     if todo:
         engine = engine or make_engine(cfg)
         judge = make_judge(cfg, engine)
@@ -110,7 +110,7 @@ def _run(cfg: RunConfig, out_dir: Path, engine: GenerationEngine | None, progres
                 }
             )
             clock[0] = now
-            summary = summarize([r for r in store.records if r["id"] in selected], header)
+            summary = summarize(store.records, header)  # every problem of the folder, whatever the selection
             if isinstance(engine, Engine):
                 summary["memory"] = engine.memory()
             write_atomic(out_dir / "summary.json", json.dumps(summary, indent=2))
@@ -122,11 +122,32 @@ def _run(cfg: RunConfig, out_dir: Path, engine: GenerationEngine | None, progres
                 run_sync(solve_all(todo, solve, cfg.concurrency))
         finally:
             bar.close()  # before any error line is printed
-    summary = summarize([r for r in store.records if r["id"] in selected], header)
+    summary = summarize(store.records, header)
     if isinstance(engine, Engine):
         summary["memory"] = engine.memory()  # where the memory went: decoding/core/memory.py
+    if not store.path.exists():
+        write_atomic(store.path, "")  # an empty shard's: tot.collect counts a run's problems from it
     write_atomic(out_dir / "summary.json", json.dumps(summary, indent=2))
     return summary
+
+
+def check_selection(cfg: RunConfig, problems: list[Problem]) -> None:
+    """No problem selected is bad input (DataSpec.select names the offset), but for a shard that
+    a sweep with more shards than problems leaves empty: that one says so and runs nothing."""
+    data = cfg.data
+    if problems:
+        return
+    if data.num_shards == 1:
+        raise DataError(
+            f"task={cfg.task} selects no problem (data.path={data.path}, data.offset={data.offset}, "
+            f"data.limit={data.limit}); give a selection that holds problems"
+        )
+    log.warning(
+        "data.shard=%d of data.num_shards=%d gets no problem (the selection has fewer problems than shards): "
+        "nothing to solve here, summary.json written all the same",
+        data.shard,
+        data.num_shards,
+    )
 
 
 def open_run(cfg: RunConfig, out_dir: Path) -> tuple[Configuration, ResultStore]:
@@ -141,11 +162,12 @@ def solved(store: ResultStore, selected: set[str]) -> set[str]:
     """The selected problems with a record and a readable tree: one whose tree cannot be read is
     solved again."""
     done = set()
+    files = TreeFiles.of(store.out_dir, [r["id"] for r in store.records])
     for rec in store.records:
         if rec["id"] not in selected:
             continue
-        path = store.tree_path(rec["id"])
-        problem = unreadable(path)
+        path = files.find(rec["id"])  # a folder written before tree_name: its trees' names of then
+        problem = unreadable(path or store.tree_path(rec["id"]))
         if problem is None:
             done.add(rec["id"])
         else:

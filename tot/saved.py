@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tot.folder import RECORD
-from tot.results import read_results, tree_file
+from tot.results import TreeFiles, problem_of, read_results
 from tot.tree import ReasoningTree
 
 log = logging.getLogger(__name__)
@@ -55,13 +55,15 @@ def problems(run_dir: Path) -> list[SavedTree]:
     trees = sorted((run_dir / "trees").glob("*.json"))
     if not trees:
         raise ShowError(f"{run_dir} has no trees/*.json; give an output directory of python -m tot.solve")
+    records = read_records(run_dir)
+    files = TreeFiles.of(run_dir, [str(rec["id"]) for rec in records])
     found = []
-    for rec in read_records(run_dir):
-        path = tree_file(run_dir, str(rec["id"]))
-        if path.exists():
+    for rec in records:
+        path = files.find(str(rec["id"]))
+        if path is not None:
             found.append(SavedTree(str(rec["id"]), rec, path))
     named = {p.tree_path for p in found}
-    found += [SavedTree(path.stem, None, path) for path in trees if path not in named]
+    found += [SavedTree(problem_of(path.stem), None, path) for path in trees if path not in named]
     return found
 
 

@@ -8,7 +8,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from decoding import BackendError, OutputError
-from decoding.cli import fail, hydra_command
+from decoding.cli import Refused, fail, hydra_command
 from tasks.base import DataError
 from tot.config import ConfigError, RunConfig
 from tot.results import ResultsError
@@ -20,13 +20,13 @@ GROUPS = ("task", "search", "decoder", "model")
 
 def check_run(cfg: DictConfig, run_dir: Path) -> None:
     """Before Hydra writes into the run folder: the config, the data and what the folder holds
-    (its configuration, its results) checked, so a refused run leaves every file as it was."""
+    (its configuration, its results) checked, so a refused run (or sweep member) leaves every file as it was."""
     try:
         run_cfg = RunConfig.from_omegaconf(cfg)
         build_task(run_cfg).load(run_cfg.data)
         open_run(run_cfg, run_dir)
     except USER_ERRORS as e:
-        fail(str(e).splitlines()[0])
+        raise Refused(str(e).splitlines()[0]) from None
 
 
 @hydra_command("config", groups=GROUPS, before=check_run)

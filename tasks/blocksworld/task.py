@@ -96,14 +96,15 @@ class Blocksworld(TaskDefaults):
 
     def load(self, data: DataSpec) -> list[Problem]:
         if data.path:
-            found = load_problems(Path(data.path).expanduser(), need_gold=False, key="data.path")
+            path = Path(data.path).expanduser()
+            found, source = load_problems(path, need_gold=False, key="data.path"), f"data file {path}"
         else:
             try:
                 records = generate_problems(self.n_problems, self.n_blocks, self.steps, self.instance_seed)
             except ValueError as e:
                 raise DataError(f"task.n_blocks/task.steps: {e}") from None
-            found = [problem_from_record(r) for r in records]
-        return data.select([self._problem(p) for p in found])
+            found, source = [problem_from_record(r) for r in records], "the generated problems (task.n_problems)"
+        return data.select([self._problem(p) for p in found], source)
 
     @staticmethod
     def _problem(p: BlocksworldProblem) -> Problem:

@@ -3,6 +3,7 @@ file itself, or plans from another file (e.g. a run's results.jsonl) matched to 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,8 +63,8 @@ def problem_from_record(rec: dict, need_gold: bool = True) -> BlocksworldProblem
     missing = [k for k in required if k not in rec]
     if missing:
         raise ValueError(f"record has no {', '.join(missing)}")
-    if not isinstance(rec["id"], str):
-        raise ValueError(f"id must be a string, got {rec['id']!r}")
+    if not isinstance(rec["id"], str) or not rec["id"].strip() or rec["id"].splitlines() != [rec["id"]]:
+        raise ValueError(f"id must be a non-empty string on one line, got {json.dumps(rec['id'])}")
     for key in ("objects", "init", "goal", "gold_plan"):
         if key in rec and not _strings(rec[key]):
             raise ValueError(f"{key} must be a list of strings")
@@ -85,15 +86,18 @@ def problem_from_record(rec: dict, need_gold: bool = True) -> BlocksworldProblem
 
 def load_problems(path: Path, need_gold: bool = True, key: str = "") -> list[BlocksworldProblem]:
     """The problems of a data file; `key` names the config key that gave the path, for messages."""
-    problems, seen = [], set()
+    problems, seen = [], {}
     for lineno, rec in read_jsonl(path, expected=DATA_FORMAT, key=key):
         try:
             problem = problem_from_record(rec, need_gold)
         except ValueError as e:
             raise DataError(f"{path}:{lineno}: {e}; each line should be as in {DATA_FORMAT}") from None
         if problem.id in seen:
-            raise DataError(f"{path}:{lineno}: id {problem.id!r} appears twice; give each problem its own id")
-        seen.add(problem.id)
+            raise DataError(
+                f"data file {path}: line {seen[problem.id]} and line {lineno} have the same id {problem.id!r}; "
+                "ids must be unique"
+            )
+        seen[problem.id] = lineno
         problems.append(problem)
     return problems
 
