@@ -228,7 +228,12 @@ def test_load_bundled_limit_offset():
     problems = GSM8K().load(DataSpec(limit=2, offset=3))
     assert [p.id for p in problems] == ["bundled-4", "bundled-5"]
     assert [p.gold for p in problems] == ["56", "180"]
-    assert GSM8K().load(DataSpec(offset=10)) == []
+    with pytest.raises(
+        DataError,
+        match=r"data\.offset=10 data\.limit=null selects no problem of data file .*"
+        r"gsm8k_examples\.jsonl \(6 problems\); give data\.offset below 6",
+    ):
+        GSM8K().load(DataSpec(offset=10))
 
 
 @pytest.mark.skipif(not SHARED_TEST.is_file(), reason=f"{SHARED_TEST} is absent")
@@ -407,11 +412,21 @@ def test_whole_solution_prompt_steps_and_evaluator():
     task = GSM8K()
     problem = Problem(id="x", question="Tom has 3 apples and buys 4 more. How many now?", gold="7")
     prompt = task.solution_prompt(problem)
-    assert prompt.text.count("The answer is") == 5  # four exemplars and the instruction
-    assert prompt.text.endswith(f"Q: {problem.question}") and prompt.prefix == "A:"
+    assert prompt.text.startswith(problem.question) and "step by step" in prompt.text
+    assert "The answer is <number>." in prompt.text and prompt.stop == ()  # a chat model's paragraphs stay whole
     steps = task.solution_steps(problem, " Tom has 3 + 4 = 7 apples. The answer is 7.\n")
     assert steps == ["Tom has 3 + 4 = 7 apples. The answer is 7."]
     assert task.answer(problem, steps) == "7" and task.is_correct(problem, "7")
     judged = task.solution_evaluator_prompt(problem, steps, follow_up=False)
     assert steps[0] in judged.text and problem.question in judged.text and judged.prefix == SCORE_PREFIX
     assert "final answer" in task.solution_evaluator_prompt(problem, steps, follow_up=True).text
+
+
+def test_a_boxed_answer_is_a_stated_one():
+    """Chat models trained on math box their answer: the strict extraction reads the last boxed
+    number where no answer phrase states one."""
+    assert strict_answer("So 5 x 2 = 10.\n\nTherefore, the answer is:\n\\[ \\boxed{10} \\]") == "10"
+    assert strict_answer("first \\boxed{3}, then \\(\\boxed{1,250}\\)") == "1250"
+    assert strict_answer("it costs \\boxed{\\$18.50}") == "18.5"
+    assert strict_answer("The answer is 7. Not \\boxed{8}") == "7"  # the phrase first
+    assert strict_answer("\\boxed{x + 1}") is None
