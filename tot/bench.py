@@ -5,7 +5,7 @@ problems at once (a variant may set its own, e.g. bench.variants='{ar_1: {decode
 run.concurrency: 1}}'), after a warm-up call per engine. So that machine drift hits all alike, with
 `bench.lockstep` (auto: on the CPU) every in-process entry runs at once, the engines taking turns
 forward by forward and each timed by its own steps; else the entries take turns on the problems,
-one batch of their own concurrency at a time, in turn and in reverse turn (`rounds`), timed by the
+one batch of their own concurrency at a time, in turn and in reverse turn (`turn_order`), timed by the
 wall clock. Reported per decoder: time (whole run, and engine time per phase), tokens, tokens/s,
 speedup over `hf` and `ar`, acceptance length, target forwards per token, rows per forward (how full the
 target's batches were), prompt tokens computed against requested (what prefix sharing saved), target
@@ -186,7 +186,7 @@ def bench(
     with bar, frozen():  # the loaded model's objects out of the collector's full passes
         if together:
             _bench_lockstep(problems, {n: engines[n] for n in together}, at_once, searches, solutions, tallies, bar)
-        for name, chunk in rounds([n for n in engines if n not in together], problems, at_once):
+        for name, chunk in turn_order([n for n in engines if n not in together], problems, at_once):
             _bench_chunk(chunk, engines[name], at_once[name], searches[name], solutions[name], tallies[name], bar)
     for name, tally in tallies.items():
         _tally(tally, problems, solutions[name], task, cfg, judge or engines[name])
@@ -264,10 +264,10 @@ def bench_engine(c: DecoderConfig, target: LoadedModel, draft: LoadedModel | Non
     return Engine(target, c, draft if c.draft else None)
 
 
-def rounds(names: list[str], problems: list[Problem], at_once: dict[str, int]) -> list[tuple[str, list[Problem]]]:
-    """The order the entries run in: rounds, each giving every entry with problems left its next
+def turn_order(names: list[str], problems: list[Problem], at_once: dict[str, int]) -> list[tuple[str, list[Problem]]]:
+    """The order the entries run in: turns, each giving every entry with problems left its next
     `at_once[name]` of them (one batch at its own concurrency), the entries in turn and in reverse
-    turn on every other round. Entries compared with each other share a concurrency, so they
+    turn on every other turn. Entries compared with each other share a concurrency, so they
     alternate as finely as their batches allow, and the reversal evens out their mean place in
     time: a machine that drifts over a run slows each of them alike."""
     plan: list[tuple[str, list[Problem]]] = []

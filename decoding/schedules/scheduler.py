@@ -34,7 +34,7 @@ from decoding.drafters.base import Drafter
 from decoding.schedules.base import VerifyOptions, run_to_end
 from decoding.schedules.planner import Planner
 from decoding.schedules.rounds import Rounds, Unlocked
-from decoding.schedules.step import DraftRecord, Engine, StepRecord, decode_step, draft_round
+from decoding.schedules.step import DraftRecord, StepRecord, StepSetup, decode_step, draft_round
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class Scheduler:
         # The planner comes built (its cost profile measures the machine): a schedule only runs it.
         if verify.plan == "goodput" and planner is None and drafter.max_nodes:
             raise ValueError(f"{name}: verify.plan=goodput with a drafter needs a planner (goodput_planner)")
-        self.engine = Engine(
+        self.setup = StepSetup(
             target,
             target.new_cache(0, 1, graphs=True),
             tokenizer,
@@ -87,20 +87,20 @@ class Scheduler:
 
     @property
     def drafter(self) -> Drafter:
-        return self.engine.drafter
+        return self.setup.drafter
 
     @drafter.setter
     def drafter(self, drafter: Drafter) -> None:
         """A drafter swapped in between steps (tot.calibrate_tree's recorder wraps the built one)."""
-        self.engine = replace(self.engine, drafter=drafter)
+        self.setup = replace(self.setup, drafter=drafter)
 
     @property
     def planner(self) -> Planner | None:
-        return self.engine.planner
+        return self.setup.planner
 
     @property
     def cache(self) -> RowKVCache:
-        return self.engine.cache
+        return self.setup.cache
 
     @property
     def slots(self) -> dict[int, Slot]:
@@ -146,7 +146,7 @@ class Scheduler:
         self._fill()
         if self.overlap:
             self._ensure_drafting_thread()
-        record = decode_step(self.rounds, self.engine, time.perf_counter, draft_here=not self.overlap)
+        record = decode_step(self.rounds, self.setup, time.perf_counter, draft_here=not self.overlap)
         if self._failure:
             raise self._failure[0]
         if self.overlap and not self.busy and self._thread is not None:
@@ -157,7 +157,7 @@ class Scheduler:
         self._observe(record)
         # Memory back once the pool holds far more than its live rows need (a burst of rows gone).
         live = [s.seq for s in self.rounds.live.values()]
-        self.target.give_back(self.engine.cache, self.rounds.trim(), live, self.drafter.max_nodes)
+        self.target.give_back(self.setup.cache, self.rounds.trim(), live, self.drafter.max_nodes)
         self.stats.target_forwards += self.target.forwards - forwards
         self.stats.target_rows += self.target.rows - rows
         return record.finished
@@ -204,7 +204,7 @@ class Scheduler:
         t0 = time.perf_counter()
         rows = [self.rounds.take_row() for _ in new]
         computed = self.target.prompt_tokens_computed
-        cache = self.engine.cache
+        cache = self.setup.cache
         admitted = self.target.admit_seqs(cache, rows, new, self.drafter.max_nodes)
         for s, n in zip(new, admitted.computed):
             s.stats.prompt_tokens_computed += n
@@ -249,7 +249,7 @@ class Scheduler:
     def _draft_loop(self) -> None:
         try:
             while True:
-                self._observe_draft(draft_round(self.rounds, self.engine, time.perf_counter, wait=True))
+                self._observe_draft(draft_round(self.rounds, self.setup, time.perf_counter, wait=True))
                 with self.rounds.cond:
                     if self.rounds.finished:
                         self._thread_running = False

@@ -28,7 +28,7 @@ Clock = Callable[[], float]
 
 
 @dataclass(frozen=True)
-class Engine:
+class StepSetup:
     """What a step runs on: fixed for a scheduler's life."""
 
     target: ModelRunner
@@ -65,48 +65,48 @@ class StepRecord:
     finished: list[Sequence] = field(default_factory=list)
 
 
-def decode_step(rounds: Rounds, engine: Engine, clock: Clock, draft_here: bool = True) -> StepRecord:
+def decode_step(rounds: Rounds, setup: StepSetup, clock: Clock, draft_here: bool = True) -> StepRecord:
     """Draft the slots waiting to (unless a drafting thread does: `draft_here` False), verify up to
     `verify_batch` queued drafts in one target forward, commit and learn what they accepted."""
     record = StepRecord()
     if draft_here:
-        record.drafts.append(draft_round(rounds, engine, clock, wait=False))  # plan, draft
-    slots = rounds.take_queued(engine.verify_batch, wait=not draft_here)
+        record.drafts.append(draft_round(rounds, setup, clock, wait=False))  # plan, draft
+    slots = rounds.take_queued(setup.verify_batch, wait=not draft_here)
     if slots:
         t0 = clock()
-        trees, plan = cut(engine, slots, [s.draft for s in slots])  # type: ignore[misc]  # cut
+        trees, plan = cut(setup, slots, [s.draft for s in slots])  # type: ignore[misc]  # cut
         packed = pack([s.pending for s in slots], trees)  # pack
-        logits = engine.target.score(engine.cache, packed, rows_of(engine.cache, slots))  # forward
+        logits = setup.target.score(setup.cache, packed, rows_of(setup.cache, slots))  # forward
         seqs = [s.seq for s in slots]
         nodes = None if plan is None else plan.kept_nodes  # the drafter's own node numbers
-        verdicts = accept(engine.target, packed, logits, trees, seqs, engine.rule, engine.drafter.learns_top, nodes)
-        verdicts = commit(engine, slots, verdicts, packed)  # commit
+        verdicts = accept(setup.target, packed, logits, trees, seqs, setup.rule, setup.drafter.learns_top, nodes)
+        verdicts = commit(setup, slots, verdicts, packed)  # commit
         t1 = clock()
-        record.finished = finish(engine, slots)
+        record.finished = finish(setup, slots)
         rounds.verified_now(slots, verdicts)
         record.slots, record.verdicts, record.plan = slots, verdicts, plan
         record.queue_wait_s = sum(t0 - s.queued_at for s in slots)
-        record.forward_ms = engine.target.last_score_ms
+        record.forward_ms = setup.target.last_score_ms
         record.verify_s, record.other_s = t1 - t0, clock() - t1
     if draft_here:
-        record.drafts.append(draft_round(rounds, engine, clock, wait=False, draft=False))  # learn
+        record.drafts.append(draft_round(rounds, setup, clock, wait=False, draft=False))  # learn
     return record
 
 
-def draft_round(rounds: Rounds, engine: Engine, clock: Clock, wait: bool, draft: bool = True) -> DraftRecord:
+def draft_round(rounds: Rounds, setup: StepSetup, clock: Clock, wait: bool, draft: bool = True) -> DraftRecord:
     """The drafter hears what it has not (arrivals, verdicts, departures), then drafts the waiting
     slots (with `draft`) and queues their trees."""
     t0 = clock()
     news = rounds.news(wait)
-    hear(engine.drafter, rounds, news)
+    hear(setup.drafter, rounds, news)
     record = DraftRecord()
     if draft and news.drafting:
-        budgets = plan_drafts(engine, news.drafting)  # plan
+        budgets = plan_drafts(setup, news.drafting)  # plan
         t1 = clock()  # what drafting costs the planner charges: the drafter's call and its trees' upkeep
         chosen = [s for s, b in zip(news.drafting, budgets) if b]
-        drafted = dict(zip(map(id, chosen), engine.drafter.draft(chosen))) if chosen else {}  # draft
+        drafted = dict(zip(map(id, chosen), setup.drafter.draft(chosen))) if chosen else {}  # draft
         trees = [drafted.get(id(s), DraftTree()) for s in news.drafting]
-        assert all(len(t) <= engine.drafter.max_nodes for t in trees), "a tree exceeds the drafter's max_nodes"
+        assert all(len(t) <= setup.drafter.max_nodes for t in trees), "a tree exceeds the drafter's max_nodes"
         record.drafted, record.draft_ms = len(chosen), 1000 * (clock() - t1)
         rounds.enqueue(news.drafting, trees, clock())
     record.seconds = clock() - t0
@@ -131,21 +131,21 @@ def hear(drafter: Drafter, rounds: Rounds, news: News) -> None:
         rounds.released(news.left)
 
 
-def plan_drafts(engine: Engine, slots: list[Slot]) -> list[int]:
+def plan_drafts(setup: StepSetup, slots: list[Slot]) -> list[int]:
     """Nodes worth drafting per slot: with the planner, slots whose drafts cannot pay are not drafted
     (they get empty trees: verified like `ar`'s rows, and their drafter still learns what they commit)."""
-    if engine.planner is None or not engine.drafter.max_nodes:
-        return [engine.drafter.max_nodes] * len(slots)
-    return engine.planner.budgets([s.estimate for s in slots], engine.drafter.max_nodes)
+    if setup.planner is None or not setup.drafter.max_nodes:
+        return [setup.drafter.max_nodes] * len(slots)
+    return setup.planner.budgets([s.estimate for s in slots], setup.drafter.max_nodes)
 
 
-def cut(engine: Engine, slots: list[Slot], trees: list[DraftTree]) -> tuple[list[DraftTree], StepPlan | None]:
+def cut(setup: StepSetup, slots: list[Slot], trees: list[DraftTree]) -> tuple[list[DraftTree], StepPlan | None]:
     """The trees this forward verifies: cut by the planner to the nodes that pay, or to the fixed budget."""
-    if engine.planner is None:
-        return cut_to_budget(trees, engine.budget), None
+    if setup.planner is None:
+        return cut_to_budget(trees, setup.budget), None
     greedy = [s.seq.params.greedy for s in slots]
     context = sum(s.committed for s in slots) / len(slots)  # what the forward's attention reads
-    return engine.planner.cut([s.estimate for s in slots], trees, greedy, [len(s.pending) for s in slots], context)
+    return setup.planner.cut([s.estimate for s in slots], trees, greedy, [len(s.pending) for s in slots], context)
 
 
 def cut_to_budget(trees: list[DraftTree], budget: int | None) -> list[DraftTree]:
@@ -161,29 +161,29 @@ def rows_of(cache: RowKVCache, slots: list[Slot]) -> list[int] | None:
     return None if rows == list(range(cache.batch)) else rows
 
 
-def commit(engine: Engine, slots: list[Slot], verdicts: list[Verdict], packed: Packed) -> list[Verdict]:
+def commit(setup: StepSetup, slots: list[Slot], verdicts: list[Verdict], packed: Packed) -> list[Verdict]:
     """Each slot keeps what its verdict accepted: tokens to the sequence (stop rules may cut them),
     the accepted path to its cache row, the next token to its pending tokens. The verdicts with
     what each sequence kept."""
     out = []
     for b, (slot, v) in enumerate(zip(slots, verdicts)):
-        kept = slot.seq.commit(v.tokens, engine.tokenizer, drafted=len(v.tree), accepted=len(v.path))
+        kept = slot.seq.commit(v.tokens, setup.tokenizer, drafted=len(v.tree), accepted=len(v.path))
         if not slot.seq.done:
-            engine.cache.keep(slot.row, packed.committed(b, v.path))
+            setup.cache.keep(slot.row, packed.committed(b, v.path))
             slot.pending = [v.token]
         out.append(replace(v, kept=kept))
     return out
 
 
-def finish(engine: Engine, slots: list[Slot]) -> list[Sequence]:
+def finish(setup: StepSetup, slots: list[Slot]) -> list[Sequence]:
     """The sequences that stopped; what each committed stays in the prefix cache for later prompts
     that extend it (the next step's thoughts)."""
     done = []
     for slot in slots:
         s = slot.seq
         if s.done:
-            engine.target.remember(
-                engine.cache, slot.row, s.prompt + s.generated, s.context(engine.tokenizer) if s.keep else None
+            setup.target.remember(
+                setup.cache, slot.row, s.prompt + s.generated, s.context(setup.tokenizer) if s.keep else None
             )
             done.append(s)
     return done
