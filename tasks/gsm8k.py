@@ -182,8 +182,8 @@ class GSM8K(TaskDefaults):
     # --- whole solutions (best-of-N) ---------------------------------------------------------
     def solution_prompt(self, problem: Problem) -> Prompt:
         # Zero-shot, in the chat model's own style: on the first 50 GSM8K test problems the
-        # Qwen2.5-Coder-0.5B solved 12 this way against 5 with Wei et al.'s terse few-shot chains
-        # (its paragraphs were cut by a blank-line stop, and the terse form left it more mistakes).
+        # Qwen2.5-Coder-0.5B solved 12 this way against 5 with Wei et al.'s few-shot chains, whose
+        # terse one-paragraph form it copied and made more mistakes in.
         return Prompt(
             f"{problem.question}\n\nSolve the problem step by step, then end with the sentence "
             '"The answer is <number>."',

@@ -1,6 +1,6 @@
 """Best-of-N (self-consistency): N whole solutions of one prompt, the answer by a vote or a score.
 
-Every solution is one reply to the task's whole-solution prompt (GSM8K's few-shot chain of thought,
+Every solution is one reply to the task's whole-solution prompt (GSM8K's zero-shot chain of thought,
 a whole Blocksworld plan, a whole passage), sampled in one group, STAND's best case: N long
 trajectories of the same prompt. `majority` takes the most frequent parsed answer (no evaluator
 call is made), `weighted` the answer with the largest summed value, `best` the best-valued solution
