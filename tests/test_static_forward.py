@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import DEVICE, TEST_BUCKETS
+from conftest import DEVICE, TEST_BUCKETS, build_model, build_tokenizer
 
 from decoding.config import DecoderConfig
 from decoding.core import static_forward as sf
 from decoding.core.errors import BackendError, ConfigError
-from decoding.core.models import ModelSpec, prepare_for_inference
+from decoding.core.models import ModelSpec, load_model, prepare_for_inference
 from decoding.core.runner import ModelRunner
 from decoding.core.static_forward import Buckets, StaticSpec, resolve_graphs
 from decoding.core.values import GenRequest
@@ -157,7 +157,7 @@ def test_graphs_are_kept_per_bucket_and_dropped_when_the_cache_grows(tiny_model)
     stats = runner.static.stats
     if CAPTURE:
         assert (stats.captured, stats.replayed) == (1, 3)  # one bucket, captured once
-        assert len(cache.graphs) == 1
+        assert len(cache.graphs) == 2  # the bucket's graph and the pool it was captured into
     else:
         assert stats.eager == 3
     cache.reserve(4, 32)
@@ -206,6 +206,25 @@ def test_replayed_graphs_decode_what_the_unpadded_forward_does(name, loaded, per
     assert stats.captured > 0 and stats.replayed > stats.captured
 
 
+def test_the_default_takes_graphs_on_cuda_and_the_unpadded_forward_elsewhere(tmp_path):
+    """model.cuda_graphs=auto (the default): a Llama checkpoint on CUDA decodes from replayed graphs
+    and `hf`'s tokens; on a CPU it loads without buckets."""
+    tokenizer = build_tokenizer()
+    model = build_model(len(tokenizer))
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    loaded = load_model(ModelSpec(path=str(tmp_path), device=DEVICE.type, weights="float32", activations="float"))
+    if not CAPTURE:
+        assert loaded.static is None
+        return
+    assert loaded.static == StaticSpec(Buckets(), capture=True) and not loaded.strict_graphs
+    requests = [GenRequest(p, max_new_tokens=12) for p in ("the cat", "hello world")]
+    plain = Engine(dataclasses.replace(loaded, static=None), DecoderConfig("hf")).generate(requests)
+    engine = Engine(loaded, DecoderConfig("ar"))
+    assert [r.token_ids for r in engine.generate(requests)] == [r.token_ids for r in plain]
+    assert engine.target.static.stats.replayed > 0
+
+
 def test_bucket_options_are_checked_at_load():
     with pytest.raises(ConfigError, match="graph_rows"):
         Buckets(rows=(1, 4, 2))
@@ -216,6 +235,7 @@ def test_bucket_options_are_checked_at_load():
     with pytest.raises(BackendError, match="cuda_graphs"):
         ModelSpec(cuda_graphs="maybe")
     assert resolve_graphs("auto", torch.device("cpu"), Buckets()) is None
+    assert resolve_graphs("auto", torch.device("cuda"), Buckets()) == StaticSpec(Buckets(), capture=True)
     assert resolve_graphs("eager", torch.device("cpu"), Buckets()) == StaticSpec(Buckets(), capture=False)
     with pytest.raises(ConfigError, match="needs a CUDA device"):
         resolve_graphs("on", torch.device("cpu"), Buckets())

@@ -32,7 +32,7 @@ from decoding.core.quant import (
     quantize_from_gguf,
     two_level_inputs,
 )
-from decoding.core.static_forward import GRAPH_CHOICES, Buckets, StaticSpec, resolve_graphs
+from decoding.core.static_forward import GRAPH_CHOICES, Buckets, StaticForward, StaticSpec, resolve_graphs
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,8 @@ class ModelSpec:
     # per block of 32 (csrc/q4_int8.cpp: integer multiply-adds, outputs a little different); auto:
     # int8 where the file's numerics are on record (decoding/core/numerics.py), float elsewhere
     activations: str = "auto"
-    # Bucketed forwards replayed from CUDA graphs (decoding/core/static_forward.py): auto = on for CUDA
+    # Bucketed forwards replayed from CUDA graphs (decoding/core/static_forward.py): auto = on for CUDA,
+    # a graph that does not fit in memory running eagerly
     cuda_graphs: str = "auto"
     graph_rows: tuple[int, ...] = Buckets.rows
     graph_tokens: tuple[int, ...] = Buckets.tokens
@@ -282,6 +283,13 @@ def load_model(spec: ModelSpec) -> LoadedModel:
     kv_budget = (
         spec.kv_memory_mb << 20 if spec.kv_memory_mb is not None else int(spec.kv_memory * available_bytes(device))
     )
+    if static is not None and spec.cuda_graphs == "auto" and not StaticForward.computes(model):
+        log.info(
+            "%s.cuda_graphs=auto: %s is not an architecture the bucketed forward computes; unpadded forwards",
+            spec.key,
+            type(model).__name__,
+        )
+        static = None
     use_chat = _use_chat_template(spec, tokenizer)
     return LoadedModel(model, tokenizer, device, use_chat, str(source), spec.path, budget, kv_budget, static, strict)
 

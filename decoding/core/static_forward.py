@@ -77,9 +77,10 @@ class StaticSpec:
 
 
 def resolve_graphs(choice: str, device: torch.device, buckets: Buckets, key: str = "model") -> StaticSpec | None:
-    """on: bucketed forwards replayed from CUDA graphs (CUDA only); eager: the bucketed forward
-    without capture (any device); off and auto: the unpadded forward. auto stays off on CUDA until
-    the CUDA lossless test list is seen passing through graphs (docs/performance.md, "On a GPU")."""
+    """on: bucketed forwards replayed from CUDA graphs (CUDA only; a graph that does not fit in
+    memory is an error); auto: the same on CUDA, a graph that does not fit running eagerly, and the
+    unpadded forward elsewhere (a CPU's launches cost little next to its arithmetic); eager: the
+    bucketed forward without capture (any device); off: the unpadded forward."""
     if choice not in GRAPH_CHOICES:
         raise ConfigError(f"{key}.cuda_graphs={choice!r} is not one of {', '.join(GRAPH_CHOICES)}")
     if choice == "on" and device.type != "cuda":
@@ -87,7 +88,7 @@ def resolve_graphs(choice: str, device: torch.device, buckets: Buckets, key: str
             f"{key}.cuda_graphs=on needs a CUDA device, not {device}; use {key}.cuda_graphs=auto "
             f"(or eager for the same bucketed forward without capture)"
         )
-    if choice in ("off", "auto"):
+    if choice == "off" or (choice == "auto" and device.type != "cuda"):
         return None
     return StaticSpec(buckets, capture=choice != "eager")
 
@@ -164,19 +165,23 @@ class StaticForward:
     spec: StaticSpec
     strict: bool = False  # model.cuda_graphs=on: graphs that do not fit in memory are an error, not a fallback
     stats: GraphStats = field(default_factory=GraphStats)
-    _pool: object = None
 
-    @classmethod
-    def of(cls, model: torch.nn.Module, spec: StaticSpec, strict: bool = False) -> StaticForward:
+    @staticmethod
+    def computes(model: torch.nn.Module) -> bool:
+        """Whether the bucketed forward computes this model: a causal LM of an architecture in the table."""
         inner = getattr(model, "model", None)
         parts = ("embed_tokens", "rotary_emb", "layers", "norm")
-        if (
+        return not (
             inner is None
             or any(not hasattr(inner, p) for p in parts)
             or model.get_output_embeddings() is None
             or (arch := architectures.of(model)) is None
             or any(type(layer) is not arch.decoder_layer for layer in inner.layers)
-        ):
+        )
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, spec: StaticSpec, strict: bool = False) -> StaticForward:
+        if not cls.computes(model):
             raise BackendError(
                 f"model.cuda_graphs: {type(model).__name__} is not a causal LM of an architecture the bucketed "
                 f"forward computes ({architectures.names()}); set model.cuda_graphs=off"
@@ -324,8 +329,12 @@ class StaticForward:
         with torch.cuda.stream(stream):
             self._forward(cache, inputs, positions, reads)
         torch.cuda.current_stream(cache.device).wait_stream(stream)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()  # one pool for all buckets: one replays at a time
+        # One pool for this cache's buckets (one replays at a time), living exactly as long as they do:
+        # once a resize drops them the allocator may release the pool, and a capture into its stale
+        # handle fails an allocator assert and leaves the CUDA generator mid-capture for the process.
+        pool = cache.graphs.get(("pool", id(self)))
+        if pool is None:
+            pool = cache.graphs[("pool", id(self))] = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         # No collection while capturing: a dead engine's graphs freed then would release their
         # memory into the pool being captured into (torch collects once before it starts).
@@ -333,7 +342,7 @@ class StaticForward:
         gc.disable()
         try:
             # thread_local: a drafting thread (SEED's rounds) may launch its own work meanwhile.
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 out = self._forward(cache, inputs, positions, reads)
         finally:
             if collecting:
