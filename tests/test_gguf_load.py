@@ -5,6 +5,7 @@ Qwen2.5-0.5B file where TOT_QWEN05_GGUF names it."""
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,12 +17,18 @@ from conftest import build_tokenizer
 from gguf import GGMLQuantizationType as Q
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from decoding import DecoderConfig, Engine, GenRequest
 from decoding.core import gguf_load
 from decoding.core.errors import BackendError
-from decoding.core.models import embedded_file
+from decoding.core.models import ModelSpec, embedded_file, int8_lacks, load_model
+from tot.run import summary_line
 
 HIDDEN, HEADS, KV_HEADS, FFN = 64, 4, 2, 256  # FFN = one Q4_K super-block, so ffn_down can be Q4_K
 IDS = torch.tensor([[1, 40, 41, 42, 7, 100, 250, 3, 2, 5]])
+SUMMARY = {  # a run summary's fields summary_line reads
+    **dict(task="gsm8k", search="bfs", decoder="ar", accuracy=0.0, n_correct=0, n_problems=1, target_forwards=0),
+    **dict(generated_tokens=10, wall_s=1.0, tokens_per_s=10.0, prompt_tokens_computed=5, prompt_tokens=5),
+}
 TEXT = "the cat sat on 42 mats, and then ran home!"
 
 
@@ -297,6 +304,21 @@ def test_a_broken_tokenizer_folder_is_converted_again(tiny: Path, tmp_path: Path
     tok = gguf_load.load_tokenizer(tiny, tmp_path)
     assert tok(TEXT).input_ids == AutoTokenizer.from_pretrained(tiny.parent, gguf_file=tiny.name)(TEXT).input_ids
     assert sorted(p.name for p in tmp_path.iterdir()) == [folder.name]
+
+
+def test_layers_int8_cannot_take_are_named(tiny: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """model.activations=int8 on a file with F16/F32 projections: those layers run on the float path,
+    and the load log and the run summary name their types."""
+    spec = ModelSpec(path=str(tiny), weights="gguf", activations="int8", cache_dir=str(tmp_path))
+    with caplog.at_level(logging.INFO, logger="decoding.core.models"):
+        loaded = load_model(spec)
+    expected = {"llama": {"F16": 4, "Q4_0": 1}, "qwen2": {"F16": 2, "F32": 2}}[loaded.model.config.model_type]
+    assert loaded.float_layers == expected  # the llama file's head is its Q4_0 embedding: int8 takes no 4-bit head
+    assert int8_lacks(expected) in caplog.text
+    line = summary_line({**SUMMARY, "activations": "int8", "float_layers": expected})
+    assert line.endswith(f"model.activations=int8 ({int8_lacks(expected)})")
+    result = Engine(loaded, DecoderConfig("ar")).generate([GenRequest(tuple(IDS[0].tolist()), max_new_tokens=4)])
+    assert len(result[0].token_ids) == 4  # the mixed model decodes
 
 
 def test_unknown_architecture_is_one_line(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ from decoding import (
     Group,
     ServerEngine,
     frozen,
+    int8_lacks,
     load_draft,
     load_model,
     load_tokenizer,
@@ -77,6 +78,8 @@ def _run(cfg: RunConfig, out_dir: Path, engine: GenerationEngine | None, progres
     }
     if todo:
         engine = engine or make_engine(cfg)
+        if isinstance(engine, Engine) and engine.loaded.float_layers:
+            header["float_layers"] = engine.loaded.float_layers  # what int8 could not take, named in the summary
         judge = make_judge(cfg, engine)
         search = make_search(cfg, task, load_reward(cfg.reward) if cfg.reward else None)
         bar = tqdm(total=len(todo), desc=f"{cfg.task}/{cfg.decoder.name}", unit="problem", disable=not progress)
@@ -285,6 +288,7 @@ def summary_line(s: dict) -> str:
         f"{s['prompt_tokens_computed']}/{s['prompt_tokens']} prompt tokens computed, "
         f"run.concurrency={s.get('concurrency', 1)}"
         + (f", model.activations={s['activations']}" if s.get("activations") else "")
+        + (f" ({int8_lacks(s['float_layers'])})" if s.get("float_layers") else "")
         + (f", {s['kv_waits']} sequences waited for KV memory (model.kv_memory)" if s.get("kv_waits") else "")
     )
 

@@ -7,7 +7,7 @@ import logging
 import os
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ from decoding.core.quant import (
     INT8_HIDDEN,
     Q8_TYPES,
     check_types,
+    float_layers,
     q8_head_from_gguf,
     quantize_from_gguf,
     two_level_inputs,
@@ -147,6 +148,15 @@ class LoadedModel:
     kv_budget: int | None = None  # bytes the target's KV pool may take (None: no bound)
     static: StaticSpec | None = None  # bucketed forwards (CUDA graphs), or None: ragged / unpadded
     strict_graphs: bool = False  # model.cuda_graphs=on: a graph that does not fit is an error
+    # GGUF type -> linear layers of it on the float path under int8 activations (no int8 kernel for it)
+    float_layers: dict[str, int] = field(default_factory=dict)
+
+
+def int8_lacks(float_layers: dict[str, int]) -> str:
+    """The load log's and the run summary's words for layers left on the float path under int8 (a type
+    the int8 kernels lack, or a head the file stores in a 4-bit type)."""
+    types = ", ".join(f"{n} {kind}" for kind, n in sorted(float_layers.items()))
+    return f"{sum(float_layers.values())} linear layers left on the float path by int8 ({types})"
 
 
 def cache_root() -> Path:
@@ -274,6 +284,9 @@ def load_model(spec: ModelSpec) -> LoadedModel:
                 f"{spec.key}.path=smollm2-135m"
             ) from e
     done = prepare_for_inference(model, device, weights, attn, gguf, spec.prepack, linear, activations)
+    lacking = float_layers(model, gguf) if gguf is not None and weights == "gguf" and activations == "int8" else {}
+    if lacking:
+        done += f"; {int8_lacks(lacking)}"
     log.info("loaded %s in %.1fs on %s (%s)", source, time.perf_counter() - t0, device, done)
     budget = (
         MemoryBudget(spec.prefix_memory_mb << 20)
@@ -291,7 +304,9 @@ def load_model(spec: ModelSpec) -> LoadedModel:
         )
         static = None
     use_chat = _use_chat_template(spec, tokenizer)
-    return LoadedModel(model, tokenizer, device, use_chat, str(source), spec.path, budget, kv_budget, static, strict)
+    return LoadedModel(
+        model, tokenizer, device, use_chat, str(source), spec.path, budget, kv_budget, static, strict, lacking
+    )
 
 
 def _gguf_dtype(weights: str, activations: str) -> torch.dtype:

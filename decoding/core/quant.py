@@ -30,7 +30,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -420,12 +420,9 @@ def check_types(path: Path, key: str) -> dict[str, int]:
     return counts
 
 
-@torch.no_grad()
-def quantize_from_gguf(model: torch.nn.Module, path: Path, activations: str = "float") -> dict[str, int]:
-    """Replace the model's linear layers whose GGUF tensors are 4-bit by `Int4Linear`s built from the
-    file's own codes, and with int8 activations those in Q8_TYPES by `Q8Linear`s (the LM head apart:
-    q8_head_from_gguf), multiplying their input as `activations`; the rest of the model runs in
-    bfloat16. Returns how many layers of each GGUF type were replaced."""
+def _linear_tensors(model: torch.nn.Module, path: Path) -> tuple[list[tuple[Any, str, torch.nn.Module | None]], Any]:
+    """Each tensor of the file with the name of the model's weight it fills and that weight's module
+    (None where it is no module's), and the processor that undoes the converter's permutations."""
     from transformers.modeling_gguf_pytorch_utils import (
         TENSOR_PROCESSORS,
         TensorProcessor,
@@ -436,11 +433,24 @@ def quantize_from_gguf(model: torch.nn.Module, path: Path, activations: str = "f
     processor = TENSOR_PROCESSORS.get(config.model_type, TensorProcessor)(config=config.to_dict())
     names = get_gguf_hf_weights_map(_TopLevel(model), processor)
     modules = dict(model.named_modules())
-    head = model.get_output_embeddings()
-    replaced: dict[str, int] = {}
+    out = []
     for tensor in read_gguf(path).tensors:
         hf_name = names.get(tensor.name, "")
-        module = modules.get(hf_name.removesuffix(".weight"))
+        out.append((tensor, hf_name, modules.get(hf_name.removesuffix(".weight"))))
+    return out, processor
+
+
+@torch.no_grad()
+def quantize_from_gguf(model: torch.nn.Module, path: Path, activations: str = "float") -> dict[str, int]:
+    """Replace the model's linear layers whose GGUF tensors are 4-bit by `Int4Linear`s built from the
+    file's own codes, and with int8 activations those in Q8_TYPES by `Q8Linear`s (the LM head apart:
+    q8_head_from_gguf), multiplying their input as `activations`; the rest of the model runs in
+    bfloat16. Returns how many layers of each GGUF type were replaced."""
+    head = model.get_output_embeddings()
+    modules = dict(model.named_modules())
+    tensors, processor = _linear_tensors(model, path)
+    replaced: dict[str, int] = {}
+    for tensor, hf_name, module in tensors:
         kind = tensor.tensor_type.name
         q8 = kind in Q8_TYPES and activations == "int8" and module is not head
         if not (kind in INT4_TYPES or q8) or not kernel_fits(module):
@@ -460,3 +470,18 @@ def quantize_from_gguf(model: torch.nn.Module, path: Path, activations: str = "f
         setattr(modules[parent] if parent else model, child, layer)
         replaced[kind] = replaced.get(kind, 0) + 1
     return replaced
+
+
+def float_layers(model: torch.nn.Module, path: Path) -> dict[str, int]:
+    """The GGUF types of the linear layers (the LM head included) still on the float path after
+    quantize_from_gguf and q8_head_from_gguf, with how many of each: what the int8 kernels lack."""
+    head = model.get_output_embeddings()
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    left: dict[str, int] = {}
+    for tensor, _, module in _linear_tensors(model, path)[0]:
+        if tensor.name == "token_embd.weight" and tied:
+            module = head  # the head is the embedding's weight
+        if isinstance(module, torch.nn.Linear):  # RowsLinear too: a float kernel
+            kind = tensor.tensor_type.name
+            left[kind] = left.get(kind, 0) + 1
+    return left
