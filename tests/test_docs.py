@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 OPTIONS = ROOT / "conf" / "decoding" / "options.yaml"
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 README_MAX_LINES = 220
+PERFORMANCE_MAX_LINES = 600  # current figures per topic; history lives in git, design in decoding.md
 
 
 def _flat_keys(node: yaml.Node, prefix: str = "") -> dict[str, int]:
@@ -115,3 +116,10 @@ def test_readme_links_every_doc() -> None:
 def test_readme_is_a_front_page() -> None:
     lines = (ROOT / "README.md").read_text().splitlines()
     assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines; move detail to docs/"
+
+
+def test_performance_page_holds_current_figures_only() -> None:
+    lines = (ROOT / "docs" / "performance.md").read_text().splitlines()
+    assert len(lines) <= PERFORMANCE_MAX_LINES, (
+        f"docs/performance.md has {len(lines)} lines; keep a topic's current figures, move design to docs/decoding.md"
+    )
