@@ -135,7 +135,7 @@ def test_strict_and_flexible_extraction(text, strict, flexible, sentence):
 
 
 def test_answer_prefers_the_stated_number_and_reports_both():
-    task = GSM8K()
+    task = GSM8K(thoughts="subquestions")
     problem = Problem("p", "How many muffins?", "10")
     step = REAL_FINAL_STEPS[0][0]
     assert task.answers(problem, ["a", "b", "c", step]) == {"strict": "10", "flexible": "18"}
@@ -146,7 +146,7 @@ def test_answer_prefers_the_stated_number_and_reports_both():
 
 
 def test_the_evaluator_values_the_stated_answer_of_a_final_step():
-    task = GSM8K()
+    task = GSM8K(thoughts="subquestions")
     problem = Problem("p", "How many muffins?", "10")
     step = REAL_FINAL_STEPS[0][0]
     assert task.parse_thought(problem, ["s1", "s2", "s3"], step[len(FINAL_PREFIX) :]) == step  # the tree keeps it all
@@ -207,7 +207,7 @@ def test_parse_value(text, expected):
 
 
 def test_task_parse_value_adds_prefix():
-    task = GSM8K()
+    task = GSM8K(thoughts="subquestions")
     # The evaluator's reply comes without its prefix "Score:".
     assert task.parse_value(" 8, it is correct.") == 8.0
     assert task.parse_value(" 12") == 0.0
@@ -217,7 +217,7 @@ def test_task_parse_value_adds_prefix():
 
 
 def test_load_bundled():
-    problems = GSM8K().load(DataSpec())
+    problems = GSM8K(thoughts="subquestions").load(DataSpec())
     assert [p.id for p in problems] == list(BUNDLED)
     assert {p.id: p.gold for p in problems} == BUNDLED
     assert problems[0].question.startswith("A baker makes 24 muffins")
@@ -225,7 +225,7 @@ def test_load_bundled():
 
 
 def test_load_bundled_limit_offset():
-    problems = GSM8K().load(DataSpec(limit=2, offset=3))
+    problems = GSM8K(thoughts="subquestions").load(DataSpec(limit=2, offset=3))
     assert [p.id for p in problems] == ["bundled-4", "bundled-5"]
     assert [p.gold for p in problems] == ["56", "180"]
     with pytest.raises(
@@ -233,14 +233,14 @@ def test_load_bundled_limit_offset():
         match=r"data\.offset=10 data\.limit=null selects no problem of data file .*"
         r"gsm8k_examples\.jsonl \(6 problems\); give data\.offset below 6",
     ):
-        GSM8K().load(DataSpec(offset=10))
+        GSM8K(thoughts="subquestions").load(DataSpec(offset=10))
 
 
 @pytest.mark.skipif(not SHARED_TEST.is_file(), reason=f"{SHARED_TEST} is absent")
 def test_load_shared_test_set():
     lines = SHARED_TEST.read_text(encoding="utf-8").splitlines()
     records = [json.loads(line) for line in lines if line.strip()]
-    task = GSM8K()
+    task = GSM8K(thoughts="subquestions")
 
     everything = task.load(DataSpec(path=str(SHARED_TEST)))
     assert len(everything) == len(records) == 1319
@@ -268,14 +268,14 @@ def _record(q: str = "What is 1 + 1?", a: str = "1 + 1 = 2\n#### 2", **extra) ->
 
 def test_load_own_file_ids_and_blank_lines(tmp_path):
     path = _write(tmp_path / "mine.jsonl", [_record(id="q-a"), "", _record(a="#### 1,000"), "   "])
-    problems = GSM8K().load(DataSpec(path=str(path)))
+    problems = GSM8K(thoughts="subquestions").load(DataSpec(path=str(path)))
     assert [(p.id, p.gold) for p in problems] == [("q-a", "2"), ("mine-1", "1000")]
 
 
 def test_invalid_json_names_file_and_line(tmp_path):
     path = _write(tmp_path / "bad.jsonl", [_record(), _record(), '{"question": "x", "answer": '])
     with pytest.raises(DataError) as info:
-        GSM8K().load(DataSpec(path=str(path)))
+        GSM8K(thoughts="subquestions").load(DataSpec(path=str(path)))
     message = str(info.value)
     assert f"{path}:3" in message
     assert "JSON" in message
@@ -285,7 +285,7 @@ def test_invalid_json_names_file_and_line(tmp_path):
 def test_record_without_answer_names_line(tmp_path):
     path = _write(tmp_path / "noanswer.jsonl", [_record(), json.dumps({"question": "What?"}), _record()])
     with pytest.raises(DataError) as info:
-        GSM8K().load(DataSpec(path=str(path)))
+        GSM8K(thoughts="subquestions").load(DataSpec(path=str(path)))
     message = str(info.value)
     assert f"{path}:2" in message
     assert "answer" in message
@@ -294,14 +294,14 @@ def test_record_without_answer_names_line(tmp_path):
 def test_record_not_an_object(tmp_path):
     path = _write(tmp_path / "list.jsonl", ["[1, 2]"])
     with pytest.raises(DataError, match=r"list\.jsonl:1"):
-        GSM8K().load(DataSpec(path=str(path)))
+        GSM8K(thoughts="subquestions").load(DataSpec(path=str(path)))
 
 
 def test_answer_without_hashes_names_line(tmp_path):
     # The blank line makes the record's index (2) differ from its line number (3).
     path = _write(tmp_path / "nohash.jsonl", [_record(), "", _record(a="The answer is 4."), _record()])
     with pytest.raises(DataError) as info:
-        GSM8K().load(DataSpec(path=str(path)))
+        GSM8K(thoughts="subquestions").load(DataSpec(path=str(path)))
     message = str(info.value)
     assert f"{path}:3:" in message
     assert "####" in message
@@ -310,7 +310,7 @@ def test_answer_without_hashes_names_line(tmp_path):
 def test_missing_file_names_path(tmp_path):
     path = tmp_path / "nowhere" / "missing.jsonl"
     with pytest.raises(DataError) as info:
-        GSM8K().load(DataSpec(path=str(path)))
+        GSM8K(thoughts="subquestions").load(DataSpec(path=str(path)))
     assert f"data.path={path}" in str(info.value)
     assert "does not exist" in str(info.value)
 
@@ -318,7 +318,7 @@ def test_missing_file_names_path(tmp_path):
 def test_empty_file(tmp_path):
     path = _write(tmp_path / "empty.jsonl", ["", "  "])
     with pytest.raises(DataError, match="no records"):
-        GSM8K().load(DataSpec(path=str(path)))
+        GSM8K(thoughts="subquestions").load(DataSpec(path=str(path)))
 
 
 @pytest.mark.parametrize("kwargs, named", [({"limit": 0}, "data.limit=0"), ({"offset": -1}, "data.offset=-1")])
@@ -333,7 +333,7 @@ PROBLEM = Problem(id="p1", question="A baker makes 24 muffins and sells 12. How 
 
 
 def test_is_correct():
-    task = GSM8K()
+    task = GSM8K(thoughts="subquestions")
     assert task.is_correct(PROBLEM, "12")
     assert not task.is_correct(PROBLEM, "13")
     assert not task.is_correct(PROBLEM, "")
@@ -341,7 +341,7 @@ def test_is_correct():
 
 
 def test_answer_from_last_step():
-    task = GSM8K()
+    task = GSM8K(thoughts="subquestions")
     steps = ["Sub-question 1: How many? Sub-answer 1: 24 - 12 = 12.", "The answer is $1,200.00 muffins."]
     assert task.answer(PROBLEM, steps) == "1200"
     assert task.answer(PROBLEM, ["The answer is unclear."]) == ""
@@ -353,7 +353,7 @@ def test_answer_from_last_step():
 
 
 def test_generator_prompt_first_step():
-    task = GSM8K(depth=4)
+    task = GSM8K(thoughts="subquestions", depth=4)
     prompt = task.generator_prompt(PROBLEM, [])
     assert PROBLEM.question in prompt.text
     assert "none yet" in prompt.text
@@ -362,7 +362,7 @@ def test_generator_prompt_first_step():
 
 
 def test_generator_prompt_contains_previous_steps():
-    task = GSM8K(depth=4)
+    task = GSM8K(thoughts="subquestions", depth=4)
     steps = ["Sub-question 1: How many in all? Sub-answer 1: 24.", "Sub-question 2: Sold? Sub-answer 2: 12."]
     prompt = task.generator_prompt(PROBLEM, steps)
     assert PROBLEM.question in prompt.text
@@ -375,7 +375,7 @@ def test_generator_prompt_contains_previous_steps():
 
 @pytest.mark.parametrize("depth", [1, 2, 4, 5])
 def test_final_step_uses_final_prefix(depth):
-    task = GSM8K(depth=depth)
+    task = GSM8K(thoughts="subquestions", depth=depth)
     steps = [f"Sub-question {k}: q{k}? Sub-answer {k}: {k}." for k in range(1, depth)]
     prompt = task.generator_prompt(PROBLEM, steps)
     assert prompt.prefix == FINAL_PREFIX
@@ -386,7 +386,7 @@ def test_final_step_uses_final_prefix(depth):
 
 
 def test_parse_thought_reattaches_prefix():
-    task = GSM8K(depth=4)
+    task = GSM8K(thoughts="subquestions", depth=4)
     first = task.parse_thought(PROBLEM, [], " How many in all?\nSub-answer 1: 24.  ")
     assert first == "Sub-question 1: How many in all?\nSub-answer 1: 24."
     steps = ["s1", "s2", "s3"]
@@ -396,7 +396,7 @@ def test_parse_thought_reattaches_prefix():
 
 
 def test_evaluator_prompt():
-    task = GSM8K(depth=4)
+    task = GSM8K(thoughts="subquestions", depth=4)
     steps = ["Sub-question 1: How many in all? Sub-answer 1: 24.", "Sub-question 2: Sold? Sub-answer 2: 12."]
     prompt = task.evaluator_prompt(PROBLEM, steps)
     assert PROBLEM.question in prompt.text
@@ -409,7 +409,7 @@ def test_evaluator_prompt():
 
 
 def test_whole_solution_prompt_steps_and_evaluator():
-    task = GSM8K()
+    task = GSM8K(thoughts="subquestions")
     problem = Problem(id="x", question="Tom has 3 apples and buys 4 more. How many now?", gold="7")
     prompt = task.solution_prompt(problem)
     assert prompt.text.startswith(problem.question) and "step by step" in prompt.text
@@ -430,3 +430,45 @@ def test_a_boxed_answer_is_a_stated_one():
     assert strict_answer("it costs \\boxed{\\$18.50}") == "18.5"
     assert strict_answer("The answer is 7. Not \\boxed{8}") == "7"  # the phrase first
     assert strict_answer("\\boxed{x + 1}") is None
+
+
+# --- thoughts as paragraphs of the model's own solution (the default) -------------------------
+
+
+def test_a_paragraph_thought_continues_the_models_own_solution():
+    task = GSM8K()
+    problem = Problem("p", "Janet has 3 apples and buys 2. How many now?", "5")
+    assert (task.thoughts, task.depth) == ("paragraphs", 10)
+    first = task.generator_prompt(problem, [])
+    assert first.text == task.solution_prompt(problem).text and first.prefix == "" and first.stop == ("\n\n",)
+    steps = ["Janet starts with 3 apples.", "She buys 2, so 3 + 2 = 5."]
+    later = task.generator_prompt(problem, steps)
+    assert later.text == first.text  # one conversation: the reply so far is the prefix
+    assert later.prefix == "Janet starts with 3 apples.\n\nShe buys 2, so 3 + 2 = 5.\n\n"
+    assert task.parse_thought(problem, steps, "  The answer is 5.\n") == "The answer is 5."
+
+
+def test_a_path_of_paragraphs_ends_where_one_states_the_answer():
+    task = GSM8K()
+    problem = Problem("p", "q", "5")
+    assert not task.is_terminal(problem, ["3 + 2 = 5 apples in all."])
+    assert task.is_terminal(problem, ["3 + 2 = 5.", "The answer is 5."])
+    assert task.is_terminal(problem, ["So she has \\boxed{5} apples."])
+    assert task.answer(problem, ["3 + 2 = 5.", "The answer is 5."]) == "5"
+    assert not GSM8K(thoughts="subquestions").is_terminal(problem, ["The answer is 5."])  # the depth ends those
+
+
+def test_a_paragraph_is_valued_after_the_solution_so_far():
+    task = GSM8K()
+    problem = Problem("p", "How many apples?", "5")
+    first = task.evaluator_prompt(problem, ["Janet starts with 3 apples."]).text
+    assert "A solution so far:\n(nothing yet)\n\nIts next part:\nJanet starts with 3 apples.\n" in first
+    later = task.evaluator_prompt(problem, ["Janet starts with 3.", "She buys 2: 5."]).text
+    assert "A solution so far:\nJanet starts with 3.\n\nIts next part:\nShe buys 2: 5.\n" in later
+
+
+def test_thoughts_and_depth_are_checked():
+    assert GSM8K(thoughts="subquestions").depth == 4
+    assert GSM8K(depth=6).depth == 6
+    with pytest.raises(DataError, match=r"task.thoughts=.lines. is not one of paragraphs, subquestions"):
+        GSM8K(thoughts="lines")

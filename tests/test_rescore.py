@@ -78,7 +78,7 @@ def test_rescore_bad_run_dir_is_one_line(tmp_path):
 def test_dvts_vote_is_taken_again_on_the_reread_answers():
     """Three subtrees' final answers; the old parser read the first as 7 (its last number), so 7
     won the vote (2 + 4 against 3); read as stated (12), 12 wins (2 + 3 against 4)."""
-    task = make_task("gsm8k", 1, {})
+    task = make_task("gsm8k", 1, {"thoughts": "subquestions"})  # raw replies after "The answer is"
     problem = Problem("p", "How many?", "12")
     tree = ReasoningTree(problem.question)
     finals = []

@@ -15,7 +15,7 @@ from decoding.core.values import DecodeStats, GenRequest, GenResult
 from tasks.base import DataError
 from tasks.gsm8k import FINAL_PREFIX, SCORE_PREFIX
 from tot.config import ConfigError, RunConfig
-from tot.run import run, summary_line
+from tot.run import build_task, run, summary_line
 
 IDS = [f"bundled-{i}" for i in range(1, 7)]
 GOLD_12 = {"bundled-1", "bundled-6"}  # the fake always answers 12
@@ -24,8 +24,13 @@ GEN_TOKENS, EVAL_TOKENS = 4 * 3 * 3, 4 * 3 * 2
 
 
 def make_config(*overrides: str) -> RunConfig:
+    """The run's config; GSM8K with SEED's sub-question thoughts (depth 4), which the fake engines
+    answer: these tests are about a run's mechanics, tests/test_gsm8k.py about the prompts."""
+    task = next((o.split("=", 1)[1] for o in overrides if o.startswith("task=")), "gsm8k")
+    own = any(o.startswith("task.thoughts=") for o in overrides)
+    sub = ["task.thoughts=subquestions"] if task == "gsm8k" and not own else []
     with initialize_config_module(config_module="conf", version_base="1.3"):
-        cfg = compose(config_name="config", overrides=list(overrides))
+        cfg = compose(config_name="config", overrides=[*overrides, *sub])
     return RunConfig.from_omegaconf(cfg)
 
 
@@ -106,7 +111,7 @@ def assert_as_uninterrupted(cfg: RunConfig, out: Path, whole: Path) -> None:
 
 def test_run_writes_outputs(tmp_path):
     cfg = make_config("run.concurrency=1")  # problems one by one: results in order
-    assert cfg.task == "gsm8k" and cfg.depth == 4 and cfg.bfs.n_thoughts == 3 and cfg.bfs.breadth == 1
+    assert cfg.task == "gsm8k" and build_task(cfg).depth == 4 and cfg.bfs.n_thoughts == 3 and cfg.bfs.breadth == 1
     engine = FakeEngine()
     out = tmp_path / "run"
     summary = run(cfg, out, engine=engine, progress=False)

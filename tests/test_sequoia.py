@@ -354,6 +354,7 @@ def test_command_stand(tmp_path, long_context, profile_file):
         "search.n_thoughts=4",
         "gen.max_thought_tokens=24",
         "verify.rule=match_multinomial",
+        "task.thoughts=subquestions",  # the setup its seed was picked under
     )
     made, summary = build(cfg, tmp_path / "run", target=long_context, progress=False)
     meta = made.tree.meta

@@ -23,8 +23,9 @@ def solve_one(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_one_gsm8k_problem_end_to_end(tmp_path):
+    """SEED's setup (sub-question thoughts), whose tree has a fixed shape: 4 levels of 3 thoughts."""
     run_dir = tmp_path / "run"
-    proc = solve_one(run_dir)
+    proc = solve_one(run_dir, "task.thoughts=subquestions")
     assert "Traceback" not in proc.stderr
     assert "accuracy" in proc.stdout
 
@@ -104,4 +105,6 @@ def test_one_gsm8k_problem_on_the_packaged_qwen_0_5b(tmp_path):
         tree = json.loads((run_dir / "trees" / "bundled-1.json").read_text())
         trees[decoder] = [(n["depth"], n["text"]) for n in tree["nodes"]]
     assert trees["seed_stand"] == trees["ar"] and trees["seed"] == trees["ar"]
-    assert len(trees["ar"]) == 1 + 4 * 3
+    # Paragraphs of the model's own solution, 3 a state, until one states the answer (or 10 levels).
+    depths = [d for d, _ in trees["ar"]]
+    assert len(depths) == 1 + 3 * max(depths) and 2 <= max(depths) <= 10

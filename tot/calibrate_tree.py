@@ -46,7 +46,7 @@ from decoding.trees.sequoia import Choice, CostCurve, RankCounts, choose, margin
 from decoding.trees.static import StaticTree, prune
 from tasks.base import DataError
 from tot.config import RunConfig
-from tot.run import make_engine, run, summary_line
+from tot.run import build_task, make_engine, run, summary_line
 
 DRAFTERS = {"stand": "stand", "model": "sd"}  # calibrate.drafter -> the decoder calibrated
 
@@ -289,7 +289,7 @@ def build(
         "task": run_cfg.task,
         "data": {"path": run_cfg.data.path, "offset": run_cfg.data.offset, "limit": run_cfg.data.limit},
         "temperature": run_cfg.gen.temperature,
-        "search": {"n_thoughts": run_cfg.bfs.n_thoughts, "breadth": run_cfg.bfs.breadth, "depth": run_cfg.depth},
+        "search": search_meta(run_cfg),
     }
     return make_tree(recorder.ranks, recorder.draft_ms_per_level, curve, opts, source, meta), summary
 
@@ -346,7 +346,7 @@ def build_pruned(
         "task": run_cfg.task,
         "data": {"path": run_cfg.data.path, "offset": run_cfg.data.offset, "limit": run_cfg.data.limit},
         "temperature": run_cfg.gen.temperature,
-        "search": {"n_thoughts": run_cfg.bfs.n_thoughts, "breadth": run_cfg.bfs.breadth, "depth": run_cfg.depth},
+        "search": search_meta(run_cfg),
         "acceptance_length": summary["acceptance_length"],
         "hits": {str(i): h for i, h in sorted(recorder.hits.items())},
     }
@@ -389,3 +389,8 @@ def main(cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def search_meta(run_cfg: RunConfig) -> dict[str, int]:
+    """The BFS a tree was calibrated under, for its meta (the depth as the task resolved it)."""
+    return {"n_thoughts": run_cfg.bfs.n_thoughts, "breadth": run_cfg.bfs.breadth, "depth": build_task(run_cfg).depth}

@@ -24,7 +24,7 @@ __all__ = ["ConfigError", "RunConfig"]
 @dataclass(frozen=True)
 class RunConfig:
     task: str
-    depth: int
+    depth: int | None  # None: the task's own default
     search: str
     bfs: BFSSettings
     dvts: DVTSSettings
@@ -53,7 +53,8 @@ class RunConfig:
             raise ConfigError(f"task={self.task} is not one of {', '.join(TASKS)}")
         if self.search not in SEARCHES:
             raise ConfigError(f"search={self.search} is not one of {', '.join(SEARCHES)}")
-        _positive("task.depth", self.depth)
+        if self.depth is not None:
+            _positive("task.depth", self.depth)
         _positive("run.concurrency", self.concurrency)
         if self.decoder.server is not None and self.task_options.get("evaluator") == "in_context":
             raise ConfigError(FOLLOW_UPS_REFUSED)
@@ -77,7 +78,7 @@ class RunConfig:
             data = c["data"]
             return cls(
                 task=c["task"]["name"],
-                depth=as_int("task.depth", c["task"]["depth"]),
+                depth=None if c["task"].get("depth") is None else as_int("task.depth", c["task"]["depth"]),
                 search=c["search"]["name"],
                 **_search_settings(c["search"]),
                 decoder=DecoderConfig.from_container(c),

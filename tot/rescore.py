@@ -102,7 +102,8 @@ def _rescore(run_dir: Path, summary_path: Path) -> tuple[dict, dict, list[Change
     old = read_json(summary_path)
     config = old.get("config") or {}
     try:
-        task = make_task(old["task"], int(config["depth"]), dict(config.get("task_options") or {}))
+        depth = None if config.get("depth") is None else int(config["depth"])  # None: the task's default
+        task = make_task(old["task"], depth, dict(config.get("task_options") or {}))
         # The whole file: the folder's records may come from several selections of it.
         whole = {**config["data"], "limit": None, "offset": 0, "shard": 0, "num_shards": 1}
         problems = {p.id: p for p in task.load(DataSpec(**whole))}

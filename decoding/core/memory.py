@@ -45,19 +45,27 @@ def available_bytes(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def peak_rss_mb() -> float:
-    """The process's peak resident memory so far (Linux reports kilobytes, macOS bytes)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10
-
-
-def rss_mb() -> float:
-    """The process's resident memory now (Linux; the peak elsewhere)."""
+def _statm_mb() -> float | None:
+    """The process's resident memory now, where /proc says (Linux)."""
     try:
         with open("/proc/self/statm", encoding="ascii") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
     except OSError:
-        return peak_rss_mb()
+        return None
+
+
+def peak_rss_mb() -> float:
+    """The process's peak resident memory so far (Linux reports kilobytes, macOS bytes). The kernel
+    raises its high-water mark lazily, so it can trail the resident memory of this moment: never less."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak_mb = peak / 2**20 if sys.platform == "darwin" else peak / 2**10
+    return max(peak_mb, _statm_mb() or 0.0)
+
+
+def rss_mb() -> float:
+    """The process's resident memory now (Linux; the peak elsewhere)."""
+    now = _statm_mb()
+    return peak_rss_mb() if now is None else now
 
 
 @dataclass(eq=False)
