@@ -220,6 +220,19 @@ def test_every_key_but_the_allow_list_counts_as_configuration():
     assert "draft.path" in cpu[0] and not [k for k in cpu[0] if k.startswith("draft.") and k != "draft.path"]
 
 
+def test_a_depth_left_to_the_task_is_recorded_as_the_task_runs_it():
+    """task.depth null (GSM8K's default) is recorded as the depth the task takes, so a folder made
+    with it resumes under the same depth given outright, and the thoughts' kind decides it."""
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        containers = [
+            OmegaConf.to_container(compose(config_name="config", overrides=list(o)), resolve=True)
+            for o in ((), ("task.depth=10",), ("task.thoughts=subquestions",), ("task.depth=4",))
+        ]
+    default, ten, sub, four = (Configuration.of(c) for c in containers)
+    assert default.settings["task.depth"] == 10 and default.fingerprint == ten.fingerprint
+    assert sub.settings["task.depth"] == 4 and sub.fingerprint != four.fingerprint  # the thoughts differ
+
+
 def test_at_temperature_0_any_sampling_rule_resumes(tmp_path):
     greedy = ("gen.temperature=0", "gen.eval_temperature=0")
     run(make_config("data.limit=1", *greedy), tmp_path, engine=FakeEngine(), progress=False)

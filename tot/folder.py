@@ -31,6 +31,8 @@ from decoding import (
     resolve_linear,
     resolve_weights,
 )
+from tasks import TASKS, make_task
+from tot.config import TASK_RUN_KEYS
 from tot.output import write_atomic
 from tot.results import ResultsError, ResultStore
 
@@ -137,10 +139,15 @@ def _no_draft_model(key: str, flat: Mapping[str, Any]) -> bool:
 
 def resolved(container: Mapping[str, Any]) -> Settings:
     """What `auto` means for the target (and the draft model) here: the device, weight format,
-    attention, linear kernel and activations load_model will use. A server's decoding is its own: nothing to resolve."""
-    if (container.get("decoder") or {}).get("name") == "server":
-        return {}
+    attention, linear kernel and activations load_model will use (a server's decoding is its own:
+    nothing to resolve); and the depth a task takes where `task.depth` leaves it to the task."""
     out: Settings = {}
+    task = container.get("task") or {}
+    if task.get("depth") is None and task.get("name") in TASKS:
+        options = {k: v for k, v in task.items() if k not in TASK_RUN_KEYS}
+        out["task.depth"] = make_task(task["name"], None, options).depth
+    if (container.get("decoder") or {}).get("name") == "server":
+        return out
     for key in ("model", "draft"):
         values = {k: v for k, v in (container.get(key) or {}).items() if v is not None}
         if key == "draft" and not values.get("path"):
