@@ -57,8 +57,9 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# Parallel workers (pytest-xdist): one per core, at most 4 (each holds its own fixtures' models).
 test: lint $(VENV)/.extras browser
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --maxprocesses=4
 
 # On a CUDA machine: the lossless tests (every decoder, greedy and sampled, continuous batching, the
 # prefix store) with the fixtures' tiny models on the GPU, in float32 without TF32 (docs/performance.md,

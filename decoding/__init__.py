@@ -11,7 +11,7 @@ What the searches, runs and benchmarks use is exported here (tests/test_layout.p
 it); the tuning tools that work on the internals (tot.calibrate_tree, tot.train_edd) import further.
 """
 
-from decoding.config import CHOICES, DecoderConfig
+from decoding.config import DecoderConfig, choices
 from decoding.core.errors import BackendError, ConfigError, OutputError
 from decoding.core.heap import frozen
 from decoding.core.memory import peak_rss_mb
@@ -29,6 +29,7 @@ from decoding.core.models import (
     resolve_weights,
 )
 from decoding.core.options import as_float, as_int, from_dict
+from decoding.core.plugins import ENV, Lazy, Plugin, table, unknown
 from decoding.core.rows_linear import resolve_linear
 from decoding.core.values import Completion, DecodeStats, GenRequest, GenResult, Group
 from decoding.drafters.load import load_draft
@@ -37,9 +38,9 @@ from decoding.kinds import DECODERS
 from decoding.server import FOLLOW_UPS_REFUSED, ServerEngine, ServerOptions
 
 __all__ = [
-    "CHOICES",
     "DECODERS",
     "EMBEDDED",
+    "ENV",
     "FOLLOW_UPS_REFUSED",
     "BackendError",
     "Completion",
@@ -50,13 +51,16 @@ __all__ = [
     "GenRequest",
     "GenResult",
     "Group",
+    "Lazy",
     "LoadedModel",
     "ModelSpec",
     "OutputError",
+    "Plugin",
     "ServerEngine",
     "ServerOptions",
     "as_float",
     "as_int",
+    "choices",
     "from_dict",
     "frozen",
     "int8_lacks",
@@ -71,4 +75,6 @@ __all__ = [
     "resolve_linear",
     "resolve_weights",
     "run_sync",
+    "table",
+    "unknown",
 ]

@@ -2,31 +2,36 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, make_dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from decoding.core.errors import ConfigError
 from decoding.core.models import ModelSpec
 from decoding.core.options import from_dict, option_names
-from decoding.kinds import DECODERS, ENV, TABLES
+from decoding.core.plugins import unknown
+from decoding.kinds import DECODERS, SECTIONS
 from decoding.schedules.base import VerifyOptions
 from decoding.schedules.seed import SeedOptions
 from decoding.server import NAME as SERVER
 from decoding.server import ServerOptions
 from decoding.trees.policies import DraftTreeOptions
 
-CHOICES = (*DECODERS, SERVER)  # decoder=...: the in-process decoders, and a server's engine
+
+def choices() -> tuple[str, ...]:
+    """decoder=...: the in-process decoders (plug-ins included), and a server's engine."""
+    return (*DECODERS, SERVER)
 
 
 def unknown_decoder(name: str) -> ConfigError:
-    return ConfigError(
-        f"decoder={name} is not one of {', '.join(CHOICES)} (a plug-in outside decoding/ is named in {ENV})"
-    )
+    return unknown("decoder", name, choices())
 
 
 @dataclass(frozen=True)
-class ScheduleConfig:
-    """The fields of `DecoderConfig` the schedules own; the drafters' sections follow them."""
+class DecoderConfig:
+    """A decoder (a key of decoding.kinds.DECODERS) and the options of every section it reads: the
+    schedules' own fields, and the drafters' sections (`options`, section -> its options; a section
+    not given reads its defaults)."""
 
     name: str = "ar"
     draft_tree: DraftTreeOptions = field(default_factory=DraftTreeOptions)  # from sd.* or seed.*
@@ -34,6 +39,7 @@ class ScheduleConfig:
     verify: VerifyOptions = field(default_factory=VerifyOptions)
     draft: ModelSpec | None = None  # path "self" drafts with the target itself
     server: ServerOptions | None = None  # decoder=server: the serving engine to send requests to
+    options: Mapping[str, Any] = field(default_factory=dict)  # a drafter's section -> its options
 
     def __post_init__(self) -> None:
         if self.name == SERVER:
@@ -47,6 +53,13 @@ class ScheduleConfig:
                 f"decoder={self.name} drafts with a draft model: set draft.path=<Hugging Face id or directory "
                 "sharing the target's tokenizer>, or draft.path=self to measure the machinery alone"
             )
+        for section, value in self.options.items():
+            if section not in SECTIONS or not isinstance(value, SECTIONS[section]):
+                raise ConfigError(f"DecoderConfig.options[{section!r}] is not a drafter section's options: {value!r}")
+
+    def section(self, name: str) -> Any:
+        """The options a drafter reads from config section `name` (its defaults where not given)."""
+        return self.options[name] if name in self.options else SECTIONS[name]()
 
     @classmethod
     def from_container(cls, c: dict[str, Any]) -> DecoderConfig:
@@ -57,31 +70,19 @@ class ScheduleConfig:
         if name not in DECODERS:
             raise unknown_decoder(name)
         kind = DECODERS[name]
-        hints = {"draft_tree": DraftTreeOptions, "seed": SeedOptions, "verify": VerifyOptions, **TABLES.sections}
-        options: dict[str, Any] = {}
+        hints = {"draft_tree": DraftTreeOptions, "seed": SeedOptions, "verify": VerifyOptions, **SECTIONS}
+        read: dict[str, Any] = {}
         for f in kind.options:
             namespace = kind.tree_section if f == "draft_tree" else f
             # `seed:` holds both SEED's schedule options and its draft tree's: each reader skips the other's.
             shared = option_names(SeedOptions if f == "draft_tree" else DraftTreeOptions) if namespace == "seed" else ()
-            options[f] = from_dict(hints[f], c.get(namespace), namespace, ignore=shared)
+            read[f] = from_dict(hints[f], c.get(namespace), namespace, ignore=shared)
+        options = {f: v for f, v in read.items() if f not in SECTIONS}
         draft_cfg = c.get("draft") or {}
         draft = None
         if kind.draft_model != "none" and draft_cfg.get("path") not in (None, ""):
             draft = ModelSpec.from_config({k: v for k, v in draft_cfg.items() if v is not None}, "draft")
         if "verify" in options:
             options["verify"] = options["verify"].for_decoder(name)
-        return cls(name=name, draft=draft, **options)
-
-
-DecoderConfig = make_dataclass(
-    "DecoderConfig",
-    [(section, options, field(default_factory=options)) for section, options in TABLES.sections.items()],
-    bases=(ScheduleConfig,),
-    frozen=True,
-    namespace={
-        "__module__": __name__,
-        "__doc__": "A decoder (a key of decoding.kinds.DECODERS) and the options of every section it reads: "
-        "the schedules' fields, then one field per drafter section (config.stand, config.pld, ...), "
-        "made from the plug-in declarations.",
-    },
-)
+        sections = {f: v for f, v in read.items() if f in SECTIONS}
+        return cls(name=name, draft=draft, options=sections, **options)

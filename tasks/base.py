@@ -8,7 +8,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import ClassVar, Protocol
+
+from decoding import Plugin
 
 
 class DataError(ValueError):
@@ -251,3 +253,14 @@ def text_lines(path: Path) -> list[str]:
     if lines and lines[-1] == "":
         lines.pop()  # the newline that ends the last line starts no line of its own
     return lines
+
+
+@dataclass(frozen=True)
+class TaskPlugin(Plugin):
+    """A task's declaration (`PLUGIN = TaskPlugin(name=..., build=Cls, options=Cls)` at the end of its
+    module): its options are the task dataclass's own fields (`task.<field>=...`), its builder that
+    class (tasks/__init__.py gathers them)."""
+
+    KIND: ClassVar[str] = "task"
+
+    section: str = "task"

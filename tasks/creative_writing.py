@@ -12,7 +12,17 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from tasks.base import DataError, DataSpec, Problem, Prompt, TaskDefaults, check_evaluator, check_positive, text_lines
+from tasks.base import (
+    DataError,
+    DataSpec,
+    Problem,
+    Prompt,
+    TaskDefaults,
+    TaskPlugin,
+    check_evaluator,
+    check_positive,
+    text_lines,
+)
 
 N_SENTENCES = 4
 PLAN_PREFIX = "Plan:\n"
@@ -225,3 +235,6 @@ class CreativeWriting(TaskDefaults):
 
     def judge_prompt(self, problem: Problem, answer: str) -> Prompt | None:
         return self._score_prompt(problem, "passage", answer)
+
+
+PLUGIN = TaskPlugin(name="creative_writing", build=CreativeWriting, options=CreativeWriting)

@@ -16,6 +16,7 @@ from tasks.base import (
     Problem,
     Prompt,
     TaskDefaults,
+    TaskPlugin,
     check_evaluator,
     check_positive,
     read_jsonl,
@@ -253,3 +254,6 @@ def _steps_block(steps: list[str]) -> str:
     if not steps:
         return "Steps so far: none yet."
     return "Steps so far:\n" + "\n".join(steps)
+
+
+PLUGIN = TaskPlugin(name="gsm8k", build=GSM8K, options=GSM8K)

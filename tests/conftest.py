@@ -12,7 +12,15 @@ import pytest
 import torch
 from llama_server import LlamaServer, llama_server
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 from decoding.core.draft_tree import k_config_parents
 from decoding.core.models import LoadedModel, embedded_file, prepare_for_inference
@@ -20,6 +28,10 @@ from decoding.core.rows_linear import resolve_linear
 from decoding.core.static_forward import Buckets, StaticSpec
 from decoding.engine import Engine
 from decoding.trees.static import StaticTree
+
+ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+# Llama's layers under another class: what an architecture plug-in adds (tests/test_plugins.py).
+ARCHS["mistral"] = (lambda **kw: MistralConfig(sliding_window=None, **kw), MistralForCausalLM)
 
 SPECIALS = ("<pad>", "<bos>", "<eos>")  # ids 0, 1, 2
 # TOT_TEST_DEVICE=cuda runs the fixtures' models on a GPU (docs/performance.md, "On a GPU"): float32
@@ -69,6 +81,13 @@ def pytest_configure(config: pytest.Config) -> None:
         pytest.exit("TOT_TEST_DEVICE=cuda but no CUDA device is visible; unset it to test on the CPU", returncode=2)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The tests marked slow (minutes each, on real models) first: under parallel workers (make test
+    runs pytest-xdist) they start at once and the short ones fill in beside them, where last they
+    would end the run alone on one worker. Otherwise the order stays."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """With TOT_TEST_FAILURES=PATH each failure is appended there as it happens: a run cut short (a
     device call's time limit, tools/gpu_check.py) still says why each test failed, where pytest's
@@ -98,10 +117,10 @@ def tokenizer() -> PreTrainedTokenizerFast:
 
 
 def build_model(vocab_size: int, seed: int = 0, max_positions: int = 512, arch: str = "llama") -> torch.nn.Module:
-    """A tiny random causal LM of `arch` (llama, or qwen2: Llama's layers with q, k and v biases,
-    given random values here so that they count)."""
+    """A tiny random causal LM of `arch` (a key of ARCHS; qwen2's q, k and v biases are given random
+    values here so that they count)."""
     torch.manual_seed(seed)
-    config_type, model_type = (LlamaConfig, LlamaForCausalLM) if arch == "llama" else (Qwen2Config, Qwen2ForCausalLM)
+    config_type, model_type = ARCHS[arch]
     config = config_type(
         vocab_size=vocab_size,
         hidden_size=64,

@@ -193,7 +193,7 @@ def test_config_errors_name_the_key(values, pattern):
 
 def test_config_reads_the_namespace():
     cfg = DecoderConfig.from_container({"decoder": {"name": "aded"}, "aded": {"iterations": 7, "c1": 32, "corpus": ""}})
-    assert (cfg.aded.iterations, cfg.aded.c1, cfg.aded.corpus) == (7, 32.0, None)
+    assert (cfg.section("aded").iterations, cfg.section("aded").c1, cfg.section("aded").corpus) == (7, 32.0, None)
     assert DecoderConfig.from_container({"decoder": {"name": "ar"}, "aded": {"iterations": 0}}).aded == AdedOptions()
 
 
@@ -203,7 +203,9 @@ TEST_OPTIONS = {"iterations": 16, "max_nodes": 8, "max_depth": 4, "top_k": 3}
 
 
 def engine_for(loaded, **options) -> Engine:
-    return Engine(loaded, DecoderConfig("aded", aded=AdedOptions(**{**TEST_OPTIONS, **options}), verify=UNCAPPED))
+    return Engine(
+        loaded, DecoderConfig("aded", options={"aded": AdedOptions(**{**TEST_OPTIONS, **options})}, verify=UNCAPPED)
+    )
 
 
 @pytest.mark.parametrize("scope", ["group", "problem", "run"])

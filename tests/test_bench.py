@@ -189,7 +189,10 @@ def test_bench_variants(long_context, tmp_path):
     assert skipped == ["sd_pct", "sd_wr"]  # no draft model configured
     configs, skipped = decoder_configs(container, ["hf", "stand"], True, container["bench"]["variants"])
     assert list(configs) == ["hf", "stand", "stand_chain", "sd_pct", "sd_wr"] and not skipped
-    assert configs["stand_chain"].stand.tree == str(tree) and configs["stand"].stand.tree == "default"
+    assert (
+        configs["stand_chain"].section("stand").tree == str(tree)
+        and configs["stand"].section("stand").tree == "default"
+    )
     assert configs["sd_pct"].draft_tree.tree_policy == "pct" and configs["sd_pct"].draft_tree.pct_ratio == 0.2
     assert configs["sd_wr"].draft_tree.without_replacement and configs["sd_wr"].name == "sd"
     result = bench(run_cfg, configs, long_context, long_context, progress=False)

@@ -25,8 +25,9 @@ from decoding.kinds import DECODERS
 from decoding.schedules.base import VerifyOptions
 from tasks.base import Problem
 from tasks.gsm8k import GSM8K
+from tot.bfs import BFS, BFSSettings
 from tot.run import solve_all
-from tot.search import BFS, BFSSettings, GenSettings, run_sync
+from tot.search import GenSettings, run_sync
 
 SPECS = [
     ("the cat", 18),

@@ -158,5 +158,5 @@ def test_config_reads_dvts():
     from test_run import make_config
 
     cfg = make_config("search=dvts", "search.n=8", "search.beam_width=4", "search.aggregate=vote")
-    assert cfg.search == "dvts" and cfg.dvts == DVTSSettings(n=8, beam_width=4, aggregate="vote")
-    assert cfg.dvts.subtrees == 2
+    assert cfg.search == "dvts" and cfg.search_settings == DVTSSettings(n=8, beam_width=4, aggregate="vote")
+    assert cfg.search_settings.subtrees == 2

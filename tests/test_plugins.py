@@ -1,6 +1,8 @@
-"""A drafter is one module and its yaml: the tables and the config are built from the modules'
-declarations, a bad or clashing declaration stops the import with one line naming the module, and a
-toy drafter written here runs from the command line as `decoder=toy`, losslessly."""
+"""A plug-in of any kind (drafter, search, task, architecture) is one module and its yaml: the tables
+and the config are built from the modules' declarations (decoding/core/plugins.py), a bad or clashing
+declaration stops the load with one line naming the module, and toy plug-ins of each kind written here
+run from the command line: `decoder=toy` losslessly; `search=chain task=shouted` on a tiny Mistral
+model, which the project's layers compute once its architecture module is named."""
 
 from __future__ import annotations
 
@@ -8,7 +10,6 @@ import json
 import subprocess
 import sys
 import textwrap
-from dataclasses import fields
 
 import pytest
 from test_cli import REPO, save_tiny_checkpoint, subprocess_env
@@ -16,8 +17,13 @@ from test_generate import PROMPTS, read, write_prompts
 
 from conf import reference
 from decoding.config import DecoderConfig
+from decoding.core import architectures, llama
 from decoding.core.errors import ConfigError
-from decoding.kinds import DECODERS, DRAFTERS, MODULES, build_tables
+from decoding.core.plugins import declared, table
+from decoding.kinds import DECODERS, DRAFTERS, SECTIONS, load
+from tasks import TaskPlugin
+from tot.searches import SEARCHES, SearchPlugin
+from tot.show import load_tree
 
 TOY = '''
 """A toy drafter: a chain repeating the sequence's last token."""
@@ -64,7 +70,7 @@ class ToyDrafter:
 
 PLUGIN = DrafterPlugin(
     name="toy",
-    build=lambda config, target, tokenizer, draft: ToyDrafter(config.toy),
+    build=lambda config, target, tokenizer, draft: ToyDrafter(config.section("toy")),
     options=ToyOptions,
     section="toy",
     decoders=(DecoderKind("toy", "batch", "toy", ("toy", "verify")),),
@@ -91,9 +97,8 @@ def test_tables_and_config_come_from_the_declarations():
     assert set(DRAFTERS) == {"none", "model", "stand", "suffix", "pld", "recycling", "aded"}
     assert {k.drafter for k in DECODERS.values()} <= set(DRAFTERS)
     sections = {p.section: p.options for p in DRAFTERS.values() if p.options is not None}
-    config = {f.name: f.type for f in fields(DecoderConfig)}
-    assert all(config[s] is o for s, o in sections.items())
-    assert DecoderConfig("stand").stand == sections["stand"]()
+    assert dict(SECTIONS) == sections
+    assert DecoderConfig("stand").section("stand") == sections["stand"]()
     with pytest.raises(ConfigError, match=r"decoder=toy is not one of .* named in TOT_SPEC_PLUGINS"):
         DecoderConfig("toy")
 
@@ -102,7 +107,7 @@ def test_a_module_without_a_declaration_fails_naming_it(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     name = write_module(tmp_path, "undeclared_drafter", "X = 1\n")
     with pytest.raises(ConfigError, match=r"^plug-in module undeclared_drafter declares no PLUGIN") as e:
-        build_tables((*MODULES, name))
+        load((name,))
     assert "\n" not in str(e.value)
 
 
@@ -113,11 +118,11 @@ def test_two_modules_claiming_one_name_fail_naming_the_second(tmp_path, monkeypa
     )
     name = write_module(tmp_path, "clashing_drafter", clash)
     with pytest.raises(ConfigError, match=r"^plug-in module clashing_drafter: drafter pld is already declared by "):
-        build_tables((*MODULES, name))
+        load((name,))
     decoder_clash = TOY.replace('DecoderKind("toy"', 'DecoderKind("ar"')
     name = write_module(tmp_path, "clashing_decoder", decoder_clash)
     with pytest.raises(ConfigError, match=r"^plug-in module clashing_decoder: decoder ar is already declared by "):
-        build_tables((*MODULES, name))
+        load((name,))
 
 
 def test_a_toy_drafter_runs_from_the_command_line_as_ar_does(tmp_path, tiny_model, tokenizer):
@@ -154,3 +159,138 @@ def test_a_plugin_yamls_options_are_in_the_reference(tmp_path):
     text = reference.render_decoders(tmp_path)
     assert "| `toy` | The toy drafter: the last token, repeated. Options: toy.* |" in text
     assert "| `toy.depth` | `2` | chain length |" in text and "decoder.name" not in text
+
+
+CHAIN = '''
+"""A toy search: one chain, the first thought at each depth, at most `search.steps` of them."""
+
+from dataclasses import dataclass, replace
+
+from decoding import Group
+from tot.search import SearchBase
+from tot.searches import SearchPlugin
+
+
+@dataclass(frozen=True)
+class ChainSettings:
+    steps: int = 8
+
+    def scaled(self, n):
+        return replace(self, steps=n)
+
+
+class Chain(SearchBase):
+    async def solve(self, problem, engine):
+        step = self.step(problem, engine)
+        node = step.tree.root
+        for depth in range(1, min(self.task.depth, self.settings.steps) + 1):
+            node = (await step.grow([(node, 1, "")], Group(problem.id, f"d{depth}/eval")))[0]
+            step.tree[node].chosen = True
+            if step.tree[node].terminal:
+                break
+        return step.solution(node)
+
+
+PLUGIN = SearchPlugin(name="chain", build=Chain, options=ChainSettings)
+'''
+
+SHOUTED = '''
+"""A toy task: GSM8K with its questions upper-cased (task.shout=false keeps them)."""
+
+from dataclasses import dataclass, replace
+
+from tasks import TaskPlugin
+from tasks.gsm8k import GSM8K
+
+
+@dataclass
+class Shouted(GSM8K):
+    shout: bool = True
+    name: str = "shouted"
+
+    def load(self, data):
+        return [replace(p, question=p.question.upper()) if self.shout else p for p in super().load(data)]
+
+
+PLUGIN = TaskPlugin(name="shouted", build=Shouted, options=Shouted)
+'''
+
+MISTRAL = '''
+"""Mistral without a sliding window: Llama's layers under other classes."""
+
+from transformers.models.mistral import modeling_mistral
+
+from decoding.core.architectures import ArchitecturePlugin
+
+PLUGIN = ArchitecturePlugin(
+    name="mistral",
+    build=modeling_mistral.MistralForCausalLM,
+    decoder_layer=modeling_mistral.MistralDecoderLayer,
+    rms_norm=modeling_mistral.MistralRMSNorm,
+    mlp=modeling_mistral.MistralMLP,
+)
+'''
+
+YAMLS = {
+    "search/chain.yaml": "# One chain of thoughts.\nname: chain\nsteps: 8  # the most thoughts\n",
+    "task/shouted.yaml": "# GSM8K, upper-cased.\nname: shouted\ndepth: 2\nshout: true\nthoughts: subquestions\n",
+}
+
+
+def test_every_kind_declares_through_one_mechanism(tmp_path, monkeypatch):
+    """The built-in tables hold their kinds; a module declaring another kind in a table's built-in
+    list, or two claiming one name, fail naming the module; an extra module joins its kind's table only."""
+    assert set(SEARCHES) == {"bfs", "dvts", "best_of_n", "mcts"}
+    assert {"llama", "qwen2"} <= set(architectures.ARCHITECTURES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    write_module(tmp_path, "toy_chain", CHAIN)
+    write_module(tmp_path, "toy_shouted", SHOUTED)
+    with pytest.raises(ConfigError, match=r"^plug-in module toy_chain declares a search, not a task$"):
+        declared(TaskPlugin, ("toy_chain",))
+    assert list(declared(TaskPlugin, (), ("toy_chain", "toy_shouted"))) == ["shouted"]
+    assert list(table(SearchPlugin, ("tot.bfs",), environ={"TOT_SPEC_PLUGINS": "toy_shouted, toy_chain"})) == [
+        "bfs",
+        "chain",
+    ]
+    write_module(tmp_path, "toy_bfs", CHAIN.replace('name="chain"', 'name="bfs"'))
+    with pytest.raises(ConfigError, match=r"^plug-in module toy_bfs: search bfs is already declared by tot.bfs$"):
+        declared(SearchPlugin, ("tot.bfs",), ("toy_bfs",))
+
+
+def test_toy_search_task_and_architecture_run_from_the_command_line(tmp_path):
+    """Three modules on PYTHONPATH named in TOT_SPEC_PLUGINS and two yamls on a Hydra search path:
+    `search=chain task=shouted` runs on a tiny Mistral model through the project's layers (the load
+    log says so; without its module transformers' forward), and builds hf's tree."""
+    from conftest import build_model, build_tokenizer
+
+    for name, source in (("toy_chain", CHAIN), ("toy_shouted", SHOUTED), ("toy_mistral", MISTRAL)):
+        write_module(tmp_path, name, source)
+    for path, text in YAMLS.items():
+        (tmp_path / "conf" / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "conf" / path).write_text(text)
+    tokenizer = build_tokenizer()
+    model = build_model(len(tokenizer), max_positions=4096, arch="mistral")
+    assert "no architecture plug-in" in llama.forward_path(model)
+    ckpt = tmp_path / "mistral"
+    model.save_pretrained(ckpt)
+    tokenizer.save_pretrained(ckpt)
+    env = subprocess_env()
+    env.update(
+        TOT_SPEC_PLUGINS="toy_chain,toy_shouted,toy_mistral", PYTHONPATH=f"{tmp_path}:{env.get('PYTHONPATH', '')}"
+    )
+    trees = {}
+    for decoder in ("ar", "hf"):
+        out = tmp_path / decoder
+        cmd = [sys.executable, "-m", "tot.solve", "search=chain", "task=shouted", "search.steps=2", "task.shout=true"]
+        cmd += [f"decoder={decoder}", f"model.path={ckpt}", "data.limit=1", "gen.max_thought_tokens=6"]
+        cmd += ["gen.max_eval_tokens=3", f"hydra.run.dir={out}", f"hydra.searchpath=[file://{tmp_path / 'conf'}]"]
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "the project's layers (mistral)" in proc.stdout + proc.stderr
+        summary = json.loads((out / "summary.json").read_text())
+        assert (summary["task"], summary["search"], summary["config"]["chain"]) == ("shouted", "chain", {"steps": 2})
+        record = json.loads((out / "results.jsonl").read_text().splitlines()[0])
+        tree = load_tree(out, record["id"])
+        assert len(tree.thoughts) >= 2
+        trees[decoder] = [(t.text, t.value) for _, t in sorted(tree.thoughts.items())]
+    assert trees["ar"] == trees["hf"]

@@ -14,6 +14,7 @@ from decoding.core.errors import BackendError
 from decoding.core.values import DecodeStats, GenRequest, GenResult
 from tasks.base import DataError
 from tasks.gsm8k import FINAL_PREFIX, SCORE_PREFIX
+from tot.bfs import BFSSettings
 from tot.config import ConfigError, RunConfig
 from tot.run import build_task, run, summary_line
 
@@ -111,7 +112,11 @@ def assert_as_uninterrupted(cfg: RunConfig, out: Path, whole: Path) -> None:
 
 def test_run_writes_outputs(tmp_path):
     cfg = make_config("run.concurrency=1")  # problems one by one: results in order
-    assert cfg.task == "gsm8k" and build_task(cfg).depth == 4 and cfg.bfs.n_thoughts == 3 and cfg.bfs.breadth == 1
+    assert (
+        cfg.task == "gsm8k"
+        and build_task(cfg).depth == 4
+        and cfg.search_settings == BFSSettings(n_thoughts=3, breadth=1)
+    )
     engine = FakeEngine()
     out = tmp_path / "run"
     summary = run(cfg, out, engine=engine, progress=False)
@@ -341,7 +346,7 @@ def test_data_errors(override, named):
 
 def test_config_accepts_edges():
     cfg = make_config("search.n_thoughts=1", "search.breadth=1", "task.depth=1", "gen.temperature=0", "gen.top_p=1")
-    assert cfg.bfs.n_thoughts == cfg.bfs.breadth == cfg.depth == 1
+    assert cfg.search_settings.n_thoughts == cfg.search_settings.breadth == cfg.depth == 1
     assert cfg.gen.temperature == cfg.gen.eval_temperature == 0.0
     cfg = make_config("search.n_thoughts=5", "search.breadth=5", "data.limit=1", "data.offset=2")
     assert (cfg.data.limit, cfg.data.offset) == (1, 2)

@@ -12,8 +12,9 @@ from helpers import AwaitableFake, reply
 from decoding.core.values import DecodeStats, GenRequest, GenResult, Group
 from tasks.base import Problem
 from tasks.gsm8k import FINAL_PREFIX, GSM8K, SCORE_PREFIX
+from tot.bfs import BFS, BFSSettings
 from tot.saved import ShowError, read_tree
-from tot.search import BFS, BFSSettings, GenSettings, request_seed, run_sync
+from tot.search import GenSettings, request_seed, run_sync
 from tot.tree import ReasoningTree
 
 PROBLEM = Problem(id="p", question="A shop sells 3 boxes of 4 pens. How many pens does it sell?", gold="12")

@@ -208,7 +208,9 @@ def test_pld_lookup():
 def engine_for(
     loaded, name: str, tree: str, verify_batch: int = 8, verify: VerifyOptions = UNCAPPED, **stand
 ) -> Engine:
-    cfg = DecoderConfig(name, seed=SeedOptions(verify_batch), stand=StandOptions(tree=tree, **stand), verify=verify)
+    cfg = DecoderConfig(
+        name, seed=SeedOptions(verify_batch), options={"stand": StandOptions(tree=tree, **stand)}, verify=verify
+    )
     return Engine(loaded, cfg)
 
 

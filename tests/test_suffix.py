@@ -106,7 +106,7 @@ def test_coupled_siblings_follow_the_targets_noise():
 def suffix_engine(loaded, rule: Rule = "match_gumbel", **options) -> Engine:
     """The suffix decoder, every tree verified whole."""
     verify = VerifyOptions(plan="fixed", max_tokens=None, rule=rule)
-    return Engine(loaded, DecoderConfig("suffix", suffix=SuffixOptions(**options), verify=verify))
+    return Engine(loaded, DecoderConfig("suffix", options={"suffix": SuffixOptions(**options)}, verify=verify))
 
 
 @pytest.mark.parametrize("name", ["suffix", "stand+suffix"])

@@ -41,7 +41,6 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from decoding import (
-    CHOICES,
     DECODERS,
     BackendError,
     ConfigError,
@@ -55,6 +54,7 @@ from decoding import (
     ServerEngine,
     as_float,
     as_int,
+    choices,
     frozen,
     load_draft,
     load_model,
@@ -96,8 +96,8 @@ def decoder_configs(
     one decoder with some of its options changed); those needing a missing draft model are skipped."""
     configs, skipped = {}, []
     for name in names:
-        if name not in CHOICES:
-            raise ConfigError(f"bench.decoders has {name!r}, which is not one of {', '.join(CHOICES)}")
+        if name not in choices():
+            raise ConfigError(f"bench.decoders has {name!r}, which is not one of {', '.join(choices())}")
         if name in DECODERS and DECODERS[name].draft_model == "required" and not has_draft:
             skipped.append(name)
             continue

@@ -19,6 +19,7 @@ from decoding import GenRequest, Group
 from tasks.base import Problem, Prompt
 from tot.dvts import choose
 from tot.search import GenerationEngine, SearchBase, Solution, Step, check_positive, request_seed
+from tot.searches import SearchPlugin
 from tot.tree import ReasoningTree, Valuation
 
 Vote = Literal["majority", "weighted", "best"]
@@ -93,3 +94,11 @@ def solution_leaves(tree: ReasoningTree) -> list[int]:
     """The last step of each solution in a saved best-of-N tree, in solution order (what it voted over)."""
     leaves = [n for n in tree.graph.nodes if tree[n].solution is not None and tree[n].terminal]
     return sorted(leaves, key=lambda n: tree[n].solution)
+
+
+PLUGIN = SearchPlugin(
+    name="best_of_n",
+    build=BestOfN,
+    options=BestOfNSettings,
+    voted=lambda settings: solution_leaves if settings.get("aggregate") in ("majority", "weighted") else None,
+)

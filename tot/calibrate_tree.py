@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import datetime
 import json
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -272,7 +272,7 @@ def build(
         draw = (
             dec.draft_tree.draw
             if opts.drafter == "model"
-            else ("without_replacement" if dec.stand.stochastic else "top")
+            else ("without_replacement" if dec.section("stand").stochastic else "top")
         )
     meta = {
         "made_by": "python -m tot.calibrate_tree calibrate.method=sequoia",
@@ -392,5 +392,5 @@ if __name__ == "__main__":
 
 
 def search_meta(run_cfg: RunConfig) -> dict[str, int]:
-    """The BFS a tree was calibrated under, for its meta (the depth as the task resolved it)."""
-    return {"n_thoughts": run_cfg.bfs.n_thoughts, "breadth": run_cfg.bfs.breadth, "depth": build_task(run_cfg).depth}
+    """The search a tree was calibrated under, for its meta (the depth as the task resolved it)."""
+    return {"name": run_cfg.search, **asdict(run_cfg.search_settings), "depth": build_task(run_cfg).depth}

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from decoding import FOLLOW_UPS_REFUSED, ConfigError, DecoderConfig, ModelSpec, as_float, as_int, from_dict
+from decoding import FOLLOW_UPS_REFUSED, ConfigError, DecoderConfig, ModelSpec, as_float, as_int, from_dict, unknown
 from tasks import TASKS, DataSpec
-from tot.best_of_n import BestOfNSettings
-from tot.dvts import DVTSSettings
-from tot.mcts import MCTSSettings
 from tot.reward import IN_CONTEXT_REFUSED, RewardSpec
-from tot.search import BFSSettings, GenSettings
+from tot.search import GenSettings
 from tot.searches import SEARCHES
 
 # Keys of `task:` that are not options of the task object itself.
@@ -26,10 +24,7 @@ class RunConfig:
     task: str
     depth: int | None  # None: the task's own default
     search: str
-    bfs: BFSSettings
-    dvts: DVTSSettings
-    best_of_n: BestOfNSettings
-    mcts: MCTSSettings
+    search_settings: Any  # the search's settings (its plug-in's options), read from `search.*`
     decoder: DecoderConfig
     model: ModelSpec
     data: DataSpec
@@ -43,16 +38,15 @@ class RunConfig:
     # as its configuration (tot/folder.py). A copy made with dataclasses.replace keeps the old one.
     source: dict = field(default_factory=dict, compare=False, repr=False)
 
-    @property
-    def search_settings(self) -> BFSSettings | DVTSSettings | BestOfNSettings | MCTSSettings:
-        """The chosen search's own settings (`search.*` read for it; the others keep their defaults)."""
-        return getattr(self, self.search)
-
     def __post_init__(self) -> None:
         if self.task not in TASKS:
-            raise ConfigError(f"task={self.task} is not one of {', '.join(TASKS)}")
+            raise unknown("task", self.task, TASKS)
         if self.search not in SEARCHES:
-            raise ConfigError(f"search={self.search} is not one of {', '.join(SEARCHES)}")
+            raise unknown("search", self.search, SEARCHES)
+        if not isinstance(self.search_settings, SEARCHES[self.search].options):
+            raise ConfigError(
+                f"search={self.search} takes {SEARCHES[self.search].options}, not {self.search_settings!r}"
+            )
         if self.depth is not None:
             _positive("task.depth", self.depth)
         _positive("run.concurrency", self.concurrency)
@@ -80,7 +74,7 @@ class RunConfig:
                 task=c["task"]["name"],
                 depth=None if c["task"].get("depth") is None else as_int("task.depth", c["task"]["depth"]),
                 search=c["search"]["name"],
-                **_search_settings(c["search"]),
+                search_settings=_search_settings(c["search"]),
                 decoder=DecoderConfig.from_container(c),
                 model=ModelSpec.from_config(c["model"]),
                 data=DataSpec(
@@ -109,15 +103,12 @@ class RunConfig:
             raise ConfigError(f"config key {e} is missing; start from conf/config.yaml") from None
 
 
-def _search_settings(search: dict) -> dict:
-    """Every search's settings by name: the chosen one's read from `search.*`, the others' defaults."""
+def _search_settings(search: dict) -> Any:
+    """The chosen search's settings, read from `search.*`."""
     name = search["name"]
     if name not in SEARCHES:
-        raise ConfigError(f"search={name} is not one of {', '.join(SEARCHES)}")
-    return {
-        key: from_dict(kind.settings, search, "search", ignore=("name",)) if key == name else kind.settings()
-        for key, kind in SEARCHES.items()
-    }
+        raise unknown("search", name, SEARCHES)
+    return from_dict(SEARCHES[name].options, search, "search", ignore=("name",))
 
 
 def _reward(c: dict) -> RewardSpec | None:

@@ -18,6 +18,7 @@ from typing import Literal
 from decoding import ConfigError, Group
 from tasks.base import Problem
 from tot.search import GenerationEngine, SearchBase, Solution, Step, check_positive
+from tot.searches import SearchPlugin
 from tot.tree import ReasoningTree
 
 Aggregate = Literal["best", "vote"]
@@ -104,3 +105,11 @@ def final_states(tree: ReasoningTree) -> list[int]:
         if node.chosen and k is not None and (k not in last or node.depth > tree[last[k]].depth):
             last[k] = n
     return [last[k] for k in sorted(last)]
+
+
+PLUGIN = SearchPlugin(
+    name="dvts",
+    build=DVTS,
+    options=DVTSSettings,
+    voted=lambda settings: final_states if settings.get("aggregate") == "vote" else None,
+)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 from decoding import ConfigError, Group
 from tasks.base import Problem
 from tot.search import GenerationEngine, SearchBase, Solution, Step, check_positive
+from tot.searches import SearchPlugin
 from tot.tree import ReasoningTree
 
 
@@ -138,3 +139,6 @@ class MCTS(SearchBase):
         while children := [c for c in tree.children(node) if stats.visits[c]]:
             node = max(children, key=lambda c: (stats.visits[c], -c))
         return node
+
+
+PLUGIN = SearchPlugin(name="mcts", build=MCTS, options=MCTSSettings)

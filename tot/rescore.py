@@ -21,13 +21,13 @@ from pathlib import Path
 from decoding import OutputError
 from tasks import DataSpec, Problem, Task, make_task
 from tasks.base import DataError
-from tot.best_of_n import solution_leaves
-from tot.dvts import choose, final_states
+from tot.dvts import choose
 from tot.folder import read_record
 from tot.lock import run_lock
 from tot.output import write_atomic
 from tot.results import ResultsError, TreeFiles, answer_fields, read_results, summarize
 from tot.saved import ShowError, read_json, read_tree
+from tot.searches import SEARCHES
 from tot.tree import ReasoningTree
 
 # summary.json keys that describe the run rather than its results (kept as they are).
@@ -79,13 +79,12 @@ def revote(task: Task, problem: Problem, tree: ReasoningTree, leaves: list[int])
 
 
 def voted_leaves(search: str | None, config: dict) -> Callable[[ReasoningTree], list[int]] | None:
-    """Where the run's answer is a vote, what it voted over: DVTS's subtrees' final states
-    (aggregate=vote), best-of-N's solutions (majority, weighted); None where a value chose it."""
-    if search == "dvts" and (config.get("dvts") or {}).get("aggregate") == "vote":
-        return final_states
-    if search == "best_of_n" and (config.get("best_of_n") or {}).get("aggregate") in ("majority", "weighted"):
-        return solution_leaves
-    return None
+    """Where the run's answer is a vote, what it voted over (the search declares it from its recorded
+    settings: DVTS's subtrees' final states under aggregate=vote, best-of-N's solutions under majority
+    or weighted); None where a value chose it."""
+    if search not in SEARCHES:
+        return None
+    return SEARCHES[search].voted(config.get(search) or {})
 
 
 def rescore(run_dir: Path) -> tuple[dict, dict, list[Change]]:

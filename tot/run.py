@@ -74,7 +74,7 @@ def _run(cfg: RunConfig, out_dir: Path, engine: GenerationEngine | None, progres
         "concurrency": cfg.concurrency,
         "fingerprint": folder.fingerprint,  # configuration.json holds its settings
         # The config as the run read it (its source is configuration.json's business).
-        "config": json.loads(json.dumps({k: v for k, v in asdict(cfg).items() if k != "source"}, default=str)),
+        "config": config_record(cfg),
     }
     if todo:
         engine = engine or make_engine(cfg)
@@ -268,6 +268,13 @@ async def score(cfg: RunConfig, task: Task, problem: Problem, answer: str, judge
         replies = (await judge.agenerate(requests)).results
         metrics[task.judge_metric] = sum(task.parse_value(r.text) for r in replies) / len(replies)
     return metrics
+
+
+def config_record(cfg: RunConfig) -> dict:
+    """The config as the run read it, its search's settings under the search's name (tot.rescore
+    reads them there); its source is configuration.json's business."""
+    record = {k: v for k, v in asdict(cfg).items() if k not in ("source", "search_settings")}
+    return json.loads(json.dumps({**record, cfg.search: asdict(cfg.search_settings)}, default=str))
 
 
 def summary_line(s: dict) -> str:

@@ -31,7 +31,7 @@ def search_cells(cfg: RunConfig, searches: dict[str, dict | None] | None) -> dic
         if name == cfg.search and not options:
             cells[name] = cfg.search_settings
         else:
-            cells[name] = from_dict(SEARCHES[name].settings, options or {}, f"bench.searches.{name}")
+            cells[name] = from_dict(SEARCHES[name].options, options or {}, f"bench.searches.{name}")
     return cells
 
 
@@ -55,7 +55,7 @@ def scaling(
                     cfg,
                     search=search,
                     gen=replace(cfg.gen, temperature=t, eval_temperature=t),
-                    **{search: settings.scaled(n)},  # type: ignore[attr-defined]
+                    search_settings=settings.scaled(n),  # type: ignore[attr-defined]
                 )
                 result = run_cell(cell)
                 mismatches += [f"{search} N={n} temperature {t}: {m}" for m in result["mismatches"]]

@@ -1,4 +1,5 @@
-"""ToT-BFS (SEED Algorithm 2): generate n thoughts per frontier state, value them, keep the best b.
+"""What every search is built on: the sampling settings, a step's growing and valuing of thoughts,
+the phases' decode costs, and `SearchBase` (the searches: tot/bfs.py, dvts.py, best_of_n.py, mcts.py).
 
 A search is a coroutine: it submits requests and awaits them, so that several problems run at once
 over one engine and the engine's batch stays full. Each thought is its own request, and its
@@ -13,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from decoding import Completion, ConfigError, DecodeStats, GenRequest, GenResult, Group
@@ -63,24 +64,6 @@ class GenSettings:
             context=context,
             keep=keep,
         )
-
-
-@dataclass(frozen=True)
-class BFSSettings:
-    n_thoughts: int = 3
-    breadth: int = 1
-
-    def __post_init__(self) -> None:
-        check_positive(search="bfs", n_thoughts=self.n_thoughts, breadth=self.breadth)
-        if self.breadth > self.n_thoughts:
-            raise ConfigError(
-                f"search.breadth={self.breadth} exceeds search.n_thoughts={self.n_thoughts}; "
-                "BFS keeps at most the b best of n thoughts per state, so set breadth <= n_thoughts"
-            )
-
-    def scaled(self, n: int) -> BFSSettings:
-        """The settings with n thoughts per state (the scaling curve's N)."""
-        return replace(self, n_thoughts=n, breadth=min(self.breadth, n))
 
 
 @dataclass
@@ -260,26 +243,3 @@ class SearchBase:
 
     def step(self, problem: Problem, engine: GenerationEngine) -> Step:
         return Step(self.task, self.gen, self.seed, problem, engine, self.reward)
-
-
-class BFS(SearchBase):
-    settings: BFSSettings
-
-    async def solve(self, problem: Problem, engine: GenerationEngine) -> Solution:
-        step = self.step(problem, engine)
-        tree = step.tree
-        frontier = [tree.root]
-        for depth in range(1, self.task.depth + 1):
-            # Finished states are not extended; they compete with the new thoughts for the frontier.
-            done = [s for s in frontier if s != tree.root and tree[s].terminal]
-            open_ = [s for s in frontier if s not in done]
-            if not open_:
-                break
-            children = await step.grow(
-                [(s, self.settings.n_thoughts, "") for s in open_], Group(problem.id, f"d{depth}/eval")
-            )
-            # Stable sort: among equal values the earlier thought wins, deterministically.
-            frontier = sorted(done + children, key=lambda c: -tree[c].value)[: self.settings.breadth]
-            for c in frontier:
-                tree[c].chosen = True
-        return step.solution(frontier[0])

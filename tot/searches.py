@@ -1,30 +1,37 @@
-"""The table of searches: name -> its settings (`search.*`) and the search built from them."""
+"""The searches: `PLUGIN = SearchPlugin(...)` in each search's module, gathered into `SEARCHES`.
+
+A search is one module and its yaml (conf/search/NAME.yaml): the module ends with its declaration,
+naming the search, its settings (a frozen dataclass read from `search.*`, checking itself in
+__post_init__, with `scaled(n)`: its settings at budget N, the scaling curve's x) and its builder,
+`build(task, settings, gen, seed, reward)` -> a `Search` (tot/search.py; tot/bfs.py is one). `TOT_SPEC_PLUGINS` adds
+modules from outside the project (decoding/core/plugins.py).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
-from tasks.base import Task
-from tot.best_of_n import BestOfN, BestOfNSettings
-from tot.dvts import DVTS, DVTSSettings
-from tot.mcts import MCTS, MCTSSettings
-from tot.search import BFS, BFSSettings, GenSettings, Reward, Search
+from decoding import Plugin, table
+from tot.tree import ReasoningTree
+
+# Where a run's answer is a vote: from the recorded settings, the leaves it voted over (tot.rescore
+# votes again on answers read anew); None where a value chose it.
+Voted = Callable[[Mapping[str, Any]], Callable[[ReasoningTree], list[int]] | None]
+
+
+def no_vote(settings: Mapping[str, Any]) -> None:
+    return None
 
 
 @dataclass(frozen=True)
-class SearchKind:
-    # A frozen dataclass read from `search.*` by decoding.core.options.from_dict, checking itself in
-    # __post_init__; `scaled(n)` gives its settings at budget N (the scaling curve's x).
-    settings: type
-    # Built from the task, the settings, the sampling settings, the run seed and the reward model (or None).
-    build: Callable[[Task, Any, GenSettings, int, Reward | None], Search]
+class SearchPlugin(Plugin):
+    KIND: ClassVar[str] = "search"
+
+    section: str = "search"
+    voted: Voted = no_vote
 
 
-SEARCHES: dict[str, SearchKind] = {
-    "bfs": SearchKind(BFSSettings, BFS),
-    "dvts": SearchKind(DVTSSettings, DVTS),
-    "best_of_n": SearchKind(BestOfNSettings, BestOfN),
-    "mcts": SearchKind(MCTSSettings, MCTS),
-}
+MODULES = ("tot.bfs", "tot.dvts", "tot.best_of_n", "tot.mcts")
+SEARCHES = table(SearchPlugin, MODULES)

@@ -79,7 +79,7 @@ class TrainConfig:
             sources.append(
                 Source(
                     task=name,
-                    depth=as_int(f"corpus.{name}.depth", s.get("depth", TASKS[name]().depth)),
+                    depth=as_int(f"corpus.{name}.depth", s.get("depth", TASKS[name].build().depth)),
                     data=DataSpec(
                         path=s.get("path"),
                         limit=None if limit is None else as_int(f"corpus.{name}.limit", limit),

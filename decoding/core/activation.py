@@ -13,7 +13,7 @@ import torch
 from transformers.activations import ACT2FN
 
 from decoding.core import kernels
-from decoding.core.architectures import MLPS
+from decoding.core.architectures import mlps
 
 
 class FixedSiLU(torch.nn.Module):
@@ -34,7 +34,7 @@ def use_fixed_silu(model: torch.nn.Module) -> int:
     kernels.load()  # built now: a missing compiler is a load-time error
     replaced = 0
     for module in model.modules():
-        if type(module) in MLPS:
+        if type(module) in mlps():
             module.act_fn = FixedSiLU()
             replaced += 1
     return replaced
@@ -44,7 +44,7 @@ def use_torch_silu(model: torch.nn.Module) -> int:
     """Give the model's MLPs torch's SiLU back (before the model leaves float32); how many."""
     replaced = 0
     for module in model.modules():
-        if type(module) in MLPS and type(module.act_fn) is FixedSiLU:
+        if type(module) in mlps() and type(module.act_fn) is FixedSiLU:
             module.act_fn = ACT2FN["silu"]
             replaced += 1
     return replaced

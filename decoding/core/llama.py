@@ -177,3 +177,14 @@ class Layers:
         if logits_at is not None:
             h = h[logits_at] if real is not None else h[:, logits_at]
         return self.model.lm_head(h), (hidden if capture is not None else None)
+
+
+def forward_path(model: torch.nn.Module) -> str:
+    """Which forward computes the model, for the load log: the project's layers, or transformers' own
+    and why (a model of no architecture plug-in says which ones there are)."""
+    arch = architectures.of(model)
+    if arch is None:
+        return f"transformers' forward: {type(model).__name__} is of no architecture plug-in ({architectures.names()})"
+    if Layers.of(model) is None:
+        return f"transformers' forward ({arch.name}: its attention, activation or projections are not the layers')"
+    return f"the project's layers ({arch.name})"

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from decoding.core import attention, gguf_load, kernels, numerics, rows_linear
+from decoding.core import attention, gguf_load, kernels, llama, numerics, rows_linear
 from decoding.core.activation import use_fixed_silu
 from decoding.core.errors import BackendError
 from decoding.core.memory import MemoryBudget, available_bytes
@@ -284,6 +284,7 @@ def load_model(spec: ModelSpec) -> LoadedModel:
                 f"{spec.key}.path=smollm2-135m"
             ) from e
     done = prepare_for_inference(model, device, weights, attn, gguf, spec.prepack, linear, activations)
+    done += f"; {llama.forward_path(model)}"
     lacking = float_layers(model, gguf) if gguf is not None and weights == "gguf" and activations == "int8" else {}
     if lacking:
         done += f"; {int8_lacks(lacking)}"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from decoding.core import kernels
-from decoding.core.architectures import RMS_NORMS
+from decoding.core.architectures import rms_norms
 
 
 class RowsRMSNorm(torch.nn.Module):
@@ -35,7 +35,7 @@ def use_rows_norm(model: torch.nn.Module) -> int:
     kernels.load()  # built now: a missing compiler is a load-time error
     replaced = 0
     for name, module in list(model.named_modules()):
-        if type(module) in RMS_NORMS and module.weight.dtype in (torch.bfloat16, torch.float32):
+        if type(module) in rms_norms() and module.weight.dtype in (torch.bfloat16, torch.float32):
             parent, _, child = name.rpartition(".")
             norm = RowsRMSNorm(module.weight, module.variance_epsilon)
             setattr(model.get_submodule(parent) if parent else model, child, norm)

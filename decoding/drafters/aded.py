@@ -380,7 +380,9 @@ class AdedDrafter:
 PLUGIN = DrafterPlugin(
     name="aded",
     # aded.corpus, if any, is tokenised with the target's tokenizer
-    build=lambda config, target, tokenizer, draft: AdedDrafter(config.aded, tokenizer, config.verify.coupled),
+    build=lambda config, target, tokenizer, draft: AdedDrafter(
+        config.section("aded"), tokenizer, config.verify.coupled
+    ),
     options=AdedOptions,
     section="aded",
     decoders=(DecoderKind("aded", "batch", "aded", ("aded", "verify")),),

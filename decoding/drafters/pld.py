@@ -70,7 +70,7 @@ class PLDDrafter:
 
 PLUGIN = DrafterPlugin(
     name="pld",
-    build=lambda config, target, tokenizer, draft: PLDDrafter(config.pld),
+    build=lambda config, target, tokenizer, draft: PLDDrafter(config.section("pld")),
     options=PLDOptions,
     section="pld",
     decoders=(DecoderKind("pld", "batch", "pld", ("pld", "verify")),),

@@ -2,26 +2,24 @@
 
 The declaration names the drafter, the options dataclass and the config section it reads, its
 builder, and the decoders (`DecoderKind`: a schedule plus a drafter) it adds. decoding/kinds.py
-imports the plug-in modules (its `MODULES`, and those `TOT_SPEC_PLUGINS` names) and builds the
-tables and `DecoderConfig`'s sections from their declarations alone.
+builds the tables from the declarations alone (decoding/core/plugins.py: the one mechanism every
+kind of plug-in shares).
+
+`build(config, target, tokenizer, draft)`: the `DecoderConfig`, the target's `ModelRunner`, its
+`Detokenizer`, and the draft model's `LoadedModel` or None; it returns the engine's `Drafter`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import ClassVar, Literal
 
-if TYPE_CHECKING:
-    from decoding.config import DecoderConfig
-    from decoding.core.models import LoadedModel
-    from decoding.core.runner import ModelRunner
-    from decoding.core.stopping import Detokenizer
-    from decoding.drafters.base import Drafter
+from decoding.core.errors import ConfigError
+from decoding.core.plugins import Plugin
 
 DraftModel = Literal["none", "required", "optional"]
-# (config, target, tokenizer, draft model or None) -> the drafter of one engine
-Builder = Callable[["DecoderConfig", "ModelRunner", "Detokenizer", "LoadedModel | None"], "Drafter"]
+# Config sections the schedules and the engine own: no drafter may read its options from them.
+RESERVED = frozenset({"name", "draft_tree", "seed", "sd", "verify", "draft", "server", "decoder", "model"})
 
 
 @dataclass(frozen=True)
@@ -37,9 +35,14 @@ class DecoderKind:
 
 
 @dataclass(frozen=True)
-class DrafterPlugin:
-    name: str
-    build: Builder
-    options: type[Any] | None = None  # a frozen dataclass of the drafter's options, read from `section`
-    section: str = ""  # its config section (`pld:` -> config.pld), in options.yaml or the decoder's own yaml
+class DrafterPlugin(Plugin):
+    KIND: ClassVar[str] = "drafter"
+
     decoders: tuple[DecoderKind, ...] = ()
+
+    def check(self, module: str) -> None:
+        super().check(module)
+        if (self.options is None) != (self.section == ""):
+            raise ConfigError(f"plug-in module {module}: PLUGIN declares options without a section, or a section alone")
+        if self.section in RESERVED:
+            raise ConfigError(f"plug-in module {module}: section {self.section} belongs to the schedules")

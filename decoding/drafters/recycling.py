@@ -90,7 +90,7 @@ PLUGIN = DrafterPlugin(
     name="recycling",
     # Its tree is STAND's (stand.tree).
     build=lambda config, target, tokenizer, draft: RecyclingDrafter(
-        config.recycling, StaticTree.load(config.stand.tree), config.verify.coupled
+        config.section("recycling"), StaticTree.load(config.section("stand").tree), config.verify.coupled
     ),
     options=RecyclingOptions,
     section="recycling",

@@ -176,10 +176,13 @@ class StandDrafter:
 def stand_drafter(config: DecoderConfig, target: ModelRunner) -> StandDrafter | UnionDrafter:
     """STAND's pool, with stand.suffix the suffix drafter's tree beside it (merged as one trie under
     the matched rules: a token both propose at the same place is verified once)."""
-    stand = StandDrafter(config.stand, StaticTree.load(config.stand.tree), target.vocab_size, config.verify.coupled)
-    if not config.stand.suffix:
+    options: StandOptions = config.section("stand")
+    stand = StandDrafter(options, StaticTree.load(options.tree), target.vocab_size, config.verify.coupled)
+    if not options.suffix:
         return stand
-    return UnionDrafter([stand, SuffixDrafter(config.suffix, config.verify.coupled)], config.verify.rule != "rejection")
+    return UnionDrafter(
+        [stand, SuffixDrafter(config.section("suffix"), config.verify.coupled)], config.verify.rule != "rejection"
+    )
 
 
 PLUGIN = DrafterPlugin(

@@ -218,7 +218,7 @@ class SuffixDrafter:
 
 PLUGIN = DrafterPlugin(
     name="suffix",
-    build=lambda config, target, tokenizer, draft: SuffixDrafter(config.suffix, config.verify.coupled),
+    build=lambda config, target, tokenizer, draft: SuffixDrafter(config.section("suffix"), config.verify.coupled),
     options=SuffixOptions,
     section="suffix",
     decoders=(DecoderKind("suffix", "batch", "suffix", ("suffix", "verify")),),

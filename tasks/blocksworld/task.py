@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tasks.base import DataError, DataSpec, Problem, Prompt, TaskDefaults, check_evaluator, check_positive
+from tasks.base import DataError, DataSpec, Problem, Prompt, TaskDefaults, TaskPlugin, check_evaluator, check_positive
 from tasks.blocksworld.domain import (
     Action,
     action_words,
@@ -257,3 +257,6 @@ class Blocksworld(TaskDefaults):
         lines = [line for line in answer.splitlines() if line.strip()]
         w = walk(init, lines)
         return {"plan_length": float(len(lines)), "applicable_actions": float(len(w.actions))}
+
+
+PLUGIN = TaskPlugin(name="blocksworld", build=Blocksworld, options=Blocksworld)

@@ -1,0 +1,55 @@
+"""ToT-BFS (SEED Algorithm 2): at each depth every kept state grows `search.n_thoughts` thoughts, each
+is valued, and the `search.breadth` best go on; the answer is the best state at the last depth."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from decoding import ConfigError, Group
+from tasks.base import Problem
+from tot.search import GenerationEngine, SearchBase, Solution, check_positive
+from tot.searches import SearchPlugin
+
+
+@dataclass(frozen=True)
+class BFSSettings:
+    n_thoughts: int = 3
+    breadth: int = 1
+
+    def __post_init__(self) -> None:
+        check_positive(search="bfs", n_thoughts=self.n_thoughts, breadth=self.breadth)
+        if self.breadth > self.n_thoughts:
+            raise ConfigError(
+                f"search.breadth={self.breadth} exceeds search.n_thoughts={self.n_thoughts}; "
+                "BFS keeps at most the b best of n thoughts per state, so set breadth <= n_thoughts"
+            )
+
+    def scaled(self, n: int) -> BFSSettings:
+        """The settings with n thoughts per state (the scaling curve's N)."""
+        return replace(self, n_thoughts=n, breadth=min(self.breadth, n))
+
+
+class BFS(SearchBase):
+    settings: BFSSettings
+
+    async def solve(self, problem: Problem, engine: GenerationEngine) -> Solution:
+        step = self.step(problem, engine)
+        tree = step.tree
+        frontier = [tree.root]
+        for depth in range(1, self.task.depth + 1):
+            # Finished states are not extended; they compete with the new thoughts for the frontier.
+            done = [s for s in frontier if s != tree.root and tree[s].terminal]
+            open_ = [s for s in frontier if s not in done]
+            if not open_:
+                break
+            children = await step.grow(
+                [(s, self.settings.n_thoughts, "") for s in open_], Group(problem.id, f"d{depth}/eval")
+            )
+            # Stable sort: among equal values the earlier thought wins, deterministically.
+            frontier = sorted(done + children, key=lambda c: -tree[c].value)[: self.settings.breadth]
+            for c in frontier:
+                tree[c].chosen = True
+        return step.solution(frontier[0])
+
+
+PLUGIN = SearchPlugin(name="bfs", build=BFS, options=BFSSettings)
