@@ -123,7 +123,7 @@ def runner_log_probs(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
     """`log_probs` through the decoders' forward (the C++ layers over the row KV cache, in its type)."""
     cache = runner.new_cache(1, len(ids) + 1)
     packed = pack([ids], [DraftTree()])
-    logits = runner.forward(cache, packed.tokens, packed.see, packed.depth)[0, :-1]
+    logits = runner.forward(cache, packed.tokens, packed.see, packed.depth).logits[0, :-1]
     return torch.log_softmax(logits.double(), -1)
 
 

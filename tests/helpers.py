@@ -71,7 +71,7 @@ def prefill(runner: ModelRunner, prompts: list[list[int]], capacity: int) -> tup
     last = lengths - 1
     keep = torch.unique(last)
     cache = runner.new_cache(len(distinct), capacity)
-    logits = runner.forward(cache, tokens, causal, depth, logits_at=keep)
+    logits = runner.forward(cache, tokens, causal, depth, logits_at=keep).logits
     cache.advance(lengths)
     rows = torch.arange(len(distinct))
     next_logits = logits[rows, torch.searchsorted(keep, last).to(logits.device)]

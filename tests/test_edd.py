@@ -403,7 +403,7 @@ def test_other_drafters_leave_hidden_capture_off(loaded, perturbed):
         loaded, DecoderConfig("sd", DraftTreeOptions(), draft=ModelSpec("x", key="draft"), verify=UNCAPPED), perturbed
     )
     engine.generate([GenRequest("the cat", max_new_tokens=5)])
-    assert engine.target.hidden_layer is None and engine.target.last_hidden is None
+    assert engine.target.hidden_layer is None
 
 
 # The rules of test_speculative.py, and EDD's pruned candidate tree (top-k children, point masses).
@@ -549,4 +549,12 @@ def test_target_hidden_capture_does_not_change_logits(tiny_model, tokenizer):
     _, logits = prefill(target, [prompt], capacity=64)
     _, ref = prefill(ModelRunner(tiny_model), [prompt], capacity=64)
     assert torch.equal(logits, ref)
-    assert target.last_hidden.shape == (1, len(prompt), tiny_model.config.hidden_size)
+    causal = torch.ones(1, len(prompt), len(prompt), dtype=torch.bool).tril()
+    out = target.forward(target.new_cache(1, 64), torch.tensor([prompt]), causal, torch.arange(len(prompt))[None])
+    assert out.hidden.shape == (1, len(prompt), tiny_model.config.hidden_size)
+    assert (
+        ModelRunner(tiny_model)
+        .forward(target.new_cache(1, 64), torch.tensor([prompt]), causal, torch.arange(len(prompt))[None])
+        .hidden
+        is None
+    )

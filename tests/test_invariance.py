@@ -48,7 +48,7 @@ def _one_at_a_time(runner, cache, row_tokens: list[list[int]], rows: list[int] |
     for step in range(len(row_tokens[0])):
         tokens = torch.tensor([[t[step]] for t in row_tokens])
         depth = torch.zeros(len(row_tokens), 1, dtype=torch.long)
-        out.append(runner.forward(cache, tokens, one, depth, rows=rows)[:, 0])
+        out.append(runner.forward(cache, tokens, one, depth, rows=rows).logits[:, 0])
         advance = torch.zeros(cache.batch, dtype=torch.long)
         advance[rows if rows is not None else slice(None)] = 1
         cache.advance(advance)
@@ -64,7 +64,7 @@ def test_a_chunk_equals_one_token_at_a_time(runner):
     def chunk(cache):
         n = len(CONTINUATION)
         causal = torch.ones(1, n, n, dtype=torch.bool).tril()
-        return list(runner.forward(cache, torch.tensor([CONTINUATION]), causal, torch.arange(n)[None])[0])
+        return list(runner.forward(cache, torch.tensor([CONTINUATION]), causal, torch.arange(n)[None]).logits[0])
 
     assert torch.equal(torch.stack(_run(runner, [PROMPT], chunk)), reference(runner))
 
@@ -104,7 +104,7 @@ def test_inside_a_sixteen_node_tree(runner):
     packed = pack([[CONTINUATION[0]]], [tree])
 
     def in_tree(cache):
-        logits = runner.forward(cache, packed.tokens, packed.see, packed.depth)[0]
+        logits = runner.forward(cache, packed.tokens, packed.see, packed.depth).logits[0]
         return [logits[packed.n_pending - 1]] + [logits[packed.n_pending + i] for i in path]
 
     assert len(tree) == 16

@@ -75,7 +75,7 @@ def step(target: ModelRunner, cache: RowKVCache, tokens: list[int]) -> torch.Ten
     """One plain decoding step (one new token per row), committed; returns logits [B, V]."""
     n = len(tokens)
     tree, depth = chain(n, 1)
-    logits = target.forward(cache, torch.tensor(tokens)[:, None], tree, depth)[:, 0]
+    logits = target.forward(cache, torch.tensor(tokens)[:, None], tree, depth).logits[:, 0]
     cache.advance(torch.ones(n, dtype=torch.long))
     return logits
 
@@ -103,7 +103,7 @@ def test_ragged_forward_gives_every_real_position_its_plain_logits(tiny_model, t
         tokens[b, : len(p)] = torch.tensor(p)
     cache = target.new_cache(len(PROMPTS), 16)
     tree, depth = chain(len(PROMPTS), width)
-    logits = target.forward(cache, tokens, tree, depth)
+    logits = target.forward(cache, tokens, tree, depth).logits
     assert logits.shape[:2] == (len(PROMPTS), width)
     for b, p in enumerate(PROMPTS):
         assert_close(logits[b, : len(p)], plain_logits(tiny_model, p))
@@ -115,7 +115,7 @@ def test_tree_forward_matches_plain_forward_of_each_path(tiny_model, target):
     parents = [[-1, 0, 0, 2], [-1, 0, 1, 0]]
     tokens = torch.tensor([[40, 41, 42, 43], [140, 141, 142, 143]])
     trees, depths = zip(*(tree_from_parents(p) for p in parents))
-    logits = target.forward(cache, tokens, torch.stack(trees), torch.stack(depths))
+    logits = target.forward(cache, tokens, torch.stack(trees), torch.stack(depths)).logits
     for b, par in enumerate(parents):
         for t in range(len(par)):
             seq = PROMPTS[b] + tokens[b, path(par, t)].tolist()
@@ -129,7 +129,9 @@ def test_tree_forward_logits_at_subset(tiny_model, target):
     parents = [-1, 0, 0, 1]
     tree, depth = tree_from_parents(parents)
     tokens = torch.tensor([[50, 51, 52, 53], [60, 61, 62, 63]])
-    logits = target.forward(cache, tokens, tree.expand(2, -1, -1), depth.expand(2, -1), logits_at=torch.tensor([2, 3]))
+    logits = target.forward(
+        cache, tokens, tree.expand(2, -1, -1), depth.expand(2, -1), logits_at=torch.tensor([2, 3])
+    ).logits
     assert logits.shape[:2] == (2, 2)
     for b in range(2):
         for j, t in enumerate([2, 3]):
@@ -169,7 +171,7 @@ def test_keep_then_second_tree(tiny_model, target):
     committed = [list(p) for p in PROMPTS[:2]]
     for rnd, accepted in enumerate(([[0, 2, 4], [0, 1]], [[0], [0, 2]])):
         tokens = torch.tensor([[20 + 10 * rnd + i for i in range(5)], [120 + 10 * rnd + i for i in range(5)]])
-        logits = target.forward(cache, tokens, trees, depths)
+        logits = target.forward(cache, tokens, trees, depths).logits
         for b in range(2):
             for t in range(len(parents)):
                 seq = committed[b] + tokens[b, path(parents, t)].tolist()

@@ -85,19 +85,21 @@ def _forwards(runner: ModelRunner) -> list[torch.Tensor]:
     runner.capture_hidden(0)
     cache = runner.new_cache(len(PROMPTS), 160)
     fill = pack(PROMPTS, [DraftTree()] * len(PROMPTS))
-    out = [runner.forward(cache, fill.tokens, fill.see, fill.depth), runner.last_hidden]
+    first = runner.forward(cache, fill.tokens, fill.see, fill.depth)
+    out = [first.logits, first.hidden]
     cache.advance(torch.tensor([len(p) for p in PROMPTS]))
     one = torch.ones(3, 1, 1, dtype=torch.bool)
-    out.append(runner.forward(cache, torch.tensor([[4], [5], [6]]), one, torch.zeros(3, 1, dtype=torch.long)))
+    out.append(runner.forward(cache, torch.tensor([[4], [5], [6]]), one, torch.zeros(3, 1, dtype=torch.long)).logits)
     cache.advance(torch.ones(3, dtype=torch.long))
     tree = DraftTree()
     a = tree.add(11, ROOT)
     tree.add(12, ROOT)
     tree.add(13, a)
     packed = pack([[7]] * 3, [tree] * 3)
-    out += [runner.forward(cache, packed.tokens, packed.see, packed.depth), runner.last_hidden]
+    tree_out = runner.forward(cache, packed.tokens, packed.see, packed.depth)
+    out += [tree_out.logits, tree_out.hidden]
     some = pack([[8], [9]], [tree] * 2)
-    out.append(runner.forward(cache, some.tokens, some.see, some.depth, rows=[2, 0]))
+    out.append(runner.forward(cache, some.tokens, some.see, some.depth, rows=[2, 0]).logits)
     return out
 
 
@@ -130,7 +132,7 @@ def test_a_ragged_forward_computes_the_padded_forwards_bits(model):
         runner.forward(cache, fill.tokens, fill.see, fill.depth)
         cache.advance(torch.tensor([len(p) for p in PROMPTS]))
         packed = pack(pending, trees)
-        outs.append(runner.score(cache, packed, rows=[2, 0, 1]))
+        outs.append(runner.score(cache, packed, rows=[2, 0, 1]).logits)
         for b, row in enumerate([2, 0, 1]):
             cache.keep(row, packed.committed(b, [0] if len(trees[b]) else []))
         caches.append(cache)

@@ -290,11 +290,11 @@ def test_the_profiled_forward_scores_what_a_batched_prefill_would(tiny_model):
     from decoding.core.verify import pack
 
     runner = ModelRunner(tiny_model)
-    scored = verification(runner, 20, 4, 3)()
+    scored = verification(runner, 20, 4, 3)().logits
     cache = runner.new_cache(3, 26)
     fill = pack([[(100 + i) % tiny_model.config.vocab_size for i in range(20)]] * 3, [DraftTree()] * 3)
     runner.forward(cache, fill.tokens, fill.see, fill.depth)
     cache.advance(torch.full((3,), 20))
     tree = chain_tree(3, tiny_model.config.vocab_size)
-    batched = runner.score(cache, pack([[7]] * 3, [tree] * 3))
+    batched = runner.score(cache, pack([[7]] * 3, [tree] * 3)).logits
     assert all(torch.equal(a, b) for a, b in zip(scored, batched, strict=True))

@@ -98,7 +98,7 @@ def test_bucketed_logits_and_cache_are_the_unpadded_ones(tiny_model, tiny_qwen2,
         tree = torch.stack([v for v, _ in trees])
         depth = torch.stack([d for _, d in trees])
         tokens = torch.randint(3, 100, (len(active), n_new), generator=gen)
-        logits = runner.forward(cache, tokens, tree, depth, rows=rows)
+        logits = runner.forward(cache, tokens, tree, depth, rows=rows).logits
         results.append((logits, cache))
     (plain, plain_cache), (padded, padded_cache) = results
     same(padded, plain, exact)
@@ -118,9 +118,9 @@ def test_folded_attention_takes_sdpa_output_in_a_gpu_layout(sdpa_model, monkeypa
 
     plain, bucketed = both(sdpa_model)
     tokens, causal = torch.tensor([[5, 6, 7]]), torch.ones(1, 3, 3, dtype=torch.bool).tril()
-    expected = plain.forward(plain.new_cache(1, 16), tokens, causal, torch.arange(3)[None])
+    expected = plain.forward(plain.new_cache(1, 16), tokens, causal, torch.arange(3)[None]).logits
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", gpu_layout)
-    got = bucketed.forward(bucketed.new_cache(1, 16, graphs=True), tokens, causal, torch.arange(3)[None])
+    got = bucketed.forward(bucketed.new_cache(1, 16, graphs=True), tokens, causal, torch.arange(3)[None]).logits
     same(got, expected, exact=False)
 
 
@@ -136,12 +136,12 @@ def test_tree_levels_after_earlier_forwards_of_the_step(tiny_model):
         cache.advance(torch.tensor([6, 6]))
         first = runner.forward(
             cache, torch.tensor([[5], [6]]), torch.ones(2, 1, 1, dtype=torch.bool), torch.zeros(2, 1)
-        )
+        ).logits
         # The second level: two children of the first token, each seeing it and itself.
         see = torch.tensor([[True, True, False], [True, False, True]]).expand(2, -1, -1)
         second = runner.forward(
             cache, torch.tensor([[7, 8], [9, 10]]), see, torch.ones(2, 2, dtype=torch.long), offset=1
-        )
+        ).logits
         out.append((first, second))
     same(out[1][0], out[0][0])
     same(out[1][1], out[0][1])

@@ -59,24 +59,19 @@ class ModelRunner:
         self.rows = 0  # sequences scored, summed over forwards
         self.prompt_tokens_computed = 0  # prompt tokens `admit` computed or left pending
         self.peak_cache_bytes = 0
-        self._score_time: float | _GpuTiming = 0.0  # see last_score_ms
         self.prefixes = PrefixCache(prefix_budget)  # its own 4 GiB without a budget
         self.kv_budget = kv_budget  # bytes a decoder's KV pool may take (model.kv_memory); None: unbounded
         # Hidden-state capture for drafters that read them (EDD): off unless capture_hidden is called.
         self.hidden_layer: int | None = None
-        self.last_hidden: torch.Tensor | None = None  # [B, T, H]: that layer's output in the latest forward
-        self.start_hidden: torch.Tensor | None = None  # [S, H]: of the prefix the latest `admit` shared
 
     def capture_hidden(self, layer: int) -> None:
-        """Keep the output of decoder layer `layer` (negative: from the end) of every forward in
-        `last_hidden`, and of the shared prefix of every `admit` in `start_hidden`. Outputs do not
-        change; stored prefixes (which lack hidden states) are dropped."""
+        """Return the output of decoder layer `layer` (negative: from the end) with every forward
+        (`Forward.hidden`, `Scored.hidden`) and of the shared prefix of every `admit`
+        (`Admission.start_hidden`). Logits do not change; stored prefixes (which lack hidden states)
+        are dropped."""
         n = len(decoder_layers(self.model))
         self.hidden_layer = layer % n
         self.prefixes = PrefixCache(self.prefixes.budget)
-
-    def _keep_hidden(self, module: torch.nn.Module, args: object, output: object) -> None:
-        self.last_hidden = output[0] if isinstance(output, tuple) else output  # type: ignore[assignment]
 
     @property
     def vocab_size(self) -> int:
@@ -115,8 +110,9 @@ class ModelRunner:
         offset: int = 0,
         rows: list[int] | None = None,
         real: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Logits [B, T, V] (or [B, K, V] at the new-token indices `logits_at`) for new tokens [B, T].
+    ) -> Forward:
+        """Logits [B, T, V] (or [B, K, V] at the new-token indices `logits_at`) for new tokens [B, T],
+        and with capture (`capture_hidden`) the captured layer's states [B, T, H].
 
         `tree` is [B, T, offset + T]: what each new token sees among the row's uncommitted slots
         (`offset` of them written by earlier forwards of this step, then the new ones). `rows`: the
@@ -127,7 +123,7 @@ class ModelRunner:
         if real is not None and not self.ragged:
             raise ValueError("a ragged forward needs the project's Llama layers without hidden-state capture")
         if self.static is not None and self.hidden_layer is None:
-            return self._static_forward(cache, tokens, tree, depth, logits_at, offset, rows)
+            return Forward(self._static_forward(cache, tokens, tree, depth, logits_at, offset, rows))
         tokens = tokens.to(self.device)
         in_place = self.reads_rows_in_place and rows is not None
         view = cache.prepare(tokens.shape[1], offset, rows, gather=not in_place)
@@ -143,13 +139,11 @@ class ModelRunner:
         if self.layers is not None:
             real = None if real is None else real.to(self.device)
             logits, hidden = self.layers.forward(view, tokens, mask, positions, kv_rows, keep, self.hidden_layer, real)
-            if self.hidden_layer is not None:
-                self.last_hidden = hidden
         else:
-            logits = self._transformers_forward(view, tokens, mask, positions, kv_rows, keep)
+            logits, hidden = self._transformers_forward(view, tokens, mask, positions, kv_rows, keep)
         self.forwards += 1
         self.rows += tokens.shape[0]
-        return logits
+        return Forward(logits, hidden if self.hidden_layer is not None else None)
 
     def _static_forward(
         self,
@@ -177,29 +171,21 @@ class ModelRunner:
         reads the padded layout, turns it off): a forward then costs the tokens its rows hold."""
         return self.layers is not None and self.hidden_layer is None and self.static is None
 
-    def score(self, cache: RowKVCache, packed: Packed, rows: list[int] | None = None) -> list[torch.Tensor]:
+    def score(self, cache: RowKVCache, packed: Packed, rows: list[int] | None = None) -> Scored:
         """One verification forward: per row, the logits [1 + n, V] at its root and its n tree nodes."""
         index, counts = packed.real_logits_index()
         t0 = time.perf_counter()
         timing = _GpuTiming.start(self.device)
         if self.ragged:
-            logits = self.forward(
+            out = self.forward(
                 cache, packed.tokens, packed.see, packed.depth, logits_at=index, rows=rows, real=packed.real
             )
-            out = list(torch.split(logits, counts))
+            logits = list(torch.split(out.logits, counts))
         else:
             keep = torch.arange(packed.n_pending - 1, packed.tokens.shape[1])
-            logits = self.forward(cache, packed.tokens, packed.see, packed.depth, logits_at=keep, rows=rows)
-            out = [logits[b, :n] for b, n in enumerate(counts)]
-        self._score_time = timing.stop() if timing is not None else 1000 * (time.perf_counter() - t0)
-        return out
-
-    @property
-    def last_score_ms(self) -> float:
-        """The latest verification forward's time (`score`). On a GPU it is read from CUDA events
-        when asked (the step planner asks after the step's read-back), so the step never waits."""
-        t = self._score_time
-        return t.ms() if isinstance(t, _GpuTiming) else t
+            out = self.forward(cache, packed.tokens, packed.see, packed.depth, logits_at=keep, rows=rows)
+            logits = [out.logits[b, :n] for b, n in enumerate(counts)]
+        return Scored(logits, out.hidden, timing.stop() if timing is not None else 1000 * (time.perf_counter() - t0))
 
     def _transformers_forward(
         self,
@@ -209,11 +195,14 @@ class ModelRunner:
         positions: torch.Tensor,
         kv_rows: torch.Tensor | None,
         logits_at: torch.Tensor | None,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         extra = {} if kv_rows is None else {"kv_rows": kv_rows}
+        kept: list[torch.Tensor] = []
         hook = None
         if self.hidden_layer is not None:
-            hook = decoder_layers(self.model)[self.hidden_layer].register_forward_hook(self._keep_hidden)
+            hook = decoder_layers(self.model)[self.hidden_layer].register_forward_hook(
+                lambda module, args, output: kept.append(output[0] if isinstance(output, tuple) else output)
+            )
         try:
             out = self.model(
                 input_ids=tokens,
@@ -227,7 +216,7 @@ class ModelRunner:
         finally:
             if hook is not None:
                 hook.remove()
-        return out.logits
+        return out.logits, kept[0] if kept else None
 
     def admit(self, cache: RowKVCache, rows: list[int], prompts: list[list[int]], room: int) -> Admission:
         """Put the prompts into cache rows `rows` (grown as needed, with `room` positions per row past
@@ -244,7 +233,7 @@ class ModelRunner:
 
         With hidden-state capture (an EDD drafter reads the states of every prompt position) rows
         take only the common prefix, the rest stays pending and is fed with each row's first draft
-        (then its states come back with the verdict); `start_hidden` holds the common prefix's.
+        (then its states come back with the verdict); `Admission.start_hidden` holds the common prefix's.
         """
         shared = min(_common_prefix_len(prompts), min(len(p) for p in prompts) - 1)
         head = tuple(prompts[0][:shared])
@@ -254,22 +243,27 @@ class ModelRunner:
         self._reserve(cache, max(rows) + 1, self.row_capacity([len(p) for p in prompts], room))
         self.peak_cache_bytes = max(self.peak_cache_bytes, cache.nbytes)
         before = self.prompt_tokens_computed
-        done = self._admit_head(cache, rows, head[:shared], reused)
+        done, start_hidden = self._admit_head(cache, rows, head[:shared], reused)
         # The shared head was computed once for all the rows: each takes an equal part of it.
         part, extra = divmod(self.prompt_tokens_computed - before, len(rows))
         spent = {row: part + (i < extra) for i, row in enumerate(rows)}
         if self.hidden_layer is not None:
-            return self._admit_captured(rows, prompts, done, spent)
+            return self._admit_captured(rows, prompts, done, spent, start_hidden)
         return self._admit_rest(cache, rows, prompts, shared, done, spent)
 
     def _admit_captured(
-        self, rows: list[int], prompts: list[list[int]], done: dict[int, int], spent: dict[int, int]
+        self,
+        rows: list[int],
+        prompts: list[list[int]],
+        done: dict[int, int],
+        spent: dict[int, int],
+        start_hidden: torch.Tensor | None,
     ) -> Admission:
         """Rows whose drafter reads hidden states: past the shared head, their prompts stay
         pending, fed with each row's first draft (their states then come back with the verdict)."""
         pending = [list(p[done[row] :]) for row, p in zip(rows, prompts)]
         self.prompt_tokens_computed += sum(len(p) for p in pending)
-        return Admission(pending, [spent[row] + len(p) for row, p in zip(rows, pending)])
+        return Admission(pending, [spent[row] + len(p) for row, p in zip(rows, pending)], start_hidden)
 
     def _admit_rest(
         self,
@@ -363,33 +357,32 @@ class ModelRunner:
         # rows far along: their slots then span the widest pending part past the longest row.
         return longest + room + (longest if self.hidden_layer is not None else 1)
 
-    def _admit_head(self, cache: RowKVCache, rows: list[int], head: tuple[int, ...], reused: Match) -> dict[int, int]:
-        """Rows `rows` start with `head`'s KV (computed once past its stored part); their lengths."""
+    def _admit_head(
+        self, cache: RowKVCache, rows: list[int], head: tuple[int, ...], reused: Match
+    ) -> tuple[dict[int, int], torch.Tensor | None]:
+        """Rows `rows` start with `head`'s KV (computed once past its stored part): their lengths, and
+        with capture `head`'s hidden states [len(head), H]."""
         capture = self.hidden_layer is not None
-        self.start_hidden = None
-        if capture:
-            self.start_hidden = torch.zeros(0, self.config.hidden_size, dtype=self.dtype, device=self.device)
+        empty = torch.zeros(0, self.config.hidden_size, dtype=self.dtype, device=self.device) if capture else None
         if not head:
             cache.lens[rows] = 0
-            return dict.fromkeys(rows, 0)
+            return dict.fromkeys(rows, 0), empty
         scratch = self.new_cache(1, len(head) + 1)
         reuse = reused.length
         hidden = [self.prefixes.restore(reused, scratch, 0, 0, reuse)] if reuse else []
         rest = list(head[reuse:])
         if rest:
             causal = torch.ones(len(rest), len(rest), dtype=torch.bool).tril()[None]
-            self.forward(
+            out = self.forward(
                 scratch, torch.tensor([rest]), causal, torch.arange(len(rest))[None], logits_at=torch.tensor([0])
             )
             scratch.advance(torch.tensor([len(rest)]))
-            if capture:
-                hidden.append(self.last_hidden[0])  # type: ignore[index]
+            if out.hidden is not None:
+                hidden.append(out.hidden[0])
             self.prefixes.store(head, scratch, 0, torch.cat(hidden) if capture else None)
             self.prompt_tokens_computed += len(rest)
-        if capture and hidden:
-            self.start_hidden = torch.cat(hidden)
         cache.copy_prefix(scratch, 0, rows, len(head))
-        return dict.fromkeys(rows, len(head))
+        return dict.fromkeys(rows, len(head)), torch.cat(hidden) if capture and hidden else empty
 
     def _prefill(self, cache: RowKVCache, rows: list[int], pending: list[list[int]]) -> None:
         """Compute every row's pending tokens but the last, all rows in one forward (left-padded)."""
@@ -451,11 +444,36 @@ class _GpuTiming:
 
 
 @dataclass(frozen=True)
+class Forward:
+    """What one forward computed: logits, and with capture the captured layer's states [B, T, H]."""
+
+    logits: torch.Tensor
+    hidden: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Scored:
+    """One verification forward: per row the logits [1 + n, V] at its root and its n nodes, with
+    capture the captured layer's states [B, T, H], and its time."""
+
+    logits: list[torch.Tensor]
+    hidden: torch.Tensor | None
+    timing: float | _GpuTiming  # ms, or CUDA events read when asked (`ms`), so the step never waits
+
+    @property
+    def ms(self) -> float:
+        t = self.timing
+        return t.ms() if isinstance(t, _GpuTiming) else t
+
+
+@dataclass(frozen=True)
 class Admission:
-    """Per admitted row: the prompt tokens still to feed, and the prompt tokens computed for it."""
+    """Per admitted row: the prompt tokens still to feed, and the prompt tokens computed for it; with
+    capture, the hidden states [S, H] of the prefix the rows share (None without)."""
 
     pending: list[list[int]]
     computed: list[int]
+    start_hidden: torch.Tensor | None = None
 
 
 def _room(seqs: list[Sequence], max_nodes: int) -> int:

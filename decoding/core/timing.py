@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 
 from decoding.core.draft_tree import DraftTree, k_config_parents
-from decoding.core.runner import ModelRunner
+from decoding.core.runner import ModelRunner, Scored
 from decoding.core.verify import pack
 
 
@@ -40,7 +40,7 @@ def time_forward(target: ModelRunner, context: int, tree_size: int, batch: int, 
     return timed_ms(verification(target, context, tree_size, batch), repeats, target.device)
 
 
-def verification(target: ModelRunner, context: int, tree_size: int, batch: int) -> Callable[[], object]:
+def verification(target: ModelRunner, context: int, tree_size: int, batch: int) -> Callable[[], Scored]:
     """A verification forward as the decoders call it, ready to repeat: `batch` rows that hold
     `context` committed tokens each score a tree of `tree_size` tokens (the pending root included)."""
     capacity = context + tree_size + 2

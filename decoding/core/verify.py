@@ -16,7 +16,7 @@ from decoding.core.draft_tree import DraftTree
 from decoding.core.gumbel import gumbel_pick, gumbel_targets, key
 from decoding.core.kv_cache import RowKVCache
 from decoding.core.packing import Packed, pack
-from decoding.core.runner import ModelRunner
+from decoding.core.runner import ModelRunner, Scored
 from decoding.core.sampling import Rule, SamplingParams, processed_logits, top_k_rows
 from decoding.core.sequence import Sequence
 
@@ -80,24 +80,22 @@ def verify(
     the rows that go on.
     """
     packed = pack(pending, trees)
-    logits = target.score(cache, packed, rows)
-    return packed, accept(target, packed, logits, trees, seqs, rule, top)
+    return packed, accept(packed, target.score(cache, packed, rows), trees, seqs, rule, top)
 
 
 def accept(
-    target: ModelRunner,
     packed: Packed,
-    logits: list[torch.Tensor],
+    scored: Scored,
     trees: list[DraftTree],
     seqs: list[Sequence],
     rule: Rule,
     top: int = 0,
     drafted_nodes: list[list[int] | None] | None = None,
 ) -> list[Verdict]:
-    """Decide every row of one scored forward (`logits`, one [1 + N, V] per row) under `rule`: the
-    acceptance stage, batched over the step's rows (see `verify`). `drafted_nodes`: where the step
+    """Decide every row of one scored forward (`scored.logits`, one [1 + N, V] per row) under `rule`:
+    the acceptance stage, batched over the step's rows (see `verify`). `drafted_nodes`: where the step
     planner cut each drafted tree (`Verdict.drafted_nodes`)."""
-    hidden = target.last_hidden if target.hidden_layer is not None else None
+    logits, hidden = scored.logits, scored.hidden
     on_device = bool(logits) and logits[0].device.type != "cpu"
     # Processed once per row: the distributions drafters learn from, and what the samplers read.
     scores = processed_rows(seqs, logits) if on_device else [processed(s, row) for s, row in zip(seqs, logits)]

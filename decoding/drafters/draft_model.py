@@ -114,7 +114,7 @@ class ModelDrafter:
         p = packed.n_pending
         logits = self.model.forward(
             self.cache, packed.tokens, packed.see, packed.depth, logits_at=torch.tensor([p - 1]), rows=cache_rows
-        )
+        ).logits
         growths = [
             self.policy.grow(params[b].greedy, s.draft_generator, s.room, s.coupling() if self.coupled else None)
             for b, s in enumerate(slot.seq for slot in slots)
@@ -126,7 +126,7 @@ class ModelDrafter:
             lambda b, lg: self._dists(lg, params[b]),
             lambda tokens, see, depth, offset: self.model.forward(
                 self.cache, tokens, see, depth, offset=offset, rows=cache_rows
-            ),
+            ).logits,
             [range(packed.pads[b], p) for b in range(batch)],
             [len(r.pending) for r in own],
             p,

@@ -203,7 +203,6 @@ class Scheduler:
             return
         t0 = time.perf_counter()
         rows = [self.rounds.take_row() for _ in new]
-        computed = self.target.prompt_tokens_computed
         cache = self.setup.cache
         admitted = self.target.admit_seqs(cache, rows, new, self.drafter.max_nodes)
         for s, n in zip(new, admitted.computed):
@@ -212,8 +211,8 @@ class Scheduler:
             if s.follows:  # its context served it: evictable again
                 self.target.prefixes.unpin(s.follows)
         self.stats.prompt_tokens += sum(len(s.prompt) for s in new)
-        self.stats.prompt_tokens_computed += self.target.prompt_tokens_computed - computed
-        start = self.target.start_hidden
+        self.stats.prompt_tokens_computed += sum(admitted.computed)
+        start = admitted.start_hidden
         self.rounds.arrive([Slot(r, s, p, start, cache) for r, s, p in zip(rows, new, admitted.pending)])
         self.stats.verify_s += time.perf_counter() - t0
 

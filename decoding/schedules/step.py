@@ -76,17 +76,17 @@ def decode_step(rounds: Rounds, setup: StepSetup, clock: Clock, draft_here: bool
         t0 = clock()
         trees, plan = cut(setup, slots, [s.draft for s in slots])  # type: ignore[misc]  # cut
         packed = pack([s.pending for s in slots], trees)  # pack
-        logits = setup.target.score(setup.cache, packed, rows_of(setup.cache, slots))  # forward
+        scored = setup.target.score(setup.cache, packed, rows_of(setup.cache, slots))  # forward
         seqs = [s.seq for s in slots]
         nodes = None if plan is None else plan.kept_nodes  # the drafter's own node numbers
-        verdicts = accept(setup.target, packed, logits, trees, seqs, setup.rule, setup.drafter.learns_top, nodes)
+        verdicts = accept(packed, scored, trees, seqs, setup.rule, setup.drafter.learns_top, nodes)
         verdicts = commit(setup, slots, verdicts, packed)  # commit
         t1 = clock()
         record.finished = finish(setup, slots)
         rounds.verified_now(slots, verdicts)
         record.slots, record.verdicts, record.plan = slots, verdicts, plan
         record.queue_wait_s = sum(t0 - s.queued_at for s in slots)
-        record.forward_ms = setup.target.last_score_ms
+        record.forward_ms = scored.ms
         record.verify_s, record.other_s = t1 - t0, clock() - t1
     if draft_here:
         record.drafts.append(draft_round(rounds, setup, clock, wait=False, draft=False))  # learn
