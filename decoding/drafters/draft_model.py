@@ -124,9 +124,9 @@ class ModelDrafter:
             growths,
             logits,
             lambda b, lg: self._dists(lg, params[b]),
-            lambda tokens, see, depth, offset: self.model.forward(
-                self.cache, tokens, see, depth, offset=offset, rows=cache_rows
-            ).logits,
+            lambda tokens, see, depth, offset: (
+                self.model.forward(self.cache, tokens, see, depth, offset=offset, rows=cache_rows).logits
+            ),
             [range(packed.pads[b], p) for b in range(batch)],
             [len(r.pending) for r in own],
             p,
