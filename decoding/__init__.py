@@ -11,11 +11,16 @@ What the searches, runs and benchmarks use is exported here (tests/test_layout.p
 it); the tuning tools that work on the internals (tot.calibrate_tree, tot.train_edd) import further.
 """
 
+from decoding.base.errors import BackendError, ConfigError, OutputError
+from decoding.base.options import as_float, as_int, from_dict
+from decoding.base.plugins import ENV, Lazy, Plugin, table, unknown
+from decoding.base.values import Completion, DecodeStats, GenRequest, GenResult, Group
 from decoding.config import DecoderConfig, choices
-from decoding.core.errors import BackendError, ConfigError, OutputError
-from decoding.core.heap import frozen
-from decoding.core.memory import peak_rss_mb
-from decoding.core.models import (
+from decoding.drafters.load import load_draft
+from decoding.engine import Engine, run_sync
+from decoding.kinds import DECODERS
+from decoding.runtime.memory import peak_rss_mb
+from decoding.runtime.models import (
     EMBEDDED,
     LoadedModel,
     ModelSpec,
@@ -28,14 +33,9 @@ from decoding.core.models import (
     resolve_device,
     resolve_weights,
 )
-from decoding.core.options import as_float, as_int, from_dict
-from decoding.core.plugins import ENV, Lazy, Plugin, table, unknown
-from decoding.core.rows_linear import resolve_linear
-from decoding.core.values import Completion, DecodeStats, GenRequest, GenResult, Group
-from decoding.drafters.load import load_draft
-from decoding.engine import Engine, run_sync
-from decoding.kinds import DECODERS
+from decoding.runtime.rows_linear import resolve_linear
 from decoding.server import FOLLOW_UPS_REFUSED, ServerEngine, ServerOptions
+from decoding.speculation.heap import frozen
 
 __all__ = [
     "DECODERS",

@@ -20,17 +20,17 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from decoding.base.errors import BackendError, ConfigError
+from decoding.base.options import as_int, held_rows, held_text
 from decoding.cli import fail, hydra_command
-from decoding.core import numerics
-from decoding.core.activation import use_torch_silu
-from decoding.core.draft_tree import DraftTree
-from decoding.core.errors import BackendError, ConfigError
-from decoding.core.models import ModelSpec, cache_root, gguf_file, load_model
-from decoding.core.numerics import Numerics
-from decoding.core.options import as_int, held_rows, held_text
-from decoding.core.packing import pack
-from decoding.core.quant import Int4Linear, Q8Linear
-from decoding.core.runner import ModelRunner
+from decoding.runtime import numerics
+from decoding.runtime.activation import use_torch_silu
+from decoding.runtime.models import ModelSpec, cache_root, gguf_file, load_model
+from decoding.runtime.numerics import Numerics
+from decoding.runtime.packing import pack
+from decoding.runtime.quant import Int4Linear, Q8Linear
+from decoding.runtime.runner import ModelRunner
+from decoding.speculation.draft_tree import DraftTree
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class ActivationErrorConfig:
     data: str
     limit: int
     out: str | None
-    ship: bool  # the record goes to decoding/core/records/ (shipped with the project), not the cache
+    ship: bool  # the record goes to decoding/runtime/records/ (shipped with the project), not the cache
 
     @classmethod
     def from_omegaconf(cls, cfg: DictConfig) -> ActivationErrorConfig:

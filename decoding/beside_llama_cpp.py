@@ -27,16 +27,16 @@ from typing import TYPE_CHECKING
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from decoding.base.errors import BackendError, ConfigError
+from decoding.base.options import as_int, held_rows, held_text
+from decoding.base.values import GenRequest
 from decoding.cli import fail, hydra_command
 from decoding.config import DecoderConfig
-from decoding.core.draft_tree import DraftTree
-from decoding.core.errors import BackendError, ConfigError
-from decoding.core.models import ModelSpec, gguf_file, load_model
-from decoding.core.options import as_int, held_rows, held_text
-from decoding.core.packing import pack
-from decoding.core.runner import ModelRunner
-from decoding.core.values import GenRequest
 from decoding.engine import Engine
+from decoding.runtime.models import ModelSpec, gguf_file, load_model
+from decoding.runtime.packing import pack
+from decoding.runtime.runner import ModelRunner
+from decoding.speculation.draft_tree import DraftTree
 
 if TYPE_CHECKING:
     from llama_cpp import Llama

@@ -6,15 +6,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from decoding.core.errors import ConfigError
-from decoding.core.models import ModelSpec
-from decoding.core.options import from_dict, option_names
-from decoding.core.plugins import unknown
+from decoding.base.errors import ConfigError
+from decoding.base.options import from_dict, option_names
+from decoding.base.plugins import unknown
 from decoding.kinds import DECODERS, SECTIONS
-from decoding.schedules.base import VerifyOptions
+from decoding.runtime.models import ModelSpec
 from decoding.schedules.seed import SeedOptions
 from decoding.server import NAME as SERVER
 from decoding.server import ServerOptions
+from decoding.speculation.options import VerifyOptions
 from decoding.trees.policies import DraftTreeOptions
 
 

@@ -9,17 +9,17 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from decoding.config import DecoderConfig
-from decoding.core.models import LoadedModel
-from decoding.core.runner import ModelRunner
-from decoding.core.stopping import Detokenizer
 from decoding.drafters.base import Drafter
 from decoding.drafters.draft_model import model_drafter
 from decoding.drafters.union import UnionDrafter
 from decoding.kinds import DECODERS, DRAFTERS
+from decoding.runtime.models import LoadedModel
+from decoding.runtime.runner import ModelRunner
 from decoding.schedules.base import Decoder
 from decoding.schedules.hf import HFDecoder
 from decoding.schedules.planner import Planner, goodput_planner
 from decoding.schedules.scheduler import Scheduler
+from decoding.speculation.stopping import Detokenizer
 
 Schedule = Callable[[str, DecoderConfig, ModelRunner, Detokenizer, Drafter], Decoder]
 

@@ -17,18 +17,18 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields, replace
 from typing import TypeVar
 
+from decoding.base.errors import BackendError
+from decoding.base.values import Completion, DecodeStats, GenRequest, GenResult
 from decoding.config import DecoderConfig
-from decoding.core.errors import BackendError
-from decoding.core.memory import peak_rss_mb, rss_mb
-from decoding.core.models import LoadedModel
-from decoding.core.prompts import PLAIN_SEAM, Seam, chat_seam, render, render_follow_up
-from decoding.core.runner import ModelRunner
-from decoding.core.sampling import SamplingParams
-from decoding.core.sequence import Sequence
-from decoding.core.stopping import StopRule, final_text
-from decoding.core.values import Completion, DecodeStats, GenRequest, GenResult
 from decoding.decoders import make_decoder
+from decoding.prompts import PLAIN_SEAM, Seam, chat_seam, render, render_follow_up
+from decoding.runtime.memory import peak_rss_mb, rss_mb
+from decoding.runtime.models import LoadedModel
+from decoding.runtime.runner import ModelRunner
 from decoding.schedules.base import add_sequence_totals
+from decoding.speculation.sampling import SamplingParams
+from decoding.speculation.sequence import Sequence
+from decoding.speculation.stopping import StopRule, final_text
 
 T = TypeVar("T")
 

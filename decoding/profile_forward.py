@@ -2,11 +2,11 @@
 
 Times one target forward that scores a draft tree of T tokens for each of B rows after a committed
 context, for every (T, B) asked, as the decoders call it (ModelRunner over a row KV cache), and
-prints ms per forward with the ratio to T=1, B=1 and the step planner's fitted cost (its profile of
-this machine, decoding/core/cost.py, made now if it is not cached); then, with `split=true`, where each forward's time
-goes (linears, attention, LM head, the rest, read from torch.profiler). Tree-shape and schedule
-choices (Sequoia's hardware-aware budget, PCT's s_d / s_t, SEED's verify batch) read these measured
-costs rather than typed-in ones. `out=PATH` also writes the rows as JSON.
+prints ms per forward with the ratio to T=1, B=1 and the step planner's fitted cost (its profile
+of this machine, decoding/speculation/cost.py, made now if it is not cached); then, with `split=true`,
+where each forward's time goes (linears, attention, LM head, the rest, read from torch.profiler).
+Tree-shape and schedule choices (Sequoia's hardware-aware budget, PCT's s_d / s_t, SEED's verify
+batch) read these measured costs rather than typed-in ones. `out=PATH` also writes the rows as JSON.
 """
 
 from __future__ import annotations
@@ -20,16 +20,16 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from decoding.base.errors import BackendError, ConfigError
+from decoding.base.options import as_int
 from decoding.cli import fail, hydra_command
-from decoding.core import kernels
-from decoding.core.cost import ForwardCost, forward_cost
-from decoding.core.errors import BackendError, ConfigError
-from decoding.core.models import ModelSpec, cache_root, load_model
-from decoding.core.options import as_int
-from decoding.core.quant import Int4Linear
-from decoding.core.runner import ModelRunner
-from decoding.core.time_split import PARTS, gpu_busy, time_split
-from decoding.core.timing import timed_ms, verification
+from decoding.runtime import kernels
+from decoding.runtime.models import ModelSpec, cache_root, load_model
+from decoding.runtime.quant import Int4Linear
+from decoding.runtime.runner import ModelRunner
+from decoding.runtime.time_split import PARTS, gpu_busy, time_split
+from decoding.speculation.cost import ForwardCost, forward_cost
+from decoding.speculation.timing import timed_ms, verification
 
 
 @dataclass(frozen=True)
@@ -127,7 +127,7 @@ def _cell(row: dict) -> str:
 
 
 def add_fitted(rows: list[dict], cost: ForwardCost) -> None:
-    """The step planner's cost model (decoding/core/cost.py) beside each measured forward."""
+    """The step planner's cost model (decoding/speculation/cost.py) beside each measured forward."""
     for r in rows:
         b, t = r["batch"], r["tree_tokens"]
         r["fitted_ms"] = float(cost.ms(b, b * t, t, r["context"])) / cost.correction

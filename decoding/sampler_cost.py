@@ -2,7 +2,7 @@
 
 Takes the target's real logits at every position of a prompt (one forward of the loaded model) and
 times, per position, the samplers a decoder may use for the target's own token: the Gumbel-max
-sampler with public noise (verify.rule=match_gumbel, decoding/core/gumbel.py), and the processed
+sampler with public noise (verify.rule=match_gumbel, decoding/speculation/gumbel.py), and the processed
 softmax with one torch.multinomial draw (match_multinomial, `transformers`' sampling). Prints the
 median milliseconds per token at each temperature and their ratio.
 """
@@ -16,13 +16,13 @@ from dataclasses import dataclass
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from decoding.base.errors import BackendError, ConfigError
+from decoding.base.options import as_int
 from decoding.cli import fail, hydra_command
-from decoding.core.errors import BackendError, ConfigError
-from decoding.core.gumbel import gumbel_choice
-from decoding.core.models import ModelSpec, load_model
-from decoding.core.options import as_int
-from decoding.core.prompts import render
-from decoding.core.sampling import SamplingParams, make_generator, process_logits
+from decoding.prompts import render
+from decoding.runtime.models import ModelSpec, load_model
+from decoding.speculation.gumbel import gumbel_choice
+from decoding.speculation.sampling import SamplingParams, make_generator, process_logits
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from decoding.base.errors import BackendError
 from decoding.cli import fail
-from decoding.core.errors import BackendError
-from decoding.core.models import ModelSpec, load_tokenizer
+from decoding.runtime.models import ModelSpec, load_tokenizer
 
 _LLAMA3 = {
     "model_type": "llama",

@@ -9,7 +9,7 @@ from decoding import ENV, table
 from tasks.base import DataError, DataSpec, Problem, Task, TaskPlugin
 
 # A task is one module ending with `PLUGIN = TaskPlugin(...)` and its yaml (conf/task/NAME.yaml);
-# TOT_SPEC_PLUGINS adds modules from outside the project (decoding/core/plugins.py).
+# TOT_SPEC_PLUGINS adds modules from outside the project (decoding/base/plugins.py).
 MODULES = ("tasks.gsm8k", "tasks.creative_writing", "tasks.blocksworld.task")
 TASKS = table(TaskPlugin, MODULES)
 

@@ -22,11 +22,11 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from decoding.core.draft_tree import k_config_parents
-from decoding.core.models import LoadedModel, embedded_file, prepare_for_inference
-from decoding.core.rows_linear import resolve_linear
-from decoding.core.static_forward import Buckets, StaticSpec
 from decoding.engine import Engine
+from decoding.runtime.models import LoadedModel, embedded_file, prepare_for_inference
+from decoding.runtime.rows_linear import resolve_linear
+from decoding.runtime.static_forward import Buckets, StaticSpec
+from decoding.speculation.draft_tree import k_config_parents
 from decoding.trees.static import StaticTree
 
 ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
@@ -149,7 +149,7 @@ def build_model(vocab_size: int, seed: int = 0, max_positions: int = 512, arch: 
         torch.backends.cudnn.allow_tf32 = False
         prepare_for_inference(model, DEVICE, "float32", "sdpa")
     else:  # the default CPU path of load_model: bfloat16 weights, the batch-invariant attention, the
-        # machine's default kernel for bfloat16 linears (decoding/core/rows_linear.py)
+        # machine's default kernel for bfloat16 linears (decoding/runtime/rows_linear.py)
         prepare_for_inference(model, DEVICE, "bfloat16", "invariant", linear=resolve_linear("auto", DEVICE))
     return model
 
@@ -176,7 +176,7 @@ TEST_BUCKETS = Buckets(rows=(1, 2, 4), tokens=(1, 2, 4, 8), context=16)
 
 @pytest.fixture(scope="session")
 def bucketed(loaded: LoadedModel) -> LoadedModel:
-    """The tiny model through the bucketed forward of decoding/core/static_forward.py: padded to
+    """The tiny model through the bucketed forward of decoding/runtime/static_forward.py: padded to
     TEST_BUCKETS, replayed from CUDA graphs on a GPU, the same code eagerly on the CPU."""
     return dataclasses.replace(
         loaded, static=StaticSpec(TEST_BUCKETS, capture=DEVICE.type == "cuda"), strict_graphs=True

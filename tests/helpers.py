@@ -7,13 +7,13 @@ import copy
 
 import torch
 
-from decoding.core.acceptance import chain, proposals, sample_chain
-from decoding.core.draft_tree import DraftDist, Draw
-from decoding.core.kv_cache import RowKVCache, _by_position
-from decoding.core.rows_linear import RowsLinear, use_rows_kernel
-from decoding.core.runner import ModelRunner
-from decoding.core.values import Completion, DecodeStats, GenRequest, GenResult
-from decoding.schedules.base import VerifyOptions
+from decoding.base.values import Completion, DecodeStats, GenRequest, GenResult
+from decoding.runtime.kv_cache import RowKVCache, _by_position
+from decoding.runtime.rows_linear import RowsLinear, use_rows_kernel
+from decoding.runtime.runner import ModelRunner
+from decoding.speculation.acceptance import chain, proposals, sample_chain
+from decoding.speculation.draft_tree import DraftDist, Draw
+from decoding.speculation.options import VerifyOptions
 from tasks.base import Problem, Prompt, TaskDefaults
 
 # verify.plan=fixed, verify.max_tokens=null: trees verified whole however many rows share a forward (tests of tree

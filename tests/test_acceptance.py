@@ -8,8 +8,8 @@ import pytest
 import torch
 from helpers import acceptance_chain, choose
 
-from decoding.core.acceptance import residual, walk_matched
-from decoding.core.draft_tree import ROOT, DraftTree, k_config_parents
+from decoding.speculation.acceptance import residual, walk_matched
+from decoding.speculation.draft_tree import ROOT, DraftTree, k_config_parents
 
 V = 5
 
@@ -164,8 +164,8 @@ def test_k_config_rejects_bad_values():
 def test_grafted_sources_are_exact():
     """Children from two drafters at one node (a model's iid draw and an N-gram's draws without
     replacement), each with its own proposal: the rule still returns exactly p."""
-    from decoding.core.acceptance import chain, node_proposals
-    from decoding.core.draft_tree import graft
+    from decoding.speculation.acceptance import chain, node_proposals
+    from decoding.speculation.draft_tree import graft
 
     p, q0, q1 = dist(20, 1), dist(21), dist(22, 2)
     total = torch.zeros(V, dtype=torch.float64)
@@ -191,7 +191,7 @@ def test_grafted_sources_are_exact():
 def test_graft_merges_duplicates_for_the_matched_rules():
     """merge=True: a token two drafters put at the same place is one node (verified once), and each
     drafter's nodes map into the trie; the rejection rules' graft keeps both."""
-    from decoding.core.draft_tree import graft
+    from decoding.speculation.draft_tree import graft
 
     a, b = DraftTree(), DraftTree()
     for tree, spec in ((a, [(5, ROOT), (6, 0), (7, ROOT)]), (b, [(5, ROOT), (9, 0), (6, 0), (8, ROOT)])):

@@ -1,4 +1,4 @@
-"""SiLU with a fixed exp (decoding/core/activation.py, csrc/activation.cpp): torch's SiLU up to a few
+"""SiLU with a fixed exp (decoding/runtime/activation.py, csrc/activation.cpp): torch's SiLU up to a few
 units in the last place, every element's bits the same wherever it falls, installed on the int8
 path's float32 model and read in place by the C++ layers (tests/test_llama.py: bitwise `hf`)."""
 
@@ -9,9 +9,9 @@ import torch
 from test_quant import int4_copy
 
 from decoding.activation_error import float32_reference, float_activations
-from decoding.core import kernels
-from decoding.core.activation import FixedSiLU, use_fixed_silu
-from decoding.core.llama import Layers
+from decoding.runtime import kernels
+from decoding.runtime.activation import FixedSiLU, use_fixed_silu
+from decoding.runtime.llama import Layers
 
 
 def test_it_computes_silu_within_a_few_ulp_over_the_whole_range():

@@ -12,13 +12,13 @@ from test_decoders import encode
 from test_speculative import PARAMS, check_three_tokens, sample_three
 from test_stand import greedy_case
 
+from decoding.base.errors import ConfigError
+from decoding.base.values import GenRequest, Group
 from decoding.config import DecoderConfig
-from decoding.core.draft_tree import ROOT
-from decoding.core.errors import ConfigError
-from decoding.core.gumbel import Coupling, gumbel_order
-from decoding.core.values import GenRequest, Group
 from decoding.drafters.aded import AdedDrafter, AdedOptions, Node, Search, TriGram, exploration, most_visited, puct
 from decoding.engine import Engine
+from decoding.speculation.draft_tree import ROOT
+from decoding.speculation.gumbel import Coupling, gumbel_order
 
 # --- the tri-gram matrix -------------------------------------------------------------------------------
 

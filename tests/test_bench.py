@@ -9,8 +9,8 @@ from conftest import DEVICE, build_model
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from decoding.core.errors import ConfigError
-from decoding.core.models import LoadedModel
+from decoding.base.errors import ConfigError
+from decoding.runtime.models import LoadedModel
 from tot.bench import bench, decoder_configs, table
 from tot.config import RunConfig
 
@@ -174,7 +174,7 @@ def test_scaling_searches_are_checked():
 
 def test_bench_variants(long_context, tmp_path):
     """`bench.variants`: one decoder with other options under its own name, in the same run (lossless check too)."""
-    from decoding.core.draft_tree import k_config_parents
+    from decoding.speculation.draft_tree import k_config_parents
     from decoding.trees.static import StaticTree
 
     tree = tmp_path / "chain.json"

@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
+from decoding.base.errors import ConfigError
+from decoding.base.options import held_rows
 from decoding.beside_llama_cpp import (
     BesideConfig,
     llama_decode,
@@ -14,10 +16,8 @@ from decoding.beside_llama_cpp import (
     project_prompt_s,
     prompt_ids,
 )
-from decoding.core.errors import ConfigError
-from decoding.core.models import embedded_file
-from decoding.core.options import held_rows
 from decoding.engine import Engine
+from decoding.runtime.models import embedded_file
 
 ROWS = [{"question": "a b c", "answer": "d e"}, {"question": "f g", "answer": "h i j"}]
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import pytest
 from helpers import ScriptedTask, reply
 
-from decoding.core.values import Completion, DecodeStats, GenRequest, Group
+from decoding.base.values import Completion, DecodeStats, GenRequest, Group
 from tasks.base import Problem, Prompt
 from tot.best_of_n import BestOfN, BestOfNSettings
 from tot.config import ConfigError

@@ -14,15 +14,16 @@ import weakref
 import pytest
 from test_decoders import EOS_ID, encode, reference_greedy
 
+from decoding.base.errors import BackendError
+from decoding.base.values import GenRequest
 from decoding.config import DecoderConfig
-from decoding.core.errors import BackendError
-from decoding.core.models import ModelSpec
-from decoding.core.sampling import Rule
-from decoding.core.values import GenRequest
 from decoding.drafters.draft_model import ModelDrafter
 from decoding.engine import Engine, apportion
 from decoding.kinds import DECODERS
-from decoding.schedules.base import VerifyOptions
+from decoding.runtime.models import ModelSpec
+from decoding.speculation.options import VerifyOptions
+from decoding.speculation.sampling import Rule
+from decoding.speculation.sequence import needs
 from tasks.base import Problem
 from tasks.gsm8k import GSM8K
 from tot.bfs import BFS, BFSSettings
@@ -281,7 +282,7 @@ def test_the_kv_memory_bounds_the_sequences_decoding_at_once(name, loaded, pertu
     expected = [r.token_ids for r in free.generate(requests)]
     seqs = [free._sequence(r) for r in requests]
     max_nodes = free.decoder.drafter.max_nodes
-    two = max(free.target.kv_bytes([a, b], max_nodes) for a, b in itertools.combinations(seqs, 2))
+    two = max(free.target.kv_bytes(needs([a, b], max_nodes)) for a, b in itertools.combinations(seqs, 2))
     bounded = engine_for(name, dataclasses.replace(loaded, kv_budget=two), perturbed)
     decoder = bounded.decoder
     decoder.admit([bounded._sequence(r) for r in requests])

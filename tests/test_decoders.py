@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from decoding.core.sampling import SamplingParams, process_logits
-from decoding.core.values import GenRequest
+from decoding.base.values import GenRequest
+from decoding.speculation.sampling import SamplingParams, process_logits
 
 EOS_ID = 2  # the tiny tokenizer's <eos> (tests/conftest.py)
 

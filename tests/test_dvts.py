@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import pytest
 from helpers import AwaitableFake, ScriptedTask, reply
 
-from decoding.core.values import DecodeStats, GenRequest, GenResult, Group
+from decoding.base.values import DecodeStats, GenRequest, GenResult, Group
 from tasks.base import Problem
 from tot.config import ConfigError
 from tot.dvts import DVTS, DVTSSettings

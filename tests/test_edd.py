@@ -14,11 +14,9 @@ from test_cli import REPO, subprocess_env
 from test_decoders import BUDGETS, EOS_ID, PROMPTS, _stop_string_case, encode, reference_greedy
 from test_speculative import PARAMS, RULES, check_three_tokens, sample_three
 
+from decoding.base.errors import BackendError
+from decoding.base.values import GenRequest
 from decoding.config import DecoderConfig
-from decoding.core.errors import BackendError
-from decoding.core.models import LoadedModel, ModelSpec
-from decoding.core.runner import ModelRunner
-from decoding.core.values import GenRequest
 from decoding.drafters.edd import EddDrafter
 from decoding.drafters.load import load_draft
 from decoding.edd.model import (
@@ -34,9 +32,11 @@ from decoding.edd.model import (
 )
 from decoding.edd.train import Example, TrainSettings, evaluate, split, target_features, train
 from decoding.engine import Engine
-from decoding.schedules.base import VerifyOptions
+from decoding.runtime.models import LoadedModel, ModelSpec
+from decoding.runtime.runner import ModelRunner
 from decoding.schedules.scheduler import Scheduler
 from decoding.schedules.seed import SeedOptions
+from decoding.speculation.options import VerifyOptions
 from decoding.trees.policies import DraftTreeOptions
 from tot.train_edd import TrainConfig
 

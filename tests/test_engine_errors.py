@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decoding.core.errors import BackendError, ConfigError
-from decoding.core.models import LoadedModel, ModelSpec, load_model
-from decoding.core.values import GenRequest
+from decoding.base.errors import BackendError, ConfigError
+from decoding.base.values import GenRequest
+from decoding.runtime.models import LoadedModel, ModelSpec, load_model
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,7 @@ import pytest
 from test_cli import REPO, subprocess_env
 from test_run import FakeEngine, make_config
 
-from decoding.core.errors import OutputError
+from decoding.base.errors import OutputError
 from tot.collect import main as collect_main
 from tot.lock import run_lock
 from tot.results import ResultStore

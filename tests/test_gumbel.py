@@ -1,4 +1,4 @@
-"""The Gumbel-max sampler with public noise (decoding/core/gumbel.py): exact, reproducible, independent.
+"""The Gumbel-max sampler with public noise (decoding/speculation/gumbel.py): exact, reproducible, independent.
 
 Statistical checks are seeded (fixed outcomes) and use Pearson's chi-square with the Wilson-Hilferty
 normal approximation: a statistic more than 4 standard deviations above its mean (p < 3e-5) fails.
@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from decoding.core.draft_tree import ROOT, DraftTree
-from decoding.core.gumbel import (
+from decoding.speculation.draft_tree import ROOT, DraftTree
+from decoding.speculation.gumbel import (
     G_MAX,
     G_MIN,
     Coupling,
@@ -22,10 +22,10 @@ from decoding.core.gumbel import (
     gumbel_noise,
     gumbel_order,
 )
-from decoding.core.sampling import SamplingParams, process_logits, processed_logits
-from decoding.core.sequence import Sequence
-from decoding.core.stopping import StopRule
-from decoding.core.verify import device_targets, processed, processed_rows, target_sampler
+from decoding.speculation.sampling import SamplingParams, process_logits, processed_logits
+from decoding.speculation.sequence import Sequence
+from decoding.speculation.stopping import StopRule
+from decoding.speculation.verify import device_targets, processed, processed_rows, target_sampler
 
 N = 20_000
 

@@ -1,11 +1,11 @@
-"""The collector kept off the run's long-lived objects while decoding runs (decoding/core/heap.py)."""
+"""The collector kept off the run's long-lived objects while decoding runs (decoding/speculation/heap.py)."""
 
 from __future__ import annotations
 
 import gc
 import weakref
 
-from decoding.core.heap import frozen
+from decoding.speculation.heap import frozen
 
 
 class Node:

@@ -14,16 +14,16 @@ from test_decoders import EOS_ID
 from test_run import make_config
 from test_tasks_e2e import CASES, SEARCHES, TINY
 
-from decoding.core.errors import BackendError, ConfigError
-from decoding.core.kv_cache import RowKVCache
-from decoding.core.memory import MemoryBudget
-from decoding.core.models import LoadedModel, ModelSpec, load_tokenizer
-from decoding.core.prefix_cache import PrefixCache
-from decoding.core.prompts import PLAIN_SEAM, chat_seam, render_follow_up
-from decoding.core.stopping import reply_ids
-from decoding.core.values import GenRequest
+from decoding.base.errors import BackendError, ConfigError
+from decoding.base.values import GenRequest
 from decoding.engine import Engine
 from decoding.kinds import DECODERS
+from decoding.prompts import PLAIN_SEAM, chat_seam, render_follow_up
+from decoding.runtime.kv_cache import RowKVCache
+from decoding.runtime.memory import MemoryBudget
+from decoding.runtime.models import LoadedModel, ModelSpec, load_tokenizer
+from decoding.runtime.prefix_cache import PrefixCache
+from decoding.speculation.stopping import reply_ids
 from tot.run import run
 from tot.show import load_tree
 
@@ -106,7 +106,7 @@ def test_a_follow_up_computes_only_its_turn(loaded):
 def test_pinned_thoughts_survive_a_small_store(tiny_model):
     """Stored sequences waiting for a follow-up are not evicted however much else comes; once
     admitted they are; when pins alone would pass the cap, the oldest pin goes first."""
-    from decoding.core.runner import ModelRunner
+    from decoding.runtime.runner import ModelRunner
 
     runner = ModelRunner(tiny_model)
     cache: RowKVCache = runner.new_cache(1, 64)

@@ -12,10 +12,10 @@ import pytest
 import torch
 from test_quant import int4_copy
 
-from decoding.core import kernels
-from decoding.core.draft_tree import ROOT, DraftTree
-from decoding.core.runner import ModelRunner
-from decoding.core.verify import pack
+from decoding.runtime import kernels
+from decoding.runtime.runner import ModelRunner
+from decoding.speculation.draft_tree import ROOT, DraftTree
+from decoding.speculation.verify import pack
 
 PROMPT = [5 + (7 * i) % 90 for i in range(21)]
 CONTINUATION = [11, 42, 17, 63, 8, 29]  # the pending token, then 5 tokens scored after it
@@ -114,7 +114,7 @@ def test_inside_a_sixteen_node_tree(runner):
 def test_attention_skips_the_queries_no_one_reads():
     """A ragged forward's pads are never read: the kernel skips their queries (zeros), and every other
     query's output has the bits it has when all are computed (each query is its own computation)."""
-    from decoding.core import kernels
+    from decoding.runtime import kernels
 
     g = torch.Generator().manual_seed(0)
     q = torch.randn(3, 6, 4, 64, generator=g).to(torch.bfloat16)  # 3 rows, 6 heads over 2 kv heads, 4 slots

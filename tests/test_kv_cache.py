@@ -11,8 +11,8 @@ import pytest
 import torch
 from helpers import prefill, select_rows
 
-from decoding.core.kv_cache import RowKVCache, cache_geometry
-from decoding.core.runner import ModelRunner
+from decoding.runtime.kv_cache import RowKVCache, cache_geometry
+from decoding.runtime.runner import ModelRunner
 
 ATOL = 1e-4
 RTOL = 1e-4

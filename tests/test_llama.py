@@ -1,4 +1,4 @@
-"""The Llama forward of decoding/core/llama.py (decoder layers in one C++ call) computes the bits of
+"""The Llama forward of decoding/runtime/llama.py (decoder layers in one C++ call) computes the bits of
 the `transformers` forward of the same loaded model: prefill of ragged rows, a decode step, a draft
 tree, a subset of rows verified in place, the captured hidden states; and it is used only where it
 would. Also the key layout the invariant attention reads (positions contiguous) survives the cache's
@@ -14,15 +14,15 @@ from helpers import select_rows, with_linear_kernel
 from test_quant import int4_copy, mixed_blocks
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from decoding.core.draft_tree import ROOT, DraftTree
-from decoding.core.kv_cache import RowKVCache
-from decoding.core.llama import Layers
-from decoding.core.models import prepare_for_inference
-from decoding.core.norm import RowsRMSNorm
-from decoding.core.prefix_cache import PrefixCache
-from decoding.core.rows_linear import RowsLinear, dense_in_bfloat16
-from decoding.core.runner import ModelRunner
-from decoding.core.verify import pack
+from decoding.runtime.kv_cache import RowKVCache
+from decoding.runtime.llama import Layers
+from decoding.runtime.models import prepare_for_inference
+from decoding.runtime.norm import RowsRMSNorm
+from decoding.runtime.prefix_cache import PrefixCache
+from decoding.runtime.rows_linear import RowsLinear, dense_in_bfloat16
+from decoding.runtime.runner import ModelRunner
+from decoding.speculation.draft_tree import ROOT, DraftTree
+from decoding.speculation.verify import pack
 
 PROMPTS = [[5 + (7 * i + j) % 90 for i in range(n)] for j, n in enumerate((9, 23, 70))]
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import pytest
 from helpers import ScriptedTask, reply
 
-from decoding.core.values import Completion, DecodeStats, GenRequest
+from decoding.base.values import Completion, DecodeStats, GenRequest
 from tasks.base import Problem
 from tot.config import ConfigError
 from tot.mcts import MCTS, MCTSSettings

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from test_cli import REPO, save_tiny_checkpoint, solve_cmd, subprocess_env
 
-from decoding.core.errors import BackendError
-from decoding.core.model_files import check_checkpoint, check_gguf, gguf_size
-from decoding.core.models import embedded_file
+from decoding.base.errors import BackendError
+from decoding.runtime.model_files import check_checkpoint, check_gguf, gguf_size
+from decoding.runtime.models import embedded_file
 
 CUT = 30 * 2**20  # a download stopped at 30 MB
 

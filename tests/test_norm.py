@@ -1,4 +1,4 @@
-"""RMSNorm in one pass per row (decoding/core/norm.py, csrc/norm.cpp): what LlamaRMSNorm computes, up
+"""RMSNorm in one pass per row (decoding/runtime/norm.py, csrc/norm.cpp): what LlamaRMSNorm computes, up
 to the rounding of the result, row-invariant, installed by the CPU load path (tests/test_llama.py
 shows the C++ layers run it with the model's own bits)."""
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from decoding.core.llama import Layers
-from decoding.core.norm import RowsRMSNorm, use_rows_norm
+from decoding.runtime.llama import Layers
+from decoding.runtime.norm import RowsRMSNorm, use_rows_norm
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

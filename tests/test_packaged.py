@@ -1,4 +1,4 @@
-"""Packaged models (decoding.core.packaged, decoding.install) on real files: fake part packages are
+"""Packaged models (decoding.runtime.packaged, decoding.install) on real files: fake part packages are
 written to a folder on sys.path (a module with get_part_path() and a chunk, and a dist-info that
 importlib.metadata finds), joined into a temporary cache; failures are made real (a sparse chunk
 larger than the free disk, a file-size limit, a folder under a regular file), and the concurrent join
@@ -24,9 +24,9 @@ from pathlib import Path
 
 import pytest
 
-from decoding.core.errors import BackendError
-from decoding.core.packaged import PACKAGED, PackagedModel, numbered, packaged_file, requirements
+from decoding.base.errors import BackendError
 from decoding.install import install_parts, missing_parts
+from decoding.runtime.packaged import PACKAGED, PackagedModel, numbered, packaged_file, requirements
 
 ROOT = Path(__file__).resolve().parents[1]
 PREFIX = "fakepart"
@@ -225,7 +225,7 @@ def join_logged(barrier: object, model: PackagedModel, cache: Path) -> tuple[Pat
     records: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
-    logger = logging.getLogger("decoding.core.packaged")
+    logger = logging.getLogger("decoding.runtime.packaged")
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     barrier.wait()  # type: ignore[attr-defined]

@@ -10,11 +10,11 @@ from test_seed import requests_for, seed_engine
 from test_sequoia import decoder_from, drafted_trees
 from test_speculative import PARAMS, check_three_tokens, ragged_requests, sample_three, sd_engine
 
-from decoding.core.draft_tree import ROOT, DraftTree
-from decoding.core.errors import ConfigError
-from decoding.core.runner import ModelRunner
-from decoding.core.values import GenRequest
+from decoding.base.errors import ConfigError
+from decoding.base.values import GenRequest
 from decoding.drafters.draft_model import ModelDrafter
+from decoding.runtime.runner import ModelRunner
+from decoding.speculation.draft_tree import ROOT, DraftTree
 from decoding.trees.policies import DraftTreeOptions, PCTPolicy, pct_max_nodes
 
 V = 12

@@ -9,18 +9,18 @@ import numpy as np
 import pytest
 import torch
 
-from decoding.core.calibration import EXPLORE, AcceptanceRecord
-from decoding.core.cost import CONTEXT, ForwardCost, Overhead, cost_key, forward_cost, node_ms, profile
-from decoding.core.draft_tree import ROOT, DraftTree
-from decoding.core.errors import ConfigError
-from decoding.core.runner import ModelRunner
-from decoding.core.slot import Estimate, Slot
-from decoding.core.values import GenRequest, Group
-from decoding.core.verify import Verdict
+from decoding.base.errors import ConfigError
+from decoding.base.values import GenRequest, Group
 from decoding.drafters.stand import StandDrafter, StandOptions
 from decoding.engine import Engine
+from decoding.runtime.runner import ModelRunner
 from decoding.schedules.planner import FAR_PROBE, PROBE, SELDOM, Planner, best_first
 from decoding.schedules.scheduler import Scheduler
+from decoding.speculation.calibration import EXPLORE, AcceptanceRecord
+from decoding.speculation.cost import CONTEXT, ForwardCost, Overhead, cost_key, forward_cost, node_ms, profile
+from decoding.speculation.draft_tree import ROOT, DraftTree
+from decoding.speculation.slot import Estimate, Slot
+from decoding.speculation.verify import Verdict
 from decoding.trees.static import StaticTree
 
 REPO = Path(__file__).resolve().parents[1]
@@ -218,9 +218,9 @@ def test_every_ready_row_is_verified_in_every_forward(loaded, tokenizer):
 def test_drafters_keep_learning_without_drafts(tokenizer):
     """A row given no draft tokens updates the pool from what it commits: afterwards it drafts what
     a row that drafted all along drafts."""
-    from decoding.core.sampling import SamplingParams
-    from decoding.core.sequence import Sequence
-    from decoding.core.stopping import StopRule
+    from decoding.speculation.sampling import SamplingParams
+    from decoding.speculation.sequence import Sequence
+    from decoding.speculation.stopping import StopRule
 
     text = tokenizer.encode("the cat sat on the mat and the cat sat on the")
     drafters = [StandDrafter(StandOptions(prime_with_prompt=False), StaticTree.load("default"), len(tokenizer))]
@@ -285,9 +285,9 @@ def test_the_work_around_the_forward_and_drafting_are_charged_as_measured(tiny_m
 def test_the_profiled_forward_scores_what_a_batched_prefill_would(tiny_model):
     """timing.verification computes one row's prompt and copies its keys and values into the others:
     every row then scores its tree with the logits of a row whose prompt was computed in the batch."""
-    from decoding.core.runner import ModelRunner
-    from decoding.core.timing import chain_tree, verification
-    from decoding.core.verify import pack
+    from decoding.runtime.runner import ModelRunner
+    from decoding.speculation.timing import chain_tree, verification
+    from decoding.speculation.verify import pack
 
     runner = ModelRunner(tiny_model)
     scored = verification(runner, 20, 4, 3)().logits

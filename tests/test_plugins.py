@@ -1,5 +1,5 @@
 """A plug-in of any kind (drafter, search, task, architecture) is one module and its yaml: the tables
-and the config are built from the modules' declarations (decoding/core/plugins.py), a bad or clashing
+and the config are built from the modules' declarations (decoding/base/plugins.py), a bad or clashing
 declaration stops the load with one line naming the module, and toy plug-ins of each kind written here
 run from the command line: `decoder=toy` losslessly; `search=chain task=shouted` on a tiny Mistral
 model, which the project's layers compute once its architecture module is named."""
@@ -16,11 +16,11 @@ from test_cli import REPO, save_tiny_checkpoint, subprocess_env
 from test_generate import PROMPTS, read, write_prompts
 
 from conf import reference
+from decoding.base.errors import ConfigError
+from decoding.base.plugins import declared, table
 from decoding.config import DecoderConfig
-from decoding.core import architectures, llama
-from decoding.core.errors import ConfigError
-from decoding.core.plugins import declared, table
 from decoding.kinds import DECODERS, DRAFTERS, SECTIONS, load
+from decoding.runtime import architectures, llama
 from tasks import TaskPlugin
 from tot.searches import SEARCHES, SearchPlugin
 from tot.show import load_tree
@@ -30,7 +30,7 @@ TOY = '''
 
 from dataclasses import dataclass
 
-from decoding.core.draft_tree import ROOT, DraftTree
+from decoding.speculation.draft_tree import ROOT, DraftTree
 from decoding.drafters.plugin import DecoderKind, DrafterPlugin
 
 
@@ -220,7 +220,7 @@ MISTRAL = '''
 
 from transformers.models.mistral import modeling_mistral
 
-from decoding.core.architectures import ArchitecturePlugin
+from decoding.runtime.architectures import ArchitecturePlugin
 
 PLUGIN = ArchitecturePlugin(
     name="mistral",

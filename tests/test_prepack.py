@@ -10,12 +10,12 @@ import torch
 from helpers import UNCAPPED, with_linear_kernel
 from test_decoders import BUDGETS, EOS_ID, PROMPTS, encode, reference_greedy
 
+from decoding.base.errors import BackendError
+from decoding.base.values import GenRequest
 from decoding.config import DecoderConfig
-from decoding.core.errors import BackendError
-from decoding.core.models import LoadedModel, ModelSpec, load_model
-from decoding.core.prepack import PrepackedLinear, prepack_linears, prepack_supported
-from decoding.core.values import GenRequest
 from decoding.engine import Engine
+from decoding.runtime.models import LoadedModel, ModelSpec, load_model
+from decoding.runtime.prepack import PrepackedLinear, prepack_linears, prepack_supported
 from decoding.schedules.seed import SeedOptions
 from decoding.trees.policies import DraftTreeOptions
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from decoding.core.cost import profile as profile_cost
-from decoding.core.errors import ConfigError
-from decoding.core.models import ModelSpec
-from decoding.core.runner import ModelRunner
-from decoding.core.time_split import PARTS
+from decoding.base.errors import ConfigError
 from decoding.profile_forward import ProfileConfig, _cell, add_fitted, add_floor, profile, split_table, table
+from decoding.runtime.models import ModelSpec
+from decoding.runtime.runner import ModelRunner
+from decoding.runtime.time_split import PARTS
+from decoding.speculation.cost import profile as profile_cost
 
 
 def test_profile_measures_every_cell(tiny_model):

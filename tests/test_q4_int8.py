@@ -1,5 +1,5 @@
 """model.activations=int8: a GGUF's 4-bit blocks multiplied by activations quantized to int8 per row
-and block of 32 (decoding/core/csrc/q4_int8.cpp), against a float reference of the same blocks,
+and block of 32 (decoding/runtime/csrc/q4_int8.cpp), against a float reference of the same blocks,
 row-invariant, run by the C++ layers as by `hf`, and refused where it cannot run."""
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ import torch
 from gguf import GGMLQuantizationType, quantize
 from test_quant import int4_copy, q6_k_bytes
 
-from decoding.core import kernels, numerics
-from decoding.core.errors import BackendError
-from decoding.core.llama import Layers
-from decoding.core.models import ModelSpec, default_cache_dir, gguf_file, resolve_activations
-from decoding.core.numerics import Numerics
-from decoding.core.quant import GROUP, Q8_TYPES, Int4Linear, Q8Linear, decode_int4, decode_q8
+from decoding.base.errors import BackendError
+from decoding.runtime import kernels, numerics
+from decoding.runtime.llama import Layers
+from decoding.runtime.models import ModelSpec, default_cache_dir, gguf_file, resolve_activations
+from decoding.runtime.numerics import Numerics
+from decoding.runtime.quant import GROUP, Q8_TYPES, Int4Linear, Q8Linear, decode_int4, decode_q8
 
 RNG = np.random.default_rng(1)
 
@@ -324,8 +324,8 @@ def test_the_loader_gives_the_embedded_models_head_its_q8_0_blocks():
 
     from gguf import dequantize
 
-    from decoding.core.models import embedded_file
-    from decoding.core.quant import q8_head_from_gguf, read_gguf
+    from decoding.runtime.models import embedded_file
+    from decoding.runtime.quant import q8_head_from_gguf, read_gguf
 
     class Model(torch.nn.Module):  # what the loader reads of a causal LM
         def __init__(self) -> None:

@@ -1,4 +1,4 @@
-"""decoding/core/quant.py: GGUF 4-bit blocks decoded as gguf-py dequantizes them, the stated rounding
+"""decoding/runtime/quant.py: GGUF 4-bit blocks decoded as gguf-py dequantizes them, the stated rounding
 of their scales for torch's int4 kernel, a row's output independent of the number of rows, and an
 unsupported tensor type named in one line."""
 
@@ -12,9 +12,9 @@ import torch
 from gguf import GGMLQuantizationType, GGUFWriter, dequantize, quantize
 from helpers import UNCAPPED
 
-from decoding.core.activation import use_fixed_silu
-from decoding.core.errors import BackendError
-from decoding.core.quant import (
+from decoding.base.errors import BackendError
+from decoding.runtime.activation import use_fixed_silu
+from decoding.runtime.quant import (
     GROUP,
     INT8_HIDDEN,
     Int4Linear,
@@ -179,7 +179,7 @@ def test_unsupported_gguf_type_is_named(tmp_path):
 
 @pytest.fixture(scope="module")
 def int4_loaded(tiny_model, tokenizer):
-    from decoding.core.models import LoadedModel
+    from decoding.runtime.models import LoadedModel
 
     return LoadedModel(int4_copy(tiny_model), tokenizer, torch.device("cpu"), use_chat_template=False, source="int4")
 
@@ -187,7 +187,7 @@ def int4_loaded(tiny_model, tokenizer):
 @pytest.fixture(scope="module")
 def int8_loaded(tiny_model, tokenizer):
     """The same blocks multiplied by int8 activations (model.activations=int8)."""
-    from decoding.core.models import LoadedModel
+    from decoding.runtime.models import LoadedModel
 
     model = int4_copy(tiny_model, "int8")
     return LoadedModel(model, tokenizer, torch.device("cpu"), use_chat_template=False, source="int4 x int8")
@@ -196,7 +196,7 @@ def int8_loaded(tiny_model, tokenizer):
 @pytest.fixture(scope="module")
 def qwen2_blocks_loaded(tiny_qwen2, tokenizer):
     """A tiny Qwen2 (q, k and v biases) in a real file's mix of blocks (Q5_0, Q8_0, Q4_1) on int8."""
-    from decoding.core.models import LoadedModel
+    from decoding.runtime.models import LoadedModel
 
     return LoadedModel(mixed_blocks(tiny_qwen2), tokenizer, torch.device("cpu"), False, "qwen2 blocks x int8")
 
@@ -206,10 +206,10 @@ def qwen2_blocks_loaded(tiny_qwen2, tokenizer):
 def test_every_decoder_on_int4_weights_returns_generates_greedy_output(request, loaded, tokenizer, decoder):
     from test_decoders import BUDGETS, PROMPTS, encode, reference_greedy
 
+    from decoding.base.values import GenRequest
     from decoding.config import DecoderConfig
-    from decoding.core.models import ModelSpec
-    from decoding.core.values import GenRequest
     from decoding.engine import Engine
+    from decoding.runtime.models import ModelSpec
     from decoding.schedules.seed import SeedOptions
     from decoding.trees.policies import DraftTreeOptions
 
@@ -228,7 +228,7 @@ def test_every_decoder_on_int4_weights_returns_generates_greedy_output(request, 
 
 def test_an_int4_layer_loads_into_a_plain_copy(tiny_model):
     """EDD starts its layer from a target layer: an int4 target's layer loads as its dequantized matrices."""
-    from decoding.core.quant import dense_state_dict
+    from decoding.runtime.quant import dense_state_dict
 
     layer = int4_copy(tiny_model).model.layers[0]
     plain = copy.deepcopy(tiny_model.model.layers[0])
@@ -247,9 +247,9 @@ def test_sampling_on_int4_weights_follows_the_targets_distribution(request, load
     tiny Qwen2 in a real file's block mix (Q5_0, Q8_0, Q4_1) on int8."""
     from test_decoders import empirical, encode, target_probs, tvd, tvd_tolerance
 
-    from decoding.core.sampling import SamplingParams
-    from decoding.core.values import GenRequest
+    from decoding.base.values import GenRequest
     from decoding.engine import Engine
+    from decoding.speculation.sampling import SamplingParams
 
     int4_loaded = request.getfixturevalue(loaded)
 

@@ -14,9 +14,9 @@ import torch
 from conftest import BOS_ID, EOS_ID, PAD_ID
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
-from decoding.core.errors import BackendError, ConfigError
-from decoding.core.models import ModelSpec
+from decoding.base.errors import BackendError, ConfigError
 from decoding.engine import Engine
+from decoding.runtime.models import ModelSpec
 from tot.reward import IN_CONTEXT_REFUSED, RewardSpec, ScoringModel, aggregate, load_reward, resolve_kind
 from tot.run import run
 from tot.show import load_tree

@@ -1,4 +1,4 @@
-"""decoding/core/rows_linear.py: the row-invariant bfloat16 kernel gives each row the same bits in any
+"""decoding/runtime/rows_linear.py: the row-invariant bfloat16 kernel gives each row the same bits in any
 batch and the float product within bfloat16 rounding; model.linear chooses it (auto: CPUs without
 AVX-512); decoders on a model of either kernel return `hf`'s tokens, greedy and sampled."""
 
@@ -9,14 +9,14 @@ import torch
 from helpers import with_linear_kernel
 from test_decoders import PROMPTS
 
-from decoding.core import kernels
-from decoding.core.errors import BackendError
-from decoding.core.llama import Layers
-from decoding.core.models import ModelSpec
-from decoding.core.quant import kernel_fits
-from decoding.core.rows_linear import RowsLinear, resolve_linear, use_rows_kernel
-from decoding.core.values import GenRequest
+from decoding.base.errors import BackendError
+from decoding.base.values import GenRequest
 from decoding.engine import Engine
+from decoding.runtime import kernels
+from decoding.runtime.llama import Layers
+from decoding.runtime.models import ModelSpec
+from decoding.runtime.quant import kernel_fits
+from decoding.runtime.rows_linear import RowsLinear, resolve_linear, use_rows_kernel
 
 
 def _weights(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,8 +10,8 @@ import pytest
 from helpers import AwaitableFake, reply
 from hydra import compose, initialize_config_module
 
-from decoding.core.errors import BackendError
-from decoding.core.values import DecodeStats, GenRequest, GenResult
+from decoding.base.errors import BackendError
+from decoding.base.values import DecodeStats, GenRequest, GenResult
 from tasks.base import DataError
 from tasks.gsm8k import FINAL_PREFIX, SCORE_PREFIX
 from tot.bfs import BFSSettings

@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from decoding.core import kernels
-from decoding.core.sampling import SamplingParams, process_logits, top_k, top_k_rows
-from decoding.core.stopping import StopRule, final_text
+from decoding.runtime import kernels
+from decoding.speculation.sampling import SamplingParams, process_logits, top_k, top_k_rows
+from decoding.speculation.stopping import StopRule, final_text
 
 PARAM_SETS = [
     SamplingParams(temperature=1.0),

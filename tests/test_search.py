@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 from helpers import AwaitableFake, reply
 
-from decoding.core.values import DecodeStats, GenRequest, GenResult, Group
+from decoding.base.values import DecodeStats, GenRequest, GenResult, Group
 from tasks.base import Problem
 from tasks.gsm8k import FINAL_PREFIX, GSM8K, SCORE_PREFIX
 from tot.bfs import BFS, BFSSettings

@@ -10,19 +10,19 @@ from helpers import UNCAPPED
 from test_decoders import BUDGETS, EOS_ID, PROMPTS, _stop_string_case, encode, reference_greedy
 from test_speculative import PARAMS, RULES, ScriptedDrafter, check_three_tokens, sample_three
 
+from decoding.base.values import GenRequest, Group
 from decoding.config import DecoderConfig
-from decoding.core.draft_tree import DraftTree
-from decoding.core.models import ModelSpec
-from decoding.core.sampling import SamplingParams
-from decoding.core.sequence import Sequence
-from decoding.core.slot import Slot
-from decoding.core.stopping import StopRule
-from decoding.core.values import GenRequest, Group
 from decoding.engine import Engine
+from decoding.runtime.models import ModelSpec
 from decoding.schedules.planner import goodput_planner
 from decoding.schedules.rounds import Rounds
 from decoding.schedules.scheduler import Scheduler
 from decoding.schedules.seed import SeedOptions
+from decoding.speculation.draft_tree import DraftTree
+from decoding.speculation.sampling import SamplingParams
+from decoding.speculation.sequence import Sequence
+from decoding.speculation.slot import Slot
+from decoding.speculation.stopping import StopRule
 from decoding.trees.policies import DraftTreeOptions
 
 
@@ -205,7 +205,7 @@ def union_engine(loaded, draft, tree: str, verify_batch: int = 4) -> Engine:
 
 @pytest.fixture(scope="module")
 def chain_tree(tmp_path_factory) -> str:
-    from decoding.core.draft_tree import k_config_parents
+    from decoding.speculation.draft_tree import k_config_parents
     from decoding.trees.static import StaticTree
 
     path = tmp_path_factory.mktemp("trees") / "chain.json"

@@ -18,12 +18,12 @@ from test_decoders import EOS_ID, encode, reference_greedy
 from test_seed import requests_for, seed_engine
 from test_speculative import PARAMS, check_three_tokens, ragged_requests, sample_three, sd_engine
 
+from decoding.base.errors import ConfigError
+from decoding.base.options import from_dict
+from decoding.base.values import GenRequest
 from decoding.config import DecoderConfig
-from decoding.core.draft_tree import ROOT, DraftTree
-from decoding.core.errors import ConfigError
-from decoding.core.models import LoadedModel
-from decoding.core.options import from_dict
-from decoding.core.values import GenRequest
+from decoding.runtime.models import LoadedModel
+from decoding.speculation.draft_tree import ROOT, DraftTree
 from decoding.trees.policies import StaticPolicy
 from decoding.trees.sequoia import (
     CostCurve,

@@ -20,9 +20,9 @@ from hydra import compose, initialize_config_module
 from llama_server import LlamaServer, free_port
 from omegaconf import OmegaConf
 
-from decoding.core.models import ModelSpec, load_tokenizer
-from decoding.core.prompts import render
-from decoding.core.values import GenRequest, Group
+from decoding.base.values import GenRequest, Group
+from decoding.prompts import render
+from decoding.runtime.models import ModelSpec, load_tokenizer
 from decoding.server import ServerEngine, ServerOptions
 from tasks import DataSpec, make_task
 from tot.collect import collect
@@ -197,7 +197,7 @@ def test_a_server_stopped_mid_run_times_out_and_the_rerun_resumes(llama: LlamaSe
 
 
 def test_bench_runs_the_server_beside_the_in_process_decoders(llama: LlamaServer):
-    from decoding.core.models import load_model
+    from decoding.runtime.models import load_model
     from tot.bench import bench, decoder_configs, table
 
     with initialize_config_module(config_module="conf", version_base="1.3"):

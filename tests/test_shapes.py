@@ -12,8 +12,8 @@ import torch
 from test_cli import REPO, subprocess_env
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
-from decoding.core.errors import BackendError
-from decoding.core.models import ModelSpec, load_model
+from decoding.base.errors import BackendError
+from decoding.runtime.models import ModelSpec, load_model
 from decoding.shapes import SHAPES, write_shape
 
 

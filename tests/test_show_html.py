@@ -14,7 +14,7 @@ import pytest
 from helpers import reply
 from test_run import FakeEngine, make_config
 
-from decoding.core.values import GenRequest, GenResult
+from decoding.base.values import GenRequest, GenResult
 from tasks.gsm8k import FINAL_PREFIX, SCORE_PREFIX
 from tot.run import run
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from decoding.core.models import LoadedModel, ModelSpec, load_model
 from decoding.engine import Engine
+from decoding.runtime.models import LoadedModel, ModelSpec, load_model
 from tot.run import run
 from tot.show import load_tree
 

@@ -22,25 +22,25 @@ from test_decoders import (
     tvd_tolerance,
 )
 
+from decoding.base.errors import ConfigError
+from decoding.base.values import GenRequest
 from decoding.config import DecoderConfig
-from decoding.core.cost import ForwardCost
-from decoding.core.draft_tree import ROOT, DraftTree, k_config_parents
-from decoding.core.errors import ConfigError
-from decoding.core.memory import MemoryBudget
-from decoding.core.models import LoadedModel, ModelSpec
-from decoding.core.prefix_cache import PrefixCache
-from decoding.core.runner import ModelRunner
-from decoding.core.sampling import SamplingParams
-from decoding.core.sequence import Sequence
-from decoding.core.stopping import StopRule
-from decoding.core.values import GenRequest
-from decoding.core.verify import verify
 from decoding.drafters.draft_model import ModelDrafter
 from decoding.engine import Engine
-from decoding.schedules.base import VerifyOptions
+from decoding.runtime.memory import MemoryBudget
+from decoding.runtime.models import LoadedModel, ModelSpec
+from decoding.runtime.prefix_cache import PrefixCache
+from decoding.runtime.runner import ModelRunner
 from decoding.schedules.planner import Planner, goodput_planner
 from decoding.schedules.scheduler import Scheduler
 from decoding.schedules.step import cut_to_budget
+from decoding.speculation.cost import ForwardCost
+from decoding.speculation.draft_tree import ROOT, DraftTree, k_config_parents
+from decoding.speculation.options import VerifyOptions
+from decoding.speculation.sampling import SamplingParams
+from decoding.speculation.sequence import Sequence
+from decoding.speculation.stopping import StopRule
+from decoding.speculation.verify import verify
 from decoding.trees.policies import DraftTreeOptions
 
 K_CONFIGS = [(1, 1, 1), (2, 2, 1), (4, 2, 1), (3,)]
@@ -456,12 +456,12 @@ def test_sampling_with_deterministic_drafts(tiny_model, tokenizer, loaded):
 
 def test_statistical_check_can_fail(tiny_model, tokenizer, loaded, perturbed, monkeypatch):
     """Accepting every draft (no rejection test) samples the draft, not the target: caught."""
-    import decoding.core.acceptance
+    import decoding.speculation.acceptance
 
     def accept_all(p, candidates, props):
         return [1.0] * len(candidates), p.double()
 
-    monkeypatch.setattr(decoding.core.acceptance, "chain", accept_all)
+    monkeypatch.setattr(decoding.speculation.acceptance, "chain", accept_all)
     prompt = encode(tokenizer, "once upon a time")
     engine = sd_engine(loaded, perturbed, serial=False, k_config=(1, 1, 1), multi_candidate=False)
     samples = sample_three(engine, prompt, PARAMS["t1.0"], 4000)

@@ -13,10 +13,9 @@ from helpers import UNCAPPED
 from test_decoders import BUDGETS, EOS_ID, PROMPTS, _stop_string_case, encode, reference_greedy
 from test_speculative import PARAMS, check_three_tokens, sample_three
 
+from decoding.base.errors import ConfigError
+from decoding.base.values import GenRequest, Group
 from decoding.config import DecoderConfig
-from decoding.core.draft_tree import ROOT, k_config_parents
-from decoding.core.errors import ConfigError
-from decoding.core.values import GenRequest, Group
 from decoding.drafters.aded import TriGram
 from decoding.drafters.ngram import LogitNGram
 from decoding.drafters.pld import lookup
@@ -24,8 +23,9 @@ from decoding.drafters.pools import Pools
 from decoding.drafters.stand import GumbelNoise, StandOptions, gumbel_top_k
 from decoding.drafters.suffix import SuffixTrie
 from decoding.engine import Engine
-from decoding.schedules.base import VerifyOptions
 from decoding.schedules.seed import SeedOptions
+from decoding.speculation.draft_tree import ROOT, k_config_parents
+from decoding.speculation.options import VerifyOptions
 from decoding.trees.static import StaticTree, initial_tree, prune
 
 # --- the pool ----------------------------------------------------------------------------------------

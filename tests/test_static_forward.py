@@ -1,4 +1,4 @@
-"""The bucketed forward (decoding/core/static_forward.py) against the unpadded one: the same logits
+"""The bucketed forward (decoding/runtime/static_forward.py) against the unpadded one: the same logits
 for every real token, the same cache contents in every live row (padding writes only the spare row),
 in buckets, past the largest one, with draft-tree levels and with rows that are a subset; and its
 options checked at load. On a GPU (TOT_TEST_DEVICE=cuda) the bucketed forwards replay CUDA graphs."""
@@ -15,15 +15,15 @@ import pytest
 import torch
 from conftest import DEVICE, TEST_BUCKETS, build_model, build_tokenizer
 
+from decoding.base.errors import BackendError, ConfigError
+from decoding.base.values import GenRequest
 from decoding.config import DecoderConfig
-from decoding.core import static_forward as sf
-from decoding.core.errors import BackendError, ConfigError
-from decoding.core.models import ModelSpec, load_model, prepare_for_inference
-from decoding.core.runner import ModelRunner
-from decoding.core.static_forward import Buckets, StaticSpec, resolve_graphs
-from decoding.core.values import GenRequest
 from decoding.engine import Engine
 from decoding.kinds import DECODERS
+from decoding.runtime import static_forward as sf
+from decoding.runtime.models import ModelSpec, load_model, prepare_for_inference
+from decoding.runtime.runner import ModelRunner
+from decoding.runtime.static_forward import Buckets, StaticSpec, resolve_graphs
 
 CAPTURE = DEVICE.type == "cuda"
 ROOT = Path(__file__).resolve().parents[1]

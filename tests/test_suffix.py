@@ -10,15 +10,15 @@ from test_decoders import encode
 from test_speculative import PARAMS, check_three_tokens, sample_three
 from test_stand import engine_for, greedy_case
 
+from decoding.base.errors import ConfigError
+from decoding.base.values import GenRequest, Group
 from decoding.config import DecoderConfig
-from decoding.core.draft_tree import ROOT
-from decoding.core.errors import ConfigError
-from decoding.core.gumbel import Coupling, gumbel_order
-from decoding.core.sampling import Rule
-from decoding.core.values import GenRequest, Group
 from decoding.drafters.suffix import SuffixOptions, SuffixTrie, grow
 from decoding.engine import Engine
-from decoding.schedules.base import VerifyOptions
+from decoding.speculation.draft_tree import ROOT
+from decoding.speculation.gumbel import Coupling, gumbel_order
+from decoding.speculation.options import VerifyOptions
+from decoding.speculation.sampling import Rule
 
 # --- the trie ----------------------------------------------------------------------------------------
 

@@ -25,15 +25,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, without an install
 
+from decoding.base.values import GenRequest
 from decoding.config import DecoderConfig
-from decoding.core.models import LoadedModel, ModelSpec, load_model
-from decoding.core.runner import ModelRunner
-from decoding.core.static_forward import Buckets, resolve_graphs
-from decoding.core.time_split import gpu_busy
-from decoding.core.timing import timed_ms, verification
-from decoding.core.values import GenRequest
 from decoding.drafters.load import load_draft
 from decoding.engine import Engine
+from decoding.runtime.models import LoadedModel, ModelSpec, load_model
+from decoding.runtime.runner import ModelRunner
+from decoding.runtime.static_forward import Buckets, resolve_graphs
+from decoding.runtime.time_split import gpu_busy
+from decoding.speculation.timing import timed_ms, verification
 
 SHAPES = [(1, 1), (8, 1), (32, 1), (1, 16), (8, 16), (8, 64)]  # (rows, tokens per row)
 CONTEXT = 300

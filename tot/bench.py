@@ -441,7 +441,7 @@ def _row(name: str, t: Tally, engine: Engine | ServerEngine) -> dict:
         "peak_kv_mb": engine.peak_cache_bytes() / 2**20,
         "peak_device_mb": t.peak_device_bytes / 2**20,
         # Stored prefixes (every engine on the model together, against their one cap), the KV pool,
-        # resident memory: decoding/core/memory.py. Null for a server (its memory is its own).
+        # resident memory: decoding/runtime/memory.py. Null for a server (its memory is its own).
         "memory": engine.memory() if isinstance(engine, Engine) else None,
     }
 

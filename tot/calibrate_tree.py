@@ -34,14 +34,14 @@ from typing import Literal
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from decoding.base.errors import BackendError, ConfigError
+from decoding.base.options import from_dict
 from decoding.cli import fail, hydra_command
-from decoding.core.draft_tree import k_config_parents
-from decoding.core.errors import BackendError, ConfigError
-from decoding.core.models import LoadedModel
-from decoding.core.options import from_dict
 from decoding.drafters.recorder import CalibrationRecorder
 from decoding.engine import Engine
 from decoding.profile_forward import ProfileConfig, profile
+from decoding.runtime.models import LoadedModel
+from decoding.speculation.draft_tree import k_config_parents
 from decoding.trees.sequoia import Choice, CostCurve, RankCounts, choose, marginal
 from decoding.trees.static import StaticTree, prune
 from tasks.base import DataError
@@ -279,7 +279,7 @@ def build(
         "date": datetime.date.today().isoformat(),
         "drafter": opts.drafter,
         "decoder": run_cfg.decoder.name,
-        "draw": draw,  # how siblings were drawn (decoding/core/acceptance.py): the rates hold for this rule
+        "draw": draw,  # how siblings were drawn (decoding/speculation/acceptance.py): the rates hold for this rule
         "rule": dec.verify.rule,
         "model": run_cfg.model.path,
         "draft": None if run_cfg.decoder.draft is None else run_cfg.decoder.draft.path,

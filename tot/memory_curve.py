@@ -1,6 +1,6 @@
 """A run's memory over its problems (`python -m tot.show RUN_DIR --memory`): the stored prefixes
 against their cap, the KV pool, and resident memory, as each problem finished (each result record
-carries where memory stood then: decoding/core/memory.py), as a table and a PNG.
+carries where memory stood then: decoding/runtime/memory.py), as a table and a PNG.
 
 A run whose store has reached its cap should show flat curves from there on: that is what
 issue 28's soak run checks (docs/performance.md, "Memory over a long run").

@@ -1,5 +1,5 @@
 """Every file a run writes goes through here, so a write that fails is one line naming the path and
-the fix (decoding.core.errors.OutputError), never a half-written file.
+the fix (decoding.base.errors.OutputError), never a half-written file.
 
 `write_atomic` writes through a temporary file and renames it (a reader never sees half a file, and
 the temporary file is removed if the write fails); `append_line` appends one line and, if the write

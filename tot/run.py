@@ -108,7 +108,7 @@ def _run(cfg: RunConfig, out_dir: Path, engine: GenerationEngine | None, progres
                     "wall_share_s": now - clock[0],
                     "phases": phases,
                     # Where memory stood when the problem finished: over a run, the curves of the
-                    # stored prefixes, the KV pool and resident memory (decoding/core/memory.py).
+                    # stored prefixes, the KV pool and resident memory (decoding/runtime/memory.py).
                     **({"memory": engine.memory()} if isinstance(engine, Engine) else {}),
                 }
             )
@@ -127,7 +127,7 @@ def _run(cfg: RunConfig, out_dir: Path, engine: GenerationEngine | None, progres
             bar.close()  # before any error line is printed
     summary = summarize(store.records, header)
     if isinstance(engine, Engine):
-        summary["memory"] = engine.memory()  # where the memory went: decoding/core/memory.py
+        summary["memory"] = engine.memory()  # where the memory went: decoding/runtime/memory.py
     if not store.path.exists():
         write_atomic(store.path, "")  # an empty shard's: tot.collect counts a run's problems from it
     write_atomic(out_dir / "summary.json", json.dumps(summary, indent=2))

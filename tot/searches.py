@@ -4,7 +4,7 @@ A search is one module and its yaml (conf/search/NAME.yaml): the module ends wit
 naming the search, its settings (a frozen dataclass read from `search.*`, checking itself in
 __post_init__, with `scaled(n)`: its settings at budget N, the scaling curve's x) and its builder,
 `build(task, settings, gen, seed, reward)` -> a `Search` (tot/search.py; tot/bfs.py is one). `TOT_SPEC_PLUGINS` adds
-modules from outside the project (decoding/core/plugins.py).
+modules from outside the project (decoding/base/plugins.py).
 """
 
 from __future__ import annotations

@@ -20,15 +20,15 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
+from decoding.base.errors import BackendError, ConfigError
+from decoding.base.options import as_float, as_int, from_dict
+from decoding.base.values import GenRequest
 from decoding.cli import fail, hydra_command
-from decoding.core.errors import BackendError, ConfigError
-from decoding.core.models import ModelSpec, load_model
-from decoding.core.options import as_float, as_int, from_dict
-from decoding.core.runner import decoder_layers
-from decoding.core.values import GenRequest
 from decoding.edd.model import edd_dir, vocab_ranking
 from decoding.edd.train import TrainSettings, build_features, train
 from decoding.engine import Engine
+from decoding.runtime.models import ModelSpec, load_model
+from decoding.runtime.runner import decoder_layers
 from tasks import TASKS, DataError, DataSpec, Problem, Task, make_task
 
 log = logging.getLogger(__name__)

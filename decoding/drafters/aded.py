@@ -28,14 +28,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from decoding.core.draft_tree import ROOT, DraftTree
-from decoding.core.errors import ConfigError
-from decoding.core.gumbel import Coupling
-from decoding.core.sequence import Sequence
-from decoding.core.slot import Slot
-from decoding.core.verify import Verdict
+from decoding.base.errors import ConfigError
 from decoding.drafters.plugin import DecoderKind, DrafterPlugin
 from decoding.drafters.pools import Pools, Scope
+from decoding.speculation.draft_tree import ROOT, DraftTree
+from decoding.speculation.gumbel import Coupling
+from decoding.speculation.sequence import Sequence
+from decoding.speculation.slot import Slot
+from decoding.speculation.verify import Verdict
 
 NO_TOKEN = -1  # the context before a sequence's first token (never a real token id)
 Candidates = tuple[list[int], list[float]]  # next tokens, most probable first, and their probabilities

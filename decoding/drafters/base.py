@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from decoding.core.draft_tree import DraftTree
-from decoding.core.slot import Slot
-from decoding.core.verify import Verdict
 from decoding.drafters.plugin import DecoderKind, DrafterPlugin
+from decoding.speculation.draft_tree import DraftTree
+from decoding.speculation.slot import Slot
+from decoding.speculation.verify import Verdict
 
 
 class Drafter(Protocol):

@@ -15,26 +15,23 @@ import logging
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
-from decoding.core.draft_tree import DraftTree
-from decoding.core.errors import BackendError
-from decoding.core.runner import ModelRunner
-from decoding.core.sampling import SamplingParams, draft_dists
-from decoding.core.slot import Slot
-from decoding.core.timing import speed_ratio, time_forward
-from decoding.core.verify import Verdict, pack
+from decoding.base.errors import BackendError
 from decoding.drafters.edd import EddDrafter
-from decoding.drafters.plugin import DecoderKind, DrafterPlugin
+from decoding.drafters.plugin import BuildConfig, DecoderKind, DrafterPlugin
 from decoding.edd.model import EddModel, draft_vocab
+from decoding.runtime.models import LoadedModel
+from decoding.runtime.runner import ModelRunner
+from decoding.speculation.draft_tree import DraftTree
+from decoding.speculation.sampling import SamplingParams, draft_dists
+from decoding.speculation.sequence import admission_room, needs
+from decoding.speculation.slot import Slot
+from decoding.speculation.stopping import Detokenizer
+from decoding.speculation.timing import speed_ratio, time_forward
+from decoding.speculation.verify import Verdict, pack
 from decoding.trees.policies import DraftTreeOptions, grow_levels, make_policy
-
-if TYPE_CHECKING:
-    from decoding.config import DecoderConfig
-    from decoding.core.models import LoadedModel
-    from decoding.core.stopping import Detokenizer
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +80,8 @@ class ModelDrafter:
 
     def admit(self, slots: list[Slot]) -> None:
         rows, seqs = [s.row for s in slots], [s.seq for s in slots]
-        for slot, pending in zip(slots, self.model.admit_seqs(self.cache, rows, seqs, self.max_nodes).pending):
+        admitted = self.model.admit(self.cache, rows, [s.prompt for s in seqs], admission_room(seqs, self.max_nodes))
+        for slot, pending in zip(slots, admitted.pending):
             slot.put(self, _Row(pending))
             self.live[slot.row] = slot
 
@@ -168,11 +166,11 @@ class ModelDrafter:
             del self.live[slot.row]
         # Rows past the highest live one, and positions no live row needs, go back.
         live = [s.seq for s in self.live.values()]
-        self.model.give_back(self.cache, max(self.live, default=-1) + 1, live, self.max_nodes)
+        self.model.give_back(self.cache, max(self.live, default=-1) + 1, needs(live, self.max_nodes))
 
 
 def model_drafter(
-    config: DecoderConfig, target: ModelRunner, tokenizer: Detokenizer, draft: LoadedModel | None
+    config: BuildConfig, target: ModelRunner, tokenizer: Detokenizer, draft: LoadedModel | None
 ) -> ModelDrafter | EddDrafter:
     """The drafter of a loaded draft model: an EDD (draft.path=edd) reads the target's hidden states,
     over its draft vocabulary when draft.vocab is set; any other causal LM gets a runner of its own

@@ -17,14 +17,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from decoding.core.draft_tree import DraftTree
-from decoding.core.errors import BackendError
-from decoding.core.runner import ModelRunner
-from decoding.core.sampling import SamplingParams, draft_dists
-from decoding.core.slot import Slot
-from decoding.core.timing import speed_ratio, timed_ms
-from decoding.core.verify import Verdict
+from decoding.base.errors import BackendError
 from decoding.edd.model import EddModel
+from decoding.runtime.runner import ModelRunner
+from decoding.speculation.draft_tree import DraftTree
+from decoding.speculation.sampling import SamplingParams, draft_dists
+from decoding.speculation.slot import Slot
+from decoding.speculation.timing import speed_ratio, timed_ms
+from decoding.speculation.verify import Verdict
 from decoding.trees.policies import DraftTreeOptions, grow_levels, make_policy
 
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from decoding.core.errors import BackendError
-from decoding.core.models import LoadedModel, ModelSpec, load_model
+from decoding.base.errors import BackendError
 from decoding.edd.model import load_edd
+from decoding.runtime.models import LoadedModel, ModelSpec, load_model
 
 
 def load_draft(spec: ModelSpec, target: LoadedModel) -> LoadedModel:

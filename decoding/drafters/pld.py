@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from decoding.core.draft_tree import ROOT, DraftTree
-from decoding.core.errors import ConfigError
-from decoding.core.slot import Slot
-from decoding.core.verify import Verdict
+from decoding.base.errors import ConfigError
 from decoding.drafters.plugin import DecoderKind, DrafterPlugin
+from decoding.speculation.draft_tree import ROOT, DraftTree
+from decoding.speculation.slot import Slot
+from decoding.speculation.verify import Verdict
 
 
 @dataclass(frozen=True)

@@ -2,24 +2,41 @@
 
 The declaration names the drafter, the options dataclass and the config section it reads, its
 builder, and the decoders (`DecoderKind`: a schedule plus a drafter) it adds. decoding/kinds.py
-builds the tables from the declarations alone (decoding/core/plugins.py: the one mechanism every
+builds the tables from the declarations alone (decoding/base/plugins.py: the one mechanism every
 kind of plug-in shares).
 
-`build(config, target, tokenizer, draft)`: the `DecoderConfig`, the target's `ModelRunner`, its
-`Detokenizer`, and the draft model's `LoadedModel` or None; it returns the engine's `Drafter`.
+`build(config, target, tokenizer, draft)`: the decoder's config (`BuildConfig`: what a builder reads
+of decoding/config.py's `DecoderConfig`), the target's `ModelRunner`, its `Detokenizer`, and the draft
+model's `LoadedModel` or None; it returns the engine's `Drafter`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal, Protocol
 
-from decoding.core.errors import ConfigError
-from decoding.core.plugins import Plugin
+from decoding.base.errors import ConfigError
+from decoding.base.plugins import Plugin
+from decoding.runtime.models import ModelSpec
+from decoding.speculation.options import VerifyOptions
+from decoding.trees.policies import DraftTreeOptions
 
 DraftModel = Literal["none", "required", "optional"]
 # Config sections the schedules and the engine own: no drafter may read its options from them.
 RESERVED = frozenset({"name", "draft_tree", "seed", "sd", "verify", "draft", "server", "decoder", "model"})
+
+
+class BuildConfig(Protocol):
+    """What a drafter's builder reads of the decoder's config (`DecoderConfig` is one)."""
+
+    name: str
+    verify: VerifyOptions
+    draft_tree: DraftTreeOptions  # from the decoder's tree section (sd.* or seed.*)
+    draft: ModelSpec | None
+
+    def section(self, name: str) -> Any:
+        """The options of a drafter's config section (its defaults where not given)."""
+        ...
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Generic, Literal, Protocol, TypeVar
 
-from decoding.core.prefix_cache import shared_len
-from decoding.core.values import Group
+from decoding.base.values import Group
+from decoding.runtime.prefix_cache import shared_len
 
 Scope = Literal["group", "problem", "run"]
 

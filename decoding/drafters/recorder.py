@@ -11,10 +11,10 @@ from __future__ import annotations
 import time
 from collections import Counter
 
-from decoding.core.draft_tree import DraftTree
-from decoding.core.slot import Slot
-from decoding.core.verify import Verdict
 from decoding.drafters.base import Drafter
+from decoding.speculation.draft_tree import DraftTree
+from decoding.speculation.slot import Slot
+from decoding.speculation.verify import Verdict
 from decoding.trees.sequoia import RankCounts
 
 

@@ -13,12 +13,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from decoding.core.draft_tree import ROOT, DraftTree
-from decoding.core.errors import ConfigError
-from decoding.core.sequence import Sequence
-from decoding.core.slot import Slot
-from decoding.core.verify import Verdict, kept_tops
+from decoding.base.errors import ConfigError
 from decoding.drafters.plugin import DecoderKind, DrafterPlugin
+from decoding.speculation.draft_tree import ROOT, DraftTree
+from decoding.speculation.sequence import Sequence
+from decoding.speculation.slot import Slot
+from decoding.speculation.verify import Verdict, kept_tops
 from decoding.trees.static import StaticTree
 
 

@@ -16,24 +16,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from decoding.core.draft_tree import ROOT, DraftTree
-from decoding.core.errors import ConfigError
-from decoding.core.slot import Slot
-from decoding.core.verify import Verdict, kept_tops
+from decoding.base.errors import ConfigError
 from decoding.drafters.ngram import LogitNGram
-from decoding.drafters.plugin import DecoderKind, DrafterPlugin
+from decoding.drafters.plugin import BuildConfig, DecoderKind, DrafterPlugin
 from decoding.drafters.pools import Pools, Scope
 from decoding.drafters.suffix import SuffixDrafter
 from decoding.drafters.union import UnionDrafter
+from decoding.runtime.runner import ModelRunner
+from decoding.speculation.draft_tree import ROOT, DraftTree
+from decoding.speculation.slot import Slot
+from decoding.speculation.verify import Verdict, kept_tops
 from decoding.trees.static import StaticTree
-
-if TYPE_CHECKING:
-    from decoding.config import DecoderConfig
-    from decoding.core.runner import ModelRunner
 
 TOP = 10  # candidates stored per context (STAND: top-10)
 
@@ -173,7 +169,7 @@ class StandDrafter:
         return 0  # no model, no KV cache
 
 
-def stand_drafter(config: DecoderConfig, target: ModelRunner) -> StandDrafter | UnionDrafter:
+def stand_drafter(config: BuildConfig, target: ModelRunner) -> StandDrafter | UnionDrafter:
     """STAND's pool, with stand.suffix the suffix drafter's tree beside it (merged as one trie under
     the matched rules: a token both propose at the same place is verified once)."""
     options: StandOptions = config.section("stand")

@@ -21,14 +21,14 @@ import heapq
 import math
 from dataclasses import dataclass
 
-from decoding.core.draft_tree import ROOT, DraftTree
-from decoding.core.errors import ConfigError
-from decoding.core.gumbel import Coupling
-from decoding.core.sequence import Sequence
-from decoding.core.slot import Slot
-from decoding.core.verify import Verdict
+from decoding.base.errors import ConfigError
 from decoding.drafters.plugin import DecoderKind, DrafterPlugin
 from decoding.drafters.pools import Pools, Scope
+from decoding.speculation.draft_tree import ROOT, DraftTree
+from decoding.speculation.gumbel import Coupling
+from decoding.speculation.sequence import Sequence
+from decoding.speculation.slot import Slot
+from decoding.speculation.verify import Verdict
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,10 @@ from itertools import takewhile
 
 import torch
 
-from decoding.core.draft_tree import DraftTree, graft
-from decoding.core.slot import Slot
-from decoding.core.verify import Verdict
 from decoding.drafters.base import Drafter
+from decoding.speculation.draft_tree import DraftTree, graft
+from decoding.speculation.slot import Slot
+from decoding.speculation.verify import Verdict
 
 
 class UnionDrafter:

@@ -27,12 +27,12 @@ from pathlib import Path
 
 import torch
 
-from decoding.core.errors import BackendError
-from decoding.core.kv_cache import ForwardView, RowKVCache
-from decoding.core.models import LoadedModel, ModelSpec, default_cache_dir
-from decoding.core.prepack import prepack_linears
-from decoding.core.quant import dense_state_dict
-from decoding.core.runner import decoder_layers
+from decoding.base.errors import BackendError
+from decoding.runtime.kv_cache import ForwardView, RowKVCache
+from decoding.runtime.models import LoadedModel, ModelSpec, default_cache_dir
+from decoding.runtime.prepack import prepack_linears
+from decoding.runtime.quant import dense_state_dict
+from decoding.runtime.runner import decoder_layers
 
 CONFIG_FILE = "edd_config.json"
 WEIGHTS_FILE = "edd_state.pt"

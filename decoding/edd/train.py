@@ -25,10 +25,10 @@ from typing import Protocol
 import torch
 from tqdm import tqdm
 
-from decoding.core.errors import ConfigError
-from decoding.core.models import LoadedModel, ModelSpec
-from decoding.core.runner import decoder_layers
+from decoding.base.errors import ConfigError
 from decoding.edd.model import EddConfig, EddModel, dual_block_mask, kl_to_target, save_edd
+from decoding.runtime.models import LoadedModel, ModelSpec
+from decoding.runtime.runner import decoder_layers
 
 DISTINCT_TAIL = 32  # texts whose windows agree but for the last this many tokens are kept once
 

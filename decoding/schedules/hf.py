@@ -8,14 +8,14 @@ from collections import deque
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
-from decoding.core.gumbel import gumbel_choice
-from decoding.core.runner import ModelRunner
-from decoding.core.sampling import Rule
-from decoding.core.sequence import Sequence
-from decoding.core.stopping import Detokenizer
-from decoding.core.values import DecodeStats
+from decoding.base.values import DecodeStats
 from decoding.drafters.base import NoDrafter
+from decoding.runtime.runner import ModelRunner
 from decoding.schedules.base import run_to_end
+from decoding.speculation.gumbel import gumbel_choice
+from decoding.speculation.sampling import Rule
+from decoding.speculation.sequence import Sequence
+from decoding.speculation.stopping import Detokenizer
 
 
 class GumbelSampler(LogitsProcessor):

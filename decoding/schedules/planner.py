@@ -5,11 +5,11 @@ worth (a new row starts from what every row's were worth lately); a row whose dr
 for themselves on this machine's cost curve is not drafted (it is still verified, and its drafter
 still learns from every token it commits), and every `PROBE` steps such a row is drafted again to
 see whether that changed. After it (`cut`), every node of every tree has a calibrated chance of
-being accepted (decoding/core/calibration.py); nodes are taken best first across all rows, each
+being accepted (decoding/speculation/calibration.py); nodes are taken best first across all rows, each
 row's in an order that keeps, for every kept node, its parent and a first run of its siblings in
 draw order (so every acceptance rule stays lossless), and the plan is the prefix of that order with
 the highest expected tokens (one bonus per row plus the kept nodes' reach) per predicted millisecond
-(the forward, decoding/core/cost.py, plus the work around it). The empty plan, plain decoding, is
+(the forward, decoding/speculation/cost.py, plus the work around it). The empty plan, plain decoding, is
 always a candidate, so on a machine where a forward's cost grows with its tokens few nodes are kept,
 and where it is flat (a GPU) whole trees are.
 
@@ -23,13 +23,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from decoding.core.calibration import AcceptanceRecord
-from decoding.core.cost import ForwardCost, Overhead, forward_cost, node_ms
-from decoding.core.draft_tree import ROOT, DraftTree
-from decoding.core.models import cache_root
-from decoding.core.runner import ModelRunner
-from decoding.core.slot import Estimate
-from decoding.core.verify import Verdict
+from decoding.runtime.models import cache_root
+from decoding.runtime.runner import ModelRunner
+from decoding.speculation.calibration import AcceptanceRecord
+from decoding.speculation.cost import ForwardCost, Overhead, forward_cost, node_ms
+from decoding.speculation.draft_tree import ROOT, DraftTree
+from decoding.speculation.slot import Estimate
+from decoding.speculation.verify import Verdict
 
 PROBE = 4  # steps a row goes undrafted before it is drafted again to look
 # ... and while the drafted trees' best node seldom could pay at the plan's cost (`pays` below
@@ -220,5 +220,5 @@ class Planner:
 
 def goodput_planner(target: ModelRunner, cost: str | None = None) -> Planner:
     """The step planner on `target`'s forward costs: the profile JSON `cost` (verify.cost), or this
-    machine's, profiled once and cached (decoding/core/cost.py)."""
+    machine's, profiled once and cached (decoding/speculation/cost.py)."""
     return Planner(forward_cost(target, cache_root(), cost), overhead=Overhead(node_ms=node_ms(target)))

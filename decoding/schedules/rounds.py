@@ -15,9 +15,9 @@ import threading
 from collections import deque
 from dataclasses import dataclass, field
 
-from decoding.core.draft_tree import DraftTree
-from decoding.core.slot import Slot
-from decoding.core.verify import Verdict
+from decoding.speculation.draft_tree import DraftTree
+from decoding.speculation.slot import Slot
+from decoding.speculation.verify import Verdict
 
 
 @dataclass

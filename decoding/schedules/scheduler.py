@@ -12,7 +12,7 @@ runs the step, and hands its record to the observers (the statistics, the planne
 
 Autoregressive decoding is the case of an empty tree: the target scores the pending token and the
 "bonus" token it samples is the next token. Verification and acceptance are the core's
-(decoding/core/verify.py), so every schedule is lossless.
+(decoding/speculation/verify.py), so every schedule is lossless.
 """
 
 from __future__ import annotations
@@ -23,18 +23,19 @@ import time
 from collections import deque
 from dataclasses import replace
 
-from decoding.core.errors import BackendError
-from decoding.core.kv_cache import RowKVCache
-from decoding.core.runner import ModelRunner
-from decoding.core.sequence import Sequence
-from decoding.core.slot import Slot
-from decoding.core.stopping import Detokenizer
-from decoding.core.values import DecodeStats
+from decoding.base.errors import BackendError
+from decoding.base.values import DecodeStats
 from decoding.drafters.base import Drafter
-from decoding.schedules.base import VerifyOptions, run_to_end
+from decoding.runtime.kv_cache import RowKVCache
+from decoding.runtime.runner import ModelRunner
+from decoding.schedules.base import run_to_end
 from decoding.schedules.planner import Planner
 from decoding.schedules.rounds import Rounds, Unlocked
 from decoding.schedules.step import DraftRecord, StepRecord, StepSetup, decode_step, draft_round
+from decoding.speculation.options import VerifyOptions
+from decoding.speculation.sequence import Sequence, admission_room, needs
+from decoding.speculation.slot import Slot
+from decoding.speculation.stopping import Detokenizer
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +158,7 @@ class Scheduler:
         self._observe(record)
         # Memory back once the pool holds far more than its live rows need (a burst of rows gone).
         live = [s.seq for s in self.rounds.live.values()]
-        self.target.give_back(self.setup.cache, self.rounds.trim(), live, self.drafter.max_nodes)
+        self.target.give_back(self.setup.cache, self.rounds.trim(), needs(live, self.drafter.max_nodes))
         self.stats.target_forwards += self.target.forwards - forwards
         self.stats.target_rows += self.target.rows - rows
         return record.finished
@@ -194,7 +195,8 @@ class Scheduler:
         room = len(self.waiting) if self.max_live is None else self.max_live - len(self.rounds.live)
         wanted = list(self.waiting)[: max(0, room)]
         live = [s.seq for s in self.rounds.live.values()]
-        fit = self.target.rows_that_fit(live, wanted, self.drafter.max_nodes)
+        max_nodes = self.drafter.max_nodes
+        fit = self.target.rows_that_fit(needs(live, max_nodes), needs(wanted, max_nodes))
         if fit < len(wanted):
             self._hold_for_memory(wanted[fit:], alone=not live and not fit)
         new = [self.waiting.popleft() for _ in range(fit)]
@@ -204,7 +206,7 @@ class Scheduler:
         t0 = time.perf_counter()
         rows = [self.rounds.take_row() for _ in new]
         cache = self.setup.cache
-        admitted = self.target.admit_seqs(cache, rows, new, self.drafter.max_nodes)
+        admitted = self.target.admit(cache, rows, [s.prompt for s in new], admission_room(new, max_nodes))
         for s, n in zip(new, admitted.computed):
             s.stats.prompt_tokens_computed += n
         for s in new:
@@ -221,7 +223,7 @@ class Scheduler:
         fit `alone` never will: a configuration error."""
         budget = self.target.kv_budget or 0
         if alone:
-            need = self.target.kv_bytes(held[:1], self.drafter.max_nodes)
+            need = self.target.kv_bytes(needs(held[:1], self.drafter.max_nodes))
             raise BackendError(
                 f"one sequence needs {need / 2**20:.3g} MB of KV cache (its prompt, gen.max_new_tokens and a draft "
                 f"tree), model.kv_memory allows {budget / 2**20:.3g} MB: raise model.kv_memory or model.kv_memory_mb, "

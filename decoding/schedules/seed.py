@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from decoding.core.errors import ConfigError
+from decoding.base.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -11,18 +11,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from decoding.core.draft_tree import DraftTree
-from decoding.core.kv_cache import RowKVCache
-from decoding.core.packing import Packed, pack
-from decoding.core.runner import ModelRunner
-from decoding.core.sampling import Rule
-from decoding.core.sequence import Sequence
-from decoding.core.slot import Slot
-from decoding.core.stopping import Detokenizer
-from decoding.core.verify import Verdict, accept
 from decoding.drafters.base import Drafter
+from decoding.runtime.kv_cache import RowKVCache
+from decoding.runtime.packing import Packed, pack
+from decoding.runtime.runner import ModelRunner
 from decoding.schedules.planner import Planner, StepPlan
 from decoding.schedules.rounds import News, Rounds
+from decoding.speculation.draft_tree import DraftTree
+from decoding.speculation.sampling import Rule
+from decoding.speculation.sequence import Sequence
+from decoding.speculation.slot import Slot
+from decoding.speculation.stopping import Detokenizer
+from decoding.speculation.verify import Verdict, accept
 
 Clock = Callable[[], float]
 

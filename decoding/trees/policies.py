@@ -18,7 +18,7 @@ rank candidates and as PCT's confidences). With a `Coupling` (verify.rule=match_
 node's children are its top candidates by log q + the sequence's own Gumbel noise (draw "top"): the
 first child is the target's sample whenever q agrees with the target.
 
-Losslessness (decoding/core/acceptance.py): children drawn with draw "iid" or "without_replacement" must
+Losslessness (decoding/speculation/acceptance.py): children drawn with draw "iid" or "without_replacement" must
 really be draws from q, so how many a node gets may not depend on what was drawn; a static shape
 guarantees that. Children chosen by rank (top-k) are point masses (draw "top"), verified exactly
 for any choice that depends on draft-side information only, which is what lets PCT decide the
@@ -34,9 +34,9 @@ from typing import Protocol
 
 import torch
 
-from decoding.core.draft_tree import ROOT, DraftTree, Draw, k_config_parents
-from decoding.core.errors import ConfigError
-from decoding.core.gumbel import Coupling
+from decoding.base.errors import ConfigError
+from decoding.speculation.draft_tree import ROOT, DraftTree, Draw, k_config_parents
+from decoding.speculation.gumbel import Coupling
 from decoding.trees.static import StaticTree
 
 
@@ -292,7 +292,7 @@ class DraftTreeOptions:
     pct_top_k: int = 5  # pct: candidates per expanded node (EDD's expansion width)
     pct_max_depth: int = 10  # pct: deepest drafted level (EDD: 10)
     pct_threshold: float = 0.01  # pct: leaves whose path confidence is lower are pruned (EDD: 0.01)
-    pct_ratio: float | None = None  # pct: s_d / s_t; None: measured at start-up (core/timing.speed_ratio)
+    pct_ratio: float | None = None  # pct: s_d / s_t; None: measured at start-up (speculation/timing.speed_ratio)
     key: str = "sd"  # the config namespace, for error messages
 
     def __post_init__(self) -> None:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from decoding.core.draft_tree import ROOT, DraftTree
+from decoding.speculation.draft_tree import ROOT, DraftTree
 
 
 def marginal(accept: Sequence[float]) -> list[float]:

@@ -17,8 +17,8 @@ from functools import cached_property
 from importlib import resources
 from pathlib import Path
 
-from decoding.core.draft_tree import ROOT, DraftTree
-from decoding.core.errors import ConfigError
+from decoding.base.errors import ConfigError
+from decoding.speculation.draft_tree import ROOT, DraftTree
 
 # A drafter's candidates for the children of one drafted node, best first: (token, draft probability),
 # or None to leave that child slot (and its subtree) empty.

@@ -1,0 +1,420 @@
+// Batch- and tree-invariant attention for CPU forwards (decoding/runtime/attention.py loads it).
+//
+// The output for one query depends only on that query and the keys/values it sees, in position
+// order: every score is one dot product summed over the head dimension in index order, the softmax
+// sum and the weighted sum of values run over the visible positions in increasing order (a hidden
+// position adds nothing, exactly), and exp is a fixed polynomial. Vector lanes run across positions
+// or across the head dimension, never across a reduction, and no reduction is split by the number
+// of rows, queries or positions. So a query's output has the same bits
+// alone, beside other rows of any length, or inside a draft tree (its ancestors are the chain it
+// would have had). Keys may be stored with positions contiguous (the RowKVCache) or with dimensions
+// contiguous (transformers' DynamicCache): both are widened block by block into the same [D][64]
+// float layout, so both give the same bits. Built with -ffp-contract=off: the only fused multiply-adds are the explicit
+// std::fma calls, the same in vector and scalar code.
+#include <ATen/Parallel.h>
+
+#include "kernels.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t W = 16;  // vector lanes (floats) the loops below are written for
+constexpr int64_t U = 4;   // independent score chains per query, to hide the fused multiply-add latency
+
+// Widen n values to float (bfloat16 through its bits: a shift the compiler vectorizes).
+template <typename scalar_t>
+inline void widen(const scalar_t* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+template <>
+inline void widen<at::BFloat16>(const at::BFloat16* src, float* dst, int64_t n) {
+  widen_bfloat16(src, dst, n);
+}
+
+constexpr int64_t BL = U * W;  // positions per key block
+constexpr int64_t SPAN = 8 * BL;  // positions of keys widened at once: [D][SPAN] floats, 128 KiB at D 64
+constexpr int64_t QC = 16;     // queries per task at most (tasks split a row's queries, never a reduction)
+
+// One task: queries [j0, j1) of one (row, key/value head), G * T of them in all, against the row's
+// L positions. Keys are read through strides: the RowKVCache stores them position-contiguous
+// (ksl == 1), so a block of BL positions is widened with vector loads; keys stored [L][D]
+// (transformers' DynamicCache) are transposed block by block. Either way each score is one chain
+// of fused multiply-adds over d in order with lanes across positions, the same bits.
+template <typename scalar_t>
+struct Task {
+  const scalar_t *q, *k, *v;
+  scalar_t* out;
+  int64_t qs1, qs2, ksl, ksd, vs2, os1, os2;  // strides: query head/token, key position/dim, value
+                                              // position, output token/head
+  const bool* mask;                           // null: causal
+  const bool* live;                           // [T] of the row: the tokens whose outputs are read (null: all)
+  int64_t ms2, ms3, G, T, L, D, j0, j1;
+  float scale;
+};
+
+struct Scratch {
+  std::vector<float> qf, kblk, vf, p, allow;
+  std::vector<int64_t> live;  // the task's queries whose outputs are read
+};
+
+// Queries a pass shares each key and value load between: their chains are independent, so a pass
+// keeps J * U (scores) or J * C (values) vector accumulators in flight where one query had U or C,
+// enough to hide the fused multiply-add's latency. A query's own chains are unchanged.
+constexpr int J = 4;
+
+// Scores of NJ queries over one block of BL positions (keys as D rows of BL floats, ks apart): per query
+// and position one chain of fused multiply-adds over d in order, lanes across positions.
+template <int NJ>
+inline void block_scores(const float* const* q, const float* kb, int64_t ks, int64_t D, float scale,
+                         float* const* p) {
+  float acc[NJ][U][W];
+  for (int j = 0; j < NJ; ++j)
+    for (int64_t u = 0; u < U; ++u)
+      for (int64_t i = 0; i < W; ++i) acc[j][u][i] = q[j][0] * kb[u * W + i];
+  for (int64_t d = 1; d < D; ++d) {
+    const float* kd = kb + d * ks;
+    for (int j = 0; j < NJ; ++j) {
+      const float qd = q[j][d];
+      for (int64_t u = 0; u < U; ++u)
+        for (int64_t i = 0; i < W; ++i) acc[j][u][i] = std::fma(qd, kd[u * W + i], acc[j][u][i]);
+    }
+  }
+  for (int j = 0; j < NJ; ++j)
+    for (int64_t u = 0; u < U; ++u)
+      for (int64_t i = 0; i < W; ++i) p[j][u * W + i] = acc[j][u][i] * scale;
+}
+
+// sum_l w[l] * v[l] over each of NJ queries' visible positions in order: C vectors of W lanes across
+// d per query; a position no query sees is not read. A hidden position adds nothing: its weight is +0
+// (s + 0 is s, s >= +0) and its products are not taken (its values may be anything, even a pad slot's
+// unwritten ones). With AVX-512 the products run as masked fused multiply-adds on 16-lane registers
+// (GCC spilled the plain loop's accumulators); each lane's value is the plain loop's.
+template <int C, int NJ, typename value_t>
+inline void weighted_values(const float* const* w, const value_t* v, int64_t vs, int64_t L, float* const* out,
+                            float* sum) {
+  float s[NJ] = {};
+#if defined(__AVX512F__)
+  static_assert(W == 16, "one 512-bit register a vector");
+  __m512 acc[NJ][C];
+  for (int j = 0; j < NJ; ++j)
+    for (int c = 0; c < C; ++c) acc[j][c] = _mm512_setzero_ps();
+#else
+  float acc[NJ][C * W] = {};
+#endif
+  for (int64_t l = 0; l < L; ++l) {
+    bool seen = false;
+    for (int j = 0; j < NJ; ++j) seen = seen || w[j][l] != 0.0f;
+    if (!seen) continue;
+    float vl[C * W];
+    widen(v + l * vs, vl, C * W);
+#if defined(__AVX512F__)
+    __m512 x[C];
+    for (int c = 0; c < C; ++c) x[c] = _mm512_loadu_ps(vl + c * W);
+    for (int j = 0; j < NJ; ++j) {
+      const float wl = w[j][l];
+      s[j] = s[j] + wl;
+      const __mmask16 take = wl != 0.0f ? 0xFFFF : 0;
+      const __m512 wv = _mm512_set1_ps(wl);
+      for (int c = 0; c < C; ++c) acc[j][c] = _mm512_mask3_fmadd_ps(wv, x[c], acc[j][c], take);
+    }
+#else
+    for (int j = 0; j < NJ; ++j) {
+      const float wl = w[j][l];
+      if (wl == 0.0f) continue;
+      s[j] = s[j] + wl;
+      for (int64_t i = 0; i < C * W; ++i) acc[j][i] = std::fma(wl, vl[i], acc[j][i]);
+    }
+#endif
+  }
+  for (int j = 0; j < NJ; ++j) {
+    sum[j] = s[j];
+#if defined(__AVX512F__)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(out[j] + c * W, acc[j][c]);
+#else
+    for (int64_t i = 0; i < C * W; ++i) out[j][i] = acc[j][i];
+#endif
+  }
+}
+
+// The most queries a values pass takes at C vectors a query (32 vector registers in all).
+constexpr int values_width(int C) { return C <= 4 ? J : C == 8 ? 2 : 1; }
+
+template <typename scalar_t>
+void write_zeros(const Task<scalar_t>& a, int64_t j, int64_t D) {
+  const int64_t g = (a.j0 + j) / a.T, t = (a.j0 + j) % a.T;
+  scalar_t* dst = a.out + t * a.os1 + g * a.os2;
+  for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(0.0f);
+}
+
+// Scores of the queries js[0..NJ) (rows of qf, Dp apart) over the key block at l0 into their rows of p.
+template <int NJ>
+inline void scores_pass(const int64_t* js, const float* qf, int64_t Dp, const float* kb, int64_t ks, int64_t D,
+                        float scale, float* p, int64_t Lp, int64_t l0) {
+  const float* q[NJ];
+  float* out[NJ];
+  for (int j = 0; j < NJ; ++j) {
+    q[j] = qf + js[j] * Dp;
+    out[j] = p + js[j] * Lp + l0;
+  }
+  block_scores<NJ>(q, kb, ks, D, scale, out);
+}
+
+// The outputs of the queries js[0..NJ) from their softmax weights (rows of p, Lp apart) and the values.
+template <int C, int NJ, typename scalar_t, typename value_t>
+inline void values_pass(const Task<scalar_t>& a, const int64_t* js, const float* p, int64_t Lp, const value_t* v,
+                        int64_t vs) {
+  constexpr int64_t Dp = C * W;
+  const float* w[NJ];
+  float o[NJ][Dp], sum[NJ];
+  float* out[NJ];
+  for (int j = 0; j < NJ; ++j) {
+    w[j] = p + js[j] * Lp;
+    out[j] = o[j];
+  }
+  weighted_values<C, NJ>(w, v, vs, a.L, out, sum);
+  for (int j = 0; j < NJ; ++j) {
+    const int64_t g = (a.j0 + js[j]) / a.T, t = (a.j0 + js[j]) % a.T;
+    scalar_t* dst = a.out + t * a.os1 + g * a.os2;
+    const float sc = sum[j] > 0.0f ? sum[j] : 1.0f;  // no visible position: zeros
+    for (int64_t d = 0; d < a.D; ++d) dst[d] = static_cast<scalar_t>(o[j][d] / sc);
+  }
+}
+
+template <int C, typename scalar_t>
+void attend_task(const Task<scalar_t>& a, Scratch& s) {
+  constexpr int64_t Dp = C * W;
+  const int64_t nq = a.j1 - a.j0, L = a.L, D = a.D, Lr = (L + BL - 1) / BL * BL;
+  const int64_t Lp = Lr + W;  // the row stride of scores: not a multiple of 4 KiB (cache sets)
+  s.qf.assign(nq * Dp, 0.0f);
+  s.p.assign(nq * Lp, 0.0f);
+  s.allow.assign(nq * Lr, 0.0f);  // 1 where the query sees the position, else 0
+  // A ragged forward's pad slots are never read: their queries are skipped (zeros written), so a
+  // wide row costs the rows beside it nothing. Each query is its own computation: the others' bits
+  // do not change.
+  s.live.clear();
+  for (int64_t j = 0; j < nq; ++j) {
+    if (a.live != nullptr && !a.live[(a.j0 + j) % a.T]) {
+      write_zeros(a, j, D);
+      continue;
+    }
+    s.live.push_back(j);
+    const int64_t g = (a.j0 + j) / a.T, t = (a.j0 + j) % a.T;
+    widen(a.q + g * a.qs1 + t * a.qs2, s.qf.data() + j * Dp, D);
+    float* al = s.allow.data() + j * Lr;
+    if (a.mask != nullptr && a.ms3 == 1) {  // a contiguous mask row: a vector loop
+      const bool* mrow = a.mask + t * a.ms2;
+      const uint8_t* bytes = reinterpret_cast<const uint8_t*>(mrow);  // a bool is 0 or 1
+      for (int64_t l = 0; l < L; ++l) al[l] = static_cast<float>(bytes[l]);
+    } else if (a.mask != nullptr) {
+      const bool* mrow = a.mask + t * a.ms2;
+      for (int64_t l = 0; l < L; ++l) al[l] = mrow[l * a.ms3] ? 1.0f : 0.0f;
+    } else {
+      for (int64_t l = 0; l <= L - a.T + t; ++l) al[l] = 1.0f;
+    }
+  }
+  const int64_t n_live = static_cast<int64_t>(s.live.size());
+  if (n_live == 0) return;
+  const int64_t* js = s.live.data();
+  // Scores, a block of BL positions at a time, the queries J at a time, over keys widened a span of
+  // blocks at a time into [D][Ls] floats (zero past L). Position-contiguous keys are read row d after
+  // row d: one ascending sweep through the cache that the hardware prefetcher follows (block by block
+  // the D rows, a capacity apart, would be D short streams it loses, and a forward of many rows would
+  // wait on memory). A span of one block where several passes reuse it: it stays in the first-level
+  // cache.
+  const int64_t span = n_live <= J ? std::min(SPAN, Lr) : BL;
+  s.kblk.resize(D * (span + W));
+  float* kspan = s.kblk.data();
+  // While a span's keys are widened, each row's part of the next span (where there is one) and a D-th
+  // of the values' lines with each row are requested: they arrive while the scores run instead of when
+  // the next span or the values pass asks for them.
+  const char* vbytes = reinterpret_cast<const char*>(a.v);
+  const int64_t vlines = (L * a.vs2 * static_cast<int64_t>(sizeof(scalar_t)) + 63) / 64;
+  int64_t vline = 0;
+  for (int64_t s0 = 0; s0 < Lr; s0 += span) {
+    const int64_t Ls = std::min(span, Lr - s0), n = std::min(Ls, L - s0);  // Ls: a multiple of BL
+    const int64_t kstride = Ls + W;  // rows of keys not a multiple of 4 KiB apart (cache sets)
+    const int64_t vstep = (vlines * Ls / Lr + D - 1) / D;
+    if (a.ksl == 1) {
+      const int64_t next = std::min(span, L - s0 - Ls) * static_cast<int64_t>(sizeof(scalar_t));
+      for (int64_t d = 0; d < D; ++d) {
+        for (int64_t i = 0; i < vstep && vline < vlines; ++i, ++vline) __builtin_prefetch(vbytes + vline * 64, 0, 2);
+        const char* row = reinterpret_cast<const char*>(a.k + d * a.ksd + s0 + Ls);
+        for (int64_t at = 0; at < next; at += 64) __builtin_prefetch(row + at);
+        widen(a.k + d * a.ksd + s0, kspan + d * kstride, n);
+        for (int64_t l = n; l < Ls; ++l) kspan[d * kstride + l] = 0.0f;
+      }
+    } else {
+      float row[Dp];
+      for (int64_t l = 0; l < Ls; ++l) {
+        if (l < n) widen(a.k + (s0 + l) * a.ksl, row, D);
+        for (int64_t d = 0; d < D; ++d) kspan[d * kstride + l] = l < n ? row[d] : 0.0f;
+      }
+    }
+    for (int64_t l0 = s0; l0 < s0 + Ls; l0 += BL) {
+      const float* kb = kspan + (l0 - s0);
+      int64_t at = 0;
+      for (; at + J <= n_live; at += J)
+        scores_pass<J>(js + at, s.qf.data(), Dp, kb, kstride, D, a.scale, s.p.data(), Lp, l0);
+      switch (n_live - at) {
+        case 3: scores_pass<3>(js + at, s.qf.data(), Dp, kb, kstride, D, a.scale, s.p.data(), Lp, l0); break;
+        case 2: scores_pass<2>(js + at, s.qf.data(), Dp, kb, kstride, D, a.scale, s.p.data(), Lp, l0); break;
+        case 1: scores_pass<1>(js + at, s.qf.data(), Dp, kb, kstride, D, a.scale, s.p.data(), Lp, l0); break;
+        default: break;
+      }
+    }
+  }
+  for (int64_t at = 0; at < n_live; ++at) {
+    float* __restrict pj = s.p.data() + js[at] * Lp;
+    const float* __restrict al = s.allow.data() + js[at] * Lr;
+    const float hidden = -std::numeric_limits<float>::infinity();
+    float lane_max[W];
+    // A maximum is exact in any order. lane_max[i] = std::max(lane_max[i], x), (lane < x) ? x : lane,
+    // is MAXPS(x, lane) lane by lane (GCC kept the scalar loop's branches).
+#if defined(__AVX512F__)
+    __m512 most = _mm512_set1_ps(hidden);
+    for (int64_t l0 = 0; l0 < Lr; l0 += W) {
+      const __mmask16 seen = _mm512_cmp_ps_mask(_mm512_loadu_ps(al + l0), _mm512_setzero_ps(), _CMP_NEQ_UQ);
+      most = _mm512_max_ps(_mm512_mask_blend_ps(seen, _mm512_set1_ps(hidden), _mm512_loadu_ps(pj + l0)), most);
+    }
+    _mm512_storeu_ps(lane_max, most);
+#else
+    for (int64_t i = 0; i < W; ++i) lane_max[i] = hidden;
+    for (int64_t l0 = 0; l0 < Lr; l0 += W)
+      for (int64_t i = 0; i < W; ++i) lane_max[i] = std::max(lane_max[i], al[l0 + i] != 0.0f ? pj[l0 + i] : hidden);
+#endif
+    float m = hidden;
+    for (int64_t i = 0; i < W; ++i) m = std::max(m, lane_max[i]);
+    // Softmax weights, exactly 0 where hidden (clamped first: a hidden score may exceed the maximum).
+    for (int64_t l = 0; l < Lr; ++l) pj[l] = fixed_exp(std::min(pj[l] - m, 0.0f)) * al[l];
+  }
+  const bool direct = D == Dp;  // values read in place; else widened into rows padded to Dp
+  if (!direct) {
+    s.vf.assign(L * Dp, 0.0f);
+    for (int64_t l = 0; l < L; ++l) widen(a.v + l * a.vs2, s.vf.data() + l * Dp, D);
+  }
+  auto pass = [&](auto width, int64_t at) {
+    constexpr int NJ = decltype(width)::value;
+    if (direct) values_pass<C, NJ>(a, js + at, s.p.data(), Lp, a.v, a.vs2);
+    else values_pass<C, NJ>(a, js + at, s.p.data(), Lp, s.vf.data(), Dp);
+  };
+  for (int64_t at = 0; at < n_live;) {
+    const int64_t width = std::min<int64_t>(values_width(C), n_live - at);
+    if (width == 4) pass(std::integral_constant<int, 4>(), at);
+    else if (width == 3) pass(std::integral_constant<int, 3>(), at);
+    else if (width == 2) pass(std::integral_constant<int, 2>(), at);
+    else pass(std::integral_constant<int, 1>(), at);
+    at += width;
+  }
+}
+
+template <typename scalar_t>
+void attend_kernel(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                   const torch::Tensor& mask, bool has_mask, const torch::Tensor& rows, bool has_rows,
+                   const torch::Tensor& live, double scale, torch::Tensor& out) {
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3);
+  const int64_t Hk = k.size(1), G = H / Hk, nq = G * T;
+  // Tasks of at most QC queries; a few tasks (each thread's share decides the time) are split finer
+  // until every thread gets as many: one row's 16-token tree was 9 tasks on 2 threads, one ran 5.
+  const int64_t threads = at::get_num_threads();
+  int64_t chunks_per_head = (nq + QC - 1) / QC;
+  const bool few = B * Hk * chunks_per_head < 8 * threads;
+  for (int64_t c = chunks_per_head; few && c <= std::min(nq, 2 * chunks_per_head); ++c)
+    if (B * Hk * c % threads == 0) {
+      chunks_per_head = c;
+      break;
+    }
+  const int64_t chunk = (nq + chunks_per_head - 1) / chunks_per_head;
+  chunks_per_head = (nq + chunk - 1) / chunk;
+  const int64_t C = (D + W - 1) / W;
+  TORCH_CHECK(C == 1 || C == 2 || C == 4 || C == 8 || C == 16,
+              "attend: head dimension ", D, " is not supported (up to 256, in steps of 16, 32, 64 or 128)");
+  const int64_t* rp = has_rows ? rows.data_ptr<int64_t>() : nullptr;
+  const bool* lp = live.numel() > 0 ? live.data_ptr<bool>() : nullptr;
+  Task<scalar_t> base{};
+  base.qs1 = q.stride(1);
+  base.qs2 = q.stride(2);
+  base.ksl = k.stride(2);
+  base.ksd = k.stride(3);
+  base.vs2 = v.stride(2);
+  base.os1 = out.stride(1);
+  base.os2 = out.stride(2);
+  base.ms2 = has_mask ? mask.stride(2) : 0;
+  base.ms3 = has_mask ? mask.stride(3) : 0;
+  base.G = G;
+  base.T = T;
+  base.L = k.size(2);
+  base.D = D;
+  base.scale = static_cast<float>(scale);
+  at::parallel_for(0, B * Hk * chunks_per_head, 1, [&](int64_t begin, int64_t end) {
+    Scratch s;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / (Hk * chunks_per_head), hk = task / chunks_per_head % Hk;
+      const int64_t part = task % chunks_per_head, r = has_rows ? rp[b] : b;
+      Task<scalar_t> a = base;
+      a.q = q.data_ptr<scalar_t>() + b * q.stride(0) + hk * G * q.stride(1);
+      a.k = k.data_ptr<scalar_t>() + r * k.stride(0) + hk * k.stride(1);
+      a.v = v.data_ptr<scalar_t>() + r * v.stride(0) + hk * v.stride(1);
+      a.out = out.data_ptr<scalar_t>() + b * out.stride(0) + hk * G * out.stride(2);
+      a.mask = has_mask ? mask.data_ptr<bool>() + b * mask.stride(0) : nullptr;
+      a.live = lp != nullptr ? lp + b * T : nullptr;
+      a.j0 = part * chunk;
+      a.j1 = std::min(nq, a.j0 + chunk);
+      switch (C) {
+        case 1: attend_task<1>(a, s); break;
+        case 2: attend_task<2>(a, s); break;
+        case 4: attend_task<4>(a, s); break;
+        case 8: attend_task<8>(a, s); break;
+        default: attend_task<16>(a, s); break;
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// q [B, H, T, D]; k, v [Bk, Hk, L, D] (keys with positions or dimensions contiguous); mask bool [B or 1, 1, T, L] or empty for
+// causal (query t sees positions up to L - T + t); rows [B] int64: the k/v row of each query row
+// (empty: the same row). Returns [B, T, H, D] in q's dtype.
+torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor mask, torch::Tensor rows,
+                     double scale, torch::Tensor live) {
+  RECORD_FUNCTION("tot::attend", std::vector<c10::IValue>());  // seen by torch.profiler (decoding.profile_forward)
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "attend: q, k, v must be 4D");
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "attend: CPU tensors only");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(), "attend: one dtype");
+  TORCH_CHECK(q.size(1) % k.size(1) == 0, "attend: query heads must be a multiple of key/value heads");
+  TORCH_CHECK(k.size(3) == q.size(3) && v.size(3) == q.size(3) && v.size(2) == k.size(2), "attend: shapes");
+  const bool has_mask = mask.numel() > 0, has_rows = rows.numel() > 0;
+  // Rows of the head dimension are read as vectors.
+  if (q.stride(3) != 1) q = q.contiguous();
+  if (k.stride(3) != 1 && k.stride(2) != 1) k = k.contiguous();  // keys: either dimension contiguous
+  if (v.stride(3) != 1) v = v.contiguous();
+  if (has_mask) {
+    TORCH_CHECK(mask.scalar_type() == torch::kBool && mask.dim() == 4 && mask.size(1) == 1, "attend: mask");
+    mask = mask.expand({q.size(0), 1, q.size(2), k.size(2)});
+  }
+  if (has_rows) {
+    TORCH_CHECK(rows.scalar_type() == torch::kLong && rows.numel() == q.size(0), "attend: rows");
+    rows = rows.contiguous();
+  } else {
+    TORCH_CHECK(k.size(0) == q.size(0), "attend: key/value rows must match query rows");
+  }
+  if (live.numel() > 0) {
+    TORCH_CHECK(live.scalar_type() == torch::kBool && live.numel() == q.size(0) * q.size(2), "attend: live [B, T]");
+    live = live.contiguous();
+  }
+  auto out = torch::empty({q.size(0), q.size(2), q.size(1), q.size(3)}, q.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "attend", [&] {
+    attend_kernel<scalar_t>(q, k, v, mask, has_mask, rows, has_rows, live, scale, out);
+  });
+  return out;
+}

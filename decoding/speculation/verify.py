@@ -1,0 +1,238 @@
+"""Batched tree verification: one target forward scores a draft tree for each of many rows.
+
+Each row feeds its pending tokens (not yet in the target's cache: the last committed token, or more
+on a row's first step) followed by its tree, packed as decoding/runtime/packing.py lays them out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from decoding.runtime.kv_cache import RowKVCache
+from decoding.runtime.packing import Packed, pack
+from decoding.runtime.runner import ModelRunner, Scored
+from decoding.speculation.acceptance import walk_matched, walk_rejection
+from decoding.speculation.draft_tree import DraftTree
+from decoding.speculation.gumbel import gumbel_pick, gumbel_targets, key
+from decoding.speculation.sampling import Rule, SamplingParams, processed_logits, top_k_rows
+from decoding.speculation.sequence import Sequence
+
+Top = tuple[list[list[int]], list[list[float]]]  # per row: the top-k token ids and their probabilities
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What verification decided for one row: made once by the acceptance stage (`accept`); the
+    commit completes it with what the sequence kept (`dataclasses.replace`)."""
+
+    tree: DraftTree
+    path: list[int]  # accepted nodes, root's child first
+    token: int  # the token after them (bonus or residual draw)
+    # Target distributions after processing, at the root and at each node [1 + N, V] (None for
+    # greedy rows, where only the argmax matters); cross-trajectory drafters learn from them.
+    probs: torch.Tensor | None
+    logits: torch.Tensor  # raw target logits at the same places
+    kept: int = 0  # tokens the sequence kept (stop rules may cut the accepted run); set by the commit
+    # With ModelRunner.capture_hidden: the captured layer's hidden states of the tokens this step put in
+    # the target's cache (the pending tokens, then the accepted path) [P + len(path), H]; EDD reads them.
+    hidden: torch.Tensor | None = None
+    # Where the step planner cut the drafted tree: each verified node's node in the tree the drafter
+    # drew (None: verified whole). Drafters that keep per-node state read `drafted_path`.
+    drafted_nodes: list[int] | None = None
+    # verify(top=k): the k most likely next tokens and their probabilities (the processed
+    # distribution; the softmax of the logits for greedy rows) at the root and along the accepted
+    # path, in that order (1 + len(path) rows of k each), as lists: what drafters' tables take.
+    top: Top | None = None
+
+    @property
+    def drafted_path(self) -> list[int]:
+        """The accepted nodes as nodes of the tree the drafter drew."""
+        return self.path if self.drafted_nodes is None else [self.drafted_nodes[n] for n in self.path]
+
+    @property
+    def tokens(self) -> list[int]:
+        return [self.tree.tokens[i] for i in self.path] + [self.token]
+
+    def kept_rows(self) -> list[int]:
+        """Rows of `probs` / `logits` whose distributions predicted the kept tokens, in order."""
+        return [0, *(1 + n for n in self.path)][: self.kept]
+
+
+def verify(
+    target: ModelRunner,
+    cache: RowKVCache,
+    pending: list[list[int]],
+    trees: list[DraftTree],
+    seqs: list[Sequence],
+    rule: Rule,
+    rows: list[int] | None = None,
+    top: int = 0,
+) -> tuple[Packed, list[Verdict]]:
+    """Score every row's tree in one forward and decide each under `rule` (see `target_sampler`).
+
+    `seqs` are the rows' sequences (their sampling parameters, seeds, generators and positions);
+    `rows` the cache rows verified (default: all, in order); `top` > 0: each verdict carries its
+    distributions' top tokens along the accepted path (`Verdict.top`, what drafters learn from).
+    The cache holds the new entries uncommitted; the caller commits `packed.committed(b, path)` for
+    the rows that go on.
+    """
+    packed = pack(pending, trees)
+    return packed, accept(packed, target.score(cache, packed, rows), trees, seqs, rule, top)
+
+
+def accept(
+    packed: Packed,
+    scored: Scored,
+    trees: list[DraftTree],
+    seqs: list[Sequence],
+    rule: Rule,
+    top: int = 0,
+    drafted_nodes: list[list[int] | None] | None = None,
+) -> list[Verdict]:
+    """Decide every row of one scored forward (`scored.logits`, one [1 + N, V] per row) under `rule`:
+    the acceptance stage, batched over the step's rows (see `verify`). `drafted_nodes`: where the step
+    planner cut each drafted tree (`Verdict.drafted_nodes`)."""
+    logits, hidden = scored.logits, scored.hidden
+    on_device = bool(logits) and logits[0].device.type != "cpu"
+    # Processed once per row: the distributions drafters learn from, and what the samplers read.
+    scores = processed_rows(seqs, logits) if on_device else [processed(s, row) for s, row in zip(seqs, logits)]
+    # On a GPU every row's own token at its root and at each node is found where the logits are, and
+    # the step reads them back once; the CPU samples lazily, only the nodes a walk reaches.
+    targets = device_targets(trees, seqs, logits, scores, rule) if on_device else [None] * len(trees)
+
+    def decide(b: int) -> tuple[list[int], int, torch.Tensor | None]:
+        tree, s, row, sc, own = trees[b], seqs[b], logits[b], scores[b], targets[b]
+        # Softmax once where the logits are (matched multinomial draws read it there, as transformers
+        # does); the rejection walk's scalar work reads it on the CPU.
+        dist = None if sc is None else sc.softmax(-1)
+        probs = dist.cpu() if dist is not None and rule == "rejection" else dist
+        if rule == "rejection" and len(tree) and probs is not None:
+            path, token = walk_rejection(tree, probs, s.generator)
+        elif own is not None:
+            path, token = walk_matched(tree, lambda node, d: own[node + 1])
+        else:
+            path, token = walk_matched(tree, target_sampler(s, rule, row, sc, dist))
+        return path, token, probs
+
+    # One row after another, in this thread: deciding them in a thread pool slowed the next forwards
+    # by a fifth (the pool's threads ran torch operators of their own, and the cores' worker threads
+    # contended), for draws that take 0.15 ms a row (decoding/speculation/gumbel.py).
+    decided = [decide(b) for b in range(len(trees))]
+    tops = top_tokens([(path, probs, row) for (path, _, probs), row in zip(decided, logits)], top) if top else None
+    return [
+        Verdict(
+            trees[b],
+            path,
+            token,
+            probs,
+            logits[b],
+            hidden=None if hidden is None else hidden[b, packed.committed(b, path)],
+            drafted_nodes=None if drafted_nodes is None else drafted_nodes[b],
+            top=None if tops is None else tops[b],
+        )
+        for b, (path, token, probs) in enumerate(decided)
+    ]
+
+
+def processed(s: Sequence, row: torch.Tensor) -> torch.Tensor | None:
+    """A row's processed logits (None at temperature 0: only the argmax matters)."""
+    return None if s.params.greedy else processed_logits(row.float(), s.params)
+
+
+def processed_rows(seqs: list[Sequence], logits: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    """`processed` for every row, in one call per sampling setting: on a GPU the per-row calls were
+    a dozen small launches each (thousands a step in the statistical tests), and every operation
+    in it works row by row."""
+    out: list[torch.Tensor | None] = [None] * len(seqs)
+    groups: dict[SamplingParams, list[int]] = {}
+    for b, s in enumerate(seqs):
+        if not s.params.greedy:
+            groups.setdefault(s.params, []).append(b)
+    for params, members in groups.items():
+        done = processed_logits(torch.cat([logits[b] for b in members]).float(), params)
+        for b, part in zip(members, torch.split(done, [len(logits[b]) for b in members])):
+            out[b] = part
+    return out
+
+
+def device_targets(
+    trees: list[DraftTree],
+    seqs: list[Sequence],
+    logits: list[torch.Tensor],
+    scores: list[torch.Tensor | None],
+    rule: Rule,
+) -> list[list[int] | None]:
+    """Per row, the target's own token after its root and after each node ([1 + N] ids), computed
+    on the logits' device for every row at once and read back in one transfer: the argmax at
+    temperature 0, the Gumbel-max sample under match_gumbel (and for rows without a draft under
+    rejection), exactly as `target_sampler` picks them. None for the rows that sample on the host
+    (match_multinomial's generator stream; rejection's walk)."""
+    greedy = [b for b, sc in enumerate(scores) if sc is None]
+    sampled = [
+        b
+        for b, sc in enumerate(scores)
+        if sc is not None and (rule == "match_gumbel" or (rule == "rejection" and not len(trees[b])))
+    ]
+    parts = []
+    if greedy:
+        parts.append(torch.cat([logits[b] for b in greedy]).argmax(-1))
+    if sampled:
+        keys = [key(seqs[b].seed, seqs[b].position + d) for b in sampled for d in (0, *trees[b].depths())]
+        parts.append(gumbel_targets(torch.cat([scores[b] for b in sampled]), keys))  # type: ignore[misc]
+    flat = torch.cat(parts).tolist() if parts else []
+    out: list[list[int] | None] = [None] * len(trees)
+    start = 0
+    for b in greedy + sampled:
+        out[b] = flat[start : start + len(logits[b])]
+        start += len(logits[b])
+    return out
+
+
+def top_tokens(decided: list[tuple[list[int], torch.Tensor | None, torch.Tensor]], k: int) -> list[Top]:
+    """Per row (its accepted path, processed distribution or None, raw logits): the k most likely
+    tokens at its root and along its path (`Verdict.top`), by one top-k over the step's rows where
+    they lie (`top_k_rows`)."""
+    rows = []
+    for path, probs, logits in decided:
+        at = [0, *(1 + n for n in path)] if path else slice(0, 1)  # a slice: no copy of the row
+        rows.append(logits[at].float().softmax(-1) if probs is None else probs[at])
+    values, ids = top_k_rows(rows, min(k, rows[0].shape[-1]))
+    ids_l, values_l = ids.tolist(), values.tolist()  # one conversion for the step
+    out, start = [], 0
+    for r in rows:
+        out.append((ids_l[start : start + len(r)], values_l[start : start + len(r)]))
+        start += len(r)
+    return out
+
+
+def kept_tops(verdicts: list[Verdict], k: int) -> list[tuple[list[list[int]], list[list[float]]]]:
+    """Each verdict's `top` at its kept rows (`kept_rows()`, a prefix of them), its first k per row."""
+    assert all(v.top is not None for v in verdicts), "verify with top=Drafter.learns_top"
+    out = []
+    for v in verdicts:
+        n = len(v.kept_rows())
+        ids, probs = v.top  # type: ignore[misc]
+        out.append(([row[:k] for row in ids[:n]], [row[:k] for row in probs[:n]]))
+    return out
+
+
+def target_sampler(
+    s: Sequence, rule: Rule, logits: torch.Tensor, scores: torch.Tensor | None, dist: torch.Tensor | None
+) -> Callable[[int, int], int]:
+    """The target's own token after a node (row 1 + node of `logits` [1 + N, V]; of its processed
+    `scores` and their softmax `dist`, on the logits' device, at temperature > 0) at depth d below the
+    root, as plain decoding draws it: the argmax at temperature 0; under match_multinomial a
+    torch.multinomial draw of one [1, V] row from the request's generator on that device
+    (`transformers`' own sampling, in order of position); otherwise (match_gumbel, and rows
+    without a draft under rejection) Gumbel-max with the request's public noise at the token's
+    absolute position."""
+    if scores is None or dist is None:
+        argmax = logits.argmax(-1).tolist()
+        return lambda node, d: argmax[node + 1]
+    if rule == "match_multinomial":
+        return lambda node, d: int(torch.multinomial(dist[node + 1 : node + 2], 1, generator=s.sample_generator))
+    position = s.position
+    return lambda node, d: gumbel_pick(scores[node + 1], s.seed, position + d)
