@@ -11,11 +11,14 @@ from decoding.base.options import from_dict, option_names
 from decoding.base.plugins import unknown
 from decoding.kinds import DECODERS, SECTIONS
 from decoding.runtime.models import ModelSpec
-from decoding.schedules.seed import SeedOptions
+from decoding.schedules.rounds import RoundsOptions
 from decoding.server import NAME as SERVER
 from decoding.server import ServerOptions
 from decoding.speculation.options import VerifyOptions
 from decoding.trees.policies import DraftTreeOptions
+
+# The config section a schedule field is read from, where the two differ: SEED's rounds read `seed.*`.
+SECTION_OF = {"rounds": "seed"}
 
 
 def choices() -> tuple[str, ...]:
@@ -35,7 +38,7 @@ class DecoderConfig:
 
     name: str = "ar"
     draft_tree: DraftTreeOptions = field(default_factory=DraftTreeOptions)  # from sd.* or seed.*
-    seed: SeedOptions = field(default_factory=SeedOptions)
+    rounds: RoundsOptions = field(default_factory=RoundsOptions)  # from the seed.* section
     verify: VerifyOptions = field(default_factory=VerifyOptions)
     draft: ModelSpec | None = None  # path "self" drafts with the target itself
     server: ServerOptions | None = None  # decoder=server: the serving engine to send requests to
@@ -70,12 +73,14 @@ class DecoderConfig:
         if name not in DECODERS:
             raise unknown_decoder(name)
         kind = DECODERS[name]
-        hints = {"draft_tree": DraftTreeOptions, "seed": SeedOptions, "verify": VerifyOptions, **SECTIONS}
+        hints = {"draft_tree": DraftTreeOptions, "rounds": RoundsOptions, "verify": VerifyOptions, **SECTIONS}
         read: dict[str, Any] = {}
         for f in kind.options:
-            namespace = kind.tree_section if f == "draft_tree" else f
+            namespace = kind.tree_section if f == "draft_tree" else SECTION_OF.get(f, f)
             # `seed:` holds both SEED's schedule options and its draft tree's: each reader skips the other's.
-            shared = option_names(SeedOptions if f == "draft_tree" else DraftTreeOptions) if namespace == "seed" else ()
+            shared = (
+                option_names(RoundsOptions if f == "draft_tree" else DraftTreeOptions) if namespace == "seed" else ()
+            )
             read[f] = from_dict(hints[f], c.get(namespace), namespace, ignore=shared)
         options = {f: v for f, v in read.items() if f not in SECTIONS}
         draft_cfg = c.get("draft") or {}

@@ -44,13 +44,13 @@ SCHEDULES: dict[str, Schedule] = {
     # SEED's rounds, drafting beside the verifier with overlap; up to verify_batch queued drafts per
     # forward under verify.plan=fixed (SEED's Algorithm 1, `seed`'s default), every ready row under
     # the goodput plan (the planner sizes trees, it never makes a row wait).
-    "seed": lambda name, c, target, tok, drafter: Scheduler(
+    "rounds": lambda name, c, target, tok, drafter: Scheduler(
         name,
         target,
         tok,
         drafter,
-        c.seed.verify_batch if c.verify.plan == "fixed" else None,
-        c.seed.overlap,
+        c.rounds.verify_batch if c.verify.plan == "fixed" else None,
+        c.rounds.overlap,
         verify=c.verify,
         planner=planner_for(c, target, drafter),
     ),

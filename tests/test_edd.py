@@ -34,8 +34,8 @@ from decoding.edd.train import Example, TrainSettings, evaluate, split, target_f
 from decoding.engine import Engine
 from decoding.runtime.models import LoadedModel, ModelSpec
 from decoding.runtime.runner import ModelRunner
+from decoding.schedules.rounds import RoundsOptions
 from decoding.schedules.scheduler import Scheduler
-from decoding.schedules.seed import SeedOptions
 from decoding.speculation.options import VerifyOptions
 from decoding.trees.policies import DraftTreeOptions
 from tot.train_edd import TrainConfig
@@ -304,7 +304,7 @@ class CheckedEddDrafter(EddDrafter):
 
 def edd_engine(loaded, draft, name="sd", k_config=(2, 2, 1), verify_batch=2, **options) -> Engine:
     spec = DraftTreeOptions(k_config=k_config, key=name, **options)
-    cfg = DecoderConfig(name, spec, SeedOptions(verify_batch), draft=ModelSpec("edd", key="draft"), verify=UNCAPPED)
+    cfg = DecoderConfig(name, spec, RoundsOptions(verify_batch), draft=ModelSpec("edd", key="draft"), verify=UNCAPPED)
     return Engine(loaded, cfg, draft)
 
 
@@ -382,7 +382,11 @@ def test_seed_stand_grafts_edd_and_ngram_trees(tiny_model, tokenizer, loaded, tr
     specs, requests = ragged()
     refs = [reference_greedy(tiny_model, encode(tokenizer, p), m, {EOS_ID}) for p, m in specs]
     cfg = DecoderConfig(
-        "seed_stand", DraftTreeOptions(key="seed"), SeedOptions(2), draft=ModelSpec("edd", key="draft"), verify=UNCAPPED
+        "seed_stand",
+        DraftTreeOptions(key="seed"),
+        RoundsOptions(2),
+        draft=ModelSpec("edd", key="draft"),
+        verify=UNCAPPED,
     )
     engine = Engine(loaded, cfg, draft)
     assert [r.token_ids for r in engine.generate(requests)] == refs
@@ -456,7 +460,7 @@ def test_vocab_head_rows_give_the_full_heads_logits(trained):
 
 def vocab_engine(loaded, draft, name, size, **options) -> Engine:
     spec = DraftTreeOptions(key=name, **options)
-    cfg = DecoderConfig(name, spec, SeedOptions(2), draft=ModelSpec("edd", key="draft", vocab=size), verify=UNCAPPED)
+    cfg = DecoderConfig(name, spec, RoundsOptions(2), draft=ModelSpec("edd", key="draft", vocab=size), verify=UNCAPPED)
     return Engine(loaded, cfg, draft)
 
 

@@ -16,7 +16,7 @@ from decoding.config import DecoderConfig
 from decoding.engine import Engine
 from decoding.runtime.models import LoadedModel, ModelSpec, load_model
 from decoding.runtime.prepack import PrepackedLinear, prepack_linears, prepack_supported
-from decoding.schedules.seed import SeedOptions
+from decoding.schedules.rounds import RoundsOptions
 from decoding.trees.policies import DraftTreeOptions
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN (mkldnn)")
@@ -75,7 +75,7 @@ def test_decoders_on_a_prepacked_target_return_generates_greedy_output(packed_mo
     refs = [reference_greedy(packed_model, encode(tokenizer, p), m, {EOS_ID}) for p, m in zip(PROMPTS, BUDGETS)]
     requests = [GenRequest(p, max_new_tokens=m) for p, m in zip(PROMPTS, BUDGETS)]
     sd = DecoderConfig(
-        "sd", DraftTreeOptions((2, 2, 1)), SeedOptions(2), draft=ModelSpec("self", key="draft"), verify=UNCAPPED
+        "sd", DraftTreeOptions((2, 2, 1)), RoundsOptions(2), draft=ModelSpec("self", key="draft"), verify=UNCAPPED
     )
     configs = ["ar", "stand", "seed_stand", sd]
     for config in configs:

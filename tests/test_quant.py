@@ -210,7 +210,7 @@ def test_every_decoder_on_int4_weights_returns_generates_greedy_output(request, 
     from decoding.config import DecoderConfig
     from decoding.engine import Engine
     from decoding.runtime.models import ModelSpec
-    from decoding.schedules.seed import SeedOptions
+    from decoding.schedules.rounds import RoundsOptions
     from decoding.trees.policies import DraftTreeOptions
 
     int4_loaded = request.getfixturevalue(loaded)
@@ -220,7 +220,7 @@ def test_every_decoder_on_int4_weights_returns_generates_greedy_output(request, 
     config = decoder
     if decoder in ("sd", "seed"):  # draft with the target itself
         tree = DraftTreeOptions((2, 2, 1), key=decoder)
-        config = DecoderConfig(decoder, tree, SeedOptions(2), draft=ModelSpec("self", key="draft"), verify=UNCAPPED)
+        config = DecoderConfig(decoder, tree, RoundsOptions(2), draft=ModelSpec("self", key="draft"), verify=UNCAPPED)
     engine = Engine(int4_loaded, config, int4_loaded if decoder in ("sd", "seed") else None)
     results = engine.generate([GenRequest(p, max_new_tokens=m) for p, m in zip(PROMPTS, BUDGETS)])
     assert [r.token_ids for r in results] == refs

@@ -15,9 +15,8 @@ from decoding.config import DecoderConfig
 from decoding.engine import Engine
 from decoding.runtime.models import ModelSpec
 from decoding.schedules.planner import goodput_planner
-from decoding.schedules.rounds import Rounds
+from decoding.schedules.rounds import Rounds, RoundsOptions
 from decoding.schedules.scheduler import Scheduler
-from decoding.schedules.seed import SeedOptions
 from decoding.speculation.draft_tree import DraftTree
 from decoding.speculation.sampling import SamplingParams
 from decoding.speculation.sequence import Sequence
@@ -30,7 +29,7 @@ def seed_engine(loaded, draft, k_config=(2, 2, 1), verify_batch=1, overlap=False
     cfg = DecoderConfig(
         "seed",
         DraftTreeOptions(k_config=k_config, key="seed", **options),
-        SeedOptions(verify_batch, overlap),
+        RoundsOptions(verify_batch, overlap),
         draft=ModelSpec(key="draft"),
         verify=UNCAPPED,
     )
@@ -195,7 +194,7 @@ def union_engine(loaded, draft, tree: str, verify_batch: int = 4) -> Engine:
     cfg = DecoderConfig(
         "seed_stand",
         DraftTreeOptions(k_config=(2, 1), key="seed"),
-        SeedOptions(verify_batch),
+        RoundsOptions(verify_batch),
         stand=StandOptions(tree=tree),
         draft=ModelSpec(key="draft"),
         verify=UNCAPPED,
@@ -246,5 +245,5 @@ def test_first_draft_verified_beside_rows_far_along(tiny_model, tokenizer, loade
     if decoder == "seed":
         engine = seed_engine(loaded, loaded, (2, 2, 1), 8, False)
     else:
-        engine = Engine(loaded, DecoderConfig(name="seed_stand", seed=SeedOptions(verify_batch=8), verify=UNCAPPED))
+        engine = Engine(loaded, DecoderConfig(name="seed_stand", rounds=RoundsOptions(verify_batch=8), verify=UNCAPPED))
     assert [r.token_ids for r in engine.generate(requests)] == refs

@@ -23,7 +23,7 @@ from decoding.drafters.pools import Pools
 from decoding.drafters.stand import GumbelNoise, StandOptions, gumbel_top_k
 from decoding.drafters.suffix import SuffixTrie
 from decoding.engine import Engine
-from decoding.schedules.seed import SeedOptions
+from decoding.schedules.rounds import RoundsOptions
 from decoding.speculation.draft_tree import ROOT, k_config_parents
 from decoding.speculation.options import VerifyOptions
 from decoding.trees.static import StaticTree, initial_tree, prune
@@ -209,7 +209,7 @@ def engine_for(
     loaded, name: str, tree: str, verify_batch: int = 8, verify: VerifyOptions = UNCAPPED, **stand
 ) -> Engine:
     cfg = DecoderConfig(
-        name, seed=SeedOptions(verify_batch), options={"stand": StandOptions(tree=tree, **stand)}, verify=verify
+        name, rounds=RoundsOptions(verify_batch), options={"stand": StandOptions(tree=tree, **stand)}, verify=verify
     )
     return Engine(loaded, cfg)
 

@@ -193,6 +193,6 @@ PLUGIN = DrafterPlugin(
     decoders=(
         # SEED's SD / MCSD baseline: one sequence at a time; its tree options in sd.*
         DecoderKind("sd", "serial", "model", ("draft_tree", "verify"), "required", "sd"),
-        DecoderKind("seed", "seed", "model", ("draft_tree", "seed", "verify"), "required", "seed"),
+        DecoderKind("seed", "rounds", "model", ("draft_tree", "rounds", "verify"), "required", "seed"),
     ),
 )

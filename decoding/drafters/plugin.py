@@ -23,7 +23,7 @@ from decoding.trees.policies import DraftTreeOptions
 
 DraftModel = Literal["none", "required", "optional"]
 # Config sections the schedules and the engine own: no drafter may read its options from them.
-RESERVED = frozenset({"name", "draft_tree", "seed", "sd", "verify", "draft", "server", "decoder", "model"})
+RESERVED = frozenset({"name", "draft_tree", "seed", "rounds", "sd", "verify", "draft", "server", "decoder", "model"})
 
 
 class BuildConfig(Protocol):
@@ -44,7 +44,7 @@ class DecoderKind:
     """A decoder (`decoder=name`): a schedule, a drafter, and the config sections it reads."""
 
     name: str
-    schedule: str  # a key of decoding.decoders.SCHEDULES: hf, batch, serial, seed
+    schedule: str  # a key of decoding.decoders.SCHEDULES: hf, batch, serial, rounds
     drafter: str  # the name of a DrafterPlugin
     options: tuple[str, ...] = ()  # the DecoderConfig fields (config sections) it reads
     draft_model: DraftModel = "none"  # optional: with draft.path set, the model's tree joins the drafter's

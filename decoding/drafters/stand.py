@@ -190,7 +190,7 @@ PLUGIN = DrafterPlugin(
         DecoderKind("stand", "batch", "stand", ("stand", "suffix", "verify")),
         # the project's default; with draft.path set, the draft model's tree joins the pool's
         DecoderKind(
-            "seed_stand", "seed", "stand", ("draft_tree", "seed", "stand", "suffix", "verify"), "optional", "seed"
+            "seed_stand", "rounds", "stand", ("draft_tree", "rounds", "stand", "suffix", "verify"), "optional", "seed"
         ),
     ),
 )
