@@ -61,7 +61,7 @@ class ToyDrafter:
     def update(self, slots, verdicts):
         pass
 
-    def release(self, slots):
+    def release(self, slots, live):
         pass
 
     def peak_cache_bytes(self):

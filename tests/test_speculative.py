@@ -213,7 +213,7 @@ class ScriptedDrafter:
     def update(self, slots, verdicts):
         """Scripted drafts learn nothing."""
 
-    def release(self, slots):
+    def release(self, slots, live):
         """No per-row state that matters."""
 
 

@@ -370,7 +370,7 @@ class AdedDrafter:
                 seq = slot.seq
                 self.matrices.get(seq.group).update(seq.tail(v.kept + 2), self.options.update_weight)
 
-    def release(self, slots: list[Slot]) -> None:
+    def release(self, slots: list[Slot], live: list[Slot]) -> None:
         """Matrices are per group / problem / run, kept across calls: nothing is per sequence."""
 
     def peak_cache_bytes(self) -> int:

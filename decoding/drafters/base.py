@@ -31,7 +31,10 @@ class Drafter(Protocol):
 
     def update(self, slots: list[Slot], verdicts: list[Verdict]) -> None: ...
 
-    def release(self, slots: list[Slot]) -> None: ...
+    def release(self, slots: list[Slot], live: list[Slot]) -> None:
+        """The slots whose sequences left; `live`: the slots still live that it has admitted (what
+        memory it gives back must keep)."""
+        ...
 
     def peak_cache_bytes(self) -> int:
         """The largest KV cache the drafter's own model has held (0 for model-free drafters)."""
@@ -53,7 +56,7 @@ class NoDrafter:
     def update(self, slots: list[Slot], verdicts: list[Verdict]) -> None:
         """Nothing to learn."""
 
-    def release(self, slots: list[Slot]) -> None:
+    def release(self, slots: list[Slot], live: list[Slot]) -> None:
         """No per-row state to drop."""
 
     def peak_cache_bytes(self) -> int:

@@ -76,14 +76,12 @@ class ModelDrafter:
         self.policy = make_policy(options, self._measure_ratio)
         self.max_nodes = self.policy.max_nodes
         self.cache = model.new_cache(0, 1, graphs=True)  # row i: the draft model's cache of the target's row i
-        self.live: dict[int, Slot] = {}  # the rows its cache holds: what giving memory back must keep
 
     def admit(self, slots: list[Slot]) -> None:
         rows, seqs = [s.row for s in slots], [s.seq for s in slots]
         admitted = self.model.admit(self.cache, rows, [s.prompt for s in seqs], admission_room(seqs, self.max_nodes))
         for slot, pending in zip(slots, admitted.pending):
             slot.put(self, _Row(pending))
-            self.live[slot.row] = slot
 
     def _measure_ratio(self, context: int = 64, repeats: int = 5) -> float:
         """PCT's s_d / s_t on this machine: one forward of each model of one token after `context`."""
@@ -160,13 +158,11 @@ class ModelDrafter:
             # Everything committed that the draft cache lacks is fed next time.
             own.pending = (seq.prompt + seq.generated)[int(self.cache.lens[slot.row]) :]
 
-    def release(self, slots: list[Slot]) -> None:
-        """A left row's cache row is simply admitted again later: nothing is copied."""
-        for slot in slots:
-            del self.live[slot.row]
-        # Rows past the highest live one, and positions no live row needs, go back.
-        live = [s.seq for s in self.live.values()]
-        self.model.give_back(self.cache, max(self.live, default=-1) + 1, needs(live, self.max_nodes))
+    def release(self, slots: list[Slot], live: list[Slot]) -> None:
+        """A left row's cache row is simply admitted again later: nothing is copied. Rows past the
+        highest live one, and positions no live row needs, go back."""
+        rows = max((s.row for s in live), default=-1) + 1
+        self.model.give_back(self.cache, rows, needs([s.seq for s in live], self.max_nodes))
 
 
 def model_drafter(

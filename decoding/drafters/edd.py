@@ -205,7 +205,7 @@ class EddDrafter:
             own.queue.append(v.hidden)
             own.known += len(v.hidden)
 
-    def release(self, slots: list[Slot]) -> None:
+    def release(self, slots: list[Slot], live: list[Slot]) -> None:
         """Its soft prompt's cache row is simply admitted again later; the row's state goes with its slot."""
 
 

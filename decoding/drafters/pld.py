@@ -61,7 +61,7 @@ class PLDDrafter:
     def update(self, slots: list[Slot], verdicts: list[Verdict]) -> None:
         """Nothing to learn: drafts come from each sequence's own context."""
 
-    def release(self, slots: list[Slot]) -> None:
+    def release(self, slots: list[Slot], live: list[Slot]) -> None:
         """No state to drop."""
 
     def peak_cache_bytes(self) -> int:

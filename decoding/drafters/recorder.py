@@ -60,8 +60,8 @@ class CalibrationRecorder:
             self.steps += 1
         self.inner.update(slots, verdicts)
 
-    def release(self, slots: list[Slot]) -> None:
-        self.inner.release(slots)
+    def release(self, slots: list[Slot], live: list[Slot]) -> None:
+        self.inner.release(slots, live)
 
     def peak_cache_bytes(self) -> int:
         return self.inner.peak_cache_bytes()

@@ -79,7 +79,7 @@ class RecyclingDrafter:
                 logp = None if v.probs is None else [math.log(q) if q > 0 else -math.inf for q in p]
                 self.successors[before[i]] = (succ, logp)
 
-    def release(self, slots: list[Slot]) -> None:
+    def release(self, slots: list[Slot], live: list[Slot]) -> None:
         """The successor table is shared by all rows: nothing per sequence to drop."""
 
     def peak_cache_bytes(self) -> int:

@@ -162,7 +162,7 @@ class StandDrafter:
             for k in range(len(ids)):
                 pool.add(tail[max(0, base + k - pool.max_n) : base + k], ids[k], probs[k])
 
-    def release(self, slots: list[Slot]) -> None:
+    def release(self, slots: list[Slot], live: list[Slot]) -> None:
         """Pools are per group, kept across calls; a sequence's noise goes with its slot."""
 
     def peak_cache_bytes(self) -> int:

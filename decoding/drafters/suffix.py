@@ -209,7 +209,7 @@ class SuffixDrafter:
             row.seen = seq.position
             seq.stats.suffix_accepted_tokens += len(v.path)
 
-    def release(self, slots: list[Slot]) -> None:
+    def release(self, slots: list[Slot], live: list[Slot]) -> None:
         """What the rows wrote stays in the pool for the trajectories after them."""
 
     def peak_cache_bytes(self) -> int:

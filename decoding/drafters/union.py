@@ -67,9 +67,9 @@ class UnionDrafter:
         top = None if v.top is None else (v.top[0][: 1 + len(own_path)], v.top[1][: 1 + len(own_path)])
         return replace(v, tree=trees[k], path=own_path, probs=probs, logits=logits, drafted_nodes=None, top=top)
 
-    def release(self, slots: list[Slot]) -> None:
+    def release(self, slots: list[Slot], live: list[Slot]) -> None:
         for d in self.drafters:
-            d.release(slots)
+            d.release(slots, live)
 
     def peak_cache_bytes(self) -> int:
         return sum(d.peak_cache_bytes() for d in self.drafters)

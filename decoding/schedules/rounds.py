@@ -29,6 +29,7 @@ class News:
     verified: list[Slot]  # their `verdict` is new: the drafter learns from it
     left: list[Slot]  # done: the drafter releases them
     drafting: list[Slot]  # the slots waiting to be drafted
+    live: list[Slot]  # every live slot (what a drafter's memory must keep once others left)
 
 
 class Unlocked:
@@ -86,9 +87,8 @@ class Rounds:
         with self.cond:
             while wait and not self.finished and not self._for_drafter():
                 self.cond.wait()
-            news = News(
-                self.arrived, self.verified, self.left, [s for s in self.live.values() if s.phase == "drafting"]
-            )
+            live = list(self.live.values())
+            news = News(self.arrived, self.verified, self.left, [s for s in live if s.phase == "drafting"], live)
             self.arrived, self.verified, self.left = [], [], []
             return news
 

@@ -84,7 +84,6 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._thread_running = False
         self._failure: list[BaseException] = []
-        self._held: set[int] = set()  # ids of the sequences counted as waiting for KV memory
 
     @property
     def drafter(self) -> Drafter:
@@ -132,8 +131,7 @@ class Scheduler:
         if self._thread is not None:
             self._thread.join()
             self._thread, self._thread_running = None, False
-        self.drafter.release(sorted((s for s in known if s.heard), key=lambda s: s.row))
-        self._held.clear()
+        self.drafter.release(sorted((s for s in known if s.heard), key=lambda s: s.row), [])
         self.waiting.clear()
         self.rounds = self._new_rounds()
         self._failure.clear()
@@ -200,7 +198,8 @@ class Scheduler:
         if fit < len(wanted):
             self._hold_for_memory(wanted[fit:], alone=not live and not fit)
         new = [self.waiting.popleft() for _ in range(fit)]
-        self._held.difference_update(id(s) for s in new)
+        for s in new:
+            s.waits_for_memory = False
         if not new:
             return
         t0 = time.perf_counter()
@@ -229,10 +228,11 @@ class Scheduler:
                 f"tree), model.kv_memory allows {budget / 2**20:.3g} MB: raise model.kv_memory or model.kv_memory_mb, "
                 "or lower gen.max_new_tokens"
             )
-        first = [s for s in held if id(s) not in self._held]
-        if first and not self._held:
+        first = [s for s in held if not s.waits_for_memory]
+        if first and not any(s.waits_for_memory for s in self.waiting):
             log.warning("%d sequences wait for KV memory (model.kv_memory allows %.3g MB)", len(held), budget / 2**20)
-        self._held.update(id(s) for s in first)
+        for s in first:
+            s.waits_for_memory = True
         self.stats.kv_waits += len(first)
 
     def _ensure_drafting_thread(self) -> None:

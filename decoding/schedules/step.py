@@ -125,7 +125,7 @@ def hear(drafter: Drafter, rounds: Rounds, news: News) -> None:
         for slot in news.verified:
             slot.verdict = None
     if news.left:
-        drafter.release(news.left)
+        drafter.release(news.left, [s for s in news.live if s.heard])
         for slot in news.left:
             slot.heard = False
         rounds.released(news.left)

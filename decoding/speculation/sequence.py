@@ -33,6 +33,7 @@ class Sequence:
     stats: DecodeStats = field(default_factory=DecodeStats)
     follows: tuple[int, ...] = ()  # a follow-up: the finished sequence it continues (GenRequest.context)
     keep: bool = False  # stored and pinned when it finishes, until a follow-up of it is admitted
+    waits_for_memory: bool = False  # queued while the KV pool had no room for it (counted once)
     _checked: int = 0
     _context: tuple[int, ...] | None = None
 
