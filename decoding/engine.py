@@ -14,7 +14,7 @@ import time
 from collections import defaultdict
 from collections.abc import Coroutine
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from typing import TypeVar
 
 from decoding.base.errors import BackendError
@@ -152,12 +152,11 @@ class Engine:
                 self._arrived = []
                 if not self.decoder.busy:
                     return
-                before = replace(self.decoder.stats)
                 t0 = time.perf_counter()
-                finished = self.decoder.step()
+                step = self.decoder.step()
                 self.step_s += time.perf_counter() - t0
-                self._share(self.decoder.stats - before)
-                for s in finished:
+                self._share(step.cost)
+                for s in step.finished:
                     call = self._calls.pop(id(s))
                     call.live -= 1
                     if call.live == 0:

@@ -195,7 +195,7 @@ def union_engine(loaded, draft, tree: str, verify_batch: int = 4) -> Engine:
         "seed_stand",
         DraftTreeOptions(k_config=(2, 1), key="seed"),
         RoundsOptions(verify_batch),
-        stand=StandOptions(tree=tree),
+        options={"stand": StandOptions(tree=tree)},
         draft=ModelSpec(key="draft"),
         verify=UNCAPPED,
     )

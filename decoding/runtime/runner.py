@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -233,6 +233,7 @@ class ModelRunner:
         take only the common prefix, the rest stays pending and is fed with each row's first draft
         (then its states come back with the verdict); `Admission.start_hidden` holds the common prefix's.
         """
+        forwards, rows_run = self.forwards, self.rows
         shared = min(_common_prefix_len(prompts), min(len(p) for p in prompts) - 1)
         head = tuple(prompts[0][:shared])
         reused = self.prefixes.match(head)
@@ -246,8 +247,10 @@ class ModelRunner:
         part, extra = divmod(self.prompt_tokens_computed - before, len(rows))
         spent = {row: part + (i < extra) for i, row in enumerate(rows)}
         if self.hidden_layer is not None:
-            return self._admit_captured(rows, prompts, done, spent, start_hidden)
-        return self._admit_rest(cache, rows, prompts, shared, done, spent)
+            admitted = self._admit_captured(rows, prompts, done, spent, start_hidden)
+        else:
+            admitted = self._admit_rest(cache, rows, prompts, shared, done, spent)
+        return replace(admitted, forwards=self.forwards - forwards, rows=self.rows - rows_run)
 
     def _admit_captured(
         self,
@@ -475,3 +478,5 @@ class Admission:
     pending: list[list[int]]
     computed: list[int]
     start_hidden: torch.Tensor | None = None
+    forwards: int = 0  # the forwards admitting them ran, and their rows
+    rows: int = 0

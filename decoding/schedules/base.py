@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass
 from typing import Protocol
 
 from decoding.base.values import DecodeStats
@@ -11,19 +11,26 @@ from decoding.drafters.base import Drafter
 from decoding.speculation.sequence import Sequence
 
 
+@dataclass
+class Step:
+    """What one decode step did: the sequences that stopped (`generated` and `reason` filled in
+    place), and what the step cost (time, forwards, rows, prompt tokens, drafts; token counts live in
+    each sequence's own stats)."""
+
+    finished: list[Sequence]
+    cost: DecodeStats
+
+
 class Decoder(Protocol):
     """Decodes sequences that join between steps (continuous batching) and reports what it cost.
 
     `admit` queues sequences; each `step` (one target forward, more or less) advances the live ones
-    and returns those that stopped (`generated` and `reason` filled in place); `busy` says whether
-    any is queued or live. `stats` holds the running totals of every step: time, forwards, rows,
-    prompt tokens (token counts live in each sequence's own stats). `run` is the synchronous
-    convenience: admit, step until idle, the call's cost.
+    and returns a `Step`: those that stopped and what the step cost; `busy` says whether any is
+    queued or live. `run` is the synchronous convenience: admit, step until idle, the call's cost.
     """
 
     name: str
     drafter: Drafter
-    stats: DecodeStats
 
     @property
     def busy(self) -> bool: ...
@@ -33,7 +40,7 @@ class Decoder(Protocol):
 
     def admit(self, seqs: list[Sequence]) -> None: ...
 
-    def step(self) -> list[Sequence]: ...
+    def step(self) -> Step: ...
 
     def clear(self) -> None:
         """Drop every queued and live sequence (their callers are gone)."""
@@ -44,11 +51,11 @@ class Decoder(Protocol):
 
 def run_to_end(decoder: Decoder, seqs: list[Sequence]) -> DecodeStats:
     """Decode `seqs` (and whatever else the decoder has live) until idle; their cost."""
-    before = replace(decoder.stats)
+    cost = DecodeStats()
     decoder.admit(seqs)
     while decoder.busy:
-        decoder.step()
-    return add_sequence_totals(decoder.stats - before, seqs)
+        cost += decoder.step().cost
+    return add_sequence_totals(cost, seqs)
 
 
 def add_sequence_totals(stats: DecodeStats, seqs: list[Sequence]) -> DecodeStats:

@@ -11,7 +11,7 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList,
 from decoding.base.values import DecodeStats
 from decoding.drafters.base import NoDrafter
 from decoding.runtime.runner import ModelRunner
-from decoding.schedules.base import run_to_end
+from decoding.schedules.base import Step, run_to_end
 from decoding.speculation.gumbel import gumbel_choice
 from decoding.speculation.sampling import Rule
 from decoding.speculation.sequence import Sequence
@@ -58,7 +58,6 @@ class HFDecoder:
         # else Gumbel-max with public noise (rejection rules decide drafted tokens only).
         self.multinomial = rule == "match_multinomial"
         self.waiting: deque[Sequence] = deque()
-        self.stats = DecodeStats()
 
     @property
     def busy(self) -> bool:
@@ -73,7 +72,7 @@ class HFDecoder:
     def run(self, seqs: list[Sequence]) -> DecodeStats:
         return run_to_end(self, seqs)
 
-    def step(self) -> list[Sequence]:
+    def step(self) -> Step:
         # generate() fills every option a call leaves unset from the model's generation_config, which
         # may carry the checkpoint's own sampling options (repetition_penalty, min_p, ...). Every
         # decoder samples only the request's temperature / top-k / top-p, so run with a neutral one.
@@ -82,14 +81,14 @@ class HFDecoder:
         model.generation_config = GenerationConfig()
         try:
             s = self.waiting.popleft()
-            self._generate(s)
-            return [s]
+            return Step([s], self._generate(s))
         finally:
             model.generation_config = saved
 
     @torch.inference_mode()
-    def _generate(self, s: Sequence) -> None:
-        stats, model = self.stats, self.target.model
+    def _generate(self, s: Sequence) -> DecodeStats:
+        """Decode `s` to its end; what it cost."""
+        stats, model = DecodeStats(), self.target.model
         t0 = time.perf_counter()
         ids = torch.tensor([s.prompt], device=self.target.device)
         sampling: dict[str, object] = {"do_sample": False, "temperature": None, "top_k": None, "top_p": None}
@@ -126,3 +125,4 @@ class HFDecoder:
         stats.prompt_tokens_computed += len(s.prompt)  # no prefix reuse
         s.stats.prompt_tokens_computed = len(s.prompt)
         stats.verify_s += time.perf_counter() - t0
+        return stats

@@ -28,7 +28,7 @@ from decoding.base.values import DecodeStats
 from decoding.drafters.base import Drafter
 from decoding.runtime.kv_cache import RowKVCache
 from decoding.runtime.runner import ModelRunner
-from decoding.schedules.base import run_to_end
+from decoding.schedules.base import Step, run_to_end
 from decoding.schedules.planner import Planner
 from decoding.schedules.rounds import Rounds, Unlocked
 from decoding.schedules.step import DraftRecord, StepRecord, StepSetup, decode_step, draft_round
@@ -80,7 +80,7 @@ class Scheduler:
         )
         self.waiting: deque[Sequence] = deque()
         self.rounds = self._new_rounds()
-        self.stats = DecodeStats()  # running totals over every step (tokens are counted per call)
+        self._thread_drafts: list[DraftRecord] = []  # the drafting thread's rounds, for the next step's cost
         self._thread: threading.Thread | None = None
         self._thread_running = False
         self._failure: list[BaseException] = []
@@ -139,10 +139,10 @@ class Scheduler:
     def _new_rounds(self) -> Rounds:
         return Rounds() if self.overlap else Rounds(cond=Unlocked())
 
-    def step(self) -> list[Sequence]:
-        """Admit waiting sequences, then one decode step; the sequences that stopped."""
-        forwards, rows = self.target.forwards, self.target.rows
-        self._fill()
+    def step(self) -> Step:
+        """Admit waiting sequences, then one decode step: the sequences that stopped, and its cost."""
+        cost = DecodeStats()
+        self._fill(cost)
         if self.overlap:
             self._ensure_drafting_thread()
         record = decode_step(self.rounds, self.setup, time.perf_counter, draft_here=not self.overlap)
@@ -153,21 +153,23 @@ class Scheduler:
             self._thread = None
             if self._failure:
                 raise self._failure[0]
-        self._observe(record)
+        with self.rounds.cond:
+            drafts, self._thread_drafts = [*record.drafts, *self._thread_drafts], []
+        for draft in drafts:
+            self._observe_draft(draft, cost)
+        self._observe(record, cost)
         # Memory back once the pool holds far more than its live rows need (a burst of rows gone).
         live = [s.seq for s in self.rounds.live.values()]
         self.target.give_back(self.setup.cache, self.rounds.trim(), needs(live, self.drafter.max_nodes))
-        self.stats.target_forwards += self.target.forwards - forwards
-        self.stats.target_rows += self.target.rows - rows
-        return record.finished
+        return Step(record.finished, cost)
 
-    def _observe(self, record: StepRecord) -> None:
-        """The step's record into the running statistics and the planner's calibration."""
-        for draft in record.drafts:
-            self._observe_draft(draft)
+    def _observe(self, record: StepRecord, stats: DecodeStats) -> None:
+        """The step's record into its cost and the planner's calibration."""
         if not record.slots:
             return
-        stats, plan = self.stats, record.plan
+        plan = record.plan
+        stats.target_forwards += 1  # the verification forward
+        stats.target_rows += len(record.slots)
         stats.queue_wait_s += record.queue_wait_s
         stats.verified_drafts += len(record.slots)
         stats.verify_s += record.verify_s
@@ -181,22 +183,22 @@ class Scheduler:
             stats.predicted_step_s += plan.predicted_ms / 1000
             stats.planned_step_s += record.verify_s
 
-    def _observe_draft(self, draft: DraftRecord) -> None:
-        self.stats.draft_s += draft.seconds
+    def _observe_draft(self, draft: DraftRecord, stats: DecodeStats) -> None:
+        stats.draft_s += draft.seconds
         if draft.drafted:
-            self.stats.draft_calls += 1
-            self.stats.drafted_rows += draft.drafted
+            stats.draft_calls += 1
+            stats.drafted_rows += draft.drafted
             if self.planner is not None:
                 self.planner.drafted(draft.drafted, draft.draft_ms)
 
-    def _fill(self) -> None:
+    def _fill(self, cost: DecodeStats) -> None:
         room = len(self.waiting) if self.max_live is None else self.max_live - len(self.rounds.live)
         wanted = list(self.waiting)[: max(0, room)]
         live = [s.seq for s in self.rounds.live.values()]
         max_nodes = self.drafter.max_nodes
         fit = self.target.rows_that_fit(needs(live, max_nodes), needs(wanted, max_nodes))
         if fit < len(wanted):
-            self._hold_for_memory(wanted[fit:], alone=not live and not fit)
+            self._hold_for_memory(wanted[fit:], alone=not live and not fit, cost=cost)
         new = [self.waiting.popleft() for _ in range(fit)]
         for s in new:
             s.waits_for_memory = False
@@ -211,13 +213,15 @@ class Scheduler:
         for s in new:
             if s.follows:  # its context served it: evictable again
                 self.target.prefixes.unpin(s.follows)
-        self.stats.prompt_tokens += sum(len(s.prompt) for s in new)
-        self.stats.prompt_tokens_computed += sum(admitted.computed)
+        cost.prompt_tokens += sum(len(s.prompt) for s in new)
+        cost.prompt_tokens_computed += sum(admitted.computed)
+        cost.target_forwards += admitted.forwards
+        cost.target_rows += admitted.rows
         start = admitted.start_hidden
         self.rounds.arrive([Slot(r, s, p, start, cache) for r, s, p in zip(rows, new, admitted.pending)])
-        self.stats.verify_s += time.perf_counter() - t0
+        cost.verify_s += time.perf_counter() - t0
 
-    def _hold_for_memory(self, held: list[Sequence], alone: bool) -> None:
+    def _hold_for_memory(self, held: list[Sequence], alone: bool, cost: DecodeStats) -> None:
         """Sequences the KV pool has no memory for wait until live ones finish; one that does not
         fit `alone` never will: a configuration error."""
         budget = self.target.kv_budget or 0
@@ -233,7 +237,7 @@ class Scheduler:
             log.warning("%d sequences wait for KV memory (model.kv_memory allows %.3g MB)", len(held), budget / 2**20)
         for s in first:
             s.waits_for_memory = True
-        self.stats.kv_waits += len(first)
+        cost.kv_waits += len(first)
 
     def _ensure_drafting_thread(self) -> None:
         # The thread ends once the drafter has heard everything and no slot is live; it decides so
@@ -250,8 +254,9 @@ class Scheduler:
     def _draft_loop(self) -> None:
         try:
             while True:
-                self._observe_draft(draft_round(self.rounds, self.setup, time.perf_counter, wait=True))
+                draft = draft_round(self.rounds, self.setup, time.perf_counter, wait=True)
                 with self.rounds.cond:
+                    self._thread_drafts.append(draft)
                     if self.rounds.finished:
                         self._thread_running = False
                         return
