@@ -79,6 +79,14 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 def pytest_configure(config: pytest.Config) -> None:
     if DEVICE.type == "cuda" and not torch.cuda.is_available():
         pytest.exit("TOT_TEST_DEVICE=cuda but no CUDA device is visible; unset it to test on the CPU", returncode=2)
+    # Under parallel workers each takes its share of the cores, for its own torch and the commands it
+    # starts (they read OMP_NUM_THREADS): two workers at two threads each on two cores spent a quarter
+    # more CPU time spinning than they computed.
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        share = max(1, (os.cpu_count() or 1) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(share)
+        torch.set_num_threads(share)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

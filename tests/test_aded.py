@@ -194,7 +194,10 @@ def test_config_errors_name_the_key(values, pattern):
 def test_config_reads_the_namespace():
     cfg = DecoderConfig.from_container({"decoder": {"name": "aded"}, "aded": {"iterations": 7, "c1": 32, "corpus": ""}})
     assert (cfg.section("aded").iterations, cfg.section("aded").c1, cfg.section("aded").corpus) == (7, 32.0, None)
-    assert DecoderConfig.from_container({"decoder": {"name": "ar"}, "aded": {"iterations": 0}}).aded == AdedOptions()
+    assert (
+        DecoderConfig.from_container({"decoder": {"name": "ar"}, "aded": {"iterations": 0}}).section("aded")
+        == AdedOptions()
+    )
 
 
 # --- decoder=aded on the tiny model ----------------------------------------------------------------------

@@ -95,10 +95,10 @@ def test_bench_reports_a_difference(long_context, monkeypatch):
     original = Scheduler.step
 
     def off_by_one(self):
-        finished = original(self)
-        for s in finished:
+        step = original(self)
+        for s in step.finished:
             s.generated[-1] = (s.generated[-1] + 1) % 300
-        return finished
+        return step
 
     monkeypatch.setattr(Scheduler, "step", off_by_one)
     result = bench(run_cfg, configs, long_context, None, progress=False)

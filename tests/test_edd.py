@@ -15,7 +15,7 @@ from test_decoders import BUDGETS, EOS_ID, PROMPTS, _stop_string_case, encode, r
 from test_speculative import PARAMS, RULES, check_three_tokens, sample_three
 
 from decoding.base.errors import BackendError
-from decoding.base.values import GenRequest
+from decoding.base.values import DecodeStats, GenRequest
 from decoding.config import DecoderConfig
 from decoding.drafters.edd import EddDrafter
 from decoding.drafters.load import load_draft
@@ -340,7 +340,7 @@ def test_each_row_gets_its_own_admissions_states(loaded, tokenizer, trained):
     second = ["the dog ran far away from home", "the dog ran far away from here"]
     for prompts in (first, second):
         decoder.admit([engine._sequence(GenRequest(p, max_new_tokens=10)) for p in prompts])
-        decoder._fill()  # rows taken, the target's admission done; the drafter has not heard yet
+        decoder._fill(DecodeStats())  # rows taken, the target's admission done; the drafter has not heard yet
     slots = list(decoder.slots.values())
     assert slots[0].start_hidden is not slots[2].start_hidden
     while decoder.busy:
