@@ -5,6 +5,7 @@ TORCH_EXTENSIONS_DIR)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -14,6 +15,8 @@ import sysconfig
 import time
 from pathlib import Path
 from types import ModuleType
+
+import torch
 
 from decoding.base.errors import BackendError
 
@@ -95,3 +98,16 @@ def built() -> ModuleType | None:
     """The extension if this process has loaded it already (the CPU model's layers did), else None:
     code with a torch fallback uses it without ever starting a build."""
     return load() if load.cache_info().currsize else None
+
+
+@functools.cache
+def cpu_model() -> str:
+    """The CPU's model name and torch's vector capability: what a measured CPU cost is of (machines of
+    one kind differ by up to 2x, and a cache folder may outlive the machine)."""
+    name = platform.processor()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.partition(":")[2].strip()
+                break
+    return f"{name} {torch.backends.cpu.get_cpu_capability()} x{os.cpu_count()}"

@@ -185,7 +185,7 @@ def profile(target: ModelRunner, repeats: int = 3) -> ForwardCost:
 
 
 def cost_key(target: ModelRunner) -> str:
-    """What a profile is valid for: the model's shape and weights format, device, threads, layout."""
+    """What a profile is valid for: the model's shape and weights format, device, CPU, threads, layout."""
     c = target.config
     # The weight format shows in the linear layers' classes (nn.Linear, Int4Linear, PrepackedLinear).
     linears = sorted({type(m).__name__ for m in target.model.modules() if "Linear" in type(m).__name__})
@@ -209,6 +209,7 @@ def cost_key(target: ModelRunner) -> str:
         str(VERSION),
         # The CPU forward runs the project's kernels: another version of them, another cost.
         kernels.source_digest() if target.device.type == "cpu" else "",
+        kernels.cpu_model() if target.device.type == "cpu" else "",  # a cache outlives its machine
     ]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
@@ -224,7 +225,7 @@ def forward_cost(target: ModelRunner, cache_dir: Path | None, path: str | None =
             return ForwardCost.from_json(json.loads(file.read_text()), str(file))
         except (ValueError, KeyError, TypeError):
             log.warning("ignoring an unreadable forward-cost profile %s: profiling again", file)
-    log.info("profiling the target forward for the step planner (once per model, device and threads)")
+    log.info("profiling the target forward for the step planner (once per model, device, CPU and threads)")
     cost = profile(target)
     if file is not None:
         try:
