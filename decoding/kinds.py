@@ -10,7 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from decoding.base.errors import ConfigError
-from decoding.base.plugins import ENV, Entries, Lazy, declared, table
+from decoding.base.plugins import ENV, Entries, Lazy, table
+from decoding.base.plugins import load as load_plugins
 from decoding.drafters.plugin import DecoderKind, DrafterPlugin
 
 MODULES = (
@@ -48,9 +49,7 @@ def check(entries: Entries[DrafterPlugin]) -> None:
 
 def load(extra: tuple[str, ...] = ()) -> dict[str, DrafterPlugin]:
     """The drafters of `MODULES` and `extra`, checked (what the table loads, with extra modules given)."""
-    entries = declared(DrafterPlugin, MODULES, extra)
-    check(entries)
-    return {name: plugin for name, (_, plugin) in entries.items()}
+    return load_plugins(DrafterPlugin, MODULES, extra, check)
 
 
 DRAFTERS = table(DrafterPlugin, MODULES, check)

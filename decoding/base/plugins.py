@@ -108,16 +108,23 @@ def table(
     check: Callable[[Entries[P]], None] | None = None,
     environ: Mapping[str, str] = os.environ,
 ) -> Lazy[P]:
-    """name -> declaration of every `kind` plug-in: the built-in modules' and TOT_SPEC_PLUGINS'; `check`
-    sees the whole table before it is used (rules across declarations)."""
+    """name -> declaration of every `kind` plug-in: the built-in modules' and TOT_SPEC_PLUGINS', loaded
+    on first use."""
+    return Lazy(lambda: load(kind, builtin, extra_modules(environ), check))
 
-    def load() -> dict[str, P]:
-        entries = declared(kind, builtin, extra_modules(environ))
-        if check is not None:
-            check(entries)
-        return {name: plugin for name, (_, plugin) in entries.items()}
 
-    return Lazy(load)
+def load(
+    kind: type[P],
+    builtin: tuple[str, ...],
+    extra: tuple[str, ...] = (),
+    check: Callable[[Entries[P]], None] | None = None,
+) -> dict[str, P]:
+    """name -> declaration of the modules' `kind` plug-ins; `check` sees them all first (rules across
+    declarations)."""
+    entries = declared(kind, builtin, extra)
+    if check is not None:
+        check(entries)
+    return {name: plugin for name, (_, plugin) in entries.items()}
 
 
 def unknown(what: str, name: str, names: Iterable[str]) -> ConfigError:
