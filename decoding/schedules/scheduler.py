@@ -135,6 +135,7 @@ class Scheduler:
         self.waiting.clear()
         self.rounds = self._new_rounds()
         self._failure.clear()
+        self._thread_drafts.clear()  # the dropped batch's drafting: no later step's cost
 
     def _new_rounds(self) -> Rounds:
         return Rounds() if self.overlap else Rounds(cond=Unlocked())
@@ -194,6 +195,8 @@ class Scheduler:
     def _fill(self, cost: DecodeStats) -> None:
         room = len(self.waiting) if self.max_live is None else self.max_live - len(self.rounds.live)
         wanted = list(self.waiting)[: max(0, room)]
+        if not wanted:  # most steps: nothing waits
+            return
         live = [s.seq for s in self.rounds.live.values()]
         max_nodes = self.drafter.max_nodes
         fit = self.target.rows_that_fit(needs(live, max_nodes), needs(wanted, max_nodes))
