@@ -181,3 +181,63 @@ def test_problems_recorded_twice_count_once_and_nothing_is_rewritten(tmp_path, c
     assert run(make_config("data.limit=3"), out, engine=counting, progress=False)["n_problems"] == 3
     assert counting.calls == 0 and results.read_text() == "".join(lines + later)
     assert [r["answer"] for r in ResultStore(out).records] == ["later", "later", "12"]
+
+
+class _Term(KeyboardInterrupt):
+    pass
+
+
+def _raise_term(signum: int, frame: object) -> None:
+    raise _Term
+
+
+def test_sigterm_mid_search_unwinds_every_task_in_the_loop_then_runs_the_handler():
+    """The shape the CLI's SIGTERM met: a signal landing in one task of a gather inside a gather. Raised
+    inside the loop, the inner gather handed the error to a task already told to cancel, the loop
+    closed with the run's own task unfinished, and its cleanup ran later, outside any loop, with a
+    traceback. run_sync cancels instead, and the handler in place (the CLI's, which raises) runs once
+    every task has unwound."""
+    import asyncio
+    import gc
+
+    from tot.run import gather_all
+    from tot.search import run_sync
+
+    cleaned: list[str] = []
+
+    def clean(name: str) -> None:
+        try:
+            asyncio.get_running_loop()
+            cleaned.append(name)
+        except RuntimeError:
+            cleaned.append(f"{name}, outside the loop")
+
+    async def waits(name: str) -> None:
+        try:
+            await asyncio.sleep(30)
+        finally:
+            clean(name)
+
+    async def signalled() -> None:
+        await asyncio.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGTERM)
+        await asyncio.sleep(30)
+
+    async def search() -> None:
+        await asyncio.gather(signalled(), waits("sibling"))
+
+    async def whole_run() -> None:
+        try:
+            await gather_all([search(), waits("other problem")])
+        finally:
+            clean("the run")
+
+    previous = signal.signal(signal.SIGTERM, _raise_term)
+    try:
+        with pytest.raises(_Term):
+            run_sync(whole_run())
+        gc.collect()  # a task left unfinished by its loop runs its cleanup when collected
+        assert sorted(cleaned) == ["other problem", "sibling", "the run"]
+        assert signal.getsignal(signal.SIGTERM) is _raise_term
+    finally:
+        signal.signal(signal.SIGTERM, previous)
