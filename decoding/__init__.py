@@ -1,11 +1,12 @@
 """The lossless decoding backend: `Engine(load_model(ModelSpec()), "seed_stand").generate([GenRequest(...)])`.
 
-Layers, each importing only those before it: core (values, the model runner over a row KV cache,
-verification, acceptance), trees (static shapes, tree policies, Sequoia), edd (the EDD model),
-drafters (the `Drafter` protocol and each drafter, each declaring itself a plug-in), schedules (the
-speculative loop, SEED, hf); then the tables (kinds.py, decoders.py), the config (config.py) and
-the engine. `ServerEngine` is the same engine protocol over a server's OpenAI-compatible API
-(server.py). See docs/decoding.md.
+Layers, each importing only those before it: base (errors, options, plug-ins, values), runtime (what
+a forward needs: model files, kernels, the row KV cache, the prefix store, the runner), speculation
+(draft trees, verification, acceptance, sampling, sequences, slots, the cost model), trees (static
+shapes, tree policies, Sequoia), edd (the EDD model), drafters (the `Drafter` protocol and each
+drafter, each declaring itself a plug-in), schedules (the speculative loop, SEED's rounds, hf); then
+the tables (kinds.py, decoders.py), the config (config.py) and the engine. `ServerEngine` is the
+same engine protocol over a server's OpenAI-compatible API (server.py). See docs/decoding.md.
 
 What the searches, runs and benchmarks use is exported here (tests/test_layout.py holds `tot/` to
 it); the tuning tools that work on the internals (tot.calibrate_tree, tot.train_edd) import further.

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -127,17 +128,26 @@ def runner_log_probs(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits.double(), -1)
 
 
-def compare(reference: list[torch.Tensor], way: list[torch.Tensor], texts_ids: list[list[int]]) -> Error:
-    """KL(reference || way) and the text's perplexity under `way`, over every predicted token."""
-    kl, nll, n = 0.0, 0.0, 0
-    for ref, got, ids in zip(reference, way, texts_ids, strict=True):
-        kl += float((ref.exp() * (ref - got)).sum())
-        nll -= float(got.gather(1, torch.tensor(ids[1:])[:, None]).sum())
+Way = Callable[[list[int]], torch.Tensor]  # a text's ids -> next-token log-probabilities [T - 1, V]
+
+
+def measure(reference: Way, ways: dict[str, Way], texts_ids: list[list[int]]) -> dict[str, Error]:
+    """Per way, KL(reference || way) and the text's perplexity under it, over every predicted token,
+    and the reference's own ("reference", KL 0). Text by text: one text's log-probabilities over a
+    150k-token vocabulary take hundreds of MB, all of them would not fit."""
+    sums = {name: [0.0, 0.0] for name in ("reference", *ways)}  # KL, negative log-likelihood
+    n = 0
+    for ids in texts_ids:
+        ref, target = reference(ids), torch.tensor(ids[1:])[:, None]
+        for name, way in (("reference", None), *ways.items()):
+            got = ref if way is None else way(ids)
+            sums[name][0] += float((ref.exp() * (ref - got)).sum())
+            sums[name][1] -= float(got.gather(1, target).sum())
         n += len(ids) - 1
-    return Error(kl / n, math.exp(nll / n), n)
+    return {name: Error(kl / n, math.exp(nll / n), n) for name, (kl, nll) in sums.items()}
 
 
-def llama_cpp_log_probs(gguf: Path, texts_ids: list[list[int]]) -> list[torch.Tensor] | None:
+def llama_cpp_way(gguf: Path, texts_ids: list[list[int]]) -> Way | None:
     """llama.cpp's next-token log-probabilities on the same tokens, or None without llama-cpp-python."""
     try:
         from llama_cpp import Llama
@@ -145,13 +155,13 @@ def llama_cpp_log_probs(gguf: Path, texts_ids: list[list[int]]) -> list[torch.Te
         return None
     n_ctx = max(len(ids) for ids in texts_ids) + 8
     llm = Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=torch.get_num_threads(), logits_all=True, verbose=False)
-    out = []
-    for ids in texts_ids:
+
+    def way(ids: list[int]) -> torch.Tensor:
         llm.reset()
         llm.eval(ids)
-        scores = torch.tensor(llm.scores[: len(ids) - 1], dtype=torch.float64)
-        out.append(torch.log_softmax(scores, -1))
-    return out
+        return torch.log_softmax(torch.tensor(llm.scores[: len(ids) - 1], dtype=torch.float64), -1)
+
+    return way
 
 
 @hydra_command("activation_error", groups=("model",))
@@ -164,14 +174,13 @@ def main(cfg: DictConfig) -> None:
     except (ConfigError, BackendError) as e:
         fail(str(e).splitlines()[0])
     ref_model, float_model = float32_reference(loaded.model), float_activations(loaded.model)
-    reference = [log_probs(ref_model, i) for i in ids]
     runner = ModelRunner(loaded.model)
-    ways = {"float": [log_probs(float_model, i) for i in ids], "int8": [runner_log_probs(runner, i) for i in ids]}
-    by_llama = llama_cpp_log_probs(gguf, ids) if gguf else None
+    ways: dict[str, Way] = {"float": lambda i: log_probs(float_model, i), "int8": lambda i: runner_log_probs(runner, i)}
+    by_llama = llama_cpp_way(gguf, ids) if gguf else None
     if by_llama is not None:
         ways["llama.cpp"] = by_llama
-    rows = {name: compare(reference, lp, ids) for name, lp in ways.items()}
-    ref_ppl = compare(reference, reference, ids).perplexity
+    rows = measure(lambda i: log_probs(ref_model, i), ways, ids)
+    ref_ppl = rows.pop("reference").perplexity
     print(f"{loaded.source}: {len(ids)} texts of {acfg.data}, {rows['int8'].tokens} predicted tokens")
     print("| way | mean KL from float32 (nats a token) | perplexity | vs float32's perplexity |")
     print("|---|---|---|---|")

@@ -41,6 +41,8 @@ class ProfileConfig:
     repeats: int
     out: str | None
     split: bool = True
+    siblings: int = 1
+    shared: int = 0
 
     def __post_init__(self) -> None:
         for key, values in (("tree_sizes", self.tree_sizes), ("batch_sizes", self.batch_sizes)):
@@ -50,6 +52,11 @@ class ProfileConfig:
             raise ConfigError(f"split={self.split!r} must be true or false")
         if self.context < 1 or self.repeats < 1:
             raise ConfigError(f"context={self.context} and repeats={self.repeats} must be positive integers")
+        if self.siblings < 1 or not 0 <= self.shared <= self.context:
+            raise ConfigError(
+                f"siblings={self.siblings} must be at least 1 and shared={self.shared} between 0 and "
+                f"context={self.context}"
+            )
 
     @classmethod
     def from_omegaconf(cls, cfg: DictConfig) -> ProfileConfig:
@@ -62,7 +69,14 @@ class ProfileConfig:
             repeats=as_int("repeats", c["repeats"]),
             out=c.get("out"),
             split=c.get("split", True),
+            siblings=as_int("siblings", c.get("siblings", 1)),
+            shared=as_int("shared", c.get("shared", 0)),
         )
+
+    @property
+    def reads(self) -> tuple[str, ...]:
+        """How the rows read their context: per row, and with siblings also shared by each group."""
+        return ("per row", "shared") if self.siblings > 1 and self.shared else ("per row",)
 
 
 def _list(key: str, value: object) -> list:
@@ -75,16 +89,18 @@ def profile(cfg: ProfileConfig, target: ModelRunner) -> list[dict]:
     rows = []
     for batch in cfg.batch_sizes:
         for size in cfg.tree_sizes:
-            step = verification(target, cfg.context, size, batch)
-            times = timed_ms(step, cfg.repeats, target.device)
-            row = {"batch": batch, "tree_tokens": size, "ms": statistics.median(times), "ms_min": min(times)}
-            row["context"] = cfg.context
-            if cfg.split and target.device.type == "cuda":
-                row["gpu_busy"] = gpu_busy(lambda s=step: [s() for _ in range(cfg.repeats)])[1]
-            elif cfg.split:
-                row["split"] = time_split(target.model, step, cfg.repeats, row["ms"])
-            rows.append(row)
-    base = next((r["ms"] for r in rows if r["batch"] == 1 and r["tree_tokens"] == 1), rows[0]["ms"])
+            for reads in cfg.reads:  # in lockstep: a shared forward beside the same forward read per row
+                siblings = cfg.siblings if reads == "shared" else 1
+                step = verification(target, cfg.context, size, batch, siblings, cfg.shared)
+                times = timed_ms(step, cfg.repeats, target.device)
+                row = {"batch": batch, "tree_tokens": size, "ms": statistics.median(times), "ms_min": min(times)}
+                row |= {"context": cfg.context, "reads": reads}
+                if cfg.split and target.device.type == "cuda":
+                    row["gpu_busy"] = gpu_busy(lambda s=step: [s() for _ in range(cfg.repeats)])[1]
+                elif cfg.split:
+                    row["split"] = time_split(target.model, step, cfg.repeats, row["ms"])
+                rows.append(row)
+    base = next((r["ms"] for r in rows if r["batch"] == 1 and r["tree_tokens"] == 1), rows[0]["ms"])  # per row
     for r in rows:
         r["relative"] = r["ms"] / base
     return rows
@@ -115,8 +131,31 @@ def table(rows: list[dict], cell: Callable[[dict], str] | None = None) -> str:
     sizes = sorted({r["tree_tokens"] for r in rows})
     lines = ["| batch | " + " | ".join(f"T={t}" for t in sizes) + " |", "|---" * (len(sizes) + 1) + "|"]
     for batch in sorted({r["batch"] for r in rows}):
-        cells = {r["tree_tokens"]: r for r in rows if r["batch"] == batch}
-        lines.append(f"| {batch} | " + " | ".join((cell or _cell)(cells[t]) for t in sizes) + " |")
+        for reads in dict.fromkeys(r["reads"] for r in rows):
+            cells = {r["tree_tokens"]: r for r in rows if r["batch"] == batch and r["reads"] == reads}
+            label = f"{batch}" if reads == "per row" else f"{batch}, {reads}"
+            lines.append(f"| {label} | " + " | ".join((cell or _cell)(cells[t]) for t in sizes) + " |")
+    return "\n".join(lines)
+
+
+def sharing_table(rows: list[dict], siblings: int, shared: int) -> str:
+    """Each forward with its siblings' shared context read once beside the same forward read per row."""
+    lines = [
+        f"\nrows in groups of {siblings} sharing their first {shared} positions: read once per group, "
+        "beside read per row (the same forward, timed in lockstep)",
+        "| batch x T | per row ms | shared ms | speed-up | attention per row ms | attention shared ms |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r["reads"] != "shared":
+            continue
+        key = (r["batch"], r["tree_tokens"], "per row")
+        base = next(b for b in rows if (b["batch"], b["tree_tokens"], b["reads"]) == key)
+        attn = [f"{x['ms'] * x['split']['attention']:.1f}" if "split" in x else "-" for x in (base, r)]
+        lines.append(
+            f"| {r['batch']} x {r['tree_tokens']} | {base['ms']:.1f} | {r['ms']:.1f} | {base['ms'] / r['ms']:.2f}x | "
+            f"{attn[0]} | {attn[1]} |"
+        )
     return "\n".join(lines)
 
 
@@ -138,7 +177,8 @@ def split_table(rows: list[dict]) -> str:
     lines = ["| batch x T | ms | " + " | ".join(PARTS) + " |", "|---" * (len(PARTS) + 2) + "|"]
     for r in rows:
         parts = " | ".join(f"{r['ms'] * r['split'][p]:.1f} ({100 * r['split'][p]:.0f}%)" for p in PARTS)
-        lines.append(f"| {r['batch']} x {r['tree_tokens']} | {r['ms']:.1f} | {parts} |")
+        shared = ", shared" if r["reads"] == "shared" else ""
+        lines.append(f"| {r['batch']} x {r['tree_tokens']}{shared} | {r['ms']:.1f} | {parts} |")
     return "\n".join(lines)
 
 
@@ -214,6 +254,8 @@ def main(cfg: DictConfig) -> None:
         print("\nwhere the time goes (ms, torch.profiler's shares of the median above)")
         print(split_table(rows))
         print_int4_rate(rows, target.model, about)
+    if len(pcfg.reads) > 1:
+        print(sharing_table(rows, pcfg.siblings, pcfg.shared))
     if pcfg.out:
         Path(pcfg.out).write_text(json.dumps({**about, "rows": rows}, indent=2) + "\n")
 

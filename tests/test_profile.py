@@ -5,11 +5,21 @@ from __future__ import annotations
 import pytest
 
 from decoding.base.errors import ConfigError
-from decoding.profile_forward import ProfileConfig, _cell, add_fitted, add_floor, profile, split_table, table
+from decoding.profile_forward import (
+    ProfileConfig,
+    _cell,
+    add_fitted,
+    add_floor,
+    profile,
+    sharing_table,
+    split_table,
+    table,
+)
 from decoding.runtime.models import ModelSpec
 from decoding.runtime.runner import ModelRunner
 from decoding.runtime.time_split import PARTS
 from decoding.speculation.cost import profile as profile_cost
+from decoding.speculation.timing import verification
 
 
 def test_profile_measures_every_cell(tiny_model):
@@ -38,6 +48,38 @@ def test_profile_without_the_split(tiny_model):
     cfg = ProfileConfig(ModelSpec(), (1,), (1,), context=20, repeats=2, out=None, split=False)
     target = ModelRunner(tiny_model)
     assert "split" not in profile(cfg, target)[0] and target.forwards == 1 + 1 + 2
+
+
+def test_siblings_are_timed_reading_their_context_once_beside_per_row(tiny_model):
+    """siblings=N shared=S: each cell twice in lockstep, rows in groups of N reading S positions once
+    (the forward is given the groups) and every row reading its own; the table sets them side by side."""
+    cfg = ProfileConfig(ModelSpec(), (1,), (4,), context=20, repeats=2, out=None, siblings=2, shared=16)
+    target = ModelRunner(tiny_model)
+    rows = profile(cfg, target)
+    assert [r["reads"] for r in rows] == ["per row", "shared"]
+    text = sharing_table(rows, 2, 16)
+    assert "| 4 x 1 | " in text and text.count("\n| 4 x 1 ") == 1
+    assert "| 4, shared |" in table(rows)
+    with pytest.raises(ConfigError, match=r"shared=30 between 0 and context=20"):
+        ProfileConfig(ModelSpec(), (1,), (4,), context=20, repeats=2, out=None, siblings=2, shared=30)
+
+
+def test_a_shared_verification_forward_gives_its_rows_groups(loaded):
+    """The forward `verification` times with siblings reads each group's shared positions once."""
+    runner = ModelRunner(loaded.model)
+    seen = []
+    score = runner.score
+
+    def spy(cache, packed, rows=None):
+        seen.append(cache.prepare(1).share)
+        return score(cache, packed, rows)
+
+    runner.score = spy
+    verification(runner, 70, 1, 4, 2, 64)()
+    verification(runner, 70, 1, 4)()
+    shared, alone = seen
+    assert shared is not None and shared[:, 0].unique().numel() == 2 and shared[:, 1].tolist() == [64] * 4
+    assert alone is None
 
 
 def test_profile_rejects_bad_sizes():

@@ -300,20 +300,25 @@ def test_activation_error_measures_each_way_against_float32(tiny_model):
     differ from their float32 dequantization, by a little."""
     import math
 
-    from decoding.activation_error import compare, float32_reference, float_activations, log_probs
+    from decoding.activation_error import float32_reference, float_activations, log_probs, measure
 
     model = int4_copy(tiny_model, "int8")
     texts = [[5, 17, 3, 99, 42, 7, 11, 64], [9, 8, 7, 6, 5, 4]]
     ref_model = float32_reference(model)
     assert not any(isinstance(m, Int4Linear) for m in ref_model.modules())
-    reference = [log_probs(ref_model, t) for t in texts]
-    same = compare(reference, reference, texts)
+    as_float = float_activations(model)
+    rows = measure(
+        lambda t: log_probs(ref_model, t),
+        {"int8": lambda t: log_probs(model, t), "float": lambda t: log_probs(as_float, t)},
+        texts,
+    )
+    same, int8 = rows["reference"], rows["int8"]
     assert same.kl == pytest.approx(0, abs=1e-12) and same.tokens == 7 + 5
+    reference = [log_probs(ref_model, t) for t in texts]
     nll = -sum(float(r[range(len(t) - 1), t[1:]].sum()) for r, t in zip(reference, texts))
     assert same.perplexity == pytest.approx(math.exp(nll / 12))
-    int8 = compare(reference, [log_probs(model, t) for t in texts], texts)
-    as_float = compare(reference, [log_probs(float_activations(model), t) for t in texts], texts)
-    assert 0 < int8.kl < 0.05 and 0 < as_float.kl < 0.05
+    assert 0 < int8.kl < 0.05 and 0 < rows["float"].kl < 0.05
+    assert int8.perplexity != same.perplexity and int8.tokens == same.tokens
     assert all(m.activations == "float" for m in float_activations(model).modules() if isinstance(m, Int4Linear))
 
 

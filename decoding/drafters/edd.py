@@ -113,7 +113,7 @@ class EddDrafter:
                 scratch.advance(torch.tensor([n]))
                 self.cache.copy_prefix(scratch, 0, group, n)
             else:
-                self.cache.lens[group] = 0
+                self.cache.clear(group)
             for slot in members:
                 slot.put(self, _Row(n))
 

@@ -47,7 +47,8 @@ def invariant_attention(
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     rows = _EMPTY if kv_rows is None else kv_rows
     dtype = INT8_CACHE if takes_int8(module) else key.dtype
-    out = kernels.load().attend(query.to(dtype), key.to(dtype), value.to(dtype), mask, rows, float(scale), _EMPTY)
+    q, k, v = (t.to(dtype) for t in (query, key, value))
+    out = kernels.load().attend(q, k, v, mask, rows, float(scale), _EMPTY, _EMPTY)  # (no pads, no shared reads)
     return out.to(query.dtype), None
 
 

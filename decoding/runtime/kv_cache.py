@@ -57,6 +57,12 @@ class RowKVCache:
             self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.lens = torch.zeros(batch - spare, dtype=torch.long)
+        # Rows given one prefix copy hold the same first positions: per row (group id, how many; -1:
+        # none). The invariant attention reads those keys and values once for all the rows of a
+        # group in a forward (csrc/attention.cpp). A row's count only drops until it is admitted again.
+        self.groups = torch.full((batch - spare, 2), -1, dtype=torch.long)
+        self.groups[:, 1] = 0
+        self._next_group = 0
         # CUDA graphs captured over these tensors, by whoever captured them (static_forward.py); None:
         # this cache is not worth capturing for (a scratch cache of one admission). Dropped on resize.
         self.graphs: dict[tuple, object] | None = None
@@ -111,7 +117,16 @@ class RowKVCache:
         index = None if rows is None else to_device(torch.tensor(rows, dtype=torch.long), self.device)
         block = None if not rows or rows != list(range(rows[0], rows[0] + len(rows))) else (rows[0], len(rows))
         lens, slots = to_device(host, self.device), to_device(slots, self.device)
-        return ForwardView(self, lens, slots, offset, need, index, gather, block)
+        return ForwardView(self, lens, slots, offset, need, index, gather, block, self._share(rows, host))
+
+    def _share(self, rows: list[int] | None, lens: torch.Tensor) -> torch.Tensor | None:
+        """The forward's rows' groups [B, 2] (id, positions held alike, at most the committed ones:
+        the slots past them are each row's own), or None where no two of its rows share."""
+        groups = (self.groups if rows is None else self.groups[rows]).clone()
+        groups[:, 1] = torch.minimum(groups[:, 1], lens)
+        groups[groups[:, 1] == 0, 0] = -1
+        ids = groups[:, 0][groups[:, 0] >= 0]
+        return None if ids.numel() == ids.unique().numel() else groups
 
     def advance(self, counts: torch.Tensor) -> None:
         """Commit the first counts[b] new entries of each row."""
@@ -168,15 +183,42 @@ class RowKVCache:
         self.keys = [resized(k) for k in self.keys]
         self.values = [resized(v) for v in self.values]
         self.lens = torch.cat([lens, lens.new_zeros(batch - self.spare - b)])
+        fresh = self.groups.new_full((batch - self.spare - b, 2), -1)
+        fresh[:, 1] = 0
+        self.groups = torch.cat([self.groups[:b], fresh])
         if self.graphs is not None:
             self.graphs.clear()  # they read the old tensors' addresses
 
-    def copy_prefix(self, src: RowKVCache, src_row: int, rows: list[int], n: int) -> None:
-        """Rows `rows` become the first n committed positions of `src`'s row src_row."""
+    def copy_prefix(self, src: RowKVCache, src_row: int, rows: list[int], n: int, share: bool = True) -> None:
+        """Rows `rows` become the first n committed positions of `src`'s row src_row; with `share`,
+        they form a group (with src_row, when it is a row of this cache) whose first n positions are
+        read once for all of them."""
         index = to_device(torch.tensor(rows, dtype=torch.long), self.device)
         for dst, s in zip(self.keys + self.values, src.keys + src.values):
             dst[index, :, :n] = s[src_row, :, :n]
         self.lens[rows] = n
+        self.written(rows, 0)
+        if share and src is self and self.groups[src_row, 1] == n and self.groups[src_row, 0] >= 0:
+            self.share(rows, n, int(self.groups[src_row, 0]))  # a third copy joins the second's group
+        elif share:
+            self.share([*rows, src_row] if src is self else rows, n)
+
+    def share(self, rows: list[int], n: int, group: int | None = None) -> None:
+        """The rows hold the same first n positions (the caller vouches for it): a group (`group`, or a
+        new one) whose n positions a forward reads once for all of them."""
+        if group is None:
+            group, self._next_group = self._next_group, self._next_group + 1
+        self.groups[rows, 0] = group
+        self.groups[rows, 1] = n
+
+    def written(self, rows: list[int], start: int) -> None:
+        """Positions from `start` on of `rows` are rewritten: they no longer hold their group's."""
+        self.groups[rows, 1] = self.groups[rows, 1].clamp(max=start)
+
+    def clear(self, rows: list[int]) -> None:
+        """Rows hold nothing (a sequence starts in them without a prefix)."""
+        self.lens[rows] = 0
+        self.written(rows, 0)
 
     def __len__(self) -> int:
         return len(self.keys)  # layers, as a `transformers` cache counts them
@@ -198,6 +240,7 @@ class ForwardView:
     # rows that are one run first..first + n: `update` returns a view; found once from the host's list,
     # since a test on the device tensor would wait for the GPU at every layer
     block: tuple[int, int] | None = None
+    share: torch.Tensor | None = None  # [B, 2] the rows' groups (RowKVCache.groups), None: none shared
 
     @property
     def keys(self) -> list[torch.Tensor]:

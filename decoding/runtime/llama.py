@@ -166,6 +166,7 @@ class Layers:
             cache.kv_len,
             mask,
             _NONE if kv_rows is None else kv_rows,
+            _NONE if cache.share is None else cache.share,
             -1 if capture is None else capture,
             _NONE if real is None else real,
             self.rows,

@@ -113,6 +113,7 @@ class PrefixCache:
                     hidden.append(node.hidden[lo - offset : hi - offset])
             offset += n
         cache.lens[row] = end
+        cache.written([row], start)
         return torch.cat(hidden) if hidden else None
 
     def store(

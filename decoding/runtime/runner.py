@@ -361,7 +361,7 @@ class ModelRunner:
         capture = self.hidden_layer is not None
         empty = torch.zeros(0, self.config.hidden_size, dtype=self.dtype, device=self.device) if capture else None
         if not head:
-            cache.lens[rows] = 0
+            cache.clear(rows)
             return dict.fromkeys(rows, 0), empty
         scratch = self.new_cache(1, len(head) + 1)
         reuse = reused.length

@@ -40,9 +40,13 @@ def time_forward(target: ModelRunner, context: int, tree_size: int, batch: int, 
     return timed_ms(verification(target, context, tree_size, batch), repeats, target.device)
 
 
-def verification(target: ModelRunner, context: int, tree_size: int, batch: int) -> Callable[[], Scored]:
+def verification(
+    target: ModelRunner, context: int, tree_size: int, batch: int, siblings: int = 1, shared: int = 0
+) -> Callable[[], Scored]:
     """A verification forward as the decoders call it, ready to repeat: `batch` rows that hold
-    `context` committed tokens each score a tree of `tree_size` tokens (the pending root included)."""
+    `context` committed tokens each score a tree of `tree_size` tokens (the pending root included).
+    With `siblings` > 1, rows in groups of that many read their first `shared` positions once (the
+    samples of one ToT state); else every row reads its own copy, which the planner's profile prices."""
     capacity = context + tree_size + 2
     cache = target.new_cache(batch, capacity, graphs=True)
     vocab = int(target.config.vocab_size)
@@ -53,7 +57,10 @@ def verification(target: ModelRunner, context: int, tree_size: int, batch: int) 
     target.forward(cache, fill.tokens, fill.see, fill.depth, logits_at=torch.tensor([context - 1]), rows=[0])
     cache.advance(torch.tensor([context] + [0] * (batch - 1)))
     if batch > 1:
-        cache.copy_prefix(cache, 0, list(range(1, batch)), context)
+        cache.copy_prefix(cache, 0, list(range(1, batch)), context, share=False)
+    if siblings > 1 and shared:
+        for first in range(0, batch, siblings):
+            cache.share(list(range(first, min(first + siblings, batch))), shared)
     tree = chain_tree(tree_size - 1, vocab)  # the root (pending token) plus tree_size - 1 drafted nodes
     packed = pack([[7]] * batch, [tree] * batch)
     return lambda: target.score(cache, packed)

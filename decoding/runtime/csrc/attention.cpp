@@ -45,26 +45,39 @@ constexpr int64_t BL = U * W;  // positions per key block
 constexpr int64_t SPAN = 8 * BL;  // positions of keys widened at once: [D][SPAN] floats, 128 KiB at D 64
 constexpr int64_t QC = 16;     // queries per task at most (tasks split a row's queries, never a reduction)
 
-// One task: queries [j0, j1) of one (row, key/value head), G * T of them in all, against the row's
-// L positions. Keys are read through strides: the RowKVCache stores them position-contiguous
-// (ksl == 1), so a block of BL positions is widened with vector loads; keys stored [L][D]
-// (transformers' DynamicCache) are transposed block by block. Either way each score is one chain
-// of fused multiply-adds over d in order with lanes across positions, the same bits.
+// One query row of a task: where its queries, outputs, mask and live tokens are, and its cache row.
 template <typename scalar_t>
-struct Task {
+struct Member {
   const scalar_t *q, *k, *v;
   scalar_t* out;
+  const bool* mask;  // null: causal
+  const bool* live;  // [T] of the row: the tokens whose outputs are read (null: all)
+};
+
+// One task: queries [j0, j1) of one key/value head, of G * T in all, for each of nm query rows against
+// L positions. The rows of one task are a group whose caches hold the same first S positions (the
+// caller vouches for it: siblings admitted with one prompt); those positions' keys and values are
+// read once, from the first member's row, for the queries of all of them, and the rest from each
+// row's own. A query's reductions run over its positions in order whichever row they are read from,
+// so its bits are those of a task of its row alone (S = 0, nm = 1). Keys are read through strides:
+// the RowKVCache stores them position-contiguous (ksl == 1), so a block of BL positions is widened
+// with vector loads; keys stored [L][D] (transformers' DynamicCache) are transposed block by block.
+// Either way each score is one chain of fused multiply-adds over d in order with lanes across
+// positions, the same bits.
+template <typename scalar_t>
+struct Task {
+  const Member<scalar_t>* members;
+  int64_t nm, S;  // S: a multiple of BL, at most L
   int64_t qs1, qs2, ksl, ksd, vs2, os1, os2;  // strides: query head/token, key position/dim, value
                                               // position, output token/head
-  const bool* mask;                           // null: causal
-  const bool* live;                           // [T] of the row: the tokens whose outputs are read (null: all)
   int64_t ms2, ms3, G, T, L, D, j0, j1;
   float scale;
 };
 
 struct Scratch {
-  std::vector<float> qf, kblk, vf, p, allow;
-  std::vector<int64_t> live;  // the task's queries whose outputs are read
+  std::vector<float> qf, kblk, vf, p, allow, o, sum;
+  std::vector<int64_t> live;   // the task's queries whose outputs are read, member by member
+  std::vector<int64_t> first;  // [nm + 1]: where each member's live queries start in `live`
 };
 
 // Queries a pass shares each key and value load between: their chains are independent, so a pass
@@ -94,29 +107,34 @@ inline void block_scores(const float* const* q, const float* kb, int64_t ks, int
       for (int64_t i = 0; i < W; ++i) p[j][u * W + i] = acc[j][u][i] * scale;
 }
 
-// sum_l w[l] * v[l] over each of NJ queries' visible positions in order: C vectors of W lanes across
-// d per query; a position no query sees is not read. A hidden position adds nothing: its weight is +0
-// (s + 0 is s, s >= +0) and its products are not taken (its values may be anything, even a pad slot's
-// unwritten ones). With AVX-512 the products run as masked fused multiply-adds on 16-lane registers
-// (GCC spilled the plain loop's accumulators); each lane's value is the plain loop's.
+// sum_l w[l] * v[l] over each of NJ queries' visible positions l0 <= l < l1, in order, continuing the
+// sums in acc (C vectors of W lanes across d per query) and sum: a query's positions may come in
+// ranges read from different rows, each sum still runs position after position. A position no query
+// sees is not read. A hidden position adds nothing: its weight is +0 (s + 0 is s, s >= +0) and its
+// products are not taken (its values may be anything, even a pad slot's unwritten ones). With
+// AVX-512 the products run as masked fused multiply-adds on 16-lane registers (GCC spilled the plain
+// loop's accumulators); each lane's value is the plain loop's. v points at position l0.
 template <int C, int NJ, typename value_t>
-inline void weighted_values(const float* const* w, const value_t* v, int64_t vs, int64_t L, float* const* out,
-                            float* sum) {
-  float s[NJ] = {};
+inline void weighted_values(const float* const* w, const value_t* v, int64_t vs, int64_t l0, int64_t l1,
+                            float* const* acc_io, float* sum_io) {
+  float s[NJ];
+  for (int j = 0; j < NJ; ++j) s[j] = sum_io[j];
 #if defined(__AVX512F__)
   static_assert(W == 16, "one 512-bit register a vector");
   __m512 acc[NJ][C];
   for (int j = 0; j < NJ; ++j)
-    for (int c = 0; c < C; ++c) acc[j][c] = _mm512_setzero_ps();
+    for (int c = 0; c < C; ++c) acc[j][c] = _mm512_loadu_ps(acc_io[j] + c * W);
 #else
-  float acc[NJ][C * W] = {};
+  float acc[NJ][C * W];
+  for (int j = 0; j < NJ; ++j)
+    for (int64_t i = 0; i < C * W; ++i) acc[j][i] = acc_io[j][i];
 #endif
-  for (int64_t l = 0; l < L; ++l) {
+  for (int64_t l = l0; l < l1; ++l) {
     bool seen = false;
     for (int j = 0; j < NJ; ++j) seen = seen || w[j][l] != 0.0f;
     if (!seen) continue;
     float vl[C * W];
-    widen(v + l * vs, vl, C * W);
+    widen(v + (l - l0) * vs, vl, C * W);
 #if defined(__AVX512F__)
     __m512 x[C];
     for (int c = 0; c < C; ++c) x[c] = _mm512_loadu_ps(vl + c * W);
@@ -137,11 +155,11 @@ inline void weighted_values(const float* const* w, const value_t* v, int64_t vs,
 #endif
   }
   for (int j = 0; j < NJ; ++j) {
-    sum[j] = s[j];
+    sum_io[j] = s[j];
 #if defined(__AVX512F__)
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(out[j] + c * W, acc[j][c]);
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc_io[j] + c * W, acc[j][c]);
 #else
-    for (int64_t i = 0; i < C * W; ++i) out[j][i] = acc[j][i];
+    for (int64_t i = 0; i < C * W; ++i) acc_io[j][i] = acc[j][i];
 #endif
   }
 }
@@ -149,11 +167,14 @@ inline void weighted_values(const float* const* w, const value_t* v, int64_t vs,
 // The most queries a values pass takes at C vectors a query (32 vector registers in all).
 constexpr int values_width(int C) { return C <= 4 ? J : C == 8 ? 2 : 1; }
 
+// Query j of a task: its member, head in the group and token.
+struct Query {
+  int64_t m, g, t;
+};
 template <typename scalar_t>
-void write_zeros(const Task<scalar_t>& a, int64_t j, int64_t D) {
-  const int64_t g = (a.j0 + j) / a.T, t = (a.j0 + j) % a.T;
-  scalar_t* dst = a.out + t * a.os1 + g * a.os2;
-  for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(0.0f);
+inline Query query_of(const Task<scalar_t>& a, int64_t j) {
+  const int64_t nl = a.j1 - a.j0, local = a.j0 + j % nl;
+  return {j / nl, local / a.T, local % a.T};
 }
 
 // Scores of the queries js[0..NJ) (rows of qf, Dp apart) over the key block at l0 into their rows of p.
@@ -169,31 +190,100 @@ inline void scores_pass(const int64_t* js, const float* qf, int64_t Dp, const fl
   block_scores<NJ>(q, kb, ks, D, scale, out);
 }
 
-// The outputs of the queries js[0..NJ) from their softmax weights (rows of p, Lp apart) and the values.
-template <int C, int NJ, typename scalar_t, typename value_t>
-inline void values_pass(const Task<scalar_t>& a, const int64_t* js, const float* p, int64_t Lp, const value_t* v,
-                        int64_t vs) {
-  constexpr int64_t Dp = C * W;
-  const float* w[NJ];
-  float o[NJ][Dp], sum[NJ];
-  float* out[NJ];
-  for (int j = 0; j < NJ; ++j) {
-    w[j] = p + js[j] * Lp;
-    out[j] = o[j];
+// Scores of the queries js[0..n) over positions [from, to) (multiples of BL, past L: zeros) of the keys
+// k, a block of BL positions at a time, the queries J at a time, over keys widened a span of blocks at
+// a time into [D][Ls] floats. Position-contiguous keys are read row d after row d: one ascending sweep
+// through the cache that the hardware prefetcher follows (block by block the D rows, a capacity
+// apart, would be D short streams it loses, and a forward of many rows would wait on memory). A span
+// of one block where several passes reuse it: it stays in the first-level cache. While a span's keys
+// are widened, each row's part of the next span (where there is one) and a D-th of the range's value
+// lines with each row are requested: they arrive while the scores run instead of when the next span
+// or the values pass asks for them.
+template <typename scalar_t>
+void scores_range(const Task<scalar_t>& a, Scratch& s, const scalar_t* k, const scalar_t* v, int64_t from,
+                  int64_t to, const int64_t* js, int64_t n, int64_t Dp, int64_t Lp) {
+  const int64_t L = a.L, D = a.D, end = std::min(to, L);
+  const int64_t span = n <= J ? std::min(SPAN, to - from) : BL;
+  s.kblk.resize(D * (span + W));
+  float* kspan = s.kblk.data();
+  const char* vbytes = reinterpret_cast<const char*>(v + from * a.vs2);
+  const int64_t vlines = ((end - from) * a.vs2 * static_cast<int64_t>(sizeof(scalar_t)) + 63) / 64;
+  int64_t vline = 0;
+  for (int64_t s0 = from; s0 < to; s0 += span) {
+    const int64_t Ls = std::min(span, to - s0), nl = std::min(Ls, L - s0);  // Ls: a multiple of BL
+    const int64_t kstride = Ls + W;  // rows of keys not a multiple of 4 KiB apart (cache sets)
+    const int64_t vstep = (vlines * Ls / (to - from) + D - 1) / D;
+    if (a.ksl == 1) {
+      const int64_t next = std::min(span, end - s0 - Ls) * static_cast<int64_t>(sizeof(scalar_t));
+      for (int64_t d = 0; d < D; ++d) {
+        for (int64_t i = 0; i < vstep && vline < vlines; ++i, ++vline) __builtin_prefetch(vbytes + vline * 64, 0, 2);
+        const char* row = reinterpret_cast<const char*>(k + d * a.ksd + s0 + Ls);
+        for (int64_t at = 0; at < next; at += 64) __builtin_prefetch(row + at);
+        widen(k + d * a.ksd + s0, kspan + d * kstride, nl);
+        for (int64_t l = nl; l < Ls; ++l) kspan[d * kstride + l] = 0.0f;
+      }
+    } else {
+      float row[16 * W];
+      for (int64_t l = 0; l < Ls; ++l) {
+        if (l < nl) widen(k + (s0 + l) * a.ksl, row, D);
+        for (int64_t d = 0; d < D; ++d) kspan[d * kstride + l] = l < nl ? row[d] : 0.0f;
+      }
+    }
+    for (int64_t l0 = s0; l0 < s0 + Ls; l0 += BL) {
+      const float* kb = kspan + (l0 - s0);
+      int64_t at = 0;
+      for (; at + J <= n; at += J) scores_pass<J>(js + at, s.qf.data(), Dp, kb, kstride, D, a.scale, s.p.data(), Lp, l0);
+      switch (n - at) {
+        case 3: scores_pass<3>(js + at, s.qf.data(), Dp, kb, kstride, D, a.scale, s.p.data(), Lp, l0); break;
+        case 2: scores_pass<2>(js + at, s.qf.data(), Dp, kb, kstride, D, a.scale, s.p.data(), Lp, l0); break;
+        case 1: scores_pass<1>(js + at, s.qf.data(), Dp, kb, kstride, D, a.scale, s.p.data(), Lp, l0); break;
+        default: break;
+      }
+    }
   }
-  weighted_values<C, NJ>(w, v, vs, a.L, out, sum);
-  for (int j = 0; j < NJ; ++j) {
-    const int64_t g = (a.j0 + js[j]) / a.T, t = (a.j0 + js[j]) % a.T;
-    scalar_t* dst = a.out + t * a.os1 + g * a.os2;
-    const float sc = sum[j] > 0.0f ? sum[j] : 1.0f;  // no visible position: zeros
-    for (int64_t d = 0; d < a.D; ++d) dst[d] = static_cast<scalar_t>(o[j][d] / sc);
+}
+
+// The queries js[0..n) take positions [from, to) of the values v into their sums (s.o, s.sum), NJ at a
+// time. Values are read in place where a row of them is whole vectors (D == Dp), else widened first
+// into rows padded to Dp.
+template <int C, typename scalar_t>
+void values_range(const Task<scalar_t>& a, Scratch& s, const scalar_t* v, int64_t from, int64_t to,
+                  const int64_t* js, int64_t n, int64_t Lp) {
+  constexpr int64_t Dp = C * W;
+  if (from >= to || n == 0) return;
+  const bool direct = a.D == Dp;
+  if (!direct) {
+    s.vf.assign((to - from) * Dp, 0.0f);
+    for (int64_t l = from; l < to; ++l) widen(v + l * a.vs2, s.vf.data() + (l - from) * Dp, a.D);
+  }
+  auto pass = [&](auto width, int64_t at) {
+    constexpr int NJ = decltype(width)::value;
+    const float* w[NJ];
+    float* acc[NJ];
+    float sum[NJ];
+    for (int j = 0; j < NJ; ++j) {
+      w[j] = s.p.data() + js[at + j] * Lp;
+      acc[j] = s.o.data() + js[at + j] * Dp;
+      sum[j] = s.sum[js[at + j]];
+    }
+    if (direct) weighted_values<C, NJ>(w, v + from * a.vs2, a.vs2, from, to, acc, sum);
+    else weighted_values<C, NJ>(w, s.vf.data(), Dp, from, to, acc, sum);
+    for (int j = 0; j < NJ; ++j) s.sum[js[at + j]] = sum[j];
+  };
+  for (int64_t at = 0; at < n;) {
+    const int64_t width = std::min<int64_t>(values_width(C), n - at);
+    if (width == 4) pass(std::integral_constant<int, 4>(), at);
+    else if (width == 3) pass(std::integral_constant<int, 3>(), at);
+    else if (width == 2) pass(std::integral_constant<int, 2>(), at);
+    else pass(std::integral_constant<int, 1>(), at);
+    at += width;
   }
 }
 
 template <int C, typename scalar_t>
 void attend_task(const Task<scalar_t>& a, Scratch& s) {
   constexpr int64_t Dp = C * W;
-  const int64_t nq = a.j1 - a.j0, L = a.L, D = a.D, Lr = (L + BL - 1) / BL * BL;
+  const int64_t nq = a.nm * (a.j1 - a.j0), L = a.L, D = a.D, Lr = (L + BL - 1) / BL * BL;
   const int64_t Lp = Lr + W;  // the row stride of scores: not a multiple of 4 KiB (cache sets)
   s.qf.assign(nq * Dp, 0.0f);
   s.p.assign(nq * Lp, 0.0f);
@@ -202,77 +292,37 @@ void attend_task(const Task<scalar_t>& a, Scratch& s) {
   // wide row costs the rows beside it nothing. Each query is its own computation: the others' bits
   // do not change.
   s.live.clear();
+  s.first.assign(1, 0);
   for (int64_t j = 0; j < nq; ++j) {
-    if (a.live != nullptr && !a.live[(a.j0 + j) % a.T]) {
-      write_zeros(a, j, D);
-      continue;
-    }
-    s.live.push_back(j);
-    const int64_t g = (a.j0 + j) / a.T, t = (a.j0 + j) % a.T;
-    widen(a.q + g * a.qs1 + t * a.qs2, s.qf.data() + j * Dp, D);
-    float* al = s.allow.data() + j * Lr;
-    if (a.mask != nullptr && a.ms3 == 1) {  // a contiguous mask row: a vector loop
-      const bool* mrow = a.mask + t * a.ms2;
-      const uint8_t* bytes = reinterpret_cast<const uint8_t*>(mrow);  // a bool is 0 or 1
-      for (int64_t l = 0; l < L; ++l) al[l] = static_cast<float>(bytes[l]);
-    } else if (a.mask != nullptr) {
-      const bool* mrow = a.mask + t * a.ms2;
-      for (int64_t l = 0; l < L; ++l) al[l] = mrow[l * a.ms3] ? 1.0f : 0.0f;
+    const Query at = query_of(a, j);
+    const Member<scalar_t>& m = a.members[at.m];
+    if (m.live != nullptr && !m.live[at.t]) {
+      scalar_t* dst = m.out + at.t * a.os1 + at.g * a.os2;
+      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(0.0f);
     } else {
-      for (int64_t l = 0; l <= L - a.T + t; ++l) al[l] = 1.0f;
+      s.live.push_back(j);
+      widen(m.q + at.g * a.qs1 + at.t * a.qs2, s.qf.data() + j * Dp, D);
+      float* al = s.allow.data() + j * Lr;
+      if (m.mask != nullptr && a.ms3 == 1) {  // a contiguous mask row: a vector loop
+        const uint8_t* bytes = reinterpret_cast<const uint8_t*>(m.mask + at.t * a.ms2);  // a bool is 0 or 1
+        for (int64_t l = 0; l < L; ++l) al[l] = static_cast<float>(bytes[l]);
+      } else if (m.mask != nullptr) {
+        const bool* mrow = m.mask + at.t * a.ms2;
+        for (int64_t l = 0; l < L; ++l) al[l] = mrow[l * a.ms3] ? 1.0f : 0.0f;
+      } else {
+        for (int64_t l = 0; l <= L - a.T + at.t; ++l) al[l] = 1.0f;
+      }
     }
+    if ((j + 1) % (a.j1 - a.j0) == 0) s.first.push_back(static_cast<int64_t>(s.live.size()));
   }
   const int64_t n_live = static_cast<int64_t>(s.live.size());
   if (n_live == 0) return;
   const int64_t* js = s.live.data();
-  // Scores, a block of BL positions at a time, the queries J at a time, over keys widened a span of
-  // blocks at a time into [D][Ls] floats (zero past L). Position-contiguous keys are read row d after
-  // row d: one ascending sweep through the cache that the hardware prefetcher follows (block by block
-  // the D rows, a capacity apart, would be D short streams it loses, and a forward of many rows would
-  // wait on memory). A span of one block where several passes reuse it: it stays in the first-level
-  // cache.
-  const int64_t span = n_live <= J ? std::min(SPAN, Lr) : BL;
-  s.kblk.resize(D * (span + W));
-  float* kspan = s.kblk.data();
-  // While a span's keys are widened, each row's part of the next span (where there is one) and a D-th
-  // of the values' lines with each row are requested: they arrive while the scores run instead of when
-  // the next span or the values pass asks for them.
-  const char* vbytes = reinterpret_cast<const char*>(a.v);
-  const int64_t vlines = (L * a.vs2 * static_cast<int64_t>(sizeof(scalar_t)) + 63) / 64;
-  int64_t vline = 0;
-  for (int64_t s0 = 0; s0 < Lr; s0 += span) {
-    const int64_t Ls = std::min(span, Lr - s0), n = std::min(Ls, L - s0);  // Ls: a multiple of BL
-    const int64_t kstride = Ls + W;  // rows of keys not a multiple of 4 KiB apart (cache sets)
-    const int64_t vstep = (vlines * Ls / Lr + D - 1) / D;
-    if (a.ksl == 1) {
-      const int64_t next = std::min(span, L - s0 - Ls) * static_cast<int64_t>(sizeof(scalar_t));
-      for (int64_t d = 0; d < D; ++d) {
-        for (int64_t i = 0; i < vstep && vline < vlines; ++i, ++vline) __builtin_prefetch(vbytes + vline * 64, 0, 2);
-        const char* row = reinterpret_cast<const char*>(a.k + d * a.ksd + s0 + Ls);
-        for (int64_t at = 0; at < next; at += 64) __builtin_prefetch(row + at);
-        widen(a.k + d * a.ksd + s0, kspan + d * kstride, n);
-        for (int64_t l = n; l < Ls; ++l) kspan[d * kstride + l] = 0.0f;
-      }
-    } else {
-      float row[Dp];
-      for (int64_t l = 0; l < Ls; ++l) {
-        if (l < n) widen(a.k + (s0 + l) * a.ksl, row, D);
-        for (int64_t d = 0; d < D; ++d) kspan[d * kstride + l] = l < n ? row[d] : 0.0f;
-      }
-    }
-    for (int64_t l0 = s0; l0 < s0 + Ls; l0 += BL) {
-      const float* kb = kspan + (l0 - s0);
-      int64_t at = 0;
-      for (; at + J <= n_live; at += J)
-        scores_pass<J>(js + at, s.qf.data(), Dp, kb, kstride, D, a.scale, s.p.data(), Lp, l0);
-      switch (n_live - at) {
-        case 3: scores_pass<3>(js + at, s.qf.data(), Dp, kb, kstride, D, a.scale, s.p.data(), Lp, l0); break;
-        case 2: scores_pass<2>(js + at, s.qf.data(), Dp, kb, kstride, D, a.scale, s.p.data(), Lp, l0); break;
-        case 1: scores_pass<1>(js + at, s.qf.data(), Dp, kb, kstride, D, a.scale, s.p.data(), Lp, l0); break;
-        default: break;
-      }
-    }
-  }
+  // The shared positions once for every live query of the group, then each row's own.
+  if (a.S > 0) scores_range(a, s, a.members[0].k, a.members[0].v, 0, a.S, js, n_live, Dp, Lp);
+  for (int64_t m = 0; m < a.nm; ++m)
+    if (a.S < Lr && s.first[m + 1] > s.first[m])
+      scores_range(a, s, a.members[m].k, a.members[m].v, a.S, Lr, js + s.first[m], s.first[m + 1] - s.first[m], Dp, Lp);
   for (int64_t at = 0; at < n_live; ++at) {
     float* __restrict pj = s.p.data() + js[at] * Lp;
     const float* __restrict al = s.allow.data() + js[at] * Lr;
@@ -297,39 +347,56 @@ void attend_task(const Task<scalar_t>& a, Scratch& s) {
     // Softmax weights, exactly 0 where hidden (clamped first: a hidden score may exceed the maximum).
     for (int64_t l = 0; l < Lr; ++l) pj[l] = fixed_exp(std::min(pj[l] - m, 0.0f)) * al[l];
   }
-  const bool direct = D == Dp;  // values read in place; else widened into rows padded to Dp
-  if (!direct) {
-    s.vf.assign(L * Dp, 0.0f);
-    for (int64_t l = 0; l < L; ++l) widen(a.v + l * a.vs2, s.vf.data() + l * Dp, D);
-  }
-  auto pass = [&](auto width, int64_t at) {
-    constexpr int NJ = decltype(width)::value;
-    if (direct) values_pass<C, NJ>(a, js + at, s.p.data(), Lp, a.v, a.vs2);
-    else values_pass<C, NJ>(a, js + at, s.p.data(), Lp, s.vf.data(), Dp);
-  };
-  for (int64_t at = 0; at < n_live;) {
-    const int64_t width = std::min<int64_t>(values_width(C), n_live - at);
-    if (width == 4) pass(std::integral_constant<int, 4>(), at);
-    else if (width == 3) pass(std::integral_constant<int, 3>(), at);
-    else if (width == 2) pass(std::integral_constant<int, 2>(), at);
-    else pass(std::integral_constant<int, 1>(), at);
-    at += width;
+  s.o.assign(nq * Dp, 0.0f);
+  s.sum.assign(nq, 0.0f);
+  values_range<C>(a, s, a.members[0].v, 0, a.S, js, n_live, Lp);
+  for (int64_t m = 0; m < a.nm; ++m)
+    values_range<C>(a, s, a.members[m].v, a.S, L, js + s.first[m], s.first[m + 1] - s.first[m], Lp);
+  for (int64_t at = 0; at < n_live; ++at) {
+    const int64_t j = js[at];
+    const Query q = query_of(a, j);
+    scalar_t* dst = a.members[q.m].out + q.t * a.os1 + q.g * a.os2;
+    const float sc = s.sum[j] > 0.0f ? s.sum[j] : 1.0f;  // no visible position: zeros
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(s.o[j * Dp + d] / sc);
   }
 }
 
 template <typename scalar_t>
 void attend_kernel(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                    const torch::Tensor& mask, bool has_mask, const torch::Tensor& rows, bool has_rows,
-                   const torch::Tensor& live, double scale, torch::Tensor& out) {
-  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3);
+                   const torch::Tensor& live, const torch::Tensor& share, double scale, torch::Tensor& out) {
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), L = k.size(2);
   const int64_t Hk = k.size(1), G = H / Hk, nq = G * T;
-  // Tasks of at most QC queries; a few tasks (each thread's share decides the time) are split finer
-  // until every thread gets as many: one row's 16-token tree was 9 tasks on 2 threads, one ran 5.
+  // Groups of query rows read together: rows given one group id in `share` hold the same first
+  // share[b][1] positions; every other row is a group of its own.
+  std::vector<std::vector<int64_t>> groups;
+  std::vector<int64_t> shared;  // per group: positions read once for all its rows
+  {
+    std::vector<std::pair<int64_t, int64_t>> at;  // (group id, its index in groups)
+    const int64_t* sp = share.numel() > 0 ? share.data_ptr<int64_t>() : nullptr;
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t id = sp != nullptr ? sp[2 * b] : -1, n = sp != nullptr ? sp[2 * b + 1] : 0;
+      auto found = std::find_if(at.begin(), at.end(), [&](const auto& e) { return e.first == id; });
+      if (id < 0 || found == at.end()) {
+        if (id >= 0) at.emplace_back(id, static_cast<int64_t>(groups.size()));
+        groups.push_back({b});
+        shared.push_back(n);
+      } else {
+        groups[found->second].push_back(b);
+        shared[found->second] = std::min(shared[found->second], n);
+      }
+    }
+    for (size_t g = 0; g < groups.size(); ++g)
+      shared[g] = groups[g].size() > 1 ? std::min(shared[g], L) / BL * BL : 0;
+  }
+  const int64_t n_groups = static_cast<int64_t>(groups.size());
+  // Tasks of at most QC queries a row; a few tasks (each thread's share decides the time) are split
+  // finer until every thread gets as many: one row's 16-token tree was 9 tasks on 2 threads, one ran 5.
   const int64_t threads = at::get_num_threads();
   int64_t chunks_per_head = (nq + QC - 1) / QC;
-  const bool few = B * Hk * chunks_per_head < 8 * threads;
+  const bool few = n_groups * Hk * chunks_per_head < 8 * threads;
   for (int64_t c = chunks_per_head; few && c <= std::min(nq, 2 * chunks_per_head); ++c)
-    if (B * Hk * c % threads == 0) {
+    if (n_groups * Hk * c % threads == 0) {
       chunks_per_head = c;
       break;
     }
@@ -352,21 +419,29 @@ void attend_kernel(const torch::Tensor& q, const torch::Tensor& k, const torch::
   base.ms3 = has_mask ? mask.stride(3) : 0;
   base.G = G;
   base.T = T;
-  base.L = k.size(2);
+  base.L = L;
   base.D = D;
   base.scale = static_cast<float>(scale);
-  at::parallel_for(0, B * Hk * chunks_per_head, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n_groups * Hk * chunks_per_head, 1, [&](int64_t begin, int64_t end) {
     Scratch s;
+    std::vector<Member<scalar_t>> members;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / (Hk * chunks_per_head), hk = task / chunks_per_head % Hk;
-      const int64_t part = task % chunks_per_head, r = has_rows ? rp[b] : b;
+      const int64_t gi = task / (Hk * chunks_per_head), hk = task / chunks_per_head % Hk;
+      const int64_t part = task % chunks_per_head;
+      members.clear();
+      for (const int64_t b : groups[gi]) {
+        const int64_t r = has_rows ? rp[b] : b;
+        members.push_back({q.data_ptr<scalar_t>() + b * q.stride(0) + hk * G * q.stride(1),
+                           k.data_ptr<scalar_t>() + r * k.stride(0) + hk * k.stride(1),
+                           v.data_ptr<scalar_t>() + r * v.stride(0) + hk * v.stride(1),
+                           out.data_ptr<scalar_t>() + b * out.stride(0) + hk * G * out.stride(2),
+                           has_mask ? mask.data_ptr<bool>() + b * mask.stride(0) : nullptr,
+                           lp != nullptr ? lp + b * T : nullptr});
+      }
       Task<scalar_t> a = base;
-      a.q = q.data_ptr<scalar_t>() + b * q.stride(0) + hk * G * q.stride(1);
-      a.k = k.data_ptr<scalar_t>() + r * k.stride(0) + hk * k.stride(1);
-      a.v = v.data_ptr<scalar_t>() + r * v.stride(0) + hk * v.stride(1);
-      a.out = out.data_ptr<scalar_t>() + b * out.stride(0) + hk * G * out.stride(2);
-      a.mask = has_mask ? mask.data_ptr<bool>() + b * mask.stride(0) : nullptr;
-      a.live = lp != nullptr ? lp + b * T : nullptr;
+      a.members = members.data();
+      a.nm = static_cast<int64_t>(members.size());
+      a.S = shared[gi];
       a.j0 = part * chunk;
       a.j1 = std::min(nq, a.j0 + chunk);
       switch (C) {
@@ -384,9 +459,12 @@ void attend_kernel(const torch::Tensor& q, const torch::Tensor& k, const torch::
 
 // q [B, H, T, D]; k, v [Bk, Hk, L, D] (keys with positions or dimensions contiguous); mask bool [B or 1, 1, T, L] or empty for
 // causal (query t sees positions up to L - T + t); rows [B] int64: the k/v row of each query row
-// (empty: the same row). Returns [B, T, H, D] in q's dtype.
+// (empty: the same row); live bool [B, T]: the queries whose outputs are read (empty: all); share
+// int64 [B, 2]: per query row a group id (negative: none) and a count n: the k/v rows of one group
+// hold the same first n positions, read once for all of them (empty: no sharing). Returns
+// [B, T, H, D] in q's dtype, the same bits with sharing or without.
 torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor mask, torch::Tensor rows,
-                     double scale, torch::Tensor live) {
+                     double scale, torch::Tensor live, torch::Tensor share) {
   RECORD_FUNCTION("tot::attend", std::vector<c10::IValue>());  // seen by torch.profiler (decoding.profile_forward)
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "attend: q, k, v must be 4D");
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "attend: CPU tensors only");
@@ -412,9 +490,14 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::T
     TORCH_CHECK(live.scalar_type() == torch::kBool && live.numel() == q.size(0) * q.size(2), "attend: live [B, T]");
     live = live.contiguous();
   }
+  if (share.numel() > 0) {
+    TORCH_CHECK(share.scalar_type() == torch::kLong && share.dim() == 2 && share.size(0) == q.size(0) &&
+                    share.size(1) == 2, "attend: share [B, 2]");
+    share = share.contiguous();
+  }
   auto out = torch::empty({q.size(0), q.size(2), q.size(1), q.size(3)}, q.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "attend", [&] {
-    attend_kernel<scalar_t>(q, k, v, mask, has_mask, rows, has_rows, live, scale, out);
+    attend_kernel<scalar_t>(q, k, v, mask, has_mask, rows, has_rows, live, share, scale, out);
   });
   return out;
 }

@@ -187,7 +187,7 @@ std::vector<at::Tensor> decoder_layers(at::Tensor h, const std::vector<at::Tenso
                                        const at::Tensor& sin, const std::vector<at::Tensor>& keys,
                                        const std::vector<at::Tensor>& values, const at::Tensor& rows,
                                        const at::Tensor& slots, int64_t kv_len, const at::Tensor& mask,
-                                       const at::Tensor& kv_rows, int64_t capture, const at::Tensor& real, bool rows_kernel,
+                                       const at::Tensor& kv_rows, const at::Tensor& share, int64_t capture, const at::Tensor& real, bool rows_kernel,
                                        bool rows_norm, bool fixed_silu, int64_t qkv_levels) {
   constexpr size_t PER_LAYER = 2 + 7 * 3;  // two norm weights, then q, k, v, o, gate, up, down
   TORCH_CHECK(weights.size() == keys.size() * PER_LAYER && keys.size() == values.size(), "decoder_layers: weights");
@@ -248,7 +248,7 @@ std::vector<at::Tensor> decoder_layers(at::Tensor h, const std::vector<at::Tenso
     }
     // in the cache's type, as attention.py's invariant_attention
     at::Tensor out = attend(q.to(keys[i].scalar_type()), keys[i].slice(2, 0, kv_len), values[i].slice(2, 0, kv_len),
-                            mask, kv_rows, scaling, live)
+                            mask, kv_rows, scaling, live, share)
                          .to(h.scalar_type());
     out = !ragged ? out.reshape({batch, n_new, -1})
           : padded ? out.reshape({batch * n_new, -1}).index_select(0, real)
