@@ -7,6 +7,7 @@ import dataclasses
 import os
 import string
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -165,6 +166,17 @@ def build_model(vocab_size: int, seed: int = 0, max_positions: int = 512, arch: 
 @pytest.fixture(scope="session")
 def tiny_model(tokenizer: PreTrainedTokenizerFast) -> LlamaForCausalLM:
     return build_model(len(tokenizer))
+
+
+@pytest.fixture(scope="session")
+def gsm8k_tiny(tmp_path_factory: pytest.TempPathFactory, tokenizer: PreTrainedTokenizerFast) -> Path:
+    """A tiny random checkpoint on disk with a context long enough for GSM8K's prompts: what a command
+    line test loads when the model's outputs are not what it checks (seconds less than the embedded
+    model in every command)."""
+    path = tmp_path_factory.mktemp("model") / "tiny"
+    build_model(len(tokenizer), max_positions=4096).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -34,11 +34,14 @@ SMALL = [
 ]
 
 
-def solve(run_dir: Path, fault: tuple[str | int, ...] | None = None, *more: str) -> subprocess.CompletedProcess:
-    """tot.solve on the embedded model, small; with `fault` = (errno name, file pattern, nth open), or
-    several of these one after the other."""
+def solve(
+    model: Path | None, run_dir: Path, fault: tuple[str | int, ...] | None = None, *more: str
+) -> subprocess.CompletedProcess:
+    """tot.solve, small, on `model` (None: the embedded model); with `fault` = (errno name, file
+    pattern, nth open), or several of these one after the other."""
     head = [str(REPO / "tests" / "fault_run.py"), *map(str, fault)] if fault else ["-m"]
-    cmd = [sys.executable, *head, "tot.solve", *SMALL, *more, f"hydra.run.dir={run_dir}"]
+    on = [] if model is None else [f"model.path={model}"]
+    cmd = [sys.executable, *head, "tot.solve", *SMALL, *on, *more, f"hydra.run.dir={run_dir}"]
     return subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=600)
 
 
@@ -57,7 +60,7 @@ def records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in text.splitlines()]
 
 
-def check_intact_and_resumes(run_dir: Path, done: int) -> None:
+def check_intact_and_resumes(model: Path, run_dir: Path, done: int) -> None:
     """What the failed run wrote is valid (`done` problems, no temporary files), and a rerun finishes
     the rest without running those again."""
     before = records(run_dir)
@@ -67,7 +70,7 @@ def check_intact_and_resumes(run_dir: Path, done: int) -> None:
         assert json.loads((run_dir / "summary.json").read_text())["n_problems"] <= done
     for r in before:
         json.loads((run_dir / "trees" / f"{r['id']}.json").read_text())
-    proc = solve(run_dir)
+    proc = solve(model, run_dir)
     assert proc.returncode == 0, proc.stderr[-3000:]
     after = records(run_dir)
     assert after[:done] == before  # kept as they were, not run again
@@ -75,28 +78,29 @@ def check_intact_and_resumes(run_dir: Path, done: int) -> None:
     assert json.loads((run_dir / "summary.json").read_text())["n_problems"] == 3
 
 
-def test_no_space_while_writing_a_tree(tmp_path):
+def test_no_space_while_writing_a_tree(gsm8k_tiny, tmp_path):
     run_dir = tmp_path / "run"
-    line = one_error_line(solve(run_dir, ("ENOSPC", "bundled-2.json.tmp", 1)))
+    line = one_error_line(solve(gsm8k_tiny, run_dir, ("ENOSPC", "bundled-2.json.tmp", 1)))
     assert line.startswith(f"error: no space left on the device writing {run_dir / 'trees' / 'bundled-2.json'};")
     assert "free space there" in line and "rerun the same command" in line
-    check_intact_and_resumes(run_dir, done=1)
+    check_intact_and_resumes(gsm8k_tiny, run_dir, done=1)
 
 
-def test_no_space_halfway_through_a_result_line(tmp_path):
+def test_no_space_halfway_through_a_result_line(gsm8k_tiny, tmp_path):
     run_dir = tmp_path / "run"
-    line = one_error_line(solve(run_dir, ("ENOSPC", "results.jsonl", 2)))
+    line = one_error_line(solve(gsm8k_tiny, run_dir, ("ENOSPC", "results.jsonl", 2)))
     assert line.startswith(f"error: no space left on the device writing {run_dir / 'results.jsonl'};")
-    check_intact_and_resumes(run_dir, done=1)  # the half line was cut back off
+    check_intact_and_resumes(gsm8k_tiny, run_dir, done=1)  # the half line was cut back off
 
 
-def test_a_full_disk_under_the_log_is_one_warning_then_the_runs_error(tmp_path):
+def test_a_full_disk_under_the_log_is_one_warning_then_the_runs_error(gsm8k_tiny, tmp_path):
     """The disk fills under a resumed run: its log file cannot be written (one line, once: no "---
     Logging error ---" traceback per record), the run goes on until its own write fails (its one-line
     error, exit 2)."""
     run_dir = tmp_path / "run"
-    one_error_line(solve(run_dir, ("ENOSPC", "results.jsonl", 2)))  # one problem done: the rerun logs that it resumes
-    proc = solve(run_dir, ("ENOSPC", "*.log", 1, "ENOSPC", "results.jsonl", 1))
+    # One problem done: the rerun logs that it resumes.
+    one_error_line(solve(gsm8k_tiny, run_dir, ("ENOSPC", "results.jsonl", 2)))
+    proc = solve(gsm8k_tiny, run_dir, ("ENOSPC", "*.log", 1, "ENOSPC", "results.jsonl", 1))
     line = one_error_line(proc)
     assert line.startswith(f"error: no space left on the device writing {run_dir / 'results.jsonl'};")
     assert "Logging error" not in proc.stderr
@@ -107,22 +111,22 @@ def test_a_full_disk_under_the_log_is_one_warning_then_the_runs_error(tmp_path):
         "the run goes on without it"
     )
     assert lines.index(warning) < lines.index(line)
-    check_intact_and_resumes(run_dir, done=1)
+    check_intact_and_resumes(gsm8k_tiny, run_dir, done=1)
 
 
-def test_permission_refused(tmp_path):
+def test_permission_refused(gsm8k_tiny, tmp_path):
     run_dir = tmp_path / "run"
-    line = one_error_line(solve(run_dir, ("EACCES", "summary.json.tmp", 1)))
+    line = one_error_line(solve(gsm8k_tiny, run_dir, ("EACCES", "summary.json.tmp", 1)))
     assert line.startswith(f"error: permission denied writing {run_dir / 'summary.json'}; make {run_dir} writable")
-    check_intact_and_resumes(run_dir, done=1)
+    check_intact_and_resumes(gsm8k_tiny, run_dir, done=1)
 
 
-def test_a_second_run_on_a_held_folder_stops_at_once(tmp_path):
+def test_a_second_run_on_a_held_folder_stops_at_once(gsm8k_tiny, tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "results.jsonl").write_text("")
     with run_lock(run_dir):  # this test process is the first run
-        line = one_error_line(solve(run_dir))
+        line = one_error_line(solve(gsm8k_tiny, run_dir))
     assert line.startswith(f"error: {run_dir} is in use by another run (host ")
     assert f"pid {os.getpid()}," in line and "hydra.run.dir=" in line
     assert (run_dir / "results.jsonl").read_text() == ""  # the second run wrote nothing
@@ -153,7 +157,7 @@ def test_a_small_prefix_store_stays_under_its_cap(tmp_path):
     """model.prefix_memory_mb small enough to be reached by three problems: every problem's record
     shows the stored prefixes under the cap, the summary the evictions that kept them there."""
     run_dir = tmp_path / "run"
-    proc = solve(run_dir, None, "model.prefix_memory_mb=8")
+    proc = solve(None, run_dir, None, "model.prefix_memory_mb=8")  # its KV fills 8 MB
     assert proc.returncode == 0, proc.stderr[-3000:]
     for r in records(run_dir):
         assert 0 < r["memory"]["prefix_store_mb"] <= r["memory"]["prefix_store_cap_mb"] == 8

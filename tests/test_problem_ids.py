@@ -36,13 +36,8 @@ def data_file(folder: Path, ids: list[object], name: str = "data.jsonl") -> Path
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory, tokenizer) -> Path:
-    from conftest import build_model
-
-    path = tmp_path_factory.mktemp("model") / "tiny"
-    build_model(len(tokenizer), max_positions=4096).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+def tiny(gsm8k_tiny: Path) -> Path:
+    return gsm8k_tiny
 
 
 @pytest.fixture(scope="module")

@@ -44,15 +44,8 @@ TINY = [
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory, tokenizer) -> Path:
-    """A tiny random checkpoint with a context long enough for GSM8K's prompts."""
-    from conftest import build_model
-
-    path = tmp_path_factory.mktemp("model") / "tiny"
-    model = build_model(len(tokenizer), max_positions=4096)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+def tiny(gsm8k_tiny: Path) -> Path:
+    return gsm8k_tiny
 
 
 def command(module: str, *args: str) -> subprocess.CompletedProcess:
@@ -313,14 +306,27 @@ def test_a_torn_last_line_is_ignored_with_a_warning_and_the_problem_solved_again
     ],
 )
 def test_damage_in_the_middle_is_refused_naming_file_and_line(tiny, finished, tmp_path, damage, named):
-    run_dir = copy_of(finished, tmp_path)
-    results = run_dir / "results.jsonl"
-    lines = results.read_text().splitlines(keepends=True)
-    results.write_text(lines[0] + damage + lines[1])
+    run_dir, results = damaged(finished, tmp_path, damage)
     before = snapshot(run_dir)
     line = one_error_line(solve(tiny, run_dir, "data.limit=2"))
     assert line.startswith(f"error: {results}:2: {named}; remove or repair that line")
     assert snapshot(run_dir) == before
+
+
+def damaged(finished: Path, tmp_path: Path, damage: str) -> tuple[Path, Path]:
+    """A copy of a finished folder with `damage` between its two records: the folder, its results."""
+    run_dir = copy_of(finished, tmp_path)
+    results = run_dir / "results.jsonl"
+    lines = results.read_text().splitlines(keepends=True)
+    results.write_text(lines[0] + damage + lines[1])
+    return run_dir, results
+
+
+def test_the_folder_tools_name_a_damaged_line_and_change_nothing(finished, tmp_path):
+    """show, rescore and collect read a folder through the reader `solve` refuses damage with (each
+    kind of damage checked above): each names the line, in one line, and writes nothing."""
+    run_dir, results = damaged(finished, tmp_path, "not json\n")
+    before, named = snapshot(run_dir), "not a JSON record (Expecting value)"
     for module, args in (("tot.show", ["--no-image"]), ("tot.rescore", []), ("tot.collect", [])):
         where = run_dir.parent if module == "tot.collect" else run_dir
         line = one_error_line(command(module, str(where), *args))
