@@ -9,7 +9,7 @@ from conftest import DEVICE
 
 from decoding.base.values import GenRequest
 from decoding.runtime import kernels
-from decoding.runtime.kv_cache import ForwardView, RowKVCache
+from decoding.runtime.kv_cache import ForwardView, RowKVCache, shared_reads
 from decoding.runtime.runner import ModelRunner
 
 pytestmark = pytest.mark.skipif(DEVICE.type != "cpu", reason="the CPU kernel's shared reads")
@@ -99,7 +99,8 @@ def test_siblings_admitted_together_form_a_group_that_later_writes_leave(loaded)
 def test_greedy_tokens_are_hfs_with_siblings_sharing_their_prompt(make_engine, decoder, monkeypatch):
     """ToT's shape: samples of one prompt and evaluations sharing a question, decoded in one batch on
     the shared reads, give `hf`'s tokens; and the forwards did read shared positions."""
-    question = "Q: what is the sum of the first few numbers we count with? Think step by step. "
+    # Long enough for two of the kernel's 64-position blocks: the part a group reads once.
+    question = "Q: what is the sum of the first few numbers we count with? Think step by step. " * 3
     prompts = [question + "Step 1:"] * 4 + [question + "Evaluate: sure", question + "Evaluate: maybe"]
     requests = [GenRequest(p, max_new_tokens=12, temperature=0.0) for p in prompts]
     reference = [r.token_ids for r in make_engine("hf").generate(requests)]
@@ -112,5 +113,18 @@ def test_greedy_tokens_are_hfs_with_siblings_sharing_their_prompt(make_engine, d
         return view
 
     monkeypatch.setattr(RowKVCache, "prepare", spy)
-    assert [r.token_ids for r in make_engine(decoder).generate(requests)] == reference
+    engine = make_engine(decoder)
+    assert [r.token_ids for r in engine.generate(requests)] == reference
     assert any(seen)
+    # The statistics say how much of the context came from a sibling's row: here most of it.
+    stats = engine.last_stats
+    assert 0.5 < stats.context_shared_fraction < 1 and stats.to_dict()["context_shared_fraction"] > 0.5
+    engine.generate(requests[:1])
+    assert engine.last_stats.context_positions > 0 == engine.last_stats.context_positions_shared
+
+
+def test_a_forward_counts_each_groups_whole_shared_blocks_for_all_members_but_one():
+    share = torch.tensor([[3, 200], [3, 130], [3, 150], [-1, 0], [5, 64], [5, 64], [8, 500]])
+    # group 3: two members beyond the first read min(200, 130, 150) = 130 -> 128; group 5: one, 64;
+    # group 8 alone reads its own
+    assert shared_reads(share) == 2 * 128 + 64

@@ -430,6 +430,7 @@ def _row(name: str, t: Tally, engine: Engine | ServerEngine) -> dict:
         else None,
         "forwards_per_token": t.decode.forwards_per_token if own else None,
         "rows_per_forward": t.decode.rows_per_forward if own else None,
+        "context_shared_fraction": t.decode.context_shared_fraction if own else None,
         "prompt_tokens": t.decode.prompt_tokens,
         "prompt_tokens_computed": t.decode.prompt_tokens_computed,
         "target_busy_fraction": t.decode.target_busy_fraction if own else None,

@@ -247,6 +247,8 @@ def summarize(records: list[dict], header: dict) -> dict:
         "rows_per_forward": total.rows_per_forward,
         "prompt_tokens": total.prompt_tokens,
         "prompt_tokens_computed": total.prompt_tokens_computed,
+        # Of the context the verified rows attended, the share read once for siblings sharing a prompt.
+        "context_shared_fraction": total.context_shared_fraction,
         "acceptance_length": total.acceptance_length,
         "drafted_tokens": total.drafted_tokens,
         "accepted_tokens": total.accepted_tokens,

@@ -103,6 +103,10 @@ class DecodeStats:
     sequences: int = 0
     sequence_acceptance_sum: float = 0.0  # sum over sequences of each one's acceptance length
     kv_waits: int = 0  # sequences that waited for the KV pool's memory (model.kv_memory) before decoding
+    # Verification forwards: committed positions their rows attend (summed over rows), and of them those
+    # the CPU attention read from a sibling's row, once for its group (rows admitted with one prefix).
+    context_positions: int = 0
+    context_positions_shared: int = 0
 
     @property
     def wall_s(self) -> float:
@@ -154,6 +158,11 @@ class DecodeStats:
     def __sub__(self, other: DecodeStats) -> DecodeStats:
         return DecodeStats(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)})
 
+    @property
+    def context_shared_fraction(self) -> float:
+        """Share of the attended context read from a sibling's row instead of the row's own."""
+        return self.context_positions_shared / self.context_positions if self.context_positions else 0.0
+
     def to_dict(self) -> dict[str, float]:
         d: dict[str, float] = {f.name: getattr(self, f.name) for f in fields(self)}
         d["wall_s"] = self.wall_s
@@ -164,6 +173,7 @@ class DecodeStats:
         d["mean_queue_wait_s"] = self.mean_queue_wait_s
         d["drafts_per_round"] = self.drafts_per_round
         d["mean_sequence_acceptance_length"] = self.mean_sequence_acceptance_length
+        d["context_shared_fraction"] = self.context_shared_fraction
         return d
 
     @classmethod

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 POOL_SLACK = 4.0  # a pool gives memory back once it holds this many times what its live rows need
+SHARED_BLOCK = 64  # the CPU attention reads a group's shared positions in whole blocks of this many (its BL)
 
 
 class RowKVCache:
@@ -117,7 +118,9 @@ class RowKVCache:
         index = None if rows is None else to_device(torch.tensor(rows, dtype=torch.long), self.device)
         block = None if not rows or rows != list(range(rows[0], rows[0] + len(rows))) else (rows[0], len(rows))
         lens, slots = to_device(host, self.device), to_device(slots, self.device)
-        return ForwardView(self, lens, slots, offset, need, index, gather, block, self._share(rows, host))
+        share = self._share(rows, host)
+        reads = (int(host.sum()), 0 if share is None else shared_reads(share))
+        return ForwardView(self, lens, slots, offset, need, index, gather, block, share, reads)
 
     def _share(self, rows: list[int] | None, lens: torch.Tensor) -> torch.Tensor | None:
         """The forward's rows' groups [B, 2] (id, positions held alike, at most the committed ones:
@@ -241,6 +244,7 @@ class ForwardView:
     # since a test on the device tensor would wait for the GPU at every layer
     block: tuple[int, int] | None = None
     share: torch.Tensor | None = None  # [B, 2] the rows' groups (RowKVCache.groups), None: none shared
+    reads: tuple[int, int] = (0, 0)  # committed positions the rows attend; of them, read from a sibling
 
     @property
     def keys(self) -> list[torch.Tensor]:
@@ -298,6 +302,17 @@ class ForwardView:
 
     def __len__(self) -> int:
         return len(self.cache.keys)
+
+
+def shared_reads(share: torch.Tensor) -> int:
+    """Positions a forward with these groups [B, 2] reads from a sibling's row: per group, its shared
+    whole blocks for every member but the one they are read from."""
+    out = 0
+    for group in share[:, 0].unique().tolist():
+        if group >= 0:
+            members = share[share[:, 0] == group, 1]
+            out += (len(members) - 1) * (int(members.min()) // SHARED_BLOCK * SHARED_BLOCK)
+    return out
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

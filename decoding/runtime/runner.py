@@ -141,7 +141,9 @@ class ModelRunner:
             logits, hidden = self._transformers_forward(view, tokens, mask, positions, kv_rows, keep)
         self.forwards += 1
         self.rows += tokens.shape[0]
-        return Forward(logits, hidden if self.hidden_layer is not None else None)
+        # Only the project's layers pass the groups to the kernel; other attentions read every row's own.
+        reads = view.reads if self.layers is not None else (view.reads[0], 0)
+        return Forward(logits, hidden if self.hidden_layer is not None else None, reads)
 
     def _static_forward(
         self,
@@ -183,7 +185,8 @@ class ModelRunner:
             keep = torch.arange(packed.n_pending - 1, packed.tokens.shape[1])
             out = self.forward(cache, packed.tokens, packed.see, packed.depth, logits_at=keep, rows=rows)
             logits = [out.logits[b, :n] for b, n in enumerate(counts)]
-        return Scored(logits, out.hidden, timing.stop() if timing is not None else 1000 * (time.perf_counter() - t0))
+        ms = timing.stop() if timing is not None else 1000 * (time.perf_counter() - t0)
+        return Scored(logits, out.hidden, ms, out.reads)
 
     def _transformers_forward(
         self,
@@ -445,6 +448,7 @@ class Forward:
 
     logits: torch.Tensor
     hidden: torch.Tensor | None = None
+    reads: tuple[int, int] = (0, 0)  # committed positions attended; of them, read from a sibling's row
 
 
 @dataclass(frozen=True)
@@ -455,6 +459,7 @@ class Scored:
     logits: list[torch.Tensor]
     hidden: torch.Tensor | None
     timing: float | _GpuTiming  # ms, or CUDA events read when asked (`ms`), so the step never waits
+    reads: tuple[int, int] = (0, 0)  # committed positions attended; of them, read from a sibling's row
 
     @property
     def ms(self) -> float:

@@ -171,6 +171,8 @@ class Scheduler:
         plan = record.plan
         stats.target_forwards += 1  # the verification forward
         stats.target_rows += len(record.slots)
+        stats.context_positions += record.reads[0]
+        stats.context_positions_shared += record.reads[1]
         stats.queue_wait_s += record.queue_wait_s
         stats.verified_drafts += len(record.slots)
         stats.verify_s += record.verify_s

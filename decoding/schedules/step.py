@@ -60,6 +60,7 @@ class StepRecord:
     plan: StepPlan | None = None
     queue_wait_s: float = 0.0  # summed over the verified slots: queued -> taken
     forward_ms: float = 0.0
+    reads: tuple[int, int] = (0, 0)  # the forward's context positions attended, read from a sibling
     verify_s: float = 0.0  # cut, pack, forward, accept, commit
     other_s: float = 0.0  # the rounds' bookkeeping and the prefix cache after it
     finished: list[Sequence] = field(default_factory=list)
@@ -86,7 +87,7 @@ def decode_step(rounds: Rounds, setup: StepSetup, clock: Clock, draft_here: bool
         rounds.verified_now(slots, verdicts)
         record.slots, record.verdicts, record.plan = slots, verdicts, plan
         record.queue_wait_s = sum(t0 - s.queued_at for s in slots)
-        record.forward_ms = scored.ms
+        record.forward_ms, record.reads = scored.ms, scored.reads
         record.verify_s, record.other_s = t1 - t0, clock() - t1
     if draft_here:
         record.drafts.append(draft_round(rounds, setup, clock, wait=False, draft=False))  # learn
