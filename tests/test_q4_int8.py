@@ -271,7 +271,7 @@ def test_every_path_gives_the_same_bits(tmp_path, build):
         pytest.skip(f"this machine's own path is {native}: nothing to compare the {build} build with")
     source = tmp_path / f"{build}.cpp"
     source.write_text(
-        f'#include "{kernels.CSRC / "q4_int8.cpp"}"\n'
+        f'#include <torch/extension.h>\n#include "{kernels.CSRC / "q4_int8.cpp"}"\n'
         "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {\n"
         '  m.def("q4_int8_linear", &q4_int8_linear);\n  m.def("q8_int8_linear", &q8_int8_linear);\n'
         '  m.def("q4_int8_path", &q4_int8_path);\n}\n'

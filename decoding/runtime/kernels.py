@@ -1,6 +1,6 @@
 """The project's CPU kernels (decoding/runtime/csrc): the invariant attention, the Llama decoder layers,
 the row-invariant bfloat16 linear and a top-k over rows, one extension module compiled on first use
-with the machine's C++ compiler (about a minute on 2 cores, cached by torch under
+with the machine's C++ compiler (about 45 s on 2 cores, cached by torch under
 TORCH_EXTENSIONS_DIR)."""
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def source_digest() -> str:
     return digest.hexdigest()[:12]
 
 
-STALE_LOCK_S = 15 * 60  # a build takes 1-3 minutes; a lock this old was left by a killed one
+STALE_LOCK_S = 15 * 60  # a build takes under 2 minutes; a lock this old was left by a killed one
 
 
 def clear_stale_lock(build_dir: Path, max_age_s: float = STALE_LOCK_S) -> bool:

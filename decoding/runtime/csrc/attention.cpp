@@ -362,9 +362,9 @@ void attend_task(const Task<scalar_t>& a, Scratch& s) {
 }
 
 template <typename scalar_t>
-void attend_kernel(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                   const torch::Tensor& mask, bool has_mask, const torch::Tensor& rows, bool has_rows,
-                   const torch::Tensor& live, const torch::Tensor& share, double scale, torch::Tensor& out) {
+void attend_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                   const at::Tensor& mask, bool has_mask, const at::Tensor& rows, bool has_rows,
+                   const at::Tensor& live, const at::Tensor& share, double scale, at::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), L = k.size(2);
   const int64_t Hk = k.size(1), G = H / Hk, nq = G * T;
   // Groups of query rows read together: rows given one group id in `share` hold the same first
@@ -463,8 +463,8 @@ void attend_kernel(const torch::Tensor& q, const torch::Tensor& k, const torch::
 // int64 [B, 2]: per query row a group id (negative: none) and a count n: the k/v rows of one group
 // hold the same first n positions, read once for all of them (empty: no sharing). Returns
 // [B, T, H, D] in q's dtype, the same bits with sharing or without.
-torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor mask, torch::Tensor rows,
-                     double scale, torch::Tensor live, torch::Tensor share) {
+at::Tensor attend(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor mask, at::Tensor rows,
+                     double scale, at::Tensor live, at::Tensor share) {
   RECORD_FUNCTION("tot::attend", std::vector<c10::IValue>());  // seen by torch.profiler (decoding.profile_forward)
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "attend: q, k, v must be 4D");
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "attend: CPU tensors only");
@@ -477,25 +477,25 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::T
   if (k.stride(3) != 1 && k.stride(2) != 1) k = k.contiguous();  // keys: either dimension contiguous
   if (v.stride(3) != 1) v = v.contiguous();
   if (has_mask) {
-    TORCH_CHECK(mask.scalar_type() == torch::kBool && mask.dim() == 4 && mask.size(1) == 1, "attend: mask");
+    TORCH_CHECK(mask.scalar_type() == at::kBool && mask.dim() == 4 && mask.size(1) == 1, "attend: mask");
     mask = mask.expand({q.size(0), 1, q.size(2), k.size(2)});
   }
   if (has_rows) {
-    TORCH_CHECK(rows.scalar_type() == torch::kLong && rows.numel() == q.size(0), "attend: rows");
+    TORCH_CHECK(rows.scalar_type() == at::kLong && rows.numel() == q.size(0), "attend: rows");
     rows = rows.contiguous();
   } else {
     TORCH_CHECK(k.size(0) == q.size(0), "attend: key/value rows must match query rows");
   }
   if (live.numel() > 0) {
-    TORCH_CHECK(live.scalar_type() == torch::kBool && live.numel() == q.size(0) * q.size(2), "attend: live [B, T]");
+    TORCH_CHECK(live.scalar_type() == at::kBool && live.numel() == q.size(0) * q.size(2), "attend: live [B, T]");
     live = live.contiguous();
   }
   if (share.numel() > 0) {
-    TORCH_CHECK(share.scalar_type() == torch::kLong && share.dim() == 2 && share.size(0) == q.size(0) &&
+    TORCH_CHECK(share.scalar_type() == at::kLong && share.dim() == 2 && share.size(0) == q.size(0) &&
                     share.size(1) == 2, "attend: share [B, 2]");
     share = share.contiguous();
   }
-  auto out = torch::empty({q.size(0), q.size(2), q.size(1), q.size(3)}, q.options());
+  auto out = at::empty({q.size(0), q.size(2), q.size(1), q.size(3)}, q.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "attend", [&] {
     attend_kernel<scalar_t>(q, k, v, mask, has_mask, rows, has_rows, live, share, scale, out);
   });

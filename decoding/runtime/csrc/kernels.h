@@ -1,6 +1,9 @@
 // The CPU kernels of decoding/runtime/kernels.py: one extension module, bound in module.cpp.
 #pragma once
-#include <torch/extension.h>
+// ATen alone, not torch/extension.h (pybind11 and torch's C++ API: 17 s of parsing a file, 4.6 with ATen);
+// module.cpp, the bindings, includes that one.
+#include <ATen/ATen.h>
+#include <ATen/record_function.h>
 
 #include <algorithm>
 #include <cmath>
@@ -58,8 +61,8 @@ inline void norm_row(const T* x, const T* w, T* out, int64_t h, float eps) {
     out[j] = static_cast<T>(static_cast<float>(w[j]) * static_cast<float>(static_cast<T>(static_cast<float>(x[j]) * r)));
 }
 
-torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor mask, torch::Tensor rows,
-                     double scale, torch::Tensor live, torch::Tensor share);
+at::Tensor attend(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor mask, at::Tensor rows,
+                     double scale, at::Tensor live, at::Tensor share);
 
 at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias);
 

@@ -7,6 +7,8 @@
 // the values of several ops it takes their place: the cache writes and joined products' splits are
 // plain copies and views, on the int8 kernel the norms and residual adds run inside the products that
 // read and write them, and FixedSiLU's product reads gate and up in place.
+#include <ATen/Parallel.h>
+
 #include "kernels.h"
 
 namespace {

@@ -1,3 +1,5 @@
+#include <torch/extension.h>
+
 #include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
