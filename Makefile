@@ -10,7 +10,7 @@ ARGS ?=
 MODEL ?= qwen2.5-coder-0.5b
 BIN := $(VENV)/bin
 
-.PHONY: setup models run test lint browser test-cuda
+.PHONY: setup models run test test-fast lint browser test-cuda
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -60,6 +60,14 @@ lint: setup
 # Parallel workers (pytest-xdist): one per core, at most 4 (each holds its own fixtures' models).
 test: lint $(VENV)/.extras browser
 	$(BIN)/python -m pytest -q -n auto --maxprocesses=4
+
+# Before each commit (under 2 minutes on 2 cores once the kernels are built): the layers' import graph,
+# the kernels' invariance, the shared reads, every decoder's identity with hf, continuous batching, the
+# planner and the searches, in process on the tiny models. make test runs everything else as well.
+FAST_TESTS := layout invariance llama kv_cache shared_reads acceptance gumbel sampling heap decoders speculative \
+	continuous planner quant prepack rows_linear search run dvts mcts best_of_n engine_errors bench
+test-fast: lint $(VENV)/.extras
+	$(BIN)/python -m pytest -q -n auto --maxprocesses=4 -m "not slow" $(FAST_TESTS:%=tests/test_%.py)
 
 # On a CUDA machine: the lossless tests (every decoder, greedy and sampled, continuous batching, the
 # prefix store) with the fixtures' tiny models on the GPU, in float32 without TF32 (docs/performance.md,
