@@ -188,7 +188,7 @@ def test_problems_recorded_twice_count_once_and_nothing_is_rewritten(tmp_path, c
 
 
 class _Term(KeyboardInterrupt):
-    pass
+    """What the CLI's SIGTERM handler raises (decoding.cli.Stopped), told apart from a real Ctrl-C."""
 
 
 def _raise_term(signum: int, frame: object) -> None:

@@ -95,15 +95,19 @@ def test_siblings_admitted_together_form_a_group_that_later_writes_leave(loaded)
     assert cache.prepare(1).share is None
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
 @pytest.mark.parametrize("decoder", ["ar", "seed_stand"])
-def test_greedy_tokens_are_hfs_with_siblings_sharing_their_prompt(make_engine, decoder, monkeypatch):
+def test_tokens_are_hfs_with_siblings_sharing_their_prompt(make_engine, decoder, temperature, monkeypatch):
     """ToT's shape: samples of one prompt and evaluations sharing a question, decoded in one batch on
-    the shared reads, give `hf`'s tokens; and the forwards did read shared positions."""
+    the shared reads, give `hf`'s tokens, greedy and sampled (each request its own seed, the project's
+    sampler); and the forwards did read shared positions."""
     # Long enough for two of the kernel's 64-position blocks: the part a group reads once.
     question = "Q: what is the sum of the first few numbers we count with? Think step by step. " * 3
     prompts = [question + "Step 1:"] * 4 + [question + "Evaluate: sure", question + "Evaluate: maybe"]
-    requests = [GenRequest(p, max_new_tokens=12, temperature=0.0) for p in prompts]
+    requests = [GenRequest(p, max_new_tokens=12, temperature=temperature, seed=i) for i, p in enumerate(prompts)]
     reference = [r.token_ids for r in make_engine("hf").generate(requests)]
+    if temperature:  # the four samples of one prompt went four ways: the rows diverge past the prompt
+        assert len({tuple(t) for t in reference[:4]}) > 1
     seen: list[bool] = []
     prepare = RowKVCache.prepare
 
