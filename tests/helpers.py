@@ -9,6 +9,7 @@ import torch
 
 from decoding.base.values import Completion, DecodeStats, GenRequest, GenResult
 from decoding.runtime.kv_cache import RowKVCache, _by_position
+from decoding.runtime.paged_kv import NULL, PagedKVCache
 from decoding.runtime.rows_linear import RowsLinear, use_rows_kernel
 from decoding.runtime.runner import ModelRunner
 from decoding.speculation.acceptance import chain, proposals, sample_chain
@@ -40,6 +41,13 @@ def choose(
 def select_rows(cache: RowKVCache, index: torch.Tensor) -> None:
     """Keep (or repeat) rows, as a cache of just those rows (a copy of each)."""
     lens_index, index = index.cpu(), index.to(cache.device)  # (lengths live on the host)
+    if isinstance(cache, PagedKVCache):  # a repeated row holds its blocks once more
+        old, new = cache.tables, cache.tables.index_select(0, lens_index)
+        cache.pool.hold(new[new != NULL])
+        cache.pool.drop(old[old != NULL])
+        cache._own.tables = new
+        cache.lens = cache.lens.index_select(0, lens_index)
+        return
     # Keys stored by position stay so: rows are selected from the storage, not the view.
     cache.keys = [
         k.transpose(2, 3).index_select(0, index).transpose(2, 3) if _by_position(k) else k.index_select(0, index)

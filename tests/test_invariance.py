@@ -121,9 +121,9 @@ def test_attention_skips_the_queries_no_one_reads():
     k = torch.randn(3, 2, 40, 64, generator=g).to(torch.bfloat16)
     v = torch.randn(3, 2, 40, 64, generator=g).to(torch.bfloat16)
     empty = torch.empty(0)
-    full = kernels.load().attend(q, k, v, empty, empty, 0.125, empty, empty)
+    full = kernels.load().attend(q, k, v, empty, empty, 0.125, empty, empty, empty, -1)
     live = torch.tensor([[True, True, True, True], [True, False, False, False], [True, True, False, True]])
-    part = kernels.load().attend(q, k, v, empty, empty, 0.125, live, empty)
+    part = kernels.load().attend(q, k, v, empty, empty, 0.125, live, empty, empty, -1)
     assert torch.equal(part[live], full[live])
     assert not part[~live].any() and full[~live].abs().sum() > 0
 
@@ -153,14 +153,14 @@ def test_a_hidden_positions_values_add_nothing_whatever_they_hold(tokens):
     garbage[:, :, 30:32] = float("inf")
     garbage[:, :, 32:34] = float("nan")
     attend = kernels.load().attend
-    reference = attend(q, k, clean, mask, empty, 0.125, empty, empty)  # [B, T, H, D]
+    reference = attend(q, k, clean, mask, empty, 0.125, empty, empty, empty, -1)  # [B, T, H, D]
     assert torch.isfinite(reference.float()).all()
-    out = attend(q, k, garbage, mask, empty, 0.125, empty, empty)
+    out = attend(q, k, garbage, mask, empty, 0.125, empty, empty, empty, -1)
     assert torch.equal(out[:, 0::2], reference[:, 0::2])
     if tokens > 1:
         assert not torch.isfinite(out[:, 1::2].float()).any()  # a seen position's garbage is read
     for t in range(tokens):  # each query alone: the same bits as in its pass
-        alone = attend(q[:, :, t : t + 1], k, clean, mask[:, :, t : t + 1], empty, 0.125, empty, empty)
+        alone = attend(q[:, :, t : t + 1], k, clean, mask[:, :, t : t + 1], empty, 0.125, empty, empty, empty, -1)
         assert torch.equal(alone[:, 0], reference[:, t])
 
 
@@ -179,10 +179,10 @@ def test_long_rows_read_in_spans_or_blocks_give_the_same_bits():
     mask[..., 0] = True
     empty = torch.empty(0)
     attend = kernels.load().attend
-    together = attend(q, by_pos, v, mask, empty, 0.125, empty, empty)  # 24 queries: blocks
-    assert torch.equal(attend(q, by_dim, v, mask, empty, 0.125, empty, empty), together)
+    together = attend(q, by_pos, v, mask, empty, 0.125, empty, empty, empty, -1)  # 24 queries: blocks
+    assert torch.equal(attend(q, by_dim, v, mask, empty, 0.125, empty, empty, empty, -1), together)
     for t in range(tokens):  # 4 queries: spans
-        alone = attend(q[:, :, t : t + 1], by_pos, v, mask[:, :, t : t + 1], empty, 0.125, empty, empty)
+        alone = attend(q[:, :, t : t + 1], by_pos, v, mask[:, :, t : t + 1], empty, 0.125, empty, empty, empty, -1)
         assert torch.equal(alone[:, 0], together[:, t])
     scores = (q.float() @ by_dim.float().transpose(2, 3)) * 0.125
     weights = scores.masked_fill(~mask, float("-inf")).softmax(-1)

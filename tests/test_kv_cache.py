@@ -225,8 +225,9 @@ def test_prefill_computes_distinct_prompts_once_and_fans_out(tiny_model, target)
         alone, alone_logits = prefill(ModelRunner(tiny_model), [p], capacity=24)
         assert_close(logits[row], alone_logits[0])
         for layer in range(len(cache)):
-            assert_close(cache.keys[layer][row, :, : len(p)], alone.keys[layer][0, :, : len(p)])
-            assert_close(cache.values[layer][row, :, : len(p)], alone.values[layer][0, :, : len(p)])
+            got, want = cache.read(row, 0, len(p)), alone.read(0, 0, len(p))
+            assert_close(got[0][layer], want[0][layer])
+            assert_close(got[1][layer], want[1][layer])
 
     # The fanned-out rows are independent afterwards.
     nxt = [3 + 17 * i for i in range(len(prompts))]
@@ -254,9 +255,10 @@ def test_prefill_keeps_order_of_distinct_prompts(tiny_model, target):
 
 def test_capacity_overflow_raises(target):
     cache = target.new_cache(2, 4)
-    cache.advance(torch.tensor([3, 1]))
-    cache.prepare(1)  # 3 + 1 fits
-    with pytest.raises(RuntimeError, match="holds 4 positions"):
+    room = cache.capacity  # (a paged cache's rows hold whole blocks)
+    cache.advance(torch.tensor([room - 1, 1]))
+    cache.prepare(1)  # room - 1 + 1 fits
+    with pytest.raises(RuntimeError, match=f"holds {room} positions"):
         cache.prepare(2)
 
 

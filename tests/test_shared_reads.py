@@ -9,7 +9,8 @@ from conftest import DEVICE
 
 from decoding.base.values import GenRequest
 from decoding.runtime import kernels
-from decoding.runtime.kv_cache import ForwardView, RowKVCache, shared_reads
+from decoding.runtime.kv_cache import ForwardView, shared_reads
+from decoding.runtime.paged_kv import PagedKVCache
 from decoding.runtime.runner import ModelRunner
 
 pytestmark = pytest.mark.skipif(DEVICE.type != "cpu", reason="the CPU kernel's shared reads")
@@ -46,7 +47,7 @@ def test_a_groups_shared_positions_are_read_once_with_each_querys_bits(dtype, he
     hold anything there, even NaN) and every output has the bits it has without sharing."""
     q, k, v, mask, kv_rows, share = _inputs(dtype, head_dim, tokens, by_position)
     attend = kernels.load().attend
-    alone = attend(q, k, v, mask, kv_rows, 0.125, EMPTY, EMPTY)
+    alone = attend(q, k, v, mask, kv_rows, 0.125, EMPTY, EMPTY, EMPTY, -1)
     # The first member of each group (in query order) is read for the shared part: row 2 for rows
     # {2, 0}, row 3 for {3, 4}; the others' shared positions are poisoned past the first block.
     k2, v2 = k.clone(), v.clone()
@@ -56,9 +57,9 @@ def test_a_groups_shared_positions_are_read_once_with_each_querys_bits(dtype, he
     blocks = 128  # 130 rounds down to two blocks; 40 to none: rows 3 and 4 read their own
     k2[0, :, blocks:130], v2[0, :, blocks:130] = k[0, :, blocks:130], v[0, :, blocks:130]
     k2[4, :, 1:40], v2[4, :, 1:40] = k[4, :, 1:40], v[4, :, 1:40]
-    shared = attend(q, k2, v2, mask, kv_rows, 0.125, EMPTY, share)
+    shared = attend(q, k2, v2, mask, kv_rows, 0.125, EMPTY, share, EMPTY, -1)
     assert torch.equal(shared, alone)
-    poisoned = attend(q, k2, v2, mask, kv_rows, 0.125, EMPTY, EMPTY)
+    poisoned = attend(q, k2, v2, mask, kv_rows, 0.125, EMPTY, EMPTY, EMPTY, -1)
     assert poisoned[1].isnan().any()  # row 0 read alone sees its poison: the shared forward did not
 
 
@@ -67,31 +68,37 @@ def test_pad_queries_are_skipped_in_a_group_too():
     live = torch.rand(len(kv_rows), 4, generator=torch.Generator().manual_seed(3)) < 0.6
     live[:, -1] = True
     attend = kernels.load().attend
-    full = attend(q, k, v, mask, kv_rows, 0.125, EMPTY, EMPTY)
-    part = attend(q, k, v, mask, kv_rows, 0.125, live, share)
+    full = attend(q, k, v, mask, kv_rows, 0.125, EMPTY, EMPTY, EMPTY, -1)
+    part = attend(q, k, v, mask, kv_rows, 0.125, live, share, EMPTY, -1)
     assert torch.equal(part[live], full[live])
     assert not part[~live].any()
 
 
-def test_siblings_admitted_together_form_a_group_that_later_writes_leave(loaded):
-    """Admission marks rows copied from one prefix as a group; a row admitted again, or rewritten
-    below its count, leaves (its count drops), so no forward reads another row's positions for it."""
+def test_siblings_admitted_together_hold_one_prompts_blocks_until_a_write_copies_them(loaded):
+    """Admission gives the samples of one prompt its blocks by reference (the forward reads them as a
+    group); a row's first write into a block another holds takes a copy; a cleared row lets go."""
     runner = ModelRunner(loaded.model)
-    assert runner.layers is not None, "the tiny model runs on the project's layers"
+    assert runner.layers is not None and runner.pool is not None, "the tiny model runs paged on the project's layers"
     tok = loaded.tokenizer
-    question = tok("a question that every sibling shares, long enough to be worth sharing")["input_ids"]
+    question = tok("a question that every sibling shares, long enough to be worth sharing " * 6)["input_ids"]
     prompts = [question + tok(" one")["input_ids"]] * 3 + [question + tok(" two more")["input_ids"]]
-    cache = runner.new_cache(4, 128)
+    cache = runner.new_cache(4, 256)
     runner.admit(cache, [0, 1, 2, 3], prompts, room=8)
-    ids, counts = cache.groups[:, 0].tolist(), cache.groups[:, 1].tolist()
-    assert ids[0] == ids[1] == ids[2] != ids[3]  # the three samples of one prompt: its copies
-    assert counts[:3] == [len(prompts[0]) - 1] * 3
+    held = -(-(len(prompts[0]) - 1) // 64)  # the blocks of the committed prompt
+    assert torch.equal(cache.tables[:3, :held], cache.tables[:1, :held].expand(3, -1))
+    whole = len(question) // 64
+    assert whole and torch.equal(cache.tables[0, :whole], cache.tables[3, :whole])  # the question's whole blocks
+    assert cache.tables[0, whole] != cache.tables[3, whole]  # where the prompts part: each its own
     view = cache.prepare(1)
-    assert view.share is not None and view.share[:3, 0].unique().numel() == 1
+    assert view.share is not None and view.share[:, 0].unique().numel() == 1 and view.reads[1] > 0
+    # The forward wrote each row's next slot: rows 0-2 each copied the block they shared (one kept it).
+    last = (len(prompts[0]) - 1) // 64
+    assert cache.tables[:3, last].unique().numel() == 3
+    assert torch.equal(cache.tables[0, :last], cache.tables[1, :last])
+    used, own = runner.pool.used, int((cache.tables[1] != 0).sum()) - last
     cache.clear([1])
-    assert int(cache.groups[1, 1]) == 0
-    assert cache.prepare(1).share is not None  # rows 0 and 2 still share
-    cache.clear([0, 2])
+    assert runner.pool.used == used - own  # its own blocks went back, the shared ones are still held
+    cache.clear([0, 2, 3])
     assert cache.prepare(1).share is None
 
 
@@ -109,14 +116,14 @@ def test_tokens_are_hfs_with_siblings_sharing_their_prompt(make_engine, decoder,
     if temperature:  # the four samples of one prompt went four ways: the rows diverge past the prompt
         assert len({tuple(t) for t in reference[:4]}) > 1
     seen: list[bool] = []
-    prepare = RowKVCache.prepare
+    prepare = PagedKVCache.prepare
 
-    def spy(cache: RowKVCache, *args: object, **kwargs: object) -> ForwardView:
+    def spy(cache: PagedKVCache, *args: object, **kwargs: object) -> ForwardView:
         view = prepare(cache, *args, **kwargs)
         seen.append(view.share is not None)
         return view
 
-    monkeypatch.setattr(RowKVCache, "prepare", spy)
+    monkeypatch.setattr(PagedKVCache, "prepare", spy)
     engine = make_engine(decoder)
     assert [r.token_ids for r in engine.generate(requests)] == reference
     assert any(seen)

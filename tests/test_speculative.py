@@ -336,10 +336,9 @@ class CheckedDrafter(ModelDrafter):
             if n == 0:  # a one-token prompt: nothing in the cache yet
                 continue
             fresh, _ = prefill(ModelRunner(self.model.model), [context[:n]], capacity=n + 1)
-            for k_row, k_fresh in zip(self.cache.keys, fresh.keys):
-                assert torch.allclose(k_row[b, :, :n], k_fresh[0, :, :n], atol=1e-5)
-            for v_row, v_fresh in zip(self.cache.values, fresh.values):
-                assert torch.allclose(v_row[b, :, :n], v_fresh[0, :, :n], atol=1e-5)
+            got, want = self.cache.read(b, 0, n), fresh.read(0, 0, n)
+            for k_row, k_fresh in zip(got[0] + got[1], want[0] + want[1]):
+                assert torch.allclose(k_row, k_fresh, atol=1e-5)
             type(self).checks += 1
         return super().draft(slots)
 
@@ -483,8 +482,8 @@ def test_prefix_kept_across_calls(tiny_model, tokenizer):
     assert pending == [second[-1:], [5]]
     fresh, _ = prefill(ModelRunner(tiny_model), [second[:-1]], capacity=64)
     n = len(second) - 1
-    for k_row, k_fresh in zip(cache.keys, fresh.keys):
-        assert torch.allclose(k_row[1, :, :n], k_fresh[0, :, :n], atol=1e-5)
+    for k_row, k_fresh in zip(cache.read(1, 0, n)[0], fresh.read(0, 0, n)[0]):
+        assert torch.allclose(k_row, k_fresh, atol=1e-5)
 
 
 def test_each_row_reuses_the_longest_stored_prefix_of_its_own_prompt(tiny_model, tokenizer):
@@ -509,14 +508,16 @@ def test_each_row_reuses_the_longest_stored_prefix_of_its_own_prompt(tiny_model,
     for row, p in enumerate(prompts):
         n = len(p) - 1
         fresh, _ = prefill(ModelRunner(tiny_model), [p[:n]], capacity=64)
-        for k_row, k_fresh in zip(cache.keys + cache.values, fresh.keys + fresh.values):
-            assert_same_forward(k_row[row, :, :n], k_fresh[0, :, :n])
+        got, want = cache.read(row, 0, n), fresh.read(0, 0, n)
+        for k_row, k_fresh in zip(got[0] + got[1], want[0] + want[1]):
+            assert_same_forward(k_row, k_fresh)
 
 
 def test_prefix_cache_is_a_radix_tree_under_its_cap(tiny_model):
     """Shared prefixes are stored once (edges split where sequences diverge), a match may end inside
-    an edge, the restored KV is the row's own, and least recently used leaves go past the cap."""
-    target = ModelRunner(tiny_model)
+    an edge, the restored KV is the row's own, and least recently used leaves go past the cap
+    (stored as copies: rows of their own; tests/test_paged_kv.py has the paged store's)."""
+    target = ModelRunner(tiny_model, paged=False)
     cache = target.new_cache(3, 60)
     cache.lens[:] = 55
     for k in cache.keys + cache.values:
@@ -547,7 +548,7 @@ def test_prefix_cache_is_a_radix_tree_under_its_cap(tiny_model):
 def test_stores_share_one_budget_and_evict_least_recently_used_first(tiny_model):
     """Two engines' stores on one budget: together they stay under it, the idle store's leaves go
     before the busy one's, and leaves go in the order of their last use (against a full scan)."""
-    target = ModelRunner(tiny_model)
+    target = ModelRunner(tiny_model, paged=False)
     cache = target.new_cache(1, 8)
     cache.lens[:] = 2
     per_seq = sum(k[0, :, :2].nbytes + v[0, :, :2].nbytes for k, v in zip(cache.keys, cache.values))

@@ -159,8 +159,9 @@ class ModelDrafter:
             own.pending = (seq.prompt + seq.generated)[int(self.cache.lens[slot.row]) :]
 
     def release(self, slots: list[Slot], live: list[Slot]) -> None:
-        """A left row's cache row is simply admitted again later: nothing is copied. Rows past the
-        highest live one, and positions no live row needs, go back."""
+        """A left row holds nothing (paged, its blocks go back) until it is admitted again. Rows past
+        the highest live one, and positions no live row needs, go back."""
+        self.cache.clear([s.row for s in slots if s.row < self.cache.batch])
         rows = max((s.row for s in live), default=-1) + 1
         self.model.give_back(self.cache, rows, needs([s.seq for s in live], self.max_nodes))
 

@@ -48,7 +48,9 @@ def invariant_attention(
     rows = _EMPTY if kv_rows is None else kv_rows
     dtype = INT8_CACHE if takes_int8(module) else key.dtype
     q, k, v = (t.to(dtype) for t in (query, key, value))
-    out = kernels.load().attend(q, k, v, mask, rows, float(scale), _EMPTY, _EMPTY)  # (no pads, no shared reads)
+    out = kernels.load().attend(
+        q, k, v, mask, rows, float(scale), _EMPTY, _EMPTY, _EMPTY, -1
+    )  # (no pads, shares, pages)
     return out.to(query.dtype), None
 
 

@@ -223,8 +223,53 @@ class RowKVCache:
         self.lens[rows] = 0
         self.written(rows, 0)
 
+    def read(self, row: int, start: int, end: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Keys and values of positions [start, end) of a row, per layer [H_kv, n, D] (views)."""
+        return [k[row, :, start:end] for k in self.keys], [v[row, :, start:end] for v in self.values]
+
+    def segment(self, row: int, start: int, end: int) -> DenseSegment:
+        """Positions [start, end) of a committed row, copied for the prefix store."""
+        keys, values = self.read(row, start, end)
+        return DenseSegment(start, end, [k.clone() for k in keys], [v.clone() for v in values])
+
+    def restore(self, row: int, pieces: list[tuple[DenseSegment, int, int]], start: int, end: int) -> None:
+        """Row `row` takes positions [start, end) from stored segments: (segment, lo, hi) copies [lo, hi)."""
+        for seg, lo, hi in pieces:
+            for dst, src in zip(self.keys + self.values, seg.keys + seg.values):
+                dst[row, :, lo:hi] = src[:, lo - seg.start : hi - seg.start]
+        self.lens[row] = end
+        self.written([row], start)
+
     def __len__(self) -> int:
         return len(self.keys)  # layers, as a `transformers` cache counts them
+
+
+@dataclass(eq=False)
+class DenseSegment:
+    """Positions [start, end) of a stored sequence: its keys and values, per layer [H_kv, n, D]."""
+
+    start: int
+    end: int
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.keys + self.values)
+
+    def split(self, k: int) -> tuple[DenseSegment, DenseSegment]:
+        """Its first k positions and the rest."""
+        cut = self.start + k
+        head = DenseSegment(
+            self.start, cut, [t[:, :k].clone() for t in self.keys], [t[:, :k].clone() for t in self.values]
+        )
+        tail = DenseSegment(
+            cut, self.end, [t[:, k:].clone() for t in self.keys], [t[:, k:].clone() for t in self.values]
+        )
+        return head, tail
+
+    def release(self) -> None:
+        """(Its tensors go with it.)"""
 
 
 @dataclass(frozen=True)
@@ -245,6 +290,10 @@ class ForwardView:
     block: tuple[int, int] | None = None
     share: torch.Tensor | None = None  # [B, 2] the rows' groups (RowKVCache.groups), None: none shared
     reads: tuple[int, int] = (0, 0)  # committed positions the rows attend; of them, read from a sibling
+    # a paged cache (paged_kv.py): the rows' block tables [B, blocks] the attention reads through, and
+    # where the new tokens go: (blocks, offsets) [B, T]
+    tables: torch.Tensor | None = None
+    where: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def keys(self) -> list[torch.Tensor]:
@@ -259,7 +308,10 @@ class ForwardView:
         return self.lens
 
     def write_index(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Where the forward writes: cache rows [B, 1] and slots [B, T] (index keys[l][rows, :, slots])."""
+        """Where the forward writes: cache rows [B, 1] and slots [B, T] (index keys[l][rows, :, slots]);
+        paged, blocks and offsets [B, T] of the pool."""
+        if self.where is not None:
+            return self.where
         rows = torch.arange(self.cache.batch, device=self.cache.device) if self.rows is None else self.rows
         return rows[:, None], self.slots
 
@@ -267,6 +319,8 @@ class ForwardView:
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: object, **kwargs: object
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The `transformers` Cache entry point: store this layer's new keys/values, return all of them."""
+        if self.tables is not None:
+            raise RuntimeError("a paged KV cache is read through its block tables by the project's layers only")
         k, v = self.cache.keys[layer_idx], self.cache.values[layer_idx]
         rows, slots = self.write_index()
         # Advanced indices around a slice put the indexed dims first: [B, T, H, D].

@@ -167,6 +167,7 @@ class Layers:
             mask,
             _NONE if kv_rows is None else kv_rows,
             _NONE if cache.share is None else cache.share,
+            _NONE if cache.tables is None else cache.tables,
             -1 if capture is None else capture,
             _NONE if real is None else real,
             self.rows,

@@ -4,8 +4,10 @@ The KV of a sequence's first n tokens is its cache up to n (attention is causal,
 forward gives a token the same bits whatever else was computed with it), so a new prompt reuses the
 longest prefix it shares with anything stored (SGLang's RadixAttention, on the CPU). Each edge holds
 its tokens' KV once: eight thoughts of one prompt store the prompt once. Past the memory budget
-(decoding/runtime/memory.py, shared by every store on the model) the least recently used leaves are
-evicted (the KV is copied into a row on use, so no node is ever in use). Leaves wait in a heap by
+(decoding/runtime/memory.py, shared by every store on the model; with paged KV the blocks only the
+store holds count, a block a row also holds counts against the KV pool) the least recently used leaves are
+evicted (a row holds what it took from a node on its own: a copy, or with paged KV the blocks
+themselves, held by count; so no node is ever in use). Leaves wait in a heap by
 last use, so an eviction costs a heap pop, not a walk of the tree. A finished sequence whose
 follow-up is on its way (an in-context evaluation of a thought) is pinned until it is admitted.
 """
@@ -18,8 +20,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from decoding.runtime.kv_cache import RowKVCache
+from decoding.runtime.kv_cache import DenseSegment, RowKVCache
 from decoding.runtime.memory import MemoryBudget
+from decoding.runtime.paged_kv import BlockPool, BlockSegment, PagedKVCache
 
 DEFAULT_BYTES = 4 << 30  # a store built without a budget (tests, tools): its own 4 GiB
 
@@ -39,8 +42,7 @@ def shared_len(a: tuple[int, ...], b: tuple[int, ...]) -> int:
 @dataclass(eq=False)
 class _Node:
     tokens: tuple[int, ...]  # the edge from the parent
-    keys: list[torch.Tensor]  # per layer [H_kv, len(tokens), D]
-    values: list[torch.Tensor]
+    kv: DenseSegment | BlockSegment | None  # its tokens' keys and values (None: the root)
     hidden: torch.Tensor | None  # [len(tokens), hidden size]: the captured layer's output, if kept
     parent: _Node | None = None
     children: dict[int, _Node] = field(default_factory=dict)  # by first token
@@ -49,8 +51,12 @@ class _Node:
     pins: int = 0  # stored sequences ending here that wait for a follow-up: not evictable
 
     @property
+    def hidden_bytes(self) -> int:
+        return 0 if self.hidden is None else self.hidden.nbytes
+
+    @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.keys + self.values) + (0 if self.hidden is None else self.hidden.nbytes)
+        return (0 if self.kv is None else self.kv.nbytes) + self.hidden_bytes
 
 
 @dataclass(frozen=True)
@@ -64,12 +70,17 @@ class Match:
         return sum(n for _, n in self.path)
 
 
+Cache = RowKVCache | PagedKVCache
+
+
 class PrefixCache:
-    def __init__(self, budget: MemoryBudget | None = None) -> None:
+    def __init__(self, budget: MemoryBudget | None = None, pool: BlockPool | None = None) -> None:
         self.budget = budget if budget is not None else MemoryBudget(DEFAULT_BYTES)
         self.budget.stores.add(self)
-        self.nbytes = 0
-        self.root = _Node((), [], [], None)
+        self.pool = pool  # the blocks its segments hold, with paged KV
+        self._bytes = 0  # its nodes' bytes
+        self._hidden_bytes = 0
+        self.root = _Node((), None, None)
         self.nodes = 0
         # (last use, order, node) for leaves; an entry is stale once its node was used again,
         # got a child or was evicted, and is skipped when it reaches the top.
@@ -80,6 +91,13 @@ class PrefixCache:
     @property
     def max_bytes(self) -> int:
         return self.budget.max_bytes
+
+    @property
+    def nbytes(self) -> int:
+        """What counts against the budget: every node's copy; with paged KV the blocks no row holds."""
+        if self.pool is None:
+            return self._bytes
+        return self.pool.held_by_store_alone() * self.pool.block_bytes + self._hidden_bytes
 
     def match(self, tokens: tuple[int, ...] | list[int]) -> Match:
         """The longest stored prefix of `tokens` (possibly ending inside an edge)."""
@@ -97,29 +115,26 @@ class PrefixCache:
             self._push(path[-1][0])
         return Match(tuple(path))
 
-    def restore(self, match: Match, cache: RowKVCache, row: int, start: int, end: int) -> torch.Tensor | None:
-        """Copy positions [start, end) of a matched prefix into a cache row, which then holds `end`
-        committed tokens; returns the captured hidden states of those positions (or None)."""
+    def restore(self, match: Match, cache: Cache, row: int, start: int, end: int) -> torch.Tensor | None:
+        """Positions [start, end) of a matched prefix into a cache row (copied, or its blocks held),
+        which then holds `end` committed tokens; returns the captured hidden states of those
+        positions (or None)."""
         assert end <= match.length
-        hidden, offset = [], 0
+        hidden, pieces, offset = [], [], 0
         for node, n in match.path:
             lo, hi = max(start, offset), min(end, offset + n)
             if lo < hi:
-                for dst, src in zip(cache.keys, node.keys):
-                    dst[row, :, lo:hi] = src[:, lo - offset : hi - offset]
-                for dst, src in zip(cache.values, node.values):
-                    dst[row, :, lo:hi] = src[:, lo - offset : hi - offset]
+                pieces.append((node.kv, lo, hi))
                 if node.hidden is not None:
                     hidden.append(node.hidden[lo - offset : hi - offset])
             offset += n
-        cache.lens[row] = end
-        cache.written([row], start)
+        cache.restore(row, pieces, start, end)  # type: ignore[arg-type]
         return torch.cat(hidden) if hidden else None
 
     def store(
         self,
         tokens: tuple[int, ...],
-        cache: RowKVCache,
+        cache: Cache,
         row: int = 0,
         hidden: torch.Tensor | None = None,
         pin: tuple[int, ...] | None = None,
@@ -141,21 +156,20 @@ class PrefixCache:
                 self._pin(pin, node)
             return
 
-        def part(t: torch.Tensor) -> torch.Tensor:
-            return t[row, :, done:n].clone()
-
         leaf = _Node(
             tokens[done:],
-            [part(k) for k in cache.keys],
-            [part(v) for v in cache.values],
+            cache.segment(row, done, n),
             None if hidden is None else hidden[done:n].clone(),
             parent=node,
             used=self.budget.clock,
         )
         if leaf.nbytes > self.max_bytes:
+            assert leaf.kv is not None
+            leaf.kv.release()
             return
         node.children[leaf.tokens[0]] = leaf
-        self.nbytes += leaf.nbytes
+        self._bytes += leaf.nbytes
+        self._hidden_bytes += leaf.hidden_bytes
         self.nodes += 1
         self._push(leaf)
         if pin is not None:
@@ -203,24 +217,23 @@ class PrefixCache:
 
     def _split(self, node: _Node, k: int) -> _Node:
         """Cut an edge after its first k tokens; returns the new node holding those k."""
-        assert node.parent is not None
+        assert node.parent is not None and node.kv is not None
+        head_kv, node_kv = node.kv.split(k)
         head = _Node(
             node.tokens[:k],
-            [t[:, :k].clone() for t in node.keys],
-            [t[:, :k].clone() for t in node.values],
+            head_kv,
             None if node.hidden is None else node.hidden[:k].clone(),
             parent=node.parent,
             used=node.used,
         )
         before = node.nbytes
         node.tokens = node.tokens[k:]
-        node.keys = [t[:, k:].clone() for t in node.keys]
-        node.values = [t[:, k:].clone() for t in node.values]
+        node.kv = node_kv
         node.hidden = None if node.hidden is None else node.hidden[k:].clone()
         node.parent.children[head.tokens[0]] = head
         head.children[node.tokens[0]] = node
         node.parent = head
-        self.nbytes += head.nbytes + node.nbytes - before
+        self._bytes += head.nbytes + node.nbytes - before
         self.nodes += 1
         return head
 
@@ -250,7 +263,24 @@ class PrefixCache:
         assert parent is not None
         del parent.children[leaf.tokens[0]]
         leaf.alive = False
-        self.nbytes -= leaf.nbytes
+        self._bytes -= leaf.nbytes
+        self._hidden_bytes -= leaf.hidden_bytes
+        assert leaf.kv is not None
+        leaf.kv.release()
         self.nodes -= 1
         if parent is not self.root and not parent.children:
             self._push(parent)
+
+    def clear(self) -> None:
+        """Drop everything stored (its blocks let go), pins included."""
+        self._pinned.clear()
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            node.alive = False
+            if node.kv is not None:
+                node.kv.release()
+        self.root.children.clear()
+        self._leaves.clear()
+        self._bytes = self._hidden_bytes = self.nodes = 0

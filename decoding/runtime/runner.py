@@ -11,6 +11,7 @@ from decoding.runtime import attention, llama
 from decoding.runtime.kv_cache import ForwardView, RowKVCache, cache_geometry
 from decoding.runtime.memory import MemoryBudget
 from decoding.runtime.packing import Packed, pack
+from decoding.runtime.paged_kv import BlockPool, PagedKVCache
 from decoding.runtime.prefix_cache import Match, PrefixCache, shared_len
 from decoding.runtime.quant import cache_dtype
 from decoding.runtime.static_forward import StaticForward, StaticSpec
@@ -41,6 +42,7 @@ class ModelRunner:
         static: StaticSpec | None = None,
         strict_graphs: bool = False,
         kv_budget: int | None = None,
+        paged: bool = True,
     ) -> None:
         self.model = model
         self.config = model.config
@@ -57,7 +59,11 @@ class ModelRunner:
         self.rows = 0  # sequences scored, summed over forwards
         self.prompt_tokens_computed = 0  # prompt tokens `admit` computed or left pending
         self.peak_cache_bytes = 0
-        self.prefixes = PrefixCache(prefix_budget)  # its own 4 GiB without a budget
+        # KV in blocks shared by reference (paged_kv.py) where the project's layers read it on the CPU;
+        # every other forward reads rows of its own
+        paged = paged and self.layers is not None and self.static is None and self.device.type == "cpu"
+        self.pool = BlockPool.for_model(self.config, self.cache_dtype, self.device) if paged else None
+        self.prefixes = PrefixCache(prefix_budget, self.pool)  # its own 4 GiB without a budget
         self.kv_budget = kv_budget  # bytes a decoder's KV pool may take (model.kv_memory); None: unbounded
         # Hidden-state capture for drafters that read them (EDD): off unless capture_hidden is called.
         self.hidden_layer: int | None = None
@@ -69,7 +75,8 @@ class ModelRunner:
         are dropped."""
         n = len(decoder_layers(self.model))
         self.hidden_layer = layer % n
-        self.prefixes = PrefixCache(self.prefixes.budget)
+        self.prefixes.clear()
+        self.prefixes = PrefixCache(self.prefixes.budget, self.pool)
 
     @property
     def vocab_size(self) -> int:
@@ -83,7 +90,10 @@ class ModelRunner:
 
     def new_cache(self, batch: int, capacity: int, graphs: bool = False) -> RowKVCache:
         """An empty cache; `graphs`: one that lives long enough to be worth capturing CUDA graphs over
-        (a decoder's pool of rows, not a scratch cache of one admission)."""
+        (a decoder's pool of rows, not a scratch cache of one admission). Paged, rows of the model's
+        block pool (they share blocks with each other and the prefix store)."""
+        if self.pool is not None and self.layers is not None:
+            return PagedKVCache(self.pool, batch, capacity)  # type: ignore[return-value]
         cache = RowKVCache.for_model(
             self.config,
             batch,
@@ -131,7 +141,7 @@ class ModelRunner:
             mask = torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill_(
                 ~mask, torch.finfo(self.dtype).min
             )
-        kv_rows = torch.tensor(rows, dtype=torch.long) if in_place else None
+        kv_rows = torch.tensor(rows, dtype=torch.long) if in_place and view.tables is None else None
         positions = view.row_lens()[:, None] + depth.to(self.device)
         keep = None if logits_at is None else logits_at.to(self.device)
         if self.layers is not None:
@@ -381,6 +391,7 @@ class ModelRunner:
             self.prefixes.store(head, scratch, 0, torch.cat(hidden) if capture else None)
             self.prompt_tokens_computed += len(rest)
         cache.copy_prefix(scratch, 0, rows, len(head))
+        scratch.clear([0])
         return dict.fromkeys(rows, len(head)), torch.cat(hidden) if capture and hidden else empty
 
     def _prefill(self, cache: RowKVCache, rows: list[int], pending: list[list[int]]) -> None:

@@ -45,10 +45,13 @@ constexpr int64_t BL = U * W;  // positions per key block
 constexpr int64_t SPAN = 8 * BL;  // positions of keys widened at once: [D][SPAN] floats, 128 KiB at D 64
 constexpr int64_t QC = 16;     // queries per task at most (tasks split a row's queries, never a reduction)
 
-// One query row of a task: where its queries, outputs, mask and live tokens are, and its cache row.
+// One query row of a task: where its queries, outputs, mask and live tokens are, and its cache row:
+// a row of its own (k, v at its first position) or, paged, a table of blocks of BL positions in a
+// pool (k, v at the pool's first block, of this head).
 template <typename scalar_t>
 struct Member {
   const scalar_t *q, *k, *v;
+  const int64_t* table;  // the row's block ids (null: a row of its own)
   scalar_t* out;
   const bool* mask;  // null: causal
   const bool* live;  // [T] of the row: the tokens whose outputs are read (null: all)
@@ -70,9 +73,21 @@ struct Task {
   int64_t nm, S;  // S: a multiple of BL, at most L
   int64_t qs1, qs2, ksl, ksd, vs2, os1, os2;  // strides: query head/token, key position/dim, value
                                               // position, output token/head
+  int64_t kbs, vbs;  // paged: strides of the pool's blocks
   int64_t ms2, ms3, G, T, L, D, j0, j1;
   float scale;
 };
+
+// Where block b (positions b * BL on) of a member's keys or values starts: in its own row, or in the
+// pool's block its table names. Blocks are read whole or not at all, in position order.
+template <typename scalar_t>
+inline const scalar_t* key_block(const Task<scalar_t>& a, const Member<scalar_t>& m, int64_t b) {
+  return m.table != nullptr ? m.k + m.table[b] * a.kbs : m.k + b * BL * a.ksl;
+}
+template <typename scalar_t>
+inline const scalar_t* value_block(const Task<scalar_t>& a, const Member<scalar_t>& m, int64_t b) {
+  return m.table != nullptr ? m.v + m.table[b] * a.vbs : m.v + b * BL * a.vs2;
+}
 
 struct Scratch {
   std::vector<float> qf, kblk, vf, p, allow, o, sum;
@@ -200,13 +215,18 @@ inline void scores_pass(const int64_t* js, const float* qf, int64_t Dp, const fl
 // lines with each row are requested: they arrive while the scores run instead of when the next span
 // or the values pass asks for them.
 template <typename scalar_t>
-void scores_range(const Task<scalar_t>& a, Scratch& s, const scalar_t* k, const scalar_t* v, int64_t from,
-                  int64_t to, const int64_t* js, int64_t n, int64_t Dp, int64_t Lp) {
+void scores_range(const Task<scalar_t>& a, Scratch& s, const Member<scalar_t>& m, int64_t from, int64_t to,
+                  const int64_t* js, int64_t n, int64_t Dp, int64_t Lp) {
   const int64_t L = a.L, D = a.D, end = std::min(to, L);
   const int64_t span = n <= J ? std::min(SPAN, to - from) : BL;
   s.kblk.resize(D * (span + W));
   float* kspan = s.kblk.data();
-  const char* vbytes = reinterpret_cast<const char*>(v + from * a.vs2);
+  // The range's value lines, block after block (a block's lines are contiguous).
+  const int64_t block_bytes = BL * a.vs2 * static_cast<int64_t>(sizeof(scalar_t));
+  const auto value_line = [&](int64_t i) {
+    const int64_t byte = i * 64;
+    return reinterpret_cast<const char*>(value_block(a, m, from / BL + byte / block_bytes)) + byte % block_bytes;
+  };
   const int64_t vlines = ((end - from) * a.vs2 * static_cast<int64_t>(sizeof(scalar_t)) + 63) / 64;
   int64_t vline = 0;
   for (int64_t s0 = from; s0 < to; s0 += span) {
@@ -214,18 +234,22 @@ void scores_range(const Task<scalar_t>& a, Scratch& s, const scalar_t* k, const 
     const int64_t kstride = Ls + W;  // rows of keys not a multiple of 4 KiB apart (cache sets)
     const int64_t vstep = (vlines * Ls / (to - from) + D - 1) / D;
     if (a.ksl == 1) {
-      const int64_t next = std::min(span, end - s0 - Ls) * static_cast<int64_t>(sizeof(scalar_t));
+      const int64_t next = std::min(span, end - s0 - Ls);
       for (int64_t d = 0; d < D; ++d) {
-        for (int64_t i = 0; i < vstep && vline < vlines; ++i, ++vline) __builtin_prefetch(vbytes + vline * 64, 0, 2);
-        const char* row = reinterpret_cast<const char*>(k + d * a.ksd + s0 + Ls);
-        for (int64_t at = 0; at < next; at += 64) __builtin_prefetch(row + at);
-        widen(k + d * a.ksd + s0, kspan + d * kstride, nl);
+        for (int64_t i = 0; i < vstep && vline < vlines; ++i, ++vline) __builtin_prefetch(value_line(vline), 0, 2);
+        for (int64_t b0 = s0 + Ls; b0 < s0 + Ls + next; b0 += BL) {
+          const char* row = reinterpret_cast<const char*>(key_block(a, m, b0 / BL) + d * a.ksd);
+          const int64_t bytes = std::min(BL, s0 + Ls + next - b0) * static_cast<int64_t>(sizeof(scalar_t));
+          for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(row + at);
+        }
+        for (int64_t b0 = s0; b0 < s0 + nl; b0 += BL)
+          widen(key_block(a, m, b0 / BL) + d * a.ksd, kspan + d * kstride + (b0 - s0), std::min(BL, s0 + nl - b0));
         for (int64_t l = nl; l < Ls; ++l) kspan[d * kstride + l] = 0.0f;
       }
     } else {
       float row[16 * W];
       for (int64_t l = 0; l < Ls; ++l) {
-        if (l < nl) widen(k + (s0 + l) * a.ksl, row, D);
+        if (l < nl) widen(key_block(a, m, (s0 + l) / BL) + (s0 + l) % BL * a.ksl, row, D);
         for (int64_t d = 0; d < D; ++d) kspan[d * kstride + l] = l < nl ? row[d] : 0.0f;
       }
     }
@@ -247,14 +271,15 @@ void scores_range(const Task<scalar_t>& a, Scratch& s, const scalar_t* k, const 
 // time. Values are read in place where a row of them is whole vectors (D == Dp), else widened first
 // into rows padded to Dp.
 template <int C, typename scalar_t>
-void values_range(const Task<scalar_t>& a, Scratch& s, const scalar_t* v, int64_t from, int64_t to,
+void values_range(const Task<scalar_t>& a, Scratch& s, const Member<scalar_t>& m, int64_t from, int64_t to,
                   const int64_t* js, int64_t n, int64_t Lp) {
   constexpr int64_t Dp = C * W;
   if (from >= to || n == 0) return;
   const bool direct = a.D == Dp;
   if (!direct) {
     s.vf.assign((to - from) * Dp, 0.0f);
-    for (int64_t l = from; l < to; ++l) widen(v + l * a.vs2, s.vf.data() + (l - from) * Dp, a.D);
+    for (int64_t l = from; l < to; ++l)
+      widen(value_block(a, m, l / BL) + l % BL * a.vs2, s.vf.data() + (l - from) * Dp, a.D);
   }
   auto pass = [&](auto width, int64_t at) {
     constexpr int NJ = decltype(width)::value;
@@ -266,8 +291,12 @@ void values_range(const Task<scalar_t>& a, Scratch& s, const scalar_t* v, int64_
       acc[j] = s.o.data() + js[at + j] * Dp;
       sum[j] = s.sum[js[at + j]];
     }
-    if (direct) weighted_values<C, NJ>(w, v + from * a.vs2, a.vs2, from, to, acc, sum);
-    else weighted_values<C, NJ>(w, s.vf.data(), Dp, from, to, acc, sum);
+    if (direct)  // block by block, each sum continued in position order
+      for (int64_t b0 = from; b0 < to; b0 = (b0 / BL + 1) * BL)
+        weighted_values<C, NJ>(w, value_block(a, m, b0 / BL) + b0 % BL * a.vs2, a.vs2, b0,
+                               std::min(to, (b0 / BL + 1) * BL), acc, sum);
+    else
+      weighted_values<C, NJ>(w, s.vf.data(), Dp, from, to, acc, sum);
     for (int j = 0; j < NJ; ++j) s.sum[js[at + j]] = sum[j];
   };
   for (int64_t at = 0; at < n;) {
@@ -319,10 +348,10 @@ void attend_task(const Task<scalar_t>& a, Scratch& s) {
   if (n_live == 0) return;
   const int64_t* js = s.live.data();
   // The shared positions once for every live query of the group, then each row's own.
-  if (a.S > 0) scores_range(a, s, a.members[0].k, a.members[0].v, 0, a.S, js, n_live, Dp, Lp);
+  if (a.S > 0) scores_range(a, s, a.members[0], 0, a.S, js, n_live, Dp, Lp);
   for (int64_t m = 0; m < a.nm; ++m)
     if (a.S < Lr && s.first[m + 1] > s.first[m])
-      scores_range(a, s, a.members[m].k, a.members[m].v, a.S, Lr, js + s.first[m], s.first[m + 1] - s.first[m], Dp, Lp);
+      scores_range(a, s, a.members[m], a.S, Lr, js + s.first[m], s.first[m + 1] - s.first[m], Dp, Lp);
   for (int64_t at = 0; at < n_live; ++at) {
     float* __restrict pj = s.p.data() + js[at] * Lp;
     const float* __restrict al = s.allow.data() + js[at] * Lr;
@@ -349,9 +378,9 @@ void attend_task(const Task<scalar_t>& a, Scratch& s) {
   }
   s.o.assign(nq * Dp, 0.0f);
   s.sum.assign(nq, 0.0f);
-  values_range<C>(a, s, a.members[0].v, 0, a.S, js, n_live, Lp);
+  values_range<C>(a, s, a.members[0], 0, a.S, js, n_live, Lp);
   for (int64_t m = 0; m < a.nm; ++m)
-    values_range<C>(a, s, a.members[m].v, a.S, L, js + s.first[m], s.first[m + 1] - s.first[m], Lp);
+    values_range<C>(a, s, a.members[m], a.S, L, js + s.first[m], s.first[m + 1] - s.first[m], Lp);
   for (int64_t at = 0; at < n_live; ++at) {
     const int64_t j = js[at];
     const Query q = query_of(a, j);
@@ -364,8 +393,9 @@ void attend_task(const Task<scalar_t>& a, Scratch& s) {
 template <typename scalar_t>
 void attend_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                    const at::Tensor& mask, bool has_mask, const at::Tensor& rows, bool has_rows,
-                   const at::Tensor& live, const at::Tensor& share, double scale, at::Tensor& out) {
-  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), L = k.size(2);
+                   const at::Tensor& live, const at::Tensor& share, const at::Tensor& tables, int64_t L,
+                   double scale, at::Tensor& out) {
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3);
   const int64_t Hk = k.size(1), G = H / Hk, nq = G * T;
   // Groups of query rows read together: rows given one group id in `share` hold the same first
   // share[b][1] positions; every other row is a group of its own.
@@ -407,12 +437,15 @@ void attend_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
               "attend: head dimension ", D, " is not supported (up to 256, in steps of 16, 32, 64 or 128)");
   const int64_t* rp = has_rows ? rows.data_ptr<int64_t>() : nullptr;
   const bool* lp = live.numel() > 0 ? live.data_ptr<bool>() : nullptr;
+  const int64_t* tp = tables.numel() > 0 ? tables.data_ptr<int64_t>() : nullptr;
   Task<scalar_t> base{};
   base.qs1 = q.stride(1);
   base.qs2 = q.stride(2);
   base.ksl = k.stride(2);
   base.ksd = k.stride(3);
   base.vs2 = v.stride(2);
+  base.kbs = k.stride(0);
+  base.vbs = v.stride(0);
   base.os1 = out.stride(1);
   base.os2 = out.stride(2);
   base.ms2 = has_mask ? mask.stride(2) : 0;
@@ -430,10 +463,11 @@ void attend_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
       const int64_t part = task % chunks_per_head;
       members.clear();
       for (const int64_t b : groups[gi]) {
-        const int64_t r = has_rows ? rp[b] : b;
+        const int64_t r = tp != nullptr ? 0 : has_rows ? rp[b] : b;  // paged: the pool's first block
         members.push_back({q.data_ptr<scalar_t>() + b * q.stride(0) + hk * G * q.stride(1),
                            k.data_ptr<scalar_t>() + r * k.stride(0) + hk * k.stride(1),
                            v.data_ptr<scalar_t>() + r * v.stride(0) + hk * v.stride(1),
+                           tp != nullptr ? tp + b * tables.size(1) : nullptr,
                            out.data_ptr<scalar_t>() + b * out.stride(0) + hk * G * out.stride(2),
                            has_mask ? mask.data_ptr<bool>() + b * mask.stride(0) : nullptr,
                            lp != nullptr ? lp + b * T : nullptr});
@@ -461,29 +495,40 @@ void attend_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
 // causal (query t sees positions up to L - T + t); rows [B] int64: the k/v row of each query row
 // (empty: the same row); live bool [B, T]: the queries whose outputs are read (empty: all); share
 // int64 [B, 2]: per query row a group id (negative: none) and a count n: the k/v rows of one group
-// hold the same first n positions, read once for all of them (empty: no sharing). Returns
-// [B, T, H, D] in q's dtype, the same bits with sharing or without.
+// hold the same first n positions, read once for all of them (empty: no sharing). Paged: `tables`
+// int64 [B, nb] names per query row the pool blocks of its positions (block i: positions i * BL on),
+// k and v are pools [N, Hk, BL, D] and `length` is L (rows then empty); else tables is empty and
+// length -1 (L: k's positions). Returns [B, T, H, D] in q's dtype, the same bits with sharing or
+// without, paged or not.
 at::Tensor attend(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor mask, at::Tensor rows,
-                     double scale, at::Tensor live, at::Tensor share) {
+                     double scale, at::Tensor live, at::Tensor share, at::Tensor tables, int64_t length) {
   RECORD_FUNCTION("tot::attend", std::vector<c10::IValue>());  // seen by torch.profiler (decoding.profile_forward)
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "attend: q, k, v must be 4D");
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "attend: CPU tensors only");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(), "attend: one dtype");
   TORCH_CHECK(q.size(1) % k.size(1) == 0, "attend: query heads must be a multiple of key/value heads");
   TORCH_CHECK(k.size(3) == q.size(3) && v.size(3) == q.size(3) && v.size(2) == k.size(2), "attend: shapes");
-  const bool has_mask = mask.numel() > 0, has_rows = rows.numel() > 0;
+  const bool has_mask = mask.numel() > 0, has_rows = rows.numel() > 0, paged = tables.numel() > 0;
+  const int64_t L = paged ? length : k.size(2);
+  if (paged) {
+    TORCH_CHECK(!has_rows && k.size(2) == BL && v.size(0) == k.size(0), "attend: pools [N, Hk, ", BL, ", D] without rows");
+    TORCH_CHECK(tables.scalar_type() == at::kLong && tables.dim() == 2 && tables.size(0) == q.size(0) &&
+                    tables.size(1) * BL >= L && L >= 0, "attend: tables [B, blocks] covering length");
+    tables = tables.contiguous();
+    TORCH_CHECK(tables.min().item<int64_t>() >= 0 && tables.max().item<int64_t>() < k.size(0), "attend: a block past the pool");
+  }
   // Rows of the head dimension are read as vectors.
   if (q.stride(3) != 1) q = q.contiguous();
   if (k.stride(3) != 1 && k.stride(2) != 1) k = k.contiguous();  // keys: either dimension contiguous
   if (v.stride(3) != 1) v = v.contiguous();
   if (has_mask) {
     TORCH_CHECK(mask.scalar_type() == at::kBool && mask.dim() == 4 && mask.size(1) == 1, "attend: mask");
-    mask = mask.expand({q.size(0), 1, q.size(2), k.size(2)});
+    mask = mask.expand({q.size(0), 1, q.size(2), L});
   }
   if (has_rows) {
     TORCH_CHECK(rows.scalar_type() == at::kLong && rows.numel() == q.size(0), "attend: rows");
     rows = rows.contiguous();
-  } else {
+  } else if (!paged) {
     TORCH_CHECK(k.size(0) == q.size(0), "attend: key/value rows must match query rows");
   }
   if (live.numel() > 0) {
@@ -497,7 +542,7 @@ at::Tensor attend(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor mask, at:
   }
   auto out = at::empty({q.size(0), q.size(2), q.size(1), q.size(3)}, q.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "attend", [&] {
-    attend_kernel<scalar_t>(q, k, v, mask, has_mask, rows, has_rows, live, share, scale, out);
+    attend_kernel<scalar_t>(q, k, v, mask, has_mask, rows, has_rows, live, share, tables, L, scale, out);
   });
   return out;
 }

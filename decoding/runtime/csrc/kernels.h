@@ -62,7 +62,7 @@ inline void norm_row(const T* x, const T* w, T* out, int64_t h, float eps) {
 }
 
 at::Tensor attend(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor mask, at::Tensor rows,
-                     double scale, at::Tensor live, at::Tensor share);
+                     double scale, at::Tensor live, at::Tensor share, at::Tensor tables, int64_t length);
 
 at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias);
 
@@ -71,7 +71,8 @@ std::vector<at::Tensor> decoder_layers(at::Tensor h, const std::vector<at::Tenso
                                        const at::Tensor& sin, const std::vector<at::Tensor>& keys,
                                        const std::vector<at::Tensor>& values, const at::Tensor& rows,
                                        const at::Tensor& slots, int64_t kv_len, const at::Tensor& mask,
-                                       const at::Tensor& kv_rows, const at::Tensor& share, int64_t capture, const at::Tensor& real, bool rows_kernel,
+                                       const at::Tensor& kv_rows, const at::Tensor& share, const at::Tensor& tables,
+                                       int64_t capture, const at::Tensor& real, bool rows_kernel,
                                        bool rows_norm, bool fixed_silu, int64_t qkv_levels);
 
 // x's rows in `levels` int8 levels: 1 (llama.cpp's rule) or 2 (the first's residual quantized again).

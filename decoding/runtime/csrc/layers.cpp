@@ -189,7 +189,8 @@ std::vector<at::Tensor> decoder_layers(at::Tensor h, const std::vector<at::Tenso
                                        const at::Tensor& sin, const std::vector<at::Tensor>& keys,
                                        const std::vector<at::Tensor>& values, const at::Tensor& rows,
                                        const at::Tensor& slots, int64_t kv_len, const at::Tensor& mask,
-                                       const at::Tensor& kv_rows, const at::Tensor& share, int64_t capture, const at::Tensor& real, bool rows_kernel,
+                                       const at::Tensor& kv_rows, const at::Tensor& share, const at::Tensor& tables,
+                                       int64_t capture, const at::Tensor& real, bool rows_kernel,
                                        bool rows_norm, bool fixed_silu, int64_t qkv_levels) {
   constexpr size_t PER_LAYER = 2 + 7 * 3;  // two norm weights, then q, k, v, o, gate, up, down
   TORCH_CHECK(weights.size() == keys.size() * PER_LAYER && keys.size() == values.size(), "decoder_layers: weights");
@@ -248,9 +249,12 @@ std::vector<at::Tensor> decoder_layers(at::Tensor h, const std::vector<at::Tenso
       keys[i].index_put_(where, k.transpose(1, 2).to(keys[i].scalar_type()));
       values[i].index_put_(where, v.transpose(1, 2).to(values[i].scalar_type()));
     }
-    // in the cache's type, as attention.py's invariant_attention
-    at::Tensor out = attend(q.to(keys[i].scalar_type()), keys[i].slice(2, 0, kv_len), values[i].slice(2, 0, kv_len),
-                            mask, kv_rows, scaling, live, share)
+    // in the cache's type, as attention.py's invariant_attention; a paged cache's pools whole, read
+    // through the rows' block tables
+    const bool paged = tables.numel() > 0;
+    at::Tensor out = attend(q.to(keys[i].scalar_type()), paged ? keys[i] : keys[i].slice(2, 0, kv_len),
+                            paged ? values[i] : values[i].slice(2, 0, kv_len), mask, kv_rows, scaling, live, share,
+                            tables, paged ? kv_len : -1)
                          .to(h.scalar_type());
     out = !ragged ? out.reshape({batch, n_new, -1})
           : padded ? out.reshape({batch * n_new, -1}).index_select(0, real)

@@ -1,0 +1,438 @@
+"""KV in blocks shared by reference: a model's pool of blocks, rows as tables of blocks, and the
+prefix store's segments holding blocks too.
+
+A block holds BLOCK positions of every layer's keys and values. A row is a table naming, for each
+BLOCK of its positions, a block of the pool; rows and stored prefixes hold blocks by count. A row
+given a prefix (the samples of one ToT state, a prompt found in the prefix store) takes the blocks
+that hold it, copying nothing; it writes only into blocks it alone holds: before a forward writes
+into a block that another row or the store also holds, the row takes a copy of it (copy on write,
+at the first divergent token). A block goes back to the pool when nothing holds it. The CPU
+attention (csrc/attention.cpp) reads the rows through their tables, a block shared by several rows
+of a forward once for all of them, each query's reductions in position order as for a row of its
+own: a token's logits have the same bits whoever shares its blocks.
+
+Only the project's layers read tables (decoding/runtime/llama.py); the runner gives every other
+forward (transformers' own, the bucketed GPU forward) the rows of their own in kv_cache.py.
+"""
+
+from __future__ import annotations
+
+import heapq
+import threading
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from decoding.runtime.kv_cache import POOL_SLACK, SHARED_BLOCK, ForwardView, cache_geometry, shared_reads
+
+# The counts and tables are made outside inference mode (where a forward may grow them), so that
+# code outside it can change them too.
+_bookkeeping = torch.inference_mode(False)
+BLOCK = SHARED_BLOCK  # positions a block holds: the CPU attention's block of positions (csrc/attention.cpp, BL)
+NULL = 0  # the block a table names where a row has none: never handed out, never written
+
+
+class BlockPool:
+    """Keys/values in blocks [N, H_kv, BLOCK, D] per layer (keys stored [N, H_kv, D, BLOCK], seen
+    transposed: the attention reads a block's positions of one dimension as a vector), and per
+    block how many hold it (`refs`) and how many of those are the prefix store's (`stored`).
+
+    Blocks are handed out lowest first, so the pool's tail empties and can be given back. Every
+    change of the counts runs under the pool's lock: a drafting thread (`seed.overlap`) may admit
+    and release rows of a draft model's pool while the main thread runs."""
+
+    def __init__(
+        self, n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str
+    ) -> None:
+        self.shape = (n_layers, n_kv_heads, head_dim)
+        self.dtype, self.device = dtype, torch.device(device)
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.refs = torch.zeros(0, dtype=torch.int32)
+        self.stored = torch.zeros(0, dtype=torch.int32)
+        self._free: list[int] = []  # a heap of free block ids
+        self.lock = threading.Lock()
+        self.peak_used = 0
+        self._resize(16)
+        self.refs[NULL] = 1  # held forever: never handed out
+        self._free.remove(NULL)
+        heapq.heapify(self._free)
+
+    @classmethod
+    def for_model(cls, config: object, dtype: torch.dtype, device: torch.device | str) -> BlockPool:
+        return cls(*cache_geometry(config), dtype, device)
+
+    @property
+    def blocks(self) -> int:
+        return self.refs.shape[0]
+
+    @property
+    def block_bytes(self) -> int:
+        n_layers, n_kv, head_dim = self.shape
+        return 2 * n_layers * n_kv * head_dim * BLOCK * self.dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks * self.block_bytes
+
+    @property
+    def used(self) -> int:
+        """Blocks held by a row or the store (the null block not counted)."""
+        return int((self.refs > 0).sum()) - 1
+
+    def held_by_store_alone(self) -> int:
+        """Blocks only the prefix store holds (what counts against `model.prefix_memory`)."""
+        return int(((self.stored > 0) & (self.refs == self.stored)).sum())
+
+    def shared(self) -> int:
+        """Blocks held by more than one row."""
+        return int(((self.refs - self.stored) > 1).sum())
+
+    def take(self, n: int) -> list[int]:
+        """n fresh blocks, each held once."""
+        with self.lock:
+            if len(self._free) < n:
+                self._resize(max(2 * self.blocks, self.blocks + n - len(self._free)))
+            ids = [heapq.heappop(self._free) for _ in range(n)]
+            self.refs[ids] = 1
+            self.peak_used = max(self.peak_used, self.used)
+            return ids
+
+    def hold(self, ids: torch.Tensor | list[int], stored: bool = False) -> None:
+        """One more holder of each of `ids` (repeats count), the store if `stored`."""
+        ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
+        ids = ids[ids != NULL]
+        one = torch.ones(ids.shape[0], dtype=torch.int32)
+        with self.lock:
+            self.refs.index_add_(0, ids, one)
+            if stored:
+                self.stored.index_add_(0, ids, one)
+
+    def drop(self, ids: torch.Tensor | list[int], stored: bool = False) -> None:
+        """One holder fewer of each of `ids`; a block nothing holds goes back to the pool."""
+        ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
+        ids = ids[ids != NULL]
+        if not ids.numel():
+            return
+        one = torch.ones(ids.shape[0], dtype=torch.int32)
+        with self.lock:
+            self.refs.index_add_(0, ids, -one)
+            if stored:
+                self.stored.index_add_(0, ids, -one)
+            assert int(self.refs.min()) >= 0, "a block was let go more often than it was held"
+            ids = ids.unique()
+            for b in ids[self.refs[ids] == 0].tolist():
+                heapq.heappush(self._free, b)
+
+    def copy(self, src: list[int], dst: list[int]) -> None:
+        """Blocks `dst` take the contents of blocks `src`."""
+        s, d = torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device)
+        for t in self.keys + self.values:
+            t[d] = t[s]
+
+    def trim(self, slack: float = POOL_SLACK) -> bool:
+        """Give back the free tail once the pool holds more than `slack` times the blocks up to its
+        last held one; whether it shrank."""
+        with self.lock:
+            held = torch.nonzero(self.refs).max().item() + 1
+            if self.blocks <= slack * max(held, 16):
+                return False
+            self._resize(max(2 * held, 16))
+            return True
+
+    @_bookkeeping
+    def _resize(self, n: int) -> None:
+        """n blocks, keeping what the first ones hold (the caller vouches no block past n is held)."""
+        n_layers, n_kv, head_dim = self.shape
+        old, keep = self.blocks, min(n, self.blocks)
+
+        def resized(t: torch.Tensor | None, by_position: bool) -> torch.Tensor:
+            store = (n, n_kv, head_dim, BLOCK) if by_position else (n, n_kv, BLOCK, head_dim)
+            out = torch.zeros(store, dtype=self.dtype, device=self.device)
+            if t is not None:
+                out[:keep] = t.transpose(2, 3)[:keep] if by_position else t[:keep]
+            return out.transpose(2, 3) if by_position else out
+
+        self.keys = [resized(self.keys[i] if self.keys else None, True) for i in range(n_layers)]
+        self.values = [resized(self.values[i] if self.values else None, False) for i in range(n_layers)]
+        grow = torch.zeros(max(0, n - old), dtype=torch.int32)
+        self.refs = torch.cat([self.refs[:keep], grow])
+        self.stored = torch.cat([self.stored[:keep], grow])
+        self._free = [b for b in self._free if b < n] + list(range(old, n))
+        heapq.heapify(self._free)
+
+
+@dataclass(eq=False)
+class _Tables:
+    """A cache's tables, apart from it so that what they hold is let go when the cache is collected."""
+
+    tables: torch.Tensor  # [rows, blocks] int64 block ids, NULL where a row has none
+
+    def release(self, pool: BlockPool) -> None:
+        pool.drop(self.tables[self.tables != NULL])
+        self.tables.zero_()
+
+
+class PagedKVCache:
+    """Rows of a BlockPool: per row a table of blocks and a committed length. The same interface as
+    kv_cache.RowKVCache (the decoders and the runner see no difference), its memory in blocks."""
+
+    spare = 0  # no bucketed forward runs over it
+    graphs = None
+
+    @_bookkeeping
+    def __init__(self, pool: BlockPool, batch: int, capacity: int) -> None:
+        self.pool = pool
+        self.device = pool.device
+        self._own = _Tables(torch.zeros(batch, _blocks(capacity), dtype=torch.long))
+        self.lens = torch.zeros(batch, dtype=torch.long)
+        weakref.finalize(self, _Tables.release, self._own, pool)
+
+    @property
+    def tables(self) -> torch.Tensor:
+        return self._own.tables
+
+    @property
+    def keys(self) -> list[torch.Tensor]:
+        return self.pool.keys
+
+    @property
+    def values(self) -> list[torch.Tensor]:
+        return self.pool.values
+
+    @property
+    def batch(self) -> int:
+        return self.lens.shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return self.tables.shape[1] * BLOCK
+
+    @property
+    def nbytes(self) -> int:
+        """What its rows hold: each block once (the pool's other blocks are free, or the store's)."""
+        return self.blocks_held()[0] * self.pool.block_bytes
+
+    def blocks_held(self, rows: list[int] | None = None) -> tuple[int, int]:
+        """(distinct blocks the rows hold, of them held by more than one of the rows)."""
+        t = self.tables if rows is None else self.tables[rows]
+        ids, counts = t[t != NULL].unique(return_counts=True)
+        return ids.numel(), int((counts > 1).sum())
+
+    def prepare(self, n_new: int, offset: int = 0, rows: list[int] | None = None, gather: bool = True) -> ForwardView:
+        """The next forward's view (as RowKVCache.prepare): each row's blocks for its new slots taken,
+        or copied where another holder has them (copy on write), and its table for the attention."""
+        order = list(range(self.batch)) if rows is None else rows
+        host = self.lens[order]
+        need = int(host.max()) + offset + n_new
+        if need > self.capacity:
+            raise RuntimeError(f"KV cache holds {self.capacity} positions, a forward needs {need}")
+        for row, n in zip(order, host.tolist()):
+            self._own_blocks(row, (n + offset) // BLOCK, _blocks(n + offset + n_new))
+        slots = host[:, None] + offset + torch.arange(n_new)
+        tables = self.tables[order, : _blocks(need)]
+        where = (tables.gather(1, slots // BLOCK), slots % BLOCK)
+        share = _share(tables, host)
+        reads = (int(host.sum()), 0 if share is None else shared_reads(share))
+        index = torch.tensor(order, dtype=torch.long)
+        return ForwardView(
+            self, host, slots, offset, need, index, gather, None, share, reads, tables=tables, where=where
+        )
+
+    def _own_blocks(self, row: int, first: int, end: int) -> None:
+        """Row `row` alone holds its blocks first..end - 1 (taken fresh, or copied from a shared one)."""
+        ids = self.tables[row, first:end].tolist()
+        fresh = [i for i, b in enumerate(ids) if b == NULL]
+        shared = [i for i, b in enumerate(ids) if b != NULL and int(self.pool.refs[b]) > 1]
+        if not fresh and not shared:
+            return
+        new = self.pool.take(len(fresh) + len(shared))
+        if shared:
+            old = [ids[i] for i in shared]
+            self.pool.copy(old, new[len(fresh) :])
+            self.pool.drop(old)
+        for i, b in zip(fresh + shared, new):
+            self.tables[row, first + i] = b
+
+    def advance(self, counts: torch.Tensor) -> None:
+        self.lens += counts.cpu()
+
+    def keep(self, row: int, new_indices: list[int]) -> None:
+        """Commit the given new entries of one row, moved to be contiguous (in blocks it alone holds:
+        the forward that wrote them took them)."""
+        base = int(self.lens[row])
+        if new_indices != list(range(len(new_indices))):
+            src = torch.tensor(new_indices) + base
+            dst = torch.arange(len(new_indices)) + base
+            table = self.tables[row]
+            sb, so, db, do = table[src // BLOCK], src % BLOCK, table[dst // BLOCK], dst % BLOCK
+            for k, v in zip(self.pool.keys, self.pool.values):
+                k[db, :, do] = k[sb, :, so]
+                v[db, :, do] = v[sb, :, so]
+        self.lens[row] += len(new_indices)
+
+    @_bookkeeping
+    def reserve(self, batch: int, capacity: int) -> None:
+        """At least `batch` rows of `capacity` positions (tables only: blocks are taken as rows fill)."""
+        rows, width = self.tables.shape
+        if batch > rows or _blocks(capacity) > width:
+            grown = torch.zeros(max(batch, rows), max(_blocks(capacity), width), dtype=torch.long)
+            grown[:rows, :width] = self.tables
+            self._own.tables = grown
+            self.lens = torch.cat([self.lens, self.lens.new_zeros(max(0, batch - rows))])
+
+    @_bookkeeping
+    def give_back(self, batch: int, capacity: int, slack: float = POOL_SLACK) -> bool:
+        """Rows past `batch` let go of their blocks and go; the pool gives back its free tail once it
+        holds far more than its rows and the store hold; whether memory went back."""
+        if batch < self.batch:
+            self.clear(list(range(batch, self.batch)))
+            self._own.tables = self.tables[:batch].clone()
+            self.lens = self.lens[:batch].clone()
+        return self.pool.trim(slack)
+
+    def copy_prefix(self, src: object, src_row: int, rows: list[int], n: int, share: bool = True) -> None:
+        """Rows `rows` become the first n committed positions of `src`'s row src_row: by reference to
+        its blocks (a cache of this pool, `share`), else copies in fresh blocks."""
+        self.clear(rows)
+        k = _blocks(n)
+        if isinstance(src, PagedKVCache) and src.pool is self.pool:
+            ids = src.tables[src_row, :k]
+            if share:
+                for row in rows:
+                    self.tables[row, :k] = ids
+                self.pool.hold(ids.repeat(len(rows)))
+            else:
+                for row in rows:
+                    fresh = self.pool.take(k)
+                    self.pool.copy(ids.tolist(), fresh)
+                    self.tables[row, :k] = torch.tensor(fresh)
+        else:  # another layout or pool: its positions copied into fresh blocks
+            keys, values = src.read(src_row, 0, n)  # type: ignore[attr-defined]
+            for row in rows:
+                self._own_blocks(row, 0, k)
+                self._write(row, 0, keys, values)
+        self.lens[rows] = n
+
+    def read(self, row: int, start: int, end: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Keys and values of positions [start, end) of a row, per layer [H_kv, n, D] (copies)."""
+        return _read(self.pool, self.tables[row], start, end)
+
+    def _write(self, row: int, start: int, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """Positions start.. of a row (in blocks it alone holds) take these keys and values [H_kv, n, D]."""
+        slots = torch.arange(start, start + keys[0].shape[1])
+        blocks, offsets = self.tables[row, slots // BLOCK], slots % BLOCK
+        for dst, src in zip(self.pool.keys + self.pool.values, keys + values):
+            dst[blocks, :, offsets] = src.transpose(0, 1)
+
+    def share(self, rows: list[int], n: int, group: int | None = None) -> None:
+        """Rows hold the same first n positions (the caller vouches for it): they take the first row's
+        blocks of them, letting go of their own."""
+        k = _blocks(n)
+        ids = self.tables[rows[0], :k].clone()
+        for row in rows[1:]:
+            self.pool.drop(self.tables[row, :k])
+            self.tables[row, :k] = ids
+        self.pool.hold(ids.repeat(len(rows) - 1))
+
+    def written(self, rows: list[int], start: int) -> None:
+        """(Rewritten positions need no bookkeeping: a row writes only into blocks it alone holds.)"""
+
+    def clear(self, rows: list[int]) -> None:
+        """Rows hold nothing: their blocks are let go."""
+        t = self.tables[rows]
+        self.pool.drop(t[t != NULL])
+        self.tables[rows] = NULL
+        self.lens[rows] = 0
+
+    def segment(self, row: int, start: int, end: int) -> BlockSegment:
+        """Positions [start, end) of a committed row, held by the prefix store (its blocks, by count)."""
+        ids = self.tables[row, start // BLOCK : _blocks(end)].tolist()
+        self.pool.hold(ids, stored=True)
+        return BlockSegment(self.pool, start, end, ids)
+
+    def restore(self, row: int, pieces: list[tuple[BlockSegment, int, int]], start: int, end: int) -> None:
+        """Row `row` takes positions [start, end) from stored segments: (segment, lo, hi) gives [lo, hi)
+        of them, in order. The block of a position comes from the last segment holding it: a
+        segment's first block also holds the positions before it (the same bits, computed for the
+        same tokens), so the deepest one has the whole block."""
+        for seg, lo, hi in pieces:
+            first, end_block = lo // BLOCK, _blocks(hi)
+            if seg.pool is not self.pool:  # a store of another model's runner: its positions copied
+                self._own_blocks(row, first, end_block)
+                self._write(row, lo, *seg.read(lo, hi))
+                continue
+            ids = torch.tensor(seg.ids[first - seg.start // BLOCK : end_block - seg.start // BLOCK], dtype=torch.long)
+            old = self.tables[row, first:end_block].clone()
+            self.tables[row, first:end_block] = ids
+            self.pool.hold(ids)
+            self.pool.drop(old)
+        self.lens[row] = end
+
+    def __len__(self) -> int:
+        return len(self.pool.keys)
+
+
+@dataclass(eq=False)
+class BlockSegment:
+    """Positions [start, end) of a stored sequence as the blocks that hold them (the first and last
+    possibly partly: a block also holds positions around the segment's), held by the store."""
+
+    pool: BlockPool
+    start: int
+    end: int
+    ids: list[int]
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.ids) * self.pool.block_bytes
+
+    def split(self, k: int) -> tuple[BlockSegment, BlockSegment]:
+        """Its first k positions and the rest, as two segments (a block across the cut held by both)."""
+        cut, base = self.start + k, self.start // BLOCK
+        head = self.ids[: _blocks(cut) - base]
+        tail = self.ids[cut // BLOCK - base :]
+        self.pool.hold(head + tail, stored=True)
+        self.release()
+        return BlockSegment(self.pool, self.start, cut, head), BlockSegment(self.pool, cut, self.end, tail)
+
+    def release(self) -> None:
+        self.pool.drop(self.ids, stored=True)
+        self.ids = []
+
+    def read(self, start: int, end: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Keys and values of positions [start, end) (inside the segment), per layer [H_kv, n, D]."""
+        table = torch.zeros(_blocks(end), dtype=torch.long)
+        table[self.start // BLOCK : self.start // BLOCK + len(self.ids)] = torch.tensor(self.ids, dtype=torch.long)
+        return _read(self.pool, table, start, end)
+
+
+def _read(pool: BlockPool, table: torch.Tensor, start: int, end: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Positions [start, end) of the row with this table, per layer [H_kv, n, D]."""
+    slots = torch.arange(start, end)
+    blocks, offsets = table[slots // BLOCK], slots % BLOCK
+    keys = [k[blocks, :, offsets].transpose(0, 1) for k in pool.keys]
+    return keys, [v[blocks, :, offsets].transpose(0, 1) for v in pool.values]
+
+
+def _blocks(positions: int) -> int:
+    return -(-positions // BLOCK)
+
+
+def _share(tables: torch.Tensor, lens: torch.Tensor) -> torch.Tensor | None:
+    """Groups [B, 2] for the attention (RowKVCache.groups' form): rows whose first block is one
+    block, each with the positions of its leading blocks the group's first row also holds (at most
+    its committed ones); None where no two rows share a block."""
+    first = tables[:, 0]
+    ids, counts = first[first != NULL].unique(return_counts=True)
+    if not bool((counts > 1).any()):
+        return None
+    groups = torch.full((tables.shape[0], 2), -1, dtype=torch.long)
+    groups[:, 1] = 0
+    for block in ids[counts > 1].tolist():
+        members = torch.nonzero(first == block).flatten()
+        same = (tables[members] == tables[members[0]]).long().cumprod(1).sum(1)
+        groups[members, 0] = block
+        groups[members, 1] = torch.minimum(same * BLOCK, lens[members])
+    return groups
