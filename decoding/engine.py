@@ -59,7 +59,7 @@ class Engine:
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.target = ModelRunner(
-            loaded.model, loaded.prefix_budget, loaded.static, loaded.strict_graphs, loaded.kv_budget
+            loaded.model, loaded.prefix_budget, loaded.static, loaded.strict_graphs, loaded.kv_budget, loaded.paged_kv
         )
         config = decoder if isinstance(decoder, DecoderConfig) else DecoderConfig(decoder)
         if config.server is not None:
@@ -83,10 +83,22 @@ class Engine:
     def memory(self) -> dict[str, float]:
         """Where this engine's memory is, in MB: the stored prefixes of every engine on its model
         (against their shared cap, and how many leaves were evicted), its KV pool now and at its
-        largest, and the process's resident memory now and at its peak."""
+        largest (paged: what its rows hold, and the pool's blocks at their most), and the process's
+        resident memory now and at its peak."""
         budget = self.target.prefixes.budget
         pool = getattr(self.decoder, "cache", None)
+        blocks = self.target.pool
+        paged = (
+            {}
+            if blocks is None
+            else {
+                "kv_blocks_peak": blocks.peak_used,  # held at once by rows and the prefix store
+                "kv_blocks_shared_peak": self.target.peak_shared_blocks,  # held by more than one row
+                "kv_block_kb": blocks.block_bytes / 2**10,
+            }
+        )
         return {
+            **paged,
             "prefix_store_mb": budget.nbytes / 2**20,
             "prefix_store_cap_mb": budget.max_bytes / 2**20,
             "prefix_evictions": budget.evictions,

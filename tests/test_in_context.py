@@ -108,7 +108,7 @@ def test_pinned_thoughts_survive_a_small_store(tiny_model):
     admitted they are; when pins alone would pass the cap, the oldest pin goes first."""
     from decoding.runtime.runner import ModelRunner
 
-    runner = ModelRunner(tiny_model)
+    runner = ModelRunner(tiny_model, paged=False)  # a store of copies (test_paged_kv.py: the paged store's budget)
     cache: RowKVCache = runner.new_cache(1, 64)
     cache.advance(torch.tensor([40]))
     one = runner.new_cache(1, 64).keys[0][0, :, :1].nbytes * 2 * len(cache.keys)  # a position's bytes

@@ -161,7 +161,7 @@ class ModelDrafter:
     def release(self, slots: list[Slot], live: list[Slot]) -> None:
         """A left row holds nothing (paged, its blocks go back) until it is admitted again. Rows past
         the highest live one, and positions no live row needs, go back."""
-        self.cache.clear([s.row for s in slots if s.row < self.cache.batch])
+        self.model.release(self.cache, [s.row for s in slots if s.row < self.cache.batch])
         rows = max((s.row for s in live), default=-1) + 1
         self.model.give_back(self.cache, rows, needs([s.seq for s in live], self.max_nodes))
 
@@ -180,7 +180,7 @@ def model_drafter(
         return EddDrafter(draft.model, target, config.draft_tree, vocab, config.verify.coupled)
     # The target too: tree_policy=pct measures s_d / s_t against it at start-up.
     # One budget for the target's and the draft's prefixes.
-    runner = ModelRunner(draft.model, target.prefixes.budget, draft.static, draft.strict_graphs)
+    runner = ModelRunner(draft.model, target.prefixes.budget, draft.static, draft.strict_graphs, paged=draft.paged_kv)
     return ModelDrafter(runner, config.draft_tree, target.vocab_size, target=target, coupled=config.verify.coupled)
 
 

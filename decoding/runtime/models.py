@@ -69,6 +69,9 @@ class ModelSpec:
     # sequences decoding at once (the rest wait their turn), on every device
     kv_memory: float = 0.5
     kv_memory_mb: int | None = None  # a fixed size instead
+    # KV in blocks shared by reference (decoding/runtime/paged_kv.py) where the project's layers run on
+    # the CPU; false: every row its own copy of its whole context
+    paged_kv: bool = True
     # random: the checkpoint folder's config.json with random weights (seed 0), built on the device:
     # real shapes without their weights, to measure speed (decoding/shapes.py writes such folders)
     init: str = "checkpoint"
@@ -92,6 +95,8 @@ class ModelSpec:
     def __post_init__(self) -> None:
         if not isinstance(self.prepack, bool):
             raise BackendError(f"{self.key}.prepack={self.prepack!r} must be true or false")
+        if not isinstance(self.paged_kv, bool):
+            raise BackendError(f"{self.key}.paged_kv={self.paged_kv!r} must be true or false")
         if not 0 < self.prefix_memory <= 1:
             raise BackendError(f"{self.key}.prefix_memory={self.prefix_memory} must be a share in (0, 1], e.g. 0.25")
         if not 0 < self.kv_memory <= 1:
@@ -148,6 +153,7 @@ class LoadedModel:
     # What every engine on this model may keep of stored prefixes, together (None: 4 GiB per runner).
     prefix_budget: MemoryBudget | None = None
     kv_budget: int | None = None  # bytes the target's KV pool may take (None: no bound)
+    paged_kv: bool = True  # model.paged_kv: KV in shared blocks where the CPU layers run
     static: StaticSpec | None = None  # bucketed forwards (CUDA graphs), or None: ragged / unpadded
     strict_graphs: bool = False  # model.cuda_graphs=on: a graph that does not fit is an error
     # GGUF type -> linear layers of it on the float path under int8 activations (no int8 kernel for it)
@@ -308,7 +314,18 @@ def load_model(spec: ModelSpec) -> LoadedModel:
         static = None
     use_chat = _use_chat_template(spec, tokenizer)
     return LoadedModel(
-        model, tokenizer, device, use_chat, str(source), spec.path, budget, kv_budget, static, strict, lacking
+        model,
+        tokenizer,
+        device,
+        use_chat,
+        str(source),
+        spec.path,
+        budget,
+        kv_budget,
+        spec.paged_kv,
+        static,
+        strict,
+        lacking,
     )
 
 

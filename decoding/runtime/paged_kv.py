@@ -422,8 +422,8 @@ def _blocks(positions: int) -> int:
 
 def _share(tables: torch.Tensor, lens: torch.Tensor) -> torch.Tensor | None:
     """Groups [B, 2] for the attention (RowKVCache.groups' form): rows whose first block is one
-    block, each with the positions of its leading blocks the group's first row also holds (at most
-    its committed ones); None where no two rows share a block."""
+    block, with the positions of the leading blocks every member holds alike (at most the members'
+    committed ones); None where no two rows share a block."""
     first = tables[:, 0]
     ids, counts = first[first != NULL].unique(return_counts=True)
     if not bool((counts > 1).any()):
@@ -434,5 +434,5 @@ def _share(tables: torch.Tensor, lens: torch.Tensor) -> torch.Tensor | None:
         members = torch.nonzero(first == block).flatten()
         same = (tables[members] == tables[members[0]]).long().cumprod(1).sum(1)
         groups[members, 0] = block
-        groups[members, 1] = torch.minimum(same * BLOCK, lens[members])
+        groups[members, 1] = torch.minimum(same * BLOCK, lens[members]).min()
     return groups

@@ -11,7 +11,7 @@ from decoding.runtime import attention, llama
 from decoding.runtime.kv_cache import ForwardView, RowKVCache, cache_geometry
 from decoding.runtime.memory import MemoryBudget
 from decoding.runtime.packing import Packed, pack
-from decoding.runtime.paged_kv import BlockPool, PagedKVCache
+from decoding.runtime.paged_kv import BLOCK, BlockPool, PagedKVCache
 from decoding.runtime.prefix_cache import Match, PrefixCache, shared_len
 from decoding.runtime.quant import cache_dtype
 from decoding.runtime.static_forward import StaticForward, StaticSpec
@@ -59,6 +59,7 @@ class ModelRunner:
         self.rows = 0  # sequences scored, summed over forwards
         self.prompt_tokens_computed = 0  # prompt tokens `admit` computed or left pending
         self.peak_cache_bytes = 0
+        self.peak_shared_blocks = 0  # paged: the most blocks held by more than one row at a forward
         # KV in blocks shared by reference (paged_kv.py) where the project's layers read it on the CPU;
         # every other forward reads rows of its own
         paged = paged and self.layers is not None and self.static is None and self.device.type == "cpu"
@@ -136,6 +137,8 @@ class ModelRunner:
         in_place = self.reads_rows_in_place and rows is not None
         view = cache.prepare(tokens.shape[1], offset, rows, gather=not in_place)
         self.peak_cache_bytes = max(self.peak_cache_bytes, cache.nbytes)
+        if self.pool is not None:
+            self.peak_shared_blocks = max(self.peak_shared_blocks, self.pool.shared())
         mask = view.attention_mask(tree.to(self.device))
         if self.additive_mask:
             mask = torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill_(
@@ -336,8 +339,17 @@ class ModelRunner:
 
     def rows_that_fit(self, live: list[Need], waiting: list[Need]) -> int:
         """How many of `waiting` (in order) can join `live` with the pool inside `kv_budget`: one pass,
-        since each row taken only grows the pool (its rows, their longest prompt and room)."""
+        since each row taken only grows the pool (its rows, their longest prompt and room; paged, the
+        blocks each row adds)."""
         if self.kv_budget is None:
+            return len(waiting)
+        if self.pool is not None:
+            budget, seen = self.kv_budget // self.pool.block_bytes, set()
+            blocks = sum(self._blocks_for(n, seen) for n in live)
+            for k, n in enumerate(waiting):
+                blocks += self._blocks_for(n, seen)
+                if blocks > budget:
+                    return k
             return len(waiting)
         longest = max((n.prompt for n in live), default=0)
         room = max((n.room for n in live), default=0)
@@ -349,6 +361,9 @@ class ModelRunner:
 
     def kv_bytes(self, needs: list[Need]) -> int:
         """What a pool of these rows takes (what `rows_that_fit` compares with the budget)."""
+        if self.pool is not None:
+            seen: set[tuple[int, ...]] = set()
+            return sum(self._blocks_for(n, seen) for n in needs) * self.pool.block_bytes
         return self._pool_bytes(len(needs), max(n.prompt for n in needs), max(n.room for n in needs))
 
     def _pool_bytes(self, rows: int, longest_prompt: int, room: int) -> int:
@@ -358,6 +373,18 @@ class ModelRunner:
         capacity = self.row_capacity([longest_prompt], room)
         rows += 1 if self.static is not None else 0
         return rows * capacity * 2 * n_layers * n_kv * head_dim * self.cache_dtype.itemsize
+
+    def _blocks_for(self, need: Need, seen: set[tuple[int, ...]]) -> int:
+        """Blocks a row of `need` adds to those of the rows counted before it (`seen`: the prompt
+        blocks they hold, by the tokens up to each block's end): its prompt's whole blocks that no
+        earlier prompt shares (siblings hold one copy), and its own past them."""
+        whole = (need.prompt - 1) // BLOCK  # (the prompt's last token is fed with the first step)
+        fresh = whole
+        if need.tokens:
+            keys = {need.tokens[: (i + 1) * BLOCK] for i in range(whole)}
+            fresh = len(keys - seen)
+            seen |= keys
+        return fresh + -(-self.row_capacity([need.prompt], need.room) // BLOCK) - whole
 
     def row_capacity(self, prompt_lens: list[int], room: int) -> int:
         """Positions a row of the pool needs while rows with these prompts decode, `room` past each."""
@@ -419,6 +446,13 @@ class ModelRunner:
         follow-up naming `pin` as its context is admitted."""
         if self.hidden_layer is None:
             self.prefixes.store(tuple(tokens[: int(cache.lens[row])]), cache, row, pin=pin)
+
+    def release(self, cache: RowKVCache, rows: list[int]) -> None:
+        """Rows hold nothing any more (their sequences left). Paged, their blocks go back, and those
+        the store also held now count against its budget, which may then evict."""
+        cache.clear(rows)
+        if self.pool is not None:
+            self.prefixes.budget.make_room()
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
@@ -484,6 +518,7 @@ class Need:
 
     prompt: int
     room: int
+    tokens: tuple[int, ...] = ()  # the prompt: paged, a block of it that other rows' prompts share counts once
 
 
 @dataclass(frozen=True)

@@ -186,6 +186,6 @@ def finish(setup: StepSetup, slots: list[Slot]) -> list[Sequence]:
             setup.target.remember(
                 setup.cache, slot.row, s.prompt + s.generated, s.context(setup.tokenizer) if s.keep else None
             )
-            setup.cache.clear([slot.row])  # what the store kept it holds itself: the row's memory goes back
+            setup.target.release(setup.cache, [slot.row])  # what the store kept it holds itself
             done.append(s)
     return done

@@ -119,7 +119,7 @@ class Sequence:
 def needs(seqs: list[Sequence], max_nodes: int) -> list[Need]:
     """What each sequence's row of the KV pool must hold: its prompt, and room for its new tokens, a
     draft tree of `max_nodes` and the bonus token."""
-    return [Need(len(s.prompt), s.rule.max_new_tokens + max_nodes + 1) for s in seqs]
+    return [Need(len(s.prompt), s.rule.max_new_tokens + max_nodes + 1, tuple(s.prompt)) for s in seqs]
 
 
 def admission_room(seqs: list[Sequence], max_nodes: int) -> int:
