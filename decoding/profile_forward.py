@@ -75,8 +75,9 @@ class ProfileConfig:
 
     @property
     def reads(self) -> tuple[str, ...]:
-        """How the rows read their context: per row, and with siblings also shared by each group."""
-        return ("per row", "shared") if self.siblings > 1 and self.shared else ("per row",)
+        """How the rows read their context: per row; with siblings also shared by each group, and from
+        rows of their own holding copies (model.paged_kv=false's cache)."""
+        return ("copies", "per row", "shared") if self.siblings > 1 and self.shared else ("per row",)
 
 
 def _list(key: str, value: object) -> list:
@@ -85,13 +86,17 @@ def _list(key: str, value: object) -> list:
     return value
 
 
-def profile(cfg: ProfileConfig, target: ModelRunner) -> list[dict]:
+def profile(cfg: ProfileConfig, target: ModelRunner, copies: ModelRunner | None = None) -> list[dict]:
+    """Each cell's forward timed; `copies`: the same model with rows of their own, for the "copies" reads."""
     rows = []
     for batch in cfg.batch_sizes:
         for size in cfg.tree_sizes:
             for reads in cfg.reads:  # in lockstep: a shared forward beside the same forward read per row
+                if reads == "copies" and copies is None:
+                    continue
                 siblings = cfg.siblings if reads == "shared" else 1
-                step = verification(target, cfg.context, size, batch, siblings, cfg.shared)
+                runner = copies if reads == "copies" and copies is not None else target
+                step = verification(runner, cfg.context, size, batch, siblings, cfg.shared)
                 times = timed_ms(step, cfg.repeats, target.device)
                 row = {"batch": batch, "tree_tokens": size, "ms": statistics.median(times), "ms_min": min(times)}
                 row |= {"context": cfg.context, "reads": reads}
@@ -100,7 +105,8 @@ def profile(cfg: ProfileConfig, target: ModelRunner) -> list[dict]:
                 elif cfg.split:
                     row["split"] = time_split(target.model, step, cfg.repeats, row["ms"])
                 rows.append(row)
-    base = next((r["ms"] for r in rows if r["batch"] == 1 and r["tree_tokens"] == 1), rows[0]["ms"])  # per row
+    one = (1, 1, "per row")
+    base = next((r["ms"] for r in rows if (r["batch"], r["tree_tokens"], r["reads"]) == one), rows[0]["ms"])
     for r in rows:
         r["relative"] = r["ms"] / base
     return rows
@@ -139,23 +145,26 @@ def table(rows: list[dict], cell: Callable[[dict], str] | None = None) -> str:
 
 
 def sharing_table(rows: list[dict], siblings: int, shared: int) -> str:
-    """Each forward with its siblings' shared context read once beside the same forward read per row."""
+    """Each forward with its siblings' shared context read once beside the same forward read per row
+    (paged, each row its own blocks) and from rows of their own holding copies (where measured)."""
     lines = [
-        f"\nrows in groups of {siblings} sharing their first {shared} positions: read once per group, "
-        "beside read per row (the same forward, timed in lockstep)",
-        "| batch x T | per row ms | shared ms | speed-up | attention per row ms | attention shared ms |",
+        f"\nrows in groups of {siblings} sharing their first {shared} positions: read once per group, beside "
+        "read per row and from rows of their own holding copies (the same forward, timed in lockstep)",
+        "| batch x T | copies ms | per row ms | shared ms | speed-up on copies | attention copies / per row / "
+        "shared ms |",
         "|---|---|---|---|---|---|",
     ]
     for r in rows:
         if r["reads"] != "shared":
             continue
-        key = (r["batch"], r["tree_tokens"], "per row")
-        base = next(b for b in rows if (b["batch"], b["tree_tokens"], b["reads"]) == key)
-        attn = [f"{x['ms'] * x['split']['attention']:.1f}" if "split" in x else "-" for x in (base, r)]
-        lines.append(
-            f"| {r['batch']} x {r['tree_tokens']} | {base['ms']:.1f} | {r['ms']:.1f} | {base['ms'] / r['ms']:.2f}x | "
-            f"{attn[0]} | {attn[1]} |"
-        )
+        same = {b["reads"]: b for b in rows if (b["batch"], b["tree_tokens"]) == (r["batch"], r["tree_tokens"])}
+        cells = [same.get(k) for k in ("copies", "per row", "shared")]
+        ms = [f"{c['ms']:.1f}" if c else "-" for c in cells]
+        attn = [f"{c['ms'] * c['split']['attention']:.1f}" if c and "split" in c else "-" for c in cells]
+        base = cells[0] or cells[1]
+        assert base is not None
+        speed_up = base["ms"] / r["ms"]
+        lines.append(f"| {r['batch']} x {r['tree_tokens']} | {' | '.join(ms)} | {speed_up:.2f}x | {' / '.join(attn)} |")
     return "\n".join(lines)
 
 
@@ -177,8 +186,8 @@ def split_table(rows: list[dict]) -> str:
     lines = ["| batch x T | ms | " + " | ".join(PARTS) + " |", "|---" * (len(PARTS) + 2) + "|"]
     for r in rows:
         parts = " | ".join(f"{r['ms'] * r['split'][p]:.1f} ({100 * r['split'][p]:.0f}%)" for p in PARTS)
-        shared = ", shared" if r["reads"] == "shared" else ""
-        lines.append(f"| {r['batch']} x {r['tree_tokens']}{shared} | {r['ms']:.1f} | {parts} |")
+        reads = "" if r["reads"] == "per row" else f", {r['reads']}"
+        lines.append(f"| {r['batch']} x {r['tree_tokens']}{reads} | {r['ms']:.1f} | {parts} |")
     return "\n".join(lines)
 
 
@@ -224,7 +233,10 @@ def main(cfg: DictConfig) -> None:
         f"verification forward, {loaded.source} on {loaded.device} ({torch.get_num_threads()} threads), "
         f"context {pcfg.context} tokens, median of {pcfg.repeats}; T = tree tokens per row incl. the root"
     )
-    rows = profile(pcfg, target)
+    copies = None
+    if target.pool is not None and len(pcfg.reads) > 1:
+        copies = ModelRunner(loaded.model, static=loaded.static, strict_graphs=loaded.strict_graphs, paged=False)
+    rows = profile(pcfg, target, copies)
     cost = forward_cost(target, cache_root())
     add_fitted(rows, cost)
     about = {"model": loaded.source, "device": str(loaded.device), "torch": torch.__version__}

@@ -51,15 +51,17 @@ def test_profile_without_the_split(tiny_model):
 
 
 def test_siblings_are_timed_reading_their_context_once_beside_per_row(tiny_model):
-    """siblings=N shared=S: each cell twice in lockstep, rows in groups of N reading S positions once
-    (the forward is given the groups) and every row reading its own; the table sets them side by side."""
+    """siblings=N shared=S: each cell three times in lockstep, rows in groups of N reading S positions
+    once (the forward is given the groups), every row reading its own blocks, and rows of their own
+    holding copies; the table sets them side by side."""
     cfg = ProfileConfig(ModelSpec(), (1,), (4,), context=20, repeats=2, out=None, siblings=2, shared=16)
     target = ModelRunner(tiny_model)
-    rows = profile(cfg, target)
-    assert [r["reads"] for r in rows] == ["per row", "shared"]
+    rows = profile(cfg, target, ModelRunner(tiny_model, paged=False))
+    assert [r["reads"] for r in rows] == ["copies", "per row", "shared"]
     text = sharing_table(rows, 2, 16)
-    assert "| 4 x 1 | " in text and text.count("\n| 4 x 1 ") == 1
-    assert "| 4, shared |" in table(rows)
+    assert "| 4 x 1 | " in text and text.count("\n| 4 x 1 ") == 1 and "| - |" not in text.split("\n")[-1]
+    assert "| 4, shared |" in table(rows) and "| 4, copies |" in table(rows)
+    assert [r["reads"] for r in profile(cfg, target)] == ["per row", "shared"]  # no copies runner: two
     with pytest.raises(ConfigError, match=r"shared=30 between 0 and context=20"):
         ProfileConfig(ModelSpec(), (1,), (4,), context=20, repeats=2, out=None, siblings=2, shared=30)
 

@@ -260,7 +260,8 @@ class PagedKVCache:
 
     def keep(self, row: int, new_indices: list[int]) -> None:
         """Commit the given new entries of one row, moved to be contiguous (in blocks it alone holds:
-        the forward that wrote them took them)."""
+        the forward that wrote them took them). Blocks past the committed positions (a rejected
+        tree's, a left-padded prefill's) go back."""
         base = int(self.lens[row])
         if new_indices != list(range(len(new_indices))):
             src = torch.tensor(new_indices) + base
@@ -271,6 +272,10 @@ class PagedKVCache:
                 k[db, :, do] = k[sb, :, so]
                 v[db, :, do] = v[sb, :, so]
         self.lens[row] += len(new_indices)
+        past = self.tables[row, _blocks(int(self.lens[row])) :]
+        if bool(past.any()):
+            self.pool.drop(past[past != NULL])
+            past.zero_()
 
     @_bookkeeping
     def reserve(self, batch: int, capacity: int) -> None:
