@@ -58,15 +58,16 @@ def test_a_write_into_a_shared_block_copies_it_first(loaded):
     """Rows given a prefix hold its blocks; the first forward writing into one (the partial last block)
     takes a copy holding the same positions, and the row it came from keeps its bits."""
     runner = ModelRunner(loaded.model)
-    cache = _prefilled(runner, 2, 100)
-    before = cache.read(0, 0, 100)
-    cache.copy_prefix(cache, 0, [1], 100)
+    n = 2 * BLOCK - BLOCK // 2  # two blocks, the second partial
+    cache = _prefilled(runner, 2, n)
+    before = cache.read(0, 0, n)
+    cache.copy_prefix(cache, 0, [1], n)
     assert torch.equal(cache.tables[0, :2], cache.tables[1, :2]) and runner.pool.used == 2
     one = torch.ones(1, 1, 1, dtype=torch.bool)
     runner.forward(cache, torch.tensor([[5]]), one, torch.zeros(1, 1, dtype=torch.long), rows=[1])
     assert cache.tables[0, 0] == cache.tables[1, 0] and cache.tables[0, 1] != cache.tables[1, 1]
     assert runner.pool.used == 3
-    after, copied = cache.read(0, 0, 100), cache.read(1, 0, 100)
+    after, copied = cache.read(0, 0, n), cache.read(1, 0, n)
     for a, b, c in zip(before[0] + before[1], after[0] + after[1], copied[0] + copied[1]):
         assert torch.equal(a, b) and torch.equal(a, c)
     cache.clear([0, 1])
@@ -123,19 +124,21 @@ def test_the_stores_blocks_count_against_its_budget_once_no_row_holds_them(loade
 
 def test_admission_counts_a_prompts_shared_blocks_once(loaded):
     """Under one `model.kv_memory`, the samples of one state (a 350-token prompt, room for 80 more)
-    fit 3x as many in flight paged as with a copy per row: the prompt's 5 whole blocks count once,
-    each sample adds its own 2; a copy per row is 431 positions a row."""
+    fit 3x as many in flight paged as with a copy per row: the prompt's whole blocks count once, each
+    sample adds its own; a copy per row is 431 positions a row."""
     prompt = tuple(range(3, 353))
     sample = Need(len(prompt), 80, prompt)
     own = ModelRunner(loaded.model, paged=False, kv_budget=1)
     own.kv_budget = own.kv_bytes([sample] * 8)  # room for 8 rows of their own
     paged = ModelRunner(loaded.model, kv_budget=own.kv_budget)
     assert own.rows_that_fit([], [sample] * 100) == 8
-    assert paged.rows_that_fit([], [sample] * 100) == (own.kv_budget // paged.pool.block_bytes - 5) // 2 >= 24
+    whole, own_blocks = 349 // BLOCK, -(-431 // BLOCK) - 349 // BLOCK
+    fit = (own.kv_budget // paged.pool.block_bytes - whole) // own_blocks
+    assert paged.rows_that_fit([], [sample] * 100) == fit >= 24
     # Prompts that share nothing count every block: no more than rows of their own, give or take a block.
     strangers = [Need(350, 80, tuple(range(i, i + 350))) for i in range(100)]
     assert paged.rows_that_fit([], strangers) in (7, 8)
-    assert paged.kv_bytes([sample] * 8) == (5 + 8 * 2) * paged.pool.block_bytes
+    assert paged.kv_bytes([sample] * 8) == (whole + 8 * own_blocks) * paged.pool.block_bytes
 
 
 @pytest.mark.parametrize("name", list(DECODERS))

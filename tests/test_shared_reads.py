@@ -10,7 +10,7 @@ from conftest import DEVICE
 from decoding.base.values import GenRequest
 from decoding.runtime import kernels
 from decoding.runtime.kv_cache import ForwardView, shared_reads
-from decoding.runtime.paged_kv import PagedKVCache
+from decoding.runtime.paged_kv import BLOCK, PagedKVCache
 from decoding.runtime.runner import ModelRunner
 
 pytestmark = pytest.mark.skipif(DEVICE.type != "cpu", reason="the CPU kernel's shared reads")
@@ -84,15 +84,15 @@ def test_siblings_admitted_together_hold_one_prompts_blocks_until_a_write_copies
     prompts = [question + tok(" one")["input_ids"]] * 3 + [question + tok(" two more")["input_ids"]]
     cache = runner.new_cache(4, 256)
     runner.admit(cache, [0, 1, 2, 3], prompts, room=8)
-    held = -(-(len(prompts[0]) - 1) // 64)  # the blocks of the committed prompt
+    held = -(-(len(prompts[0]) - 1) // BLOCK)  # the blocks of the committed prompt
     assert torch.equal(cache.tables[:3, :held], cache.tables[:1, :held].expand(3, -1))
-    whole = len(question) // 64
+    whole = len(question) // BLOCK
     assert whole and torch.equal(cache.tables[0, :whole], cache.tables[3, :whole])  # the question's whole blocks
     assert cache.tables[0, whole] != cache.tables[3, whole]  # where the prompts part: each its own
     view = cache.prepare(1)
     assert view.share is not None and view.share[:, 0].unique().numel() == 1 and view.reads[1] > 0
     # The forward wrote each row's next slot: rows 0-2 each copied the block they shared (one kept it).
-    last = (len(prompts[0]) - 1) // 64
+    last = (len(prompts[0]) - 1) // BLOCK
     assert cache.tables[:3, last].unique().numel() == 3
     assert torch.equal(cache.tables[0, :last], cache.tables[1, :last])
     used, own = runner.pool.used, int((cache.tables[1] != 0).sum()) - last

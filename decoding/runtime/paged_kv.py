@@ -29,7 +29,11 @@ from decoding.runtime.kv_cache import POOL_SLACK, SHARED_BLOCK, ForwardView, cac
 # The counts and tables are made outside inference mode (where a forward may grow them), so that
 # code outside it can change them too.
 _bookkeeping = torch.inference_mode(False)
-BLOCK = SHARED_BLOCK  # positions a block holds: the CPU attention's block of positions (csrc/attention.cpp, BL)
+# Positions a block holds: a divisor of the CPU attention's block of positions (csrc/attention.cpp's BL,
+# SHARED_BLOCK), which reads a block's positions of one dimension as one 64-byte line. Smaller blocks
+# waste less where sequences part mid-block (the store's short edges, a row's last block), larger ones
+# read longer runs.
+BLOCK = 32
 NULL = 0  # the block a table names where a row has none: never handed out, never written
 
 
@@ -185,7 +189,7 @@ class PagedKVCache:
     def __init__(self, pool: BlockPool, batch: int, capacity: int) -> None:
         self.pool = pool
         self.device = pool.device
-        self._own = _Tables(torch.zeros(batch, _blocks(capacity), dtype=torch.long))
+        self._own = _Tables(torch.zeros(batch, _width(capacity), dtype=torch.long))
         self.lens = torch.zeros(batch, dtype=torch.long)
         weakref.finalize(self, _Tables.release, self._own, pool)
 
@@ -231,7 +235,7 @@ class PagedKVCache:
         for row, n in zip(order, host.tolist()):
             self._own_blocks(row, (n + offset) // BLOCK, _blocks(n + offset + n_new))
         slots = host[:, None] + offset + torch.arange(n_new)
-        tables = self.tables[order, : _blocks(need)]
+        tables = self.tables[order, : _width(need)]
         where = (tables.gather(1, slots // BLOCK), slots % BLOCK)
         share = _share(tables, host)
         reads = (int(host.sum()), 0 if share is None else shared_reads(share))
@@ -281,8 +285,8 @@ class PagedKVCache:
     def reserve(self, batch: int, capacity: int) -> None:
         """At least `batch` rows of `capacity` positions (tables only: blocks are taken as rows fill)."""
         rows, width = self.tables.shape
-        if batch > rows or _blocks(capacity) > width:
-            grown = torch.zeros(max(batch, rows), max(_blocks(capacity), width), dtype=torch.long)
+        if batch > rows or _width(capacity) > width:
+            grown = torch.zeros(max(batch, rows), max(_width(capacity), width), dtype=torch.long)
             grown[:rows, :width] = self.tables
             self._own.tables = grown
             self.lens = torch.cat([self.lens, self.lens.new_zeros(max(0, batch - rows))])
@@ -423,6 +427,11 @@ def _read(pool: BlockPool, table: torch.Tensor, start: int, end: int) -> tuple[l
 
 def _blocks(positions: int) -> int:
     return -(-positions // BLOCK)
+
+
+def _width(positions: int) -> int:
+    """Table entries for a row of `positions`: the attention reads whole blocks of SHARED_BLOCK."""
+    return _blocks(-(-positions // SHARED_BLOCK) * SHARED_BLOCK)
 
 
 def _share(tables: torch.Tensor, lens: torch.Tensor) -> torch.Tensor | None:

@@ -46,8 +46,8 @@ constexpr int64_t SPAN = 8 * BL;  // positions of keys widened at once: [D][SPAN
 constexpr int64_t QC = 16;     // queries per task at most (tasks split a row's queries, never a reduction)
 
 // One query row of a task: where its queries, outputs, mask and live tokens are, and its cache row:
-// a row of its own (k, v at its first position) or, paged, a table of blocks of BL positions in a
-// pool (k, v at the pool's first block, of this head).
+// a row of its own (k, v at its first position) or, paged, a table of pages of P positions (P
+// dividing BL) in a pool (k, v at the pool's first page, of this head).
 template <typename scalar_t>
 struct Member {
   const scalar_t *q, *k, *v;
@@ -73,20 +73,20 @@ struct Task {
   int64_t nm, S;  // S: a multiple of BL, at most L
   int64_t qs1, qs2, ksl, ksd, vs2, os1, os2;  // strides: query head/token, key position/dim, value
                                               // position, output token/head
-  int64_t kbs, vbs;  // paged: strides of the pool's blocks
+  int64_t P, kbs, vbs;  // positions a page holds (a row of its own: BL), strides of the pool's pages
   int64_t ms2, ms3, G, T, L, D, j0, j1;
   float scale;
 };
 
-// Where block b (positions b * BL on) of a member's keys or values starts: in its own row, or in the
-// pool's block its table names. Blocks are read whole or not at all, in position order.
+// Where page b (positions b * P on) of a member's keys or values starts: in its own row, or in the
+// pool's page its table names. Positions are read page by page, in position order.
 template <typename scalar_t>
 inline const scalar_t* key_block(const Task<scalar_t>& a, const Member<scalar_t>& m, int64_t b) {
-  return m.table != nullptr ? m.k + m.table[b] * a.kbs : m.k + b * BL * a.ksl;
+  return m.table != nullptr ? m.k + m.table[b] * a.kbs : m.k + b * a.P * a.ksl;
 }
 template <typename scalar_t>
 inline const scalar_t* value_block(const Task<scalar_t>& a, const Member<scalar_t>& m, int64_t b) {
-  return m.table != nullptr ? m.v + m.table[b] * a.vbs : m.v + b * BL * a.vs2;
+  return m.table != nullptr ? m.v + m.table[b] * a.vbs : m.v + b * a.P * a.vs2;
 }
 
 struct Scratch {
@@ -222,10 +222,10 @@ void scores_range(const Task<scalar_t>& a, Scratch& s, const Member<scalar_t>& m
   s.kblk.resize(D * (span + W));
   float* kspan = s.kblk.data();
   // The range's value lines, block after block (a block's lines are contiguous).
-  const int64_t block_bytes = BL * a.vs2 * static_cast<int64_t>(sizeof(scalar_t));
+  const int64_t P = a.P, block_bytes = P * a.vs2 * static_cast<int64_t>(sizeof(scalar_t));
   const auto value_line = [&](int64_t i) {
     const int64_t byte = i * 64;
-    return reinterpret_cast<const char*>(value_block(a, m, from / BL + byte / block_bytes)) + byte % block_bytes;
+    return reinterpret_cast<const char*>(value_block(a, m, from / P + byte / block_bytes)) + byte % block_bytes;
   };
   const int64_t vlines = ((end - from) * a.vs2 * static_cast<int64_t>(sizeof(scalar_t)) + 63) / 64;
   int64_t vline = 0;
@@ -237,19 +237,19 @@ void scores_range(const Task<scalar_t>& a, Scratch& s, const Member<scalar_t>& m
       const int64_t next = std::min(span, end - s0 - Ls);
       for (int64_t d = 0; d < D; ++d) {
         for (int64_t i = 0; i < vstep && vline < vlines; ++i, ++vline) __builtin_prefetch(value_line(vline), 0, 2);
-        for (int64_t b0 = s0 + Ls; b0 < s0 + Ls + next; b0 += BL) {
-          const char* row = reinterpret_cast<const char*>(key_block(a, m, b0 / BL) + d * a.ksd);
-          const int64_t bytes = std::min(BL, s0 + Ls + next - b0) * static_cast<int64_t>(sizeof(scalar_t));
+        for (int64_t b0 = s0 + Ls; b0 < s0 + Ls + next; b0 += P) {
+          const char* row = reinterpret_cast<const char*>(key_block(a, m, b0 / P) + d * a.ksd);
+          const int64_t bytes = std::min(P, s0 + Ls + next - b0) * static_cast<int64_t>(sizeof(scalar_t));
           for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(row + at);
         }
-        for (int64_t b0 = s0; b0 < s0 + nl; b0 += BL)
-          widen(key_block(a, m, b0 / BL) + d * a.ksd, kspan + d * kstride + (b0 - s0), std::min(BL, s0 + nl - b0));
+        for (int64_t b0 = s0; b0 < s0 + nl; b0 += P)
+          widen(key_block(a, m, b0 / P) + d * a.ksd, kspan + d * kstride + (b0 - s0), std::min(P, s0 + nl - b0));
         for (int64_t l = nl; l < Ls; ++l) kspan[d * kstride + l] = 0.0f;
       }
     } else {
       float row[16 * W];
       for (int64_t l = 0; l < Ls; ++l) {
-        if (l < nl) widen(key_block(a, m, (s0 + l) / BL) + (s0 + l) % BL * a.ksl, row, D);
+        if (l < nl) widen(key_block(a, m, (s0 + l) / a.P) + (s0 + l) % a.P * a.ksl, row, D);
         for (int64_t d = 0; d < D; ++d) kspan[d * kstride + l] = l < nl ? row[d] : 0.0f;
       }
     }
@@ -279,7 +279,7 @@ void values_range(const Task<scalar_t>& a, Scratch& s, const Member<scalar_t>& m
   if (!direct) {
     s.vf.assign((to - from) * Dp, 0.0f);
     for (int64_t l = from; l < to; ++l)
-      widen(value_block(a, m, l / BL) + l % BL * a.vs2, s.vf.data() + (l - from) * Dp, a.D);
+      widen(value_block(a, m, l / a.P) + l % a.P * a.vs2, s.vf.data() + (l - from) * Dp, a.D);
   }
   auto pass = [&](auto width, int64_t at) {
     constexpr int NJ = decltype(width)::value;
@@ -291,10 +291,10 @@ void values_range(const Task<scalar_t>& a, Scratch& s, const Member<scalar_t>& m
       acc[j] = s.o.data() + js[at + j] * Dp;
       sum[j] = s.sum[js[at + j]];
     }
-    if (direct)  // block by block, each sum continued in position order
-      for (int64_t b0 = from; b0 < to; b0 = (b0 / BL + 1) * BL)
-        weighted_values<C, NJ>(w, value_block(a, m, b0 / BL) + b0 % BL * a.vs2, a.vs2, b0,
-                               std::min(to, (b0 / BL + 1) * BL), acc, sum);
+    if (direct)  // page by page, each sum continued in position order
+      for (int64_t b0 = from; b0 < to; b0 = (b0 / a.P + 1) * a.P)
+        weighted_values<C, NJ>(w, value_block(a, m, b0 / a.P) + b0 % a.P * a.vs2, a.vs2, b0,
+                               std::min(to, (b0 / a.P + 1) * a.P), acc, sum);
     else
       weighted_values<C, NJ>(w, s.vf.data(), Dp, from, to, acc, sum);
     for (int j = 0; j < NJ; ++j) s.sum[js[at + j]] = sum[j];
@@ -444,6 +444,7 @@ void attend_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   base.ksl = k.stride(2);
   base.ksd = k.stride(3);
   base.vs2 = v.stride(2);
+  base.P = tp != nullptr ? k.size(2) : BL;
   base.kbs = k.stride(0);
   base.vbs = v.stride(0);
   base.os1 = out.stride(1);
@@ -496,8 +497,8 @@ void attend_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
 // (empty: the same row); live bool [B, T]: the queries whose outputs are read (empty: all); share
 // int64 [B, 2]: per query row a group id (negative: none) and a count n: the k/v rows of one group
 // hold the same first n positions, read once for all of them (empty: no sharing). Paged: `tables`
-// int64 [B, nb] names per query row the pool blocks of its positions (block i: positions i * BL on),
-// k and v are pools [N, Hk, BL, D] and `length` is L (rows then empty); else tables is empty and
+// int64 [B, nb] names per query row the pool pages of its positions (page i: positions i * P on), k
+// and v are pools [N, Hk, P, D] (P dividing BL) and `length` is L (rows then empty); else tables is empty and
 // length -1 (L: k's positions). Returns [B, T, H, D] in q's dtype, the same bits with sharing or
 // without, paged or not.
 at::Tensor attend(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor mask, at::Tensor rows,
@@ -511,9 +512,11 @@ at::Tensor attend(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor mask, at:
   const bool has_mask = mask.numel() > 0, has_rows = rows.numel() > 0, paged = tables.numel() > 0;
   const int64_t L = paged ? length : k.size(2);
   if (paged) {
-    TORCH_CHECK(!has_rows && k.size(2) == BL && v.size(0) == k.size(0), "attend: pools [N, Hk, ", BL, ", D] without rows");
+    TORCH_CHECK(!has_rows && BL % k.size(2) == 0 && v.size(0) == k.size(0),
+                "attend: pools [N, Hk, P, D] with P dividing ", BL, ", without rows");
     TORCH_CHECK(tables.scalar_type() == at::kLong && tables.dim() == 2 && tables.size(0) == q.size(0) &&
-                    tables.size(1) * BL >= L && L >= 0, "attend: tables [B, blocks] covering length");
+                    tables.size(1) * k.size(2) >= (L + BL - 1) / BL * BL && L >= 0,
+                "attend: tables [B, pages] covering length in whole blocks of ", BL);
     tables = tables.contiguous();
     TORCH_CHECK(tables.min().item<int64_t>() >= 0 && tables.max().item<int64_t>() < k.size(0), "attend: a block past the pool");
   }
