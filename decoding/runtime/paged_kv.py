@@ -96,8 +96,8 @@ class BlockPool:
     def take(self, n: int) -> list[int]:
         """n fresh blocks, each held once."""
         with self.lock:
-            if len(self._free) < n:
-                self._resize(max(2 * self.blocks, self.blocks + n - len(self._free)))
+            if len(self._free) < n:  # a quarter more: what the pool holds past its blocks in use stays small
+                self._resize(max(self.blocks + self.blocks // 4, self.blocks + n - len(self._free)))
             ids = [heapq.heappop(self._free) for _ in range(n)]
             self.refs[ids] = 1
             self.peak_used = max(self.peak_used, self.used)
@@ -158,8 +158,12 @@ class BlockPool:
                 out[:keep] = t.transpose(2, 3)[:keep] if by_position else t[:keep]
             return out.transpose(2, 3) if by_position else out
 
-        self.keys = [resized(self.keys[i] if self.keys else None, True) for i in range(n_layers)]
-        self.values = [resized(self.values[i] if self.values else None, False) for i in range(n_layers)]
+        # Layer after layer, each old tensor let go before the next is made: the copy needs one layer more.
+        if not self.keys:
+            self.keys, self.values = [None] * n_layers, [None] * n_layers  # type: ignore[list-item]
+        for i in range(n_layers):
+            self.keys[i] = resized(self.keys[i], True)
+            self.values[i] = resized(self.values[i], False)
         grow = torch.zeros(max(0, n - old), dtype=torch.int32)
         self.refs = torch.cat([self.refs[:keep], grow])
         self.stored = torch.cat([self.stored[:keep], grow])
