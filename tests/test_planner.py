@@ -16,6 +16,7 @@ from decoding.engine import Engine
 from decoding.runtime.runner import ModelRunner
 from decoding.schedules.planner import FAR_PROBE, PROBE, SELDOM, Planner, best_first
 from decoding.schedules.scheduler import Scheduler
+from decoding.schedules.step import forward_context
 from decoding.speculation.calibration import EXPLORE, AcceptanceRecord
 from decoding.speculation.cost import CONTEXT, ForwardCost, Overhead, cost_key, forward_cost, node_ms, profile
 from decoding.speculation.draft_tree import ROOT, DraftTree
@@ -151,6 +152,8 @@ def test_cost_model_fit_padding_and_cache(tiny_model, tmp_path):
     target = ModelRunner(tiny_model)
     cost = profile(target, repeats=1)
     assert cost.ragged == target.ragged
+    assert 0.0 <= cost.shared_saving <= 1.0  # measured: siblings read a shared context once
+    assert ForwardCost.from_json(cost.to_json(), "cached").shared_saving == cost.shared_saving
     for rows, points in cost.points.items():
         ns = [n for n, _ in points]
         assert ns == sorted(ns) and ns[0] == rows
@@ -301,3 +304,17 @@ def test_the_profiled_forward_scores_what_a_batched_prefill_would(tiny_model):
     tree = chain_tree(3, tiny_model.config.vocab_size)
     batched = runner.score(cache, pack([[7]] * 3, [tree] * 3)).logits
     assert all(torch.equal(a, b) for a, b in zip(scored, batched, strict=True))
+
+
+def test_the_planner_prices_context_read_from_a_sibling_by_what_it_saves(loaded):
+    """The forward's context as the cost model sees it: the rows' committed positions, those read once
+    for a group of siblings counted at the share of their cost they still take."""
+    runner = ModelRunner(loaded.model)
+    prompts = [list(range(3, 203))] * 4 + [list(range(150, 3, -1))]  # 4 samples of one state, another
+    cache = runner.new_cache(len(prompts), 256)
+    runner.admit(cache, list(range(len(prompts))), prompts, room=8)
+    slots = [Slot(r, None, [], None, cache) for r in range(len(prompts))]  # type: ignore[arg-type]
+    total, shared = cache.reads(list(range(len(prompts))))
+    assert total == 4 * 199 + 146 and shared == 3 * 192  # the 4 samples' whole blocks of 64, once
+    assert forward_context(cache, slots, 0.0) == total / 5
+    assert forward_context(cache, slots, 0.5) == (total - 0.5 * shared) / 5

@@ -119,8 +119,13 @@ class RowKVCache:
         block = None if not rows or rows != list(range(rows[0], rows[0] + len(rows))) else (rows[0], len(rows))
         lens, slots = to_device(host, self.device), to_device(slots, self.device)
         share = self._share(rows, host)
-        reads = (int(host.sum()), 0 if share is None else shared_reads(share))
-        return ForwardView(self, lens, slots, offset, need, index, gather, block, share, reads)
+        return ForwardView(self, lens, slots, offset, need, index, gather, block, share, reads_of(host, share))
+
+    def reads(self, rows: list[int] | None = None) -> tuple[int, int]:
+        """A forward over `rows` (None: all): the committed positions they attend, and of them those
+        read from a sibling's row."""
+        host = self.lens if rows is None else self.lens[rows]
+        return reads_of(host, self._share(rows, host))
 
     def _share(self, rows: list[int] | None, lens: torch.Tensor) -> torch.Tensor | None:
         """The forward's rows' groups [B, 2] (id, positions held alike, at most the committed ones:
@@ -356,6 +361,11 @@ class ForwardView:
 
     def __len__(self) -> int:
         return len(self.cache.keys)
+
+
+def reads_of(lens: torch.Tensor, share: torch.Tensor | None) -> tuple[int, int]:
+    """Committed positions rows of these lengths attend, and of them read from a sibling (`share`'s groups)."""
+    return int(lens.sum()), 0 if share is None else shared_reads(share)
 
 
 def shared_reads(share: torch.Tensor) -> int:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from decoding.runtime.kv_cache import POOL_SLACK, SHARED_BLOCK, ForwardView, cache_geometry, shared_reads
+from decoding.runtime.kv_cache import POOL_SLACK, SHARED_BLOCK, ForwardView, cache_geometry, reads_of
 
 # The counts and tables are made outside inference mode (where a forward may grow them), so that
 # code outside it can change them too.
@@ -242,11 +242,18 @@ class PagedKVCache:
         tables = self.tables[order, : _width(need)]
         where = (tables.gather(1, slots // BLOCK), slots % BLOCK)
         share = _share(tables, host)
-        reads = (int(host.sum()), 0 if share is None else shared_reads(share))
         index = torch.tensor(order, dtype=torch.long)
+        reads = reads_of(host, share)
         return ForwardView(
             self, host, slots, offset, need, index, gather, None, share, reads, tables=tables, where=where
         )
+
+    def reads(self, rows: list[int] | None = None) -> tuple[int, int]:
+        """A forward over `rows` (None: all): the committed positions they attend, and of them those
+        read from a sibling's blocks."""
+        host = self.lens if rows is None else self.lens[rows]
+        tables = self.tables if rows is None else self.tables[rows]
+        return reads_of(host, _share(tables[:, : _width(int(host.max()) + 1)], host))
 
     def _own_blocks(self, row: int, first: int, end: int) -> None:
         """Row `row` alone holds its blocks first..end - 1 (taken fresh, or copied from a shared one)."""

@@ -145,8 +145,15 @@ def cut(setup: StepSetup, slots: list[Slot], trees: list[DraftTree]) -> tuple[li
     if setup.planner is None:
         return cut_to_budget(trees, setup.budget), None
     greedy = [s.seq.params.greedy for s in slots]
-    context = sum(s.committed for s in slots) / len(slots)  # what the forward's attention reads
+    context = forward_context(setup.cache, slots, setup.planner.cost.shared_saving)
     return setup.planner.cut([s.estimate for s in slots], trees, greedy, [len(s.pending) for s in slots], context)
+
+
+def forward_context(cache: RowKVCache, slots: list[Slot], shared_saving: float) -> float:
+    """The context a row of the forward attends, as the cost model prices it: positions read from a
+    sibling's row cost `shared_saving` less (ForwardCost.shared_saving, measured by its profile)."""
+    total, shared = cache.reads([s.row for s in slots])
+    return (total - shared_saving * shared) / len(slots)
 
 
 def cut_to_budget(trees: list[DraftTree], budget: int | None) -> list[DraftTree]:

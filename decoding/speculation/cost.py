@@ -31,6 +31,7 @@ import torch
 
 from decoding.base.errors import ConfigError
 from decoding.runtime import kernels
+from decoding.runtime.kv_cache import SHARED_BLOCK
 from decoding.runtime.runner import ModelRunner
 from decoding.speculation.timing import timed_ms, verification
 
@@ -55,12 +56,15 @@ def _extend(x: float, xs: Sequence[float], ys: Sequence[float]) -> float:
 @dataclass
 class ForwardCost:
     """Milliseconds of one target forward: `points[r]` = [(tokens computed, ms)] at `r` rows and
-    `context`; `context_ms` = ms per (token x 1000 context positions) past `context`."""
+    `context`; `context_ms` = ms per (token x 1000 context positions) past `context`; `shared_saving`:
+    the share of that cost a position read from a sibling's row saves (siblings reading their shared
+    prompt once, csrc/attention.cpp; 0 where the forward reads every row's own)."""
 
     points: dict[int, list[tuple[int, float]]]
     context: int = CONTEXT
     context_ms: float = 0.0
     ragged: bool = True
+    shared_saving: float = 0.0
     correction: float = 1.0  # measured / predicted, a running average over the run's forwards
     source: str = "profile"
 
@@ -118,12 +122,15 @@ class ForwardCost:
             "context": self.context,
             "context_ms": self.context_ms,
             "ragged": self.ragged,
+            "shared_saving": self.shared_saving,
         }
 
     @classmethod
     def from_json(cls, data: dict, source: str) -> ForwardCost:
         points = {int(r): [(int(n), float(ms)) for n, ms in p] for r, p in data["points"].items()}
-        return cls(points, int(data["context"]), float(data["context_ms"]), bool(data["ragged"]), source=source)
+        context, context_ms, ragged = int(data["context"]), float(data["context_ms"]), bool(data["ragged"])
+        saving = float(data.get("shared_saving", 0.0))  # (profiles written before it was measured: none)
+        return cls(points, context, context_ms, ragged, saving, source=source)
 
     @classmethod
     def load(cls, path: Path) -> ForwardCost:
@@ -154,9 +161,11 @@ def _monotone(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
     return [(n, float(m)) for (n, _), m in zip(points, ms)]
 
 
-def _time_point(target: ModelRunner, rows: int, per_row: int, context: int, repeats: int) -> float:
-    # The fastest of the repeats: another process's burst only ever slows a forward down.
-    return min(timed_ms(verification(target, context, per_row, rows), repeats, target.device))
+def _time_point(target: ModelRunner, rows: int, per_row: int, context: int, repeats: int, shared: int = 0) -> float:
+    """ms of a forward (the fastest of the repeats: another process's burst only ever slows one down);
+    with `shared`, its rows siblings reading their first `shared` positions once."""
+    step = verification(target, context, per_row, rows, rows if shared else 1, shared)
+    return min(timed_ms(step, repeats, target.device))
 
 
 def profile(target: ModelRunner, repeats: int = 3) -> ForwardCost:
@@ -181,7 +190,12 @@ def profile(target: ModelRunner, repeats: int = 3) -> ForwardCost:
     rows = GRID_ROWS[1] if GRID_ROWS[1] in points else 1
     long = _time_point(target, rows, 1, LONG_CONTEXT, repeats)
     per = max(0.0, (long - short) / (rows * (LONG_CONTEXT - CONTEXT) / 1000))
-    return ForwardCost(points, CONTEXT, per, target.ragged)
+    saving = 0.0
+    if target.layers is not None and target.static is None and rows > 1 and per > 0:  # the kernel that shares
+        shared = _time_point(target, rows, 1, LONG_CONTEXT, repeats, shared=LONG_CONTEXT)
+        from_sibling = (rows - 1) * (LONG_CONTEXT // SHARED_BLOCK * SHARED_BLOCK)  # positions, all rows
+        saving = min(max((long - shared) / (per * from_sibling / 1000), 0.0), 1.0)
+    return ForwardCost(points, CONTEXT, per, target.ragged, saving)
 
 
 def cost_key(target: ModelRunner) -> str:
