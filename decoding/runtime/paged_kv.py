@@ -18,6 +18,7 @@ forward (transformers' own, the bucketed GPU forward) the rows of their own in k
 from __future__ import annotations
 
 import heapq
+import itertools
 import threading
 import weakref
 from dataclasses import dataclass
@@ -241,7 +242,7 @@ class PagedKVCache:
         slots = host[:, None] + offset + torch.arange(n_new)
         tables = self.tables[order, : _width(need)]
         where = (tables.gather(1, slots // BLOCK), slots % BLOCK)
-        share = _share(tables, host)
+        share = groups_of(tables, host)
         index = torch.tensor(order, dtype=torch.long)
         reads = reads_of(host, share)
         return ForwardView(
@@ -253,7 +254,7 @@ class PagedKVCache:
         read from a sibling's blocks."""
         host = self.lens if rows is None else self.lens[rows]
         tables = self.tables if rows is None else self.tables[rows]
-        return reads_of(host, _share(tables[:, : _width(int(host.max()) + 1)], host))
+        return reads_of(host, groups_of(tables[:, : _width(int(host.max()) + 1)], host))
 
     def _own_blocks(self, row: int, first: int, end: int) -> None:
         """Row `row` alone holds its blocks first..end - 1 (taken fresh, or copied from a shared one)."""
@@ -445,19 +446,58 @@ def _width(positions: int) -> int:
     return _blocks(-(-positions // SHARED_BLOCK) * SHARED_BLOCK)
 
 
-def _share(tables: torch.Tensor, lens: torch.Tensor) -> torch.Tensor | None:
-    """Groups [B, 2] for the attention (RowKVCache.groups' form): rows whose first block is one
-    block, with the positions of the leading blocks every member holds alike (at most the members'
-    committed ones); None where no two rows share a block."""
+def groups_of(tables: torch.Tensor, lens: torch.Tensor) -> torch.Tensor | None:
+    """Groups [B, 2] for the attention (RowKVCache.groups' form: a group id, the positions every
+    member holds alike, at most its committed ones); None where no two rows share a block.
+
+    A row is in one group, and a group reads the run of blocks all its members hold, so rows are
+    grouped where it reads most once: rows sharing a first block, in the order of their tables (rows
+    with longer common runs side by side), cut into the consecutive groups that read the most
+    positions from a sibling (the samples of one state apart from the evaluations that share only its
+    question with them)."""
     first = tables[:, 0]
     ids, counts = first[first != NULL].unique(return_counts=True)
     if not bool((counts > 1).any()):
         return None
     groups = torch.full((tables.shape[0], 2), -1, dtype=torch.long)
     groups[:, 1] = 0
+    rows, held = tables.tolist(), lens.tolist()
     for block in ids[counts > 1].tolist():
-        members = torch.nonzero(first == block).flatten()
-        same = (tables[members] == tables[members[0]]).long().cumprod(1).sum(1)
-        groups[members, 0] = block
-        groups[members, 1] = torch.minimum(same * BLOCK, lens[members]).min()
-    return groups
+        members = sorted(torch.nonzero(first == block).flatten().tolist(), key=lambda r: rows[r])
+        for part, alike in _best_runs(members, rows, held):
+            if len(part) > 1:
+                groups[part, 0] = part[0]
+                groups[part, 1] = alike
+    return groups if bool((groups[:, 0] >= 0).any()) else None
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < len(a) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def _best_runs(members: list[int], rows: list[list[int]], lens: list[int]) -> list[tuple[list[int], int]]:
+    """`members` (sorted by table) cut into consecutive runs, each with the positions all its rows hold
+    alike (at most each one's committed ones), reading the most positions from a sibling: a run of n
+    rows reads its common positions, in whole attention blocks, n - 1 times. Sorted tables make a run's
+    common blocks the least of its neighbours' (one pass per end of a run)."""
+    near = [_common(rows[a], rows[b]) * BLOCK for a, b in itertools.pairwise(members)]
+    score, start = [0] * (len(members) + 1), [0] * (len(members) + 1)  # best for the first i, its last run
+    for i in range(1, len(members) + 1):
+        score[i], start[i] = score[i - 1], i - 1  # the i-th row alone
+        alike = lens[members[i - 1]]
+        for j in range(i - 2, -1, -1):  # the run members[j:i]
+            alike = min(alike, near[j], lens[members[j]])
+            gain = score[j] + (i - j - 1) * (alike // SHARED_BLOCK * SHARED_BLOCK)
+            if gain > score[i]:
+                score[i], start[i] = gain, j
+    runs, i = [], len(members)
+    while i:
+        j = start[i]
+        part = members[j:i]
+        alike = min([lens[r] for r in part] + near[j : i - 1])
+        runs.append((part, alike))
+        i = j
+    return runs[::-1]
