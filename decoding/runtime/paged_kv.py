@@ -316,6 +316,7 @@ class PagedKVCache:
     def copy_prefix(self, src: object, src_row: int, rows: list[int], n: int, share: bool = True) -> None:
         """Rows `rows` become the first n committed positions of `src`'s row src_row: by reference to
         its blocks (a cache of this pool, `share`), else copies in fresh blocks."""
+        assert src is not self or src_row not in rows, "a row cannot take its own prefix"
         self.clear(rows)
         k = _blocks(n)
         if isinstance(src, PagedKVCache) and src.pool is self.pool:
