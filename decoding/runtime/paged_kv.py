@@ -238,7 +238,7 @@ class PagedKVCache:
         if need > self.capacity:
             raise RuntimeError(f"KV cache holds {self.capacity} positions, a forward needs {need}")
         for row, n in zip(order, host.tolist()):
-            self._own_blocks(row, (n + offset) // BLOCK, _blocks(n + offset + n_new))
+            self._own_blocks(row, (n + offset) // BLOCK, blocks_for(n + offset + n_new))
         slots = host[:, None] + offset + torch.arange(n_new)
         tables = self.tables[order, : _width(need)]
         where = (tables.gather(1, slots // BLOCK), slots % BLOCK)
@@ -288,7 +288,7 @@ class PagedKVCache:
                 k[db, :, do] = k[sb, :, so]
                 v[db, :, do] = v[sb, :, so]
         self.lens[row] += len(new_indices)
-        past = self.tables[row, _blocks(int(self.lens[row])) :]
+        past = self.tables[row, blocks_for(int(self.lens[row])) :]
         if bool(past.any()):
             self.pool.drop(past[past != NULL])
             past.zero_()
@@ -318,7 +318,7 @@ class PagedKVCache:
         its blocks (a cache of this pool, `share`), else copies in fresh blocks."""
         assert src is not self or src_row not in rows, "a row cannot take its own prefix"
         self.clear(rows)
-        k = _blocks(n)
+        k = blocks_for(n)
         if isinstance(src, PagedKVCache) and src.pool is self.pool:
             ids = src.tables[src_row, :k]
             if share:
@@ -351,7 +351,7 @@ class PagedKVCache:
     def share(self, rows: list[int], n: int, group: int | None = None) -> None:
         """Rows hold the same first n positions (the caller vouches for it): they take the first row's
         blocks of them, letting go of their own."""
-        k = _blocks(n)
+        k = blocks_for(n)
         ids = self.tables[rows[0], :k].clone()
         for row in rows[1:]:
             self.pool.drop(self.tables[row, :k])
@@ -370,7 +370,7 @@ class PagedKVCache:
 
     def segment(self, row: int, start: int, end: int) -> BlockSegment:
         """Positions [start, end) of a committed row, held by the prefix store (its blocks, by count)."""
-        ids = self.tables[row, start // BLOCK : _blocks(end)].tolist()
+        ids = self.tables[row, start // BLOCK : blocks_for(end)].tolist()
         self.pool.hold(ids, stored=True)
         return BlockSegment(self.pool, start, end, ids)
 
@@ -380,7 +380,7 @@ class PagedKVCache:
         segment's first block also holds the positions before it (the same bits, computed for the
         same tokens), so the deepest one has the whole block."""
         for seg, lo, hi in pieces:
-            first, end_block = lo // BLOCK, _blocks(hi)
+            first, end_block = lo // BLOCK, blocks_for(hi)
             if seg.pool is not self.pool:  # a store of another model's runner: its positions copied
                 self._own_blocks(row, first, end_block)
                 self._write(row, lo, *seg.read(lo, hi))
@@ -413,7 +413,7 @@ class BlockSegment:
     def split(self, k: int) -> tuple[BlockSegment, BlockSegment]:
         """Its first k positions and the rest, as two segments (a block across the cut held by both)."""
         cut, base = self.start + k, self.start // BLOCK
-        head = self.ids[: _blocks(cut) - base]
+        head = self.ids[: blocks_for(cut) - base]
         tail = self.ids[cut // BLOCK - base :]
         self.pool.hold(head + tail, stored=True)
         self.release()
@@ -425,7 +425,7 @@ class BlockSegment:
 
     def read(self, start: int, end: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Keys and values of positions [start, end) (inside the segment), per layer [H_kv, n, D]."""
-        table = torch.zeros(_blocks(end), dtype=torch.long)
+        table = torch.zeros(blocks_for(end), dtype=torch.long)
         table[self.start // BLOCK : self.start // BLOCK + len(self.ids)] = torch.tensor(self.ids, dtype=torch.long)
         return _read(self.pool, table, start, end)
 
@@ -438,13 +438,14 @@ def _read(pool: BlockPool, table: torch.Tensor, start: int, end: int) -> tuple[l
     return keys, [v[blocks, :, offsets].transpose(0, 1) for v in pool.values]
 
 
-def _blocks(positions: int) -> int:
+def blocks_for(positions: int) -> int:
+    """Blocks that hold `positions` positions."""
     return -(-positions // BLOCK)
 
 
 def _width(positions: int) -> int:
     """Table entries for a row of `positions`: the attention reads whole blocks of SHARED_BLOCK."""
-    return _blocks(-(-positions // SHARED_BLOCK) * SHARED_BLOCK)
+    return blocks_for(-(-positions // SHARED_BLOCK) * SHARED_BLOCK)
 
 
 def groups_of(tables: torch.Tensor, lens: torch.Tensor) -> torch.Tensor | None:

@@ -11,7 +11,7 @@ from decoding.runtime import attention, llama
 from decoding.runtime.kv_cache import ForwardView, RowKVCache, cache_geometry
 from decoding.runtime.memory import MemoryBudget
 from decoding.runtime.packing import Packed, pack
-from decoding.runtime.paged_kv import BLOCK, BlockPool, PagedKVCache
+from decoding.runtime.paged_kv import BLOCK, BlockPool, PagedKVCache, blocks_for
 from decoding.runtime.prefix_cache import Match, PrefixCache, shared_len
 from decoding.runtime.quant import cache_dtype
 from decoding.runtime.static_forward import StaticForward, StaticSpec
@@ -384,7 +384,7 @@ class ModelRunner:
             keys = {need.tokens[: (i + 1) * BLOCK] for i in range(whole)}
             fresh = len(keys - seen)
             seen |= keys
-        return fresh + -(-self.row_capacity([need.prompt], need.room) // BLOCK) - whole
+        return fresh + blocks_for(self.row_capacity([need.prompt], need.room)) - whole
 
     def row_capacity(self, prompt_lens: list[int], room: int) -> int:
         """Positions a row of the pool needs while rows with these prompts decode, `room` past each."""
