@@ -191,10 +191,11 @@ def test_cost_model_fit_padding_and_cache(tiny_model, tmp_path):
     assert file.exists() and first.source == str(file)
     again = forward_cost(target, tmp_path)
     assert again.points == first.points
-    # Another CPU (a cache folder outlives its machine) is another profile.
+    # Another CPU or GPU (a cache folder outlives its machine) is another profile.
     key = cost_key(target)
     with pytest.MonkeyPatch.context() as m:
         m.setattr("decoding.runtime.kernels.cpu_model", lambda: "another CPU")
+        m.setattr("torch.cuda.get_device_name", lambda device=None: "another GPU")
         assert cost_key(target) != key
     # A profile written elsewhere (profile_forward's rows, e.g. a GPU's) is read as padded forwards.
     rows = [{"batch": 1, "tree_tokens": t, "ms": 5.0 + 0.01 * t, "context": 300} for t in (1, 16, 64)]
