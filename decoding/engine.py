@@ -28,6 +28,7 @@ from decoding.runtime.memory import peak_rss_mb, rss_mb
 from decoding.runtime.models import LoadedModel
 from decoding.runtime.runner import ModelRunner
 from decoding.schedules.base import add_sequence_totals
+from decoding.speculation.logprobs import Choices
 from decoding.speculation.sampling import SamplingParams
 from decoding.speculation.sequence import Sequence
 from decoding.speculation.stopping import StopRule, final_text
@@ -239,6 +240,8 @@ class Engine:
                 finish_reason=s.reason or "length",
                 stats=s.stats,
                 context=s.context(self.tokenizer, text),
+                logprobs=list(s.logprobs) if r.logprobs else None,
+                choice_logprobs=s.choice_logprobs,
             )
             for s, r in zip(seqs, requests)
         ]
@@ -254,11 +257,24 @@ class Engine:
                 f"of {limit} tokens; shorten the prompt or lower the token limits (gen.max_thought_tokens, "
                 "gen.max_eval_tokens)"
             )
-        rule = StopRule(self.eos_ids, r.stop, r.max_new_tokens)
+        choices = Choices.of([self._answer(r, ids, a) for a in r.choices]) if r.choices else None
+        # A choice's row holds its answers' tree where a reply's tokens would be.
+        room = r.max_new_tokens if choices is None else len(choices.tree)
+        rule = StopRule(self.eos_ids, r.stop, room)
         params = SamplingParams(r.temperature, r.top_k, r.top_p)
         seq = Sequence.create(ids, rule, params, r.seed, r.group, self.loaded.device)
         seq.follows, seq.keep = r.context, r.keep
+        seq.top_logprobs = r.top_logprobs if r.logprobs else None
+        seq.choices = choices
         return seq
+
+    def _answer(self, r: GenRequest, ids: list[int], answer: str) -> list[int]:
+        """An answer's tokens after the prompt `ids`: as the prompt and answer tokenize together where
+        the prompt's tokens stay as they are, else the answer's own."""
+        joined = self.encode(r.prompt, r.prefix + answer, r.context)
+        if len(joined) > len(ids) and joined[: len(ids)] == ids:
+            return joined[len(ids) :]
+        return self.tokenizer(answer, add_special_tokens=False)["input_ids"]
 
 
 def apportion(total: int, weights: list[int], owed: list[float] | None = None) -> list[int]:

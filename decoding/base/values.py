@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, fields
 from typing import Literal
 
 FinishReason = Literal["stop", "length", "eos"]
+MAX_TOP_LOGPROBS = 20  # as OpenAI's API bounds top_logprobs
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,15 @@ class GenRequest:
     # Keep this sequence's keys and values stored when it finishes, pinned until a follow-up of
     # it is admitted (only then evictable): the follow-ups a search sends moments later.
     keep: bool = False
+    # Each generated token's log-probability under the request's own sampling distribution (the
+    # target's logits after temperature, top-k and top-p; the raw logits' at temperature 0), and the
+    # `top_logprobs` most likely tokens at each position with theirs (OpenAI's names and meaning).
+    logprobs: bool = False
+    top_logprobs: int = 0
+    # A choice: nothing is generated; each answer is scored as a continuation of the prompt (after
+    # `prefix`) in one forward, its log-probability the sum of its tokens' under the model's own
+    # distribution (the softmax of the raw logits): `GenResult.choice_logprobs`, in this order.
+    choices: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.prompt, list):
@@ -54,8 +64,10 @@ class GenRequest:
             object.__setattr__(self, "context", tuple(self.context))
         if self.context and not isinstance(self.prompt, str):
             raise ValueError("a follow-up's prompt is the new turn's message: give it as text")
-        if isinstance(self.stop, (list, str)):
-            object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
+        for name in ("stop", "choices"):  # a string is one of them; a list, a tuple
+            value = getattr(self, name)
+            if isinstance(value, (list, str)):
+                object.__setattr__(self, name, (value,) if isinstance(value, str) else tuple(value))
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
         if self.temperature < 0:
@@ -64,6 +76,12 @@ class GenRequest:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
         if self.top_k < 0:
             raise ValueError(f"top_k={self.top_k} must be >= 0 (0 disables top-k)")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs={self.top_logprobs} must be in 0..{MAX_TOP_LOGPROBS}")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError(f"top_logprobs={self.top_logprobs} needs logprobs=True (as OpenAI's API has it)")
+        if any(not a for a in self.choices) or len(set(self.choices)) < len(self.choices):
+            raise ValueError(f"choices={self.choices!r}: give distinct, non-empty answers")
 
 
 @dataclass
@@ -181,6 +199,19 @@ class DecodeStats:
         return cls(**{f.name: type(f.default)(d.get(f.name, f.default)) for f in fields(cls)})
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log-probability, and the most likely tokens at its position with theirs
+    (most likely first; `GenRequest.top_logprobs` of them)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+    def to_dict(self) -> dict:
+        return {"token": self.token, "logprob": self.logprob, "top": [list(t) for t in self.top]}
+
+
 @dataclass
 class GenResult:
     text: str
@@ -190,6 +221,10 @@ class GenResult:
     # What a follow-up of this reply continues (`GenRequest.context`): the prompt's ids, then the
     # reply's up to where its text ends (decoding/prompts.py `reply_ids`).
     context: tuple[int, ...] = ()
+    # GenRequest.logprobs: one per token of `token_ids`; None when not asked.
+    logprobs: list[TokenLogprob] | None = None
+    # GenRequest.choices: each answer's log-probability as a continuation of the prompt; None otherwise.
+    choice_logprobs: list[float] | None = None
 
 
 @dataclass

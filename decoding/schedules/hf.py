@@ -13,6 +13,7 @@ from decoding.drafters.base import NoDrafter
 from decoding.runtime.runner import ModelRunner
 from decoding.schedules.base import Step, run_to_end
 from decoding.speculation.gumbel import gumbel_choice
+from decoding.speculation.logprobs import token_logprobs
 from decoding.speculation.sampling import Rule
 from decoding.speculation.sequence import Sequence
 from decoding.speculation.stopping import Detokenizer
@@ -42,6 +43,14 @@ class _StopRuleCriteria(StoppingCriteria):
         generated = input_ids[0, self.prompt_len :].tolist()
         _, reason = self.seq.rule.check(generated, self.tokenizer, start=len(generated) - 1)
         return torch.tensor([reason is not None], device=input_ids.device)
+
+
+def answer_logprobs(model: torch.nn.Module, prompt: list[int], answer: list[int]) -> float:
+    """An answer's log-probability after `prompt` by one plain forward over both: the sum of its
+    tokens' raw log-softmax (what a choice request's tree reads in one forward for all answers)."""
+    ids = torch.tensor([prompt + answer], device=next(model.parameters()).device)
+    logp = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float().log_softmax(-1)
+    return sum(logp.gather(-1, ids[0, len(prompt) :, None])[:, 0].tolist())
 
 
 class HFDecoder:
@@ -91,6 +100,12 @@ class HFDecoder:
         stats, model = DecodeStats(), self.target.model
         t0 = time.perf_counter()
         ids = torch.tensor([s.prompt], device=self.target.device)
+        if s.choices is not None:
+            s.scored(self._choices(s))
+            stats.target_forwards = stats.target_rows = len(s.choices.paths)
+            stats.prompt_tokens = stats.prompt_tokens_computed = len(s.prompt)
+            stats.verify_s += time.perf_counter() - t0
+            return stats
         sampling: dict[str, object] = {"do_sample": False, "temperature": None, "top_k": None, "top_p": None}
         processors = LogitsProcessorList()
         if not s.params.greedy and self.multinomial:
@@ -112,10 +127,15 @@ class HFDecoder:
             pad_token_id=min(s.rule.eos_ids),
             stopping_criteria=StoppingCriteriaList([_StopRuleCriteria(s, ids.shape[1], self.tokenizer)]),
             logits_processor=processors,
+            output_logits=True,  # the raw logits: what a request's log-probabilities are read from
+            return_dict_in_generate=True,
             **sampling,
         )
-        generated = out[0, ids.shape[1] :].tolist()
+        generated = out.sequences[0, ids.shape[1] :].tolist()
         s.commit(generated, self.tokenizer)
+        if s.top_logprobs is not None:
+            logits = torch.cat(out.logits)[: len(s.generated)]
+            s.logprobs = token_logprobs(logits, s.generated, s.params, s.top_logprobs)
         s.reason = s.reason or "length"
         # generate runs one forward per new token; count them like the other decoders do.
         s.stats.verify_steps = s.stats.target_forwards = s.stats.generated_tokens
@@ -126,3 +146,17 @@ class HFDecoder:
         s.stats.prompt_tokens_computed = len(s.prompt)
         stats.verify_s += time.perf_counter() - t0
         return stats
+
+    def _choices(self, s: Sequence) -> list[float]:
+        """Each answer of a choice by a plain forward of the prompt and it (one sequence at a time)."""
+        assert s.choices is not None
+        tree = s.choices.tree
+        answers = [[tree.tokens[n] for n in path] for path in s.choices.paths]
+        return [answer_logprobs(self.target.model, s.prompt, a) for a in answers]
+
+    def _choices(self, s: Sequence) -> list[float]:
+        """Each answer of a choice by a plain forward of the prompt and it (one sequence at a time)."""
+        assert s.choices is not None
+        tree = s.choices.tree
+        answers = [[tree.tokens[n] for n in path] for path in s.choices.paths]
+        return [answer_logprobs(self.target.model, s.prompt, a) for a in answers]

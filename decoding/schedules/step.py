@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+import torch
+
 from decoding.drafters.base import Drafter
 from decoding.runtime.kv_cache import RowKVCache
 from decoding.runtime.packing import Packed, pack
@@ -18,6 +20,7 @@ from decoding.runtime.runner import ModelRunner
 from decoding.schedules.planner import Planner, StepPlan
 from decoding.schedules.rounds import News, Rounds
 from decoding.speculation.draft_tree import DraftTree
+from decoding.speculation.logprobs import token_logprobs
 from decoding.speculation.sampling import Rule
 from decoding.speculation.sequence import Sequence
 from decoding.speculation.slot import Slot
@@ -72,17 +75,24 @@ def decode_step(rounds: Rounds, setup: StepSetup, clock: Clock, draft_here: bool
     record = StepRecord()
     if draft_here:
         record.drafts.append(draft_round(rounds, setup, clock, wait=False))  # plan, draft
-    slots = rounds.take_queued(setup.verify_batch, wait=not draft_here)
-    if slots:
+    queued = rounds.take_queued(setup.verify_batch, wait=not draft_here)
+    if queued:
         t0 = clock()
-        trees, plan = cut(setup, slots, [s.draft for s in slots])  # type: ignore[misc]  # cut
-        packed = pack([s.pending for s in slots], trees)  # pack
-        scored = setup.target.score(setup.cache, packed, rows_of(setup.cache, slots))  # forward
+        # Drafted rows first (the planner plans them), then choices, scored over their answers' trees.
+        slots = [s for s in queued if s.seq.choices is None]
+        choices = [s for s in queued if s.seq.choices is not None]
+        trees, plan = cut(setup, slots, [s.draft for s in slots]) if slots else ([], None)  # type: ignore[misc]  # cut
+        trees += [s.seq.choices.tree for s in choices]  # type: ignore[union-attr]
+        packed = pack([s.pending for s in slots + choices], trees)  # pack
+        scored = setup.target.score(setup.cache, packed, rows_of(setup.cache, slots + choices))  # forward
         seqs = [s.seq for s in slots]
         nodes = None if plan is None else plan.kept_nodes  # the drafter's own node numbers
-        verdicts = accept(packed, scored, trees, seqs, setup.rule, setup.drafter.learns_top, nodes)
+        drafted = replace(scored, logits=scored.logits[: len(slots)])
+        verdicts = accept(packed, drafted, trees[: len(slots)], seqs, setup.rule, setup.drafter.learns_top, nodes)
         verdicts = commit(setup, slots, verdicts, packed)  # commit
+        verdicts += score_choices(choices, scored.logits[len(slots) :])
         t1 = clock()
+        slots += choices
         record.finished = finish(setup, slots)
         rounds.verified_now(slots, verdicts)
         record.slots, record.verdicts, record.plan = slots, verdicts, plan
@@ -102,14 +112,17 @@ def draft_round(rounds: Rounds, setup: StepSetup, clock: Clock, wait: bool, draf
     hear(setup.drafter, rounds, news)
     record = DraftRecord()
     if draft and news.drafting:
-        budgets = plan_drafts(setup, news.drafting)  # plan
+        # A choice needs no draft: it is queued at once, its answers' tree for the target to score.
+        asking = [s for s in news.drafting if s.seq.choices is None]
+        budgets = plan_drafts(setup, asking)  # plan
         t1 = clock()  # what drafting costs the planner charges: the drafter's call and its trees' upkeep
-        chosen = [s for s, b in zip(news.drafting, budgets) if b]
+        chosen = [s for s, b in zip(asking, budgets) if b]
         drafted = dict(zip(map(id, chosen), setup.drafter.draft(chosen))) if chosen else {}  # draft
-        trees = [drafted.get(id(s), DraftTree()) for s in news.drafting]
+        trees = [drafted.get(id(s), DraftTree()) for s in asking]
         assert all(len(t) <= setup.drafter.max_nodes for t in trees), "a tree exceeds the drafter's max_nodes"
         record.drafted, record.draft_ms = len(chosen), 1000 * (clock() - t1)
-        rounds.enqueue(news.drafting, trees, clock())
+        scoring = [s for s in news.drafting if s.seq.choices is not None]
+        rounds.enqueue(asking + scoring, trees + [DraftTree()] * len(scoring), clock())
     record.seconds = clock() - t0
     return record
 
@@ -117,16 +130,20 @@ def draft_round(rounds: Rounds, setup: StepSetup, clock: Clock, wait: bool, draf
 def hear(drafter: Drafter, rounds: Rounds, news: News) -> None:
     """The drafter admits the new slots, learns from the verdicts before it drafts those slots again,
     and releases the slots that left (their rows are then free for new sequences)."""
-    if news.arrived:
-        drafter.admit(news.arrived)
-        for slot in news.arrived:
+    arrived = [s for s in news.arrived if s.seq.choices is None]  # a choice is never drafted
+    if arrived:
+        drafter.admit(arrived)
+        for slot in arrived:
             slot.heard = True
-    if news.verified:
-        drafter.update(news.verified, [s.verdict for s in news.verified])  # type: ignore[misc]
-        for slot in news.verified:
-            slot.verdict = None
+    verified = [s for s in news.verified if s.heard]
+    if verified:
+        drafter.update(verified, [s.verdict for s in verified])  # type: ignore[misc]
+    for slot in news.verified:
+        slot.verdict = None
     if news.left:
-        drafter.release(news.left, [s for s in news.live if s.heard])
+        heard = [s for s in news.left if s.heard]
+        if heard:
+            drafter.release(heard, [s for s in news.live if s.heard])
         for slot in news.left:
             slot.heard = False
         rounds.released(news.left)
@@ -175,11 +192,26 @@ def commit(setup: StepSetup, slots: list[Slot], verdicts: list[Verdict], packed:
     what each sequence kept."""
     out = []
     for b, (slot, v) in enumerate(zip(slots, verdicts)):
-        kept = slot.seq.commit(v.tokens, setup.tokenizer, drafted=len(v.tree), accepted=len(v.path))
+        s = slot.seq
+        v = replace(v, kept=s.commit(v.tokens, setup.tokenizer, drafted=len(v.tree), accepted=len(v.path)))
+        if s.top_logprobs is not None and v.kept:
+            s.logprobs += token_logprobs(v.logits[v.kept_rows()], v.tokens[: v.kept], s.params, s.top_logprobs)
         if not slot.seq.done:
             setup.cache.keep(slot.row, packed.committed(b, v.path))
             slot.pending = [v.token]
-        out.append(replace(v, kept=kept))
+        out.append(v)
+    return out
+
+
+def score_choices(slots: list[Slot], logits: list[torch.Tensor]) -> list[Verdict]:
+    """Each choice's answers scored from its rows of the forward; the choice ends (its verdict
+    accepts nothing: the tree was the answers', not a draft, and nothing is committed)."""
+    out = []
+    for slot, rows in zip(slots, logits):
+        choices = slot.seq.choices
+        assert choices is not None
+        slot.seq.scored(choices.logprobs(rows))
+        out.append(Verdict(DraftTree(), [], -1, None, rows))
     return out
 
 

@@ -6,9 +6,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from decoding.base.values import DecodeStats, FinishReason, Group
+from decoding.base.values import DecodeStats, FinishReason, Group, TokenLogprob
 from decoding.runtime.runner import Need
 from decoding.speculation.gumbel import Coupling
+from decoding.speculation.logprobs import Choices
 from decoding.speculation.sampling import SamplingParams, make_generator
 from decoding.speculation.stopping import Detokenizer, StopRule, final_text, reply_ids
 
@@ -34,6 +35,13 @@ class Sequence:
     follows: tuple[int, ...] = ()  # a follow-up: the finished sequence it continues (GenRequest.context)
     keep: bool = False  # stored and pinned when it finishes, until a follow-up of it is admitted
     waits_for_memory: bool = False  # queued while the KV pool had no room for it (counted once)
+    # GenRequest.logprobs: the most likely tokens kept beside each (None: not asked), and what the
+    # commits found, one per generated token.
+    top_logprobs: int | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    # GenRequest.choices: the answers' tree, scored in place of generating (then `choice_logprobs`).
+    choices: Choices | None = None
+    choice_logprobs: list[float] | None = None
     _checked: int = 0
     _context: tuple[int, ...] | None = None
 
@@ -93,6 +101,11 @@ class Sequence:
         """The deepest draft node worth drafting: a step commits at most the accepted path plus the
         target's own token, so deeper nodes could never be kept (and could pass the model's context)."""
         return self.rule.max_new_tokens - len(self.generated) - 1
+
+    def scored(self, logprobs: list[float]) -> None:
+        """A choice's answers were scored: it ends without a token."""
+        self.choice_logprobs, self.reason = logprobs, "stop"
+        self.stats.target_forwards += 1
 
     def commit(self, tokens: list[int], tokenizer: Detokenizer, drafted: int = 0, accepted: int = 0) -> int:
         """Append tokens accepted in one verification step, stopping where plain decoding would.

@@ -1,0 +1,123 @@
+"""Token log-probabilities (`GenRequest.logprobs` / `top_logprobs`) and choices (`GenRequest.choices`)
+from every decoder, in batches that mix them with plain requests, against `transformers`."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from test_continuous import engine_for
+from test_decoders import encode
+from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from decoding.base.values import GenRequest
+from decoding.kinds import DECODERS
+
+SAMPLED = {"temperature": 0.8, "top_k": 20, "top_p": 0.9}
+
+
+def mixed_requests() -> list[GenRequest]:
+    """Greedy and sampled rows asking log-probabilities (with and without alternatives), rows not
+    asking, and a choice, in one batch."""
+    return [
+        GenRequest("the cat", max_new_tokens=12, logprobs=True, top_logprobs=3),
+        GenRequest("once upon a time", max_new_tokens=9, logprobs=True, seed=5, **SAMPLED),
+        GenRequest("hello world and more", max_new_tokens=7),
+        GenRequest("a", max_new_tokens=10, logprobs=True, top_logprobs=5, seed=2, temperature=1.0),
+        GenRequest("1 2 3 4", choices=(" 5", " 56", " five", "x")),
+        GenRequest("1 2 3 4", max_new_tokens=6, seed=9, **SAMPLED),
+    ]
+
+
+def reference(model, prompt: list[int], tokens: list[int], request: GenRequest) -> torch.Tensor:
+    """`transformers`' log-probabilities of `tokens` after `prompt` [len(tokens), V]: its forward,
+    then (sampled) its own warpers, as `generate(output_scores=True)` reports the sampled scores."""
+    ids = torch.tensor([prompt + tokens], device=model.device)
+    with torch.inference_mode():
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
+    if request.temperature > 0:
+        warpers = LogitsProcessorList([TemperatureLogitsWarper(request.temperature)])
+        if request.top_k:
+            warpers.append(TopKLogitsWarper(request.top_k))
+        if request.top_p < 1:
+            warpers.append(TopPLogitsWarper(request.top_p))
+        logits = torch.stack([warpers(ids[:, : len(prompt) + i], row[None])[0] for i, row in enumerate(logits)])
+    return logits.log_softmax(-1).cpu()
+
+
+def plain_choice(model, prompt: list[int], answer: list[int]) -> float:
+    ids = torch.tensor([prompt + answer], device=model.device)
+    with torch.inference_mode():
+        logp = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float().log_softmax(-1)
+    return sum(logp[i, t].item() for i, t in enumerate(answer))
+
+
+@pytest.mark.parametrize("name", list(DECODERS))
+def test_logprobs_and_choices_are_transformers_for_every_decoder(name, tiny_model, tokenizer, loaded, perturbed):
+    """Every decoder's log-probabilities of the tokens it generated are `transformers`' for them
+    (to float32 rounding: its forward is another kernel), the top alternatives are the reference's
+    most likely tokens, and a choice's answers score what a plain forward gives them; rows that did
+    not ask get none, and asking changes no token."""
+    requests = mixed_requests()
+    engine = engine_for(name, loaded, perturbed)
+    results = engine.generate(requests)
+    plain = engine_for(name, loaded, perturbed).generate([r for r in requests if not r.choices])
+    assert [r.token_ids for r in results if r.choice_logprobs is None] == [r.token_ids for r in plain]
+    for request, result in zip(requests, results):
+        prompt = encode(tokenizer, request.prompt)
+        if request.choices:
+            assert result.token_ids == [] and result.logprobs is None
+            answers = [engine._answer(request, prompt, a) for a in request.choices]
+            expected = [plain_choice(tiny_model, prompt, a) for a in answers]
+            assert result.choice_logprobs == pytest.approx(expected, abs=1e-4)
+            continue
+        assert result.choice_logprobs is None
+        if not request.logprobs:
+            assert result.logprobs is None
+            continue
+        assert result.logprobs is not None and [t.token for t in result.logprobs] == result.token_ids
+        ref = reference(tiny_model, prompt, result.token_ids, request)
+        for i, entry in enumerate(result.logprobs):
+            assert entry.logprob == pytest.approx(ref[i, entry.token].item(), abs=1e-4)
+            assert math.isfinite(entry.logprob)  # a generated token is inside top-k / top-p
+            assert len(entry.top) == request.top_logprobs
+            top = ref[i].topk(request.top_logprobs)
+            assert [v for _, v in entry.top] == pytest.approx(top.values.tolist(), abs=1e-4)
+            assert all(entry.top[j][1] >= entry.top[j + 1][1] for j in range(len(entry.top) - 1))
+
+
+def test_logprobs_are_bitwise_the_same_whatever_the_batch(loaded, perturbed):
+    """The CPU forward is batch-invariant, so a row's log-probabilities do not depend on the decoder,
+    its drafts or the rows beside it: alone under `ar` they are bitwise those of every decoder's
+    mixed batch."""
+    if loaded.device.type != "cpu":
+        pytest.skip("bitwise batch invariance is the CPU path's")
+    requests = mixed_requests()
+    alone = {i: engine_for("ar", loaded, perturbed).generate([r])[0] for i, r in enumerate(requests)}
+    for name in DECODERS:
+        if DECODERS[name].schedule == "hf":
+            continue  # transformers' own forward: another kernel
+        results = engine_for(name, loaded, perturbed).generate(requests)
+        for i, result in enumerate(results):
+            assert result.logprobs == alone[i].logprobs, name
+            assert result.choice_logprobs == alone[i].choice_logprobs, name
+
+
+def test_choices_share_their_prompt_and_tokenize_in_context(loaded, perturbed, tokenizer):
+    """Answers that share first tokens share nodes of one tree; each is tokenized as it reads after
+    the prompt; their probabilities, exponentiated and normalised, form a distribution."""
+    engine = engine_for("ar", loaded, perturbed)
+    request = GenRequest("1 2 3 4", choices=[" 5", " 56", " 567"])
+    seq = engine._sequence(request)
+    assert seq.choices is not None
+    paths = seq.choices.paths
+    assert paths[1][: len(paths[0])] == paths[0] and paths[2][: len(paths[1])] == paths[1]
+    assert len(seq.choices.tree) == len(paths[2])  # one node per distinct token
+    (result,) = engine.generate([request])
+    lp = result.choice_logprobs
+    assert lp is not None and lp[0] >= lp[1] >= lp[2]  # each extends the one before
+    with pytest.raises(ValueError, match="distinct, non-empty answers"):
+        GenRequest("x", choices=(" a", " a"))
+    with pytest.raises(ValueError, match="needs logprobs=True"):
+        GenRequest("x", top_logprobs=2)
