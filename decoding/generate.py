@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from decoding.base.errors import BackendError, ConfigError
 from decoding.base.options import as_float, as_int
-from decoding.base.values import DecodeStats, GenRequest, Group
+from decoding.base.values import MAX_TOP_LOGPROBS, DecodeStats, GenRequest, Group
 from decoding.cli import fail, hydra_command
 from decoding.config import DecoderConfig
 from decoding.drafters.load import load_draft
@@ -35,6 +35,7 @@ class PromptRow:
     id: str
     prompt: str
     n: int
+    choices: tuple[str, ...] = ()  # answers to score after the prompt in place of generating
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,8 @@ class GenerateConfig:
     seed: int
     gpu_profile: bool = False
     warmup: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -67,6 +70,12 @@ class GenerateConfig:
             raise ConfigError(f"gpu_profile={self.gpu_profile!r} must be true or false")
         if not isinstance(self.warmup, bool):
             raise ConfigError(f"warmup={self.warmup!r} must be true or false")
+        if not isinstance(self.logprobs, bool):
+            raise ConfigError(f"gen.logprobs={self.logprobs!r} must be true or false")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS or (self.top_logprobs and not self.logprobs):
+            raise ConfigError(
+                f"gen.top_logprobs={self.top_logprobs} must be in 0..{MAX_TOP_LOGPROBS}, with gen.logprobs=true"
+            )
 
     @classmethod
     def from_omegaconf(cls, cfg: DictConfig) -> GenerateConfig:
@@ -89,6 +98,8 @@ class GenerateConfig:
             seed=as_int("gen.seed", gen["seed"]),
             gpu_profile=c.get("gpu_profile", False),
             warmup=c.get("warmup", False),
+            logprobs=gen.get("logprobs", False),
+            top_logprobs=as_int("gen.top_logprobs", gen.get("top_logprobs", 0)),
         )
 
 
@@ -114,7 +125,10 @@ def read_prompts(path: Path) -> list[PromptRow]:
         if pid in seen:
             raise ConfigError(f'{where} repeats "id": {pid!r}; ids must be unique')
         seen.add(pid)
-        rows.append(PromptRow(pid, rec["prompt"], n))
+        choices = rec.get("choices", [])
+        if not isinstance(choices, list) or not all(isinstance(a, str) and a for a in choices):
+            raise ConfigError(f'{where} has "choices": {choices!r}; give a list of non-empty answer strings')
+        rows.append(PromptRow(pid, rec["prompt"], n, tuple(choices)))
     return rows
 
 
@@ -181,6 +195,10 @@ def generate(cfg: GenerateConfig, engine: Engine, progress: bool = True) -> dict
                         "finish_reason": res.finish_reason,
                         "stats": res.stats.to_dict(),
                     }
+                    if res.logprobs is not None:
+                        record["logprobs"] = [t.to_dict() for t in res.logprobs]
+                    if res.choice_logprobs is not None:
+                        record["choice_logprobs"] = dict(zip(r.choices, res.choice_logprobs))
                     f.write(json.dumps(record) + "\n")
                     completions += 1
             f.flush()
@@ -218,6 +236,9 @@ def _requests(cfg: GenerateConfig, batch: list[PromptRow]) -> list[GenRequest]:
             top_k=cfg.top_k,
             group=Group(r.id),
             seed=request_seed(cfg.seed, r.id, k),
+            logprobs=cfg.logprobs,
+            top_logprobs=cfg.top_logprobs,
+            choices=r.choices,
         )
         for r in batch
         for k in range(r.n)

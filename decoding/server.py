@@ -25,13 +25,13 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from decoding.base.errors import BackendError, ConfigError
-from decoding.base.values import Completion, DecodeStats, GenRequest, GenResult
+from decoding.base.values import Completion, DecodeStats, GenRequest, GenResult, TokenLogprob
 from decoding.prompts import render
 
 log = logging.getLogger(__name__)
@@ -51,6 +51,11 @@ ERROR_BYTES = 16 * 1024  # an error reply: only its first line is shown
 _MISSING = object()  # a field a reply leaves out (null is a value: it is shown as null)
 T = TypeVar("T")
 
+# The completions API reports log-probabilities of what the server generates, never of given text.
+CHOICES_REFUSED = (
+    "decoder=server cannot score given answers (GenRequest.choices): the completions API returns log-probabilities "
+    "of generated tokens only; use task.value=sampled with the server, or an in-process decoder"
+)
 # The server is sent text: it cannot continue a finished sequence's very tokens.
 FOLLOW_UPS_REFUSED = (
     "decoder=server sends text and reuses nothing, so it cannot continue a finished reply with a new turn: "
@@ -113,6 +118,7 @@ class Reply:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int  # prompt tokens the server took from its cache (0 where it reports none)
+    logprobs: list[TokenLogprob] | None = None  # asked for: each token's, by its text (no ids come back)
 
 
 def reply_limit(max_tokens: int) -> int:
@@ -198,10 +204,11 @@ class ServerEngine:
     async def _complete(self, r: GenRequest) -> GenResult:
         if r.context:
             raise BackendError(FOLLOW_UPS_REFUSED)
+        if r.choices:
+            raise BackendError(CHOICES_REFUSED)
         prompt = render(self.tokenizer, self.use_chat_template, r.prompt, r.prefix)
-        call = Call(
-            "POST", "/completions", reply_limit(r.max_new_tokens), f"max_tokens={r.max_new_tokens}, seed={r.seed}"
-        )
+        asked = f"max_tokens={r.max_new_tokens}, seed={r.seed}" + (f", logprobs={r.top_logprobs}" if r.logprobs else "")
+        call = Call("POST", "/completions", reply_limit(r.max_new_tokens), asked)
         send = partial(
             self._client.completions.with_streaming_response.create,
             model=self.model,
@@ -212,6 +219,7 @@ class ServerEngine:
             seed=r.seed,
             stop=list(r.stop) or None,
             n=1,
+            logprobs=r.top_logprobs if r.logprobs else None,  # the completions API's count of alternatives
             extra_body=self._sampling_extras(r.top_k, prompt.special),
         )
         assert self._slots is not None
@@ -219,7 +227,8 @@ class ServerEngine:
             token = object()
             self._tick(+1, token)
             try:
-                reply = await self._fetch(call, send, partial(parse_completion, max_tokens=r.max_new_tokens))
+                parse = partial(parse_completion, max_tokens=r.max_new_tokens, logprobs=r.logprobs)
+                reply = await self._fetch(call, send, parse)
             finally:
                 share = self._tick(-1, token)
         self._check_tokens(reply.prompt_tokens, len(prompt.ids))
@@ -231,7 +240,8 @@ class ServerEngine:
             other_s=share,
             sequences=1,
         )
-        return GenResult(text=reply.text, token_ids=[], finish_reason=reply.finish_reason, stats=stats)
+        logprobs = None if reply.logprobs is None else [replace(t, top=t.top[: r.top_logprobs]) for t in reply.logprobs]
+        return GenResult(reply.text, [], reply.finish_reason, stats, logprobs=logprobs)
 
     def _sampling_extras(self, top_k: int, special: bool) -> dict[str, Any]:
         """Fields beyond OpenAI's: plain sampling on every server (a server ignores what it does
@@ -351,7 +361,7 @@ def _json(body: bytes) -> Any:
         raise BadReply(f"it is not JSON ({str(e)[:100]}; it starts {body[:40]!r})") from None
 
 
-def parse_completion(data: Any, max_tokens: int) -> Reply:
+def parse_completion(data: Any, max_tokens: int, logprobs: bool = False) -> Reply:
     """The fields a run uses of a `/v1/completions` reply, each checked for its type and range."""
     reply = _object(data, "the reply")
     choices = reply.get("choices", _MISSING)
@@ -369,7 +379,37 @@ def parse_completion(data: Any, max_tokens: int) -> Reply:
         cached_tokens = _object(details, "usage.prompt_tokens_details").get("cached_tokens")
         if cached_tokens is not None:
             cached = _count(cached_tokens, "usage.prompt_tokens_details.cached_tokens", high=prompt)
-    return Reply(text, "length" if reason == "length" else "stop", prompt, generated, cached)
+    tokens = parse_logprobs(choice.get("logprobs"), generated) if logprobs else None
+    return Reply(text, "length" if reason == "length" else "stop", prompt, generated, cached, tokens)
+
+
+def parse_logprobs(data: Any, generated: int) -> list[TokenLogprob]:
+    """The completions API's `logprobs` object (tokens, token_logprobs, top_logprobs: a dict per
+    token, the token itself among its entries) as one entry per generated token, alternatives most
+    likely first; a server that sends none was not started to compute them."""
+    if data is None:
+        raise BadReply(
+            "choices[0].logprobs is null though log-probabilities were asked for: this server does not return "
+            "them (llama-cpp-python's needs --logits_all true)"
+        )
+    fields = _object(data, "choices[0].logprobs")
+    tokens, values = fields.get("tokens", _MISSING), fields.get("token_logprobs", _MISSING)
+    tops = fields.get("top_logprobs") or [None] * (len(tokens) if isinstance(tokens, list) else 0)
+    if not isinstance(tokens, list) or not isinstance(values, list) or not len(tokens) == len(values) == len(tops):
+        raise BadReply(f"choices[0].logprobs holds {_show(data)}, not a token list with a log-probability each")
+    if len(tokens) > generated + 1:
+        raise BadReply(f"choices[0].logprobs has {len(tokens)} tokens for {generated} generated")
+    out = []
+    for i, (token, value, top) in enumerate(zip(tokens, values, tops)):
+        where = f"choices[0].logprobs[{i}]"
+        if not isinstance(token, str) or isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise BadReply(f"{where} is {_show(token)}: {_show(value)}, not a token and its log-probability")
+        pairs = [] if top is None else list(_object(top, f"{where}.top_logprobs").items())
+        if any(isinstance(v, bool) or not isinstance(v, (int, float)) for _, v in pairs):
+            raise BadReply(f"{where}.top_logprobs holds {_show(top)}, not tokens with log-probabilities")
+        pairs.sort(key=lambda kv: -kv[1])
+        out.append(TokenLogprob(token, float(value), tuple((k, float(v)) for k, v in pairs)))
+    return out
 
 
 def parse_models(data: Any) -> dict[str, str]:

@@ -12,6 +12,7 @@ import pytest
 from hydra import compose, initialize_config_module
 from test_cli import REPO, save_tiny_checkpoint, subprocess_env
 
+from decoding.base.errors import ConfigError
 from decoding.engine import Engine
 from decoding.generate import GenerateConfig, generate
 
@@ -73,6 +74,23 @@ def test_sampled_completions_are_seeded(tmp_path, loaded):
         runs.append([r["token_ids"] for r in read(cfg.out)])
     assert runs[0] == runs[1]
     assert len({tuple(t) for t in runs[0]}) == 3  # the n samples of one prompt differ
+
+
+def test_logprobs_and_choices_in_the_output(tmp_path, loaded):
+    """gen.logprobs / gen.top_logprobs write each token's log-probability and its alternatives; a row
+    with "choices" gets each answer's log-probability instead of a completion."""
+    rows = [*PROMPTS[:1], {"id": "c", "prompt": "1 2 3 4", "choices": [" 5", " 56"]}]
+    prompts = write_prompts(tmp_path / "p.jsonl", rows)
+    cfg = config(prompts, tmp_path / "out.jsonl", "gen.logprobs=true", "gen.top_logprobs=2")
+    generate(cfg, engine_for(cfg, loaded), progress=False)
+    first, choice = read(cfg.out)
+    assert [t["token"] for t in first["logprobs"]] == first["token_ids"]
+    assert all(len(t["top"]) == 2 and t["top"][0][1] >= t["top"][1][1] for t in first["logprobs"])
+    assert first["logprobs"][0]["top"][0][0] == first["token_ids"][0]  # greedy: the most likely token
+    assert choice["token_ids"] == [] and set(choice["choice_logprobs"]) == {" 5", " 56"}
+    assert choice["choice_logprobs"][" 5"] >= choice["choice_logprobs"][" 56"]
+    with pytest.raises(ConfigError, match=r"gen.top_logprobs=2 must be in 0\.\.20, with gen.logprobs=true"):
+        config(prompts, tmp_path / "x.jsonl", "gen.top_logprobs=2")
 
 
 def test_rerun_resumes(tmp_path, loaded):

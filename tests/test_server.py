@@ -20,6 +20,7 @@ from hydra import compose, initialize_config_module
 from llama_server import LlamaServer, free_port
 from omegaconf import OmegaConf
 
+from decoding.base.errors import BackendError
 from decoding.base.values import GenRequest, Group
 from decoding.prompts import render
 from decoding.runtime.models import ModelSpec, load_tokenizer
@@ -85,6 +86,27 @@ def test_greedy_outputs_equal_llama_cpps_own(llama: LlamaServer, engine: ServerE
         assert got.stats.generated_tokens == own["usage"]["completion_tokens"] > 0
         assert got.stats.prompt_tokens == own["usage"]["prompt_tokens"] == len(prompt.ids)
     assert done.stats.generated_tokens == sum(r.stats.generated_tokens for r in done.results)
+
+
+def test_logprobs_come_from_the_server(engine: ServerEngine):
+    """Asked for, each token's log-probability and its alternatives come back from the server: one
+    per token, their texts the reply's, a greedy token the most likely one; a choice, which the API
+    cannot score, ends in one line (a server that sends none: tests/test_server_replies.py)."""
+    ask = "Count from 1 to 20, separated by commas."
+    greedy, sampled = (
+        GenRequest(ask, max_new_tokens=12, logprobs=True, top_logprobs=3, **kw) for kw in ({}, {"temperature": 0.9})
+    )
+    done = asyncio.run(engine.agenerate([greedy, sampled, GenRequest(ask, max_new_tokens=4)]))
+    for result in done.results[:2]:
+        assert result.logprobs is not None and len(result.logprobs) == result.stats.generated_tokens
+        assert "".join(str(t.token) for t in result.logprobs) == result.text
+        for t in result.logprobs:
+            assert t.logprob <= 0 and 1 <= len(t.top) <= 3
+            assert [v for _, v in t.top] == sorted((v for _, v in t.top), reverse=True)
+    assert all(t.top[0] == (t.token, t.logprob) for t in done.results[0].logprobs)  # type: ignore[union-attr]
+    assert done.results[2].logprobs is None
+    with pytest.raises(BackendError, match=r"cannot score given answers .* task.value=sampled"):
+        asyncio.run(engine.agenerate([GenRequest(ask, choices=(" 1", " 2"))]))
 
 
 def test_seeds_limits_and_stops_are_honoured(engine: ServerEngine):

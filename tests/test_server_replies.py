@@ -166,6 +166,32 @@ def test_each_field_of_a_completion_is_checked(data: object, expected: str):
     assert str(caught.value).startswith(expected)
 
 
+LOGPROBS = {"tokens": ["o", "k"], "token_logprobs": [-0.5, -1.0], "top_logprobs": [{"o": -0.5, "a": -2.0}, {"k": -1.0}]}
+
+
+@pytest.mark.parametrize(
+    "logprobs, expected",
+    [
+        (None, "choices[0].logprobs is null though log-probabilities were asked for: this server does not return"),
+        ([], "choices[0].logprobs is [], not an object"),
+        ({**LOGPROBS, "token_logprobs": [-0.5]}, "choices[0].logprobs holds"),
+        ({**LOGPROBS, "token_logprobs": [-0.5, "x"]}, 'choices[0].logprobs[1] is "k": "x", not a token and its'),
+        ({**LOGPROBS, "top_logprobs": [{"o": None}, None]}, "choices[0].logprobs[0].top_logprobs holds"),
+    ],
+)
+def test_logprobs_of_a_completion_are_checked(logprobs: object, expected: str):
+    data = reply(choice={"logprobs": logprobs})
+    assert parse_completion(data, max_tokens=8).logprobs is None  # not asked: not read
+    with pytest.raises(BadReply) as caught:
+        parse_completion(data, max_tokens=8, logprobs=True)
+    assert str(caught.value).startswith(expected)
+    good = parse_completion(reply(choice={"logprobs": LOGPROBS}), max_tokens=8, logprobs=True).logprobs
+    assert good is not None and [(t.token, t.logprob, t.top) for t in good] == [
+        ("o", -0.5, (("o", -0.5), ("a", -2.0))),
+        ("k", -1.0, (("k", -1.0),)),
+    ]
+
+
 def test_a_checked_completion_keeps_what_the_run_uses():
     got = parse_completion(reply(usage={"prompt_tokens_details": {"cached_tokens": None}}), max_tokens=8)
     assert got == Reply(text="ok", finish_reason="stop", prompt_tokens=10, completion_tokens=4, cached_tokens=0)

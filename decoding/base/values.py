@@ -202,11 +202,12 @@ class DecodeStats:
 @dataclass(frozen=True)
 class TokenLogprob:
     """One generated token's log-probability, and the most likely tokens at its position with theirs
-    (most likely first; `GenRequest.top_logprobs` of them)."""
+    (most likely first; `GenRequest.top_logprobs` of them). Tokens are ids, or their text where a
+    server's reply names no ids (decoder=server)."""
 
-    token: int
+    token: int | str
     logprob: float
-    top: tuple[tuple[int, float], ...] = ()
+    top: tuple[tuple[int | str, float], ...] = ()
 
     def to_dict(self) -> dict:
         return {"token": self.token, "logprob": self.logprob, "top": [list(t) for t in self.top]}
