@@ -88,13 +88,20 @@ def check_ids(problems: list[Problem], source: str) -> None:
 
 
 EVALUATORS = ("separate", "in_context")
+# How a state's value is read (task.value): `sampled`, the number in task.n_evaluate sampled replies to
+# the evaluator prompt (their mean); `expected`, the expected score under the model's distribution over
+# the score's answers after the prompt; `yes`, the probability of "Yes" against "No" after a yes/no
+# question (RAP). The last two read one forward of the prompt (GenRequest.choices): no reply is generated.
+VALUES = ("sampled", "expected", "yes")
+YES_NO = {" Yes": 1.0, " No": 0.0}
 
 
 class Task(Protocol):
     name: str
     depth: int
     evaluator: str  # one of EVALUATORS: a prompt of its own per state, or a follow-up of the thought's reply
-    n_evaluate: int  # evaluator samples per state; the state's value is their mean
+    n_evaluate: int  # evaluator samples per state under task.value=sampled; the state's value is their mean
+    value: str  # one of VALUES: how the evaluator's answer becomes a value
     judge_metric: str  # the name judge_prompt's mean score gets in results and summaries
 
     def load(self, data: DataSpec) -> list[Problem]: ...
@@ -119,6 +126,11 @@ class Task(Protocol):
 
     def parse_value(self, text: str) -> float:
         """The value of a state from the evaluator's reply (without its prefix)."""
+        ...
+
+    def value_answers(self) -> dict[str, float]:
+        """With task.value=expected or yes: the answers that may follow the evaluator prompts (as the
+        task writes them for its value mode) and the value each stands for."""
         ...
 
     def is_terminal(self, problem: Problem, steps: list[str]) -> bool:
@@ -163,6 +175,7 @@ class TaskDefaults:
     the depth limit, and scoring by code alone."""
 
     n_evaluate: int = 1
+    value: str = "sampled"
     judge_metric: str = "judge_score"
 
     def is_terminal(self, problem: Problem, steps: list[str]) -> bool:
@@ -184,6 +197,20 @@ def check_evaluator(task: str, evaluator: str) -> None:
             f"task.evaluator={evaluator!r} is not one of {', '.join(EVALUATORS)} (task={task}): separate values "
             "each state with a prompt of its own, in_context asks the model about its reply as a follow-up turn"
         )
+
+
+def check_value(task: str, value: str, modes: tuple[str, ...] = VALUES) -> None:
+    """task.value is one this task's evaluator can be read by (task.n_evaluate applies to `sampled` alone)."""
+    if value not in modes:
+        raise DataError(
+            f"task.value={value!r} is not one of {', '.join(modes)} (task={task}): sampled reads the number in "
+            "sampled evaluations; expected (the expected score) and yes (the probability of Yes) read one forward"
+        )
+
+
+def score_answers(low: int, high: int) -> dict[str, float]:
+    """An integer score from low to high as it follows a prefix such as "Score:"."""
+    return {f" {i}": float(i) for i in range(low, high + 1)}
 
 
 def check_positive(task: str, **values: int) -> None:

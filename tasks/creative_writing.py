@@ -21,6 +21,8 @@ from tasks.base import (
     TaskPlugin,
     check_evaluator,
     check_positive,
+    check_value,
+    score_answers,
     text_lines,
 )
 
@@ -28,6 +30,7 @@ N_SENTENCES = 4
 PLAN_PREFIX = "Plan:\n"
 PASSAGE_PREFIX = "Passage:\n"
 ANALYSIS_PREFIX = "Analysis:"
+SCORE_PREFIX = "Coherency score:"  # task.value=expected: the score read at once
 # A sentence ends at . ! or ? (with closing quotes or brackets) before whitespace or the end.
 _SENTENCE = re.compile(r".+?[.!?][\"”’')]*(?=\s+|$)")
 # Some inputs glue a fragment without final punctuation to the next sentence ("... party You realize").
@@ -120,12 +123,14 @@ class CreativeWriting(TaskDefaults):
     depth: int = 2
     n_evaluate: int = 3
     evaluator: str = "separate"
+    value: str = "sampled"
     name: str = "creative_writing"
     judge_metric: str = "coherency"
 
     def __post_init__(self) -> None:
         check_positive(self.name, depth=self.depth, n_evaluate=self.n_evaluate)
         check_evaluator(self.name, self.evaluator)
+        check_value(self.name, self.value, ("sampled", "expected"))
         if self.depth > 2:
             raise DataError(
                 f"task.depth={self.depth}: creative writing has 2 steps (a plan, then the passage); use 1 or 2"
@@ -191,7 +196,16 @@ class CreativeWriting(TaskDefaults):
     def follow_up_prompt(self, problem: Problem, steps: list[str]) -> Prompt:
         return self._follow_up("passage" if len(steps) >= self.depth else "plan")
 
+    def value_answers(self) -> dict[str, float]:
+        return score_answers(1, 10)
+
     def _follow_up(self, what: str) -> Prompt:
+        if self.value == "expected":  # the score at once, read in one forward
+            return Prompt(
+                f"Is your {what} coherent, and does it lead to each end sentence in order? Reply "
+                '"Coherency score: <s>", where s is an integer from 1 to 10.',
+                prefix=SCORE_PREFIX,
+            )
         return Prompt(
             f"Analyze your {what} in two or three sentences: is it coherent, and does it lead to each end sentence "
             'in order? Then conclude on the last line "Thus the coherency score is <s>", where s is an integer from '
@@ -200,6 +214,13 @@ class CreativeWriting(TaskDefaults):
         )
 
     def _score_prompt(self, problem: Problem, what: str, text: str) -> Prompt:
+        if self.value == "expected":
+            return Prompt(
+                f"{self._instruction(problem)}\n\nHere is a {what}:\n{text}\n\nIs the {what} coherent, and does "
+                'it lead to each end sentence in order? Reply "Coherency score: <s>", where s is an integer from 1 '
+                "to 10.",
+                prefix=SCORE_PREFIX,
+            )
         return Prompt(
             f"{self._instruction(problem)}\n\nHere is a {what}:\n{text}\n\n"
             f"Analyze the {what} in two or three sentences: is it coherent, and does it lead to each end "

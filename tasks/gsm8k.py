@@ -6,11 +6,12 @@ a 1-10 value with a short explanation for each state. Prompts are ours, written 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 
 from tasks.base import (
+    YES_NO,
     DataError,
     DataSpec,
     Problem,
@@ -19,12 +20,15 @@ from tasks.base import (
     TaskPlugin,
     check_evaluator,
     check_positive,
+    check_value,
     read_jsonl,
     record_id,
+    score_answers,
 )
 
 FINAL_PREFIX = "The answer is"
 SCORE_PREFIX = "Score:"
+YES_PREFIX = "Answer:"
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 _SCORE = re.compile(r"(?:score|rating|rate|value)\D{0,12}?(\d+(?:\.\d+)?)", re.IGNORECASE)
 
@@ -118,6 +122,7 @@ class GSM8K(TaskDefaults):
     n_evaluate: int = 1
     evaluator: str = "separate"
     thoughts: str = "paragraphs"
+    value: str = "sampled"
     name: str = "gsm8k"
 
     def __post_init__(self) -> None:
@@ -126,6 +131,22 @@ class GSM8K(TaskDefaults):
         self.depth = self.depth or THOUGHTS[self.thoughts]
         check_positive(self.name, depth=self.depth, n_evaluate=self.n_evaluate)
         check_evaluator(self.name, self.evaluator)
+        check_value(self.name, self.value)
+
+    def value_answers(self) -> dict[str, float]:
+        return YES_NO if self.value == "yes" else score_answers(1, 10)
+
+    def _rate(self, question: str, yes: str, low: str, high: str, stop: tuple[str, ...] = ("\n\n",)) -> Prompt:
+        """An evaluation's question and how it is answered: a 1-10 score ("Score: 7", explained in a
+        sentence: what task.value=sampled reads, and expected in one forward), or Yes / No (task.value=yes)."""
+        if self.value == "yes":
+            return Prompt(f"{yes} Answer Yes or No.", prefix=YES_PREFIX, stop=("\n",))
+        return Prompt(
+            f'{question} Rate it from 1 ({low}) to 10 ({high}). Reply as "Score: <number>", then one sentence '
+            "explaining why.",
+            prefix=SCORE_PREFIX,
+            stop=stop,
+        )
 
     def load(self, data: DataSpec) -> list[Problem]:
         if data.path:
@@ -180,31 +201,34 @@ class GSM8K(TaskDefaults):
         *before, last = steps
         if self.thoughts == "paragraphs":
             so_far = "\n\n".join(before) if before else "(nothing yet)"
-            return Prompt(
-                f"Question: {problem.question}\n\nA solution so far:\n{so_far}\n\nIts next part:\n{last}\n\n"
-                "Is the next part correct (its facts taken from the question, its arithmetic right) and a "
-                'step toward the answer? Rate it from 1 (wrong) to 10 (certainly correct). Reply as "Score: '
-                '<number>", then one sentence explaining why.',
-                prefix=SCORE_PREFIX,
-                stop=("\n\n",),
+            head = f"Question: {problem.question}\n\nA solution so far:\n{so_far}\n\nIts next part:\n{last}\n\n"
+            asked = self._rate(
+                "Is the next part correct (its facts taken from the question, its arithmetic right) and a step toward "
+                "the answer?",
+                "Is the next part correct (its facts taken from the question, its arithmetic right)?",
+                "wrong",
+                "certainly correct",
             )
+            return replace(asked, text=head + asked.text)
         final = len(steps) >= self.depth
         what = "final answer" if final else "latest step"
         if final:  # the final step may run past its answer (it stops at a newline): value what it states
             last = stated_sentence(last)
-        return Prompt(
-            f"Question: {problem.question}\n\n{_steps_block(before)}\n\nThe {what} is:\n{last}\n\n"
-            f"How much does the {what} help to answer the question correctly? Rate it from 1 (wrong or "
-            'useless) to 10 (correct and very helpful). Reply as "Score: <number>", then one sentence '
-            "explaining why.",
-            prefix=SCORE_PREFIX,
-            stop=("\n\n",),
+        head = f"Question: {problem.question}\n\n{_steps_block(before)}\n\nThe {what} is:\n{last}\n\n"
+        asked = self._rate(
+            f"How much does the {what} help to answer the question correctly?",
+            f"Is the {what} correct and helpful to answer the question?",
+            "wrong or useless",
+            "correct and very helpful",
         )
+        return replace(asked, text=head + asked.text)
 
     def follow_up_prompt(self, problem: Problem, steps: list[str]) -> Prompt:
         # Short on purpose: this turn is all an in-context evaluation computes, and its value is
         # the score on the reply's first line.
         what = "final answer correct" if len(steps) >= self.depth else "step correct and helpful"
+        if self.value == "yes":
+            return Prompt(f"Is this {what}? Answer Yes or No.", prefix=YES_PREFIX, stop=("\n",))
         return Prompt(f"Is this {what}? Score it from 1 to 10.", prefix=SCORE_PREFIX, stop=("\n",))
 
     def parse_value(self, text: str) -> float:
@@ -225,14 +249,16 @@ class GSM8K(TaskDefaults):
 
     def solution_evaluator_prompt(self, problem: Problem, steps: list[str], follow_up: bool) -> Prompt:
         if follow_up:
+            if self.value == "yes":
+                return Prompt("Is this final answer correct? Answer Yes or No.", prefix=YES_PREFIX, stop=("\n",))
             return Prompt("Is this final answer correct? Score it from 1 to 10.", prefix=SCORE_PREFIX, stop=("\n",))
-        return Prompt(
-            f"Question: {problem.question}\n\nA solution:\n{steps[-1]}\n\nIs the solution's reasoning and final "
-            'answer correct? Rate it from 1 (wrong) to 10 (certainly correct). Reply as "Score: <number>", then '
-            "one sentence explaining why.",
-            prefix=SCORE_PREFIX,
-            stop=("\n\n",),
+        asked = self._rate(
+            "Is the solution's reasoning and final answer correct?",
+            "Is the solution's reasoning and final answer correct?",
+            "wrong",
+            "certainly correct",
         )
+        return replace(asked, text=f"Question: {problem.question}\n\nA solution:\n{steps[-1]}\n\n{asked.text}")
 
     # --- scoring -----------------------------------------------------------------------------
     def answer(self, problem: Problem, steps: list[str]) -> str:

@@ -69,6 +69,11 @@ class Nodes(HTMLParser):
 
 def test_tree_page_holds_every_node_with_full_texts(tmp_path):
     run(make_config("data.limit=2"), tmp_path, engine=MarkupEngine(), progress=False)
+    # A value read from probabilities (task.value=expected / yes) shows its distribution.
+    first = tmp_path / "trees" / f"{json.loads((tmp_path / 'results.jsonl').read_text().splitlines()[0])['id']}.json"
+    saved = json.loads(first.read_text())
+    saved["nodes"][1]["distribution"] = {" No": 0.25, " Yes": 0.75}
+    first.write_text(json.dumps(saved))
     show = subprocess.run(
         [sys.executable, "-m", "tot.show", str(tmp_path), "--html"], cwd=REPO, capture_output=True, text=True
     )
@@ -93,6 +98,8 @@ def test_tree_page_holds_every_node_with_full_texts(tmp_path):
             assert n["text"] in shown  # full thoughts, markup as text
             if "evaluation" in n:
                 assert n["evaluation"] in shown
+            if "distribution" in n:
+                assert "read from the answers' probabilities: \" Yes\" 0.750, \" No\" 0.250" in shown
             if n.get("answer") and n["id"]:
                 assert "answer" in seen.classes[(rec["id"], n["id"])].split()
             if n.get("chosen"):

@@ -17,8 +17,7 @@ from typing import Literal
 
 from decoding import GenRequest, Group
 from tasks.base import Problem, Prompt
-from tot.dvts import choose
-from tot.search import GenerationEngine, SearchBase, Solution, Step, check_positive, request_seed
+from tot.search import GenerationEngine, SearchBase, Solution, Step, check_positive, choose, request_seed
 from tot.searches import SearchPlugin
 from tot.tree import ReasoningTree, Valuation
 

@@ -1,5 +1,6 @@
 """ToT-BFS (SEED Algorithm 2): at each depth every kept state grows `search.n_thoughts` thoughts, each
-is valued, and the `search.breadth` best go on; the answer is the best state at the last depth."""
+is valued, and the `search.breadth` best go on; the answer is the best state at the last depth, or
+(search.aggregate=vote) the answer with the largest summed value over every finished state."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from dataclasses import dataclass, replace
 
 from decoding import ConfigError, Group
 from tasks.base import Problem
-from tot.search import GenerationEngine, SearchBase, Solution, check_positive
+from tot.search import Aggregate, GenerationEngine, SearchBase, Solution, check_positive, choose, finished_states
 from tot.searches import SearchPlugin
 
 
@@ -15,6 +16,7 @@ from tot.searches import SearchPlugin
 class BFSSettings:
     n_thoughts: int = 3
     breadth: int = 1
+    aggregate: Aggregate = "best"
 
     def __post_init__(self) -> None:
         check_positive(search="bfs", n_thoughts=self.n_thoughts, breadth=self.breadth)
@@ -49,7 +51,15 @@ class BFS(SearchBase):
             frontier = sorted(done + children, key=lambda c: -tree[c].value)[: self.settings.breadth]
             for c in frontier:
                 tree[c].chosen = True
+        finished = finished_states(tree)
+        if self.settings.aggregate == "vote" and finished:
+            return step.solution(choose(tree, finished, lambda s: self.task.answer(problem, tree.steps(s)), "vote"))
         return step.solution(frontier[0])
 
 
-PLUGIN = SearchPlugin(name="bfs", build=BFS, options=BFSSettings)
+PLUGIN = SearchPlugin(
+    name="bfs",
+    build=BFS,
+    options=BFSSettings,
+    voted=lambda settings: finished_states if settings.get("aggregate") == "vote" else None,
+)

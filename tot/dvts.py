@@ -10,18 +10,13 @@ the sibling trajectories of the same problem.
 
 from __future__ import annotations
 
-from collections import defaultdict
-from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Literal
 
 from decoding import ConfigError, Group
 from tasks.base import Problem
-from tot.search import GenerationEngine, SearchBase, Solution, Step, check_positive
+from tot.search import Aggregate, GenerationEngine, SearchBase, Solution, Step, check_positive, choose
 from tot.searches import SearchPlugin
 from tot.tree import ReasoningTree
-
-Aggregate = Literal["best", "vote"]
 
 
 @dataclass(frozen=True)
@@ -78,22 +73,6 @@ class DVTS(SearchBase):
         return choose(
             step.tree, leaves, lambda s: step.task.answer(step.problem, step.tree.steps(s)), self.settings.aggregate
         )
-
-
-def choose(tree: ReasoningTree, leaves: list[int], answer_of: Callable[[int], str], aggregate: str) -> int:
-    """The subtree state whose answer wins: the best value, or the largest summed value of an answer
-    (ties: more subtrees, then the earlier subtree); within the answer, its best state."""
-    if aggregate == "best":
-        return max(leaves, key=lambda s: tree[s].value)
-    weight: dict[str, float] = defaultdict(float)
-    count: dict[str, int] = defaultdict(int)
-    answers = [answer_of(s) for s in leaves]
-    for s, a in zip(leaves, answers):
-        weight[a] += tree[s].value
-        count[a] += 1
-    order = {a: -i for i, a in reversed(list(enumerate(answers)))}
-    winner = max(weight, key=lambda a: (weight[a], count[a], order[a]))
-    return max((s for s, a in zip(leaves, answers) if a == winner), key=lambda s: tree[s].value)
 
 
 def final_states(tree: ReasoningTree) -> list[int]:

@@ -13,7 +13,8 @@ decoder build the same tree.
 Values are the task's (GSM8K 1-10, Blocksworld 0/1), so UCT reads them rescaled to [0, 1] by the
 lowest and highest value seen in the problem's tree (MuZero's normalisation): the exploration
 constant means the same on every task. The answer is the best-valued finished state (ties: more
-visits, then the earlier one); where no path finished, the path of most visits from the root.
+visits, then the earlier one), or (search.aggregate=vote) the answer with the largest summed value over
+the finished states; where no path finished, the path of most visits from the root.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field, replace
 
 from decoding import ConfigError, Group
 from tasks.base import Problem
-from tot.search import GenerationEngine, SearchBase, Solution, Step, check_positive
+from tot.search import Aggregate, GenerationEngine, SearchBase, Solution, Step, check_positive, choose, finished_states
 from tot.searches import SearchPlugin
 from tot.tree import ReasoningTree
 
@@ -36,6 +37,7 @@ class MCTSSettings:
     exploration: float = 1.0  # UCT's constant, on values rescaled to [0, 1]
     simulation_depth: int = 1  # levels a simulation grows below the expanded state
     parallel: int = 4  # iterations per wave (virtual loss keeps them apart)
+    aggregate: Aggregate = "best"
 
     def __post_init__(self) -> None:
         check_positive(search="mcts", iterations=self.iterations, n_thoughts=self.n_thoughts, parallel=self.parallel)
@@ -93,6 +95,10 @@ class MCTS(SearchBase):
         for node, n in stats.visits.items():
             thought = step.tree[node]
             thought.visits, thought.q, thought.chosen = n, stats.total[node] / n, True
+        finished = finished_states(step.tree)
+        if self.settings.aggregate == "vote" and finished:
+            tree = step.tree
+            return step.solution(choose(tree, finished, lambda s: self.task.answer(problem, tree.steps(s)), "vote"))
         return step.solution(self._answer(step.tree, stats))
 
     def _select(self, tree: ReasoningTree, stats: Stats, budget: int) -> list[list[int]]:
@@ -132,7 +138,7 @@ class MCTS(SearchBase):
 
     @staticmethod
     def _answer(tree: ReasoningTree, stats: Stats) -> int:
-        finished = [n for n in tree.graph.nodes if n != tree.root and tree[n].terminal]
+        finished = finished_states(tree)
         if finished:
             return max(finished, key=lambda n: (tree[n].value, stats.visits[n], -n))
         node = tree.root
@@ -141,4 +147,9 @@ class MCTS(SearchBase):
         return node
 
 
-PLUGIN = SearchPlugin(name="mcts", build=MCTS, options=MCTSSettings)
+PLUGIN = SearchPlugin(
+    name="mcts",
+    build=MCTS,
+    options=MCTSSettings,
+    voted=lambda settings: finished_states if settings.get("aggregate") == "vote" else None,
+)

@@ -21,12 +21,12 @@ from pathlib import Path
 from decoding import OutputError
 from tasks import DataSpec, Problem, Task, make_task
 from tasks.base import DataError
-from tot.dvts import choose
 from tot.folder import read_record
 from tot.lock import run_lock
 from tot.output import write_atomic
 from tot.results import ResultsError, TreeFiles, answer_fields, read_results, summarize
 from tot.saved import ShowError, read_json, read_tree
+from tot.search import choose
 from tot.searches import SEARCHES
 from tot.tree import ReasoningTree
 

@@ -13,17 +13,22 @@ from __future__ import annotations
 
 import asyncio
 import zlib
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from decoding import Completion, ConfigError, DecodeStats, GenRequest, GenResult, Group
 from decoding import run_sync as run_sync  # searches are run with it
 from tasks.base import Problem, Prompt, Task
 from tot.reward import ScoringModel
 from tot.tree import ReasoningTree, Valuation
+from tot.value import read_value
 
 PHASES = ("generate", "evaluate")
+# How a search's answer is chosen among its finished states (search.aggregate): the best-valued one, or
+# the answer with the largest summed value over them (a value-weighted vote, as search-and-learn's).
+Aggregate = Literal["best", "vote"]
 # An evaluator prompt for a path: (its steps, whether asked as a follow-up in its reply's context).
 EvalPrompt = Callable[[list[str], bool], Prompt]
 
@@ -46,9 +51,11 @@ class GenSettings:
         context: tuple[int, ...] = (),
         keep: bool = False,
         max_new_tokens: int | None = None,
+        choices: tuple[str, ...] = (),
     ) -> GenRequest:
         """The request for a thought (or, with evaluate, for a state evaluation: with `context`, a
-        follow-up turn of the thought's own reply; `keep` holds a thought's keys and values for it).
+        follow-up turn of the thought's own reply; `keep` holds a thought's keys and values for it;
+        `choices`, the evaluator's answers scored in one forward in place of a reply).
         `max_new_tokens` overrides the phase's limit (a whole solution is longer than a thought)."""
         default = self.max_eval_tokens if evaluate else self.max_thought_tokens
         return GenRequest(
@@ -63,6 +70,7 @@ class GenSettings:
             seed=seed,
             context=context,
             keep=keep,
+            choices=choices,
         )
 
 
@@ -191,14 +199,17 @@ class Step:
     ) -> Valuation:
         """The valuation of the path `steps`: its value, the mean of task.n_evaluate evaluator
         samples of prompt(steps, whether asked in the reply's `context`), all in one call, seeded by
-        `key` (the path's place in the search), and the evaluation that gave it."""
+        `key` (the path's place in the search), and the evaluation that gave it; with task.value
+        expected or yes, read from the evaluator's answers' probabilities after the prompt instead."""
         if isinstance(self.reward, ScoringModel):
             scored = self.reward.score(self.problem.question, steps)
             self.phases["evaluate"].calls += 1
             steps_scored = list(scored.steps) if scored.steps else None  # a PRM's step scores
             return Valuation(scored.value, f"reward {scored.value:.4f}", reward_steps=steps_scored)
-        task, pid, k = self.task, self.problem.id, self.task.n_evaluate
+        task, pid = self.task, self.problem.id
         asked = prompt(steps, bool(context))
+        worth = {} if getattr(task, "value", "sampled") == "sampled" else task.value_answers()
+        k = 1 if worth else task.n_evaluate  # a forward's distribution is read once
         requests = [
             self.gen.request(
                 asked,
@@ -207,13 +218,21 @@ class Step:
                 seed=request_seed(self.seed, pid, key, "eval", *([j] if j else [])),
                 evaluate=True,
                 context=context,
+                choices=tuple(worth),
             )
             for j in range(k)
         ]
         # A judge (reward.kind=judge) answers the task's evaluator prompt on its own engine.
-        texts = [o.text for o in await self.call(requests, "evaluate", self.reward)]
+        results = await self.call(requests, "evaluate", self.reward)
+        in_context = True if context else None
+        if worth:  # task.value=expected or yes: read from the answers' probabilities, nothing generated
+            logprobs = results[0].choice_logprobs
+            assert logprobs is not None, "a choice request's result carries its answers' log-probabilities"
+            read = read_value(worth, logprobs)
+            return Valuation(read.value, None, asked.text, in_context, distribution=read.distribution)
+        texts = [o.text for o in results]
         value = sum(map(task.parse_value, texts)) / k
-        return Valuation(value, texts[0] if k == 1 else texts, asked.text, True if context else None)
+        return Valuation(value, texts[0] if k == 1 else texts, asked.text, in_context)
 
     def finished(self, node: int) -> bool:
         """A path ends at the depth limit or where the task says it is complete."""
@@ -243,3 +262,25 @@ class SearchBase:
 
     def step(self, problem: Problem, engine: GenerationEngine) -> Step:
         return Step(self.task, self.gen, self.seed, problem, engine, self.reward)
+
+
+def choose(tree: ReasoningTree, leaves: list[int], answer_of: Callable[[int], str], aggregate: str) -> int:
+    """The subtree state whose answer wins: the best value, or the largest summed value of an answer
+    (ties: more subtrees, then the earlier subtree); within the answer, its best state."""
+    if aggregate == "best":
+        return max(leaves, key=lambda s: tree[s].value)
+    weight: dict[str, float] = defaultdict(float)
+    count: dict[str, int] = defaultdict(int)
+    answers = [answer_of(s) for s in leaves]
+    for s, a in zip(leaves, answers):
+        weight[a] += tree[s].value
+        count[a] += 1
+    order = {a: -i for i, a in reversed(list(enumerate(answers)))}
+    winner = max(weight, key=lambda a: (weight[a], count[a], order[a]))
+    return max((s for s, a in zip(leaves, answers) if a == winner), key=lambda s: tree[s].value)
+
+
+def finished_states(tree: ReasoningTree) -> list[int]:
+    """Every state a path ended at (the depth limit, or where the task says it is complete), in
+    node order: what BFS and MCTS vote over under search.aggregate=vote."""
+    return [n for n in tree.graph.nodes if n != tree.root and tree[n].terminal]

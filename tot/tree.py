@@ -22,6 +22,8 @@ class Valuation:
     eval_prompt: str | None = None
     eval_in_context: bool | None = None  # asked as a follow-up turn of the reply that wrote the node
     reward_steps: list[float] | None = None  # a process reward model's score of each step
+    # task.value=expected or yes: the evaluator's answers' probabilities the value was read from
+    distribution: dict[str, float] | None = None
 
 
 @dataclass
@@ -44,6 +46,7 @@ class Thought:
     eval_prompt: str | None = None
     eval_in_context: bool | None = None
     reward_steps: list[float] | None = None
+    distribution: dict[str, float] | None = None
     subtree: int | None = None  # DVTS: the subtree the thought grew in
     solution: int | None = None  # best-of-N: the solution the step belongs to
     reply: str | None = None  # best-of-N: the solution's whole reply, on its first step

@@ -12,7 +12,17 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tasks.base import DataError, DataSpec, Problem, Prompt, TaskDefaults, TaskPlugin, check_evaluator, check_positive
+from tasks.base import (
+    DataError,
+    DataSpec,
+    Problem,
+    Prompt,
+    TaskDefaults,
+    TaskPlugin,
+    check_evaluator,
+    check_positive,
+    check_value,
+)
 from tasks.blocksworld.domain import (
     Action,
     action_words,
@@ -76,6 +86,7 @@ class Blocksworld(TaskDefaults):
     depth: int = 7
     n_evaluate: int = 1
     evaluator: str = "separate"
+    value: str = "sampled"  # or expected: P(good) of the label, read in one forward
     # The offline default data: generated problems (used when data.path is unset).
     n_problems: int = 10
     n_blocks: int = 4
@@ -88,6 +99,7 @@ class Blocksworld(TaskDefaults):
         check_positive(self.name, depth=self.depth, n_evaluate=self.n_evaluate, n_problems=self.n_problems)
         check_positive(self.name, n_blocks=self.n_blocks, steps=self.steps, n_demos=self.n_demos)
         check_evaluator(self.name, self.evaluator)
+        check_value(self.name, self.value, ("sampled", "expected"))
         if self.n_blocks > 10:
             raise DataError(f"task.n_blocks={self.n_blocks}: blocks are named by 10 colours; use at most 10")
         self._demos = [
@@ -204,6 +216,10 @@ class Blocksworld(TaskDefaults):
                     f"Action: {render_action(action)}\nLabel: {label}"
                 )
         return "\n\n".join(blocks)
+
+    def value_answers(self) -> dict[str, float]:
+        """task.value=expected: the label's probability of good against bad."""
+        return {" good": 1.0, " bad": 0.0}
 
     def parse_value(self, text: str) -> float:
         """1 for good, 0 for bad or an unreadable label."""

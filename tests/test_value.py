@@ -1,0 +1,192 @@
+"""Values read from the evaluator's answer probabilities (task.value=expected / yes), and answers voted
+over a tree's finished states (search.aggregate=vote)."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+from helpers import AwaitableFake, reply
+from test_logprobs import plain_choice
+
+from decoding.base.values import DecodeStats, GenRequest, GenResult
+from decoding.engine import Engine
+from tasks.base import DataError, Problem
+from tasks.blocksworld.task import Blocksworld
+from tasks.creative_writing import CreativeWriting
+from tasks.gsm8k import GSM8K, SCORE_PREFIX, YES_PREFIX
+from tot.bfs import BFS, BFSSettings
+from tot.mcts import MCTS, MCTSSettings
+from tot.search import GenSettings, choose, finished_states, run_sync
+from tot.tree import ReasoningTree
+from tot.value import answer_distribution, read_value
+
+SCALE = GSM8K(value="expected").value_answers()
+PROBLEM = Problem(id="p", question="A shop sells 3 boxes of 4 pens. How many pens does it sell?", gold="12")
+GEN = GenSettings(temperature=0.6, max_thought_tokens=12, max_eval_tokens=8)
+
+
+def logprobs_of(p: dict[str, float], answers: list[str]) -> list[float]:
+    return [math.log(p[a]) for a in answers]
+
+
+def test_an_expected_score_counts_each_answer_once():
+    """P(" 1") as scored holds P(" 10"): the exact " 1" is what is left once " 10" is taken off; the
+    value is the expectation over the renormalised exact answers."""
+    answers = list(SCALE)
+    scored = {a: 0.01 for a in answers} | {" 1": 0.3, " 10": 0.1, " 7": 0.4}
+    dist = answer_distribution(answers, logprobs_of(scored, answers))
+    exact = {a: 0.01 for a in answers} | {" 1": 0.2, " 10": 0.1, " 7": 0.4}
+    total = sum(exact.values())
+    assert dist == pytest.approx({a: q / total for a, q in exact.items()})
+    read = read_value(SCALE, logprobs_of(scored, answers))
+    assert read.value == pytest.approx(sum(SCALE[a] * exact[a] for a in answers) / total)
+    # Nested answers: each takes off only the answers extending it directly.
+    nested = {" 5": 0.5, " 56": 0.3, " 567": 0.1}
+    assert answer_distribution(list(nested), logprobs_of(nested, list(nested))) == pytest.approx(
+        {" 5": 0.4, " 56": 0.4, " 567": 0.2}
+    )
+
+
+def test_yes_is_p_yes_against_no():
+    worth = GSM8K(value="yes").value_answers()
+    read = read_value(worth, [math.log(0.06), math.log(0.02)])
+    assert read.value == pytest.approx(0.75) and read.distribution == pytest.approx({" Yes": 0.75, " No": 0.25})
+    assert Blocksworld(value="expected").value_answers() == {" good": 1.0, " bad": 0.0}
+    assert CreativeWriting(value="expected").value_answers() == SCALE
+    with pytest.raises(DataError, match=r"task.value='yes' is not one of sampled, expected \(task=blocksworld\)"):
+        Blocksworld(value="yes")
+    with pytest.raises(DataError, match=r"task.value='likely' is not one of sampled, expected, yes"):
+        GSM8K(value="likely")
+
+
+class ChoiceEngine(AwaitableFake):
+    """Thought k is " #k" (" k." after the final answer's prefix); an evaluation is a choice whose
+    answers get the constructed distribution `dist(k)` of the thought k it values."""
+
+    def __init__(self, dist) -> None:
+        self.dist, self.thoughts, self.evaluations = dist, 0, []
+        self.last_stats = DecodeStats()
+
+    def generate(self, requests: list[GenRequest]) -> list[GenResult]:
+        results = []
+        for r in requests:
+            if r.choices:
+                self.evaluations.append(r)
+                k = int(re.findall(r"#(\d+)", r.prompt.split("\n\n")[-2])[-1])
+                p = self.dist(k)
+                results.append(GenResult("", [], "stop", choice_logprobs=logprobs_of(p, list(r.choices))))
+            else:
+                results.append(reply(f" #{self.thoughts}", [5] * 3))
+                self.thoughts += 1
+        self.last_stats = DecodeStats(generated_tokens=sum(len(r.token_ids) for r in results))
+        return results
+
+
+def peaked(k: int, answers: list[str], at: str) -> dict[str, float]:
+    return {a: (0.5 if a == at else 0.5 / (len(answers) - 1)) for a in answers}
+
+
+@pytest.mark.parametrize("mode", ["expected", "yes"])
+def test_each_mode_values_a_state_by_its_definition(mode):
+    """BFS with task.value=expected / yes: every evaluation is one choice request over the task's
+    answers (task.n_evaluate ignored: nothing is sampled), nothing is generated for it, and each
+    node's value is its definition's over the constructed distribution, kept in the tree."""
+    task = GSM8K(thoughts="subquestions", depth=2, value=mode, n_evaluate=3)
+    answers = list(task.value_answers())
+    at = {k: answers[k % len(answers)] for k in range(20)}
+    engine = ChoiceEngine(lambda k: peaked(k, answers, at[k]))
+    sol = run_sync(BFS(task, BFSSettings(n_thoughts=3, breadth=1), GEN, 0).solve(PROBLEM, engine))
+    tree = sol.tree
+    assert len(engine.evaluations) == tree.graph.number_of_nodes() - 1  # one request per state
+    assert {r.prefix for r in engine.evaluations} == {YES_PREFIX if mode == "yes" else SCORE_PREFIX}
+    assert all(r.choices == tuple(answers) for r in engine.evaluations)
+    assert sol.phases["evaluate"].decode.generated_tokens == 0
+    worth = task.value_answers()
+    for node in list(tree.graph.nodes)[1:]:
+        k = int(re.findall(r"#(\d+)", tree[node].text)[-1])
+        dist = peaked(k, answers, at[k])
+        if mode == "yes":
+            expected = dist[" Yes"] / (dist[" Yes"] + dist[" No"])
+        else:
+            exact = {a: dist[a] - (dist[" 10"] if a == " 1" else 0.0) for a in answers}
+            expected = sum(worth[a] * exact[a] for a in answers) / sum(exact.values())
+        assert tree[node].value == pytest.approx(expected)
+        assert tree[node].distribution is not None and sum(tree[node].distribution.values()) == pytest.approx(1)
+        assert tree[node].evaluation is None  # nothing was written
+
+
+def test_a_real_engine_reads_the_values_of_a_plain_forward(long_context, tokenizer):
+    """On the tiny model through the engine: each state's value is read_value of the answers'
+    probabilities a plain forward of its evaluator prompt gives (for each of the rows batched)."""
+    task = GSM8K(thoughts="subquestions", depth=1, value="expected")
+    engine = Engine(long_context, "ar")
+    sol = run_sync(BFS(task, BFSSettings(n_thoughts=2, breadth=1), GEN, 0).solve(PROBLEM, engine))
+    worth = task.value_answers()
+    for node in list(sol.tree.graph.nodes)[1:]:
+        steps = sol.tree.steps(node)
+        asked = task.evaluator_prompt(PROBLEM, steps)
+        request = GenRequest(asked.text, prefix=asked.prefix, choices=tuple(worth))
+        prompt = engine.encode(asked.text, asked.prefix)
+        with torch.inference_mode():
+            lps = [plain_choice(long_context.model, prompt, engine._answer(request, prompt, a)) for a in worth]
+        assert sol.tree[node].value == pytest.approx(read_value(worth, lps).value, abs=1e-4)
+
+
+def hand_built() -> tuple[ReasoningTree, dict[int, str]]:
+    """Finished states answering 5 (values 9), 7 (4 + 4 + 3) and 7 again deeper; one unfinished."""
+    tree = ReasoningTree("q")
+    a = tree.add(0, "a", value=9.0, terminal=True)
+    b = tree.add(0, "b", value=4.0, terminal=False)
+    c = tree.add(b, "c", value=4.0, terminal=True)
+    d = tree.add(b, "d", value=4.0, terminal=True)
+    e = tree.add(0, "e", value=3.0, terminal=True)
+    return tree, {a: "5", c: "7", d: "7", e: "7", b: "9"}
+
+
+def test_the_weighted_vote_on_a_hand_built_tree():
+    tree, answer = hand_built()
+    finished = finished_states(tree)
+    assert finished == [1, 3, 4, 5]  # b is not finished
+    assert answer[choose(tree, finished, answer.get, "vote")] == "7"  # 11 against 9
+    assert answer[choose(tree, finished, answer.get, "best")] == "5"
+    tree[1].value = 12.0
+    assert answer[choose(tree, finished, answer.get, "vote")] == "5"
+
+
+class VoteEngine(AwaitableFake):
+    """Every thought states an answer: thought k says "The answer is A" with A = answers[k] and is
+    scored scores[k] (sampled values: "Score: s")."""
+
+    def __init__(self, answers: list[str], scores: list[float]) -> None:
+        self.answers, self.scores, self.k = answers, scores, 0
+        self.last_stats = DecodeStats()
+
+    def generate(self, requests: list[GenRequest]) -> list[GenResult]:
+        out = []
+        for r in requests:
+            if r.prefix == SCORE_PREFIX:
+                k = int(re.findall(r"\[(\d+)\]", r.prompt)[-1])
+                out.append(reply(f" {self.scores[k]:g}", [7]))
+            else:
+                out.append(reply(f"[{self.k}] The answer is {self.answers[self.k]}.", [5] * 3))
+                self.k += 1
+        self.last_stats = DecodeStats(generated_tokens=sum(len(o.token_ids) for o in out))
+        return out
+
+
+@pytest.mark.parametrize("search", ["bfs", "mcts"])
+def test_bfs_and_mcts_vote_over_their_finished_states(search):
+    """Four thoughts state 8, 3, 3, 3 valued 9, 5, 5, 5: best takes 8, the vote 3 (15 against 9)."""
+    task = GSM8K(depth=2)
+    answers, scores = ["8", "3", "3", "3"], [9, 5, 5, 5]
+    for aggregate, expected in (("best", "8"), ("vote", "3")):
+        if search == "bfs":
+            searcher = BFS(task, BFSSettings(n_thoughts=4, breadth=1, aggregate=aggregate), GEN, 0)
+        else:
+            settings = MCTSSettings(iterations=1, n_thoughts=4, simulation_depth=0, parallel=1, aggregate=aggregate)
+            searcher = MCTS(task, settings, GEN, 0)
+        sol = run_sync(searcher.solve(PROBLEM, VoteEngine(answers, scores)))
+        assert sol.answer == expected, aggregate
