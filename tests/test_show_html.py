@@ -99,7 +99,7 @@ def test_tree_page_holds_every_node_with_full_texts(tmp_path):
             if "evaluation" in n:
                 assert n["evaluation"] in shown
             if "distribution" in n:
-                assert "read from the answers' probabilities: \" Yes\" 0.750, \" No\" 0.250" in shown
+                assert 'read from the answers\' probabilities: " Yes" 0.750, " No" 0.250' in shown
             if n.get("answer") and n["id"]:
                 assert "answer" in seen.classes[(rec["id"], n["id"])].split()
             if n.get("chosen"):
