@@ -64,15 +64,15 @@ test: lint $(VENV)/.extras browser
 # Before each commit (under 2 minutes on 2 cores once the kernels are built): the layers' import graph,
 # the kernels' invariance, the shared reads, every decoder's identity with hf, continuous batching, the
 # planner and the searches, in process on the tiny models. make test runs everything else as well.
-FAST_TESTS := layout invariance llama kv_cache paged_kv shared_reads acceptance gumbel sampling heap decoders speculative \
-	continuous planner quant prepack rows_linear search run dvts mcts best_of_n engine_errors bench
+FAST_TESTS := layout invariance llama kv_cache paged_kv shared_reads acceptance gumbel sampling heap decoders logprobs speculative \
+	continuous planner quant prepack rows_linear search value run dvts mcts best_of_n engine_errors bench
 test-fast: lint $(VENV)/.extras
 	$(BIN)/python -m pytest -q -n auto --maxprocesses=4 -m "not slow" $(FAST_TESTS:%=tests/test_%.py)
 
 # On a CUDA machine: the lossless tests (every decoder, greedy and sampled, continuous batching, the
 # prefix store) with the fixtures' tiny models on the GPU, in float32 without TF32 (docs/performance.md,
 # "On a GPU"). pytest-xdist, where installed, runs them in parallel: make test-cuda ARGS="-n 8".
-CUDA_TESTS := decoders continuous speculative stand suffix aded seed sequoia gumbel sampling kv_cache \
+CUDA_TESTS := decoders logprobs continuous speculative stand suffix aded seed sequoia gumbel sampling kv_cache \
 	generate pct planner edd static_forward
 test-cuda: setup
 	TOT_TEST_DEVICE=cuda $(BIN)/python -m pytest -q -m "not slow" $(ARGS) $(CUDA_TESTS:%=tests/test_%.py)
