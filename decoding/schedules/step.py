@@ -87,9 +87,11 @@ def decode_step(rounds: Rounds, setup: StepSetup, clock: Clock, draft_here: bool
         scored = setup.target.score(setup.cache, packed, rows_of(setup.cache, slots + choices))  # forward
         seqs = [s.seq for s in slots]
         nodes = None if plan is None else plan.kept_nodes  # the drafter's own node numbers
-        drafted = replace(scored, logits=scored.logits[: len(slots)])
-        verdicts = accept(packed, drafted, trees[: len(slots)], seqs, setup.rule, setup.drafter.learns_top, nodes)
-        verdicts = commit(setup, slots, verdicts, packed)  # commit
+        verdicts = []
+        if slots:
+            drafted = replace(scored, logits=scored.logits[: len(slots)])
+            verdicts = accept(packed, drafted, trees[: len(slots)], seqs, setup.rule, setup.drafter.learns_top, nodes)
+            verdicts = commit(setup, slots, verdicts, packed)  # commit
         verdicts += score_choices(choices, scored.logits[len(slots) :])
         t1 = clock()
         slots += choices
