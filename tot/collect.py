@@ -8,6 +8,11 @@ job, are combined into one row, each problem counted once (a problem found in tw
 reported); runs of different configurations stay in different rows. Rows are computed from each
 run's results.jsonl, read and never rewritten; a collection with fewer problems of a configuration
 than the collected.json it would replace is refused.
+
+Each row gives its accuracy's 95% (Wilson) interval and its tokens and wall time per problem; with
+`--baseline RUN` (a run folder, such as one greedy chain of thought) also, over the problems both
+solved or failed, how many only the row solves, how many only the baseline, and the exact two-sided
+p-value of that split (McNemar's test): whether the difference is beyond chance on the same problems.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,12 +40,16 @@ COLUMNS = (
     "decoder",
     "n_problems",
     "accuracy",
+    "accuracy_95",
+    "tokens_per_problem",
+    "wall_s_per_problem",
     "generated_tokens",
     "wall_s",
     "tokens_per_s",
     "acceptance_length",
     "forwards_per_token",
 )
+PAIRED = ("paired_problems", "only_this", "only_baseline", "paired_p")
 HEADER = ("task", "search", "decoder", "model")
 
 
@@ -83,10 +93,13 @@ def fingerprint(folder: Path, summary: dict) -> str:
     return "legacy-" + hashlib.sha256(text.encode()).hexdigest()[:9]
 
 
-def collect(root: Path, report: Callable[[str], None] = print) -> tuple[list[dict], list[dict]]:
-    """One row per run, and one per configuration (its runs' problems, each counted once)."""
+def collect(
+    root: Path, report: Callable[[str], None] = print, baseline: list[dict] | None = None
+) -> tuple[list[dict], list[dict]]:
+    """One row per run, and one per configuration (its runs' problems, each counted once); each against
+    the baseline's records where given."""
     runs = find_runs(root)
-    rows = [row(r.name, r, r.records) for r in runs]
+    rows = [row(r.name, r, r.records, baseline) for r in runs]
     combined = []
     for config in dict.fromkeys(r.configuration for r in runs):
         members = [r for r in runs if r.configuration == config]
@@ -103,19 +116,50 @@ def collect(root: Path, report: Callable[[str], None] = print) -> tuple[list[dic
                 f"configuration {config}: {len(twice)} problem(s) in more than one run ({', '.join(twice[:5])}"
                 f"{', ...' if len(twice) > 5 else ''}; in {', '.join(runs_named[:5])}): each counted once"
             )
-        combined.append(row(f"{len(members)} run(s)", members[0], list(kept.values())))
+        combined.append(row(f"{len(members)} run(s)", members[0], list(kept.values()), baseline))
     return rows, combined
 
 
-def row(name: str, run: Run, records: list[dict]) -> dict:
+def row(name: str, run: Run, records: list[dict], baseline: list[dict] | None = None) -> dict:
     s = summarize(records, run.header)
-    return {
+    n = s["n_problems"]
+    low, high = wilson(s["n_correct"], n)
+    s |= {
+        "accuracy_95": f"[{low:.3f}, {high:.3f}]",
+        "tokens_per_problem": s["generated_tokens"] / n if n else 0.0,
+        "wall_s_per_problem": s["wall_s"] / n if n else 0.0,
+    }
+    out = {
         "run": name,
         "configuration": run.configuration,
         **{k: s.get(k) for k in COLUMNS[2:]},
         "n_correct": s["n_correct"],
         "model": s.get("model"),
     }
+    return out | (paired(records, baseline) if baseline is not None else {})
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The 95% Wilson score interval of k successes in n."""
+    if n == 0:
+        return 0.0, 0.0
+    p = k / n
+    d = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / d
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def paired(records: list[dict], baseline: list[dict]) -> dict:
+    """The row against the baseline on the problems both have: how many only each solves, and the exact
+    two-sided McNemar p-value (the discordant problems split as a fair coin would split them)."""
+    base = {r["id"]: bool(r["correct"]) for r in baseline}
+    both = [(bool(r["correct"]), base[r["id"]]) for r in records if r["id"] in base]
+    this = sum(a and not b for a, b in both)
+    other = sum(b and not a for a, b in both)
+    k, m = min(this, other), this + other
+    p = min(1.0, 2 * sum(math.comb(m, i) for i in range(k + 1)) / 2**m) if m else 1.0
+    return {"paired_problems": len(both), "only_this": this, "only_baseline": other, "paired_p": p}
 
 
 def check_not_fewer(root: Path, combined: list[dict]) -> None:
@@ -134,9 +178,10 @@ def check_not_fewer(root: Path, combined: list[dict]) -> None:
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    columns = COLUMNS + (PAIRED if rows and PAIRED[0] in rows[0] else ())
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for r in rows:
-        cells = [f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in COLUMNS]
+        cells = [f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in columns]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -144,12 +189,20 @@ def markdown(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("root", type=Path, help="a sweep folder (multirun/<date>) or any folder of runs")
+    parser.add_argument(
+        "--baseline", type=Path, help="a run folder each row is compared with problem by problem (e.g. one chain)"
+    )
     args = parser.parse_args(argv)
     if not args.root.is_dir():
         print(f"error: {args.root} is not a folder; give a sweep folder such as multirun/<date>", file=sys.stderr)
         return 2
     try:
-        rows, combined = collect(args.root)
+        baseline = None
+        if args.baseline is not None:
+            if not (args.baseline / "results.jsonl").is_file():
+                raise CollectError(f"--baseline {args.baseline} holds no results.jsonl; give a tot.solve run folder")
+            baseline = read_records(args.baseline)
+        rows, combined = collect(args.root, baseline=baseline)
         if not rows:
             raise CollectError(f"no summary.json under {args.root}; give the folder of finished tot.solve runs")
         check_not_fewer(args.root, combined)
