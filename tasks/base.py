@@ -91,8 +91,10 @@ EVALUATORS = ("separate", "in_context")
 # How a state's value is read (task.value): `sampled`, the number in task.n_evaluate sampled replies to
 # the evaluator prompt (their mean); `expected`, the expected score under the model's distribution over
 # the score's answers after the prompt; `yes`, the probability of "Yes" against "No" after a yes/no
-# question (RAP). The last two read one forward of the prompt (GenRequest.choices): no reply is generated.
-VALUES = ("sampled", "expected", "yes")
+# question (RAP). Those two read one forward of the prompt (GenRequest.choices): no reply is generated.
+# `confidence`: no evaluator at all, the thought's own mean token probability as the model wrote it
+# (its geometric mean, from the reply's log-probabilities; self-certainty, as CISC weighs votes by).
+VALUES = ("sampled", "expected", "yes", "confidence")
 YES_NO = {" Yes": 1.0, " No": 0.0}
 
 

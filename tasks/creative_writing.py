@@ -130,7 +130,7 @@ class CreativeWriting(TaskDefaults):
     def __post_init__(self) -> None:
         check_positive(self.name, depth=self.depth, n_evaluate=self.n_evaluate)
         check_evaluator(self.name, self.evaluator)
-        check_value(self.name, self.value, ("sampled", "expected"))
+        check_value(self.name, self.value, ("sampled", "expected", "confidence"))
         if self.depth > 2:
             raise DataError(
                 f"task.depth={self.depth}: creative writing has 2 steps (a plan, then the passage); use 1 or 2"

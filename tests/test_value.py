@@ -11,7 +11,7 @@ import torch
 from helpers import AwaitableFake, reply
 from test_logprobs import plain_choice
 
-from decoding.base.values import DecodeStats, GenRequest, GenResult
+from decoding.base.values import DecodeStats, GenRequest, GenResult, TokenLogprob
 from decoding.engine import Engine
 from tasks.base import DataError, Problem
 from tasks.blocksworld.task import Blocksworld
@@ -56,9 +56,11 @@ def test_yes_is_p_yes_against_no():
     assert read.value == pytest.approx(0.75) and read.distribution == pytest.approx({" Yes": 0.75, " No": 0.25})
     assert Blocksworld(value="expected").value_answers() == {" good": 1.0, " bad": 0.0}
     assert CreativeWriting(value="expected").value_answers() == SCALE
-    with pytest.raises(DataError, match=r"task.value='yes' is not one of sampled, expected \(task=blocksworld\)"):
+    with pytest.raises(
+        DataError, match=r"task.value=.yes. is not one of sampled, expected, confidence \(task=blocksworld\)"
+    ):
         Blocksworld(value="yes")
-    with pytest.raises(DataError, match=r"task.value='likely' is not one of sampled, expected, yes"):
+    with pytest.raises(DataError, match=r"task.value=.likely. is not one of sampled, expected, yes, confidence"):
         GSM8K(value="likely")
 
 
@@ -133,6 +135,43 @@ def test_a_real_engine_reads_the_values_of_a_plain_forward(long_context, tokeniz
         with torch.inference_mode():
             lps = [plain_choice(long_context.model, prompt, engine._answer(request, prompt, a)) for a in worth]
         assert sol.tree[node].value == pytest.approx(read_value(worth, lps).value, abs=1e-4)
+
+
+class SureEngine(AwaitableFake):
+    """Thought k is " #k", its tokens' probabilities 1 / (k + 2) each (asked with logprobs); any
+    evaluation request is recorded."""
+
+    def __init__(self) -> None:
+        self.k, self.evaluations, self.asked = 0, [], []
+        self.last_stats = DecodeStats()
+
+    def generate(self, requests: list[GenRequest]) -> list[GenResult]:
+        out = []
+        for r in requests:
+            if r.prefix == SCORE_PREFIX:
+                self.evaluations.append(r)
+                out.append(reply(" 5", [7]))
+                continue
+            self.asked.append(r.logprobs)
+            result = reply(f" #{self.k}", [5] * 3)
+            result.logprobs = [TokenLogprob(5, -math.log(self.k + 2))] * 3
+            out.append(result)
+            self.k += 1
+        self.last_stats = DecodeStats(generated_tokens=sum(len(o.token_ids) for o in out))
+        return out
+
+
+def test_confidence_values_a_thought_by_its_own_tokens():
+    """task.value=confidence: thoughts are asked with their log-probabilities, no evaluator is asked,
+    and a node's value is its thought's geometric-mean token probability."""
+    engine = SureEngine()
+    task = GSM8K(thoughts="subquestions", depth=2, value="confidence")
+    sol = run_sync(BFS(task, BFSSettings(n_thoughts=3, breadth=1), GEN, 0).solve(PROBLEM, engine))
+    assert engine.asked and all(engine.asked) and not engine.evaluations
+    for node in list(sol.tree.graph.nodes)[1:]:
+        k = int(re.findall(r"#(\d+)", sol.tree[node].text)[-1])
+        assert sol.tree[node].value == pytest.approx(1 / (k + 2))
+    assert sol.tree[1].value > sol.tree[2].value  # the surer thought ranks first
 
 
 def hand_built() -> tuple[ReasoningTree, dict[int, str]]:

@@ -17,7 +17,7 @@ from typing import Literal
 
 from decoding import GenRequest, Group
 from tasks.base import Problem, Prompt
-from tot.search import GenerationEngine, SearchBase, Solution, Step, check_positive, choose, request_seed
+from tot.search import GenerationEngine, SearchBase, Solution, Step, check_positive, choose, confidence, request_seed
 from tot.searches import SearchPlugin
 from tot.tree import ReasoningTree, Valuation
 
@@ -54,6 +54,7 @@ class BestOfN(SearchBase):
                 seed=request_seed(self.seed, problem.id, "solution", i),
                 keep=step.in_context and self.settings.scored,
                 max_new_tokens=self.settings.max_tokens,
+                logprobs=step.confident and self.settings.scored,
             )
             for i in range(self.settings.n)
         ]
@@ -85,7 +86,8 @@ class BestOfN(SearchBase):
                 return self.task.solution_evaluator_prompt(step.problem, path, follow_up)
 
             group = Group(step.problem.id, "solutions/eval")
-            valued = await step.judge(steps, out.context if request.keep else (), prompt, group, f"s{i}")
+            sure = confidence(out) if request.logprobs else None
+            valued = await step.judge(steps, out.context if request.keep else (), prompt, group, f"s{i}", sure)
         return out.text, steps, out.stats.generated_tokens, valued
 
 

@@ -12,6 +12,7 @@ each request's seed comes from its place in the tree.
 from __future__ import annotations
 
 import asyncio
+import math
 import zlib
 from collections import defaultdict
 from collections.abc import Callable
@@ -52,6 +53,7 @@ class GenSettings:
         keep: bool = False,
         max_new_tokens: int | None = None,
         choices: tuple[str, ...] = (),
+        logprobs: bool = False,
     ) -> GenRequest:
         """The request for a thought (or, with evaluate, for a state evaluation: with `context`, a
         follow-up turn of the thought's own reply; `keep` holds a thought's keys and values for it;
@@ -71,6 +73,7 @@ class GenSettings:
             context=context,
             keep=keep,
             choices=choices,
+            logprobs=logprobs,
         )
 
 
@@ -148,7 +151,10 @@ class Step:
         self.tree = ReasoningTree(problem.question)
         self.phases = {p: PhaseStats() for p in PHASES}
         self.in_context = getattr(task, "evaluator", "separate") == "in_context"
+        # task.value=confidence: a thought is valued by its own tokens' probabilities, asked with it
+        self.confident = getattr(task, "value", "sampled") == "confidence"
         self._replies: dict[int, tuple[int, ...]] = {}  # node -> its thought's whole sequence, until valued
+        self._confidence: dict[int, float] = {}  # node -> its thought's mean token probability, until valued
 
     async def grow(
         self, parents: list[tuple[int, int, str]], eval_group: Group, group: Group | None = None
@@ -163,7 +169,13 @@ class Step:
             for i in range(n):
                 seed = request_seed(self.seed, pid, state, *([key] if key else []), i)
                 child = tree.add(state, "", raw="", tokens=0)  # its id fixed before anything runs
-                request = gen.request(prompt, group=group or Group(pid, str(state)), seed=seed, keep=self.in_context)
+                request = gen.request(
+                    prompt,
+                    group=group or Group(pid, str(state)),
+                    seed=seed,
+                    keep=self.in_context,
+                    logprobs=self.confident,
+                )
                 thoughts.append((child, request))
         await asyncio.gather(*(self._thought(child, request, eval_group) for child, request in thoughts))
         return [child for child, _ in thoughts]
@@ -177,6 +189,8 @@ class Step:
         node.terminal = self.finished(child)
         if self.in_context:
             self._replies[child] = out.context
+        if self.confident:
+            self._confidence[child] = confidence(out)
         await self.evaluate([child], eval_group)
 
     async def evaluate(self, nodes: list[int], group: Group) -> None:
@@ -192,20 +206,31 @@ class Step:
     async def value(self, node: int, prompt: EvalPrompt, group: Group, key: object) -> None:
         """Value a node of the tree (its reply's context, if kept, asked in)."""
         context = self._replies.pop(node, ())
-        self.tree[node].take(await self.judge(self.tree.steps(node), context, prompt, group, key))
+        sure = self._confidence.pop(node, None)
+        self.tree[node].take(await self.judge(self.tree.steps(node), context, prompt, group, key, sure))
 
     async def judge(
-        self, steps: list[str], context: tuple[int, ...], prompt: EvalPrompt, group: Group, key: object
+        self,
+        steps: list[str],
+        context: tuple[int, ...],
+        prompt: EvalPrompt,
+        group: Group,
+        key: object,
+        confidence: float | None = None,
     ) -> Valuation:
         """The valuation of the path `steps`: its value, the mean of task.n_evaluate evaluator
         samples of prompt(steps, whether asked in the reply's `context`), all in one call, seeded by
         `key` (the path's place in the search), and the evaluation that gave it; with task.value
-        expected or yes, read from the evaluator's answers' probabilities after the prompt instead."""
+        expected or yes, read from the evaluator's answers' probabilities after the prompt instead;
+        with confidence, the `confidence` of the reply that wrote the path's last step."""
         if isinstance(self.reward, ScoringModel):
             scored = self.reward.score(self.problem.question, steps)
             self.phases["evaluate"].calls += 1
             steps_scored = list(scored.steps) if scored.steps else None  # a PRM's step scores
             return Valuation(scored.value, f"reward {scored.value:.4f}", reward_steps=steps_scored)
+        if self.confident:
+            assert confidence is not None, "task.value=confidence values a reply by its own tokens: pass `confidence`"
+            return Valuation(confidence, f"mean token probability {confidence:.4f} (no evaluator asked)")
         task, pid = self.task, self.problem.id
         asked = prompt(steps, bool(context))
         worth = {} if getattr(task, "value", "sampled") == "sampled" else task.value_answers()
@@ -278,6 +303,14 @@ def choose(tree: ReasoningTree, leaves: list[int], answer_of: Callable[[int], st
     order = {a: -i for i, a in reversed(list(enumerate(answers)))}
     winner = max(weight, key=lambda a: (weight[a], count[a], order[a]))
     return max((s for s, a in zip(leaves, answers) if a == winner), key=lambda s: tree[s].value)
+
+
+def confidence(reply: GenResult) -> float:
+    """A reply's geometric-mean token probability (asked with GenRequest.logprobs); 1 for no tokens."""
+    assert reply.logprobs is not None, "the reply was not asked for its log-probabilities"
+    if not reply.logprobs:
+        return 1.0
+    return math.exp(sum(t.logprob for t in reply.logprobs) / len(reply.logprobs))
 
 
 def finished_states(tree: ReasoningTree) -> list[int]:

@@ -99,7 +99,7 @@ class Blocksworld(TaskDefaults):
         check_positive(self.name, depth=self.depth, n_evaluate=self.n_evaluate, n_problems=self.n_problems)
         check_positive(self.name, n_blocks=self.n_blocks, steps=self.steps, n_demos=self.n_demos)
         check_evaluator(self.name, self.evaluator)
-        check_value(self.name, self.value, ("sampled", "expected"))
+        check_value(self.name, self.value, ("sampled", "expected", "confidence"))
         if self.n_blocks > 10:
             raise DataError(f"task.n_blocks={self.n_blocks}: blocks are named by 10 colours; use at most 10")
         self._demos = [
