@@ -63,8 +63,10 @@ def test_logprobs_and_choices_are_transformers_for_every_decoder(name, tiny_mode
     engine = engine_for(name, loaded, perturbed)
     results = engine.generate(requests)
     plain = engine_for(name, loaded, perturbed).generate([r for r in requests if not r.choices])
-    alone = engine.generate([r for r in requests if r.choices])  # a forward of choices alone
-    assert [r.choice_logprobs for r in alone] == [r.choice_logprobs for r in results if r.choice_logprobs]
+    # A forward of choices alone: the same bits on the CPU (batch-invariant), float32 rounding on a GPU.
+    alone = [r.choice_logprobs for r in engine.generate([r for r in requests if r.choices])]
+    mixed = [r.choice_logprobs for r in results if r.choice_logprobs]
+    assert alone == (mixed if loaded.device.type == "cpu" else [pytest.approx(m, abs=1e-4) for m in mixed])
     assert [r.token_ids for r in results if r.choice_logprobs is None] == [r.token_ids for r in plain]
     for request, result in zip(requests, results):
         prompt = encode(tokenizer, request.prompt)
