@@ -10,7 +10,8 @@ Three kinds (`reward.kind`):
 - `prm`: a process reward model read as Math-Shepherd and RLHFlow's PRMs are: a causal LM whose next
   token after each step's separator is `reward.good_label` or `reward.bad_label`; a step's score is
   P(good) / (P(good) + P(bad)) there, and the path's is their `reward.aggregate` (min, last, mean or
-  product). Values in [0, 1].
+  product). Values in [0, 1]. Each step is a choice request (`GenRequest.choices`) on an engine of the
+  PRM's own, so the steps of every path valued at once share its forwards and its prefix store.
 
 The question and steps are tokenized piece by piece and joined, so every separator keeps its own
 tokens wherever it falls; a separator or label the tokenizer cannot spell is refused at load time.
@@ -26,7 +27,17 @@ from typing import Literal
 
 import torch
 
-from decoding import BackendError, ConfigError, DecoderConfig, Engine, ModelSpec, load_model, resolve_device
+from decoding import (
+    BackendError,
+    ConfigError,
+    DecoderConfig,
+    DecodeStats,
+    Engine,
+    GenRequest,
+    ModelSpec,
+    load_model,
+    resolve_device,
+)
 
 Kind = Literal["auto", "judge", "classifier", "prm"]
 Aggregate = Literal["min", "last", "mean", "product"]
@@ -63,46 +74,58 @@ class PathScore:
 
 
 class ScoringModel:
-    """A classifier or PRM: `score(question, steps)` runs one forward on the path."""
+    """A classifier: `score(question, steps)` runs one forward on the path."""
 
     def __init__(self, spec: RewardSpec, model: torch.nn.Module, tokenizer: object, device: torch.device) -> None:
         self.spec, self.model, self.tokenizer, self.device = spec, model, tokenizer, device
         self.separator = spell(tokenizer, spec.step_separator, "reward.step_separator", spec.path)
-        self.labels: tuple[int, int] | None = None
-        if spec.kind == "prm":
-            good = spell(tokenizer, spec.good_label, "reward.good_label", spec.path)
-            bad = spell(tokenizer, spec.bad_label, "reward.bad_label", spec.path)
-            for key, ids in (("reward.good_label", good), ("reward.bad_label", bad)):
-                if len(ids) != 1:
-                    raise ConfigError(
-                        f"{key} is {len(ids)} tokens in reward.path={spec.path}'s tokenizer; a PRM's label is one "
-                        "token: give the label it was trained with"
-                    )
-            self.labels = (good[0], bad[0])
-
-    def _ids(self, question: str, steps: list[str]) -> tuple[torch.Tensor, list[int]]:
-        """The path's token ids and, per step, the position of its separator's last token."""
-        ids = list(self.tokenizer.encode(question, add_special_tokens=True))  # type: ignore[attr-defined]
-        ids += self.separator
-        ends = []
-        for step in steps:
-            ids += self.tokenizer.encode(step, add_special_tokens=False)  # type: ignore[attr-defined]
-            ids += self.separator
-            ends.append(len(ids) - 1)
-        return torch.tensor([ids], device=self.device), ends
 
     @torch.inference_mode()
     def score(self, question: str, steps: list[str]) -> PathScore:
-        ids, ends = self._ids(question, steps)
-        logits = self.model(input_ids=ids).logits.float()
-        if self.labels is None:  # a classification head: (1, labels)
-            row = logits[0]
-            value = torch.sigmoid(row[0]) if row.numel() == 1 else torch.softmax(row, -1)[1]
-            return PathScore(float(value))
-        good, bad = self.labels
-        pair = logits[0, ends][:, [good, bad]]
-        per_step = torch.softmax(pair, -1)[:, 0].tolist()
-        return PathScore(aggregate(per_step, self.spec.aggregate), tuple(per_step))
+        ids, _ = path_ids(self.tokenizer, self.separator, question, steps)
+        row = self.model(input_ids=torch.tensor([ids], device=self.device)).logits.float()[0]  # (labels,)
+        value = torch.sigmoid(row[0]) if row.numel() == 1 else torch.softmax(row, -1)[1]
+        return PathScore(float(value))
+
+
+class ProcessReward:
+    """A PRM on an engine of its own: each step's labels after its separator scored as one choice request."""
+
+    def __init__(self, spec: RewardSpec, engine: Engine) -> None:
+        self.spec, self.engine = spec, engine
+        tokenizer = engine.tokenizer
+        self.separator = spell(tokenizer, spec.step_separator, "reward.step_separator", spec.path)
+        for key, label in (("reward.good_label", spec.good_label), ("reward.bad_label", spec.bad_label)):
+            n = len(spell(tokenizer, label, key, spec.path))
+            if n != 1:
+                raise ConfigError(
+                    f"{key} is {n} tokens in reward.path={spec.path}'s tokenizer; a PRM's label is one token: give "
+                    "the label it was trained with"
+                )
+
+    async def score(self, question: str, steps: list[str]) -> tuple[PathScore, DecodeStats]:
+        """The path's score, and what scoring it cost the PRM's engine."""
+        ids, ends = path_ids(self.engine.tokenizer, self.separator, question, steps)
+        labels = (self.spec.good_label, self.spec.bad_label)
+        done = await self.engine.agenerate([GenRequest(tuple(ids[: e + 1]), choices=labels) for e in ends])
+        per_step = []
+        for result in done.results:
+            good, bad = result.choice_logprobs or (0.0, 0.0)
+            per_step.append(1 / (1 + math.exp(bad - good)))  # P(good) / (P(good) + P(bad))
+        return PathScore(aggregate(per_step, self.spec.aggregate), tuple(per_step)), done.stats
+
+
+def path_ids(tokenizer: object, separator: list[int], question: str, steps: list[str]) -> tuple[list[int], list[int]]:
+    """The path's token ids (the question, then each step, each followed by the separator, pieces
+    tokenized apart) and, per step, the position of its separator's last token."""
+    ids = list(tokenizer.encode(question, add_special_tokens=True))  # type: ignore[attr-defined]
+    ids += separator
+    ends = []
+    for step in steps:
+        ids += tokenizer.encode(step, add_special_tokens=False)  # type: ignore[attr-defined]
+        ids += separator
+        ends.append(len(ids) - 1)
+    return ids, ends
 
 
 def aggregate(scores: list[float], how: str) -> float:
@@ -139,19 +162,21 @@ def resolve_kind(spec: RewardSpec) -> str:
     return "classifier" if any("ForSequenceClassification" in a for a in architectures) else "judge"
 
 
-def load_reward(spec: RewardSpec) -> Engine | ScoringModel:
-    """The reward model: an engine of its own for a judge, a scoring model on the target's device otherwise."""
+def load_reward(spec: RewardSpec) -> Engine | ScoringModel | ProcessReward:
+    """The reward model: an engine of its own for a judge or a PRM, a scoring model on the target's
+    device for a classifier."""
     kind = resolve_kind(spec)
-    if kind == "judge":
-        # A judge decodes autoregressively: its replies are the reward model's own, whatever the target's decoder.
-        return Engine(load_model(spec.model), DecoderConfig(name="ar"))
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+    if kind in ("judge", "prm"):
+        # Decoded autoregressively (a judge's replies are the reward model's own, whatever the target's
+        # decoder); a PRM's rows are choices, scored in the forwards of that engine.
+        engine = Engine(load_model(spec.model), DecoderConfig(name="ar"))
+        return engine if kind == "judge" else ProcessReward(replace(spec, kind=kind), engine)
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     device = resolve_device(spec.model.device, "reward")
-    loader = AutoModelForSequenceClassification if kind == "classifier" else AutoModelForCausalLM
     try:
         tokenizer = AutoTokenizer.from_pretrained(spec.path)
-        net = loader.from_pretrained(spec.path, dtype=torch.float32).to(device).eval()
+        net = AutoModelForSequenceClassification.from_pretrained(spec.path, dtype=torch.float32).to(device).eval()
     except (OSError, ValueError) as e:
         raise BackendError(
             f"reward.path={spec.path!r} could not be loaded as a {kind} ({str(e).splitlines()[0][:160]}); give a "

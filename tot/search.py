@@ -22,7 +22,7 @@ from typing import Any, Literal, Protocol
 from decoding import Completion, ConfigError, DecodeStats, GenRequest, GenResult, Group
 from decoding import run_sync as run_sync  # searches are run with it
 from tasks.base import Problem, Prompt, Task
-from tot.reward import ScoringModel
+from tot.reward import ProcessReward, ScoringModel
 from tot.tree import ReasoningTree, Valuation
 from tot.value import read_value
 
@@ -114,7 +114,7 @@ class GenerationEngine(Protocol):
 
 
 # A reward model (reward.path): a judge's engine, or a classifier / PRM scoring paths itself.
-Reward = GenerationEngine | ScoringModel
+Reward = GenerationEngine | ScoringModel | ProcessReward
 
 
 class Search(Protocol):
@@ -223,8 +223,12 @@ class Step:
         `key` (the path's place in the search), and the evaluation that gave it; with task.value
         expected or yes, read from the evaluator's answers' probabilities after the prompt instead;
         with confidence, the `confidence` of the reply that wrote the path's last step."""
-        if isinstance(self.reward, ScoringModel):
-            scored = self.reward.score(self.problem.question, steps)
+        if isinstance(self.reward, ScoringModel | ProcessReward):
+            if isinstance(self.reward, ProcessReward):
+                scored, cost = await self.reward.score(self.problem.question, steps)
+                self.phases["evaluate"].decode += cost
+            else:
+                scored = self.reward.score(self.problem.question, steps)
             self.phases["evaluate"].calls += 1
             steps_scored = list(scored.steps) if scored.steps else None  # a PRM's step scores
             return Valuation(scored.value, f"reward {scored.value:.4f}", reward_steps=steps_scored)
