@@ -122,7 +122,7 @@ class GSM8K(TaskDefaults):
     n_evaluate: int = 1
     evaluator: str = "separate"
     thoughts: str = "paragraphs"
-    value: str = "sampled"
+    value: str = "confidence"
     name: str = "gsm8k"
 
     def __post_init__(self) -> None:

@@ -226,7 +226,7 @@ def test_bench_evaluator_variants(long_context):
         "bench.variants={hf_ic: {decoder: hf, task.evaluator: in_context}, "
         "ar_ic: {decoder: ar, task.evaluator: in_context}}"
     )
-    run_cfg, container = compose_bench("gen.temperature=0", "bench.decoders=[hf,ar]", variants)
+    run_cfg, container = compose_bench("gen.temperature=0", "task.value=sampled", "bench.decoders=[hf,ar]", variants)
     configs, _ = decoder_configs(container, ["hf", "ar"], False, container["bench"]["variants"])
     names = list(configs)
     result = bench(run_cfg, configs, long_context, None, progress=False, evaluator=evaluators(container, names))

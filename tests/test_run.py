@@ -25,11 +25,14 @@ GEN_TOKENS, EVAL_TOKENS = 4 * 3 * 3, 4 * 3 * 2
 
 
 def make_config(*overrides: str) -> RunConfig:
-    """The run's config; GSM8K with SEED's sub-question thoughts (depth 4), which the fake engines
-    answer: these tests are about a run's mechanics, tests/test_gsm8k.py about the prompts."""
+    """The run's config; GSM8K with SEED's sub-question thoughts (depth 4) valued by sampled scores,
+    which the fake engines answer: these tests are about a run's mechanics, tests/test_gsm8k.py about
+    the prompts, tests/test_value.py about the value modes."""
     task = next((o.split("=", 1)[1] for o in overrides if o.startswith("task=")), "gsm8k")
-    own = any(o.startswith("task.thoughts=") for o in overrides)
-    sub = ["task.thoughts=subquestions"] if task == "gsm8k" and not own else []
+    sub = []
+    for key, value in (("task.thoughts", "subquestions"), ("task.value", "sampled")):
+        if task == "gsm8k" and not any(o.startswith(f"{key}=") for o in overrides):
+            sub.append(f"{key}={value}")
     with initialize_config_module(config_module="conf", version_base="1.3"):
         cfg = compose(config_name="config", overrides=[*overrides, *sub])
     return RunConfig.from_omegaconf(cfg)

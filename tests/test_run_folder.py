@@ -571,7 +571,7 @@ def test_the_kv_memory_queues_samples_and_the_summary_says_so(tiny, tmp_path):
     """model.kv_memory_mb too small for a step's samples at once: the run finishes with the same
     answers as without the bound (on a CPU the forward is batch-invariant: a speed-only key there),
     and the summary and its line say how many sequences waited."""
-    args = ("data.limit=1", "search.n_thoughts=24")  # ~120 kB of KV a row: 24 rows are ~3 MB
+    args = ("data.limit=1", "search.n_thoughts=24", "task.value=sampled")  # ~120 kB of KV a row: 24 rows are ~3 MB
     free = solve(tiny, tmp_path / "free", *args)
     bounded = solve(tiny, tmp_path / "bounded", *args, "model.kv_memory_mb=1")
     assert free.returncode == 0 and bounded.returncode == 0, bounded.stderr[-3000:]

@@ -71,11 +71,8 @@ GEN = GenSettings(temperature=0.6, top_p=0.9, top_k=5, max_thought_tokens=40, ma
 
 def solve(scores=SCORES, depth=3, n=3, b=2, seed=0, gen=GEN, problem=PROBLEM):
     engine = ScriptedEngine(scores)
-    sol = run_sync(
-        BFS(GSM8K(thoughts="subquestions", depth=depth), BFSSettings(n_thoughts=n, breadth=b), gen, seed).solve(
-            problem, engine
-        )
-    )
+    task = GSM8K(thoughts="subquestions", depth=depth, value="sampled")
+    sol = run_sync(BFS(task, BFSSettings(n_thoughts=n, breadth=b), gen, seed).solve(problem, engine))
     return sol, engine
 
 

@@ -70,7 +70,7 @@ def test_a_best_of_n_gsm8k_answer_is_the_vote_over_the_replies(smol, tmp_path):
     record = json.loads((tmp_path / "results.jsonl").read_text().splitlines()[0])
     tree = load_tree(tmp_path, record["id"])
     firsts = list(tree.graph.successors(tree.root))
-    task = GSM8K()
+    task = GSM8K(value="sampled")
     answers = [task.answer(None, [tree[n].text]) for n in firsts]  # type: ignore[arg-type]
     assert len(firsts) == 4 and all(tree[n].reply for n in firsts)
     assert record["answer"] == max(answers, key=answers.count)

@@ -152,7 +152,7 @@ class SureEngine(AwaitableFake):
                 self.evaluations.append(r)
                 out.append(reply(" 5", [7]))
                 continue
-            self.asked.append(r.logprobs)
+            self.asked.append(r.logprobs and not r.keep)  # kept for no follow-up: none is asked
             result = reply(f" #{self.k}", [5] * 3)
             result.logprobs = [TokenLogprob(5, -math.log(self.k + 2))] * 3
             out.append(result)
@@ -162,10 +162,11 @@ class SureEngine(AwaitableFake):
 
 
 def test_confidence_values_a_thought_by_its_own_tokens():
-    """task.value=confidence: thoughts are asked with their log-probabilities, no evaluator is asked,
-    and a node's value is its thought's geometric-mean token probability."""
+    """task.value=confidence: thoughts are asked with their log-probabilities (and, with no evaluator to
+    follow them up, not kept for one), no evaluator is asked, and a node's value is its thought's
+    geometric-mean token probability."""
     engine = SureEngine()
-    task = GSM8K(thoughts="subquestions", depth=2, value="confidence")
+    task = GSM8K(thoughts="subquestions", depth=2, value="confidence", evaluator="in_context")
     sol = run_sync(BFS(task, BFSSettings(n_thoughts=3, breadth=1), GEN, 0).solve(PROBLEM, engine))
     assert engine.asked and all(engine.asked) and not engine.evaluations
     for node in list(sol.tree.graph.nodes)[1:]:
@@ -219,7 +220,7 @@ class VoteEngine(AwaitableFake):
 @pytest.mark.parametrize("search", ["bfs", "mcts"])
 def test_bfs_and_mcts_vote_over_their_finished_states(search):
     """Four thoughts state 8, 3, 3, 3 valued 9, 5, 5, 5: best takes 8, the vote 3 (15 against 9)."""
-    task = GSM8K(depth=2)
+    task = GSM8K(depth=2, value="sampled")
     answers, scores = ["8", "3", "3", "3"], [9, 5, 5, 5]
     for aggregate, expected in (("best", "8"), ("vote", "3")):
         if search == "bfs":

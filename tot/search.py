@@ -150,9 +150,10 @@ class Step:
         self.reward = reward
         self.tree = ReasoningTree(problem.question)
         self.phases = {p: PhaseStats() for p in PHASES}
-        self.in_context = getattr(task, "evaluator", "separate") == "in_context"
-        # task.value=confidence: a thought is valued by its own tokens' probabilities, asked with it
+        # task.value=confidence: a thought is valued by its own tokens' probabilities, asked with it; no
+        # evaluator is asked, so none follows a thought up (its context is not kept for one)
         self.confident = getattr(task, "value", "sampled") == "confidence"
+        self.in_context = getattr(task, "evaluator", "separate") == "in_context" and not self.confident
         self._replies: dict[int, tuple[int, ...]] = {}  # node -> its thought's whole sequence, until valued
         self._confidence: dict[int, float] = {}  # node -> its thought's mean token probability, until valued
 
