@@ -3,6 +3,7 @@ over a tree's finished states (search.aggregate=vote)."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
 
@@ -230,3 +231,25 @@ def test_bfs_and_mcts_vote_over_their_finished_states(search):
             searcher = MCTS(task, settings, GEN, 0)
         sol = run_sync(searcher.solve(PROBLEM, VoteEngine(answers, scores)))
         assert sol.answer == expected, aggregate
+
+
+def test_separation_reads_how_well_values_tell_right_from_wrong(tmp_path, capsys):
+    """tot.separation over a run's finished states: values that know nothing give 0.5; values that put
+    every right answer above every wrong one give 1."""
+    from test_run import FakeEngine, make_config
+
+    from tot.run import run
+    from tot.separation import main, separation
+
+    out = tmp_path / "run"
+    run(make_config("data.limit=2"), out, engine=FakeEngine(), progress=False)  # answers 12: one problem right
+    even = separation(out)
+    assert even.right and even.wrong and even.auc == 0.5  # every state scored 7
+    right = out / "trees" / "bundled-1.json"  # gold 12
+    saved = json.loads(right.read_text())
+    for n in saved["nodes"]:
+        n["value"] = 9.0 if n["id"] else n["value"]
+    right.write_text(json.dumps(saved))
+    assert separation(out).auc == 1.0
+    assert main([str(out)]) == 0 and "AUC 1.000" in capsys.readouterr().out
+    assert main([str(tmp_path / "none")]) == 2 and "no summary.json" in capsys.readouterr().err

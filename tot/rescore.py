@@ -97,7 +97,8 @@ def rescore(run_dir: Path) -> tuple[dict, dict, list[Change]]:
         return _rescore(run_dir, summary_path)
 
 
-def _rescore(run_dir: Path, summary_path: Path) -> tuple[dict, dict, list[Change]]:
+def run_task(summary_path: Path) -> tuple[Task, dict[str, Problem]]:
+    """The task a run's summary.json says it ran, and every problem of its data file by id."""
     old = read_json(summary_path)
     config = old.get("config") or {}
     try:
@@ -105,13 +106,19 @@ def _rescore(run_dir: Path, summary_path: Path) -> tuple[dict, dict, list[Change
         task = make_task(old["task"], depth, dict(config.get("task_options") or {}))
         # The whole file: the folder's records may come from several selections of it.
         whole = {**config["data"], "limit": None, "offset": 0, "shard": 0, "num_shards": 1}
-        problems = {p.id: p for p in task.load(DataSpec(**whole))}
+        return task, {p.id: p for p in task.load(DataSpec(**whole))}
     except (KeyError, TypeError, ValueError) as e:
         if isinstance(e, DataError):
             raise
         raise ShowError(
             f"{summary_path} does not say which task and problems it ran ({e}); give a run of tot.solve"
         ) from None
+
+
+def _rescore(run_dir: Path, summary_path: Path) -> tuple[dict, dict, list[Change]]:
+    old = read_json(summary_path)
+    config = old.get("config") or {}
+    task, problems = run_task(summary_path)
     results_path = run_dir / "results.jsonl"
     if not results_path.is_file():
         raise ShowError(
