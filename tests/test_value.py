@@ -174,6 +174,10 @@ def test_confidence_values_a_thought_by_its_own_tokens():
         k = int(re.findall(r"#(\d+)", sol.tree[node].text)[-1])
         assert sol.tree[node].value == pytest.approx(1 / (k + 2))
     assert sol.tree[1].value > sol.tree[2].value  # the surer thought ranks first
+    # A reward model values the states in its place (here a judge: the task's evaluator replies, read as written).
+    judge, task = SureEngine(), GSM8K(thoughts="subquestions", depth=2, value="confidence")
+    run_sync(BFS(task, BFSSettings(n_thoughts=2, breadth=1), GEN, 0, reward=judge).solve(PROBLEM, SureEngine()))
+    assert judge.evaluations and not any(r.choices for r in judge.evaluations)
 
 
 def hand_built() -> tuple[ReasoningTree, dict[int, str]]:

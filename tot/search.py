@@ -151,8 +151,9 @@ class Step:
         self.tree = ReasoningTree(problem.question)
         self.phases = {p: PhaseStats() for p in PHASES}
         # task.value=confidence: a thought is valued by its own tokens' probabilities, asked with it; no
-        # evaluator is asked, so none follows a thought up (its context is not kept for one)
-        self.confident = getattr(task, "value", "sampled") == "confidence"
+        # evaluator is asked, so none follows a thought up (its context is not kept for one). A reward
+        # model (reward.path) values states in its place.
+        self.confident = getattr(task, "value", "sampled") == "confidence" and reward is None
         self.in_context = getattr(task, "evaluator", "separate") == "in_context" and not self.confident
         self._replies: dict[int, tuple[int, ...]] = {}  # node -> its thought's whole sequence, until valued
         self._confidence: dict[int, float] = {}  # node -> its thought's mean token probability, until valued
@@ -238,7 +239,8 @@ class Step:
             return Valuation(confidence, f"mean token probability {confidence:.4f} (no evaluator asked)")
         task, pid = self.task, self.problem.id
         asked = prompt(steps, bool(context))
-        worth = {} if getattr(task, "value", "sampled") == "sampled" else task.value_answers()
+        # A judge under task.value=confidence reads the evaluator's reply, as under sampled.
+        worth = {} if getattr(task, "value", "sampled") in ("sampled", "confidence") else task.value_answers()
         k = 1 if worth else task.n_evaluate  # a forward's distribution is read once
         requests = [
             self.gen.request(
