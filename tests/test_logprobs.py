@@ -94,9 +94,9 @@ def test_logprobs_and_choices_are_transformers_for_every_decoder(name, tiny_mode
 def test_logprobs_are_bitwise_the_same_whatever_the_batch(loaded, perturbed):
     """The CPU forward is batch-invariant, so a row's log-probabilities do not depend on the decoder,
     its drafts or the rows beside it: alone under `ar` they are bitwise those of every decoder's
-    mixed batch."""
-    if loaded.device.type != "cpu":
-        pytest.skip("bitwise batch invariance is the CPU path's")
+    mixed batch. On a GPU, whose kernels round by shape, the tokens are the same and the values
+    agree to float32 rounding."""
+    exact = loaded.device.type == "cpu"
     requests = mixed_requests()
     alone = {i: engine_for("ar", loaded, perturbed).generate([r])[0] for i, r in enumerate(requests)}
     for name in DECODERS:
@@ -104,8 +104,14 @@ def test_logprobs_are_bitwise_the_same_whatever_the_batch(loaded, perturbed):
             continue  # transformers' own forward: another kernel
         results = engine_for(name, loaded, perturbed).generate(requests)
         for i, result in enumerate(results):
-            assert result.logprobs == alone[i].logprobs, name
-            assert result.choice_logprobs == alone[i].choice_logprobs, name
+            if exact:  # whole entries: tokens, values and alternatives, bit for bit
+                assert (result.logprobs, result.choice_logprobs) == (alone[i].logprobs, alone[i].choice_logprobs)
+                continue
+            got, want = result.logprobs or [], alone[i].logprobs or []
+            assert [t.token for t in got] == [t.token for t in want], name
+            assert [t.logprob for t in got] == pytest.approx([t.logprob for t in want], abs=1e-4), name
+            if want_choices := alone[i].choice_logprobs:
+                assert result.choice_logprobs == pytest.approx(want_choices, abs=1e-4), name
 
 
 def test_choices_share_their_prompt_and_tokenize_in_context(loaded, perturbed, tokenizer):
