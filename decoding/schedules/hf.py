@@ -127,7 +127,8 @@ class HFDecoder:
             pad_token_id=min(s.rule.eos_ids),
             stopping_criteria=StoppingCriteriaList([_StopRuleCriteria(s, ids.shape[1], self.tokenizer)]),
             logits_processor=processors,
-            output_logits=True,  # the raw logits: what a request's log-probabilities are read from
+            # The raw logits of every step (a vocabulary's floats each) only where log-probabilities are asked.
+            output_logits=s.top_logprobs is not None,
             return_dict_in_generate=True,
             **sampling,
         )
