@@ -15,7 +15,7 @@ it); the tuning tools that work on the internals (tot.calibrate_tree, tot.train_
 from decoding.base.errors import BackendError, ConfigError, OutputError
 from decoding.base.options import as_float, as_int, from_dict
 from decoding.base.plugins import ENV, Lazy, Plugin, table, unknown
-from decoding.base.values import Completion, DecodeStats, GenRequest, GenResult, Group
+from decoding.base.values import Completion, DecodeStats, GenRequest, GenResult, Group, host_line
 from decoding.config import DecoderConfig, choices
 from decoding.drafters.load import load_draft
 from decoding.engine import Engine, run_sync
@@ -64,6 +64,7 @@ __all__ = [
     "choices",
     "from_dict",
     "frozen",
+    "host_line",
     "int8_lacks",
     "is_gguf",
     "load_draft",

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from decoding.base.errors import BackendError, ConfigError
 from decoding.base.options import as_float, as_int
-from decoding.base.values import MAX_TOP_LOGPROBS, DecodeStats, GenRequest, Group
+from decoding.base.values import MAX_TOP_LOGPROBS, DecodeStats, GenRequest, Group, host_line
 from decoding.cli import fail, hydra_command
 from decoding.config import DecoderConfig
 from decoding.drafters.load import load_draft
@@ -213,6 +213,7 @@ def generate(cfg: GenerateConfig, engine: Engine, progress: bool = True) -> dict
         "wall_s": time.perf_counter() - t0,
         "tokens_per_s": stats.generated_tokens / stats.wall_s if stats.wall_s else 0.0,
         **stats.to_dict(),
+        **stats.host_summary(),
     }
     if stats.target_forwards:
         summary["ms_per_forward"] = 1000 * stats.wall_s / stats.target_forwards
@@ -252,6 +253,7 @@ def summary_line(s: dict) -> str:
         f"acceptance length {s['acceptance_length']:.2f}, {s['forwards_per_token']:.3f} target forwards/token, "
         f"{s['rows_per_forward']:.2f} rows/forward"
         + (f", {s['ms_per_forward']:.2f} ms per target forward" if "ms_per_forward" in s else "")
+        + (f", {host_line(s)}" if s.get("steps") else "")
         + (f", GPU busy {100 * s['gpu_busy_share']:.0f}% of the wall time" if "gpu_busy_share" in s else "")
     )
 

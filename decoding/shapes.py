@@ -43,8 +43,24 @@ def _rope(factor: float) -> dict:
     }
 
 
-# Meta's published configs (hidden sizes, layers, heads, rope scaling) for the shapes the papers use.
+# Meta's published configs (hidden sizes, layers, heads, rope scaling) for the shapes the papers use,
+# and a tiny one for the host's share of a step.
 SHAPES: dict[str, dict] = {
+    # Not a published model: a forward of well under a millisecond, so that a step's time is the
+    # host's work around it (the share a GPU would wait on), measurable on any CPU.
+    "tiny": {
+        **_LLAMA3,
+        "vocab_size": 49152,  # the embedded tokenizer's
+        "hidden_size": 64,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": True,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    },
     "llama-3.2-1b": {
         **_LLAMA3,
         "hidden_size": 2048,

@@ -434,6 +434,8 @@ def _row(name: str, t: Tally, engine: Engine | ServerEngine) -> dict:
         "prompt_tokens": t.decode.prompt_tokens,
         "prompt_tokens_computed": t.decode.prompt_tokens_computed,
         "target_busy_fraction": t.decode.target_busy_fraction if own else None,
+        # A decode step: its verification forward and the host's work around it, by stage (ms a step).
+        **(t.decode.host_summary() if own else {}),
         # The step planner (verify.plan=goodput): draft nodes it gave a verified row, and its verification
         # steps' predicted against measured time (null where no plan ran: ar, a fixed plan, a server).
         "plan_nodes_per_row": t.decode.planned_nodes_per_row if own and t.decode.planned_rows else None,
@@ -452,11 +454,11 @@ def table(result: dict) -> str:
         "| decoder | problems at once | solved | tokens | time (s) | tokens/s | vs hf | vs ar | acceptance length "
         "| accepted drafts from the suffix drafter | target forwards / token | rows / forward "
         "| prompt tokens computed / requested (thoughts, evaluations) "
-        "| target busy "
+        "| target busy | host / forward ms a step "
         "| thought gen. tok/s | evaluation tok/s | plan: draft nodes / row | plan: step s predicted / measured "
         "| peak KV (MB) | stored prefixes, all entries (MB, evictions) |"
     )
-    lines = [head, "|" + "---|" * 20]
+    lines = [head, "|" + "---|" * 21]
     n = len(result["problems"])
     for r in result["decoders"].values():
         ph = r["phases"]
@@ -469,7 +471,7 @@ def table(result: dict) -> str:
             f"| {_num(r.get('suffix_share'), '.0%')} | {_num(r['forwards_per_token'], '.3f')} "
             f"| {_num(r['rows_per_forward'], '.2f')} "
             f"| {_prompts(ph['generate'])}, {_prompts(ph['evaluate'])} "
-            f"| {_num(r['target_busy_fraction'], '.2f')} | {ph['generate']['tokens_per_s']:.1f} "
+            f"| {_num(r['target_busy_fraction'], '.2f')} | {_step_ms(r)} | {ph['generate']['tokens_per_s']:.1f} "
             f"| {ph['evaluate']['tokens_per_s']:.1f} | {_num(r.get('plan_nodes_per_row'), '.2f')} "
             f"| {_plan_time(r)} | {r['peak_kv_mb']:.0f} | {_store(r.get('memory'))} |"
         )
@@ -506,6 +508,12 @@ def _store(memory: dict | None) -> str:
     if not memory:
         return "-"
     return f"{memory['prefix_store_mb']:.0f} of {memory['prefix_store_cap_mb']:.0f} ({memory['prefix_evictions']})"
+
+
+def _step_ms(r: dict) -> str:
+    if not r.get("steps"):
+        return "-"
+    return f"{r['host_ms_per_step']:.2f} / {r['forward_ms_per_step']:.2f}"
 
 
 def _plan_time(row: dict) -> str:

@@ -259,6 +259,8 @@ def summarize(records: list[dict], header: dict) -> dict:
         "drafts_per_round": total.drafts_per_round,
         # Sequences that waited for the KV pool's memory (model.kv_memory) before they could decode.
         "kv_waits": total.kv_waits,
+        # A decode step's verification forward and the host's work around it, by stage (ms a step).
+        **total.host_summary(),
         "tokens_per_s": total.generated_tokens / wall if wall else 0.0,
         "wall_s": wall,
         "phases": phases,

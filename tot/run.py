@@ -20,6 +20,7 @@ from decoding import (
     Group,
     ServerEngine,
     frozen,
+    host_line,
     int8_lacks,
     load_draft,
     load_model,
@@ -283,7 +284,7 @@ def summary_line(s: dict) -> str:
     # A server does not report its forwards (decoder=server): no tau or rows to print.
     forwards = (
         f"tau {s['acceptance_length']:.2f}, {s['forwards_per_token']:.3f} target forwards/token, "
-        f"{s['rows_per_forward']:.2f} rows/forward, "
+        f"{s['rows_per_forward']:.2f} rows/forward, " + (f"{host_line(s)}, " if s.get("steps") else "")
         if s["target_forwards"]
         else ""
     )

@@ -84,6 +84,9 @@ class GenRequest:
             raise ValueError(f"choices={self.choices!r}: give distinct, non-empty answers")
 
 
+HOST_STAGES = ("learn", "plan", "draft", "cut", "pack", "launch", "accept", "commit", "finish", "rounds")
+
+
 @dataclass
 class DecodeStats:
     """What producing some tokens cost. Adds up across sequences and calls with `+=`.
@@ -125,6 +128,61 @@ class DecodeStats:
     # the CPU attention read from a sibling's row, once for its group (rows admitted with one prefix).
     context_positions: int = 0
     context_positions_shared: int = 0
+    # Decode steps and where their time went: admitting sequences (their prefill forwards included),
+    # the verification forward, and the host's work around it by stage (HOST_STAGES: what a GPU waits
+    # on). admit_s + forward_s + host_s is the steps' wall time, step_s.
+    steps: int = 0
+    step_s: float = 0.0
+    admit_s: float = 0.0
+    forward_s: float = 0.0
+    host_learn_s: float = 0.0  # the drafter hears arrivals, verdicts and departures
+    host_plan_s: float = 0.0  # the planner's draft budgets
+    host_draft_s: float = 0.0  # the drafter's call
+    host_cut_s: float = 0.0  # trees cut to what the forward verifies
+    host_pack_s: float = 0.0  # the forward's tokens, mask and positions
+    host_launch_s: float = 0.0  # the forward's call less the forward (indexing, splitting the logits)
+    host_accept_s: float = 0.0  # the verification rule's walk of the trees
+    host_commit_s: float = 0.0  # tokens to sequences, stop rules, accepted paths to the KV rows
+    host_finish_s: float = 0.0  # finished sequences to the prefix store, their rows freed
+    host_rounds_s: float = 0.0  # the rounds' queue and phases, the statistics, the pool's trim
+
+    def add_step(self, wall_s: float, forward_s: float, stages: dict[str, float]) -> None:
+        """One step's times: its wall time, its verification forward's, and the rest by stage
+        ("admit" or one of HOST_STAGES)."""
+        self.steps += 1
+        self.step_s += wall_s
+        self.forward_s += forward_s
+        for stage, seconds in stages.items():
+            name = "admit_s" if stage == "admit" else f"host_{stage}_s"
+            setattr(self, name, getattr(self, name) + seconds)
+
+    @property
+    def host_by_stage(self) -> dict[str, float]:
+        """Seconds of host work per stage, summed over the steps."""
+        return {stage: getattr(self, f"host_{stage}_s") for stage in HOST_STAGES}
+
+    @property
+    def host_s(self) -> float:
+        return sum(self.host_by_stage.values())
+
+    @property
+    def host_ms_per_step(self) -> float:
+        """The host's work around a step's forward, admissions aside: what a GPU would wait on."""
+        return 1000 * self.host_s / self.steps if self.steps else 0.0
+
+    @property
+    def forward_ms_per_step(self) -> float:
+        return 1000 * self.forward_s / self.steps if self.steps else 0.0
+
+    def host_summary(self) -> dict[str, float | dict[str, float]]:
+        """Milliseconds a decode step: its forward, the host's work around it, and that by stage."""
+        per_step = 1000 / self.steps if self.steps else 0.0
+        return {
+            "steps": self.steps,
+            "forward_ms_per_step": self.forward_ms_per_step,
+            "host_ms_per_step": self.host_ms_per_step,
+            "host_ms_per_step_by_stage": {k: v * per_step for k, v in self.host_by_stage.items()},
+        }
 
     @property
     def wall_s(self) -> float:
@@ -192,6 +250,8 @@ class DecodeStats:
         d["drafts_per_round"] = self.drafts_per_round
         d["mean_sequence_acceptance_length"] = self.mean_sequence_acceptance_length
         d["context_shared_fraction"] = self.context_shared_fraction
+        d["host_ms_per_step"] = self.host_ms_per_step
+        d["forward_ms_per_step"] = self.forward_ms_per_step
         return d
 
     @classmethod
@@ -236,3 +296,13 @@ class Completion:
 
     results: list[GenResult]
     stats: DecodeStats
+
+
+def host_line(summary: dict) -> str:
+    """A summary's step times in words ("" for one without them: a server, an older run)."""
+    if not summary.get("steps"):
+        return ""
+    return (
+        f"{summary['host_ms_per_step']:.2f} ms host work a step around its "
+        f"{summary['forward_ms_per_step']:.2f} ms forward"
+    )

@@ -31,7 +31,7 @@ from decoding.runtime.runner import ModelRunner
 from decoding.schedules.base import Step, run_to_end
 from decoding.schedules.planner import Planner
 from decoding.schedules.rounds import Rounds, Unlocked
-from decoding.schedules.step import DraftRecord, StepRecord, StepSetup, decode_step, draft_round
+from decoding.schedules.step import DraftRecord, Laps, StepRecord, StepSetup, decode_step, draft_round
 from decoding.speculation.options import VerifyOptions
 from decoding.speculation.sequence import Sequence, admission_room, needs
 from decoding.speculation.slot import Slot
@@ -142,11 +142,13 @@ class Scheduler:
 
     def step(self) -> Step:
         """Admit waiting sequences, then one decode step: the sequences that stopped, and its cost."""
+        laps = Laps(time.perf_counter)
         cost = DecodeStats()
         self._fill(cost)
         if self.overlap:
             self._ensure_drafting_thread()
-        record = decode_step(self.rounds, self.setup, time.perf_counter, draft_here=not self.overlap)
+        laps.lap("admit")
+        record = decode_step(self.rounds, self.setup, laps, draft_here=not self.overlap)
         if self._failure:
             raise self._failure[0]
         if self.overlap and not self.busy and self._thread is not None:
@@ -162,7 +164,11 @@ class Scheduler:
         # Memory back once the pool holds far more than its live rows need (a burst of rows gone).
         live = [s.seq for s in self.rounds.live.values()]
         self.target.give_back(self.setup.cache, self.rounds.trim(), needs(live, self.drafter.max_nodes))
-        return Step(record.finished, cost)
+        finished, forward_s = record.finished, record.forward_ms / 1000
+        del record  # its logits freed on the step's clock: freeing is the host's work too
+        laps.lap("rounds")
+        cost.add_step(laps.total, forward_s, laps.seconds)
+        return Step(finished, cost)
 
     def _observe(self, record: StepRecord, stats: DecodeStats) -> None:
         """The step's record into its cost and the planner's calibration."""
@@ -259,7 +265,7 @@ class Scheduler:
     def _draft_loop(self) -> None:
         try:
             while True:
-                draft = draft_round(self.rounds, self.setup, time.perf_counter, wait=True)
+                draft = draft_round(self.rounds, self.setup, Laps(time.perf_counter), wait=True)
                 with self.rounds.cond:
                     self._thread_drafts.append(draft)
                     if self.rounds.finished:

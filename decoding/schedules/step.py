@@ -3,7 +3,9 @@ accept, commit, learn.
 
 The stages take their inputs and return their outputs; none writes a counter. What a step did is
 its `StepRecord`, which the scheduler hands to the observers (the statistics, the planner's
-calibration). Times come from the `clock` passed in, so a test can run a step on a fake one.
+calibration). Times come from the `Laps` passed in (on a clock a test may fake): every stage's time
+since the previous one's end, so the stages add up to the step's wall time, and the forward's own
+time less is the host's work a GPU waits on.
 """
 
 from __future__ import annotations
@@ -28,6 +30,30 @@ from decoding.speculation.stopping import Detokenizer
 from decoding.speculation.verify import Verdict, accept
 
 Clock = Callable[[], float]
+
+
+@dataclass
+class Laps:
+    """Where a step's time went: each `lap` charges the time since the previous lap to a stage
+    (less what `less` says was not the host's: the forward inside it)."""
+
+    clock: Clock
+    start: float = 0.0
+    last: float = 0.0
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.start = self.last = self.clock()
+
+    def lap(self, stage: str, less: float = 0.0) -> float:
+        now = self.clock()
+        self.seconds[stage] = self.seconds.get(stage, 0.0) + (now - self.last - less)
+        self.last = now
+        return now
+
+    @property
+    def total(self) -> float:
+        return self.last - self.start
 
 
 @dataclass(frozen=True)
@@ -69,63 +95,70 @@ class StepRecord:
     finished: list[Sequence] = field(default_factory=list)
 
 
-def decode_step(rounds: Rounds, setup: StepSetup, clock: Clock, draft_here: bool = True) -> StepRecord:
+def decode_step(rounds: Rounds, setup: StepSetup, laps: Laps, draft_here: bool = True) -> StepRecord:
     """Draft the slots waiting to (unless a drafting thread does: `draft_here` False), verify up to
     `verify_batch` queued drafts in one target forward, commit and learn what they accepted."""
     record = StepRecord()
     if draft_here:
-        record.drafts.append(draft_round(rounds, setup, clock, wait=False))  # plan, draft
+        record.drafts.append(draft_round(rounds, setup, laps, wait=False))  # learn, plan, draft
     queued = rounds.take_queued(setup.verify_batch, wait=not draft_here)
+    t0 = laps.lap("rounds")
     if queued:
-        t0 = clock()
         # Drafted rows first (the planner plans them), then choices, scored over their answers' trees.
         slots = [s for s in queued if s.seq.choices is None]
         choices = [s for s in queued if s.seq.choices is not None]
-        trees, plan = cut(setup, slots, [s.draft for s in slots]) if slots else ([], None)  # type: ignore[misc]  # cut
+        trees, plan = cut(setup, slots, [s.draft for s in slots]) if slots else ([], None)  # type: ignore[misc]
         trees += [s.seq.choices.tree for s in choices]  # type: ignore[union-attr]
-        packed = pack([s.pending for s in slots + choices], trees)  # pack
-        scored = setup.target.score(setup.cache, packed, rows_of(setup.cache, slots + choices))  # forward
+        laps.lap("cut")
+        packed = pack([s.pending for s in slots + choices], trees)
+        laps.lap("pack")
+        scored = setup.target.score(setup.cache, packed, rows_of(setup.cache, slots + choices))
+        laps.lap("launch", less=scored.ms / 1000)  # the forward's own time is not the host's
         seqs = [s.seq for s in slots]
         nodes = None if plan is None else plan.kept_nodes  # the drafter's own node numbers
         verdicts = []
         if slots:
             drafted = replace(scored, logits=scored.logits[: len(slots)])
             verdicts = accept(packed, drafted, trees[: len(slots)], seqs, setup.rule, setup.drafter.learns_top, nodes)
-            verdicts = commit(setup, slots, verdicts, packed)  # commit
+            laps.lap("accept")
+            verdicts = commit(setup, slots, verdicts, packed)
         verdicts += score_choices(choices, scored.logits[len(slots) :])
-        t1 = clock()
+        t1 = laps.lap("commit")
         slots += choices
         record.finished = finish(setup, slots)
+        laps.lap("finish")
         rounds.verified_now(slots, verdicts)
         record.slots, record.verdicts, record.plan = slots, verdicts, plan
         record.queue_wait_s = sum(t0 - s.queued_at for s in slots)
         record.forward_ms, record.reads = scored.ms, scored.reads
-        record.verify_s, record.other_s = t1 - t0, clock() - t1
+        record.verify_s, record.other_s = t1 - t0, laps.lap("rounds") - t1
     if draft_here:
-        record.drafts.append(draft_round(rounds, setup, clock, wait=False, draft=False))  # learn
+        record.drafts.append(draft_round(rounds, setup, laps, wait=False, draft=False))  # learn
     return record
 
 
-def draft_round(rounds: Rounds, setup: StepSetup, clock: Clock, wait: bool, draft: bool = True) -> DraftRecord:
+def draft_round(rounds: Rounds, setup: StepSetup, laps: Laps, wait: bool, draft: bool = True) -> DraftRecord:
     """The drafter hears what it has not (arrivals, verdicts, departures), then drafts the waiting
     slots (with `draft`) and queues their trees."""
-    t0 = clock()
+    t0 = laps.lap("rounds")
     news = rounds.news(wait)
     hear(setup.drafter, rounds, news)
+    laps.lap("learn")
     record = DraftRecord()
     if draft and news.drafting:
         # A choice needs no draft: it is queued at once, its answers' tree for the target to score.
         asking = [s for s in news.drafting if s.seq.choices is None]
-        budgets = plan_drafts(setup, asking)  # plan
-        t1 = clock()  # what drafting costs the planner charges: the drafter's call and its trees' upkeep
+        budgets = plan_drafts(setup, asking)
+        t1 = laps.lap("plan")  # what drafting costs the planner charges: the drafter's call and its trees' upkeep
         chosen = [s for s, b in zip(asking, budgets) if b]
-        drafted = dict(zip(map(id, chosen), setup.drafter.draft(chosen))) if chosen else {}  # draft
+        drafted = dict(zip(map(id, chosen), setup.drafter.draft(chosen))) if chosen else {}
         trees = [drafted.get(id(s), DraftTree()) for s in asking]
         assert all(len(t) <= setup.drafter.max_nodes for t in trees), "a tree exceeds the drafter's max_nodes"
-        record.drafted, record.draft_ms = len(chosen), 1000 * (clock() - t1)
         scoring = [s for s in news.drafting if s.seq.choices is not None]
-        rounds.enqueue(asking + scoring, trees + [DraftTree()] * len(scoring), clock())
-    record.seconds = clock() - t0
+        now = laps.lap("draft")
+        record.drafted, record.draft_ms = len(chosen), 1000 * (now - t1)
+        rounds.enqueue(asking + scoring, trees + [DraftTree()] * len(scoring), now)
+    record.seconds = laps.lap("rounds") - t0
     return record
 
 
