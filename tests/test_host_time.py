@@ -4,14 +4,21 @@ it by stage (`DecodeStats.host_*_s`), adding up to the step's wall time as the e
 from __future__ import annotations
 
 import itertools
+import random
 
 import pytest
+import torch
 from conftest import DEVICE
 from test_continuous import engine_for
 
 from decoding.base.values import HOST_STAGES, DecodeStats, GenRequest
 from decoding.engine import run_sync
+from decoding.runtime.kv_cache import RowKVCache
+from decoding.runtime.packing import pack
+from decoding.runtime.paged_kv import BLOCK, BlockPool, PagedKVCache
 from decoding.schedules.step import Laps
+from decoding.speculation.draft_tree import DraftTree
+from decoding.speculation.sampling import argmax_rows
 
 PROMPTS = ["the cat", "hello world and more", "a", "once upon a time", "the dog sat on the mat"]
 
@@ -58,3 +65,122 @@ def test_step_times_survive_the_records_and_add_across_calls():
     b += a
     assert (b.steps, b.host_pack_s, b.admit_s) == (2, 0.004, 0.002)
     assert b.host_ms_per_step == pytest.approx(5.0) and b.forward_ms_per_step == pytest.approx(4.0)
+
+
+# The batched stages against their per-row definitions: the same layout, the same cache, the same tokens.
+
+
+def per_row_pack(pending: list[list[int]], trees: list[DraftTree]) -> tuple[torch.Tensor, ...]:
+    """The layout packing.py's doc describes, written row by row."""
+    n_pending, width = max(map(len, pending)), max(map(len, pending)) + max(map(len, trees))
+    tokens, depth = (
+        torch.zeros(len(pending), width, dtype=torch.long),
+        torch.zeros(len(pending), width, dtype=torch.long),
+    )
+    see = torch.eye(width, dtype=torch.bool).repeat(len(pending), 1, 1)
+    for b, (pend, tree) in enumerate(zip(pending, trees)):
+        pad, n, end = n_pending - len(pend), len(tree), n_pending + len(tree)
+        tokens[b, pad:n_pending] = torch.tensor(pend)
+        see[b, pad:n_pending, pad:n_pending] = torch.ones(len(pend), len(pend), dtype=torch.bool).tril()
+        depth[b, pad:n_pending] = torch.arange(len(pend))
+        if n:
+            tokens[b, n_pending:end] = torch.tensor(tree.tokens)
+            see[b, n_pending:end, pad:n_pending] = True
+            see[b, n_pending:end, n_pending:end] = tree.ancestry()
+            depth[b, n_pending:end] = len(pend) - 1 + torch.tensor(tree.depths())
+    return tokens, see, depth
+
+
+def random_rows(rng: random.Random, batch: int) -> tuple[list[list[int]], list[DraftTree]]:
+    pending = [[rng.randint(1, 99) for _ in range(rng.randint(1, 4))] for _ in range(batch)]
+    trees = []
+    for _ in range(batch):
+        tree = DraftTree()
+        for _ in range(rng.choice([0, 0, 1, 3, 6])):
+            tree.add(rng.randint(1, 99), rng.randint(-1, len(tree) - 1))
+        trees.append(tree)
+    return pending, trees
+
+
+def test_pack_lays_rows_out_as_row_by_row():
+    rng = random.Random(0)
+    for _ in range(200):
+        pending, trees = random_rows(rng, rng.randint(1, 6))
+        packed = pack(pending, trees)
+        tokens, see, depth = per_row_pack(pending, trees)
+        assert torch.equal(packed.tokens, tokens) and torch.equal(packed.see, see) and torch.equal(packed.depth, depth)
+        width = packed.tokens.shape[1]
+        real = [b * width + c for b, (p, n) in enumerate(zip(packed.pads, packed.sizes)) for c in range(p, p + n)]
+        assert packed.real.tolist() == real
+        index, counts = packed.real_logits_index()
+        starts = [sum(packed.sizes[:b]) for b in range(len(pending))]
+        roots = [s + packed.n_pending - 1 - p for s, p in zip(starts, packed.pads)]
+        assert counts == [len(t) + 1 for t in trees]
+        assert index.tolist() == [r + k for r, c in zip(roots, counts) for k in range(c)]
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_keep_rows_keeps_what_keep_does_row_by_row(paged):
+    rng = random.Random(1)
+    caches = []
+    for _ in range(2):
+        if paged:
+            cache = PagedKVCache(BlockPool(2, 2, 4, torch.float32, "cpu"), 5, 96)
+        else:
+            cache = RowKVCache(2, 5, 2, 4, 96, torch.float32, "cpu")
+        caches.append(cache)
+    for step in range(6):
+        rows = sorted(rng.sample(range(5), rng.randint(1, 5)))
+        width = rng.randint(1, 12)
+        kept = [sorted(rng.sample(range(width), rng.randint(1, width))) for _ in rows]
+        if step % 2:
+            kept[0] = list(range(len(kept[0])))  # in place already: nothing to move
+        for cache in caches:
+            if paged:
+                cache.prepare(width, rows=rows)  # the forward takes the rows' blocks for its slots
+            view_rows = torch.tensor(rows)
+            for layer, (k, v) in enumerate(zip(cache.keys, cache.values)):
+                torch.manual_seed(step * 10 + layer)  # both caches written alike
+                new = torch.randn(len(rows), 2, width, 4)
+                if paged:
+                    slots = cache.lens[view_rows][:, None] + torch.arange(width)
+                    blocks = cache.tables[view_rows[:, None], slots // BLOCK]
+                    k[blocks, :, slots % BLOCK] = new.transpose(1, 2)
+                    v[blocks, :, slots % BLOCK] = -new.transpose(1, 2)
+                else:
+                    slots = cache.lens[view_rows][:, None] + torch.arange(width)
+                    k[view_rows[:, None], :, slots] = new.transpose(1, 2)
+                    v[view_rows[:, None], :, slots] = -new.transpose(1, 2)
+        one, batched = caches
+        for row, k in zip(rows, kept):
+            one.keep(row, k)
+        batched.keep_rows(rows, kept)
+        assert torch.equal(one.lens, batched.lens)
+        for row in range(5):
+            for a, b in zip(stored(one, row), stored(batched, row)):
+                assert torch.equal(a, b)
+    if paged:
+        assert one.pool.used == batched.pool.used  # the blocks past each row's end went back alike
+
+
+def stored(cache: RowKVCache | PagedKVCache, row: int) -> list[torch.Tensor]:
+    """What a row has committed, layer by layer, keys then values."""
+    n = int(cache.lens[row])
+    if isinstance(cache, PagedKVCache):
+        pos = torch.arange(n)
+        blocks = cache.tables[row, pos // BLOCK]
+        return [t[blocks, :, pos % BLOCK] for t in [*cache.keys, *cache.values]]
+    return [t[row, :, :n] for t in [*cache.keys, *cache.values]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_argmax_rows_is_torchs_argmax(dtype):
+    torch.manual_seed(0)
+    x = torch.randn(6, 1000).to(dtype)
+    x[1, 10] = x[1, 20] = 1e4  # a tie: the first
+    x[2, 7] = float("nan")  # a NaN counts as the largest, as in torch
+    x[3, 5] = -float("nan")
+    x[4] = 0.0
+    x[4, 3] = -0.0  # equal zeros: the first
+    x[5] = -float("inf")
+    assert argmax_rows(x) == x.argmax(-1).tolist()

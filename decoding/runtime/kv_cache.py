@@ -142,14 +142,18 @@ class RowKVCache:
 
     def keep(self, row: int, new_indices: list[int]) -> None:
         """Commit the given new entries of one row (an accepted tree path), moved to be contiguous."""
-        base = int(self.lens[row])
-        if new_indices != list(range(len(new_indices))):
-            src = to_device(torch.tensor(new_indices) + base, self.device)
-            dst = to_device(torch.arange(len(new_indices)) + base, self.device)
+        self.keep_rows([row], [new_indices])
+
+    def keep_rows(self, rows: list[int], new_indices: list[list[int]]) -> None:
+        """`keep` for many rows at once: one move per layer for the rows whose entries are not in
+        place already (an accepted path off the tree's first branch), one update of the lengths."""
+        moved = moves(rows, new_indices, self.lens)
+        if moved is not None:
+            row, src, dst = (to_device(t, self.device) for t in moved)
             for k, v in zip(self.keys, self.values):
                 k[row, :, dst] = k[row, :, src]
                 v[row, :, dst] = v[row, :, src]
-        self.lens[row] += len(new_indices)
+        self.lens[rows] += torch.tensor([len(i) for i in new_indices])
 
     def reserve(self, batch: int, capacity: int) -> None:
         """Grow (never shrink) to at least `batch` rows of `capacity` positions, keeping what is
@@ -397,3 +401,18 @@ def cache_geometry(config: object) -> tuple[int, int, int]:
     n_kv = getattr(config, "num_key_value_heads", None) or n_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads  # type: ignore[attr-defined]
     return n_layers, n_kv, head_dim
+
+
+def moves(
+    rows: list[int], new_indices: list[list[int]], lens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Where `keep_rows` moves entries: (row, from, to) positions of every entry not in place (the
+    k-th kept entry of a row goes to its length + k), or None where all are."""
+    out: tuple[list[int], list[int], list[int]] = ([], [], [])
+    for row, kept in zip(rows, new_indices):
+        if kept != list(range(len(kept))):
+            base = int(lens[row])
+            out[0].extend([row] * len(kept))
+            out[1].extend(base + i for i in kept)
+            out[2].extend(range(base, base + len(kept)))
+    return None if not out[0] else tuple(torch.tensor(x) for x in out)  # type: ignore[return-value]

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from decoding.runtime.kv_cache import POOL_SLACK, SHARED_BLOCK, ForwardView, cache_geometry, reads_of
+from decoding.runtime.kv_cache import POOL_SLACK, SHARED_BLOCK, ForwardView, cache_geometry, moves, reads_of
 
 # The counts and tables are made outside inference mode (where a forward may grow them), so that
 # code outside it can change them too.
@@ -237,8 +237,14 @@ class PagedKVCache:
         need = int(host.max()) + offset + n_new
         if need > self.capacity:
             raise RuntimeError(f"KV cache holds {self.capacity} positions, a forward needs {need}")
-        for row, n in zip(order, host.tolist()):
-            self._own_blocks(row, (n + offset) // BLOCK, blocks_for(n + offset + n_new))
+        firsts, ends = (host + offset) // BLOCK, (host + offset + n_new + BLOCK - 1) // BLOCK
+        held = self.tables[order, : int(ends.max())]
+        cols = torch.arange(held.shape[1])
+        span = (cols >= firsts[:, None]) & (cols < ends[:, None])
+        # Most steps every row already holds its blocks alone: one pass finds the rows that do not.
+        short = (span & ((held == NULL) | (self.pool.refs[held] > 1))).any(1)
+        for b in short.nonzero().flatten().tolist():
+            self._own_blocks(order[b], int(firsts[b]), int(ends[b]))
         slots = host[:, None] + offset + torch.arange(n_new)
         tables = self.tables[order, : _width(need)]
         where = (tables.gather(1, slots // BLOCK), slots % BLOCK)
@@ -278,20 +284,26 @@ class PagedKVCache:
         """Commit the given new entries of one row, moved to be contiguous (in blocks it alone holds:
         the forward that wrote them took them). Blocks past the committed positions (a rejected
         tree's, a left-padded prefill's) go back."""
-        base = int(self.lens[row])
-        if new_indices != list(range(len(new_indices))):
-            src = torch.tensor(new_indices) + base
-            dst = torch.arange(len(new_indices)) + base
-            table = self.tables[row]
-            sb, so, db, do = table[src // BLOCK], src % BLOCK, table[dst // BLOCK], dst % BLOCK
+        self.keep_rows([row], [new_indices])
+
+    def keep_rows(self, rows: list[int], new_indices: list[list[int]]) -> None:
+        """`keep` for many rows at once: one move per layer, one pass over their tables."""
+        moved = moves(rows, new_indices, self.lens)
+        if moved is not None:
+            row, src, dst = moved
+            table = self.tables
+            sb, so = table[row, src // BLOCK], src % BLOCK
+            db, do = table[row, dst // BLOCK], dst % BLOCK
             for k, v in zip(self.pool.keys, self.pool.values):
                 k[db, :, do] = k[sb, :, so]
                 v[db, :, do] = v[sb, :, so]
-        self.lens[row] += len(new_indices)
-        past = self.tables[row, blocks_for(int(self.lens[row])) :]
-        if bool(past.any()):
-            self.pool.drop(past[past != NULL])
-            past.zero_()
+        index = torch.tensor(rows)
+        self.lens[index] += torch.tensor([len(i) for i in new_indices])
+        tables = self.tables[index]
+        past = torch.arange(tables.shape[1]) >= (self.lens[index, None] + BLOCK - 1) // BLOCK
+        if bool((tables[past] != NULL).any()):
+            self.pool.drop(tables[past])
+            self.tables[index] = tables.masked_fill(past, NULL)
 
     @_bookkeeping
     def reserve(self, batch: int, capacity: int) -> None:

@@ -193,13 +193,13 @@ class ModelRunner:
             out = self.forward(
                 cache, packed.tokens, packed.see, packed.depth, logits_at=index, rows=rows, real=packed.real
             )
-            logits = list(torch.split(out.logits, counts))
+            logits, flat = list(torch.split(out.logits, counts)), out.logits
         else:
             keep = torch.arange(packed.n_pending - 1, packed.tokens.shape[1])
             out = self.forward(cache, packed.tokens, packed.see, packed.depth, logits_at=keep, rows=rows)
-            logits = [out.logits[b, :n] for b, n in enumerate(counts)]
+            logits, flat = [out.logits[b, :n] for b, n in enumerate(counts)], None
         ms = timing.stop() if timing is not None else 1000 * (time.perf_counter() - t0)
-        return Scored(logits, out.hidden, ms, out.reads)
+        return Scored(logits, out.hidden, ms, out.reads, flat)
 
     def _transformers_forward(
         self,
@@ -494,6 +494,8 @@ class Forward:
     logits: torch.Tensor
     hidden: torch.Tensor | None = None
     reads: tuple[int, int] = (0, 0)  # committed positions attended; of them, read from a sibling's row
+    # The rows' logits where they lie together, one row's after another ([sum of 1 + n, V]), or None.
+    flat: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -505,6 +507,8 @@ class Scored:
     hidden: torch.Tensor | None
     timing: float | _GpuTiming  # ms, or CUDA events read when asked (`ms`), so the step never waits
     reads: tuple[int, int] = (0, 0)  # committed positions attended; of them, read from a sibling's row
+    # The rows' logits where they lie together, one row's after another ([sum of 1 + n, V]), or None.
+    flat: torch.Tensor | None = None
 
     @property
     def ms(self) -> float:

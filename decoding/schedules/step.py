@@ -226,15 +226,19 @@ def commit(setup: StepSetup, slots: list[Slot], verdicts: list[Verdict], packed:
     the accepted path to its cache row, the next token to its pending tokens. The verdicts with
     what each sequence kept."""
     out = []
+    going: list[tuple[int, list[int]]] = []  # (row, the forward's columns it keeps) of the rows that go on
     for b, (slot, v) in enumerate(zip(slots, verdicts)):
         s = slot.seq
-        v = replace(v, kept=s.commit(v.tokens, setup.tokenizer, drafted=len(v.tree), accepted=len(v.path)))
+        v.kept = s.commit(v.tokens, setup.tokenizer, drafted=len(v.tree), accepted=len(v.path))
         if s.top_logprobs is not None and v.kept:
             s.logprobs += token_logprobs(v.logits[v.kept_rows()], v.tokens[: v.kept], s.params, s.top_logprobs)
         if not slot.seq.done:
-            setup.cache.keep(slot.row, packed.committed(b, v.path))
+            going.append((slot.row, packed.committed(b, v.path)))
             slot.pending = [v.token]
         out.append(v)
+    if going:
+        rows, kept = zip(*going)
+        setup.cache.keep_rows(list(rows), list(kept))
     return out
 
 

@@ -32,6 +32,17 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+def argmax_rows(logits: torch.Tensor) -> list[int]:
+    """`logits.argmax(-1).tolist()` of [N, V]: the first index of each row's maximum (a NaN counting
+    as the maximum, as torch's). On the CPU through numpy, in float32 (exact for half types), whose
+    vectorised argmax ran a 49k vocabulary 8x faster than torch's operator in float32 and 9x in
+    bfloat16 (28 against 250 us a row; 2 cores, AVX2)."""
+    if logits.device.type != "cpu" or not logits.dtype.is_floating_point:
+        return logits.argmax(-1).tolist()
+    exact = logits.detach() if logits.dtype in (torch.float32, torch.float64) else logits.detach().float()
+    return exact.numpy().argmax(-1).tolist()
+
+
 def process_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Turn logits [B, ..., V] into the target's sampling distribution, one parameter set per row.
 
