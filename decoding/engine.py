@@ -203,6 +203,9 @@ class Engine:
         and each call's whole units follow its exact share)."""
         step.prompt_tokens = step.prompt_tokens_computed = 0  # counted per call (per sequence), exactly
         calls = list({id(c): c for c in self._calls.values()}.values())
+        if len(calls) == 1:  # a whole step to one call: nothing to split
+            calls[0].stats += step
+            return
         weights = [c.live for c in calls]
         total = sum(weights)
         if not total:

@@ -11,11 +11,13 @@ import torch
 from conftest import DEVICE
 from test_continuous import engine_for
 
+import decoding.schedules.rounds as rounds_module
 from decoding.base.values import HOST_STAGES, DecodeStats, GenRequest
 from decoding.engine import run_sync
 from decoding.runtime.kv_cache import RowKVCache
 from decoding.runtime.packing import pack
 from decoding.runtime.paged_kv import BLOCK, BlockPool, PagedKVCache
+from decoding.schedules.rounds import Rounds
 from decoding.schedules.step import Laps
 from decoding.speculation.draft_tree import DraftTree
 from decoding.speculation.sampling import argmax_rows
@@ -184,3 +186,11 @@ def test_argmax_rows_is_torchs_argmax(dtype):
     x[4, 3] = -0.0  # equal zeros: the first
     x[5] = -float("inf")
     assert argmax_rows(x) == x.argmax(-1).tolist()
+
+
+def test_the_rounds_log_stays_bounded(monkeypatch):
+    monkeypatch.setattr(rounds_module, "LOG_EVENTS", 10)
+    rounds = Rounds()
+    for _ in range(100):
+        rounds._note(("queued", 0))
+    assert 10 <= len(rounds.log) <= 20

@@ -227,8 +227,9 @@ class DecodeStats:
         return self.target_forwards / self.generated_tokens if self.generated_tokens else 0.0
 
     def __iadd__(self, other: DecodeStats) -> DecodeStats:
-        for f in fields(self):
-            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+        for name in _STAT_FIELDS:
+            if value := getattr(other, name):
+                setattr(self, name, getattr(self, name) + value)
         return self
 
     def __sub__(self, other: DecodeStats) -> DecodeStats:
@@ -257,6 +258,9 @@ class DecodeStats:
     @classmethod
     def from_dict(cls, d: dict[str, float]) -> DecodeStats:
         return cls(**{f.name: type(f.default)(d.get(f.name, f.default)) for f in fields(cls)})
+
+
+_STAT_FIELDS = tuple(f.name for f in fields(DecodeStats))  # `+=` runs once a step per call in flight
 
 
 @dataclass(frozen=True)

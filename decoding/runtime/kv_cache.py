@@ -153,7 +153,7 @@ class RowKVCache:
             for k, v in zip(self.keys, self.values):
                 k[row, :, dst] = k[row, :, src]
                 v[row, :, dst] = v[row, :, src]
-        self.lens[rows] += torch.tensor([len(i) for i in new_indices])
+        self.lens.index_add_(0, torch.tensor(rows), torch.tensor([len(i) for i in new_indices]))
 
     def reserve(self, batch: int, capacity: int) -> None:
         """Grow (never shrink) to at least `batch` rows of `capacity` positions, keeping what is

@@ -61,18 +61,21 @@ class Packed:
 
 
 def _runs(firsts: list[int], counts: list[int]) -> torch.Tensor:
-    """first, first + 1, ..., first + count - 1 for each run, one run after another."""
-    n = torch.tensor(counts)
-    offsets = torch.arange(int(n.sum())) - torch.repeat_interleave(n.cumsum(0) - n, n)
-    return torch.repeat_interleave(torch.tensor(firsts), n) + offsets
+    """first, first + 1, ..., first + count - 1 for each run, one run after another (built as a
+    list: a handful of tensor operations cost more than the list for a step's few dozen indices)."""
+    return torch.tensor([i for first, n in zip(firsts, counts) for i in range(first, first + n)], dtype=torch.long)
 
 
 def pack(pending: list[list[int]], trees: Sequence[Tree] | None = None) -> Packed:
     """The rows laid out (see the module's doc); without `trees`, the pending tokens alone. Built
     from whole-batch tensors, with a call per row only for the trees' ancestry (a few calls per row
     made most of `ar`'s step at 32 rows on a small model)."""
-    trees = trees if trees is not None else [_NO_TREE] * len(pending)
     n_pending = max(len(p) for p in pending)
+    if n_pending == 1 and not any(len(t) for t in trees or ()):  # plain decoding's step: a token a row
+        batch = len(pending)
+        ones = torch.ones(batch, 1, 1, dtype=torch.bool)
+        return Packed(torch.tensor(pending), ones, torch.zeros(batch, 1, dtype=torch.long), 1, [0] * batch, [1] * batch)
+    trees = trees if trees is not None else [_NO_TREE] * len(pending)
     sizes_tree = [len(t) for t in trees]
     width = n_pending + max(sizes_tree, default=0)
     pads = [n_pending - len(p) for p in pending]

@@ -298,10 +298,10 @@ class PagedKVCache:
                 k[db, :, do] = k[sb, :, so]
                 v[db, :, do] = v[sb, :, so]
         index = torch.tensor(rows)
-        self.lens[index] += torch.tensor([len(i) for i in new_indices])
+        lens = self.lens.index_add_(0, index, torch.tensor([len(i) for i in new_indices]))[index]
         tables = self.tables[index]
-        past = torch.arange(tables.shape[1]) >= (self.lens[index, None] + BLOCK - 1) // BLOCK
-        if bool((tables[past] != NULL).any()):
+        past = torch.arange(tables.shape[1]) >= (lens[:, None] + BLOCK - 1) // BLOCK
+        if bool(tables.masked_select(past).any()):  # NULL is 0
             self.pool.drop(tables[past])
             self.tables[index] = tables.masked_fill(past, NULL)
 
@@ -469,6 +469,8 @@ def groups_of(tables: torch.Tensor, lens: torch.Tensor) -> torch.Tensor | None:
     with longer common runs side by side), cut into the consecutive groups that read the most
     positions from a sibling (the samples of one state apart from the evaluations that share only its
     question with them)."""
+    if tables.shape[0] < 2:  # no sibling to share with
+        return None
     first = tables[:, 0]
     ids, counts = first[first != NULL].unique(return_counts=True)
     if not bool((counts > 1).any()):

@@ -197,7 +197,8 @@ class ModelRunner:
         else:
             keep = torch.arange(packed.n_pending - 1, packed.tokens.shape[1])
             out = self.forward(cache, packed.tokens, packed.see, packed.depth, logits_at=keep, rows=rows)
-            logits, flat = [out.logits[b, :n] for b, n in enumerate(counts)], None
+            logits = [out.logits[b, :n] for b, n in enumerate(counts)]
+            flat = out.logits.flatten(0, 1) if all(n == len(keep) for n in counts) else None  # no padded rows
         ms = timing.stop() if timing is not None else 1000 * (time.perf_counter() - t0)
         return Scored(logits, out.hidden, ms, out.reads, flat)
 

@@ -20,6 +20,8 @@ from decoding.speculation.draft_tree import DraftTree
 from decoding.speculation.slot import Slot
 from decoding.speculation.verify import Verdict
 
+LOG_EVENTS = 100_000
+
 
 @dataclass
 class News:
@@ -59,7 +61,14 @@ class Rounds:
     free: list[int] = field(default_factory=list)  # a heap: rows to admit into, lowest first
     size: int = 0  # rows the pool has handed out so far
     cond: threading.Condition | Unlocked = field(default_factory=threading.Condition)
-    log: list[tuple[str, int]] = field(default_factory=list)  # (event, row), for tests
+    # (event, row), for tests: the latest LOG_EVENTS to LOG_EVENTS * 2 of them (a whole log would grow
+    # by a few entries a token for as long as the engine lives).
+    log: list[tuple[str, int]] = field(default_factory=list)
+
+    def _note(self, event: tuple[str, int]) -> None:
+        self.log.append(event)
+        if len(self.log) > 2 * LOG_EVENTS:
+            del self.log[:-LOG_EVENTS]
 
     @property
     def finished(self) -> bool:
@@ -78,7 +87,7 @@ class Rounds:
             for slot in slots:
                 slot.phase = "drafting"
                 self.live[slot.row] = slot
-                self.log.append(("admitted", slot.row))
+                self._note(("admitted", slot.row))
             self.arrived.extend(slots)
             self.cond.notify_all()
 
@@ -103,7 +112,7 @@ class Rounds:
                 assert slot.phase == "drafting", f"row {slot.row} drafted while {slot.phase}"
                 slot.phase, slot.draft, slot.queued_at = "queued", tree, now
                 self.queue.append(slot)
-                self.log.append(("queued", slot.row))
+                self._note(("queued", slot.row))
             self.cond.notify_all()
 
     def take_queued(self, k: int | None, wait: bool) -> list[Slot]:
@@ -116,7 +125,7 @@ class Rounds:
             for slot in batch:
                 assert slot.phase == "queued"
                 slot.phase = "verifying"
-                self.log.append(("verifying", slot.row))
+                self._note(("verifying", slot.row))
             return batch
 
     def verified_now(self, slots: list[Slot], verdicts: list[Verdict]) -> None:
@@ -131,7 +140,7 @@ class Rounds:
                     self.left.append(slot)
                 else:
                     slot.phase = "drafting"
-                self.log.append(("done" if slot.seq.done else "drafting", slot.row))
+                self._note(("done" if slot.seq.done else "drafting", slot.row))
             self.cond.notify_all()
 
     def released(self, slots: list[Slot]) -> None:
