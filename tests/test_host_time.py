@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import itertools
 import random
+import statistics
+import time
 
 import pytest
 import torch
@@ -41,13 +43,20 @@ def test_a_steps_stages_add_up_to_its_wall_time(name, loaded, perturbed):
         GenRequest(p, max_new_tokens=10 + 3 * i, temperature=0.0 if i % 2 else 0.8, seed=i)
         for i, p in enumerate(PROMPTS)
     ]
-    run_sync(engine.agenerate(requests))  # as a search calls it: the engine clocks each step
-    s = engine.total_stats
-    assert s.steps >= 10 and s.forward_s > 0 and s.admit_s > 0
-    # The stages are laps of one clock: they and the forward make the step, exactly.
+    decoder = engine.decoder
+    decoder.admit([engine._sequence(r) for r in requests])
+    s, gaps = DecodeStats(), []
+    while decoder.busy:
+        t0 = time.perf_counter()
+        cost = decoder.step().cost
+        gaps.append(time.perf_counter() - t0 - cost.step_s)
+        s += cost
+    assert s.steps == len(gaps) >= 10 and s.forward_s > 0 and s.admit_s > 0
+    # The stages are laps of one clock: they and the forward make the step, exactly ...
     assert s.admit_s + s.forward_s + s.host_s == pytest.approx(s.step_s, rel=1e-9)
-    # ... and the step is what the engine's own clock saw around it, bar the call itself (20 us).
-    assert 0 <= engine.step_s - s.step_s <= 0.01 * engine.step_s + 2e-5 * s.steps
+    # ... and the step is what a clock around it sees, bar the call and its return (tens of us; the
+    # median: a step the machine preempted between the two clocks' reads is not the laps' fault).
+    assert min(gaps) >= 0 and statistics.median(gaps) <= 2e-4
     stages = s.host_by_stage
     assert set(stages) == set(HOST_STAGES)
     if DEVICE.type == "cpu":  # on a GPU the forward's kernels run on after its call returns
@@ -57,6 +66,15 @@ def test_a_steps_stages_add_up_to_its_wall_time(name, loaded, perturbed):
     assert summary["steps"] == s.steps
     assert summary["host_ms_per_step"] == pytest.approx(sum(summary["host_ms_per_step_by_stage"].values()))
     assert summary["host_ms_per_step"] == pytest.approx(1000 * s.host_s / s.steps)
+
+
+def test_a_search_reports_its_steps_in_its_calls_shares(loaded):
+    """Through `agenerate` (as a search calls it) the calls' shares of the steps add up to what the
+    engine clocked around them."""
+    engine = engine_for("ar", loaded, None)
+    run_sync(engine.agenerate([GenRequest(p, max_new_tokens=8) for p in PROMPTS]))
+    s = engine.total_stats
+    assert s.steps >= 8 and 0 <= engine.step_s - s.step_s <= 0.5 * engine.step_s
 
 
 def test_step_times_survive_the_records_and_add_across_calls():
