@@ -195,7 +195,9 @@ def test_bad_server_input_is_one_line_and_exit_2(llama: LlamaServer, tmp_path: P
 
 def test_a_server_stopped_mid_run_times_out_and_the_rerun_resumes(llama: LlamaServer, tmp_path: Path):
     run_dir = tmp_path / "run"
-    args = [f"server.url={llama.url}", "data.limit=4", "run.concurrency=1", *SMALL]
+    # Sampled values: no log-probabilities asked for, which llama-cpp-python computes over the whole prompt
+    # (2 s for 126 tokens on 2 cores), so that a request's time is the tokens' and 5 s is ample.
+    args = [f"server.url={llama.url}", "data.limit=4", "run.concurrency=1", "task.value=sampled", *SMALL]
     cmd = [sys.executable, "-m", "tot.solve", "decoder=server", f"hydra.run.dir={run_dir}", "server.timeout=5", *args]
     results = run_dir / "results.jsonl"
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
