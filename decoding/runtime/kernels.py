@@ -1,7 +1,7 @@
 """The project's CPU kernels (decoding/runtime/csrc): the invariant attention, the Llama decoder layers,
 the row-invariant bfloat16 linear and a top-k over rows, one extension module compiled on first use
-with the machine's C++ compiler (about 45 s on 2 cores, cached by torch under
-TORCH_EXTENSIONS_DIR)."""
+with the machine's C++ compiler (about 45 s on 2 cores, cached by torch under TORCH_EXTENSIONS_DIR, a
+folder per checkout)."""
 
 from __future__ import annotations
 
@@ -45,11 +45,12 @@ def load() -> ModuleType:
     scripts = sysconfig.get_path("scripts")
     if scripts not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
-    clear_stale_lock(Path(cpp_extension._get_build_directory("tot_kernels", verbose=False)))
+    name = module_name()
+    clear_stale_lock(Path(cpp_extension._get_build_directory(name, verbose=False)))
     t0 = time.perf_counter()
     try:
         module = cpp_extension.load(
-            name="tot_kernels",
+            name=name,
             sources=[str(CSRC / s) for s in SOURCES],
             extra_cflags=FLAGS,
             extra_include_paths=[str(CSRC)],
@@ -63,6 +64,13 @@ def load() -> ModuleType:
         ) from e
     log.info("CPU kernels ready in %.1fs", time.perf_counter() - t0)
     return module
+
+
+def module_name() -> str:
+    """The extension's name, and so its build folder, one per checkout: the build files name the
+    sources by path, so two checkouts sharing one folder would each rebuild all of it on every
+    alternation."""
+    return "tot_kernels_" + hashlib.sha256(str(CSRC.resolve()).encode()).hexdigest()[:8]
 
 
 @functools.cache

@@ -6,8 +6,12 @@ every later load reads one verified file.
 
 The join is written to a temporary file beside the final one and renamed into place only once its
 digest matches, under an exclusive lock, so two processes starting at once join once and an
-interrupted join is never used. A sidecar `<file>.sha256` records the verified digest: a later call
-checks the size and the sidecar, not the gigabyte.
+interrupted join is never used. A sidecar `<file>.sha256` records the verified digest, written after
+the file: a later load checks the size, the sidecar and that the file was not written after its
+sidecar (any program writing into it, a copy or a restore sets its modification time), not the
+gigabyte; such a file is hashed again, kept if it still matches and joined again if not.
+`decoding.install` hashes the whole file each time (`verify=True`): it is the command that says a
+model is sound.
 """
 
 from __future__ import annotations
@@ -99,17 +103,21 @@ def requirements(model: PackagedModel) -> list[str]:
     return [f"{d}=={model.version}" for d in model.dists]
 
 
-def packaged_file(model: str | PackagedModel, cache: Path, key: str = "model") -> Path:
+def packaged_file(
+    model: str | PackagedModel, cache: Path, key: str = "model", verify: bool = False, rejoin: bool = False
+) -> Path:
     """The model's joined GGUF file in `cache` (cache/gguf/<file_name>), joined and verified on first
     use; raises BackendError (one line naming the fix) for a part missing, at another version or of
-    the wrong size, a digest that does not match, too little disk or a folder that cannot be written."""
+    the wrong size, a digest that does not match, too little disk or a folder that cannot be written.
+    `verify`: the whole file hashed even where its sidecar vouches for it; `rejoin`: joined again
+    from the parts whatever is there."""
     spec = _lookup(model, key)
     target = cache / "gguf" / spec.file_name
-    if _verified(target, spec):
+    if not (verify or rejoin) and _verified(target, spec):
         return target
     with _locked(target, spec, key):
-        if _verified(target, spec) or _adopted(target, spec):  # another process joined it meanwhile
-            return target
+        if not rejoin and ((not verify and _verified(target, spec)) or _adopted(target, spec)):
+            return target  # sound, or joined by another process meanwhile
         chunks = locate_parts(spec, key)
         _remove_stale(target, spec, key)
         _check_space(target.parent, spec, key)
@@ -144,11 +152,15 @@ def _part_chunk(model: PackagedModel, index: int, key: str) -> Path:
     if version != model.version:
         raise BackendError(f"{key}.path={model.name} needs the package {requirement} ({version} installed): {install}")
     try:
-        chunk = Path(importlib.import_module(module).get_part_path())
+        where = importlib.import_module(module).get_part_path()
+        chunk = Path(where)
         size = chunk.stat().st_size
-    except (ImportError, AttributeError, OSError) as e:
+        if not chunk.is_file():
+            raise OSError(f"{where!r} is not a file")
+    except Exception as e:  # the part's module is third-party code: whatever it raises, the install is damaged
+        reason = " ".join(f"{type(e).__name__}: {e}".split())[:200]
         raise BackendError(
-            f"{key}.path={model.name}: the package {dist} has no readable chunk ({e}); {reinstall}"
+            f"{key}.path={model.name}: the package {dist} has no readable chunk ({reason}); {reinstall}"
         ) from None
     if size != model.part_size(index):
         raise BackendError(
@@ -159,11 +171,15 @@ def _part_chunk(model: PackagedModel, index: int, key: str) -> Path:
 
 
 def _verified(target: Path, model: PackagedModel) -> bool:
-    """The file was joined and its digest checked before: its size and the sidecar's digest match."""
+    """The file was joined and its digest checked before: its size and the sidecar's digest match, and
+    nothing wrote into it after the sidecar was written."""
     try:
-        digest = _sidecar(target).read_text().split()
-        return target.stat().st_size == model.size and digest[:1] == [model.sha256]
-    except OSError:
+        sidecar = _sidecar(target)
+        digest = sidecar.read_text().split()
+        file = target.stat()
+        written = file.st_mtime_ns <= sidecar.stat().st_mtime_ns
+        return written and file.st_size == model.size and digest[:1] == [model.sha256]
+    except (OSError, UnicodeDecodeError):
         return False
 
 
@@ -179,6 +195,7 @@ def _adopted(target: Path, model: PackagedModel) -> bool:
     except OSError:
         return False
     if hasher.hexdigest() != model.sha256:
+        log.warning("%s does not hash to its pinned digest (damaged after its join); joining it again", target)
         return False
     _write_sidecar(target, model)
     return True
@@ -227,7 +244,7 @@ def _remove_stale(target: Path, model: PackagedModel, key: str) -> None:
             log.info("removing %s, left by an interrupted join", stale)
             stale.unlink(missing_ok=True)
         if target.exists():
-            log.warning("%s does not match its pinned size or digest; joining it again", target)
+            log.warning("removing %s to join it again", target)
             target.unlink()
         _sidecar(target).unlink(missing_ok=True)
     except OSError as e:
