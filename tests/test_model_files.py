@@ -94,3 +94,41 @@ def test_broken_model_files_through_the_cli(gguf, tiny_model, tokenizer, tmp_pat
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, report
         errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and expected in errors[0], report
+
+
+def test_a_cache_folder_that_is_a_file_through_the_cli(tmp_path):
+    """TOT_CACHE_DIR or model.cache_dir naming a file: one line naming the folder and both keys."""
+    file = tmp_path / "a_file"
+    file.write_text("not a folder")
+    cases = {"env": ({"TOT_CACHE_DIR": str(file)}, ()), "key": ({}, (f"model.cache_dir={file}",))}
+
+    def launch(case: str) -> subprocess.CompletedProcess:
+        env, more = cases[case]
+        cmd = solve_cmd("data.limit=1", *more, f"hydra.run.dir={tmp_path / 'runs' / case}")
+        return subprocess.run(
+            cmd, cwd=REPO, env={**subprocess_env(), **env}, capture_output=True, text=True, timeout=300
+        )
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        procs = dict(zip(cases, pool.map(launch, cases)))
+    for case, proc in procs.items():
+        report = f"{case}: exit {proc.returncode}\nstderr:\n{proc.stderr[-3000:]}"
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, report
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and f"into {file}/" in errors[0], report
+        assert f"({file} is a file, not a folder)" in errors[0], report
+        assert "set model.cache_dir (or TOT_CACHE_DIR) to a writable folder" in errors[0], report
+
+
+def test_a_damaged_digest_memo_is_hashed_again(gguf, tmp_path):
+    """The memo of a file's digest cut or overwritten: the file is hashed again (its record found as
+    before, so model.activations=auto keeps int8), and the memo rewritten."""
+    from decoding.runtime import numerics
+
+    record = numerics.read(tmp_path, gguf)
+    assert record is not None  # the embedded model's shipped record
+    (memo,) = (tmp_path / "digests").iterdir()
+    for damage in ("", "0123abc", "\udcff", "z" * 64):
+        memo.write_bytes(damage.encode("utf-8", "surrogateescape"))
+        assert numerics.read(tmp_path, gguf) == record
+        assert numerics.SHA256.fullmatch(memo.read_text())

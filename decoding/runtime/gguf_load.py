@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from decoding.base.errors import BackendError
+from decoding.runtime.packaged import nearest_existing
 from decoding.runtime.quant import kernel_fits
 
 if TYPE_CHECKING:
@@ -431,16 +432,18 @@ def _convert_tokenizer(gguf: Path, folder: Path) -> None:
     from transformers import AutoTokenizer
 
     t0 = time.perf_counter()
-    folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}-{secrets.token_hex(4)}")  # mkdir: the umask's mode
-    tmp.mkdir()
     try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
         AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
         _rename_into_place(tmp, folder)
     except OSError as e:
+        above = nearest_existing(folder)
+        reason = e.strerror or str(e) if above.is_dir() else f"{above} is a file, not a folder"
         raise BackendError(
-            f"writing {gguf.name}'s tokenizer into {folder} failed ({e.strerror or e}); free space there or "
-            "set model.cache_dir to a writable folder"
+            f"writing {gguf.name}'s tokenizer into {folder} failed ({reason}); free space there or "
+            "set model.cache_dir (or TOT_CACHE_DIR) to a writable folder"
         ) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -16,6 +16,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -54,6 +55,7 @@ def arithmetic() -> str:
 
 
 SHIPPED = Path(__file__).parent / "records"  # the records of the files the project installs
+SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 def file_digest(gguf: Path, cache: Path) -> str:
@@ -62,10 +64,10 @@ def file_digest(gguf: Path, cache: Path) -> str:
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
     memo = cache / "digests" / key
-    try:
-        return memo.read_text().strip()
-    except OSError:
-        pass
+    with contextlib.suppress(OSError, UnicodeDecodeError):
+        known = memo.read_text().strip()
+        if SHA256.fullmatch(known):  # anything else (a damaged memo) is hashed again and rewritten
+            return known
     digest = hashlib.sha256()
     with gguf.open("rb") as f:
         while chunk := f.read(1 << 24):

