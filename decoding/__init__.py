@@ -13,7 +13,7 @@ it); the tuning tools that work on the internals (tot.calibrate_tree, tot.train_
 """
 
 from decoding.base.errors import BackendError, ConfigError, OutputError
-from decoding.base.options import as_float, as_int, from_dict
+from decoding.base.options import as_float, as_int, as_list, from_dict
 from decoding.base.plugins import ENV, Lazy, Plugin, table, unknown
 from decoding.base.values import Completion, DecodeStats, GenRequest, GenResult, Group, host_line
 from decoding.config import DecoderConfig, choices
@@ -61,6 +61,7 @@ __all__ = [
     "ServerOptions",
     "as_float",
     "as_int",
+    "as_list",
     "choices",
     "from_dict",
     "frozen",

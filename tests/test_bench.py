@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from conftest import DEVICE, build_model
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
+from test_cli import REPO, subprocess_env
 
 from decoding.base.errors import ConfigError
 from decoding.runtime.models import LoadedModel
@@ -269,3 +273,26 @@ def test_turns_alternate_entries_of_one_concurrency():
     places = {n: [i for i, (m, _) in enumerate(plan) if m == n] for n in ("ar_c1", "pld_c1")}
     assert sum(places["ar_c1"]) == sum(places["pld_c1"])
     assert turn_order(["a"], problems[:3], {"a": 2})[1][1] == problems[2:3]
+
+
+NOTHING_TO_RUN = {
+    "empty": ("bench.decoders=[]", "bench.decoders=[] leaves nothing to run; name decoders to compare"),
+    "draft": ("bench.decoders=[sd]", "bench.decoders=['sd'] leaves nothing to run; sd needs a draft model"),
+    "string": ("bench.decoders=ar", "bench.decoders='ar' must be a list such as [ar,seed_stand]"),
+}
+
+
+def test_a_bench_with_nothing_to_run_is_one_line_and_writes_nothing(tmp_path):
+    """Refused before the model loads: a table of no rows would say that every decoder was checked."""
+
+    def launch(case: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "tot.bench", NOTHING_TO_RUN[case][0], f"hydra.run.dir={tmp_path / case}"]
+        return subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=180)
+
+    with ThreadPoolExecutor(len(NOTHING_TO_RUN)) as pool:
+        procs = dict(zip(NOTHING_TO_RUN, pool.map(launch, NOTHING_TO_RUN)))
+    for case, proc in procs.items():
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, (case, proc.stderr[-3000:])
+        assert lines[-1].startswith("error: " + NOTHING_TO_RUN[case][1]), (case, lines[-1])
+        assert "loaded" not in proc.stderr and not (tmp_path / case / "bench.json").exists()

@@ -54,6 +54,7 @@ from decoding import (
     ServerEngine,
     as_float,
     as_int,
+    as_list,
     choices,
     frozen,
     load_draft,
@@ -571,14 +572,22 @@ def bench_command(cfg: DictConfig, out: Path) -> list[str]:
     that fails loses nothing the run measured."""
     run_cfg = RunConfig.from_omegaconf(cfg)
     container = OmegaConf.to_container(cfg, resolve=True)
-    names = list(container["bench"]["decoders"])
+    bench_options = container["bench"]
+    scale = bool(bench_options.get("scaling"))
+    key = "bench.scaling_decoders" if scale else "bench.decoders"
+    names = [str(n) for n in as_list(key, bench_options[key.partition(".")[2]], "[ar,seed_stand]")]
     has_draft = bool((container.get("draft") or {}).get("path"))
-    scale = bool(container["bench"].get("scaling"))
     if scale:
-        names = list(container["bench"]["scaling_decoders"])
-        budgets = [as_int("bench.budgets", n) for n in container["bench"]["budgets"]]
-        temperatures = [as_float("bench.temperatures", t) for t in container["bench"]["temperatures"]]
-    configs, skipped = decoder_configs(container, names, has_draft, container["bench"].get("variants") or {})
+        budgets = [as_int("bench.budgets", n) for n in as_list("bench.budgets", bench_options["budgets"])]
+        temperatures = [
+            as_float("bench.temperatures", t)
+            for t in as_list("bench.temperatures", bench_options["temperatures"], "[0,0.7]")
+        ]
+    configs, skipped = decoder_configs(container, names, has_draft, bench_options.get("variants") or {})
+    if not configs:  # before the model loads: a table of nothing would say every decoder was checked
+        verb = "needs" if len(skipped) == 1 else "need"
+        why = f"{', '.join(skipped)} {verb} a draft model: set draft.path=..., or name" if skipped else "name"
+        raise ConfigError(f"{key}={names} leaves nothing to run; {why} decoders to compare, such as {key}=[hf,ar]")
     lockstep = lockstep_option(container)
     target = load_model(run_cfg.model)
     draft_spec = next((c.draft for c in configs.values() if c.draft), None)
