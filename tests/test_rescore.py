@@ -45,7 +45,8 @@ def test_rescore_applies_the_current_parsers_to_a_saved_run(tmp_path):
     run(cfg, tmp_path, engine=FakeEngine(), progress=False)  # gold 12: bundled-1 only
     made_with_the_old_parser(tmp_path, "bundled-1")
 
-    old, new, changes = rescore(tmp_path)
+    done = rescore(tmp_path)
+    old, new, changes = done.before, done.after, done.changes
     assert [c.id for c in changes] == ["bundled-1"]
     assert "answer '7' -> '12', correct False -> True" in changes[0].line()
     assert (old["accuracy"], new["accuracy"]) == (0.0, 1 / 3)
@@ -56,12 +57,36 @@ def test_rescore_applies_the_current_parsers_to_a_saved_run(tmp_path):
     final = max((n for n in tree["nodes"] if n.get("answer")), key=lambda n: n["id"])
     assert final["text"] == "The answer is" + RAMBLING  # the thought as the model wrote it
     assert json.loads((tmp_path / "summary.json").read_text())["accuracy"] == 1 / 3
-    assert rescore(tmp_path)[2] == []  # a second pass changes nothing
+    assert rescore(tmp_path).changes == []  # a second pass changes nothing
 
     proc = subprocess.run(
         [sys.executable, "-m", "tot.rescore", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 0 and "0 of 3 problems changed" in proc.stdout
+
+
+def test_rescore_keeps_what_describes_the_run_and_refuses_a_folder_without_trees(tmp_path):
+    cfg = make_config("data.limit=3")
+    run(cfg, tmp_path, engine=FakeEngine(), progress=False)
+    summary = tmp_path / "summary.json"
+    described = {**json.loads(summary.read_text()), "activations": "int8", "memory": {"kv_gb": 1.5}, "custom": [1]}
+    summary.write_text(json.dumps(described))
+    command = [sys.executable, "-m", "tot.rescore", str(tmp_path)]
+    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(summary.read_text()) == described  # nothing changed: every field as it was
+
+    (tmp_path / "trees" / "bundled-2.json").unlink()
+    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "1 of them kept as recorded: no tree" in proc.stdout, proc.stdout
+    for tree in (tmp_path / "trees").iterdir():
+        tree.unlink()
+    results = (tmp_path / "results.jsonl").read_bytes()
+    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: none of the 3 problems in ") and "nothing rewritten" in lines[0]
+    assert (tmp_path / "results.jsonl").read_bytes() == results and json.loads(summary.read_text()) == described
 
 
 def test_rescore_bad_run_dir_is_one_line(tmp_path):

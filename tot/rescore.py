@@ -30,8 +30,13 @@ from tot.search import choose
 from tot.searches import SEARCHES
 from tot.tree import ReasoningTree
 
-# summary.json keys that describe the run rather than its results (kept as they are).
-HEADER = ("task", "search", "decoder", "model", "concurrency", "fingerprint", "config")
+
+@dataclass(frozen=True)
+class Rescored:
+    before: dict  # summary.json as it was
+    after: dict  # as rewritten
+    changes: list[Change]
+    without_tree: int  # problems kept as recorded: their tree is not there to read
 
 
 @dataclass(frozen=True)
@@ -87,9 +92,10 @@ def voted_leaves(search: str | None, config: dict) -> Callable[[ReasoningTree], 
     return SEARCHES[search].voted(config.get(search) or {})
 
 
-def rescore(run_dir: Path) -> tuple[dict, dict, list[Change]]:
-    """Rescore a run in place; returns (summary before, summary after, the problems that changed).
-    The folder is held as a run holds it (tot/lock.py): a run still writing it is not raced."""
+def rescore(run_dir: Path) -> Rescored:
+    """Rescore a run in place: the summaries before and after, the problems that changed and how many
+    had no tree to read. Where no problem has its tree, nothing is rewritten (ShowError). The folder is
+    held as a run holds it (tot/lock.py): a run still writing it is not raced."""
     summary_path = run_dir / "summary.json"
     if not summary_path.is_file():
         raise ShowError(f"{run_dir} has no summary.json; give an output directory of python -m tot.solve")
@@ -115,7 +121,7 @@ def run_task(summary_path: Path) -> tuple[Task, dict[str, Problem]]:
         ) from None
 
 
-def _rescore(run_dir: Path, summary_path: Path) -> tuple[dict, dict, list[Change]]:
+def _rescore(run_dir: Path, summary_path: Path) -> Rescored:
     old = read_json(summary_path)
     config = old.get("config") or {}
     task, problems = run_task(summary_path)
@@ -129,7 +135,7 @@ def _rescore(run_dir: Path, summary_path: Path) -> tuple[dict, dict, list[Change
     voted = voted_leaves(old.get("search"), config)
     latest = {id(rec) for rec in results.latest.values()}
     files = TreeFiles.of(run_dir, [str(rec["id"]) for rec in results.entries])
-    lines, records, changes, trees = [], [], [], []
+    lines, records, changes, trees, without_tree = [], [], [], [], 0
     for rec in results.entries:
         if id(rec) not in latest:  # an earlier record of a problem solved again: its tree is gone
             lines.append(rec)
@@ -138,12 +144,20 @@ def _rescore(run_dir: Path, summary_path: Path) -> tuple[dict, dict, list[Change
         new, tree = rescored(task, problems.get(str(rec["id"])), rec, path, voted)
         if tree is not None and path is not None:
             trees.append((tree, path))
+        else:
+            without_tree += 1
         if any(new.get(k) != rec.get(k) for k in ("answer", "correct", "metrics")):
             changes.append(Change(str(rec["id"]), rec, new))
         lines.append(new)
         records.append(new)
-    header = {k: old[k] for k in HEADER if k in old}
-    summary = summarize(records, header)  # every problem of the folder, as tot.solve summarizes it
+    if records and not trees:
+        raise ShowError(
+            f"none of the {len(records)} problems in {results_path} has its tree (in {run_dir / 'trees'}) or its "
+            "problem in the data file: nothing re-read, nothing rewritten; restore the trees tot.solve saved"
+        )
+    totals = summarize(records, {})  # every problem of the folder, as tot.solve summarizes it
+    # What describes the run (its settings, model, memory, activations...) is kept as it was.
+    summary = {**{k: v for k, v in old.items() if k not in totals}, **totals}
     if summary["n_problems"] < old.get("n_problems", 0):
         raise ShowError(
             f"{summary_path} counts {old['n_problems']} problems, {results_path} holds {summary['n_problems']} of "
@@ -154,7 +168,7 @@ def _rescore(run_dir: Path, summary_path: Path) -> tuple[dict, dict, list[Change
         tree.save(path)
     write_atomic(results_path, "".join(json.dumps(r) + "\n" for r in lines) + torn)
     write_atomic(summary_path, json.dumps(summary, indent=2))
-    return old, summary, changes
+    return Rescored(old, summary, changes, without_tree)
 
 
 def rescored(
@@ -177,9 +191,14 @@ def rescored(
     return {**rec, **fields, "metrics": metrics}, tree
 
 
-def report(old: dict, new: dict, changes: list[Change]) -> str:
-    lines = [c.line() for c in changes]
-    lines.append(f"{len(changes)} of {new['n_problems']} problems changed")
+def report(done: Rescored) -> str:
+    old, new = done.before, done.after
+    lines = [c.line() for c in done.changes]
+    lines.append(f"{len(done.changes)} of {new['n_problems']} problems changed")
+    if done.without_tree:
+        lines.append(
+            f"{done.without_tree} of them kept as recorded: no tree (or no problem in the data file) to re-read"
+        )
     lines.append(f"accuracy {old.get('accuracy', 0.0):.3f} -> {new['accuracy']:.3f}")
     for rule, value in new.get("accuracy_by", {}).items():
         before = old.get("accuracy_by", {}).get(rule)
@@ -192,11 +211,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("run_dir", type=Path, help="an output directory of python -m tot.solve")
     args = parser.parse_args(argv)
     try:
-        old, new, changes = rescore(args.run_dir)
+        done = rescore(args.run_dir)
     except (ShowError, DataError, ResultsError, OutputError) as e:
         print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
-    print(report(old, new, changes))
+    print(report(done))
     return 0
 
 
