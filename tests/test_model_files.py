@@ -132,3 +132,52 @@ def test_a_damaged_digest_memo_is_hashed_again(gguf, tmp_path):
         memo.write_bytes(damage.encode("utf-8", "surrogateescape"))
         assert numerics.read(tmp_path, gguf) == record
         assert numerics.SHA256.fullmatch(memo.read_text())
+
+
+def odd_gguf(path: Path) -> Path:
+    """A GGUF file of an architecture neither this loader nor transformers builds, with a tokenizer."""
+    import gguf as gguf_py
+    import numpy as np
+    from test_gguf_load import _add_tokenizer
+
+    writer = gguf_py.GGUFWriter(path, "oddformer")
+    _add_tokenizer(writer)
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_models_that_cannot_load_and_memory_too_small_through_the_cli(gsm8k_tiny, tmp_path):
+    """Each is one line that names what is wrong and a fix the command accepts."""
+    unknown = tmp_path / "unknown"
+    unknown.mkdir()
+    (unknown / "config.json").write_text(json.dumps({"model_type": "nopeformer"}))
+    cases = {
+        "typo": (["model.path=qwen2.5-coder-05b"], "did you mean model.path=qwen2.5-coder-0.5b?"),
+        "model_type": ([f"model.path={unknown}"], "its config.json has model_type 'nopeformer', which transformers"),
+        "gguf_architecture": (
+            [f"model.path={odd_gguf(tmp_path / 'odd.gguf')}", f"model.cache_dir={tmp_path / 'cache'}"],
+            "transformers does not load GGUF architecture 'oddformer'",
+        ),
+        "kv_memory": (
+            [f"model.path={gsm8k_tiny}", "model.kv_memory=0.000000001", "decoder=ar"],
+            "raise model.kv_memory or model.kv_memory_mb, or lower the tokens a request may generate (tot.solve: "
+            "gen.max_thought_tokens and gen.max_eval_tokens",
+        ),
+    }
+
+    def launch(case: str) -> subprocess.CompletedProcess:
+        cmd = solve_cmd("data.limit=1", *cases[case][0], f"hydra.run.dir={tmp_path / 'runs' / case}")
+        return subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        procs = dict(zip(cases, pool.map(launch, cases)))
+    for case, proc in procs.items():
+        report = f"{case}: exit {proc.returncode}\nstderr:\n{proc.stderr[-3000:]}"
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, report
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and cases[case][1] in errors[0], report

@@ -88,7 +88,10 @@ def _config(gguf: Path, values: dict[str, Any]) -> PretrainedConfig:
     model_type = values.get("model_type")
     if model_type not in CONFIG_MAPPING:
         raise BackendError(f"{gguf}: transformers has no config for GGUF model type {model_type!r}")
-    return CONFIG_MAPPING[model_type].from_dict(values, name_or_path=str(gguf))
+    try:
+        return CONFIG_MAPPING[model_type].from_dict(values, name_or_path=str(gguf))
+    except (ValueError, KeyError, TypeError) as e:
+        raise BackendError(f"{gguf}: its metadata does not make a {model_type} config ({_first_line(e)})") from None
 
 
 def load_tokenizer(gguf: Path, cache: Path) -> Any:
@@ -436,7 +439,12 @@ def _convert_tokenizer(gguf: Path, folder: Path) -> None:
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
-        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+        try:
+            converted = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            read_config(gguf)  # an architecture transformers lacks is named as such
+            raise BackendError(f"{gguf}: transformers cannot read its tokenizer ({_first_line(e)})") from None
+        converted.save_pretrained(tmp)
         _rename_into_place(tmp, folder)
     except OSError as e:
         above = nearest_existing(folder)

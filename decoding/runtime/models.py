@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import logging
 import os
 import time
@@ -286,11 +287,7 @@ def load_model(spec: ModelSpec) -> LoadedModel:
             else:
                 model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa")
         except (OSError, ValueError) as e:
-            raise BackendError(
-                f"{spec.key}.path={spec.path!r} could not be loaded ({str(e).splitlines()[0][:160]}); give a local "
-                f"checkpoint directory, a Hugging Face id with network access, or the embedded "
-                f"{spec.key}.path=smollm2-135m"
-            ) from e
+            raise _load_error(spec, "", e) from e
     done = prepare_for_inference(model, device, weights, attn, gguf, spec.prepack, linear, activations)
     done += f"; {llama.forward_path(model)}"
     lacking = float_layers(model, gguf) if gguf is not None and weights == "gguf" and activations == "int8" else {}
@@ -402,11 +399,62 @@ def load_tokenizer(spec: ModelSpec) -> tuple[object, bool]:
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError) as e:
-        raise BackendError(
-            f"{spec.key}.path={spec.path!r}: its tokenizer could not be loaded ({str(e).splitlines()[0][:160]}); "
-            f"give the served model's local directory, Hugging Face id or GGUF file"
-        ) from e
+        raise _load_error(spec, "its tokenizer ", e) from e
     return tokenizer, _use_chat_template(spec, tokenizer)
+
+
+def known_models() -> list[str]:
+    """The names model.path takes without a path: the embedded model and the packaged ones."""
+    return [*EMBEDDED, *PACKAGED]
+
+
+def _load_error(spec: ModelSpec, what: str, e: Exception) -> BackendError:
+    """One line for a model `transformers` could not load: what it said, whole, and the fix that fits
+    a local folder (its files) or a name (the models the project installs, the nearest of them)."""
+    said = " ".join(str(e).split())
+    said = said if len(said) <= 240 else said[:240].rsplit(" ", 1)[0] + " ..."
+    where = f"{spec.key}.path={spec.path!r}: {what}could not be loaded ({said}); "
+    if Path(spec.path).expanduser().is_dir():
+        return BackendError(
+            where + "give a folder with the config, tokenizer and weights of a model transformers knows"
+        )
+    return BackendError(
+        where + f"give a local checkpoint folder, a .gguf file, a Hugging Face id with network access, or one of "
+        f"{', '.join(known_models())}"
+    )
+
+
+def _known_architecture(folder: Path, spec: ModelSpec) -> None:
+    """A folder whose config.json names a model type this transformers lacks, said as such (its
+    tokenizer, loaded first, would fail with a message about tokenizer files)."""
+    import transformers
+    from transformers import CONFIG_MAPPING
+
+    try:
+        model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return  # no readable config: transformers' own loading says what is missing
+    if isinstance(model_type, str) and model_type not in CONFIG_MAPPING:
+        raise BackendError(
+            f"{spec.key}.path={spec.path}: its config.json has model_type {model_type!r}, which transformers "
+            f"{transformers.__version__} does not know; give a checkpoint of a type it knows (llama, qwen2, ...) or "
+            "upgrade transformers"
+        )
+
+
+def _unknown_name(spec: ModelSpec) -> None:
+    """A name close to one the project installs, and not a path: a typo, said at once (a Hugging Face
+    lookup would retry the network for about a minute first)."""
+    import difflib
+
+    if "/" in spec.path or Path(spec.path).expanduser().exists():
+        return
+    near = difflib.get_close_matches(spec.path.lower(), known_models(), n=1, cutoff=0.75)
+    if near:
+        raise BackendError(
+            f"{spec.key}.path={spec.path} is neither a file nor a folder, nor a model the project installs; did "
+            f"you mean {spec.key}.path={near[0]}? (models by name: {', '.join(known_models())})"
+        )
 
 
 def _use_chat_template(spec: ModelSpec, tokenizer: object) -> bool:
@@ -445,6 +493,9 @@ def _model_source(spec: ModelSpec) -> tuple[str, Path | None]:
             raise BackendError(f"{spec.key}.path={spec.path} does not exist; give an existing .gguf file")
     else:
         folder = Path(spec.path).expanduser()
+        _unknown_name(spec)
+        if folder.is_dir():
+            _known_architecture(folder, spec)
         if folder.is_dir() and spec.init == "checkpoint":
             check_checkpoint(folder, spec.key)
         return spec.path, None

@@ -239,9 +239,10 @@ class Scheduler:
         if alone:
             need = self.target.kv_bytes(needs(held[:1], self.drafter.max_nodes))
             raise BackendError(
-                f"one sequence needs {need / 2**20:.3g} MB of KV cache (its prompt, gen.max_new_tokens and a draft "
-                f"tree), model.kv_memory allows {budget / 2**20:.3g} MB: raise model.kv_memory or model.kv_memory_mb, "
-                "or lower gen.max_new_tokens"
+                f"one sequence needs {need / 2**20:.3g} MB of KV cache (its prompt, the tokens it may generate and a "
+                f"draft tree), model.kv_memory allows {budget / 2**20:.3g} MB: raise model.kv_memory or "
+                "model.kv_memory_mb, or lower the tokens a request may generate (tot.solve: gen.max_thought_tokens "
+                "and gen.max_eval_tokens; decoding.generate: gen.max_new_tokens)"
             )
         first = [s for s in held if not s.waits_for_memory]
         if first and not any(s.waits_for_memory for s in self.waiting):
