@@ -321,15 +321,22 @@ def test_layers_int8_cannot_take_are_named(tiny: Path, tmp_path: Path, caplog: p
     assert len(result[0].token_ids) == 4  # the mixed model decodes
 
 
-def test_unknown_architecture_is_one_line(tmp_path: Path) -> None:
-    path = tmp_path / "odd.gguf"
+def odd_gguf(path: Path, tokenizer: bool = False) -> Path:
+    """A GGUF file of an architecture neither this loader nor transformers builds."""
     writer = gguf.GGUFWriter(path, "oddformer")
+    if tokenizer:
+        _add_tokenizer(writer)
     writer.add_block_count(1)
     writer.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return path
+
+
+def test_unknown_architecture_is_one_line(tmp_path: Path) -> None:
+    path = odd_gguf(tmp_path / "odd.gguf")
     for load in (gguf_load.read_config, lambda p: gguf_load.load_model(p, torch.float32)):
         with pytest.raises(BackendError, match="oddformer") as e:
             load(path)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from test_cli import REPO, save_tiny_checkpoint, solve_cmd, subprocess_env
+from test_gguf_load import odd_gguf
 
 from decoding.base.errors import BackendError
 from decoding.runtime.model_files import check_checkpoint, check_gguf, gguf_size
@@ -96,28 +97,39 @@ def test_broken_model_files_through_the_cli(gguf, tiny_model, tokenizer, tmp_pat
         assert len(errors) == 1 and expected in errors[0], report
 
 
-def test_a_cache_folder_that_is_a_file_through_the_cli(tmp_path):
-    """TOT_CACHE_DIR or model.cache_dir naming a file: one line naming the folder and both keys."""
-    file = tmp_path / "a_file"
-    file.write_text("not a folder")
-    cases = {"env": ({"TOT_CACHE_DIR": str(file)}, ()), "key": ({}, (f"model.cache_dir={file}",))}
+def error_lines(tmp_path: Path, cases: dict[str, list[str]], env: dict[str, dict[str, str]] | None = None) -> dict:
+    """tot.solve on one problem per case (its overrides, its extra environment), two at a time: each
+    case's one error line, after checking exit status 2 and no traceback."""
 
     def launch(case: str) -> subprocess.CompletedProcess:
-        env, more = cases[case]
-        cmd = solve_cmd("data.limit=1", *more, f"hydra.run.dir={tmp_path / 'runs' / case}")
+        cmd = solve_cmd("data.limit=1", *cases[case], f"hydra.run.dir={tmp_path / 'runs' / case}")
+        more = (env or {}).get(case, {})
         return subprocess.run(
-            cmd, cwd=REPO, env={**subprocess_env(), **env}, capture_output=True, text=True, timeout=300
+            cmd, cwd=REPO, env={**subprocess_env(), **more}, capture_output=True, text=True, timeout=300
         )
 
     with ThreadPoolExecutor(max_workers=2) as pool:
         procs = dict(zip(cases, pool.map(launch, cases)))
+    lines = {}
     for case, proc in procs.items():
         report = f"{case}: exit {proc.returncode}\nstderr:\n{proc.stderr[-3000:]}"
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, report
         errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-        assert len(errors) == 1 and f"into {file}/" in errors[0], report
-        assert f"({file} is a file, not a folder)" in errors[0], report
-        assert "set model.cache_dir (or TOT_CACHE_DIR) to a writable folder" in errors[0], report
+        assert len(errors) == 1, report
+        lines[case] = errors[0]
+    return lines
+
+
+def test_a_cache_folder_that_is_a_file_through_the_cli(tmp_path):
+    """TOT_CACHE_DIR or model.cache_dir naming a file: one line naming the folder and both keys."""
+    file = tmp_path / "a_file"
+    file.write_text("not a folder")
+    lines = error_lines(
+        tmp_path, {"env": [], "key": [f"model.cache_dir={file}"]}, {"env": {"TOT_CACHE_DIR": str(file)}}
+    )
+    for line in lines.values():
+        assert f"into {file}/" in line and f"({file} is a file, not a folder)" in line, line
+        assert "set model.cache_dir (or TOT_CACHE_DIR) to a writable folder" in line, line
 
 
 def test_a_damaged_digest_memo_is_hashed_again(gguf, tmp_path):
@@ -134,23 +146,6 @@ def test_a_damaged_digest_memo_is_hashed_again(gguf, tmp_path):
         assert numerics.SHA256.fullmatch(memo.read_text())
 
 
-def odd_gguf(path: Path) -> Path:
-    """A GGUF file of an architecture neither this loader nor transformers builds, with a tokenizer."""
-    import gguf as gguf_py
-    import numpy as np
-    from test_gguf_load import _add_tokenizer
-
-    writer = gguf_py.GGUFWriter(path, "oddformer")
-    _add_tokenizer(writer)
-    writer.add_block_count(1)
-    writer.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
-
-
 def test_models_that_cannot_load_and_memory_too_small_through_the_cli(gsm8k_tiny, tmp_path):
     """Each is one line that names what is wrong and a fix the command accepts."""
     unknown = tmp_path / "unknown"
@@ -160,7 +155,7 @@ def test_models_that_cannot_load_and_memory_too_small_through_the_cli(gsm8k_tiny
         "typo": (["model.path=qwen2.5-coder-05b"], "did you mean model.path=qwen2.5-coder-0.5b?"),
         "model_type": ([f"model.path={unknown}"], "its config.json has model_type 'nopeformer', which transformers"),
         "gguf_architecture": (
-            [f"model.path={odd_gguf(tmp_path / 'odd.gguf')}", f"model.cache_dir={tmp_path / 'cache'}"],
+            [f"model.path={odd_gguf(tmp_path / 'odd.gguf', tokenizer=True)}", f"model.cache_dir={tmp_path / 'cache'}"],
             "transformers does not load GGUF architecture 'oddformer'",
         ),
         "kv_memory": (
@@ -170,14 +165,6 @@ def test_models_that_cannot_load_and_memory_too_small_through_the_cli(gsm8k_tiny
         ),
     }
 
-    def launch(case: str) -> subprocess.CompletedProcess:
-        cmd = solve_cmd("data.limit=1", *cases[case][0], f"hydra.run.dir={tmp_path / 'runs' / case}")
-        return subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)
-
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        procs = dict(zip(cases, pool.map(launch, cases)))
-    for case, proc in procs.items():
-        report = f"{case}: exit {proc.returncode}\nstderr:\n{proc.stderr[-3000:]}"
-        assert proc.returncode == 2 and "Traceback" not in proc.stderr, report
-        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-        assert len(errors) == 1 and cases[case][1] in errors[0], report
+    lines = error_lines(tmp_path, {case: args for case, (args, _) in cases.items()})
+    for case, (_, expected) in cases.items():
+        assert expected in lines[case], lines[case]
