@@ -11,7 +11,7 @@ from test_run import FakeEngine, make_config
 
 from tasks import Problem, make_task
 from tot.dvts import final_states
-from tot.rescore import answer_steps, reparse, rescore, revote, voted_leaves
+from tot.rescore import answer_steps, reparse, report, rescore, revote, voted_leaves
 from tot.run import run
 from tot.tree import ReasoningTree
 
@@ -71,17 +71,15 @@ def test_rescore_keeps_what_describes_the_run_and_refuses_a_folder_without_trees
     summary = tmp_path / "summary.json"
     described = {**json.loads(summary.read_text()), "activations": "int8", "memory": {"kv_gb": 1.5}, "custom": [1]}
     summary.write_text(json.dumps(described))
-    command = [sys.executable, "-m", "tot.rescore", str(tmp_path)]
-    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
+    rescore(tmp_path)
     assert json.loads(summary.read_text()) == described  # nothing changed: every field as it was
 
     (tmp_path / "trees" / "bundled-2.json").unlink()
-    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0 and "1 of them kept as recorded: no tree" in proc.stdout, proc.stdout
+    assert "1 of them kept as recorded: no tree" in report(rescore(tmp_path))
     for tree in (tmp_path / "trees").iterdir():
         tree.unlink()
     results = (tmp_path / "results.jsonl").read_bytes()
+    command = [sys.executable, "-m", "tot.rescore", str(tmp_path)]
     proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
