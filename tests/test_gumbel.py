@@ -176,15 +176,15 @@ def test_device_targets_are_the_samplers_own_tokens(rule):
 
 
 def test_rows_processed_together_are_the_rows_processed_alone():
-    """A GPU's verification processes every row of one sampling setting in one call
-    (`processed_rows`): each row's scores are what processing it alone gives."""
+    """Verification processes every row of one sampling setting in one call (`processed_rows`):
+    each row's scores, and their softmax, are what processing it alone gives."""
     gen = torch.Generator().manual_seed(5)
     settings = [SamplingParams(0.7, 20, 0.9), SamplingParams(0.0), SamplingParams(1.3), SamplingParams(0.7, 20, 0.9)]
     seqs = [Sequence.create([1, 2, 3], StopRule(frozenset(), (), 8), p, seed=i) for i, p in enumerate(settings)]
     logits = [torch.randn(1 + i, 300, generator=gen) * 2 for i in range(len(seqs))]
-    together = processed_rows(seqs, logits)
-    for s, row, t in zip(seqs, logits, together):
+    together, dists = processed_rows(seqs, logits)
+    for s, row, t, dist in zip(seqs, logits, together, dists):
         alone = processed(s, row)
-        assert (t is None) == (alone is None)
+        assert (t is None) == (alone is None) == (dist is None)
         if t is not None:
-            assert torch.equal(t, alone)
+            assert torch.equal(t, alone) and torch.equal(dist, alone.softmax(-1))
