@@ -574,8 +574,9 @@ def bench_command(cfg: DictConfig, out: Path) -> list[str]:
     container = OmegaConf.to_container(cfg, resolve=True)
     bench_options = container["bench"]
     scale = bool(bench_options.get("scaling"))
-    key = "bench.scaling_decoders" if scale else "bench.decoders"
-    names = [str(n) for n in as_list(key, bench_options[key.partition(".")[2]], "[ar,seed_stand]")]
+    field = "scaling_decoders" if scale else "decoders"
+    key = f"bench.{field}"
+    names = [str(n) for n in as_list(key, bench_options[field], "[ar,seed_stand]")]
     has_draft = bool((container.get("draft") or {}).get("path"))
     if scale:
         budgets = [as_int("bench.budgets", n) for n in as_list("bench.budgets", bench_options["budgets"])]
