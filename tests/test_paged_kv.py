@@ -4,6 +4,8 @@ whoever shares its blocks, and every decoder's tokens `hf`'s with rows sharing a
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from conftest import DEVICE
@@ -139,6 +141,33 @@ def test_the_stores_blocks_count_against_its_budget_once_no_row_holds_them(loade
     store.clear()
     row.clear([0])
     assert pool.used == 0
+
+
+def _waits_for(lock, call) -> bool:
+    """Whether `call`, run in another thread while this one holds `lock`, waits for it."""
+    done = threading.Event()
+    with lock:
+        thread = threading.Thread(target=lambda: (call(), done.set()))
+        thread.start()
+        waited = not done.wait(0.2)
+    thread.join(5)
+    return waited and done.is_set()
+
+
+def test_another_thread_reads_the_counts_and_the_stores_under_their_locks(loaded, perturbed):
+    """With `seed.overlap` a drafting thread admits into the draft model's store and evicts across the
+    budget it shares with the target's, while the main thread grows the target's pool (it once read
+    the counts between the pool's two resized tensors): every read and change waits for the locks."""
+    target = ModelRunner(loaded.model)
+    draft = ModelRunner(perturbed.model, target.prefixes.budget)
+    pool, budget = target.pool, target.prefixes.budget
+    assert _waits_for(pool.lock, pool.held_by_store_alone)
+    assert _waits_for(pool.lock, lambda: pool.used)
+    assert _waits_for(pool.lock, pool.shared)
+    assert _waits_for(budget.lock, budget.make_room)
+    assert _waits_for(budget.lock, lambda: target.prefixes.match((1, 2, 3)))
+    assert _waits_for(budget.lock, lambda: draft.admit(draft.new_cache(1, 16), [0], [[5, 6, 7, 8]], 4))
+    assert not _waits_for(threading.Lock(), lambda: None)  # the probe itself can tell
 
 
 def test_admission_counts_a_prompts_shared_blocks_once(loaded):

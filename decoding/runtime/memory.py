@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import resource
 import sys
+import threading
 import weakref
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -74,6 +75,9 @@ class MemoryBudget:
     clock: int = 0  # one clock for every store, so "least recently used" compares across them
     evictions: int = 0
     stores: weakref.WeakSet[Store] = field(default_factory=weakref.WeakSet)
+    # Held by whoever reads or changes a store of this budget: a drafting thread (`seed.overlap`) admits
+    # into the draft model's store, and its evictions reach the target's, while the main thread runs.
+    lock: threading.RLock = field(default_factory=threading.RLock)
 
     @classmethod
     def share(cls, fraction: float, device: torch.device) -> MemoryBudget:
@@ -89,6 +93,10 @@ class MemoryBudget:
 
     def make_room(self) -> None:
         """Evict least recently used leaves, across every store, until the stores fit."""
+        with self.lock:
+            self._make_room()
+
+    def _make_room(self) -> None:
         total = self.nbytes
         while total > self.max_bytes:
             ages = [(age, i, s) for i, s in enumerate(self.stores) if (age := s.oldest()) is not None]

@@ -57,7 +57,7 @@ class BlockPool:
         self.refs = torch.zeros(0, dtype=torch.int32)
         self.stored = torch.zeros(0, dtype=torch.int32)
         self._free: list[int] = []  # a heap of free block ids
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # reentrant: `take` reads `used` under it
         self.peak_used = 0
         self._resize(16)
         self.refs[NULL] = 1  # held forever: never handed out
@@ -84,15 +84,19 @@ class BlockPool:
     @property
     def used(self) -> int:
         """Blocks held by a row or the store (the null block not counted)."""
-        return int((self.refs > 0).sum()) - 1
+        with self.lock:
+            return int((self.refs > 0).sum()) - 1
 
     def held_by_store_alone(self) -> int:
-        """Blocks only the prefix store holds (what counts against `model.prefix_memory`)."""
-        return int(((self.stored > 0) & (self.refs == self.stored)).sum())
+        """Blocks only the prefix store holds (what counts against `model.prefix_memory`). Read under
+        the lock: another thread's `take` may be growing the counts, one tensor after the other."""
+        with self.lock:
+            return int(((self.stored > 0) & (self.refs == self.stored)).sum())
 
     def shared(self) -> int:
         """Blocks held by more than one row."""
-        return int(((self.refs - self.stored) > 1).sum())
+        with self.lock:
+            return int(((self.refs - self.stored) > 1).sum())
 
     def take(self, n: int) -> list[int]:
         """n fresh blocks, each held once."""

@@ -101,7 +101,11 @@ class PrefixCache:
 
     def match(self, tokens: tuple[int, ...] | list[int]) -> Match:
         """The longest stored prefix of `tokens` (possibly ending inside an edge)."""
-        tokens, node, i, path = tuple(tokens), self.root, 0, []
+        with self.budget.lock:
+            return self._match(tuple(tokens))
+
+    def _match(self, tokens: tuple[int, ...]) -> Match:
+        node, i, path = self.root, 0, []
         clock = self.budget.tick()
         while i < len(tokens) and (child := node.children.get(tokens[i])) is not None:
             n = shared_len(child.tokens, tokens[i:])
@@ -143,6 +147,12 @@ class PrefixCache:
         (`hidden`: the captured layer's output at those positions); only the part not stored yet
         is copied. With `pin` (a key: the sequence a follow-up will name) they stay until
         `unpin(pin)`, or until pins alone would pass the budget (the oldest pin goes first)."""
+        with self.budget.lock:
+            self._store(tokens, cache, row, hidden, pin)
+
+    def _store(
+        self, tokens: tuple[int, ...], cache: Cache, row: int, hidden: torch.Tensor | None, pin: tuple[int, ...] | None
+    ) -> None:
         n = len(tokens)
         assert n <= int(cache.lens[row]), "only committed positions can be stored"
         match = self.match(tokens)
@@ -184,6 +194,10 @@ class PrefixCache:
 
     def unpin(self, key: tuple[int, ...]) -> None:
         """The follow-up of the sequence stored under `key` was admitted: it may be evicted again."""
+        with self.budget.lock:
+            self._unpin(key)
+
+    def _unpin(self, key: tuple[int, ...]) -> None:
         node = self._pinned.pop(key, None)
         if node is None:
             return

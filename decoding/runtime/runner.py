@@ -250,6 +250,10 @@ class ModelRunner:
         take only the common prefix, the rest stays pending and is fed with each row's first draft
         (then its states come back with the verdict); `Admission.start_hidden` holds the common prefix's.
         """
+        with self.prefixes.budget.lock:  # what it matched is not evicted by another thread before it is read
+            return self._admit(cache, rows, prompts, room)
+
+    def _admit(self, cache: RowKVCache, rows: list[int], prompts: list[list[int]], room: int) -> Admission:
         forwards, rows_run = self.forwards, self.rows
         shared = min(_common_prefix_len(prompts), min(len(p) for p in prompts) - 1)
         head = tuple(prompts[0][:shared])
