@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+from decoding.runtime import kernels
 from decoding.speculation.draft_tree import ROOT, DraftTree
 from decoding.speculation.gumbel import (
     G_MAX,
@@ -18,9 +19,13 @@ from decoding.speculation.gumbel import (
     Coupling,
     _gumbel_py,
     _noisy_top,
+    _pick_np,
     gumbel_choice,
     gumbel_noise,
     gumbel_order,
+    gumbel_pick,
+    gumbel_pick_rows,
+    key,
 )
 from decoding.speculation.sampling import SamplingParams, process_logits, processed_logits
 from decoding.speculation.sequence import Sequence
@@ -86,6 +91,26 @@ def test_pruning_is_exact():
         k = min(5, int((q > 0).sum()))
         noisy = q.double().log() + gumbel_noise(seed, seed * 7 + 2, torch.arange(2000))
         assert Coupling(seed, seed * 7).top(q, 5, 2) == noisy.topk(k).indices.tolist()
+
+
+@pytest.mark.parametrize("vocab", [1, 282, 2000, 49_159])
+def test_the_kernels_pass_picks_the_full_argmax(vocab):
+    """csrc/gumbel.cpp computes the noise of only the tokens its bounds cannot rule out: its pick is
+    still the argmax over every token's score + noise, as numpy's pass and torch's, over peaked, flat
+    and masked rows (a width not a multiple of its blocks of 64 and lanes of 8 included)."""
+    kernels.load()
+    rows, keys, expected = [], [], []
+    for seed in range(60):
+        base = logits_of(seed, vocab)
+        scores = [4.0 * base / 0.7, 0.01 * base, base.masked_fill(base < base.median(), float("-inf"))][seed % 3]
+        position = seed * 13 + 1
+        full = scores.double() + gumbel_noise(seed, position, torch.arange(vocab))
+        assert gumbel_pick(scores.float(), seed, position) == int(full.argmax())
+        assert _pick_np(scores.float(), key(seed, position)) == int(full.argmax())
+        rows.append(scores.float())
+        keys.append(key(seed, position))
+        expected.append(int(full.argmax()))
+    assert gumbel_pick_rows(rows, keys) == expected  # the rows of a step, drawn on the machine's threads
 
 
 def test_noise_is_a_function_of_seed_position_and_token():

@@ -25,6 +25,9 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("activation.cpp", "attention.cpp", "layers.cpp", "matmul.cpp", "norm.cpp", "q4_int8.cpp", "topk.cpp")
 SOURCES += ("module.cpp",)
+# Built into the same module but left out of `source_digest`: they compute no forward, so a shipped
+# numerics record or cost profile stays valid whatever they change (they register torch.ops of their own).
+SAMPLING_SOURCES = ("gumbel.cpp",)
 # -ffp-contract=off: the only fused multiply-adds are the explicit ones (attention.cpp's header);
 # -fno-trapping-math lets floor and selects vectorize; on x86, -mprefer-vector-width=512: GCC's loops
 # use the 512-bit registers where the CPU has them (it tunes Intel's AVX-512 cores to 256 bits, which
@@ -51,7 +54,7 @@ def load() -> ModuleType:
     try:
         module = cpp_extension.load(
             name=name,
-            sources=[str(CSRC / s) for s in SOURCES],
+            sources=[str(CSRC / s) for s in SOURCES + SAMPLING_SOURCES],
             extra_cflags=FLAGS,
             extra_include_paths=[str(CSRC)],
             extra_ldflags=["-fopenmp"],

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from decoding.runtime import kernels
 from decoding.speculation.sampling import SamplingParams, processed_logits
 
 _GAMMA = 0x9E3779B97F4A7C15  # splitmix64's increment (the golden ratio's fraction, odd)
@@ -97,13 +98,28 @@ def gumbel_choice(logits: torch.Tensor, params: SamplingParams, seed: int, posit
 
 def gumbel_pick(scores: torch.Tensor, seed: int, position: int) -> int:
     """argmax of already processed logits [V] (`sampling.processed_logits`) + G at `position`: for a
-    caller that has processed a whole tree's rows at once. On the CPU in numpy, which runs these
-    49k-element integer passes several times faster than torch's operators (0.13 against 0.44 ms a
-    token on one core, measured; the full vocabulary's noise took 0.88)."""
+    caller that has processed a whole tree's rows at once. On the CPU one pass of the project's
+    kernels where they are built (csrc/gumbel.cpp: logarithms only for the few tokens that can win),
+    else in numpy, which runs these 49k-element integer passes several times faster than torch's
+    operators (0.13 against 0.44 ms a token on one core, measured; the full vocabulary's noise took 0.88)."""
     if scores.device.type != "cpu":
         return int(_noisy_top(scores.double(), seed, position, 1)[0])
+    return gumbel_pick_rows([scores], [key(seed, position)])[0]
+
+
+def gumbel_pick_rows(rows: list[torch.Tensor], keys: list[int]) -> list[int]:
+    """`gumbel_pick` of each CPU row [V] of processed logits, row r with the noise stream `keys[r]`
+    (`key(seed, position)`): on the machine's threads in one call of the kernels where they are built."""
+    if kernels.built() is not None and all(r.dtype == torch.float32 and r.is_contiguous() for r in rows):
+        return list(torch.ops.tot_sampling.gumbel_pick_rows(rows, [_signed(k) for k in keys]))
+    return [_pick_np(r, k) for r, k in zip(rows, keys)]
+
+
+def _pick_np(scores: torch.Tensor, stream: int) -> int:
+    """`gumbel_pick` in numpy, noise stream `stream` (`key(seed, position)`): every token hashed,
+    logarithms for those within reach of the largest bits."""
     s = scores.detach().to(torch.float64 if scores.dtype == torch.float64 else torch.float32).numpy()
-    bits = _vocabulary_np(s.shape[-1]) + np.uint64(key(seed, position))
+    bits = _vocabulary_np(s.shape[-1]) + np.uint64(stream)
     bits ^= bits >> np.uint64(30)
     bits *= np.uint64(_M1)
     bits ^= bits >> np.uint64(27)

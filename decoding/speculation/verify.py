@@ -16,7 +16,7 @@ from decoding.runtime.packing import Packed, pack
 from decoding.runtime.runner import ModelRunner, Scored
 from decoding.speculation.acceptance import walk_matched, walk_rejection
 from decoding.speculation.draft_tree import DraftTree
-from decoding.speculation.gumbel import gumbel_pick, gumbel_targets, key
+from decoding.speculation.gumbel import gumbel_pick, gumbel_pick_rows, gumbel_targets, key
 from decoding.speculation.sampling import Rule, SamplingParams, argmax_rows, processed_logits, top_k_rows
 from decoding.speculation.sequence import Sequence
 
@@ -103,7 +103,11 @@ def accept(
     # On a GPU every row's own token at its root and at each node is found where the logits are, and
     # the step reads them back once; the CPU takes every greedy row's argmax in one pass and samples
     # lazily, only the nodes a walk reaches.
-    targets = device_targets(trees, seqs, logits, scores, rule) if on_device else host_targets(scored, seqs)
+    targets = (
+        device_targets(trees, seqs, logits, scores, rule)
+        if on_device
+        else host_targets(scored, trees, seqs, scores, rule)
+    )
 
     def decide(b: int) -> tuple[list[int], int, torch.Tensor | None]:
         tree, s, row, sc, own, dist = trees[b], seqs[b], logits[b], scores[b], targets[b], dists[b]
@@ -198,21 +202,30 @@ def device_targets(
     return out
 
 
-def host_targets(scored: Scored, seqs: list[Sequence]) -> list[list[int] | None]:
-    """On the CPU, per greedy row its argmax at the root and at each node ([1 + N] ids; None for the
-    other rows): one argmax over the forward's logits where they lie together, else over the greedy
-    rows' (a call per row cost a tenth of a millisecond more than its argmax)."""
+def host_targets(
+    scored: Scored, trees: list[DraftTree], seqs: list[Sequence], scores: list[torch.Tensor | None], rule: Rule
+) -> list[list[int] | None]:
+    """On the CPU, per greedy row its argmax at the root and at each node ([1 + N] ids), and per
+    sampled row without a draft its Gumbel-max draw ([1], as `target_sampler` draws it); None for the
+    other rows (sampled lazily, only the nodes a walk reaches). One argmax over the forward's logits
+    where they lie together, else over the greedy rows' (a call per row cost a tenth of a millisecond
+    more than its argmax); the draws in one call, rows on the machine's threads."""
     greedy = [b for b, s in enumerate(seqs) if s.params.greedy]
     out: list[list[int] | None] = [None] * len(seqs)
-    if not greedy:
-        return out
-    counts = [len(scored.logits[b]) for b in greedy]
-    whole = scored.flat is not None and len(greedy) == len(scored.logits)
-    flat = argmax_rows(scored.flat if whole else torch.cat([scored.logits[b] for b in greedy]))  # type: ignore[arg-type]
-    start = 0
-    for b, n in zip(greedy, counts):
-        out[b] = flat[start : start + n]
-        start += n
+    if greedy:
+        counts = [len(scored.logits[b]) for b in greedy]
+        whole = scored.flat is not None and len(greedy) == len(scored.logits)
+        flat = argmax_rows(scored.flat if whole else torch.cat([scored.logits[b] for b in greedy]))  # type: ignore[arg-type]
+        start = 0
+        for b, n in zip(greedy, counts):
+            out[b] = flat[start : start + n]
+            start += n
+    drawn = [b for b, sc in enumerate(scores) if sc is not None and not len(trees[b]) and rule != "match_multinomial"]
+    if drawn:
+        rows = [scores[b][0] for b in drawn]  # type: ignore[index]
+        picks = gumbel_pick_rows(rows, [key(seqs[b].seed, seqs[b].position) for b in drawn])
+        for b, token in zip(drawn, picks):
+            out[b] = [token]
     return out
 
 
