@@ -29,7 +29,7 @@ from decoding.runtime.quant import Int4Linear
 from decoding.runtime.runner import ModelRunner
 from decoding.runtime.time_split import PARTS, gpu_busy, time_split
 from decoding.speculation.cost import ForwardCost, forward_cost
-from decoding.speculation.timing import timed_ms, verification
+from decoding.speculation.timing import filled, timed_ms, verification
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,7 @@ def _list(key: str, value: object) -> list:
 def profile(cfg: ProfileConfig, target: ModelRunner, copies: ModelRunner | None = None) -> list[dict]:
     """Each cell's forward timed; `copies`: the same model with rows of their own, for the "copies" reads."""
     rows = []
+    prompts = {id(r): filled(r, cfg.context) for r in (target, copies) if r is not None}  # computed once
     for batch in cfg.batch_sizes:
         for size in cfg.tree_sizes:
             for reads in cfg.reads:  # in lockstep: a shared forward beside the same forward read per row
@@ -96,7 +97,7 @@ def profile(cfg: ProfileConfig, target: ModelRunner, copies: ModelRunner | None 
                     continue
                 siblings = cfg.siblings if reads == "shared" else 1
                 runner = copies if reads == "copies" and copies is not None else target
-                step = verification(runner, cfg.context, size, batch, siblings, cfg.shared)
+                step = verification(runner, cfg.context, size, batch, siblings, cfg.shared, prompts[id(runner)])
                 times = timed_ms(step, cfg.repeats, target.device)
                 row = {"batch": batch, "tree_tokens": size, "ms": statistics.median(times), "ms_min": min(times)}
                 row |= {"context": cfg.context, "reads": reads}

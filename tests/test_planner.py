@@ -290,14 +290,19 @@ def test_the_work_around_the_forward_and_drafting_are_charged_as_measured(tiny_m
 
 
 def test_the_profiled_forward_scores_what_a_batched_prefill_would(tiny_model):
-    """timing.verification computes one row's prompt and copies its keys and values into the others:
-    every row then scores its tree with the logits of a row whose prompt was computed in the batch."""
+    """timing.verification computes one row's prompt and copies its keys and values into every row
+    (the profile computes it once for all its forwards): every row then scores its tree with the
+    logits of a row whose prompt was computed in the batch."""
     from decoding.runtime.runner import ModelRunner
-    from decoding.speculation.timing import chain_tree, verification
+    from decoding.speculation.timing import chain_tree, filled, verification
     from decoding.speculation.verify import pack
 
     runner = ModelRunner(tiny_model)
     scored = verification(runner, 20, 4, 3)().logits
+    prompt = filled(runner, 20)
+    for batch in (2, 3):  # one prompt, many forwards
+        again = verification(runner, 20, 4, batch, prompt=prompt)().logits
+        assert all(torch.equal(a, b) for a, b in zip(again, scored[:batch], strict=True))
     cache = runner.new_cache(3, 26)
     fill = pack([[(100 + i) % tiny_model.config.vocab_size for i in range(20)]] * 3, [DraftTree()] * 3)
     runner.forward(cache, fill.tokens, fill.see, fill.depth)

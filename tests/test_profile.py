@@ -29,8 +29,8 @@ def test_profile_measures_every_cell(tiny_model):
     assert [(r["batch"], r["tree_tokens"]) for r in rows] == [(1, 1), (1, 4), (1, 16), (3, 1), (3, 4), (3, 16)]
     assert all(r["ms"] > 0 and r["ms_min"] <= r["ms"] for r in rows)
     assert rows[0]["relative"] == 1.0
-    # per cell: the context, a warm-up, two timed forwards; then a warm-up and two profiled ones
-    assert target.forwards == 6 * (1 + 1 + 2 + 1 + 2)
+    # the context once for every cell; per cell a warm-up, two timed forwards, then a warm-up and two profiled ones
+    assert target.forwards == 1 + 6 * (1 + 2 + 1 + 2)
     text = table(rows)
     assert text.splitlines()[0] == "| batch | T=1 | T=4 | T=16 |"
     assert len(text.splitlines()) == 4

@@ -28,12 +28,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from decoding.base.errors import ConfigError
 from decoding.runtime import kernels
-from decoding.runtime.kv_cache import SHARED_BLOCK
+from decoding.runtime.kv_cache import SHARED_BLOCK, RowKVCache
 from decoding.runtime.runner import ModelRunner
-from decoding.speculation.timing import timed_ms, verification
+from decoding.speculation.timing import filled, timed_ms, verification
 
 log = logging.getLogger(__name__)
 
@@ -161,17 +162,26 @@ def _monotone(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
     return [(n, float(m)) for (n, _), m in zip(points, ms)]
 
 
-def _time_point(target: ModelRunner, rows: int, per_row: int, context: int, repeats: int, shared: int = 0) -> float:
-    """ms of a forward (the fastest of the repeats: another process's burst only ever slows one down);
-    with `shared`, its rows siblings reading their first `shared` positions once."""
-    step = verification(target, context, per_row, rows, rows if shared else 1, shared)
+def _time_point(
+    target: ModelRunner, rows: int, per_row: int, prompt: RowKVCache, repeats: int, shared: int = 0
+) -> float:
+    """ms of a forward over rows holding `prompt`'s positions (the fastest of the repeats: another
+    process's burst only ever slows one down); with `shared`, its rows siblings reading their first
+    `shared` positions once."""
+    context = int(prompt.lens[0])
+    step = verification(target, context, per_row, rows, rows if shared else 1, shared, prompt)
     return min(timed_ms(step, repeats, target.device))
 
 
 def profile(target: ModelRunner, repeats: int = 3) -> ForwardCost:
     """Time the grid (rows x tokens per row) on `target`; points predicted slower than MAX_POINT_MS
-    are left to the linear extension of the faster ones, so a slow machine profiles in seconds."""
+    are left to the linear extension of the faster ones, so a slow machine profiles in seconds. Each
+    context's prompt is computed once and copied into every point's rows (recomputed per point, the
+    256-token prompts were most of a 1.5B's profile on 2 cores)."""
     points: dict[int, list[tuple[int, float]]] = {}
+    # At most the grid and two long-context points; a slow machine stops early (the bar then ends there).
+    bar = tqdm(total=len(GRID_ROWS) * len(GRID_TOKENS) + 2, desc="profiling the forward", unit="point", leave=False)
+    prompt = filled(target, CONTEXT)
     for rows in GRID_ROWS:
         if points:  # a row count whose one-token forward would be too slow is extended from the others
             last = max(points)
@@ -184,17 +194,23 @@ def profile(target: ModelRunner, repeats: int = 3) -> ForwardCost:
                 guess = _extend(n, [float(p[0]) for p in mine], [p[1] for p in mine])
                 if guess > MAX_POINT_MS:
                     break
-            mine.append((n, _time_point(target, rows, per_row, CONTEXT, repeats)))
+            mine.append((n, _time_point(target, rows, per_row, prompt, repeats)))
+            bar.update()
         points[rows] = _monotone(mine)
     short = points[GRID_ROWS[1]][0][1] if GRID_ROWS[1] in points else points[1][0][1]
     rows = GRID_ROWS[1] if GRID_ROWS[1] in points else 1
-    long = _time_point(target, rows, 1, LONG_CONTEXT, repeats)
+    long_prompt = filled(target, LONG_CONTEXT)
+    long = _time_point(target, rows, 1, long_prompt, repeats)
+    bar.update()
     per = max(0.0, (long - short) / (rows * (LONG_CONTEXT - CONTEXT) / 1000))
     saving = 0.0
     if target.layers is not None and target.static is None and rows > 1 and per > 0:  # the kernel that shares
-        shared = _time_point(target, rows, 1, LONG_CONTEXT, repeats, shared=LONG_CONTEXT)
+        shared = _time_point(target, rows, 1, long_prompt, repeats, shared=LONG_CONTEXT)
         from_sibling = (rows - 1) * (LONG_CONTEXT // SHARED_BLOCK * SHARED_BLOCK)  # positions, all rows
         saving = min(max((long - shared) / (per * from_sibling / 1000), 0.0), 1.0)
+        bar.update()
+    bar.close()
+    log.info("the forward profiled at %d points in %.0f s", bar.n, bar.format_dict["elapsed"])
     return ForwardCost(points, CONTEXT, per, target.ragged, saving)
 
 

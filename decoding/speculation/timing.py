@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import torch
 
+from decoding.runtime.kv_cache import RowKVCache
 from decoding.runtime.runner import ModelRunner, Scored
 from decoding.speculation.draft_tree import DraftTree, k_config_parents
 from decoding.speculation.verify import pack
@@ -40,24 +41,38 @@ def time_forward(target: ModelRunner, context: int, tree_size: int, batch: int, 
     return timed_ms(verification(target, context, tree_size, batch), repeats, target.device)
 
 
+def filled(target: ModelRunner, context: int) -> RowKVCache:
+    """A one-row cache holding `context` committed tokens: the prompt every timed forward attends to."""
+    cache = target.new_cache(1, context + 2)
+    vocab = int(target.config.vocab_size)
+    fill = pack([[(100 + i) % vocab for i in range(context)]], [DraftTree()])
+    target.forward(cache, fill.tokens, fill.see, fill.depth, logits_at=torch.tensor([context - 1]), rows=[0])
+    cache.advance(torch.tensor([context]))
+    return cache
+
+
 def verification(
-    target: ModelRunner, context: int, tree_size: int, batch: int, siblings: int = 1, shared: int = 0
+    target: ModelRunner,
+    context: int,
+    tree_size: int,
+    batch: int,
+    siblings: int = 1,
+    shared: int = 0,
+    prompt: RowKVCache | None = None,
 ) -> Callable[[], Scored]:
     """A verification forward as the decoders call it, ready to repeat: `batch` rows that hold
     `context` committed tokens each score a tree of `tree_size` tokens (the pending root included).
     With `siblings` > 1, rows in groups of that many read their first `shared` positions once (the
-    samples of one ToT state); else every row reads its own copy, which the planner's profile prices."""
+    samples of one ToT state); else every row reads its own copy, which the planner's profile prices.
+    `prompt`: `filled(target, context)`, computed once for many forwards timed over it."""
     capacity = context + tree_size + 2
     cache = target.new_cache(batch, capacity, graphs=True)
     vocab = int(target.config.vocab_size)
-    # One row's prompt computed, its keys and values copied into the others: the same cache a batched
+    # One row's prompt computed, its keys and values copied into every row: the same cache a batched
     # prefill writes (a row's bits do not depend on the rows beside it), for 1/batch of its cost (a
     # 64-row prefill of a 0.5B model took minutes of a planner's profile on 2 cores).
-    fill = pack([[(100 + i) % vocab for i in range(context)]], [DraftTree()])
-    target.forward(cache, fill.tokens, fill.see, fill.depth, logits_at=torch.tensor([context - 1]), rows=[0])
-    cache.advance(torch.tensor([context] + [0] * (batch - 1)))
-    if batch > 1:
-        cache.copy_prefix(cache, 0, list(range(1, batch)), context, share=False)
+    prompt = filled(target, context) if prompt is None else prompt
+    cache.copy_prefix(prompt, 0, list(range(batch)), context, share=False)
     if siblings > 1 and shared:
         for first in range(0, batch, siblings):
             cache.share(list(range(first, min(first + siblings, batch))), shared)
