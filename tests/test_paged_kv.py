@@ -4,6 +4,7 @@ whoever shares its blocks, and every decoder's tokens `hf`'s with rows sharing a
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import pytest
@@ -17,7 +18,7 @@ from decoding.runtime.kv_cache import shared_reads
 from decoding.runtime.memory import MemoryBudget
 from decoding.runtime.paged_kv import BLOCK, BlockPool, groups_of
 from decoding.runtime.prefix_cache import PrefixCache
-from decoding.runtime.runner import ModelRunner, Need
+from decoding.runtime.runner import ModelRunner, Need, _rows_of_their_own
 from decoding.speculation.draft_tree import ROOT, DraftTree
 from decoding.speculation.verify import pack
 
@@ -205,3 +206,18 @@ def test_every_decoder_gives_hfs_tokens_with_rows_sharing_a_prompt_and_leaves_no
         assert pool.used == int((pool.stored > 0).sum()), f"{name}: a row still holds blocks"
         runner.prefixes.clear()
         assert pool.used == 0
+
+
+def test_a_paged_layout_that_cannot_be_used_says_why(loaded, bucketed, caplog):
+    """model.paged_kv=true where the forward reads rows of their own (here the bucketed forward; on a
+    GPU every forward) is one log line naming the reason, not a silent change of layout."""
+    with caplog.at_level(logging.INFO, logger="decoding.runtime.runner"):
+        assert ModelRunner(loaded.model).pool is not None
+        assert not caplog.records
+        assert ModelRunner(bucketed.model, static=bucketed.static, paged=True).pool is None
+    assert [r.getMessage() for r in caplog.records] == [
+        "model.paged_kv: KV in rows of their own, not in shared blocks: the bucketed forward (model.cuda_graphs) "
+        "reads rows of their own"
+    ]
+    assert "on cuda" in _rows_of_their_own(True, False, torch.device("cuda"))
+    assert "transformers' own forward" in _rows_of_their_own(False, False, torch.device("cpu"))

@@ -294,3 +294,44 @@ def test_toy_search_task_and_architecture_run_from_the_command_line(tmp_path):
         assert len(tree.thoughts) >= 2
         trees[decoder] = [(t.text, t.value) for _, t in sorted(tree.thoughts.items())]
     assert trees["ar"] == trees["hf"]
+
+
+def test_every_options_dataclass_defaults_to_what_the_yaml_says():
+    """Defaults are written twice, in the options' dataclasses (the Python API) and in conf/ (the
+    command line): a user of either gets the same product."""
+    from dataclasses import MISSING, fields
+
+    from hydra import compose, initialize_config_module
+    from omegaconf import OmegaConf
+
+    from decoding.runtime.models import ModelSpec
+    from decoding.schedules.rounds import RoundsOptions
+    from decoding.server import ServerOptions
+    from decoding.speculation.options import VerifyOptions
+    from decoding.trees.policies import DraftTreeOptions
+
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        config = OmegaConf.to_container(compose(config_name="config"), resolve=True)
+    sections = {
+        "verify": [VerifyOptions],
+        "sd": [DraftTreeOptions],
+        "seed": [DraftTreeOptions, RoundsOptions],
+        **{name: [options] for name, options in SECTIONS.items()},
+        "server": [ServerOptions],
+        "model": [ModelSpec],
+    }
+    named_by_code = {"key", "vocab"}  # the section a message names; the draft model's vocabulary
+    differ, compared = [], 0
+    for section, classes in sections.items():
+        yaml = config[section]
+        for options in classes:
+            for f in fields(options):
+                if f.name in named_by_code and f.name not in yaml:
+                    continue
+                assert f.name in yaml, f"{section}.{f.name} is not in conf/"
+                default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+                if (list(default) if isinstance(default, tuple) else default) != yaml[f.name]:
+                    differ.append(f"{section}.{f.name}: {options.__name__} {default!r}, conf/ {yaml[f.name]!r}")
+                compared += 1
+    assert not differ
+    assert compared > 40

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, replace
 
@@ -15,6 +16,8 @@ from decoding.runtime.paged_kv import BLOCK, BlockPool, PagedKVCache, blocks_for
 from decoding.runtime.prefix_cache import Match, PrefixCache, shared_len
 from decoding.runtime.quant import cache_dtype
 from decoding.runtime.static_forward import StaticForward, StaticSpec
+
+log = logging.getLogger(__name__)
 
 MIN_SHARED_PREFIX = 8  # shorter common prefixes are simply fed with each row
 
@@ -62,7 +65,9 @@ class ModelRunner:
         self.peak_shared_blocks = 0  # paged: the most blocks held by more than one row at a forward
         # KV in blocks shared by reference (paged_kv.py) where the project's layers read it on the CPU;
         # every other forward reads rows of its own
-        paged = paged and self.layers is not None and self.static is None and self.device.type == "cpu"
+        if paged and (why := _rows_of_their_own(self.layers is not None, self.static is not None, self.device)):
+            log.info("model.paged_kv: KV in rows of their own, not in shared blocks: %s", why)
+            paged = False
         self.pool = BlockPool.for_model(self.config, self.cache_dtype, self.device) if paged else None
         self.prefixes = PrefixCache(prefix_budget, self.pool)  # its own 4 GiB without a budget
         self.kv_budget = kv_budget  # bytes a decoder's KV pool may take (model.kv_memory); None: unbounded
@@ -458,6 +463,18 @@ class ModelRunner:
         cache.clear(rows)
         if self.pool is not None:
             self.prefixes.budget.make_room()
+
+
+def _rows_of_their_own(layers: bool, bucketed: bool, device: torch.device) -> str | None:
+    """Why a paged layout asked for cannot be used (None: it can): only the project's CPU layers read
+    KV through block tables (the CPU attention of csrc/attention.cpp)."""
+    if device.type != "cpu":
+        return f"on {device.type}, the forwards read rows of their own (blocks are read by the CPU attention alone)"
+    if bucketed:
+        return "the bucketed forward (model.cuda_graphs) reads rows of their own"
+    if not layers:
+        return "the model runs through transformers' own forward (model.attention / model.linear not the project's)"
+    return None
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:

@@ -24,7 +24,7 @@ class VerifyOptions:
     # goodput: each step planned for the most expected committed tokens per second (the step
     # planner, decoding/schedules/planner.py); fixed: every tree cut to max_tokens / rows - 1 nodes;
     # auto: fixed for `seed` (SEED's Algorithm 1 baseline), goodput for every other decoder.
-    plan: str = "goodput"
+    plan: str = "auto"
     max_tokens: int | str | None = "auto"  # plan=fixed: tree tokens (roots included) per forward
     # At temperature > 0 (decoding/speculation/sampling.py, Rule): match_gumbel, the target samples each
     # position by Gumbel-max with the request's public noise and a drafted token is kept when it is
