@@ -278,6 +278,25 @@ def test_tokenizer_converted_once_then_served_from_the_cache(
         assert tok.chat_template == ref.chat_template
 
 
+def test_the_conversions_reader_parses_what_gguf_py_does(tiny: Path) -> None:
+    """The tokenizer conversion runs transformers over gguf-py's reader on a plain array of the file's
+    mapping (3x faster): the same fields and tensors, and gguf-py's own reader back afterwards."""
+    own = gguf.GGUFReader
+    with gguf_load._plain_gguf_reader():
+        plain = gguf.GGUFReader(tiny)
+    assert gguf.GGUFReader is own and type(plain.data) is np.ndarray
+    ref = own(tiny)
+    assert list(plain.fields) == list(ref.fields)
+    for name, field in ref.fields.items():
+        other = plain.fields[name]
+        assert other.types == field.types and other.data == field.data
+        assert all(np.array_equal(a, b) for a, b in zip(other.parts, field.parts, strict=True))
+    assert [(t.name, t.tensor_type, t.data_offset) for t in plain.tensors] == [
+        (t.name, t.tensor_type, t.data_offset) for t in ref.tensors
+    ]
+    assert all(np.array_equal(a.data, b.data) for a, b in zip(plain.tensors, ref.tensors, strict=True))
+
+
 def test_tokenizer_folder_keyed_by_the_file(tmp_path: Path) -> None:
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()

@@ -329,8 +329,9 @@ def test_the_loader_gives_the_embedded_models_head_its_q8_0_blocks():
 
     from gguf import dequantize
 
+    from decoding.runtime.gguf_tensors import file_tensors, tensor_bytes
     from decoding.runtime.models import embedded_file
-    from decoding.runtime.quant import q8_head_from_gguf, read_gguf
+    from decoding.runtime.quant import q8_head_from_gguf
 
     class Model(torch.nn.Module):  # what the loader reads of a causal LM
         def __init__(self) -> None:
@@ -350,8 +351,8 @@ def test_the_loader_gives_the_embedded_models_head_its_q8_0_blocks():
     assert q8_head_from_gguf(model, path)
     head = model.lm_head
     assert type(head) is Q8Linear and head.weight is weight
-    raw = next(t for t in read_gguf(path).tensors if t.name == "token_embd.weight")
-    expected = dequantize(np.asarray(raw.data), GGMLQuantizationType.Q8_0).reshape(49152, 576)
+    raw = next(t for t in file_tensors(path) if t.name == "token_embd.weight")
+    expected = dequantize(tensor_bytes(path, raw).reshape(49152, -1), GGMLQuantizationType.Q8_0)
     assert torch.equal(head.dequantized(), torch.from_numpy(expected))
 
 

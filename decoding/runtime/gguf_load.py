@@ -20,12 +20,12 @@ for the architectures whose legacy loader is nothing but those tables (llama, qw
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import secrets
 import shutil
-import struct
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from decoding.base.errors import BackendError
+from decoding.runtime.gguf_tensors import FileTensor, file_tensors
 from decoding.runtime.packaged import nearest_existing
 from decoding.runtime.quant import kernel_fits
 
@@ -51,22 +52,6 @@ log = logging.getLogger(__name__)
 TABLE_ONLY = ("llama", "qwen2")
 CHUNK_ELEMENTS = 1 << 22  # rows dequantized at once: bounds the float32 temporaries to tens of MB
 KEY_BYTES = 1 << 20  # how much of the file's start (its header: the vocabulary) keys its tokenizer folder
-
-
-@dataclass(frozen=True)
-class FileTensor:
-    """One tensor of a GGUF file: where its bytes are and how they are stored."""
-
-    name: str
-    shape: tuple[int, ...]  # torch order (ggml's reversed)
-    type_name: str  # GGMLQuantizationType name: F32, Q4_K, ...
-    start: int  # absolute offset in the file
-    nbytes: int
-
-    @property
-    def rows(self) -> int:
-        """Rows of the tensor seen as 2-D [rows, last dimension] (1 for a vector)."""
-        return int(np.prod(self.shape[:-1], dtype=np.int64)) if len(self.shape) > 1 else 1
 
 
 @dataclass(frozen=True)
@@ -156,29 +141,6 @@ def load_model(gguf: Path, dtype: torch.dtype, skip_types: frozenset[str] = froz
         len(plan.skipped),
     )
     return model
-
-
-def file_tensors(gguf: Path) -> list[FileTensor]:
-    """The file's tensor table, read with transformers' GGUF reader's header walk (no tensor data is
-    read; its own tensor list refuses types it has no kernel for, such as Q5_0)."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-    from transformers.integrations.gguf.reader import _mapped, _read_metadata, _read_tensor_table
-
-    try:
-        blob = _mapped(str(gguf))
-        metadata, count, at = _read_metadata(blob, str(gguf))
-        entries, end = _read_tensor_table(blob, count, at)
-        kinds = [GGMLQuantizationType(kind) for _, _, kind, _ in entries]
-    except (ValueError, OSError, struct.error) as e:
-        raise BackendError(f"{gguf}: its GGUF header does not parse ({_first_line(e)})") from None
-    alignment = metadata.get("general.alignment", 32)
-    data_start = -(-end // alignment) * alignment
-    tensors = []
-    for (name, shape, _, offset), kind in zip(entries, kinds):
-        block, size = GGML_QUANT_SIZES[kind]
-        nbytes = int(np.prod(shape, dtype=np.int64)) // block * size
-        tensors.append(FileTensor(name, tuple(shape), kind.name, data_start + offset, nbytes))
-    return tensors
 
 
 def _first_line(e: BaseException) -> str:
@@ -440,7 +402,8 @@ def _convert_tokenizer(gguf: Path, folder: Path) -> None:
         folder.parent.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
         try:
-            converted = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            with _plain_gguf_reader():
+                converted = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             read_config(gguf)  # an architecture transformers lacks is named as such
             raise BackendError(f"{gguf}: transformers cannot read its tokenizer ({_first_line(e)})") from None
@@ -456,6 +419,30 @@ def _convert_tokenizer(gguf: Path, folder: Path) -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     log.info("converted %s's tokenizer into %s in %.1fs (once)", gguf.name, folder, time.perf_counter() - t0)
+
+
+@contextlib.contextmanager
+def _plain_gguf_reader() -> Iterator[None]:
+    """transformers converts a GGUF tokenizer through gguf-py's reader, which slices its memmap once
+    per metadata element (750k slices for a 150k-token vocabulary, a memmap's slicing microseconds
+    each); over a plain array of the same mapping it parses the same fields 3x faster (16 -> 5.6 s)."""
+    import gguf
+
+    class PlainReader(gguf.GGUFReader):
+        @property  # type: ignore[override]
+        def data(self) -> np.ndarray:
+            return self._plain
+
+        @data.setter
+        def data(self, mapped: np.ndarray) -> None:
+            self._plain = mapped.view(np.ndarray)
+
+    plain = gguf.GGUFReader
+    gguf.GGUFReader = PlainReader  # transformers imports it from the package at each call
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = plain
 
 
 def _rename_into_place(tmp: Path, folder: Path) -> None:

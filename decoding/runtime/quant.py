@@ -27,20 +27,17 @@ once. The kernel gives a row the same bits whatever the number of rows
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from decoding.base.errors import BackendError
 from decoding.runtime import kernels
+from decoding.runtime.gguf_tensors import FileTensor, file_tensors, tensor_bytes
 from decoding.runtime.rows_linear import RowsLinear
-
-if TYPE_CHECKING:
-    from gguf import GGUFReader
 
 GROUP = 32  # the kernel's group size along the input dimension, GGUF's 4-bit block (or sub-block)
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
@@ -260,13 +257,13 @@ def q8_head_from_gguf(model: torch.nn.Module, path: Path) -> bool:
     head = model.get_output_embeddings()
     if type(head) not in (torch.nn.Linear, RowsLinear) or head.in_features % GROUP:
         return False
-    tensors = {t.name: t for t in read_gguf(path).tensors}
+    tensors = {t.name: t for t in file_tensors(path)}
     source = tensors.get("output.weight") or (
         tensors.get("token_embd.weight") if getattr(model.config, "tie_word_embeddings", False) else None
     )
-    if source is None or source.tensor_type.name not in Q8_TYPES:
+    if source is None or source.type_name not in Q8_TYPES:
         return False
-    codes, scale = decode_q8(np.asarray(source.data), source.tensor_type.name, head.out_features, head.in_features)
+    codes, scale = decode_q8(tensor_bytes(path, source), source.type_name, head.out_features, head.in_features)
     bias = None if head.bias is None else head.bias
     model.set_output_embeddings(Q8Linear(head.weight, torch.from_numpy(codes), torch.from_numpy(scale), bias))
     return True
@@ -377,18 +374,6 @@ def _k_scale_min(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc.astype(np.float32), mn.astype(np.float32)
 
 
-def read_gguf(path: Path) -> GGUFReader:
-    """The file's reader (parsing its metadata takes seconds: read once per load, see _reader)."""
-    return _reader(str(path), path.stat().st_mtime_ns)
-
-
-@functools.lru_cache(maxsize=1)
-def _reader(path: str, mtime_ns: int) -> GGUFReader:
-    from gguf import GGUFReader
-
-    return GGUFReader(path)
-
-
 class _TopLevel:
     """What transformers' get_gguf_hf_weights_map reads of a model, without the submodules it would
     also walk (each walk builds gguf's name table again: 8 s for the embedded model's 397 modules);
@@ -408,8 +393,8 @@ class _TopLevel:
 def check_types(path: Path, key: str) -> dict[str, int]:
     """Tensor types of a GGUF file and how many tensors have each; an error names an unsupported one."""
     counts: dict[str, int] = {}
-    for tensor in read_gguf(path).tensors:
-        name = tensor.tensor_type.name
+    for tensor in file_tensors(path):
+        name = tensor.type_name
         if name not in INT4_TYPES + DEQUANTIZED_TYPES:
             raise BackendError(
                 f"{key}.path={path}: tensor {tensor.name} has GGUF type {name}, which this loader does not run "
@@ -420,7 +405,9 @@ def check_types(path: Path, key: str) -> dict[str, int]:
     return counts
 
 
-def _linear_tensors(model: torch.nn.Module, path: Path) -> tuple[list[tuple[Any, str, torch.nn.Module | None]], Any]:
+def _linear_tensors(
+    model: torch.nn.Module, path: Path
+) -> tuple[list[tuple[FileTensor, str, torch.nn.Module | None]], Any]:
     """Each tensor of the file with the name of the model's weight it fills and that weight's module
     (None where it is no module's), and the processor that undoes the converter's permutations."""
     from transformers.modeling_gguf_pytorch_utils import (
@@ -434,7 +421,7 @@ def _linear_tensors(model: torch.nn.Module, path: Path) -> tuple[list[tuple[Any,
     names = get_gguf_hf_weights_map(_TopLevel(model), processor)
     modules = dict(model.named_modules())
     out = []
-    for tensor in read_gguf(path).tensors:
+    for tensor in file_tensors(path):
         hf_name = names.get(tensor.name, "")
         out.append((tensor, hf_name, modules.get(hf_name.removesuffix(".weight"))))
     return out, processor
@@ -451,11 +438,11 @@ def quantize_from_gguf(model: torch.nn.Module, path: Path, activations: str = "f
     tensors, processor = _linear_tensors(model, path)
     replaced: dict[str, int] = {}
     for tensor, hf_name, module in tensors:
-        kind = tensor.tensor_type.name
+        kind = tensor.type_name
         q8 = kind in Q8_TYPES and activations == "int8" and module is not head
         if not (kind in INT4_TYPES or q8) or not kernel_fits(module):
             continue
-        data, shape = np.asarray(tensor.data), (module.out_features, module.in_features)
+        data, shape = tensor_bytes(path, tensor), (module.out_features, module.in_features)
 
         # The converter permuted q/k rows for llama.cpp's rotary layout; undo it as transformers does.
         def rows(a: np.ndarray, name: str = tensor.name) -> torch.Tensor:
@@ -482,6 +469,6 @@ def float_layers(model: torch.nn.Module, path: Path) -> dict[str, int]:
         if tensor.name == "token_embd.weight" and tied:
             module = head  # the head is the embedding's weight
         if isinstance(module, torch.nn.Linear):  # RowsLinear too: a float kernel
-            kind = tensor.tensor_type.name
+            kind = tensor.type_name
             left[kind] = left.get(kind, 0) + 1
     return left
