@@ -24,8 +24,8 @@ from decoding import (
     BackendError,
     ConfigError,
     ModelSpec,
+    activations_and_why,
     is_gguf,
-    resolve_activations,
     resolve_attention,
     resolve_device,
     resolve_linear,
@@ -157,7 +157,7 @@ def resolved(container: Mapping[str, Any]) -> Settings:
         gguf = Path(spec.path) if is_gguf(spec.path) else None
         out[f"{key}.device"] = str(device)
         out[f"{key}.weights"] = weights = resolve_weights(spec.weights, device, gguf, key)
-        out[f"{key}.activations"] = resolve_activations(spec, device, weights)
+        out[f"{key}.activations"] = activations_and_why(spec, device, weights)[0]  # load_model says why
         out[f"{key}.attention"] = resolve_attention(spec.attention, device, key)
         out[f"{key}.linear"] = resolve_linear(spec.linear, device, key)
     return out

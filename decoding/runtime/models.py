@@ -339,27 +339,33 @@ def _kept_blocks(weights: str, activations: str) -> frozenset[str]:
 
 
 def resolve_activations(spec: ModelSpec, device: torch.device, weights: str) -> str:
-    """float or int8. int8 activations run a GGUF's 4-bit layers on the CPU kernel: refused elsewhere,
-    in one line. auto: int8 where the kernel runs on vector instructions (AVX2 or VNNI: faster than
-    float in every forward measured, docs/performance.md) and `decoding.activation_error` measured
-    this file's int8 outputs as close to float32 as llama.cpp's (decoding/runtime/numerics.py); float
-    elsewhere, with a log line saying why."""
+    """float or int8 (`activations_and_why`), with auto's choice and its reason in a log line."""
+    activations, why = activations_and_why(spec, device, weights)
+    if why is not None:
+        log.info("%s.activations=auto: %s (%s)", spec.key, activations, why)
+    return activations
+
+
+def activations_and_why(spec: ModelSpec, device: torch.device, weights: str) -> tuple[str, str | None]:
+    """float or int8, and under auto why (None: nothing to say). int8 activations run a GGUF's 4-bit
+    layers on the CPU kernel: refused elsewhere, in one line. auto: int8 where the kernel runs on vector
+    instructions (AVX2 or VNNI: faster than float in every forward measured, docs/performance.md) and
+    `decoding.activation_error` measured this file's int8 outputs as close to float32 as llama.cpp's
+    (decoding/runtime/numerics.py); float elsewhere."""
     if spec.activations == "auto":
         if device.type != "cpu" or weights != "gguf":
-            return "float"
+            return "float", None
         if kernels.load().q4_int8_path() == "portable":
-            log.info("%s.activations=auto: float (the int8 kernel has no vector path on this CPU)", spec.key)
-            return "float"
+            return "float", "the int8 kernel has no vector path on this CPU"
         gguf = gguf_file(spec)
         record = numerics.read(cache_root(), gguf) if gguf is not None else None
         ok, why = record.int8_ok() if record else (False, "no measurement of its outputs on record")
         if not ok and not record:
             why += " (python -m decoding.activation_error measures them)"
-        log.info("%s.activations=auto: %s (%s: %s)", spec.key, "int8" if ok else "float", gguf and gguf.name, why)
-        return "int8" if ok else "float"
+        return ("int8" if ok else "float"), f"{gguf and gguf.name}: {why}"
     if spec.activations == "int8":
         check_activations(spec, device, weights)
-    return spec.activations
+    return spec.activations, None
 
 
 def check_activations(spec: ModelSpec, device: torch.device, weights: str) -> None:
