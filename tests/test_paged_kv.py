@@ -4,6 +4,7 @@ whoever shares its blocks, and every decoder's tokens `hf`'s with rows sharing a
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 
@@ -221,3 +222,27 @@ def test_a_paged_layout_that_cannot_be_used_says_why(loaded, bucketed, caplog):
     ]
     assert "on cuda" in _rows_of_their_own(True, False, torch.device("cuda"))
     assert "transformers' own forward" in _rows_of_their_own(False, False, torch.device("cpu"))
+
+
+def test_both_layouts_implement_the_kv_cache_interface(loaded):
+    """`KVCache` is what every signature names: rows of their own and paged blocks each implement all
+    of it, with its parameters (names and defaults) as the protocol declares them."""
+    from decoding.runtime.kv_cache import KVCache, RowKVCache
+    from decoding.runtime.paged_kv import PagedKVCache
+
+    caches = [ModelRunner(loaded.model).new_cache(2, 64), ModelRunner(loaded.model, paged=False).new_cache(2, 64)]
+    assert [type(c) for c in caches] == [PagedKVCache, RowKVCache]
+    declared = {n: m for n, m in vars(KVCache).items() if not n.startswith("_") or n == "__len__"}
+    methods = {n: m for n, m in declared.items() if inspect.isfunction(m)}
+    properties = {n for n, m in declared.items() if isinstance(m, property)}
+    assert {"prepare", "advance", "keep", "copy_prefix", "restore"} <= set(methods) and "nbytes" in properties
+    for cache in caches:
+        assert isinstance(cache, KVCache)
+        for name in KVCache.__annotations__:
+            assert hasattr(cache, name), f"{type(cache).__name__} has no {name}"
+        for name in properties:
+            assert isinstance(getattr(type(cache), name), property), f"{type(cache).__name__}.{name}"
+        for name, method in methods.items():
+            want = [(p.name, p.default) for p in inspect.signature(method).parameters.values()]
+            got = [(p.name, p.default) for p in inspect.signature(getattr(type(cache), name)).parameters.values()]
+            assert got == want, f"{type(cache).__name__}.{name}{got} against KVCache's {want}"

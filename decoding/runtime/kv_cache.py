@@ -13,11 +13,78 @@ transformers range in tests/test_kv_cache.py.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 POOL_SLACK = 4.0  # a pool gives memory back once it holds this many times what its live rows need
 SHARED_BLOCK = 64  # the CPU attention reads a group's shared positions in whole blocks of this many (its BL)
+
+
+class Segment(Protocol):
+    """Stored positions of one row (the prefix store's edge): a copy, or blocks held by count."""
+
+    def release(self) -> None: ...
+
+
+@runtime_checkable
+class KVCache(Protocol):
+    """What the runner, the decoders and the prefix store ask of a KV cache: rows with a committed
+    length each, written by a forward through `prepare`'s view and committed by `advance` / `keep`.
+    Two layouts implement it: `RowKVCache` (rows of their own, here) and `paged_kv.PagedKVCache`
+    (tables of blocks shared by reference); each accounts its own bytes (`nbytes`)."""
+
+    lens: torch.Tensor  # [B] committed positions per row, on the host
+    device: torch.device
+    spare: int  # rows past the live ones that a bucketed forward's padding writes (0: none)
+    graphs: dict[tuple, object] | None  # CUDA graphs captured over it (None: not worth capturing)
+
+    def __len__(self) -> int: ...  # layers
+
+    @property
+    def keys(self) -> list[torch.Tensor]: ...  # per layer: [B, H_kv, capacity, D] rows, or the pool's blocks
+
+    @property
+    def values(self) -> list[torch.Tensor]: ...
+
+    @property
+    def batch(self) -> int: ...
+
+    @property
+    def capacity(self) -> int: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def reserve(self, batch: int, capacity: int) -> None: ...
+
+    def give_back(self, batch: int, capacity: int, slack: float = POOL_SLACK) -> bool: ...
+
+    def prepare(
+        self, n_new: int, offset: int = 0, rows: list[int] | None = None, gather: bool = True
+    ) -> ForwardView: ...
+
+    def advance(self, counts: torch.Tensor) -> None: ...
+
+    def keep(self, row: int, new_indices: list[int]) -> None: ...
+
+    def keep_rows(self, rows: list[int], new_indices: list[list[int]]) -> None: ...
+
+    def clear(self, rows: list[int]) -> None: ...
+
+    def copy_prefix(self, src: KVCache, src_row: int, rows: list[int], n: int, share: bool = True) -> None: ...
+
+    def share(self, rows: list[int], n: int, group: int | None = None) -> None: ...
+
+    def written(self, rows: list[int], start: int) -> None: ...
+
+    def reads(self, rows: list[int] | None = None) -> tuple[int, int]: ...
+
+    def read(self, row: int, start: int, end: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]: ...
+
+    def segment(self, row: int, start: int, end: int) -> Segment: ...
+
+    def restore(self, row: int, pieces: list[tuple[Any, int, int]], start: int, end: int) -> None: ...
 
 
 class RowKVCache:
@@ -201,7 +268,7 @@ class RowKVCache:
         if self.graphs is not None:
             self.graphs.clear()  # they read the old tensors' addresses
 
-    def copy_prefix(self, src: RowKVCache, src_row: int, rows: list[int], n: int, share: bool = True) -> None:
+    def copy_prefix(self, src: KVCache, src_row: int, rows: list[int], n: int, share: bool = True) -> None:
         """Rows `rows` become the first n committed positions of `src`'s row src_row; with `share`,
         they form a group (with src_row, when it is a row of this cache) whose first n positions are
         read once for all of them."""
@@ -283,11 +350,11 @@ class DenseSegment:
 
 @dataclass(frozen=True)
 class ForwardView:
-    """One forward's view of a RowKVCache: which rows it runs (None: all), where their new tokens are
+    """One forward's view of a KV cache: which rows it runs (None: all), where their new tokens are
     written and what they attend over. It is what `transformers` gets as `past_key_values` for that
     forward (its `update` is the Cache entry point), and nothing of it outlives the forward."""
 
-    cache: RowKVCache
+    cache: KVCache
     lens: torch.Tensor  # [B] committed lengths of the forward's rows
     slots: torch.Tensor  # [B, T] where its new tokens are written
     offset: int  # uncommitted slots of earlier forwards of the step, before the new ones

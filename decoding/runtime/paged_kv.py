@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from decoding.runtime.kv_cache import POOL_SLACK, SHARED_BLOCK, ForwardView, cache_geometry, moves, reads_of
+from decoding.runtime.kv_cache import POOL_SLACK, SHARED_BLOCK, ForwardView, KVCache, cache_geometry, moves, reads_of
 
 # The counts and tables are made outside inference mode (where a forward may grow them), so that
 # code outside it can change them too.
@@ -188,8 +188,8 @@ class _Tables:
 
 
 class PagedKVCache:
-    """Rows of a BlockPool: per row a table of blocks and a committed length. The same interface as
-    kv_cache.RowKVCache (the decoders and the runner see no difference), its memory in blocks."""
+    """Rows of a BlockPool: per row a table of blocks and a committed length. The `KVCache` interface
+    as kv_cache.RowKVCache (the decoders and the runner see no difference), its memory in blocks."""
 
     spare = 0  # no bucketed forward runs over it
     graphs = None
@@ -329,7 +329,7 @@ class PagedKVCache:
             self.lens = self.lens[:batch].clone()
         return self.pool.trim(slack)
 
-    def copy_prefix(self, src: object, src_row: int, rows: list[int], n: int, share: bool = True) -> None:
+    def copy_prefix(self, src: KVCache, src_row: int, rows: list[int], n: int, share: bool = True) -> None:
         """Rows `rows` become the first n committed positions of `src`'s row src_row: by reference to
         its blocks (a cache of this pool, `share`), else copies in fresh blocks."""
         assert src is not self or src_row not in rows, "a row cannot take its own prefix"
@@ -347,7 +347,7 @@ class PagedKVCache:
                     self.pool.copy(ids.tolist(), fresh)
                     self.tables[row, :k] = torch.tensor(fresh)
         else:  # another layout or pool: its positions copied into fresh blocks
-            keys, values = src.read(src_row, 0, n)  # type: ignore[attr-defined]
+            keys, values = src.read(src_row, 0, n)
             for row in rows:
                 self._own_blocks(row, 0, k)
                 self._write(row, 0, keys, values)

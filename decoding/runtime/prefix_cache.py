@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from decoding.runtime.kv_cache import DenseSegment, RowKVCache
+from decoding.runtime.kv_cache import DenseSegment, KVCache
 from decoding.runtime.memory import MemoryBudget
-from decoding.runtime.paged_kv import BlockPool, BlockSegment, PagedKVCache
+from decoding.runtime.paged_kv import BlockPool, BlockSegment
 
 DEFAULT_BYTES = 4 << 30  # a store built without a budget (tests, tools): its own 4 GiB
 
@@ -68,9 +68,6 @@ class Match:
     @property
     def length(self) -> int:
         return sum(n for _, n in self.path)
-
-
-Cache = RowKVCache | PagedKVCache
 
 
 class PrefixCache:
@@ -119,7 +116,7 @@ class PrefixCache:
             self._push(path[-1][0])
         return Match(tuple(path))
 
-    def restore(self, match: Match, cache: Cache, row: int, start: int, end: int) -> torch.Tensor | None:
+    def restore(self, match: Match, cache: KVCache, row: int, start: int, end: int) -> torch.Tensor | None:
         """Positions [start, end) of a matched prefix into a cache row (copied, or its blocks held),
         which then holds `end` committed tokens; returns the captured hidden states of those
         positions (or None)."""
@@ -138,7 +135,7 @@ class PrefixCache:
     def store(
         self,
         tokens: tuple[int, ...],
-        cache: Cache,
+        cache: KVCache,
         row: int = 0,
         hidden: torch.Tensor | None = None,
         pin: tuple[int, ...] | None = None,
@@ -151,7 +148,12 @@ class PrefixCache:
             self._store(tokens, cache, row, hidden, pin)
 
     def _store(
-        self, tokens: tuple[int, ...], cache: Cache, row: int, hidden: torch.Tensor | None, pin: tuple[int, ...] | None
+        self,
+        tokens: tuple[int, ...],
+        cache: KVCache,
+        row: int,
+        hidden: torch.Tensor | None,
+        pin: tuple[int, ...] | None,
     ) -> None:
         n = len(tokens)
         assert n <= int(cache.lens[row]), "only committed positions can be stored"

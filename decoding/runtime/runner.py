@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from decoding.runtime import attention, llama
-from decoding.runtime.kv_cache import ForwardView, RowKVCache, cache_geometry
+from decoding.runtime.kv_cache import ForwardView, KVCache, RowKVCache, cache_geometry
 from decoding.runtime.memory import MemoryBudget
 from decoding.runtime.packing import Packed, pack
 from decoding.runtime.paged_kv import BLOCK, BlockPool, PagedKVCache, blocks_for
@@ -31,7 +31,8 @@ def _common_prefix_len(prompts: list[list[int]]) -> int:
 
 
 class ModelRunner:
-    """Wraps a `transformers` causal LM so that every forward writes into a RowKVCache.
+    """Wraps a `transformers` causal LM so that every forward writes into a `KVCache` (rows of their own,
+    or paged blocks).
 
     A forward takes T new tokens per row with, per row, a T x T visibility matrix among them (a
     causal chain for prefill and plain decoding, ancestors for a draft tree) and their depths;
@@ -94,12 +95,12 @@ class ModelRunner:
     def max_length(self) -> int:
         return int(getattr(self.config, "max_position_embeddings", 0) or 1 << 30)
 
-    def new_cache(self, batch: int, capacity: int, graphs: bool = False) -> RowKVCache:
+    def new_cache(self, batch: int, capacity: int, graphs: bool = False) -> KVCache:
         """An empty cache; `graphs`: one that lives long enough to be worth capturing CUDA graphs over
         (a decoder's pool of rows, not a scratch cache of one admission). Paged, rows of the model's
         block pool (they share blocks with each other and the prefix store)."""
         if self.pool is not None and self.layers is not None:
-            return PagedKVCache(self.pool, batch, capacity)  # type: ignore[return-value]
+            return PagedKVCache(self.pool, batch, capacity)
         cache = RowKVCache.for_model(
             self.config,
             batch,
@@ -116,7 +117,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(
         self,
-        cache: RowKVCache,
+        cache: KVCache,
         tokens: torch.Tensor,
         tree: torch.Tensor,
         depth: torch.Tensor,
@@ -165,7 +166,7 @@ class ModelRunner:
 
     def _static_forward(
         self,
-        cache: RowKVCache,
+        cache: KVCache,
         tokens: torch.Tensor,
         tree: torch.Tensor,
         depth: torch.Tensor,
@@ -189,7 +190,7 @@ class ModelRunner:
         reads the padded layout, turns it off): a forward then costs the tokens its rows hold."""
         return self.layers is not None and self.hidden_layer is None and self.static is None
 
-    def score(self, cache: RowKVCache, packed: Packed, rows: list[int] | None = None) -> Scored:
+    def score(self, cache: KVCache, packed: Packed, rows: list[int] | None = None) -> Scored:
         """One verification forward: per row, the logits [1 + n, V] at its root and its n tree nodes."""
         index, counts = packed.real_logits_index()
         t0 = time.perf_counter()
@@ -238,7 +239,7 @@ class ModelRunner:
                 hook.remove()
         return out.logits, kept[0] if kept else None
 
-    def admit(self, cache: RowKVCache, rows: list[int], prompts: list[list[int]], room: int) -> Admission:
+    def admit(self, cache: KVCache, rows: list[int], prompts: list[list[int]], room: int) -> Admission:
         """Put the prompts into cache rows `rows` (grown as needed, with `room` positions per row past
         its prompt) and return, per row, the tokens still to feed (the last one only) and the prompt
         tokens computed for it.
@@ -258,7 +259,7 @@ class ModelRunner:
         with self.prefixes.budget.lock:  # what it matched is not evicted by another thread before it is read
             return self._admit(cache, rows, prompts, room)
 
-    def _admit(self, cache: RowKVCache, rows: list[int], prompts: list[list[int]], room: int) -> Admission:
+    def _admit(self, cache: KVCache, rows: list[int], prompts: list[list[int]], room: int) -> Admission:
         forwards, rows_run = self.forwards, self.rows
         shared = min(_common_prefix_len(prompts), min(len(p) for p in prompts) - 1)
         head = tuple(prompts[0][:shared])
@@ -294,7 +295,7 @@ class ModelRunner:
 
     def _admit_rest(
         self,
-        cache: RowKVCache,
+        cache: KVCache,
         rows: list[int],
         prompts: list[list[int]],
         shared: int,
@@ -332,7 +333,7 @@ class ModelRunner:
             spent[row] += 1
         return Admission([p[-1:] for p in prompts], [spent[row] for row in rows])
 
-    def _reserve(self, cache: RowKVCache, batch: int, capacity: int) -> None:
+    def _reserve(self, cache: KVCache, batch: int, capacity: int) -> None:
         """Grow the pool to `batch` rows of `capacity` positions; where graphs are captured over it,
         to the next rows bucket and context multiple, since growing drops every graph."""
         if self.static is not None and cache.graphs is not None:
@@ -341,7 +342,7 @@ class ModelRunner:
             capacity = -(-capacity // buckets.context) * buckets.context
         cache.reserve(batch, capacity)
 
-    def give_back(self, cache: RowKVCache, rows: int, live: list[Need]) -> None:
+    def give_back(self, cache: KVCache, rows: int, live: list[Need]) -> None:
         """Shrink the pool to `rows` rows and what the live rows need, once it holds far more (a burst
         of rows, or a long prompt, gone: memory stays bounded over a long run)."""
         capacity = self.row_capacity([n.prompt for n in live], max(n.room for n in live)) if live else 0
@@ -404,7 +405,7 @@ class ModelRunner:
         return longest + room + (longest if self.hidden_layer is not None else 1)
 
     def _admit_head(
-        self, cache: RowKVCache, rows: list[int], head: tuple[int, ...], reused: Match
+        self, cache: KVCache, rows: list[int], head: tuple[int, ...], reused: Match
     ) -> tuple[dict[int, int], torch.Tensor | None]:
         """Rows `rows` start with `head`'s KV (computed once past its stored part): their lengths, and
         with capture `head`'s hidden states [len(head), H]."""
@@ -431,7 +432,7 @@ class ModelRunner:
         scratch.clear([0])
         return dict.fromkeys(rows, len(head)), torch.cat(hidden) if capture and hidden else empty
 
-    def _prefill(self, cache: RowKVCache, rows: list[int], pending: list[list[int]]) -> None:
+    def _prefill(self, cache: KVCache, rows: list[int], pending: list[list[int]]) -> None:
         """Compute every row's pending tokens but the last, all rows in one forward (left-padded)."""
         todo = [(row, p[:-1]) for row, p in zip(rows, pending) if len(p) > 1]
         if not todo:
@@ -450,14 +451,14 @@ class ModelRunner:
         for b, (row, _) in enumerate(todo):
             cache.keep(row, packed.committed(b, []))
 
-    def remember(self, cache: RowKVCache, row: int, tokens: list[int], pin: tuple[int, ...] | None = None) -> None:
+    def remember(self, cache: KVCache, row: int, tokens: list[int], pin: tuple[int, ...] | None = None) -> None:
         """Store what a row committed (its prompt and generated tokens) for later prompts that extend
         it: the next step's prompts continue this step's thoughts; with `pin`, kept until a
         follow-up naming `pin` as its context is admitted."""
         if self.hidden_layer is None:
             self.prefixes.store(tuple(tokens[: int(cache.lens[row])]), cache, row, pin=pin)
 
-    def release(self, cache: RowKVCache, rows: list[int]) -> None:
+    def release(self, cache: KVCache, rows: list[int]) -> None:
         """Rows hold nothing any more (their sequences left). Paged, their blocks go back, and those
         the store also held now count against its budget, which may then evict."""
         cache.clear(rows)

@@ -26,7 +26,7 @@ from dataclasses import replace
 from decoding.base.errors import BackendError
 from decoding.base.values import DecodeStats
 from decoding.drafters.base import Drafter
-from decoding.runtime.kv_cache import RowKVCache
+from decoding.runtime.kv_cache import KVCache
 from decoding.runtime.runner import ModelRunner
 from decoding.schedules.base import Step, run_to_end
 from decoding.schedules.planner import Planner
@@ -99,7 +99,7 @@ class Scheduler:
         return self.setup.planner
 
     @property
-    def cache(self) -> RowKVCache:
+    def cache(self) -> KVCache:
         return self.setup.cache
 
     @property

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from decoding.drafters.base import Drafter
-from decoding.runtime.kv_cache import RowKVCache
+from decoding.runtime.kv_cache import KVCache
 from decoding.runtime.packing import Packed, pack
 from decoding.runtime.runner import ModelRunner
 from decoding.schedules.planner import Planner, StepPlan
@@ -61,7 +61,7 @@ class StepSetup:
     """What a step runs on: fixed for a scheduler's life."""
 
     target: ModelRunner
-    cache: RowKVCache  # the KV pool: row r holds the sequence of the live slot with row r
+    cache: KVCache  # the KV pool: row r holds the sequence of the live slot with row r
     tokenizer: Detokenizer
     drafter: Drafter
     planner: Planner | None  # verify.plan=goodput; None: every tree cut to `budget`
@@ -201,7 +201,7 @@ def cut(setup: StepSetup, slots: list[Slot], trees: list[DraftTree]) -> tuple[li
     return setup.planner.cut([s.estimate for s in slots], trees, greedy, [len(s.pending) for s in slots], context)
 
 
-def forward_context(cache: RowKVCache, slots: list[Slot], shared_saving: float) -> float:
+def forward_context(cache: KVCache, slots: list[Slot], shared_saving: float) -> float:
     """The context a row of the forward attends, as the cost model prices it: positions read from a
     sibling's row cost `shared_saving` less (ForwardCost.shared_saving, measured by its profile)."""
     total, shared = cache.reads([s.row for s in slots])
@@ -216,7 +216,7 @@ def cut_to_budget(trees: list[DraftTree], budget: int | None) -> list[DraftTree]
     return [t.prefix(nodes) for t in trees]
 
 
-def rows_of(cache: RowKVCache, slots: list[Slot]) -> list[int] | None:
+def rows_of(cache: KVCache, slots: list[Slot]) -> list[int] | None:
     rows = [s.row for s in slots]
     return None if rows == list(range(cache.batch)) else rows
 

@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from decoding.base.errors import ConfigError
 from decoding.runtime import kernels
-from decoding.runtime.kv_cache import SHARED_BLOCK, RowKVCache
+from decoding.runtime.kv_cache import SHARED_BLOCK, KVCache
 from decoding.runtime.runner import ModelRunner
 from decoding.speculation.timing import filled, timed_ms, verification
 
@@ -162,9 +162,7 @@ def _monotone(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
     return [(n, float(m)) for (n, _), m in zip(points, ms)]
 
 
-def _time_point(
-    target: ModelRunner, rows: int, per_row: int, prompt: RowKVCache, repeats: int, shared: int = 0
-) -> float:
+def _time_point(target: ModelRunner, rows: int, per_row: int, prompt: KVCache, repeats: int, shared: int = 0) -> float:
     """ms of a forward over rows holding `prompt`'s positions (the fastest of the repeats: another
     process's burst only ever slows one down); with `shared`, its rows siblings reading their first
     `shared` positions once."""

@@ -16,7 +16,7 @@ from decoding.speculation.draft_tree import DraftTree
 from decoding.speculation.sequence import Sequence
 
 if TYPE_CHECKING:
-    from decoding.runtime.kv_cache import RowKVCache
+    from decoding.runtime.kv_cache import KVCache
     from decoding.speculation.verify import Verdict
 
 T = TypeVar("T")
@@ -45,7 +45,7 @@ class Slot:
     # computed or shared (an EDD drafter's soft prompt starts with them). They come with the slot:
     # a later admission, before a drafter thread hears of this one, cannot swap them.
     start_hidden: torch.Tensor | None = None
-    cache: RowKVCache | None = None  # the pool `row` is a row of
+    cache: KVCache | None = None  # the pool `row` is a row of
     phase: Phase = "drafting"
     draft: DraftTree | None = None  # while queued: the tree waiting for the target
     queued_at: float = 0.0  # when it was queued (the queue wait the statistics report)

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from decoding.runtime.kv_cache import RowKVCache
+from decoding.runtime.kv_cache import KVCache
 from decoding.runtime.runner import ModelRunner, Scored
 from decoding.speculation.draft_tree import DraftTree, k_config_parents
 from decoding.speculation.verify import pack
@@ -41,7 +41,7 @@ def time_forward(target: ModelRunner, context: int, tree_size: int, batch: int, 
     return timed_ms(verification(target, context, tree_size, batch), repeats, target.device)
 
 
-def filled(target: ModelRunner, context: int) -> RowKVCache:
+def filled(target: ModelRunner, context: int) -> KVCache:
     """A one-row cache holding `context` committed tokens: the prompt every timed forward attends to."""
     cache = target.new_cache(1, context + 2)
     vocab = int(target.config.vocab_size)
@@ -58,7 +58,7 @@ def verification(
     batch: int,
     siblings: int = 1,
     shared: int = 0,
-    prompt: RowKVCache | None = None,
+    prompt: KVCache | None = None,
 ) -> Callable[[], Scored]:
     """A verification forward as the decoders call it, ready to repeat: `batch` rows that hold
     `context` committed tokens each score a tree of `tree_size` tokens (the pending root included).

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from decoding.runtime.kv_cache import RowKVCache
+from decoding.runtime.kv_cache import KVCache
 from decoding.runtime.packing import Packed, pack
 from decoding.runtime.runner import ModelRunner, Scored
 from decoding.speculation.acceptance import walk_matched, walk_rejection
@@ -64,7 +64,7 @@ class Verdict:
 
 def verify(
     target: ModelRunner,
-    cache: RowKVCache,
+    cache: KVCache,
     pending: list[list[int]],
     trees: list[DraftTree],
     seqs: list[Sequence],
