@@ -238,10 +238,8 @@ def test_both_layouts_implement_the_kv_cache_interface(loaded):
     assert {"prepare", "advance", "keep", "copy_prefix", "restore"} <= set(methods) and "nbytes" in properties
     for cache in caches:
         assert isinstance(cache, KVCache)
-        for name in KVCache.__annotations__:
+        for name in [*KVCache.__annotations__, *properties]:  # attributes or properties alike
             assert hasattr(cache, name), f"{type(cache).__name__} has no {name}"
-        for name in properties:
-            assert isinstance(getattr(type(cache), name), property), f"{type(cache).__name__}.{name}"
         for name, method in methods.items():
             want = [(p.name, p.default) for p in inspect.signature(method).parameters.values()]
             got = [(p.name, p.default) for p in inspect.signature(getattr(type(cache), name)).parameters.values()]
