@@ -101,8 +101,8 @@ def accept(
     # Processed once per row: the distributions drafters learn from, and what the samplers read.
     scores, dists = processed_rows(seqs, logits)
     # On a GPU every row's own token at its root and at each node is found where the logits are, and
-    # the step reads them back once; the CPU takes every greedy row's argmax in one pass and samples
-    # lazily, only the nodes a walk reaches.
+    # the step reads them back once; the CPU takes every greedy row's argmax in one pass, draws every
+    # undrafted sampled row in one call, and samples the other rows lazily, only the nodes a walk reaches.
     targets = (
         device_targets(trees, seqs, logits, scores, rule)
         if on_device
