@@ -113,6 +113,29 @@ def test_the_kernels_pass_picks_the_full_argmax(vocab):
     assert gumbel_pick_rows(rows, keys) == expected  # the rows of a step, drawn on the machine's threads
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("built", [True, False])
+def test_raw_rows_are_drawn_as_their_processed_logits(dtype, built, monkeypatch):
+    """A row whose processing is its temperature alone is drawn from its raw logits (the kernel divides
+    them in its pass, as `processed_logits` does in float32): the argmax of the processed row's scores +
+    noise, with the kernels and without them."""
+    if built:
+        kernels.load()
+    else:
+        monkeypatch.setattr(kernels, "built", lambda: None)
+    rows, keys, temperatures, expected = [], [], [], []
+    for seed in range(24):
+        raw = (logits_of(seed, 4_099) * [0.3, 3.0, 30.0][seed % 3]).to(dtype)
+        t = [0.6, 1.0, 1.7, 0.123][seed % 4]
+        position = 7 * seed
+        scores = processed_logits(raw.float(), SamplingParams(t))
+        expected.append(int((scores.double() + gumbel_noise(seed, position, torch.arange(len(raw)))).argmax()))
+        rows.append(raw)
+        keys.append(key(seed, position))
+        temperatures.append(t)
+    assert gumbel_pick_rows(rows, keys, temperatures) == expected
+
+
 def test_noise_is_a_function_of_seed_position_and_token():
     ids = torch.arange(1000)
     full = gumbel_noise(5, 9, ids)

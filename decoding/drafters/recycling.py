@@ -76,7 +76,7 @@ class RecyclingDrafter:
         for (seq, v), (ids, probs) in zip(kept, tops):
             before = seq.tail(v.kept + 1)  # the token before each kept position
             for i, (succ, p) in enumerate(zip(ids, probs)):
-                logp = None if v.probs is None else [math.log(q) if q > 0 else -math.inf for q in p]
+                logp = None if seq.params.greedy else [math.log(q) if q > 0 else -math.inf for q in p]
                 self.successors[before[i]] = (succ, logp)
 
     def release(self, slots: list[Slot], live: list[Slot]) -> None:

@@ -463,6 +463,35 @@ def _unknown_name(spec: ModelSpec) -> None:
         )
 
 
+def _hub_reachable(spec: ModelSpec) -> None:
+    """A path that is not here, read as a Hugging Face id: one that cannot be one (a path), or one not
+    in the hub's local cache while the hub cannot be reached, said at once (transformers retries the
+    network for about a minute before it fails)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    from huggingface_hub import constants, try_to_load_from_cache
+    from huggingface_hub.errors import HFValidationError
+
+    fix = f"give a local checkpoint folder, a .gguf file or one of {', '.join(known_models())}"
+    try:
+        cached = try_to_load_from_cache(spec.path, "config.json")
+    except HFValidationError:
+        raise BackendError(
+            f"{spec.key}.path={spec.path} does not exist (and is not a Hugging Face id); {fix}"
+        ) from None
+    if isinstance(cached, str) or constants.HF_HUB_OFFLINE:
+        return  # loaded from the cache, or refused by transformers at once
+    url = urlsplit(constants.ENDPOINT)
+    try:
+        socket.create_connection((url.hostname or "", url.port or (443 if url.scheme == "https" else 80)), 5).close()
+    except OSError as e:
+        raise BackendError(
+            f"{spec.key}.path={spec.path} is not a file or folder here, nor in the Hugging Face cache, and "
+            f"{constants.ENDPOINT} cannot be reached to fetch it ({e.strerror or e}); {fix}"
+        ) from None
+
+
 def _use_chat_template(spec: ModelSpec, tokenizer: object) -> bool:
     has_template = getattr(tokenizer, "chat_template", None) is not None
     use_chat = has_template if spec.chat_template == "auto" else str(spec.chat_template).lower() == "true"
@@ -500,6 +529,8 @@ def _model_source(spec: ModelSpec) -> tuple[str, Path | None]:
     else:
         folder = Path(spec.path).expanduser()
         _unknown_name(spec)
+        if not folder.exists():
+            _hub_reachable(spec)
         if folder.is_dir():
             _known_architecture(folder, spec)
         if folder.is_dir() and spec.init == "checkpoint":

@@ -17,6 +17,7 @@ model is sound.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import importlib
@@ -328,7 +329,9 @@ def _fsync_folder(folder: Path) -> None:
 
 
 def _write_error(model: PackagedModel, folder: Path, e: OSError, key: str) -> BackendError:
+    # A full disk can be freed; a folder the user may not write (read-only, permission) can only be moved.
+    fix = "" if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM) else "free space there or "
     return BackendError(
         f"{key}.path={model.name}: cannot write the joined file in {folder} ({e.strerror or e}); "
-        f"free space there or set {key}.cache_dir (--cache-dir for {INSTALL}) to a writable folder with room"
+        f"{fix}set {key}.cache_dir (--cache-dir for {INSTALL}) to a writable folder with room"
     )

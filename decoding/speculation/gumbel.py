@@ -106,12 +106,17 @@ def gumbel_pick(scores: torch.Tensor, seed: int, position: int) -> int:
     return gumbel_pick_rows([scores], [key(seed, position)])[0]
 
 
-def gumbel_pick_rows(rows: list[torch.Tensor], keys: list[int]) -> list[int]:
-    """`gumbel_pick` of each CPU row [V] of processed logits, row r with the noise stream `keys[r]`
-    (`key(seed, position)`): on the machine's threads in one call of the kernels where they are built."""
-    if kernels.built() is not None and all(r.dtype == torch.float32 and r.is_contiguous() for r in rows):
-        return list(torch.ops.tot_sampling.gumbel_pick_rows(rows, [_signed(k) for k in keys]))
-    return [_pick_np(r, k) for r, k in zip(rows, keys)]
+def gumbel_pick_rows(rows: list[torch.Tensor], keys: list[int], temperatures: list[float] | None = None) -> list[int]:
+    """`gumbel_pick` of each CPU row [V], row r with the noise stream `keys[r]` (`key(seed, position)`):
+    of processed logits, or (`temperatures`) of raw logits whose processing is the division by row r's
+    temperature alone (no top-k, no top-p), done in the draw's pass. On the machine's threads in one
+    call of the kernels where they are built."""
+    ts = [1.0] * len(rows) if temperatures is None else [float(t) for t in temperatures]
+    if kernels.built() is not None and all(
+        r.dtype in (torch.float32, torch.bfloat16) and r.is_contiguous() for r in rows
+    ):
+        return list(torch.ops.tot_sampling.gumbel_pick_rows(rows, [_signed(k) for k in keys], ts))
+    return [_pick_np(r if t == 1.0 else r.float() / t, k) for r, k, t in zip(rows, keys, ts)]
 
 
 def _pick_np(scores: torch.Tensor, stream: int) -> int:

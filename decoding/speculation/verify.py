@@ -32,8 +32,9 @@ class Verdict:
     tree: DraftTree
     path: list[int]  # accepted nodes, root's child first
     token: int  # the token after them (bonus or residual draw)
-    # Target distributions after processing, at the root and at each node [1 + N, V] (None for
-    # greedy rows, where only the argmax matters); cross-trajectory drafters learn from them.
+    # Target distributions after processing, at the root and at each node [1 + N, V]: where the rule
+    # reads them (rejection, match_multinomial); None for greedy rows and under match_gumbel, whose
+    # draws read the processed logits (a softmax of every node's row cost more than a sampled step's draws).
     probs: torch.Tensor | None
     logits: torch.Tensor  # raw target logits at the same places
     kept: int = 0  # tokens the sequence kept (stop rules may cut the accepted run); set by the commit
@@ -98,15 +99,17 @@ def accept(
     planner cut each drafted tree (`Verdict.drafted_nodes`)."""
     logits, hidden = scored.logits, scored.hidden
     on_device = bool(logits) and logits[0].device.type != "cpu"
-    # Processed once per row: the distributions drafters learn from, and what the samplers read.
-    scores, dists = processed_rows(seqs, logits)
+    # Processed once per row: what the samplers read; the softmax only where the rule draws from it. On
+    # the CPU a row the kernel draws from its raw logits is not processed at all (cast, divided, joined).
+    raw = [not on_device and drawn_raw(t, s, rule) for t, s in zip(trees, seqs)]
+    scores, dists = processed_rows(seqs, logits, softmax=rule != "match_gumbel", skip=raw)
     # On a GPU every row's own token at its root and at each node is found where the logits are, and
     # the step reads them back once; the CPU takes every greedy row's argmax in one pass, draws every
     # undrafted sampled row in one call, and samples the other rows lazily, only the nodes a walk reaches.
     targets = (
         device_targets(trees, seqs, logits, scores, rule)
         if on_device
-        else host_targets(scored, trees, seqs, scores, rule)
+        else host_targets(scored, trees, seqs, scores, raw, rule)
     )
 
     def decide(b: int) -> tuple[list[int], int, torch.Tensor | None]:
@@ -126,7 +129,11 @@ def accept(
     # by a fifth (the pool's threads ran torch operators of their own, and the cores' worker threads
     # contended), for draws that take 0.15 ms a row (decoding/speculation/gumbel.py).
     decided = [decide(b) for b in range(len(trees))]
-    tops = top_tokens([(path, probs, row) for (path, _, probs), row in zip(decided, logits)], top) if top else None
+    tops = (
+        top_tokens([(path, probs, sc, row) for (path, _, probs), sc, row in zip(decided, scores, logits)], seqs, top)
+        if top
+        else None
+    )
     return [
         Verdict(
             trees[b],
@@ -147,10 +154,18 @@ def processed(s: Sequence, row: torch.Tensor) -> torch.Tensor | None:
     return None if s.params.greedy else processed_logits(row.float(), s.params)
 
 
+def drawn_raw(tree: DraftTree, s: Sequence, rule: Rule) -> bool:
+    """Whether a sampled row's one token is drawn by the kernel from its raw logits: no draft, a rule
+    that draws it by Gumbel-max, and a processing that is the temperature's division alone."""
+    p = s.params
+    return not p.greedy and not len(tree) and rule != "match_multinomial" and p.top_k == 0 and p.top_p >= 1.0
+
+
 def processed_rows(
-    seqs: list[Sequence], logits: list[torch.Tensor]
+    seqs: list[Sequence], logits: list[torch.Tensor], softmax: bool = True, skip: list[bool] | None = None
 ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
-    """`processed` for every row, and its softmax, in one call per sampling setting: every operation
+    """`processed` for every row (but those `skip` says), and (`softmax`) its softmax, in one call per
+    sampling setting: every operation
     in it works row by row, and per-row calls cost a dozen small launches each on a GPU (thousands a
     step in the statistical tests) and ~20 us of dispatch an operator on a CPU (a step of 32 sampled
     rows paid 0.4 ms a row)."""
@@ -158,14 +173,17 @@ def processed_rows(
     dists: list[torch.Tensor | None] = [None] * len(seqs)
     groups: dict[SamplingParams, list[int]] = {}
     for b, s in enumerate(seqs):
-        if not s.params.greedy:
+        if not s.params.greedy and not (skip and skip[b]):
             groups.setdefault(s.params, []).append(b)
     for params, members in groups.items():
         rows = logits[members[0]] if len(members) == 1 else torch.cat([logits[b] for b in members])
         done = processed_logits(rows.float(), params)
         sizes = [len(logits[b]) for b in members]
-        for b, part, dist in zip(members, torch.split(done, sizes), torch.split(done.softmax(-1), sizes)):
-            scores[b], dists[b] = part, dist
+        for b, part in zip(members, torch.split(done, sizes)):
+            scores[b] = part
+        if softmax:
+            for b, dist in zip(members, torch.split(done.softmax(-1), sizes)):
+                dists[b] = dist
     return scores, dists
 
 
@@ -203,13 +221,19 @@ def device_targets(
 
 
 def host_targets(
-    scored: Scored, trees: list[DraftTree], seqs: list[Sequence], scores: list[torch.Tensor | None], rule: Rule
+    scored: Scored,
+    trees: list[DraftTree],
+    seqs: list[Sequence],
+    scores: list[torch.Tensor | None],
+    raw: list[bool],
+    rule: Rule,
 ) -> list[list[int] | None]:
     """On the CPU, per greedy row its argmax at the root and at each node ([1 + N] ids), and per
     sampled row without a draft its Gumbel-max draw ([1], as `target_sampler` draws it); None for the
     other rows (sampled lazily, only the nodes a walk reaches). One argmax over the forward's logits
     where they lie together, else over the greedy rows' (a call per row cost a tenth of a millisecond
-    more than its argmax); the draws in one call, rows on the machine's threads."""
+    more than its argmax); the draws in one call, rows on the machine's threads, the `raw` ones from
+    their logits and temperature (`drawn_raw`)."""
     greedy = [b for b, s in enumerate(seqs) if s.params.greedy]
     out: list[list[int] | None] = [None] * len(seqs)
     if greedy:
@@ -220,24 +244,46 @@ def host_targets(
         for b, n in zip(greedy, counts):
             out[b] = flat[start : start + n]
             start += n
-    drawn = [b for b, sc in enumerate(scores) if sc is not None and not len(trees[b]) and rule != "match_multinomial"]
+    drawn = [b for b, s in enumerate(seqs) if not s.params.greedy and not len(trees[b]) and rule != "match_multinomial"]
     if drawn:
-        rows = [scores[b][0] for b in drawn]  # type: ignore[index]
-        picks = gumbel_pick_rows(rows, [key(seqs[b].seed, seqs[b].position) for b in drawn])
+        rows = [scored.logits[b][0] if raw[b] else scores[b][0] for b in drawn]  # type: ignore[index]
+        temperatures = [seqs[b].params.temperature if raw[b] else 1.0 for b in drawn]
+        picks = gumbel_pick_rows(rows, [key(seqs[b].seed, seqs[b].position) for b in drawn], temperatures)
         for b, token in zip(drawn, picks):
             out[b] = [token]
     return out
 
 
-def top_tokens(decided: list[tuple[list[int], torch.Tensor | None, torch.Tensor]], k: int) -> list[Top]:
-    """Per row (its accepted path, processed distribution or None, raw logits): the k most likely
-    tokens at its root and along its path (`Verdict.top`), by one top-k over the step's rows where
-    they lie (`top_k_rows`)."""
-    rows = []
-    for path, probs, logits in decided:
-        at = [0, *(1 + n for n in path)] if path else slice(0, 1)  # a slice: no copy of the row
-        rows.append(logits[at].float().softmax(-1) if probs is None else probs[at])
-    values, ids = top_k_rows(rows, min(k, rows[0].shape[-1]))
+def top_tokens(
+    decided: list[tuple[list[int], torch.Tensor | None, torch.Tensor | None, torch.Tensor]],
+    seqs: list[Sequence],
+    k: int,
+) -> list[Top]:
+    """Per row (its accepted path, processed distribution or None, processed logits or None, raw
+    logits) and its sequence: the k most likely tokens at its root and along its path (`Verdict.top`)
+    and their probabilities (the processed distribution; the logits' softmax for greedy rows), by one
+    top-k over the step's rows where they lie (`top_k_rows`). What a row lacks is processed at its
+    path's rows alone, and one softmax covers every row without its distribution."""
+    rows: list[torch.Tensor | None] = [None] * len(decided)
+    unnormalised: list[tuple[int, torch.Tensor]] = []
+    unprocessed: list[int] = []
+    ats = [[0, *(1 + n for n in path)] if path else slice(0, 1) for path, *_ in decided]  # a slice: no copy
+    for b, ((_, probs, scores, logits), s, at) in enumerate(zip(decided, seqs, ats)):
+        if probs is not None:
+            rows[b] = probs[at]
+        elif scores is not None or s.params.greedy:
+            unnormalised.append((b, logits[at].float() if scores is None else scores[at]))
+        else:
+            unprocessed.append(b)
+    if unprocessed:
+        done, _ = processed_rows([seqs[b] for b in unprocessed], [decided[b][3][ats[b]] for b in unprocessed], False)
+        unnormalised += [(b, sc) for b, sc in zip(unprocessed, done)]  # type: ignore[misc]
+    if unnormalised:
+        parts = [x for _, x in unnormalised]
+        joined = (parts[0] if len(parts) == 1 else torch.cat(parts)).softmax(-1)
+        for (b, _), dist in zip(unnormalised, torch.split(joined, [len(x) for x in parts])):
+            rows[b] = dist
+    values, ids = top_k_rows(rows, min(k, rows[0].shape[-1]))  # type: ignore[arg-type, union-attr]
     ids_l, values_l = ids.tolist(), values.tolist()  # one conversion for the step
     out, start = [], 0
     for r in rows:
@@ -267,10 +313,11 @@ def target_sampler(
     (`transformers`' own sampling, in order of position); otherwise (match_gumbel, and rows
     without a draft under rejection) Gumbel-max with the request's public noise at the token's
     absolute position."""
-    if scores is None or dist is None:
+    if scores is None:
         argmax = argmax_rows(logits)
         return lambda node, d: argmax[node + 1]
     if rule == "match_multinomial":
+        assert dist is not None, "match_multinomial draws from the softmax: processed_rows(softmax=True)"
         return lambda node, d: int(torch.multinomial(dist[node + 1 : node + 2], 1, generator=s.sample_generator))
     position = s.position
     return lambda node, d: gumbel_pick(scores[node + 1], s.seed, position + d)

@@ -120,20 +120,45 @@ int64_t pick_row(const float* s, int64_t n, uint64_t start) {
   return pick;
 }
 
-void check_row(const at::Tensor& scores) {
-  TORCH_CHECK(scores.dim() == 1 && scores.scalar_type() == at::kFloat && scores.device().is_cpu(),
-              "gumbel_pick: one float32 CPU row of processed logits");
-  TORCH_CHECK(scores.size(0) > 0 && scores.stride(0) == 1, "gumbel_pick: a non-empty contiguous row");
+void check_row(const at::Tensor& row) {
+  TORCH_CHECK(row.dim() == 1 && (row.scalar_type() == at::kFloat || row.scalar_type() == at::kBFloat16) &&
+                  row.device().is_cpu(),
+              "gumbel_pick_rows: one float32 or bfloat16 CPU row of logits");
+  TORCH_CHECK(row.size(0) > 0 && row.stride(0) == 1, "gumbel_pick_rows: a non-empty contiguous row");
 }
 
-// Each row's draw, rows on the machine's threads (a step's rows without drafts: one draw each).
-std::vector<int64_t> gumbel_pick_rows(const std::vector<at::Tensor>& rows, const std::vector<int64_t>& keys) {
-  TORCH_CHECK(rows.size() == keys.size(), "gumbel_pick_rows: one key a row");
+// Each row's draw, rows on the machine's threads (a step's rows without drafts: one draw each). A row
+// is drawn over its logits divided by its temperature in float32, as `processed_logits` divides them
+// (float32 by float32: torch's division of a float32 tensor by a Python number), so raw logits need not
+// be processed (cast, divided, joined) first; a row already processed comes with temperature 1.
+std::vector<int64_t> gumbel_pick_rows(const std::vector<at::Tensor>& rows, const std::vector<int64_t>& keys,
+                                      const std::vector<double>& temperatures) {
+  TORCH_CHECK(rows.size() == keys.size() && rows.size() == temperatures.size(),
+              "gumbel_pick_rows: one key and one temperature a row");
   for (const auto& r : rows) check_row(r);
   std::vector<int64_t> out(rows.size());
   at::parallel_for(0, static_cast<int64_t>(rows.size()), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r)
-      out[r] = pick_row(rows[r].data_ptr<float>(), rows[r].size(0), static_cast<uint64_t>(keys[r]));
+    std::vector<float> scaled;
+    for (int64_t r = begin; r < end; ++r) {
+      const at::Tensor& row = rows[r];
+      const int64_t n = row.size(0);
+      const float t = static_cast<float>(temperatures[r]);
+      const float* s;
+      if (row.scalar_type() == at::kFloat && t == 1.0f) {
+        s = row.data_ptr<float>();
+      } else {
+        scaled.resize(n);
+        if (row.scalar_type() == at::kFloat) {
+          const float* x = row.data_ptr<float>();
+          for (int64_t i = 0; i < n; ++i) scaled[i] = x[i] / t;
+        } else {
+          const at::BFloat16* x = row.data_ptr<at::BFloat16>();
+          for (int64_t i = 0; i < n; ++i) scaled[i] = static_cast<float>(x[i]) / t;
+        }
+        s = scaled.data();
+      }
+      out[r] = pick_row(s, n, static_cast<uint64_t>(keys[r]));
+    }
   });
   return out;
 }
@@ -141,5 +166,5 @@ std::vector<int64_t> gumbel_pick_rows(const std::vector<at::Tensor>& rows, const
 }  // namespace
 
 TORCH_LIBRARY(tot_sampling, m) {
-  m.def("gumbel_pick_rows(Tensor[] rows, int[] keys) -> int[]", &gumbel_pick_rows);
+  m.def("gumbel_pick_rows(Tensor[] rows, int[] keys, float[] temperatures) -> int[]", &gumbel_pick_rows);
 }
