@@ -203,6 +203,8 @@ def check_evaluator(task: str, evaluator: str) -> None:
 
 def check_value(task: str, value: str, modes: tuple[str, ...] = VALUES) -> None:
     """task.value is one this task's evaluator can be read by (task.n_evaluate applies to `sampled` alone)."""
+    if value is True:  # YAML 1.1 reads a bare yes as true
+        raise DataError(f'task.value=true (task={task}): a bare yes in a yaml file reads as true; write value: "yes"')
     if value not in modes:
         raise DataError(
             f"task.value={value!r} is not one of {', '.join(modes)} (task={task}): sampled reads the number in "

@@ -166,7 +166,6 @@ CHAIN = '''
 
 from dataclasses import dataclass, replace
 
-from decoding import Group
 from tot.search import SearchBase
 from tot.searches import SearchPlugin
 
@@ -184,7 +183,7 @@ class Chain(SearchBase):
         step = self.step(problem, engine)
         node = step.tree.root
         for depth in range(1, min(self.task.depth, self.settings.steps) + 1):
-            node = (await step.grow([(node, 1, "")], Group(problem.id, f"d{depth}/eval")))[0]
+            node = (await step.grow([(node, 1, "")], f"d{depth}"))[0]
             step.tree[node].chosen = True
             if step.tree[node].terminal:
                 break

@@ -15,7 +15,7 @@ import asyncio
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from decoding import GenRequest, Group
+from decoding import GenRequest
 from tasks.base import Problem, Prompt
 from tot.search import GenerationEngine, SearchBase, Solution, Step, check_positive, choose, confidence, request_seed
 from tot.searches import SearchPlugin
@@ -50,7 +50,7 @@ class BestOfN(SearchBase):
         requests = [
             self.gen.request(
                 prompt,
-                group=Group(problem.id, "solutions"),
+                group=step.siblings("solutions"),
                 seed=request_seed(self.seed, problem.id, "solution", i),
                 keep=step.in_context and self.settings.scored,
                 max_new_tokens=self.settings.max_tokens,
@@ -85,9 +85,9 @@ class BestOfN(SearchBase):
             def prompt(path: list[str], follow_up: bool) -> Prompt:
                 return self.task.solution_evaluator_prompt(step.problem, path, follow_up)
 
-            group = Group(step.problem.id, "solutions/eval")
             sure = confidence(out) if request.logprobs else None
-            valued = await step.judge(steps, out.context if request.keep else (), prompt, group, f"s{i}", sure)
+            context = out.context if request.keep else ()
+            valued = await step.judge(steps, context, prompt, "solutions/eval", f"s{i}", sure)
         return out.text, steps, out.stats.generated_tokens, valued
 
 

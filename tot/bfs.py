@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from decoding import ConfigError, Group
+from decoding import ConfigError
 from tasks.base import Problem
 from tot.search import Aggregate, GenerationEngine, SearchBase, Solution, check_positive, choose, finished_states
 from tot.searches import SearchPlugin
@@ -44,9 +44,7 @@ class BFS(SearchBase):
             open_ = [s for s in frontier if s not in done]
             if not open_:
                 break
-            children = await step.grow(
-                [(s, self.settings.n_thoughts, "") for s in open_], Group(problem.id, f"d{depth}/eval")
-            )
+            children = await step.grow([(s, self.settings.n_thoughts, "") for s in open_], f"d{depth}")
             # Stable sort: among equal values the earlier thought wins, deterministically.
             frontier = sorted(done + children, key=lambda c: -tree[c].value)[: self.settings.breadth]
             for c in frontier:

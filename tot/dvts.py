@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from decoding import ConfigError, Group
+from decoding import ConfigError
 from tasks.base import Problem
 from tot.search import Aggregate, GenerationEngine, SearchBase, Solution, Step, check_positive, choose
 from tot.searches import SearchPlugin
@@ -55,11 +55,8 @@ class DVTS(SearchBase):
             if not live:
                 break
             # The seed key names the subtree: subtrees that start from the same state sample apart.
-            children = await step.grow(
-                [(current[k], width, f"s{k}") for k in live],
-                Group(problem.id, f"d{depth}/eval"),
-                group=Group(problem.id, f"d{depth}"),
-            )
+            # All subtrees' thoughts of a depth are siblings: one STAND pool sees every candidate.
+            children = await step.grow([(current[k], width, f"s{k}") for k in live], f"d{depth}", together=True)
             for i, k in enumerate(live):
                 candidates = children[i * width : (i + 1) * width]
                 for c in candidates:

@@ -23,7 +23,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
-from decoding import ConfigError, Group
+from decoding import ConfigError
 from tasks.base import Problem
 from tot.search import Aggregate, GenerationEngine, SearchBase, Solution, Step, check_positive, choose, finished_states
 from tot.searches import SearchPlugin
@@ -129,7 +129,7 @@ class MCTS(SearchBase):
             live = [p for p in paths if not tree[p[-1]].terminal]
             if not live:
                 return
-            children = await step.grow([(p[-1], width, "") for p in live], Group(step.problem.id, f"w{wave}/eval"))
+            children = await step.grow([(p[-1], width, "") for p in live], f"w{wave}")
             for i, path in enumerate(live):
                 grown = children[i * width : (i + 1) * width]
                 for c in grown:

@@ -158,13 +158,21 @@ class Step:
         self._replies: dict[int, tuple[int, ...]] = {}  # node -> its thought's whole sequence, until valued
         self._confidence: dict[int, float] = {}  # node -> its thought's mean token probability, until valued
 
-    async def grow(
-        self, parents: list[tuple[int, int, str]], eval_group: Group, group: Group | None = None
-    ) -> list[int]:
-        """Sample n thoughts from each (state, n, seed key), in `group` (default: the thoughts of one
-        state share a group), and value each thought (in `eval_group`) as soon as it is done.
-        Returns the new nodes in request order."""
+    def siblings(self, step: str | Group) -> Group:
+        """The requests of this problem's search step `step` (say "d2": the thoughts or evaluations
+        of depth 2) as the engine pools them: siblings share the drafters' cross-trajectory statistics.
+        A `Group` given is kept as it is (search plug-ins that built their own)."""
+        return step if isinstance(step, Group) else Group(self.problem.id, step)
+
+    async def grow(self, parents: list[tuple[int, int, str]], step: str | Group, together: bool = False) -> list[int]:
+        """Sample n thoughts from each (state, n, seed key) of search step `step`, and value each
+        thought as soon as it is done. Siblings, as the engine pools them: the thoughts of one state
+        (`together`: all of the step's thoughts), and the step's evaluations ("<step>/eval"; a `Group`
+        given for `step` is the evaluations' group, as plug-ins passed it). Returns the new nodes in
+        request order."""
         task, gen, tree, pid = self.task, self.gen, self.tree, self.problem.id
+        eval_group = step if isinstance(step, Group) else self.siblings(f"{step}/eval")
+        group = self.siblings(step) if together and not isinstance(step, Group) else None
         thoughts = []
         for state, n, key in parents:
             prompt = task.generator_prompt(self.problem, tree.steps(state))
@@ -173,7 +181,7 @@ class Step:
                 child = tree.add(state, "", raw="", tokens=0)  # its id fixed before anything runs
                 request = gen.request(
                     prompt,
-                    group=group or Group(pid, str(state)),
+                    group=group or self.siblings(str(state)),
                     seed=seed,
                     keep=self.in_context,
                     logprobs=self.confident,
@@ -216,13 +224,14 @@ class Step:
         steps: list[str],
         context: tuple[int, ...],
         prompt: EvalPrompt,
-        group: Group,
+        siblings: str | Group,
         key: object,
         confidence: float | None = None,
     ) -> Valuation:
         """The valuation of the path `steps`: its value, the mean of task.n_evaluate evaluator
         samples of prompt(steps, whether asked in the reply's `context`), all in one call, seeded by
-        `key` (the path's place in the search), and the evaluation that gave it; with task.value
+        `key` (the path's place in the search), pooled with the search step `siblings`' other
+        evaluations, and the evaluation that gave it; with task.value
         expected or yes, read from the evaluator's answers' probabilities after the prompt instead;
         with confidence, the `confidence` of the reply that wrote the path's last step."""
         if isinstance(self.reward, ScoringModel | ProcessReward):
@@ -245,7 +254,7 @@ class Step:
         requests = [
             self.gen.request(
                 asked,
-                group=group,
+                group=self.siblings(siblings),
                 # Sample 0 keeps the seed a single evaluation always had.
                 seed=request_seed(self.seed, pid, key, "eval", *([j] if j else [])),
                 evaluate=True,
