@@ -20,6 +20,7 @@ from decoding.config import DecoderConfig
 from decoding.drafters.draft_model import ModelDrafter
 from decoding.engine import Engine, apportion
 from decoding.kinds import DECODERS
+from decoding.runtime.kv_bytes import pool_bytes
 from decoding.runtime.models import ModelSpec
 from decoding.speculation.options import VerifyOptions
 from decoding.speculation.sampling import Rule
@@ -288,7 +289,7 @@ def test_the_kv_memory_bounds_the_sequences_decoding_at_once(name, paged, loaded
     expected = [r.token_ids for r in free.generate(requests)]
     seqs = [free._sequence(r) for r in requests]
     max_nodes = free.decoder.drafter.max_nodes
-    two = max(free.target.kv_bytes(needs([a, b], max_nodes)) for a, b in itertools.combinations(seqs, 2))
+    two = max(pool_bytes(free.target.kv_layout, needs([a, b], max_nodes)) for a, b in itertools.combinations(seqs, 2))
     bounded = engine_for(name, dataclasses.replace(loaded, kv_budget=two), perturbed)
     assert (bounded.target.pool is not None) == paged
     decoder = bounded.decoder
@@ -297,7 +298,7 @@ def test_the_kv_memory_bounds_the_sequences_decoding_at_once(name, paged, loaded
     while decoder.busy:
         waits += decoder.step().cost.kv_waits
         live = [slot.seq for slot in decoder.rounds.live.values()]
-        assert not live or bounded.target.kv_bytes(needs(live, max_nodes)) <= two
+        assert not live or pool_bytes(bounded.target.kv_layout, needs(live, max_nodes)) <= two
         most = max(most, decoder.live)
     assert most == 2 if not paged else 2 <= most < len(requests)
     assert waits >= len(requests) - most

@@ -15,11 +15,13 @@ from test_continuous import engine_for
 
 from decoding.base.values import GenRequest
 from decoding.kinds import DECODERS
+from decoding.runtime.kv_bytes import Need, pool_bytes
 from decoding.runtime.kv_cache import shared_reads
 from decoding.runtime.memory import MemoryBudget
 from decoding.runtime.paged_kv import BLOCK, BlockPool, groups_of
 from decoding.runtime.prefix_cache import PrefixCache
-from decoding.runtime.runner import ModelRunner, Need, _rows_of_their_own
+from decoding.runtime.runner import ModelRunner, _rows_of_their_own
+from decoding.schedules.admission import rows_that_fit
 from decoding.speculation.draft_tree import ROOT, DraftTree
 from decoding.speculation.verify import pack
 
@@ -179,16 +181,16 @@ def test_admission_counts_a_prompts_shared_blocks_once(loaded):
     prompt = tuple(range(3, 353))
     sample = Need(len(prompt), 80, prompt)
     own = ModelRunner(loaded.model, paged=False, kv_budget=1)
-    own.kv_budget = own.kv_bytes([sample] * 8)  # room for 8 rows of their own
+    own.kv_budget = pool_bytes(own.kv_layout, [sample] * 8)  # room for 8 rows of their own
     paged = ModelRunner(loaded.model, kv_budget=own.kv_budget)
-    assert own.rows_that_fit([], [sample] * 100) == 8
+    assert rows_that_fit(own.kv_layout, own.kv_budget, [], [sample] * 100) == 8
     whole, own_blocks = 349 // BLOCK, -(-431 // BLOCK) - 349 // BLOCK
     fit = (own.kv_budget // paged.pool.block_bytes - whole) // own_blocks
-    assert paged.rows_that_fit([], [sample] * 100) == fit >= 24
+    assert rows_that_fit(paged.kv_layout, paged.kv_budget, [], [sample] * 100) == fit >= 24
     # Prompts that share nothing count every block: no more than rows of their own, give or take a block.
     strangers = [Need(350, 80, tuple(range(i, i + 350))) for i in range(100)]
-    assert paged.rows_that_fit([], strangers) in (7, 8)
-    assert paged.kv_bytes([sample] * 8) == (whole + 8 * own_blocks) * paged.pool.block_bytes
+    assert rows_that_fit(paged.kv_layout, paged.kv_budget, [], strangers) in (7, 8)
+    assert pool_bytes(paged.kv_layout, [sample] * 8) == (whole + 8 * own_blocks) * paged.pool.block_bytes
 
 
 @pytest.mark.parametrize("name", list(DECODERS))

@@ -9,10 +9,11 @@ from dataclasses import dataclass, replace
 import torch
 
 from decoding.runtime import attention, llama
+from decoding.runtime.kv_bytes import KVBytes, Need, PagedBytes, RowBytes
 from decoding.runtime.kv_cache import ForwardView, KVCache, RowKVCache, cache_geometry
 from decoding.runtime.memory import MemoryBudget
 from decoding.runtime.packing import Packed, pack
-from decoding.runtime.paged_kv import BLOCK, BlockPool, PagedKVCache, blocks_for
+from decoding.runtime.paged_kv import BlockPool, PagedKVCache
 from decoding.runtime.prefix_cache import Match, PrefixCache, shared_len
 from decoding.runtime.quant import cache_dtype
 from decoding.runtime.static_forward import StaticForward, StaticSpec
@@ -348,54 +349,14 @@ class ModelRunner:
         capacity = self.row_capacity([n.prompt for n in live], max(n.room for n in live)) if live else 0
         cache.give_back(rows, capacity)
 
-    def rows_that_fit(self, live: list[Need], waiting: list[Need]) -> int:
-        """How many of `waiting` (in order) can join `live` with the pool inside `kv_budget`: one pass,
-        since each row taken only grows the pool (its rows, their longest prompt and room; paged, the
-        blocks each row adds)."""
-        if self.kv_budget is None:
-            return len(waiting)
+    @property
+    def kv_layout(self) -> KVBytes:
+        """What a pool of rows takes in this runner's layout (admission compares it with `kv_budget`)."""
         if self.pool is not None:
-            budget, seen = self.kv_budget // self.pool.block_bytes, set()
-            blocks = sum(self._blocks_for(n, seen) for n in live)
-            for k, n in enumerate(waiting):
-                blocks += self._blocks_for(n, seen)
-                if blocks > budget:
-                    return k
-            return len(waiting)
-        longest = max((n.prompt for n in live), default=0)
-        room = max((n.room for n in live), default=0)
-        for k, n in enumerate(waiting):
-            longest, room = max(longest, n.prompt), max(room, n.room)
-            if self._pool_bytes(len(live) + k + 1, longest, room) > self.kv_budget:
-                return k
-        return len(waiting)
-
-    def kv_bytes(self, needs: list[Need]) -> int:
-        """What a pool of these rows takes (what `rows_that_fit` compares with the budget)."""
-        if self.pool is not None:
-            seen: set[tuple[int, ...]] = set()
-            return sum(self._blocks_for(n, seen) for n in needs) * self.pool.block_bytes
-        return self._pool_bytes(len(needs), max(n.prompt for n in needs), max(n.room for n in needs))
-
-    def _pool_bytes(self, rows: int, longest_prompt: int, room: int) -> int:
-        """Each row holds what the longest prompt and the largest room need (and a bucketed forward's
-        spare row is one more)."""
+            return PagedBytes(self.pool.block_bytes, self.row_capacity)
         n_layers, n_kv, head_dim = cache_geometry(self.config)
-        capacity = self.row_capacity([longest_prompt], room)
-        rows += 1 if self.static is not None else 0
-        return rows * capacity * 2 * n_layers * n_kv * head_dim * self.cache_dtype.itemsize
-
-    def _blocks_for(self, need: Need, seen: set[tuple[int, ...]]) -> int:
-        """Blocks a row of `need` adds to those of the rows counted before it (`seen`: the prompt
-        blocks they hold, by the tokens up to each block's end): its prompt's whole blocks that no
-        earlier prompt shares (siblings hold one copy), and its own past them."""
-        whole = (need.prompt - 1) // BLOCK  # (the prompt's last token is fed with the first step)
-        fresh = whole
-        if need.tokens:
-            keys = {need.tokens[: (i + 1) * BLOCK] for i in range(whole)}
-            fresh = len(keys - seen)
-            seen |= keys
-        return fresh + blocks_for(self.row_capacity([need.prompt], need.room)) - whole
+        position = 2 * n_layers * n_kv * head_dim * self.cache_dtype.itemsize
+        return RowBytes(position, self.row_capacity, spare_rows=1 if self.static is not None else 0)
 
     def row_capacity(self, prompt_lens: list[int], room: int) -> int:
         """Positions a row of the pool needs while rows with these prompts decode, `room` past each."""
@@ -537,15 +498,6 @@ class Scored:
     def ms(self) -> float:
         t = self.timing
         return t.ms() if isinstance(t, _GpuTiming) else t
-
-
-@dataclass(frozen=True)
-class Need:
-    """What a row of the pool must hold: its prompt, and `room` positions past it."""
-
-    prompt: int
-    room: int
-    tokens: tuple[int, ...] = ()  # the prompt: paged, a block of it that other rows' prompts share counts once
 
 
 @dataclass(frozen=True)

@@ -26,8 +26,10 @@ from dataclasses import replace
 from decoding.base.errors import BackendError
 from decoding.base.values import DecodeStats
 from decoding.drafters.base import Drafter
+from decoding.runtime.kv_bytes import pool_bytes
 from decoding.runtime.kv_cache import KVCache
 from decoding.runtime.runner import ModelRunner
+from decoding.schedules.admission import rows_that_fit
 from decoding.schedules.base import Step, run_to_end
 from decoding.schedules.planner import Planner
 from decoding.schedules.rounds import Rounds, Unlocked
@@ -207,7 +209,9 @@ class Scheduler:
             return
         live = [s.seq for s in self.rounds.live.values()]
         max_nodes = self.drafter.max_nodes
-        fit = self.target.rows_that_fit(needs(live, max_nodes), needs(wanted, max_nodes))
+        fit = rows_that_fit(
+            self.target.kv_layout, self.target.kv_budget, needs(live, max_nodes), needs(wanted, max_nodes)
+        )
         if fit < len(wanted):
             self._hold_for_memory(wanted[fit:], alone=not live and not fit, cost=cost)
         new = [self.waiting.popleft() for _ in range(fit)]
@@ -237,7 +241,7 @@ class Scheduler:
         fit `alone` never will: a configuration error."""
         budget = self.target.kv_budget or 0
         if alone:
-            need = self.target.kv_bytes(needs(held[:1], self.drafter.max_nodes))
+            need = pool_bytes(self.target.kv_layout, needs(held[:1], self.drafter.max_nodes))
             raise BackendError(
                 f"one sequence needs {need / 2**20:.3g} MB of KV cache (its prompt, the tokens it may generate and a "
                 f"draft tree), model.kv_memory allows {budget / 2**20:.3g} MB: raise model.kv_memory or "

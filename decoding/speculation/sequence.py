@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from decoding.base.values import DecodeStats, FinishReason, Group, TokenLogprob
-from decoding.runtime.runner import Need
+from decoding.runtime.kv_bytes import Need
 from decoding.speculation.gumbel import Coupling
 from decoding.speculation.logprobs import Choices
 from decoding.speculation.sampling import SamplingParams, make_generator

@@ -32,9 +32,9 @@ class Verdict:
     tree: DraftTree
     path: list[int]  # accepted nodes, root's child first
     token: int  # the token after them (bonus or residual draw)
-    # Target distributions after processing, at the root and at each node [1 + N, V]: where the rule
-    # reads them (rejection, match_multinomial); None for greedy rows and under match_gumbel, whose
-    # draws read the processed logits (a softmax of every node's row cost more than a sampled step's draws).
+    # Target distributions after processing, at the root and at each node [1 + N, V], where the rule
+    # draws from them (match_multinomial; rejection's drafted rows on the CPU); else None: greedy rows,
+    # and Gumbel-max draws, which read the processed logits (a softmax of every row cost more than the draws).
     probs: torch.Tensor | None
     logits: torch.Tensor  # raw target logits at the same places
     kept: int = 0  # tokens the sequence kept (stop rules may cut the accepted run); set by the commit
@@ -165,10 +165,9 @@ def processed_rows(
     seqs: list[Sequence], logits: list[torch.Tensor], softmax: bool = True, skip: list[bool] | None = None
 ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
     """`processed` for every row (but those `skip` says), and (`softmax`) its softmax, in one call per
-    sampling setting: every operation
-    in it works row by row, and per-row calls cost a dozen small launches each on a GPU (thousands a
-    step in the statistical tests) and ~20 us of dispatch an operator on a CPU (a step of 32 sampled
-    rows paid 0.4 ms a row)."""
+    sampling setting: every operation in it works row by row, and per-row calls cost a dozen small
+    launches each on a GPU (thousands a step in the statistical tests) and ~20 us of dispatch an
+    operator on a CPU (a step of 32 sampled rows paid 0.4 ms a row)."""
     scores: list[torch.Tensor | None] = [None] * len(seqs)
     dists: list[torch.Tensor | None] = [None] * len(seqs)
     groups: dict[SamplingParams, list[int]] = {}
