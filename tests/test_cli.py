@@ -60,7 +60,7 @@ def cli_cases(tmp_path_factory, tiny_model, tokenizer):
         "malformed_data": ([f"data.path={malformed}"], f"{malformed}:2"),
         "n_thoughts": (["search.n_thoughts=0"], "search.n_thoughts=0"),
         "draft_vocab": (["decoder=sd", "draft.path=self", "draft.vocab=64"], "draft.vocab=64"),
-        "model_path": (["model.path=/nonexistent/model/dir"], "model.path='/nonexistent/model/dir'"),
+        "model_path": (["model.path=/nonexistent/model/dir"], "model.path=/nonexistent/model/dir does not exist"),
         "context": ([f"model.path={tiny}", "data.limit=1"], f"exceeds the model's context of {CONTEXT} tokens"),
     }
 

@@ -316,9 +316,10 @@ def read_only_mount_works(folder: Path) -> bool:
         return False
 
 
-def test_a_read_only_cache_is_one_line(tmp_path: Path) -> None:
+@pytest.mark.parametrize("command", ["decoding.install", "tot.solve"])
+def test_a_read_only_cache_is_one_line(tmp_path: Path, command: str) -> None:
     """An empty cache on a read-only file system (a shared cache a user cannot write): decoding.install
-    says so in one line, exit 2, naming the key that moves it; nothing is left behind."""
+    and tot.solve say so in one line, exit 2, naming the key that moves it; nothing is left behind."""
     model = PACKAGED["qwen2.5-coder-0.5b"]
     if not real_parts_installed(model):
         pytest.skip("the parts of qwen2.5-coder-0.5b are not installed (python -m decoding.install)")
@@ -326,14 +327,21 @@ def test_a_read_only_cache_is_one_line(tmp_path: Path) -> None:
     cache.mkdir()
     if not read_only_mount_works(cache):
         pytest.skip("no mount namespace here (unshare --mount) to make a read-only file system")
-    command = f"{sys.executable} -m decoding.install qwen2.5-coder-0.5b"
+    args = {
+        "decoding.install": "qwen2.5-coder-0.5b",
+        "tot.solve": f"model=qwen2.5-coder-0.5b data.limit=1 hydra.run.dir={tmp_path / 'run'}",
+    }[command]
+    command = f"{sys.executable} -m {command} {args}"
     script = f"mount --bind {cache} {cache} && mount -o remount,bind,ro {cache} && TOT_CACHE_DIR={cache} {command}"
     done = subprocess.run(
         ["unshare", "--mount", "sh", "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 2, done.stderr[-2000:]
-    (line,) = [ln for ln in done.stderr.splitlines() if ln.strip()]
-    assert line.startswith("error: ") and "(Read-only file system)" in line and "--cache-dir" in line, line
+    assert "Traceback" not in done.stderr, done.stderr[-2000:]
+    (line,) = [ln for ln in done.stderr.splitlines() if ln.startswith("error: ")]
+    assert "(Read-only file system)" in line, line
+    assert "model.cache_dir (--cache-dir for python -m decoding.install) to a writable folder" in line, line
+    assert "free space" not in line, line
     assert list(cache.iterdir()) == []
 
 

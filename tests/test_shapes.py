@@ -45,7 +45,7 @@ def test_random_init_builds_the_folders_config_on_the_device(tmp_path, tokenizer
     assert a.model.config.hidden_size == 32 and a.model.device.type == "cpu"
     # seeded: two loads are one model, so runs on random weights repeat
     assert all(torch.equal(p, q) for p, q in zip(a.model.parameters(), b.model.parameters()))
-    with pytest.raises(BackendError, match="could not be loaded"):
+    with pytest.raises(BackendError, match=r"missing does not exist \(and is not a Hugging Face id\)"):
         load_model(ModelSpec(path=str(tmp_path / "missing"), init="random", device="cpu"))
 
 
