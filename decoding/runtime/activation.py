@@ -10,7 +10,6 @@ element alike, and the C++ layers read gate and up in place and multiply in the 
 from __future__ import annotations
 
 import torch
-from transformers.activations import ACT2FN
 
 from decoding.runtime import kernels
 from decoding.runtime.architectures import mlps
@@ -45,6 +44,8 @@ def use_torch_silu(model: torch.nn.Module) -> int:
     replaced = 0
     for module in model.modules():
         if type(module) in mlps() and type(module.act_fn) is FixedSiLU:
+            from transformers.activations import ACT2FN  # on first use: importing transformers' utils costs seconds
+
             module.act_fn = ACT2FN["silu"]
             replaced += 1
     return replaced

@@ -23,16 +23,16 @@ tests check the padding, buckets and masks there; the CPU product path stays rag
 
 from __future__ import annotations
 
+import functools
 import gc
 import itertools
 import logging
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward
 
 from decoding.base.errors import BackendError, ConfigError
 from decoding.runtime import architectures, attention
@@ -41,6 +41,16 @@ from decoding.runtime.kv_cache import RowKVCache, to_device
 log = logging.getLogger(__name__)
 
 GRAPH_CHOICES = ("auto", "on", "off", "eager")
+
+
+@functools.cache
+def _hf_attention() -> tuple[Any, Any, Any]:
+    """transformers' rotary embedding, eager attention and attention registry, imported on first use:
+    their modules cost seconds to import, which every command paid before it parsed its arguments."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward
+
+    return apply_rotary_pos_emb, eager_attention_forward, ALL_ATTENTION_FUNCTIONS
 
 
 @dataclass(frozen=True)
@@ -240,6 +250,7 @@ class StaticForward:
         """The Llama forward `LlamaModel.forward` computes, op for op but for the attention's form (see
         `_attend`), over the cache through `_Writes`."""
         inner = self.model.model
+        rotary = _hf_attention()[0]
         h = inner.embed_tokens(inputs.tokens)
         cos, sin = inner.rotary_emb(h, inputs.positions)
         writes = _Writes(cache, inputs, positions, reads)
@@ -251,7 +262,7 @@ class StaticForward:
             q = attn.q_proj(x).view(shape).transpose(1, 2)
             k = attn.k_proj(x).view(shape).transpose(1, 2)
             v = attn.v_proj(x).view(shape).transpose(1, 2)
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            q, k = rotary(q, k, cos, sin)
             keys, values = writes.update(k, v, attn.layer_idx)
             out = self._attend(attn, q, keys, values, mask, inputs.kv_rows)
             h = h + attn.o_proj(out.reshape(*x.shape[:-1], -1).contiguous())
@@ -287,7 +298,8 @@ class StaticForward:
         impl = self.model.config._attn_implementation
         if impl != "sdpa":
             extra = {"kv_rows": kv_rows} if self.in_place else {}
-            fn = ALL_ATTENTION_FUNCTIONS.get_interface(impl, eager_attention_forward)
+            _, eager, registry = _hf_attention()
+            fn = registry.get_interface(impl, eager)
             return fn(module, q, k, v, mask, dropout=0.0, scaling=module.scaling, **extra)[0]
         b, heads, t, d = q.shape
         kv_heads = k.shape[1]
