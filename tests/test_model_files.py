@@ -172,6 +172,16 @@ def test_models_that_cannot_load_and_memory_too_small_through_the_cli(gsm8k_tiny
     )
     cases["path"] = ([f"model.path={tmp_path / 'no' / 'such'}"], "does not exist (and is not a Hugging Face id)")
     hub = {"HF_HUB_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9"}
-    lines = error_lines(tmp_path, {case: args for case, (args, _) in cases.items()}, {"hub": hub})
+    hub |= {"no_proxy": "*", "NO_PROXY": "*"}  # the hub itself, whatever proxy this machine names
+    # Behind a proxy the proxy is what must answer (a closed port stands for one that is down).
+    cases["proxy"] = (["model.path=someorg/some-model-7b"], "cannot be reached through the proxy http://127.0.0.1:7 ")
+    proxied = {
+        **hub,
+        "http_proxy": "http://127.0.0.1:7",
+        "HTTP_PROXY": "http://127.0.0.1:7",
+        "no_proxy": "",
+        "NO_PROXY": "",
+    }
+    lines = error_lines(tmp_path, {case: args for case, (args, _) in cases.items()}, {"hub": hub, "proxy": proxied})
     for case, (_, expected) in cases.items():
         assert expected in lines[case], lines[case]

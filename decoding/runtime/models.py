@@ -469,6 +469,7 @@ def _hub_reachable(spec: ModelSpec) -> None:
     network for about a minute before it fails)."""
     import socket
     from urllib.parse import urlsplit
+    from urllib.request import getproxies, proxy_bypass
 
     from huggingface_hub import constants, try_to_load_from_cache
     from huggingface_hub.errors import HFValidationError
@@ -482,13 +483,17 @@ def _hub_reachable(spec: ModelSpec) -> None:
         ) from None
     if isinstance(cached, str) or constants.HF_HUB_OFFLINE:
         return  # loaded from the cache, or refused by transformers at once
-    url = urlsplit(constants.ENDPOINT)
+    # The hub as the download will reach it: through the proxy the environment names for its scheme, if any.
+    url, via = urlsplit(constants.ENDPOINT), ""
+    proxy = getproxies().get(url.scheme)
+    if proxy and not proxy_bypass(url.hostname or ""):
+        url, via = urlsplit(proxy if "://" in proxy else f"http://{proxy}"), f" through the proxy {proxy}"
     try:
         socket.create_connection((url.hostname or "", url.port or (443 if url.scheme == "https" else 80)), 5).close()
     except OSError as e:
         raise BackendError(
             f"{spec.key}.path={spec.path} is not a file or folder here, nor in the Hugging Face cache, and "
-            f"{constants.ENDPOINT} cannot be reached to fetch it ({e.strerror or e}); {fix}"
+            f"{constants.ENDPOINT} cannot be reached{via} to fetch it ({e.strerror or e}); {fix}"
         ) from None
 
 
