@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from decoding.base.cli import fail, hydra_command
 from decoding.base.errors import BackendError, ConfigError
 from decoding.base.options import as_int, held_rows, held_text
-from decoding.cli import fail, hydra_command
 from decoding.runtime import numerics
 from decoding.runtime.activation import use_torch_silu
 from decoding.runtime.models import ModelSpec, cache_root, gguf_file, load_model

@@ -27,12 +27,12 @@ from typing import TYPE_CHECKING
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from decoding.api.config import DecoderConfig
+from decoding.api.engine import Engine
+from decoding.base.cli import fail, hydra_command
 from decoding.base.errors import BackendError, ConfigError
 from decoding.base.options import as_int, held_rows, held_text
 from decoding.base.values import GenRequest
-from decoding.cli import fail, hydra_command
-from decoding.config import DecoderConfig
-from decoding.engine import Engine
 from decoding.runtime.models import ModelSpec, gguf_file, load_model
 from decoding.runtime.packing import pack
 from decoding.runtime.runner import ModelRunner

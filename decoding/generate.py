@@ -18,13 +18,13 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 from tqdm import tqdm
 
+from decoding.api.config import DecoderConfig
+from decoding.api.engine import Engine
+from decoding.base.cli import fail, hydra_command
 from decoding.base.errors import BackendError, ConfigError
 from decoding.base.options import as_float, as_int
 from decoding.base.values import MAX_TOP_LOGPROBS, DecodeStats, GenRequest, Group, host_line
-from decoding.cli import fail, hydra_command
-from decoding.config import DecoderConfig
 from decoding.drafters.load import load_draft
-from decoding.engine import Engine
 from decoding.runtime.models import ModelSpec, load_model
 from decoding.runtime.time_split import gpu_busy
 from decoding.speculation.heap import frozen

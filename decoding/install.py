@@ -13,8 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from decoding.base.cli import fail, stopped_by_signals
 from decoding.base.errors import BackendError
-from decoding.cli import fail, stopped_by_signals
 from decoding.runtime.packaged import PACKAGED, PackagedModel, packaged_file, requirements
 
 

@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from decoding.base.cli import fail, hydra_command
 from decoding.base.errors import BackendError, ConfigError
 from decoding.base.options import as_int
-from decoding.cli import fail, hydra_command
 from decoding.runtime import kernels
 from decoding.runtime.models import ModelSpec, cache_root, load_model
 from decoding.runtime.quant import Int4Linear

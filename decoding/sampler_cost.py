@@ -16,10 +16,10 @@ from dataclasses import dataclass
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from decoding.base.cli import fail, hydra_command
 from decoding.base.errors import BackendError, ConfigError
 from decoding.base.options import as_int
-from decoding.cli import fail, hydra_command
-from decoding.prompts import render
+from decoding.base.prompts import render
 from decoding.runtime.models import ModelSpec, load_model
 from decoding.speculation.gumbel import gumbel_choice
 from decoding.speculation.sampling import SamplingParams, make_generator, process_logits

@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from decoding.base.cli import fail
 from decoding.base.errors import BackendError
-from decoding.cli import fail
 from decoding.runtime.models import ModelSpec, load_tokenizer
 
 _LLAMA3 = {

@@ -1,4 +1,5 @@
-"""Tasks: what a problem is, how it is prompted, parsed and scored."""
+"""Tasks: what a problem is, how it is prompted, parsed and scored. They import `decoding`'s public
+face alone (errors, plug-ins), never `tot`."""
 
 from __future__ import annotations
 

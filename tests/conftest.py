@@ -23,7 +23,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from decoding.engine import Engine
+from decoding.api.engine import Engine
 from decoding.runtime.models import LoadedModel, embedded_file, prepare_for_inference
 from decoding.runtime.rows_linear import resolve_linear
 from decoding.runtime.static_forward import Buckets, StaticSpec

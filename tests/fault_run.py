@@ -1,5 +1,5 @@
 """`python tests/fault_run.py ERRNO PATTERN NTH [ERRNO PATTERN NTH ...] MODULE ARGS...`: run
-`python -m MODULE ARGS...` with write failures injected at the project's writer (tot.output.open_for_write)
+`python -m MODULE ARGS...` with write failures injected at the project's writer (tot.runs.output.open_for_write)
 and at the opening of log files (logging.FileHandler), which works as root and without mount rights,
 where chmod and small filesystems do not.
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-import tot.output
+import tot.runs.output
 
 
 class FillingFile:
@@ -76,7 +76,7 @@ def main() -> None:
         faults.append(Fault(getattr(errno, args[0]), args[1], int(args[2])))
         args = args[3:]
     module, *rest = args
-    real, real_log = tot.output.open_for_write, logging.FileHandler._open
+    real, real_log = tot.runs.output.open_for_write, logging.FileHandler._open
 
     def open_for_write(path: Path, mode: str) -> IO[str]:
         return opened(path, faults, lambda: real(path, mode))
@@ -84,7 +84,7 @@ def main() -> None:
     def open_log(handler: logging.FileHandler) -> IO[str]:
         return opened(Path(handler.baseFilename), faults, lambda: real_log(handler))
 
-    tot.output.open_for_write = open_for_write
+    tot.runs.output.open_for_write = open_for_write
     logging.FileHandler._open = open_log  # type: ignore[method-assign]
     sys.argv = [module, *rest]
     runpy.run_module(module, run_name="__main__", alter_sys=True)

@@ -16,7 +16,7 @@ from test_cli import REPO, subprocess_env
 from decoding.base.errors import ConfigError
 from decoding.runtime.models import LoadedModel
 from tot.bench import bench, decoder_configs, table
-from tot.config import RunConfig
+from tot.runs.config import RunConfig
 
 SMALL = ["task.depth=1", "search.n_thoughts=2", "data.limit=1", "gen.max_thought_tokens=6", "gen.max_eval_tokens=4"]
 
@@ -57,7 +57,7 @@ def test_bench_every_decoder_lossless(long_context, temperature, lockstep):
 def test_bench_lockstep_interleaves_forwards(long_context, monkeypatch):
     """In lockstep the engines take turns forward by forward and each entry's time is its own
     engine's steps; in turns each entry runs its batch of problems through before the next."""
-    from decoding.engine import Engine
+    from decoding.api.engine import Engine
     from decoding.schedules.scheduler import Scheduler
 
     run_cfg, container = compose_bench("gen.temperature=0", "bench.decoders=[ar,pld]", "data.limit=2")

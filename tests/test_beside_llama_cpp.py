@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
+from decoding.api.engine import Engine
 from decoding.base.errors import ConfigError
 from decoding.base.options import held_rows
 from decoding.beside_llama_cpp import (
@@ -16,7 +17,6 @@ from decoding.beside_llama_cpp import (
     project_prompt_s,
     prompt_ids,
 )
-from decoding.engine import Engine
 from decoding.runtime.models import embedded_file
 
 ROWS = [{"question": "a b c", "answer": "d e"}, {"question": "f g", "answer": "h i j"}]

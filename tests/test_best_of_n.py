@@ -11,9 +11,9 @@ from helpers import ScriptedTask, reply
 
 from decoding.base.values import Completion, DecodeStats, GenRequest, Group
 from tasks.base import Problem, Prompt
-from tot.best_of_n import BestOfN, BestOfNSettings
-from tot.config import ConfigError
-from tot.search import GenSettings, request_seed, run_sync
+from tot.runs.config import ConfigError
+from tot.search.base import GenSettings, request_seed, run_sync
+from tot.search.best_of_n import BestOfN, BestOfNSettings
 
 PROBLEM = Problem(id="p", question="q", gold="")
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from decoding.cli import check_overrides
+from decoding.base.cli import check_overrides
 from tot.solve import GROUPS
 
 REPO = Path(__file__).resolve().parents[1]

@@ -11,7 +11,7 @@ from test_run import FakeEngine, make_config
 
 from tot.collect import main as collect_main
 from tot.collect import paired, wilson
-from tot.run import run
+from tot.runs.run import run
 
 
 def set_correct(run_dir: Path, correct: list[bool]) -> None:

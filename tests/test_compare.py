@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from tot.compare import main
-from tot.tree import ReasoningTree
+from tot.runs.saved import save_tree
+from tot.search.tree import ReasoningTree
 
 
 def _tree(texts: list[str], chosen: int = 1) -> ReasoningTree:
@@ -21,7 +22,7 @@ def _tree(texts: list[str], chosen: int = 1) -> ReasoningTree:
 def _run(tmp: Path, name: str, trees: dict[str, ReasoningTree]) -> Path:
     run = tmp / name
     for pid, tree in trees.items():
-        tree.save(run / "trees" / f"{pid}.json")
+        save_tree(tree, run / "trees" / f"{pid}.json")
     return run
 
 

@@ -14,12 +14,12 @@ import weakref
 import pytest
 from test_decoders import EOS_ID, encode, reference_greedy
 
+from decoding.api.config import DecoderConfig
+from decoding.api.engine import Engine, apportion
+from decoding.api.kinds import DECODERS
 from decoding.base.errors import BackendError
 from decoding.base.values import GenRequest
-from decoding.config import DecoderConfig
 from decoding.drafters.draft_model import ModelDrafter
-from decoding.engine import Engine, apportion
-from decoding.kinds import DECODERS
 from decoding.runtime.kv_bytes import pool_bytes
 from decoding.runtime.models import ModelSpec
 from decoding.speculation.options import VerifyOptions
@@ -27,9 +27,9 @@ from decoding.speculation.sampling import Rule
 from decoding.speculation.sequence import needs
 from tasks.base import Problem
 from tasks.gsm8k import GSM8K
-from tot.bfs import BFS, BFSSettings
-from tot.run import solve_all
-from tot.search import GenSettings, run_sync
+from tot.runs.run import solve_all
+from tot.search.base import GenSettings, run_sync
+from tot.search.bfs import BFS, BFSSettings
 
 SPECS = [
     ("the cat", 18),

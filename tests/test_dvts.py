@@ -10,9 +10,9 @@ from helpers import AwaitableFake, ScriptedTask, reply
 
 from decoding.base.values import DecodeStats, GenRequest, GenResult, Group
 from tasks.base import Problem
-from tot.config import ConfigError
-from tot.dvts import DVTS, DVTSSettings
-from tot.search import GenSettings, run_sync
+from tot.runs.config import ConfigError
+from tot.search.base import GenSettings, run_sync
+from tot.search.dvts import DVTS, DVTSSettings
 
 PROBLEM = Problem(id="p", question="q", gold="")
 

@@ -1,4 +1,4 @@
-"""EDD (decoding/edd/, decoding/drafters/edd.py, tot/train_edd.py) on tiny models: the dual-block mask,
+"""EDD (decoding/edd/, decoding/drafters/edd.py, tuning/train_edd.py) on tiny models: the dual-block mask,
 training, save/load, and drafting with sd and seed, lossless at temperature 0 and above."""
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ from test_cli import REPO, subprocess_env
 from test_decoders import BUDGETS, EOS_ID, PROMPTS, _stop_string_case, encode, reference_greedy
 from test_speculative import PARAMS, RULES, check_three_tokens, sample_three
 
+from decoding.api.config import DecoderConfig
+from decoding.api.engine import Engine
 from decoding.base.errors import BackendError
 from decoding.base.values import DecodeStats, GenRequest
-from decoding.config import DecoderConfig
 from decoding.drafters.edd import EddDrafter
 from decoding.drafters.load import load_draft
 from decoding.edd.model import (
@@ -31,14 +32,13 @@ from decoding.edd.model import (
     vocab_ranking,
 )
 from decoding.edd.train import Example, TrainSettings, evaluate, split, target_features, train
-from decoding.engine import Engine
 from decoding.runtime.models import LoadedModel, ModelSpec
 from decoding.runtime.runner import ModelRunner
 from decoding.schedules.rounds import RoundsOptions
 from decoding.schedules.scheduler import Scheduler
 from decoding.speculation.options import VerifyOptions
 from decoding.trees.policies import DraftTreeOptions
-from tot.train_edd import TrainConfig
+from tuning.train_edd import TrainConfig
 
 EVERY_STEP = VerifyOptions(plan="fixed", max_tokens=None)  # every row drafted and verified whole, every step
 
@@ -176,7 +176,7 @@ def test_corpus_rollouts_are_cached_per_chunk(tmp_path, tokenizer):
 
     from decoding.edd.train import build_features
     from tasks import DataSpec
-    from tot.train_edd import Source, build_corpus
+    from tuning.train_edd import Source, build_corpus
 
     model = LoadedModel(build_model(len(tokenizer), max_positions=4096), tokenizer, DEVICE, False, "t")
     source = Source("gsm8k", 2, DataSpec(limit=3), max_thought_tokens=6, max_eval_tokens=4)
@@ -256,7 +256,7 @@ def test_draft_path_edd_finds_the_cache_or_names_the_command(tmp_path, loaded, t
     _, loaded_edd = trained
     target = LoadedModel(loaded.model, loaded.tokenizer, loaded.device, False, "tiny", "my/tiny")
     spec = ModelSpec("edd", cache_dir=str(tmp_path), key="draft")
-    with pytest.raises(BackendError, match=r"python -m tot.train_edd model.path=my/tiny"):
+    with pytest.raises(BackendError, match=r"python -m tuning.train_edd model.path=my/tiny"):
         load_draft(spec, target)
     save_edd(loaded_edd.model, edd_dir("my/tiny", tmp_path))
     draft = load_draft(spec, target)
@@ -443,7 +443,7 @@ def test_draft_vocab_is_the_saved_ranking_cut(trained, tmp_path):
     full = torch.load(f"{draft.source}/draft_vocab.pt")
     assert draft_vocab(draft.source, 10).tolist() == full[:10].tolist()
     assert len(draft_vocab(draft.source, 10**6)) == len(full)  # more than the corpus saw: all it saw
-    with pytest.raises(BackendError, match=r"rerun `python -m tot.train_edd`"):
+    with pytest.raises(BackendError, match=r"rerun `python -m tuning.train_edd`"):
         draft_vocab(tmp_path, 10)
     with pytest.raises(BackendError, match=r"draft.vocab=8: .*draft.path=edd"):
         ModelSpec("some/model", key="draft", vocab=8)
@@ -515,7 +515,7 @@ def cli_errors():
     }
 
     def run(args):
-        cmd = [sys.executable, "-m", "tot.train_edd", *args]
+        cmd = [sys.executable, "-m", "tuning.train_edd", *args]
         return subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300)
 
     from concurrent.futures import ThreadPoolExecutor

@@ -56,14 +56,14 @@ def test_text_prompt_longer_than_context(make_engine):
 
 
 def test_unknown_decoder(loaded):
-    from decoding.engine import Engine
+    from decoding.api.engine import Engine
 
     with pytest.raises(ConfigError, match=r"decoder=nope is not one of hf, ar, sd"):
         Engine(loaded, "nope")
 
 
 def test_sd_without_draft_model_names_the_fix(loaded):
-    from decoding.engine import Engine
+    from decoding.api.engine import Engine
 
     with pytest.raises(ConfigError, match=r"decoder=sd drafts with a draft model: set draft.path="):
         Engine(loaded, "sd")

@@ -20,9 +20,9 @@ from test_run import FakeEngine, make_config
 
 from decoding.base.errors import OutputError
 from tot.collect import main as collect_main
-from tot.lock import run_lock
-from tot.results import ResultStore
-from tot.run import run
+from tot.runs.lock import run_lock
+from tot.runs.results import ResultStore
+from tot.runs.run import run
 
 SMALL = [
     "decoder=ar",
@@ -138,7 +138,7 @@ def test_a_killed_run_leaves_no_stale_lock(tmp_path):
         [
             sys.executable,
             "-c",
-            f"import time; from pathlib import Path; from tot.lock import run_lock\n"
+            f"import time; from pathlib import Path; from tot.runs.lock import run_lock\n"
             f"with run_lock(Path({str(tmp_path)!r})):\n    print('held', flush=True); time.sleep(600)",
         ],
         cwd=REPO,
@@ -189,7 +189,7 @@ def test_problems_recorded_twice_count_once_and_nothing_is_rewritten(tmp_path, c
 
 
 class _Term(KeyboardInterrupt):
-    """What the CLI's SIGTERM handler raises (decoding.cli.Stopped), told apart from a real Ctrl-C."""
+    """What the CLI's SIGTERM handler raises (decoding.base.cli.Stopped), told apart from a real Ctrl-C."""
 
 
 def _raise_term(signum: int, frame: object) -> None:
@@ -205,8 +205,8 @@ def test_sigterm_mid_search_unwinds_every_task_in_the_loop_then_runs_the_handler
     import asyncio
     import gc
 
-    from tot.run import gather_all
-    from tot.search import run_sync
+    from tot.runs.run import gather_all
+    from tot.search.base import run_sync
 
     cleaned: list[str] = []
 

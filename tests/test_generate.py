@@ -12,8 +12,8 @@ import pytest
 from hydra import compose, initialize_config_module
 from test_cli import REPO, save_tiny_checkpoint, subprocess_env
 
+from decoding.api.engine import Engine
 from decoding.base.errors import ConfigError
-from decoding.engine import Engine
 from decoding.generate import GenerateConfig, generate
 
 PROMPTS = [

@@ -21,7 +21,7 @@ from decoding import DecoderConfig, Engine, GenRequest
 from decoding.base.errors import BackendError
 from decoding.runtime import gguf_load
 from decoding.runtime.models import ModelSpec, embedded_file, int8_lacks, load_model
-from tot.run import summary_line
+from tot.runs.run import summary_line
 
 HIDDEN, HEADS, KV_HEADS, FFN = 64, 4, 2, 256  # FFN = one Q4_K super-block, so ffn_down can be Q4_K
 IDS = torch.tensor([[1, 40, 41, 42, 7, 100, 250, 3, 2, 5]])

@@ -14,8 +14,8 @@ from conftest import DEVICE
 from test_continuous import engine_for
 
 import decoding.schedules.rounds as rounds_module
+from decoding.api.engine import run_sync
 from decoding.base.values import HOST_STAGES, DecodeStats, GenRequest
-from decoding.engine import run_sync
 from decoding.runtime.kv_cache import RowKVCache
 from decoding.runtime.packing import pack
 from decoding.runtime.paged_kv import BLOCK, BlockPool, PagedKVCache

@@ -14,17 +14,17 @@ from test_decoders import EOS_ID
 from test_run import make_config
 from test_tasks_e2e import CASES, SEARCHES, TINY
 
+from decoding.api.engine import Engine
+from decoding.api.kinds import DECODERS
 from decoding.base.errors import BackendError, ConfigError
+from decoding.base.prompts import PLAIN_SEAM, chat_seam, render_follow_up
 from decoding.base.values import GenRequest
-from decoding.engine import Engine
-from decoding.kinds import DECODERS
-from decoding.prompts import PLAIN_SEAM, chat_seam, render_follow_up
 from decoding.runtime.kv_cache import RowKVCache
 from decoding.runtime.memory import MemoryBudget
 from decoding.runtime.models import LoadedModel, ModelSpec, load_tokenizer
 from decoding.runtime.prefix_cache import PrefixCache
 from decoding.speculation.stopping import reply_ids
-from tot.run import run
+from tot.runs.run import run
 from tot.show import load_tree
 
 

@@ -16,10 +16,10 @@ from conftest import build_model
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from decoding.cli import check_overrides
+from decoding.base.cli import check_overrides
 from tot.collect import collect
-from tot.config import RunConfig
-from tot.run import run
+from tot.runs.config import RunConfig
+from tot.runs.run import run
 
 REPO = Path(__file__).resolve().parents[1]
 RAY_REMOTE = {"num_gpus": 1, "num_cpus": 4}
@@ -61,7 +61,7 @@ def made_by_a_run(folder: Path, options: list[str]) -> dict[str, bytes]:
     run(RunConfig.from_omegaconf(cfg), folder, progress=False)
     (folder / ".hydra").mkdir()
     OmegaConf.save(cfg, folder / ".hydra" / "config.yaml")
-    (folder / "solve.log").write_text("[2026-11-30 10:00:00,000][tot.run][INFO] - a line of that run\n")
+    (folder / "solve.log").write_text("[2026-11-30 10:00:00,000][tot.runs.run][INFO] - a line of that run\n")
     return contents(folder)
 
 

@@ -1,5 +1,6 @@
-"""The architecture as a test: the project's import graph, read from the source with `ast`, has no
-cycle between modules, `decoding` imports neither `tot` nor `tasks`, and adding a decoder touches one
+"""The architecture as a test: the project's import graph, read from the source with `ast` (the
+plug-in tables' `importlib` edges included), has no cycle between modules, `decoding` imports neither
+`tot` nor `tasks`, every folder imports only the folders below it, and adding a decoder touches one
 table (no if-chain over decoder names)."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from pathlib import Path
 import networkx as nx
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("decoding", "tot", "tasks", "conf")
+PACKAGES = ("decoding", "tot", "tasks", "tuning", "conf")
 
 
 def module_name(path: Path) -> str:
@@ -28,12 +29,28 @@ def runtime_imports(tree: ast.Module, type_only: bool = False) -> list[ast.Impor
     return [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) and id(n) not in skipped]
 
 
+def table_modules(tree: ast.Module) -> list[str]:
+    """The modules a plug-in table loads through `importlib` (its `MODULES = ("pkg.mod", ...)`): edges
+    the import statements do not show."""
+    return [
+        elt.value
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        and any(isinstance(t, ast.Name) and t.id == "MODULES" for t in node.targets)
+        and isinstance(node.value, ast.Tuple)
+        for elt in node.value.elts
+        if isinstance(elt, ast.Constant) and isinstance(elt.value, str)
+    ]
+
+
 def import_graph(type_only: bool = False) -> nx.DiGraph:
     files = {module_name(p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
     graph = nx.DiGraph()
     graph.add_nodes_from(files)
     for name, path in files.items():
-        for node in runtime_imports(ast.parse(path.read_text()), type_only):
+        tree = ast.parse(path.read_text())
+        graph.add_edges_from((name, m) for m in table_modules(tree) if m in files)
+        for node in runtime_imports(tree, type_only):
             targets = (
                 [a.name for a in node.names]
                 if isinstance(node, ast.Import)
@@ -52,8 +69,8 @@ def import_graph(type_only: bool = False) -> nx.DiGraph:
 
 def test_graph_sees_the_project():
     graph = import_graph()
-    assert {"decoding.engine", "decoding.speculation.verify", "tot.run", "tasks.gsm8k"} <= set(graph)
-    assert graph.has_edge("decoding.engine", "decoding.decoders")
+    assert {"decoding.api.engine", "decoding.speculation.verify", "tot.runs.run", "tasks.gsm8k"} <= set(graph)
+    assert graph.has_edge("decoding.api.engine", "decoding.api.decoders")
 
 
 def test_no_import_cycles():
@@ -69,47 +86,77 @@ def test_decoding_imports_neither_tot_nor_tasks():
     assert not bad, f"decoding imports the application: {bad}"
 
 
-# Each folder of decoding and the folders it may import (itself included): the base, the model
-# runtime, speculation's meaning, then the trees, EDD and the drafters; the schedules and the engine
-# (decoding/*.py) sit on top.
-LAYERS = {
-    "decoding.base": ("decoding.base",),
-    "decoding.runtime": ("decoding.base", "decoding.runtime"),
-    "decoding.speculation": ("decoding.base", "decoding.runtime", "decoding.speculation"),
-    "decoding.trees": ("decoding.base", "decoding.runtime", "decoding.speculation", "decoding.trees"),
-    "decoding.edd": ("decoding.base", "decoding.runtime", "decoding.speculation", "decoding.trees", "decoding.edd"),
-}
-LAYERS["decoding.drafters"] = (*LAYERS["decoding.edd"], "decoding.drafters")
+# Every folder of the project, bottom to top: a module imports modules of its own folder or of folders
+# below it. decoding's layers (base, the model runtime, speculation's meaning, the trees, EDD, the
+# drafters, the schedules, the engine's API), then decoding's public face and commands (decoding/*.py);
+# tasks; tot's search library, its run folders, its commands (tot/*.py); the tuning tools; conf.
+FOLDERS = (
+    "decoding.base",
+    "decoding.runtime",
+    "decoding.speculation",
+    "decoding.trees",
+    "decoding.edd",
+    "decoding.drafters",
+    "decoding.schedules",
+    "decoding.api",
+    "decoding",
+    "tasks",
+    "tot.search",
+    "tot.runs",
+    "tot",
+    "tuning",
+    "conf",
+)
 
 
-def test_layers_point_one_way():
-    """Every import of a layer's module stays in the layer or below it (type-only imports included:
+def folder_of(module: str) -> str:
+    """The innermost folder of FOLDERS that holds the module (a package's __init__ is in its own)."""
+    return max((f for f in FOLDERS if module == f or module.startswith(f + ".")), key=len)
+
+
+def test_every_module_is_in_a_folder_of_the_table():
+    graph = import_graph()
+    packages = {module_name(p.parent / "__init__.py") for pkg in PACKAGES for p in (ROOT / pkg).rglob("__init__.py")}
+    assert all(any(m == f or m.startswith(f + ".") for f in FOLDERS) for m in graph)
+    # a new folder of decoding or tot is a new entry; a subfolder of one (runtime/architectures, a task's
+    # own folder under tasks/) belongs to it
+    unlisted = [p for p in packages if p not in FOLDERS and p.count(".") == 1 and p.startswith(("decoding", "tot"))]
+    assert not unlisted, f"folders missing from FOLDERS (say where they sit): {unlisted}"
+
+
+def test_folders_point_one_way():
+    """Every import goes to the importer's folder or one below it (type-only imports included:
     `runtime_imports` skips none of those, the graph reads them all)."""
-    bad = []
-    for a, b in import_graph(type_only=True).edges:
-        for layer, allowed in LAYERS.items():
-            if a.startswith(layer + ".") and b.startswith("decoding") and not b.startswith(allowed):
-                bad.append((a, b))
-    assert not bad, f"imports that run up a layer: {bad}"
+    level = {f: i for i, f in enumerate(FOLDERS)}
+    bad = [(a, b) for a, b in import_graph(type_only=True).edges if level[folder_of(b)] > level[folder_of(a)]]
+    assert not bad, f"imports that run up a folder: {bad}"
 
 
-def test_each_layer_says_what_it_holds_and_may_import():
-    for layer in LAYERS:
-        doc = ast.get_docstring(ast.parse((ROOT / layer.replace(".", "/") / "__init__.py").read_text()))
-        assert doc and "import" in doc, f"{layer}/__init__.py: say what is in it and what it may import"
+def test_no_library_imports_a_command():
+    """The commands (the modules beside a public face: decoding/*.py, tot/*.py) sit on top: neither the
+    face nor any library module imports one; commands may use each other."""
+    commands = {m for m in import_graph() if folder_of(m) in ("decoding", "tot") and m not in ("decoding", "tot")}
+    bad = [(a, b) for a, b in import_graph().edges if b in commands and a not in commands and folder_of(a) != "tuning"]
+    assert not bad, f"library modules that import a command: {bad}"
+
+
+def test_each_folder_says_what_it_holds_and_may_import():
+    for folder in FOLDERS:
+        doc = ast.get_docstring(ast.parse((ROOT / folder.replace(".", "/") / "__init__.py").read_text()))
+        assert doc and "import" in doc, f"{folder}/__init__.py: say what is in it and what it may import"
 
 
 def test_make_decoder_has_no_chain_over_names():
-    source = (ROOT / "decoding" / "decoders.py").read_text()
+    source = (ROOT / "decoding" / "api" / "decoders.py").read_text()
     fn = next(n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef) and n.name == "make_decoder")
     compares = [ast.unparse(n) for n in ast.walk(fn) if isinstance(n, ast.Compare) and "name" in ast.unparse(n)]
     assert not compares, f"make_decoder compares names ({compares}): add the decoder to DECODERS instead"
 
 
 def test_every_decoder_has_a_yaml_and_every_yaml_a_decoder():
-    from decoding.config import choices
-    from decoding.decoders import SCHEDULES
-    from decoding.kinds import DECODERS, DRAFTERS
+    from decoding.api.config import choices
+    from decoding.api.decoders import SCHEDULES
+    from decoding.api.kinds import DECODERS, DRAFTERS
 
     yamls = {p.stem for p in (ROOT / "conf" / "decoder").glob("*.yaml")}
     assert yamls == set(choices()) == {*DECODERS, "server"}
@@ -117,18 +164,16 @@ def test_every_decoder_has_a_yaml_and_every_yaml_a_decoder():
         assert kind.schedule in SCHEDULES and kind.drafter in DRAFTERS, name
 
 
-# The tuning tools run searches to tune the backend's internals (a static tree's calibration, an
-# EDD's training corpus): they may import decoding's modules.
-INTERNALS_TOOLS = ("tot.calibrate_tree", "tot.train_edd")
-# What `tot/` may import of decoding: the public face, and the command framework every command shares.
-PUBLIC = ("decoding", "decoding.cli")
+# What `tot/` and `tasks/` may import of decoding: the public face, and the command framework every
+# command shares. The tuning tools (tuning/), which tune the backend's internals, may import further.
+PUBLIC = ("decoding", "decoding.base.cli")
 
 
 def test_tot_uses_decodings_public_face():
     bad = [
         (a, b)
         for a, b in import_graph().edges
-        if a.startswith("tot") and b.startswith("decoding") and b not in PUBLIC and a not in INTERNALS_TOOLS
+        if folder_of(a).startswith(("tot", "tasks")) and b.startswith("decoding") and b not in PUBLIC
     ]
     assert not bad, f"tot imports decoding's internals (export what it needs in decoding/__init__.py): {bad}"
 

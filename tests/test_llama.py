@@ -103,12 +103,18 @@ def _forwards(runner: ModelRunner) -> list[torch.Tensor]:
     return out
 
 
+def through_transformers(model) -> ModelRunner:
+    """A runner of the same model through model(...): KV in rows of their own, which it reads."""
+    runner = ModelRunner(model, paged=False)
+    runner.layers = None
+    return runner
+
+
 def test_the_layers_compute_the_transformers_forward_bitwise(model):
     runner = ModelRunner(model)
     assert runner.layers is not None
     fast = _forwards(runner)
-    runner.layers = None  # the same runner through model(...)
-    reference = _forwards(runner)
+    reference = _forwards(through_transformers(model))
     for got, want in zip(fast, reference, strict=True):
         assert torch.equal(got, want)
 
@@ -116,8 +122,8 @@ def test_the_layers_compute_the_transformers_forward_bitwise(model):
 def test_a_ragged_forward_computes_the_padded_forwards_bits(model):
     """Pads skipped (ModelRunner.ragged): rows of different pending lengths and tree sizes give the
     padded forward's logits at every root and tree node, and the same cache entries."""
-    runner = ModelRunner(model)
-    assert runner.ragged
+    ragged = ModelRunner(model)
+    assert ragged.ragged
     tree = DraftTree()
     a = tree.add(11, ROOT)
     tree.add(12, ROOT)
@@ -125,8 +131,7 @@ def test_a_ragged_forward_computes_the_padded_forwards_bits(model):
     pending = [[7], [8, 9, 10], [6]]
     trees = [tree, DraftTree(), tree.prefix(1)]
     outs, caches = [], []
-    for ragged in (True, False):
-        runner.layers = Layers.of(model) if ragged else None  # the padded forward through transformers
+    for runner in (ragged, through_transformers(model)):  # pads skipped, then the padded forward
         cache = runner.new_cache(len(PROMPTS), 160)
         fill = pack(PROMPTS, [DraftTree()] * len(PROMPTS))
         runner.forward(cache, fill.tokens, fill.see, fill.depth)

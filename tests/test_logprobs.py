@@ -11,8 +11,8 @@ from test_continuous import engine_for
 from test_decoders import encode
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
+from decoding.api.kinds import DECODERS
 from decoding.base.values import GenRequest
-from decoding.kinds import DECODERS
 
 SAMPLED = {"temperature": 0.8, "top_k": 20, "top_p": 0.9}
 

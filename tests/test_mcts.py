@@ -12,9 +12,9 @@ from helpers import ScriptedTask, reply
 
 from decoding.base.values import Completion, DecodeStats, GenRequest
 from tasks.base import Problem
-from tot.config import ConfigError
-from tot.mcts import MCTS, MCTSSettings
-from tot.search import GenSettings, run_sync
+from tot.runs.config import ConfigError
+from tot.search.base import GenSettings, run_sync
+from tot.search.mcts import MCTS, MCTSSettings
 
 PROBLEM = Problem(id="p", question="q", gold="")
 

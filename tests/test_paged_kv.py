@@ -13,8 +13,8 @@ import torch
 from conftest import DEVICE
 from test_continuous import engine_for
 
+from decoding.api.kinds import DECODERS
 from decoding.base.values import GenRequest
-from decoding.kinds import DECODERS
 from decoding.runtime.kv_bytes import Need, pool_bytes
 from decoding.runtime.kv_cache import shared_reads
 from decoding.runtime.memory import MemoryBudget

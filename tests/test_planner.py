@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
+from decoding.api.engine import Engine
 from decoding.base.errors import ConfigError
 from decoding.base.values import GenRequest, Group
 from decoding.drafters.stand import StandDrafter, StandOptions
-from decoding.engine import Engine
 from decoding.runtime.runner import ModelRunner
 from decoding.schedules.planner import FAR_PROBE, PROBE, SELDOM, Planner, best_first
 from decoding.schedules.scheduler import Scheduler

@@ -16,13 +16,14 @@ from test_cli import REPO, save_tiny_checkpoint, subprocess_env
 from test_generate import PROMPTS, read, write_prompts
 
 from conf import reference
+from decoding.api.config import DecoderConfig
+from decoding.api.kinds import DECODERS, DRAFTERS, SECTIONS, load
 from decoding.base.errors import ConfigError
 from decoding.base.plugins import declared, table
-from decoding.config import DecoderConfig
-from decoding.kinds import DECODERS, DRAFTERS, SECTIONS, load
 from decoding.runtime import architectures, llama
 from tasks import TaskPlugin
-from tot.searches import SEARCHES, SearchPlugin
+from tot.search import SEARCHES
+from tot.search.plugin import SearchPlugin
 from tot.show import load_tree
 
 TOY = '''
@@ -166,8 +167,8 @@ CHAIN = '''
 
 from dataclasses import dataclass, replace
 
-from tot.search import SearchBase
-from tot.searches import SearchPlugin
+from tot.search.base import SearchBase
+from tot.search.plugin import SearchPlugin
 
 
 @dataclass(frozen=True)
@@ -194,18 +195,21 @@ PLUGIN = SearchPlugin(name="chain", build=Chain, options=ChainSettings)
 '''
 
 SHOUTED = '''
-"""A toy task: GSM8K with its questions upper-cased (task.shout=false keeps them)."""
+"""A toy task on the template contract: questions upper-cased (task.shout=false keeps them); what a
+problem is (JSONL of question/answer, the answer after "The answer is") and how it is prompted come
+from tasks.template."""
 
 from dataclasses import dataclass, replace
 
 from tasks import TaskPlugin
-from tasks.gsm8k import GSM8K
+from tasks.template import TemplateTask
 
 
 @dataclass
-class Shouted(GSM8K):
-    shout: bool = True
+class Shouted(TemplateTask):
     name: str = "shouted"
+    depth: int = 2
+    shout: bool = True
 
     def load(self, data):
         return [replace(p, question=p.question.upper()) if self.shout else p for p in super().load(data)]
@@ -219,7 +223,7 @@ MISTRAL = '''
 
 from transformers.models.mistral import modeling_mistral
 
-from decoding.runtime.architectures import ArchitecturePlugin
+from decoding.runtime.architectures.plugin import ArchitecturePlugin
 
 PLUGIN = ArchitecturePlugin(
     name="mistral",
@@ -232,7 +236,7 @@ PLUGIN = ArchitecturePlugin(
 
 YAMLS = {
     "search/chain.yaml": "# One chain of thoughts.\nname: chain\nsteps: 8  # the most thoughts\n",
-    "task/shouted.yaml": "# GSM8K, upper-cased.\nname: shouted\ndepth: 2\nshout: true\nthoughts: subquestions\n",
+    "task/shouted.yaml": "# Questions upper-cased.\nname: shouted\ndepth: 2\nshout: true\n",
 }
 
 
@@ -247,13 +251,14 @@ def test_every_kind_declares_through_one_mechanism(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"^plug-in module toy_chain declares a search, not a task$"):
         declared(TaskPlugin, ("toy_chain",))
     assert list(declared(TaskPlugin, (), ("toy_chain", "toy_shouted"))) == ["shouted"]
-    assert list(table(SearchPlugin, ("tot.bfs",), environ={"TOT_SPEC_PLUGINS": "toy_shouted, toy_chain"})) == [
+    assert list(table(SearchPlugin, ("tot.search.bfs",), environ={"TOT_SPEC_PLUGINS": "toy_shouted, toy_chain"})) == [
         "bfs",
         "chain",
     ]
     write_module(tmp_path, "toy_bfs", CHAIN.replace('name="chain"', 'name="bfs"'))
-    with pytest.raises(ConfigError, match=r"^plug-in module toy_bfs: search bfs is already declared by tot.bfs$"):
-        declared(SearchPlugin, ("tot.bfs",), ("toy_bfs",))
+    already = r"^plug-in module toy_bfs: search bfs is already declared by tot.search.bfs$"
+    with pytest.raises(ConfigError, match=already):
+        declared(SearchPlugin, ("tot.search.bfs",), ("toy_bfs",))
 
 
 def test_toy_search_task_and_architecture_run_from_the_command_line(tmp_path):
@@ -267,6 +272,8 @@ def test_toy_search_task_and_architecture_run_from_the_command_line(tmp_path):
     for path, text in YAMLS.items():
         (tmp_path / "conf" / path).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / "conf" / path).write_text(text)
+    data = tmp_path / "problems.jsonl"
+    data.write_text(json.dumps({"question": "What is 2 + 3?", "answer": "5"}) + "\n")
     tokenizer = build_tokenizer()
     model = build_model(len(tokenizer), max_positions=4096, arch="mistral")
     assert "no architecture plug-in" in llama.forward_path(model)
@@ -281,7 +288,7 @@ def test_toy_search_task_and_architecture_run_from_the_command_line(tmp_path):
     for decoder in ("ar", "hf"):
         out = tmp_path / decoder
         cmd = [sys.executable, "-m", "tot.solve", "search=chain", "task=shouted", "search.steps=2", "task.shout=true"]
-        cmd += [f"decoder={decoder}", f"model.path={ckpt}", "data.limit=1", "gen.max_thought_tokens=6"]
+        cmd += [f"decoder={decoder}", f"model.path={ckpt}", f"data.path={data}", "gen.max_thought_tokens=6"]
         cmd += ["gen.max_eval_tokens=3", f"hydra.run.dir={out}", f"hydra.searchpath=[file://{tmp_path / 'conf'}]"]
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-2000:]
@@ -303,9 +310,9 @@ def test_every_options_dataclass_defaults_to_what_the_yaml_says():
     from hydra import compose, initialize_config_module
     from omegaconf import OmegaConf
 
+    from decoding.api.server import ServerOptions
     from decoding.runtime.models import ModelSpec
     from decoding.schedules.rounds import RoundsOptions
-    from decoding.server import ServerOptions
     from decoding.speculation.options import VerifyOptions
     from decoding.trees.policies import DraftTreeOptions
 

@@ -10,10 +10,10 @@ import torch
 from helpers import UNCAPPED, with_linear_kernel
 from test_decoders import BUDGETS, EOS_ID, PROMPTS, encode, reference_greedy
 
+from decoding.api.config import DecoderConfig
+from decoding.api.engine import Engine
 from decoding.base.errors import BackendError
 from decoding.base.values import GenRequest
-from decoding.config import DecoderConfig
-from decoding.engine import Engine
 from decoding.runtime.models import LoadedModel, ModelSpec, load_model
 from decoding.runtime.prepack import PrepackedLinear, prepack_linears, prepack_supported
 from decoding.schedules.rounds import RoundsOptions

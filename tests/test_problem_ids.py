@@ -17,7 +17,7 @@ from test_run_folder import command, copy_of, snapshot, solve
 
 from tasks import DataSpec, make_task
 from tasks.base import DataError
-from tot.results import TreeFiles, legacy_tree_file, problem_of, tree_file, tree_name
+from tot.runs.results import TreeFiles, legacy_tree_file, problem_of, tree_file, tree_name
 
 # Ids that the old names ('_' for every character but [\w.-]) gave one file: a/1 and a_1.
 IDS = ["a/1", "a_1", "b c"]

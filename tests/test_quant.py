@@ -206,9 +206,9 @@ def qwen2_blocks_loaded(tiny_qwen2, tokenizer):
 def test_every_decoder_on_int4_weights_returns_generates_greedy_output(request, loaded, tokenizer, decoder):
     from test_decoders import BUDGETS, PROMPTS, encode, reference_greedy
 
+    from decoding.api.config import DecoderConfig
+    from decoding.api.engine import Engine
     from decoding.base.values import GenRequest
-    from decoding.config import DecoderConfig
-    from decoding.engine import Engine
     from decoding.runtime.models import ModelSpec
     from decoding.schedules.rounds import RoundsOptions
     from decoding.trees.policies import DraftTreeOptions
@@ -247,8 +247,8 @@ def test_sampling_on_int4_weights_follows_the_targets_distribution(request, load
     tiny Qwen2 in a real file's block mix (Q5_0, Q8_0, Q4_1) on int8."""
     from test_decoders import empirical, encode, target_probs, tvd, tvd_tolerance
 
+    from decoding.api.engine import Engine
     from decoding.base.values import GenRequest
-    from decoding.engine import Engine
     from decoding.speculation.sampling import SamplingParams
 
     int4_loaded = request.getfixturevalue(loaded)

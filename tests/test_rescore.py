@@ -10,10 +10,10 @@ from pathlib import Path
 from test_run import FakeEngine, make_config
 
 from tasks import Problem, make_task
-from tot.dvts import final_states
 from tot.rescore import answer_steps, reparse, report, rescore, revote, voted_leaves
-from tot.run import run
-from tot.tree import ReasoningTree
+from tot.runs.run import run
+from tot.search.dvts import final_states
+from tot.search.tree import ReasoningTree
 
 REPO = Path(__file__).resolve().parents[1]
 # A final step that runs past its answer, as the old parser read it (its last number: 7).

@@ -1,5 +1,5 @@
 """The reward-model plug-in (`reward.path`): tiny random checkpoints of each kind written to disk,
-loaded, scoring a crafted path in the documented format, driving BFS and MCTS through tot.run; bad
+loaded, scoring a crafted path in the documented format, driving BFS and MCTS through tot.runs.run; bad
 input is one line."""
 
 from __future__ import annotations
@@ -14,10 +14,12 @@ import torch
 from conftest import BOS_ID, EOS_ID, PAD_ID
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
+from decoding.api.engine import Engine
 from decoding.base.errors import BackendError, ConfigError
-from decoding.engine import Engine
 from decoding.runtime.models import ModelSpec
-from tot.reward import (
+from tot.runs.run import run
+from tot.search.base import run_sync
+from tot.search.reward import (
     IN_CONTEXT_REFUSED,
     ProcessReward,
     RewardSpec,
@@ -27,8 +29,6 @@ from tot.reward import (
     path_ids,
     resolve_kind,
 )
-from tot.run import run
-from tot.search import run_sync
 from tot.show import load_tree
 
 REPO = Path(__file__).resolve().parents[1]

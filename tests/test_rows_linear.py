@@ -9,9 +9,9 @@ import torch
 from helpers import with_linear_kernel
 from test_decoders import PROMPTS
 
+from decoding.api.engine import Engine
 from decoding.base.errors import BackendError
 from decoding.base.values import GenRequest
-from decoding.engine import Engine
 from decoding.runtime import kernels
 from decoding.runtime.llama import Layers
 from decoding.runtime.models import ModelSpec

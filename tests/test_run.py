@@ -1,4 +1,4 @@
-"""tot.run.run on the bundled problems with a fake engine: output files, resume after a kill, config checks."""
+"""tot.runs.run.run on the bundled problems with a fake engine: output files, resume after a kill, config checks."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from decoding.base.errors import BackendError
 from decoding.base.values import DecodeStats, GenRequest, GenResult
 from tasks.base import DataError
 from tasks.gsm8k import FINAL_PREFIX, SCORE_PREFIX
-from tot.bfs import BFSSettings
-from tot.config import ConfigError, RunConfig
-from tot.run import build_task, run, summary_line
+from tot.runs.config import ConfigError, RunConfig
+from tot.runs.run import build_task, run, summary_line
+from tot.search.bfs import BFSSettings
 
 IDS = [f"bundled-{i}" for i in range(1, 7)]
 GOLD_12 = {"bundled-1", "bundled-6"}  # the fake always answers 12

@@ -26,12 +26,12 @@ from test_cli import REPO, subprocess_env
 from test_faults import one_error_line
 from test_run import FakeEngine, make_config
 
-import tot.output
-from decoding.cli import Stopped, prepare_folder
-from tot.config import ConfigError
-from tot.folder import RECORD, SELECTION, SPEED_ONLY, Configuration, _on_cpu, flatten, settings_of
-from tot.results import ResultStore, read_results
-from tot.run import run
+import tot.runs.output
+from decoding.base.cli import Stopped, prepare_folder
+from tot.runs.config import ConfigError
+from tot.runs.folder import RECORD, SELECTION, SPEED_ONLY, Configuration, _on_cpu, flatten, settings_of
+from tot.runs.results import ResultStore, read_results
+from tot.runs.run import run
 
 TINY = [
     "decoder=ar",
@@ -77,7 +77,7 @@ def copy_of(folder: Path, tmp_path: Path) -> Path:
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:
-    """Every file's bytes but the lock's (tot/lock.py): that names who last held the folder, not a result."""
+    """Every file's bytes but the lock's (tot/runs/lock.py): that names who last held the folder, not a result."""
     return {
         str(p.relative_to(folder)): p.read_bytes()
         for p in sorted(folder.rglob("*"))
@@ -374,7 +374,7 @@ def test_a_record_cut_mid_append_by_a_signal_is_trimmed(tmp_path, monkeypatch):
     whole lines, and the signal goes on to end the command."""
     path = tmp_path / "results.jsonl"
     path.write_text('{"id": "a"}\n')
-    real = tot.output.open_for_write
+    real = tot.runs.output.open_for_write
 
     class Halfway:
         def __init__(self, f: IO[str]) -> None:
@@ -391,9 +391,9 @@ def test_a_record_cut_mid_append_by_a_signal_is_trimmed(tmp_path, monkeypatch):
         def __exit__(self, *exc: object) -> None:
             self.f.close()
 
-    monkeypatch.setattr(tot.output, "open_for_write", lambda p, mode: Halfway(real(p, mode)))
+    monkeypatch.setattr(tot.runs.output, "open_for_write", lambda p, mode: Halfway(real(p, mode)))
     with pytest.raises(Stopped):
-        tot.output.append_line(path, '{"id": "b", "answer": "12"}')
+        tot.runs.output.append_line(path, '{"id": "b", "answer": "12"}')
     assert path.read_text() == '{"id": "a"}\n'
 
 

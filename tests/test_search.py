@@ -12,10 +12,10 @@ from helpers import AwaitableFake, reply
 from decoding.base.values import DecodeStats, GenRequest, GenResult, Group
 from tasks.base import Problem
 from tasks.gsm8k import FINAL_PREFIX, GSM8K, SCORE_PREFIX
-from tot.bfs import BFS, BFSSettings
-from tot.saved import ShowError, read_tree
-from tot.search import GenSettings, request_seed, run_sync
-from tot.tree import ReasoningTree
+from tot.runs.saved import ShowError, read_tree, save_tree
+from tot.search.base import GenSettings, request_seed, run_sync
+from tot.search.bfs import BFS, BFSSettings
+from tot.search.tree import ReasoningTree
 
 PROBLEM = Problem(id="p", question="A shop sells 3 boxes of 4 pens. How many pens does it sell?", gold="12")
 _LAST_STEP = re.compile(r"is:\n(.*)\n\n")
@@ -252,7 +252,7 @@ def test_tree_round_trip(tmp_path):
     assert back[0].text == PROBLEM.question
 
     path = tmp_path / "trees" / "p.json"
-    tree.save(path)
+    save_tree(tree, path)
     assert list(path.parent.iterdir()) == [path]  # no temporary file left behind
     saved = ReasoningTree.from_dict(json.loads(path.read_text()))
     assert saved.thoughts == tree.thoughts

@@ -10,9 +10,9 @@ from helpers import UNCAPPED
 from test_decoders import BUDGETS, EOS_ID, PROMPTS, _stop_string_case, encode, reference_greedy
 from test_speculative import PARAMS, RULES, ScriptedDrafter, check_three_tokens, sample_three
 
+from decoding.api.config import DecoderConfig
+from decoding.api.engine import Engine
 from decoding.base.values import GenRequest, Group
-from decoding.config import DecoderConfig
-from decoding.engine import Engine
 from decoding.runtime.models import ModelSpec
 from decoding.schedules.planner import goodput_planner
 from decoding.schedules.rounds import Rounds, RoundsOptions
@@ -143,7 +143,7 @@ def test_schedule_properties(tiny_model, tokenizer, loaded, verify_batch, overla
     refs = [reference_greedy(tiny_model, encode(tokenizer, p), m, {EOS_ID}) for p, m in specs]
     engine = Engine(loaded, "ar")
     drafter = SlowScriptedDrafter(refs, lambda: decoder.rounds, vocab=len(tokenizer))
-    planner = goodput_planner(engine.target)  # the product default plan, as decoding/decoders.py builds it
+    planner = goodput_planner(engine.target)  # the product default plan, as decoding/api/decoders.py builds it
     decoder = Scheduler("seed", engine.target, tokenizer, drafter, verify_batch, overlap, planner=planner)
     engine.decoder = decoder
     results = engine.generate(requests)

@@ -18,10 +18,10 @@ from test_decoders import EOS_ID, encode, reference_greedy
 from test_seed import requests_for, seed_engine
 from test_speculative import PARAMS, check_three_tokens, ragged_requests, sample_three, sd_engine
 
+from decoding.api.config import DecoderConfig
 from decoding.base.errors import ConfigError
 from decoding.base.options import from_dict
 from decoding.base.values import GenRequest
-from decoding.config import DecoderConfig
 from decoding.runtime.models import LoadedModel
 from decoding.speculation.draft_tree import ROOT, DraftTree
 from decoding.trees.policies import StaticPolicy
@@ -36,7 +36,7 @@ from decoding.trees.sequoia import (
     tree_depth,
 )
 from decoding.trees.static import StaticTree
-from tot.calibrate_tree import CalibrateOptions, build, read_profile
+from tuning.calibrate_tree import CalibrateOptions, build, read_profile
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -411,7 +411,7 @@ def test_command_errors(tmp_path):
 
 def test_command_line_exit_status():
     result = subprocess.run(
-        [sys.executable, "-m", "tot.calibrate_tree", "calibrate.drafter=nope"],
+        [sys.executable, "-m", "tuning.calibrate_tree", "calibrate.drafter=nope"],
         capture_output=True,
         text=True,
         cwd=REPO,

@@ -20,16 +20,16 @@ from hydra import compose, initialize_config_module
 from llama_server import LlamaServer, free_port
 from omegaconf import OmegaConf
 
+from decoding.api.server import ServerEngine, ServerOptions
 from decoding.base.errors import BackendError
+from decoding.base.prompts import render
 from decoding.base.values import GenRequest, Group
-from decoding.prompts import render
 from decoding.runtime.models import ModelSpec, load_tokenizer
-from decoding.server import ServerEngine, ServerOptions
 from tasks import DataSpec, make_task
 from tot.collect import collect
-from tot.config import RunConfig
-from tot.run import run, summary_line
-from tot.search import GenSettings
+from tot.runs.config import RunConfig
+from tot.runs.run import run, summary_line
+from tot.search.base import GenSettings
 
 REPO = Path(__file__).resolve().parents[1]
 # A small run: two depths of two thoughts, short thoughts.

@@ -20,9 +20,9 @@ import pytest
 from bad_server import FLOOD_BYTES, BadServer, bad_server
 from test_cli import REPO, subprocess_env
 
+from decoding.api.server import BadReply, Reply, ServerEngine, ServerOptions, parse_completion, parse_models
 from decoding.base.errors import BackendError
 from decoding.base.values import GenRequest
-from decoding.server import BadReply, Reply, ServerEngine, ServerOptions, parse_completion, parse_models
 
 SMALL = ("data.limit=1", "task.depth=1", "search.n_thoughts=2", "gen.max_thought_tokens=8", "gen.max_eval_tokens=4")
 TIMEOUT = 2  # server.timeout of the trickle case

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from tot.results import ResultStore, tree_file
+from tot.runs.results import ResultStore, tree_file
+from tot.runs.saved import save_tree
+from tot.search.tree import ReasoningTree
 from tot.show import ANSWER, CHOSEN, clip, layout, load_tree, main, render_text
-from tot.tree import ReasoningTree
 
 REPO = Path(__file__).resolve().parents[1]
 PROBLEM_ID = "gsm8k/7 b"  # '/' and ' ' are %-encoded in the tree's file name
@@ -41,7 +42,7 @@ def build_tree() -> tuple[ReasoningTree, set[int]]:
 def run_dir(tmp_path: Path) -> Path:
     tree, _ = build_tree()
     store = ResultStore(tmp_path / "run")
-    tree.save(store.tree_path(PROBLEM_ID))
+    save_tree(tree, store.tree_path(PROBLEM_ID))
     store.append({"id": PROBLEM_ID, "answer": "18", "correct": True, "wall_s": 1.0, "phases": {}})
     return tmp_path / "run"
 
@@ -172,8 +173,8 @@ def test_memory_curve_of_a_run(loaded, tmp_path: Path, capsys):
     a PNG; a run without memory figures (a server's, or an old one) is one line, exit 2."""
     from test_run import make_config
 
-    from decoding.engine import Engine
-    from tot.run import run
+    from decoding.api.engine import Engine
+    from tot.runs.run import run
 
     out = tmp_path / "run"
     cfg = make_config("data.limit=3", "task.depth=2", "gen.max_thought_tokens=5", "gen.max_eval_tokens=3")

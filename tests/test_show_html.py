@@ -16,7 +16,7 @@ from test_run import FakeEngine, make_config
 
 from decoding.base.values import GenRequest, GenResult
 from tasks.gsm8k import FINAL_PREFIX, SCORE_PREFIX
-from tot.run import run
+from tot.runs.run import run
 
 REPO = Path(__file__).resolve().parents[1]
 BROWSERS = ("chromium", "chromium-browser", "google-chrome")

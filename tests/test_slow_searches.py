@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from decoding.engine import Engine
+from decoding.api.engine import Engine
 from decoding.runtime.models import LoadedModel, ModelSpec, load_model
-from tot.run import run
+from tot.runs.run import run
 from tot.show import load_tree
 
 TASKS = {

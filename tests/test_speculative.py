@@ -22,11 +22,11 @@ from test_decoders import (
     tvd_tolerance,
 )
 
+from decoding.api.config import DecoderConfig
+from decoding.api.engine import Engine
 from decoding.base.errors import ConfigError
 from decoding.base.values import GenRequest
-from decoding.config import DecoderConfig
 from decoding.drafters.draft_model import ModelDrafter
-from decoding.engine import Engine
 from decoding.runtime.memory import MemoryBudget
 from decoding.runtime.models import LoadedModel, ModelSpec
 from decoding.runtime.prefix_cache import PrefixCache

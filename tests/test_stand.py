@@ -13,16 +13,16 @@ from helpers import UNCAPPED
 from test_decoders import BUDGETS, EOS_ID, PROMPTS, _stop_string_case, encode, reference_greedy
 from test_speculative import PARAMS, check_three_tokens, sample_three
 
+from decoding.api.config import DecoderConfig
+from decoding.api.engine import Engine
 from decoding.base.errors import ConfigError
 from decoding.base.values import GenRequest, Group
-from decoding.config import DecoderConfig
 from decoding.drafters.aded import TriGram
 from decoding.drafters.ngram import LogitNGram
 from decoding.drafters.pld import lookup
 from decoding.drafters.pools import Pools
 from decoding.drafters.stand import GumbelNoise, StandOptions, gumbel_top_k
 from decoding.drafters.suffix import SuffixTrie
-from decoding.engine import Engine
 from decoding.schedules.rounds import RoundsOptions
 from decoding.speculation.draft_tree import ROOT, k_config_parents
 from decoding.speculation.options import VerifyOptions
@@ -322,8 +322,9 @@ def test_sparse_draft_distributions_are_exact():
 
 
 def test_reprune_from_recorded_hits(tmp_path):
-    """`tot.calibrate_tree calibrate.method=prune calibrate.from_counts=...` re-cuts a tree from its recorded hits."""
-    from tot.calibrate_tree import reprune
+    """`tuning.calibrate_tree calibrate.method=prune calibrate.from_counts=...` re-cuts a tree from its
+    recorded hits."""
+    from tuning.calibrate_tree import reprune
 
     initial = initial_tree()
     hits = {0: 50, 8: 40, 1: 30, 9: 5, 2: 2}  # node 8 is node 0's first child

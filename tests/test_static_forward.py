@@ -15,11 +15,11 @@ import pytest
 import torch
 from conftest import DEVICE, TEST_BUCKETS, build_model, build_tokenizer
 
+from decoding.api.config import DecoderConfig
+from decoding.api.engine import Engine
+from decoding.api.kinds import DECODERS
 from decoding.base.errors import BackendError, ConfigError
 from decoding.base.values import GenRequest
-from decoding.config import DecoderConfig
-from decoding.engine import Engine
-from decoding.kinds import DECODERS
 from decoding.runtime import static_forward as sf
 from decoding.runtime.models import ModelSpec, load_model, prepare_for_inference
 from decoding.runtime.runner import ModelRunner

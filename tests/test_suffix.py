@@ -10,11 +10,11 @@ from test_decoders import encode
 from test_speculative import PARAMS, check_three_tokens, sample_three
 from test_stand import engine_for, greedy_case
 
+from decoding.api.config import DecoderConfig
+from decoding.api.engine import Engine
 from decoding.base.errors import ConfigError
 from decoding.base.values import GenRequest, Group
-from decoding.config import DecoderConfig
 from decoding.drafters.suffix import SuffixOptions, SuffixTrie, grow
-from decoding.engine import Engine
 from decoding.speculation.draft_tree import ROOT
 from decoding.speculation.gumbel import Coupling, gumbel_order
 from decoding.speculation.options import VerifyOptions

@@ -1,4 +1,4 @@
-"""Every task with every search, end to end through tot.run on a tiny random model and a real engine:
+"""Every task with every search, end to end through tot.runs.run on a tiny random model and a real engine:
 results, summary, saved trees, and the same outputs from ar and seed_stand at temperature 0."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from decoding.engine import Engine
-from tot.run import run
+from decoding.api.engine import Engine
+from tot.runs.run import run
 from tot.show import load_tree
 
 TINY = ["data.limit=1", "gen.max_thought_tokens=5", "gen.max_eval_tokens=3", "gen.temperature=0"]

@@ -16,8 +16,8 @@ from test_cli import REPO, subprocess_env
 from decoding.base.values import DecodeStats, GenRequest, GenResult
 from tasks.base import DataError, DataSpec, Problem
 from tasks.template import TemplateTask
-from tot.bfs import BFS, BFSSettings
-from tot.search import GenSettings, run_sync
+from tot.search.base import GenSettings, run_sync
+from tot.search.bfs import BFS, BFSSettings
 
 PROBLEM = Problem("r1", "What has keys but opens no locks?", "a piano")
 

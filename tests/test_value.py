@@ -12,17 +12,17 @@ import torch
 from helpers import AwaitableFake, reply
 from test_logprobs import plain_choice
 
+from decoding.api.engine import Engine
 from decoding.base.values import DecodeStats, GenRequest, GenResult, TokenLogprob
-from decoding.engine import Engine
 from tasks.base import DataError, Problem
 from tasks.blocksworld.task import Blocksworld
 from tasks.creative_writing import CreativeWriting
 from tasks.gsm8k import GSM8K, SCORE_PREFIX, YES_PREFIX
-from tot.bfs import BFS, BFSSettings
-from tot.mcts import MCTS, MCTSSettings
-from tot.search import GenSettings, choose, finished_states, run_sync
-from tot.tree import ReasoningTree
-from tot.value import answer_distribution, read_value
+from tot.search.base import GenSettings, choose, finished_states, run_sync
+from tot.search.bfs import BFS, BFSSettings
+from tot.search.mcts import MCTS, MCTSSettings
+from tot.search.tree import ReasoningTree
+from tot.search.value import answer_distribution, read_value
 
 SCALE = GSM8K(value="expected").value_answers()
 PROBLEM = Problem(id="p", question="A shop sells 3 boxes of 4 pens. How many pens does it sell?", gold="12")
@@ -242,7 +242,7 @@ def test_separation_reads_how_well_values_tell_right_from_wrong(tmp_path, capsys
     every right answer above every wrong one give 1."""
     from test_run import FakeEngine, make_config
 
-    from tot.run import run
+    from tot.runs.run import run
     from tot.separation import main, separation
 
     out = tmp_path / "run"

@@ -25,10 +25,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, without an install
 
+from decoding.api.config import DecoderConfig
+from decoding.api.engine import Engine
 from decoding.base.values import GenRequest
-from decoding.config import DecoderConfig
 from decoding.drafters.load import load_draft
-from decoding.engine import Engine
 from decoding.runtime.models import LoadedModel, ModelSpec, load_model
 from decoding.runtime.runner import ModelRunner
 from decoding.runtime.static_forward import Buckets, resolve_graphs

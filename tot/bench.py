@@ -61,17 +61,17 @@ from decoding import (
     load_model,
     peak_rss_mb,
 )
-from decoding.cli import fail, hydra_command
+from decoding.base.cli import fail, hydra_command
 from tasks.base import DataError, Problem, Task
 from tot.compare import first_difference
-from tot.config import RunConfig
-from tot.lock import run_lock
-from tot.output import pyplot, save_figure, write_atomic
-from tot.reward import load_reward
-from tot.run import build_task, gather_all, make_judge, make_search, score, solve_all
+from tot.runs.config import RunConfig
+from tot.runs.lock import run_lock
+from tot.runs.output import pyplot, save_figure, write_atomic
+from tot.runs.run import build_task, gather_all, make_judge, make_search, score, solve_all
 from tot.scaling import plot_scaling, scaling, scaling_table
-from tot.search import PHASES, GenerationEngine, Search, Solution, run_sync
-from tot.tree import ReasoningTree
+from tot.search.base import PHASES, GenerationEngine, Search, Solution, run_sync
+from tot.search.reward import load_reward
+from tot.search.tree import ReasoningTree
 
 
 @dataclass
@@ -175,7 +175,7 @@ def bench(
     searches = {name: make_search(cfg, replace(task, evaluator=e), reward) for name, e in evaluated.items()}  # type: ignore[type-var]
     at_once = {name: (concurrency or {}).get(name, cfg.concurrency) for name in configs}
     engines = {name: bench_engine(c, target, draft) for name, c in configs.items()}
-    # task.judge.path, as tot.run scores with it; loaded once (else each decoder's engine is its own judge).
+    # task.judge.path, as tot.runs.run scores with it; loaded once (else each decoder's engine is its own judge).
     judge = None if cfg.judge is None else make_judge(cfg, next(iter(engines.values())))
     for engine in engines.values():  # warm-up: first-call allocations and kernel choices (a server: its check)
         run_sync(engine.agenerate([GenRequest("Say hello.", max_new_tokens=8, group=Group("warm-up"))]))

@@ -27,10 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from decoding import OutputError
-from tot.folder import SELECTION, read_record
-from tot.output import write_atomic
-from tot.results import ResultsError, summarize
-from tot.saved import ShowError, read_json, read_records
+from tot.runs.folder import SELECTION, read_record
+from tot.runs.output import write_atomic
+from tot.runs.results import ResultsError, summarize
+from tot.runs.saved import ShowError, read_json, read_records
 
 COLUMNS = (
     "run",

@@ -11,9 +11,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from tot.results import ResultsError
-from tot.saved import ShowError, problems, read_tree
-from tot.tree import ReasoningTree
+from tot.runs.results import ResultsError
+from tot.runs.saved import ShowError, problems, read_tree
+from tot.search.tree import ReasoningTree
 
 COMPARED = ("text", "value", "depth", "chosen", "answer")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tot.saved import ShowError, read_records
+from tot.runs.saved import ShowError, read_records
 
 COLUMNS = ("prefix_store_mb", "prefix_store_cap_mb", "prefix_evictions", "kv_pool_mb", "rss_mb", "peak_rss_mb")
 

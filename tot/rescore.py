@@ -21,14 +21,14 @@ from pathlib import Path
 from decoding import OutputError
 from tasks import DataSpec, Problem, Task, make_task
 from tasks.base import DataError
-from tot.folder import read_record
-from tot.lock import run_lock
-from tot.output import write_atomic
-from tot.results import ResultsError, TreeFiles, answer_fields, read_results, summarize
-from tot.saved import ShowError, read_json, read_tree
-from tot.search import choose
-from tot.searches import SEARCHES
-from tot.tree import ReasoningTree
+from tot.runs.folder import read_record
+from tot.runs.lock import run_lock
+from tot.runs.output import write_atomic
+from tot.runs.results import ResultsError, TreeFiles, answer_fields, read_results, summarize
+from tot.runs.saved import ShowError, read_json, read_tree, save_tree
+from tot.search import SEARCHES
+from tot.search.base import choose
+from tot.search.tree import ReasoningTree
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ def voted_leaves(search: str | None, config: dict) -> Callable[[ReasoningTree], 
 def rescore(run_dir: Path) -> Rescored:
     """Rescore a run in place: the summaries before and after, the problems that changed and how many
     had no tree to read. Where no problem has its tree, nothing is rewritten (ShowError). The folder is
-    held as a run holds it (tot/lock.py): a run still writing it is not raced."""
+    held as a run holds it (tot/runs/lock.py): a run still writing it is not raced."""
     summary_path = run_dir / "summary.json"
     if not summary_path.is_file():
         raise ShowError(f"{run_dir} has no summary.json; give an output directory of python -m tot.solve")
@@ -165,7 +165,7 @@ def _rescore(run_dir: Path, summary_path: Path) -> Rescored:
         )
     torn = results_path.read_bytes()[results.whole_bytes :].decode("utf-8", "replace")  # kept as it was
     for tree, path in trees:
-        tree.save(path)
+        save_tree(tree, path)
     write_atomic(results_path, "".join(json.dumps(r) + "\n" for r in lines) + torn)
     write_atomic(summary_path, json.dumps(summary, indent=2))
     return Rescored(old, summary, changes, without_tree)

@@ -14,9 +14,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from decoding import ConfigError, from_dict
-from tot.config import RunConfig
-from tot.output import pyplot, save_figure
-from tot.searches import SEARCHES
+from tot.runs.config import RunConfig
+from tot.runs.output import pyplot, save_figure
+from tot.search import SEARCHES
 
 
 def search_cells(cfg: RunConfig, searches: dict[str, dict | None] | None) -> dict[str, object]:

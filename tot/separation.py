@@ -17,8 +17,8 @@ from pathlib import Path
 
 from tasks.base import DataError
 from tot.rescore import run_task
-from tot.saved import ShowError, problems, read_tree
-from tot.search import finished_states
+from tot.runs.saved import ShowError, problems, read_tree
+from tot.search.base import finished_states
 
 
 @dataclass(frozen=True)

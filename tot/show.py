@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from decoding import OutputError
-from tot.results import ResultsError
-from tot.saved import SavedTree, ShowError, find_problem, problems, read_tree
-from tot.saved import load_tree as load_tree  # notebooks read a tree with it
-from tot.tree import ReasoningTree
+from tot.runs.results import ResultsError
+from tot.runs.saved import SavedTree, ShowError, find_problem, problems, read_tree
+from tot.runs.saved import load_tree as load_tree  # notebooks read a tree with it
+from tot.search.tree import ReasoningTree
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

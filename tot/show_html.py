@@ -13,8 +13,8 @@ import json
 from importlib import resources
 from pathlib import Path
 
-from tot.output import write_atomic
-from tot.saved import SavedTree, ShowError, read_json, read_tree
+from tot.runs.output import write_atomic
+from tot.runs.saved import SavedTree, ShowError, read_json, read_tree
 
 # Record fields shown beside each tree (the rest of a record is the decode statistics per phase).
 RECORD_KEYS = ("id", "question", "answer", "answers", "gold", "correct", "correct_by", "metrics", "tokens", "wall_s")

@@ -8,11 +8,11 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from decoding import BackendError, OutputError
-from decoding.cli import Refused, fail, hydra_command
+from decoding.base.cli import Refused, fail, hydra_command
 from tasks.base import DataError
-from tot.config import ConfigError, RunConfig
-from tot.results import ResultsError
-from tot.run import build_task, open_run, run, summary_line
+from tot.runs.config import ConfigError, RunConfig
+from tot.runs.results import ResultsError
+from tot.runs.run import build_task, open_run, run, summary_line
 
 USER_ERRORS = (ConfigError, DataError, BackendError, OutputError, ResultsError)
 GROUPS = ("task", "search", "decoder", "model")

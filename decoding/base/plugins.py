@@ -6,7 +6,7 @@ TaskPlugin, ArchitecturePlugin); `options` is a frozen dataclass read from the c
 `section`. Each kind's table is a `Table` of its built-in modules; the environment variable
 `TOT_SPEC_PLUGINS` adds modules (comma-separated, importable from sys.path), each joining the table of
 the kind it declares. Tables load on first use, not at import: a plug-in module may import the
-package whose table lists it (a search imports `tot.search`, which imports `decoding`).
+package whose table lists it (a search imports `tot.search.plugin`, which imports `decoding`).
 
 A listed module that cannot be imported or declares nothing, a built-in module declaring another
 kind, and two modules claiming one name stop the load with one line naming the module.

@@ -42,7 +42,7 @@ class GenRequest:
     prefix: str = ""
     # A follow-up: the finished sequence it continues with a new user turn (a `GenResult.context`);
     # `prompt` is then that turn's message. Its stored keys and values serve the follow-up, so
-    # only the new turn is computed (decoding/prompts.py renders the seam).
+    # only the new turn is computed (decoding/base/prompts.py renders the seam).
     context: tuple[int, ...] = ()
     # Keep this sequence's keys and values stored when it finishes, pinned until a follow-up of
     # it is admitted (only then evictable): the follow-ups a search sends moments later.
@@ -284,7 +284,7 @@ class GenResult:
     finish_reason: FinishReason
     stats: DecodeStats = field(default_factory=DecodeStats)
     # What a follow-up of this reply continues (`GenRequest.context`): the prompt's ids, then the
-    # reply's up to where its text ends (decoding/prompts.py `reply_ids`).
+    # reply's up to where its text ends (decoding/base/prompts.py `reply_ids`).
     context: tuple[int, ...] = ()
     # GenRequest.logprobs: one per token of `token_ids`; None when not asked.
     logprobs: list[TokenLogprob] | None = None

@@ -1,7 +1,7 @@
 """The draft-model drafter: a small causal LM (or the target itself) grows a draft tree level by level.
 
 The tree's shape comes from a tree policy (decoding/trees/policies.py): a k_config tree (SEED's
-children per depth), a static Sequoia tree from a file (`python -m tot.calibrate_tree`), or
+children per depth), a static Sequoia tree from a file (`python -m tuning.calibrate_tree`), or
 EDD's pruned candidate tree (PCT), grown from the draft model's confidences. The draft model keeps
 its own per-row KV cache in step with what the target accepted: each tree is grown level by level
 (one batched draft forward per level, each level seeing the levels above it through the cache's

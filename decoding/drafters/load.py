@@ -12,7 +12,7 @@ def load_draft(spec: ModelSpec, target: LoadedModel) -> LoadedModel:
     with the EDD trained for it."""
     if spec.path == "self":
         return target
-    if spec.path == "edd":  # the EDD draft decoder trained for this target (python -m tot.train_edd)
+    if spec.path == "edd":  # the EDD draft decoder trained for this target (python -m tuning.train_edd)
         return load_edd(spec, target)
     draft = load_model(spec)
     if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():  # type: ignore[attr-defined]

@@ -1,12 +1,12 @@
 """What a drafter module declares to be a plug-in: `PLUGIN = DrafterPlugin(...)`.
 
 The declaration names the drafter, the options dataclass and the config section it reads, its
-builder, and the decoders (`DecoderKind`: a schedule plus a drafter) it adds. decoding/kinds.py
+builder, and the decoders (`DecoderKind`: a schedule plus a drafter) it adds. decoding/api/kinds.py
 builds the tables from the declarations alone (decoding/base/plugins.py: the one mechanism every
 kind of plug-in shares).
 
 `build(config, target, tokenizer, draft)`: the decoder's config (`BuildConfig`: what a builder reads
-of decoding/config.py's `DecoderConfig`), the target's `ModelRunner`, its `Detokenizer`, and the draft
+of decoding/api/config.py's `DecoderConfig`), the target's `ModelRunner`, its `Detokenizer`, and the draft
 model's `LoadedModel` or None; it returns the engine's `Drafter`.
 """
 
@@ -44,7 +44,7 @@ class DecoderKind:
     """A decoder (`decoder=name`): a schedule, a drafter, and the config sections it reads."""
 
     name: str
-    schedule: str  # a key of decoding.decoders.SCHEDULES: hf, batch, serial, rounds
+    schedule: str  # a key of decoding.api.decoders.SCHEDULES: hf, batch, serial, rounds
     drafter: str  # the name of a DrafterPlugin
     options: tuple[str, ...] = ()  # the DecoderConfig fields (config sections) it reads
     draft_model: DraftModel = "none"  # optional: with draft.path set, the model's tree joins the drafter's

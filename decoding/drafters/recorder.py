@@ -1,4 +1,4 @@
-"""The calibration recorder both draft-tree tools use (`python -m tot.calibrate_tree`).
+"""The calibration recorder both draft-tree tools use (`python -m tuning.calibrate_tree`).
 
 It drafts through another drafter that fills a static calibration shape and records, per verified
 tree, what the target accepted: how often each node of the shape was on the accepted path (STAND's

@@ -262,14 +262,14 @@ def load_edd_model(path: Path, target_model: torch.nn.Module) -> EddModel:
     if meta["model"].get("hidden_size") != hidden:
         raise BackendError(
             f"the EDD in {path} was trained for a target of hidden size {meta['model'].get('hidden_size')}, "
-            f"not {hidden}; train one for this model with `python -m tot.train_edd model.path=...`"
+            f"not {hidden}; train one for this model with `python -m tuning.train_edd model.path=...`"
         )
     model = EddModel(config, target_model)
     state = torch.load(Path(path) / WEIGHTS_FILE, map_location=model.device, weights_only=True)
     model.load_state_dict(state, strict=False)
     missing = set(model.trained_state()) - set(state)
     if missing:
-        raise BackendError(f"{path}/{WEIGHTS_FILE} lacks {sorted(missing)[0]}; retrain with python -m tot.train_edd")
+        raise BackendError(f"{path}/{WEIGHTS_FILE} lacks {sorted(missing)[0]}; retrain with python -m tuning.train_edd")
     return model.eval()
 
 
@@ -280,7 +280,7 @@ def load_edd(spec: ModelSpec, target: LoadedModel) -> LoadedModel:
     if not (path / CONFIG_FILE).is_file():
         raise BackendError(
             f"{spec.key}.path=edd: no EDD draft decoder trained for model.path={name} (looked in {path}); "
-            f"train one with `python -m tot.train_edd model.path={name}`"
+            f"train one with `python -m tuning.train_edd model.path={name}`"
         )
     model = load_edd_model(path, target.model)
     if spec.prepack:  # frozen from here on, like the target (its LM head is the target's, prepacked with it)
@@ -295,7 +295,7 @@ def draft_vocab(path: Path | str, size: int) -> torch.Tensor:
     if not f.is_file():
         raise BackendError(
             f"draft.vocab={size}: the EDD in {path} has no token ranking ({VOCAB_FILE}); rerun "
-            "`python -m tot.train_edd` (it reuses its corpus and checkpoint) to write it, or set draft.vocab=null"
+            "`python -m tuning.train_edd` (it reuses its corpus and checkpoint) to write it, or set draft.vocab=null"
         )
     ranking = torch.load(f, weights_only=True)
     if size > len(ranking):

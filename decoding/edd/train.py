@@ -1,6 +1,6 @@
 """Training the EDD draft decoder (decoding/edd/model.py) from a corpus of the target's own texts.
 
-`python -m tot.train_edd` builds the corpus (ToT rollouts decoded by the target) and calls this:
+`python -m tuning.train_edd` builds the corpus (ToT rollouts decoded by the target) and calls this:
 2. Features: for each text (its last `train.seq_len` tokens) the target's hidden states after layer
    `edd.layer` (the soft prompt) and its final hidden states (the LM head of which gives the target's
    distribution, for the KL), cached to <work_dir>/features-<hash>.pt.
@@ -67,7 +67,7 @@ class TrainSettings:
 
 
 class TrainingRun(Protocol):
-    """What training reads of a run's configuration (tot.train_edd's TrainConfig)."""
+    """What training reads of a run's configuration (tuning.train_edd's TrainConfig)."""
 
     model: ModelSpec
     layer: int

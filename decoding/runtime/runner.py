@@ -9,11 +9,12 @@ from dataclasses import dataclass, replace
 import torch
 
 from decoding.runtime import attention, llama
-from decoding.runtime.kv_bytes import KVBytes, Need, PagedBytes, RowBytes
-from decoding.runtime.kv_cache import ForwardView, KVCache, RowKVCache, cache_geometry
+from decoding.runtime.kv_bytes import KVBytes, Need
+from decoding.runtime.kv_cache import ForwardView, KVCache
+from decoding.runtime.kv_layout import KVLayout, PagedLayout, RowLayout
 from decoding.runtime.memory import MemoryBudget
 from decoding.runtime.packing import Packed, pack
-from decoding.runtime.paged_kv import BlockPool, PagedKVCache
+from decoding.runtime.paged_kv import BlockPool
 from decoding.runtime.prefix_cache import Match, PrefixCache, shared_len
 from decoding.runtime.quant import cache_dtype
 from decoding.runtime.static_forward import StaticForward, StaticSpec
@@ -70,7 +71,18 @@ class ModelRunner:
         if paged and (why := _rows_of_their_own(self.layers is not None, self.static is not None, self.device)):
             log.info("model.paged_kv: KV in rows of their own, not in shared blocks: %s", why)
             paged = False
-        self.pool = BlockPool.for_model(self.config, self.cache_dtype, self.device) if paged else None
+        self.kv: KVLayout = (
+            PagedLayout(BlockPool.for_model(self.config, self.cache_dtype, self.device))
+            if paged
+            else RowLayout(
+                self.config,
+                self.cache_dtype,
+                self.device,
+                keys_by_position=self.reads_rows_in_place,
+                spare=1 if self.static is not None else 0,
+                capture=self.static is not None and self.static.spec.capture,
+            )
+        )
         self.prefixes = PrefixCache(prefix_budget, self.pool)  # its own 4 GiB without a budget
         self.kv_budget = kv_budget  # bytes a decoder's KV pool may take (model.kv_memory); None: unbounded
         # Hidden-state capture for drafters that read them (EDD): off unless capture_hidden is called.
@@ -87,6 +99,11 @@ class ModelRunner:
         self.prefixes = PrefixCache(self.prefixes.budget, self.pool)
 
     @property
+    def pool(self) -> BlockPool | None:
+        """The blocks rows and the prefix store share (paged KV), or None: rows of their own."""
+        return self.kv.pool
+
+    @property
     def vocab_size(self) -> int:
         """Rows of the LM head (it may be padded past the tokenizer's vocabulary)."""
         head = self.model.get_output_embeddings()
@@ -100,20 +117,7 @@ class ModelRunner:
         """An empty cache; `graphs`: one that lives long enough to be worth capturing CUDA graphs over
         (a decoder's pool of rows, not a scratch cache of one admission). Paged, rows of the model's
         block pool (they share blocks with each other and the prefix store)."""
-        if self.pool is not None and self.layers is not None:
-            return PagedKVCache(self.pool, batch, capacity)
-        cache = RowKVCache.for_model(
-            self.config,
-            batch,
-            capacity,
-            self.cache_dtype,
-            self.device,
-            keys_by_position=self.reads_rows_in_place,
-            spare=1 if self.static is not None else 0,
-        )
-        if graphs and self.static is not None and self.static.spec.capture:
-            cache.graphs = {}
-        return cache
+        return self.kv.new_cache(batch, capacity, graphs)
 
     @torch.inference_mode()
     def forward(
@@ -144,8 +148,7 @@ class ModelRunner:
         in_place = self.reads_rows_in_place and rows is not None
         view = cache.prepare(tokens.shape[1], offset, rows, gather=not in_place)
         self.peak_cache_bytes = max(self.peak_cache_bytes, cache.nbytes)
-        if self.pool is not None:
-            self.peak_shared_blocks = max(self.peak_shared_blocks, self.pool.shared())
+        self.peak_shared_blocks = max(self.peak_shared_blocks, self.kv.shared_blocks())
         mask = view.attention_mask(tree.to(self.device))
         if self.additive_mask:
             mask = torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill_(
@@ -352,11 +355,7 @@ class ModelRunner:
     @property
     def kv_layout(self) -> KVBytes:
         """What a pool of rows takes in this runner's layout (admission compares it with `kv_budget`)."""
-        if self.pool is not None:
-            return PagedBytes(self.pool.block_bytes, self.row_capacity)
-        n_layers, n_kv, head_dim = cache_geometry(self.config)
-        position = 2 * n_layers * n_kv * head_dim * self.cache_dtype.itemsize
-        return RowBytes(position, self.row_capacity, spare_rows=1 if self.static is not None else 0)
+        return self.kv.bytes(self.row_capacity)
 
     def row_capacity(self, prompt_lens: list[int], room: int) -> int:
         """Positions a row of the pool needs while rows with these prompts decode, `room` past each."""
@@ -423,8 +422,7 @@ class ModelRunner:
         """Rows hold nothing any more (their sequences left). Paged, their blocks go back, and those
         the store also held now count against its budget, which may then evict."""
         cache.clear(rows)
-        if self.pool is not None:
-            self.prefixes.budget.make_room()
+        self.kv.released(self.prefixes)
 
 
 def _rows_of_their_own(layers: bool, bucketed: bool, device: torch.device) -> str | None:

@@ -1,5 +1,6 @@
 """The schedules: the one speculative loop (continuous batching in SEED's rounds; `ar` is it with empty
 trees), its step on one screen (`step.py`), the goodput planner, and `hf` (transformers' generate).
 
-They sit above every other folder of `decoding`: the engine (decoding/engine.py) drives them.
+They import every folder of `decoding` below them (base to drafters), never the engine's API
+(decoding/api/) that drives them.
 """

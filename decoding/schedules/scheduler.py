@@ -93,7 +93,7 @@ class Scheduler:
 
     @drafter.setter
     def drafter(self, drafter: Drafter) -> None:
-        """A drafter swapped in between steps (tot.calibrate_tree's recorder wraps the built one)."""
+        """A drafter swapped in between steps (tuning.calibrate_tree's recorder wraps the built one)."""
         self.setup = replace(self.setup, drafter=drafter)
 
     @property

@@ -313,7 +313,7 @@ class DraftTreeOptions:
             if not self.tree:
                 raise ConfigError(
                     f"{key}.tree_policy=sequoia needs {key}.tree=PATH, a tree JSON written by "
-                    "python -m tot.calibrate_tree calibrate.drafter=model"
+                    "python -m tuning.calibrate_tree calibrate.drafter=model"
                 )
             widest = max((len(v) for v in StaticTree.load(self.tree, key=key).children().values()), default=0)
             if not self.multi_candidate and widest > 1:
@@ -380,7 +380,7 @@ def _pct(options: DraftTreeOptions, ratio: Callable[[], float]) -> TreePolicy:
 # `ratio` measures s_d / s_t on this machine; only PCT reads it, and only when pct_ratio is not given.
 TREE_POLICIES: dict[str, Callable[[DraftTreeOptions, Callable[[], float]], TreePolicy]] = {
     "k_config": _static,  # SEED's children per depth
-    "sequoia": _static,  # a static tree from a file (python -m tot.calibrate_tree)
+    "sequoia": _static,  # a static tree from a file (python -m tuning.calibrate_tree)
     "pct": _pct,  # EDD's pruned candidate tree
 }
 

@@ -3,7 +3,7 @@
 A shape is shipped by name (decoding/trees/<name>.json: `default`, the 5-node tree the step planner
 cuts from on this project's CPU; `chain3`, the 3-node chain calibrated for the fixed cut; `initial`,
 STAND's 625-node starting tree) or read from a JSON file written by
-`python -m tot.calibrate_tree`. `fill` is the one loop that fills a shape with a drafter's
+`python -m tuning.calibrate_tree`. `fill` is the one loop that fills a shape with a drafter's
 candidates (STAND's N-gram pools, Token Recycling's successor table).
 """
 

@@ -5,33 +5,16 @@ decoder layer (RMSNorm, rotary attention with grouped KV heads, a SiLU-gated MLP
 Qwen2 adds biases on q, k and v, which the C++ layers (csrc/layers.cpp) take as any projection's
 bias. What differs is the class of each module, which the native paths check before they replace
 or skip the model's own modules (llama.py, norm.py, activation.py, static_forward.py). An
-architecture is a plug-in: one module here (llama.py, qwen2.py) ending with its declaration.
+architecture is a plug-in: one module here (llama.py, qwen2.py) ending with its declaration
+(`ArchitecturePlugin`, plugin.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
-
 import torch
 
-from decoding.base.plugins import Plugin, table
-
-
-@dataclass(frozen=True, kw_only=True)
-class ArchitecturePlugin(Plugin):
-    """A causal LM family by its `transformers` module classes; `build` is its causal LM class."""
-
-    KIND: ClassVar[str] = "architecture"
-
-    decoder_layer: type[torch.nn.Module]
-    rms_norm: type[torch.nn.Module]
-    mlp: type[torch.nn.Module]
-
-    @property
-    def causal_lm(self) -> type[torch.nn.Module]:
-        return self.build  # type: ignore[return-value]
-
+from decoding.base.plugins import table
+from decoding.runtime.architectures.plugin import ArchitecturePlugin
 
 # One module per architecture, `name` its config.model_type and the GGUF file's general.architecture;
 # TOT_SPEC_PLUGINS adds modules from outside the project (decoding/base/plugins.py).

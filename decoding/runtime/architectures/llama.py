@@ -2,7 +2,7 @@
 
 from transformers.models.llama import modeling_llama
 
-from decoding.runtime.architectures import ArchitecturePlugin
+from decoding.runtime.architectures.plugin import ArchitecturePlugin
 
 PLUGIN = ArchitecturePlugin(
     name="llama",

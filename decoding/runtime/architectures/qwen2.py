@@ -2,7 +2,7 @@
 
 from transformers.models.qwen2 import modeling_qwen2
 
-from decoding.runtime.architectures import ArchitecturePlugin
+from decoding.runtime.architectures.plugin import ArchitecturePlugin
 
 PLUGIN = ArchitecturePlugin(
     name="qwen2",

@@ -1,5 +1,5 @@
 """What every search is built on: the sampling settings, a step's growing and valuing of thoughts,
-the phases' decode costs, and `SearchBase` (the searches: tot/bfs.py, dvts.py, best_of_n.py, mcts.py).
+the phases' decode costs, and `SearchBase` (the searches: tot/search/bfs.py, dvts.py, best_of_n.py, mcts.py).
 
 A search is a coroutine: it submits requests and awaits them, so that several problems run at once
 over one engine and the engine's batch stays full. Each thought is its own request, and its
@@ -22,9 +22,9 @@ from typing import Any, Literal, Protocol
 from decoding import Completion, ConfigError, DecodeStats, GenRequest, GenResult, Group
 from decoding import run_sync as run_sync  # searches are run with it
 from tasks.base import Problem, Prompt, Task
-from tot.reward import ProcessReward, ScoringModel
-from tot.tree import ReasoningTree, Valuation
-from tot.value import read_value
+from tot.search.reward import ProcessReward, ScoringModel
+from tot.search.tree import ReasoningTree, Valuation
+from tot.search.value import read_value
 
 PHASES = ("generate", "evaluate")
 # How a search's answer is chosen among its finished states (search.aggregate): the best-valued one, or

@@ -1,10 +1,11 @@
-"""The searches: `PLUGIN = SearchPlugin(...)` in each search's module, gathered into `SEARCHES`.
+"""What a search declares: `PLUGIN = SearchPlugin(...)` ends each search's module (tot/search/__init__.py
+gathers them into `SEARCHES`).
 
 A search is one module and its yaml (conf/search/NAME.yaml): the module ends with its declaration,
 naming the search, its settings (a frozen dataclass read from `search.*`, checking itself in
 __post_init__, with `scaled(n)`: its settings at budget N, the scaling curve's x) and its builder,
-`build(task, settings, gen, seed, reward)` -> a `Search` (tot/search.py; tot/bfs.py is one). `TOT_SPEC_PLUGINS` adds
-modules from outside the project (decoding/base/plugins.py).
+`build(task, settings, gen, seed, reward)` -> a `Search` (tot/search/base.py; tot/search/bfs.py is
+one). `TOT_SPEC_PLUGINS` adds modules from outside the project (decoding/base/plugins.py).
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from decoding import Plugin, table
-from tot.tree import ReasoningTree
+from decoding import Plugin
+from tot.search.tree import ReasoningTree
 
 # Where a run's answer is a vote: from the recorded settings, the leaves it voted over (tot.rescore
 # votes again on answers read anew); None where a value chose it.
@@ -31,7 +32,3 @@ class SearchPlugin(Plugin):
 
     section: str = "search"
     voted: Voted = no_vote
-
-
-MODULES = ("tot.bfs", "tot.dvts", "tot.best_of_n", "tot.mcts")
-SEARCHES = table(SearchPlugin, MODULES)

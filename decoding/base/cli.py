@@ -93,7 +93,7 @@ REFUSALS = ".refused"  # in a sweep's folder: one record per member refused (mem
 # and the sweep ends naming the members refused (RefusedMembers).
 CHECKED_SWEEP = (
     "hydra.output_subdir=null",
-    "+hydra.callbacks.refused_members._target_=decoding.cli.RefusedMembers",
+    "+hydra.callbacks.refused_members._target_=decoding.base.cli.RefusedMembers",
 )
 
 

@@ -6,14 +6,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from decoding.api.kinds import DECODERS, SECTIONS
+from decoding.api.server import NAME as SERVER
+from decoding.api.server import ServerOptions
 from decoding.base.errors import ConfigError
 from decoding.base.options import from_dict, option_names
 from decoding.base.plugins import unknown
-from decoding.kinds import DECODERS, SECTIONS
 from decoding.runtime.models import ModelSpec
 from decoding.schedules.rounds import RoundsOptions
-from decoding.server import NAME as SERVER
-from decoding.server import ServerOptions
 from decoding.speculation.options import VerifyOptions
 from decoding.trees.policies import DraftTreeOptions
 
@@ -32,7 +32,7 @@ def unknown_decoder(name: str) -> ConfigError:
 
 @dataclass(frozen=True)
 class DecoderConfig:
-    """A decoder (a key of decoding.kinds.DECODERS) and the options of every section it reads: the
+    """A decoder (a key of decoding.api.kinds.DECODERS) and the options of every section it reads: the
     schedules' own fields, and the drafters' sections (`options`, section -> its options; a section
     not given reads its defaults)."""
 

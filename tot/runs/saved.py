@@ -10,9 +10,10 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from tot.folder import RECORD
-from tot.results import TreeFiles, problem_of, read_results
-from tot.tree import ReasoningTree
+from tot.runs.folder import RECORD
+from tot.runs.output import make_dirs, write_atomic
+from tot.runs.results import TreeFiles, problem_of, read_results
+from tot.search.tree import ReasoningTree
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ class SavedTree:
 
 
 def read_records(run_dir: Path) -> list[dict]:
-    """The latest record of each problem in results.jsonl, read only (tot/results.py): a last line cut
+    """The latest record of each problem in results.jsonl, read only (tot/runs/results.py): a last line cut
     short (a run still writing it) is skipped with a warning, damage in the middle is a ResultsError."""
     record = run_dir / RECORD
     fingerprint = read_json(record).get("fingerprint") if record.is_file() else None
@@ -79,6 +80,12 @@ def find_problem(run_dir: Path, problem_id: str) -> SavedTree:
 def load_tree(run_dir: Path, problem_id: str) -> ReasoningTree:
     """The reasoning tree a run saved for one problem (ShowError naming the available ids if none)."""
     return read_tree(find_problem(Path(run_dir), problem_id).tree_path)
+
+
+def save_tree(tree: ReasoningTree, path: Path) -> None:
+    """The tree as node-link JSON, written whole (tot/runs/output.py) or not at all."""
+    make_dirs(path.parent)
+    write_atomic(path, json.dumps(tree.to_dict(), indent=1))
 
 
 def read_tree(path: Path) -> ReasoningTree:

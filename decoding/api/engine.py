@@ -19,11 +19,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 from typing import TypeVar
 
+from decoding.api.config import DecoderConfig
+from decoding.api.decoders import make_decoder
 from decoding.base.errors import BackendError
+from decoding.base.prompts import PLAIN_SEAM, Seam, chat_seam, render, render_follow_up
 from decoding.base.values import Completion, DecodeStats, GenRequest, GenResult
-from decoding.config import DecoderConfig
-from decoding.decoders import make_decoder
-from decoding.prompts import PLAIN_SEAM, Seam, chat_seam, render, render_follow_up
 from decoding.runtime.memory import peak_rss_mb, rss_mb
 from decoding.runtime.models import LoadedModel
 from decoding.runtime.runner import ModelRunner
@@ -64,7 +64,7 @@ class Engine:
         )
         config = decoder if isinstance(decoder, DecoderConfig) else DecoderConfig(decoder)
         if config.server is not None:
-            raise BackendError("decoder=server is a client of a server: build it with decoding.server.ServerEngine")
+            raise BackendError("decoder=server is a client of a server: build it with decoding.api.server.ServerEngine")
         self.decoder = make_decoder(config, self.target, self.tokenizer, draft)
         self.eos_ids = _eos_ids(loaded)
         self._seam: Seam | str | None = None  # a follow-up's seam, or why the template has none

@@ -2,7 +2,7 @@
 llama.cpp's server), through the OpenAI-compatible completions API and the official `openai` client.
 
 The prompt is built here, with the model's own tokenizer and chat template, exactly as the
-in-process engine builds it (`decoding.prompts.render`), and sent as text to `/v1/completions`.
+in-process engine builds it (`decoding.base.prompts.render`), and sent as text to `/v1/completions`.
 Each request is one completion with n=1 and its own seed: servers differ in what they make of `n`
 (llama.cpp's returns one choice), and the search already sends a state's n samples as n requests.
 Sampling is plain: top_k=0 (on llama.cpp, whose default is 40) and min_p=0 turn off default filters,
@@ -31,8 +31,8 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from decoding.base.errors import BackendError, ConfigError
+from decoding.base.prompts import render
 from decoding.base.values import Completion, DecodeStats, GenRequest, GenResult, TokenLogprob
-from decoding.prompts import render
 
 log = logging.getLogger(__name__)
 

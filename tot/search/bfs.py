@@ -8,8 +8,8 @@ from dataclasses import dataclass, replace
 
 from decoding import ConfigError
 from tasks.base import Problem
-from tot.search import Aggregate, GenerationEngine, SearchBase, Solution, check_positive, choose, finished_states
-from tot.searches import SearchPlugin
+from tot.search.base import Aggregate, GenerationEngine, SearchBase, Solution, check_positive, choose, finished_states
+from tot.search.plugin import SearchPlugin
 
 
 @dataclass(frozen=True)

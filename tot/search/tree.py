@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from typing import Any
 
 import networkx as nx
-
-from tot.output import make_dirs, write_atomic
 
 
 @dataclass
@@ -130,7 +126,3 @@ class ReasoningTree:
                 raise ValueError(f"node {node}: {e}") from None
         tree.graph.add_edges_from(graph.edges)
         return tree
-
-    def save(self, path: Path) -> None:
-        make_dirs(path.parent)
-        write_atomic(path, json.dumps(self.to_dict(), indent=1))

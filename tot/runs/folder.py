@@ -32,9 +32,9 @@ from decoding import (
     resolve_weights,
 )
 from tasks import TASKS, make_task
-from tot.config import TASK_RUN_KEYS
-from tot.output import write_atomic
-from tot.results import ResultsError, ResultStore
+from tot.runs.config import TASK_RUN_KEYS
+from tot.runs.output import write_atomic
+from tot.runs.results import ResultsError, ResultStore
 
 RECORD = "configuration.json"
 LEGACY = Path(".hydra") / "config.yaml"  # what Hydra wrote for the latest run, before configuration.json

@@ -27,22 +27,22 @@ from decoding import (
     load_tokenizer,
 )
 from tasks import DataError, Problem, Task, make_task
-from tot.config import RunConfig
-from tot.folder import Configuration, open_folder, record
-from tot.lock import run_lock
-from tot.output import make_dirs, write_atomic
-from tot.results import ResultStore, TreeFiles, answer_fields, summarize
-from tot.reward import load_reward
-from tot.saved import ShowError, read_tree
-from tot.search import GenerationEngine, Reward, Search, request_seed, run_sync
-from tot.searches import SEARCHES
+from tot.runs.config import RunConfig
+from tot.runs.folder import Configuration, open_folder, record
+from tot.runs.lock import run_lock
+from tot.runs.output import make_dirs, write_atomic
+from tot.runs.results import ResultStore, TreeFiles, answer_fields, summarize
+from tot.search.reward import load_reward
+from tot.runs.saved import ShowError, read_tree, save_tree
+from tot.search.base import GenerationEngine, Reward, Search, request_seed, run_sync
+from tot.search import SEARCHES
 
 log = logging.getLogger(__name__)
 
 
 def run(cfg: RunConfig, out_dir: Path, engine: GenerationEngine | None = None, progress: bool = True) -> dict:
     """Run (or resume) every selected problem into out_dir and return the summary; the folder is
-    this run's alone while it runs (tot/lock.py)."""
+    this run's alone while it runs (tot/runs/lock.py)."""
     make_dirs(out_dir)
     with run_lock(out_dir):
         return _run(cfg, out_dir, engine, progress)
@@ -92,7 +92,7 @@ def _run(cfg: RunConfig, out_dir: Path, engine: GenerationEngine | None, progres
             metrics = await score(cfg, task, problem, sol.answer, judge)
             now = time.perf_counter()
             phases = {k: v.to_dict() for k, v in sol.phases.items()}
-            sol.tree.save(store.tree_path(problem.id))
+            save_tree(sol.tree, store.tree_path(problem.id))
             store.append(
                 {
                     "id": problem.id,

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from decoding import OutputError
-from tot.output import output_error
+from tot.runs.output import output_error
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The schedules, and a decoder built from its kind: a schedule plus a drafter.
 
-The drafters and the decoders that use them are declared by their plug-in modules (decoding/kinds.py
+The drafters and the decoders that use them are declared by their plug-in modules (decoding/api/kinds.py
 builds the tables); a schedule is one entry of `SCHEDULES`.
 """
 
@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from decoding.config import DecoderConfig
+from decoding.api.config import DecoderConfig
+from decoding.api.kinds import DECODERS, DRAFTERS
 from decoding.drafters.base import Drafter
 from decoding.drafters.draft_model import model_drafter
 from decoding.drafters.union import UnionDrafter
-from decoding.kinds import DECODERS, DRAFTERS
 from decoding.runtime.models import LoadedModel
 from decoding.runtime.runner import ModelRunner
 from decoding.schedules.base import Decoder

@@ -1,4 +1,4 @@
-"""`python -m tot.calibrate_tree`: a draft tree for a drafter, calibrated by ToT runs on this machine (Hydra).
+"""`python -m tuning.calibrate_tree`: a draft tree for a drafter, calibrated by ToT runs on this machine (Hydra).
 
 One command for both ways of shaping a static draft tree; both run ToT over calibration problems
 with the drafter wrapped in the calibration recorder (decoding/drafters/recorder.py):
@@ -34,19 +34,19 @@ from typing import Literal
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from decoding.api.engine import Engine
+from decoding.base.cli import fail, hydra_command
 from decoding.base.errors import BackendError, ConfigError
 from decoding.base.options import from_dict
-from decoding.cli import fail, hydra_command
 from decoding.drafters.recorder import CalibrationRecorder
-from decoding.engine import Engine
 from decoding.profile_forward import ProfileConfig, profile
 from decoding.runtime.models import LoadedModel
 from decoding.speculation.draft_tree import k_config_parents
 from decoding.trees.sequoia import Choice, CostCurve, RankCounts, choose, marginal
 from decoding.trees.static import StaticTree, prune
 from tasks.base import DataError
-from tot.config import RunConfig
-from tot.run import build_task, make_engine, run, summary_line
+from tot.runs.config import RunConfig
+from tot.runs.run import build_task, make_engine, run, summary_line
 
 DRAFTERS = {"stand": "stand", "model": "sd"}  # calibrate.drafter -> the decoder calibrated
 
@@ -275,7 +275,7 @@ def build(
             else ("without_replacement" if dec.section("stand").stochastic else "top")
         )
     meta = {
-        "made_by": "python -m tot.calibrate_tree calibrate.method=sequoia",
+        "made_by": "python -m tuning.calibrate_tree calibrate.method=sequoia",
         "date": datetime.date.today().isoformat(),
         "drafter": opts.drafter,
         "decoder": run_cfg.decoder.name,
@@ -337,7 +337,7 @@ def build_pruned(
         )
     shape = StaticTree.load(opts.prune_from, key="calibrate.prune_from")
     meta = {
-        "made_by": "python -m tot.calibrate_tree calibrate.method=prune",
+        "made_by": "python -m tuning.calibrate_tree calibrate.method=prune",
         "date": datetime.date.today().isoformat(),
         "initial_tree": opts.prune_from,
         "initial_nodes": len(shape),

@@ -9,9 +9,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from decoding import FOLLOW_UPS_REFUSED, ConfigError, DecoderConfig, ModelSpec, as_float, as_int, from_dict, unknown
 from tasks import TASKS, DataSpec
-from tot.reward import IN_CONTEXT_REFUSED, RewardSpec
-from tot.search import GenSettings
-from tot.searches import SEARCHES
+from tot.search.reward import IN_CONTEXT_REFUSED, RewardSpec
+from tot.search.base import GenSettings
+from tot.search import SEARCHES
 
 # Keys of `task:` that are not options of the task object itself.
 TASK_RUN_KEYS = ("name", "depth", "judge", "max_thought_tokens", "max_eval_tokens")
@@ -35,7 +35,7 @@ class RunConfig:
     concurrency: int = 1  # run.concurrency: problems searched at once over the one engine
     reward: RewardSpec | None = None  # reward.path: a reward model values states in place of the evaluator
     # The resolved config this was read from (hydra's own keys left out): what a run folder records
-    # as its configuration (tot/folder.py). A copy made with dataclasses.replace keeps the old one.
+    # as its configuration (tot/runs/folder.py). A copy made with dataclasses.replace keeps the old one.
     source: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -23,7 +23,7 @@ from urllib.parse import quote, unquote
 
 from decoding import DecodeStats
 from tasks.base import Problem, Task
-from tot.output import append_line, output_error
+from tot.runs.output import append_line, output_error
 
 # What summarize and the tools read of every record; a line without them is not a record of tot.solve.
 REQUIRED = {"id": str, "correct": bool, "wall_s": (int, float), "phases": dict}

@@ -25,9 +25,18 @@ from dataclasses import dataclass, field, replace
 
 from decoding import ConfigError
 from tasks.base import Problem
-from tot.search import Aggregate, GenerationEngine, SearchBase, Solution, Step, check_positive, choose, finished_states
-from tot.searches import SearchPlugin
-from tot.tree import ReasoningTree
+from tot.search.base import (
+    Aggregate,
+    GenerationEngine,
+    SearchBase,
+    Solution,
+    Step,
+    check_positive,
+    choose,
+    finished_states,
+)
+from tot.search.plugin import SearchPlugin
+from tot.search.tree import ReasoningTree
 
 
 @dataclass(frozen=True)

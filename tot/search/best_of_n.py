@@ -17,9 +17,18 @@ from typing import Literal
 
 from decoding import GenRequest
 from tasks.base import Problem, Prompt
-from tot.search import GenerationEngine, SearchBase, Solution, Step, check_positive, choose, confidence, request_seed
-from tot.searches import SearchPlugin
-from tot.tree import ReasoningTree, Valuation
+from tot.search.base import (
+    GenerationEngine,
+    SearchBase,
+    Solution,
+    Step,
+    check_positive,
+    choose,
+    confidence,
+    request_seed,
+)
+from tot.search.plugin import SearchPlugin
+from tot.search.tree import ReasoningTree, Valuation
 
 Vote = Literal["majority", "weighted", "best"]
 

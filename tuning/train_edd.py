@@ -1,4 +1,4 @@
-"""`python -m tot.train_edd`: train the EDD draft decoder of a target model (Hydra, conf/train_edd.yaml).
+"""`python -m tuning.train_edd`: train the EDD draft decoder of a target model (Hydra, conf/train_edd.yaml).
 
 1. Corpus: ToT-BFS rollouts (n thoughts per state, the best kept) of the tasks' problems, decoded by the
    target itself with the project's Engine (decoder ar); every prompt plus its continuation is one
@@ -20,13 +20,13 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
+from decoding.api.engine import Engine
+from decoding.base.cli import fail, hydra_command
 from decoding.base.errors import BackendError, ConfigError
 from decoding.base.options import as_float, as_int, from_dict
 from decoding.base.values import GenRequest
-from decoding.cli import fail, hydra_command
 from decoding.edd.model import edd_dir, vocab_ranking
 from decoding.edd.train import TrainSettings, build_features, train
-from decoding.engine import Engine
 from decoding.runtime.models import ModelSpec, load_model
 from decoding.runtime.runner import decoder_layers
 from tasks import TASKS, DataError, DataSpec, Problem, Task, make_task

@@ -1,0 +1,20 @@
+"""The search library: how the tree is searched, apart from the commands and run folders around it.
+
+`base.py` holds what every search shares (the generation step, valuation, the answer chosen over
+leaves), `tree.py` the reasoning tree, `value.py` and `reward.py` how states are valued, and one module
+per search (bfs, dvts, best_of_n, mcts), each ending with its `PLUGIN` declaration (`plugin.py`),
+gathered here into `SEARCHES`. It imports `decoding`'s public face and `tasks`, never the run folders
+(tot/runs/) or the commands (tot/*.py).
+"""
+
+from __future__ import annotations
+
+from decoding import table
+from tot.search.base import GenerationEngine, SearchBase, Solution, Step, run_sync
+from tot.search.plugin import SearchPlugin
+
+__all__ = ["SEARCHES", "GenerationEngine", "SearchBase", "SearchPlugin", "Solution", "Step", "run_sync"]
+
+# One module per search; TOT_SPEC_PLUGINS adds modules from outside the project (decoding/base/plugins.py).
+MODULES = ("tot.search.bfs", "tot.search.dvts", "tot.search.best_of_n", "tot.search.mcts")
+SEARCHES = table(SearchPlugin, MODULES)
