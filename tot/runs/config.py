@@ -9,9 +9,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from decoding import FOLLOW_UPS_REFUSED, ConfigError, DecoderConfig, ModelSpec, as_float, as_int, from_dict, unknown
 from tasks import TASKS, DataSpec
-from tot.search.reward import IN_CONTEXT_REFUSED, RewardSpec
-from tot.search.base import GenSettings
 from tot.search import SEARCHES
+from tot.search.base import GenSettings
+from tot.search.reward import IN_CONTEXT_REFUSED, RewardSpec
 
 # Keys of `task:` that are not options of the task object itself.
 TASK_RUN_KEYS = ("name", "depth", "judge", "max_thought_tokens", "max_eval_tokens")

@@ -32,10 +32,10 @@ from tot.runs.folder import Configuration, open_folder, record
 from tot.runs.lock import run_lock
 from tot.runs.output import make_dirs, write_atomic
 from tot.runs.results import ResultStore, TreeFiles, answer_fields, summarize
-from tot.search.reward import load_reward
 from tot.runs.saved import ShowError, read_tree, save_tree
-from tot.search.base import GenerationEngine, Reward, Search, request_seed, run_sync
 from tot.search import SEARCHES
+from tot.search.base import GenerationEngine, Reward, Search, request_seed, run_sync
+from tot.search.reward import load_reward
 
 log = logging.getLogger(__name__)
 
