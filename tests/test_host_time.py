@@ -16,6 +16,7 @@ from test_continuous import engine_for
 import decoding.schedules.rounds as rounds_module
 from decoding.api.engine import run_sync
 from decoding.base.values import HOST_STAGES, DecodeStats, GenRequest
+from decoding.runtime import kernels
 from decoding.runtime.kv_cache import RowKVCache
 from decoding.runtime.packing import pack
 from decoding.runtime.paged_kv import BLOCK, BlockPool, PagedKVCache
@@ -193,17 +194,31 @@ def stored(cache: RowKVCache | PagedKVCache, row: int) -> list[torch.Tensor]:
     return [t[row, :, :n] for t in [*cache.keys, *cache.values]]
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "numpy"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-def test_argmax_rows_is_torchs_argmax(dtype):
+def test_argmax_rows_is_torchs_argmax(dtype, kernel, monkeypatch):
+    """Both paths (csrc/argmax.cpp reads bfloat16 rows where the kernels are built; numpy the rest):
+    ties, NaNs of both signs anywhere in a row, signed zeros, all -inf, rows shorter than the
+    kernel's lanes and tails past them."""
+    if kernel:
+        kernels.load()
+    else:
+        monkeypatch.setattr(kernels, "built", lambda: None)
     torch.manual_seed(0)
-    x = torch.randn(6, 1000).to(dtype)
+    x = torch.randn(9, 1000).to(dtype)
     x[1, 10] = x[1, 20] = 1e4  # a tie: the first
     x[2, 7] = float("nan")  # a NaN counts as the largest, as in torch
     x[3, 5] = -float("nan")
     x[4] = 0.0
     x[4, 3] = -0.0  # equal zeros: the first
     x[5] = -float("inf")
+    x[6, 999] = float("nan")  # in the tail past the last full lane group
+    x[7, 0] = float("nan")
+    x[8, 4] = x[8, 996] = 1e4  # a tie between a lane and the tail
     assert argmax_rows(x) == x.argmax(-1).tolist()
+    for width in (1, 7, 8, 15, 16, 17, 49152):
+        y = torch.randn(5, width).to(dtype)
+        assert argmax_rows(y) == y.argmax(-1).tolist(), width
 
 
 def test_the_rounds_log_stays_bounded(monkeypatch):
