@@ -31,7 +31,7 @@ from decoding.schedules.base import add_sequence_totals
 from decoding.speculation.logprobs import Choices
 from decoding.speculation.sampling import SamplingParams
 from decoding.speculation.sequence import Sequence
-from decoding.speculation.stopping import StopRule, final_text
+from decoding.speculation.stopping import StopRule, TokenTexts, final_text
 
 T = TypeVar("T")
 
@@ -67,6 +67,7 @@ class Engine:
             raise BackendError("decoder=server is a client of a server: build it with decoding.api.server.ServerEngine")
         self.decoder = make_decoder(config, self.target, self.tokenizer, draft)
         self.eos_ids = _eos_ids(loaded)
+        self.token_texts = TokenTexts()  # each token's text, for the stop checks of every request
         self._seam: Seam | str | None = None  # a follow-up's seam, or why the template has none
         self.last_stats = DecodeStats()
         self.total_stats = DecodeStats()
@@ -263,7 +264,7 @@ class Engine:
         choices = Choices.of([self._answer(r, ids, a) for a in r.choices]) if r.choices else None
         # A choice's row holds its answers' tree where a reply's tokens would be.
         room = r.max_new_tokens if choices is None else len(choices.tree)
-        rule = StopRule(self.eos_ids, r.stop, room)
+        rule = StopRule(self.eos_ids, r.stop, room, self.token_texts)
         params = SamplingParams(r.temperature, r.top_k, r.top_p)
         seq = Sequence.create(ids, rule, params, r.seed, r.group, self.loaded.device)
         seq.follows, seq.keep = r.context, r.keep

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from decoding.base.values import FinishReason
@@ -12,11 +13,27 @@ class Detokenizer(Protocol):
     def decode(self, ids: list[int], skip_special_tokens: bool = ...) -> str: ...
 
 
+@dataclass
+class TokenTexts:
+    """Each token's own text (decoded alone, special tokens skipped), decoded once per tokenizer (an
+    engine holds one): the stop check decodes a sequence's tail only after a token that can end a stop
+    string, not twice for every token of every row."""
+
+    texts: dict[int, str] = field(default_factory=dict)
+
+    def of(self, token: int, tokenizer: Detokenizer) -> str:
+        text = self.texts.get(token)
+        if text is None:
+            text = self.texts[token] = tokenizer.decode([token], skip_special_tokens=True)
+        return text
+
+
 @dataclass(frozen=True)
 class StopRule:
     eos_ids: frozenset[int]
     stop: tuple[str, ...]
     max_new_tokens: int
+    texts: TokenTexts | None = field(default=None, compare=False)  # None: every token's tail is decoded
 
     def check(self, generated: list[int], tokenizer: Detokenizer, start: int = 0) -> tuple[int, FinishReason | None]:
         """Where the sequence ends, if it has.
@@ -30,11 +47,31 @@ class StopRule:
             t = generated[i]
             if t in self.eos_ids:
                 return i + 1, "eos"
-            if self.stop and self._ends_in_stop(generated[: i + 1], tokenizer):
+            if self.stop and self._can_end(t, tokenizer) and self._ends_in_stop(generated[: i + 1], tokenizer):
                 return i + 1, "stop"
             if i + 1 >= self.max_new_tokens:
                 return i + 1, "length"
         return len(generated), None
+
+    @functools.cached_property
+    def _last_chars(self) -> str | None:
+        """The stop strings' last characters where a token's own text tells whether it can end one
+        (each ASCII, not a space); None where it cannot, and every token is checked in full."""
+        ends = {s[-1] for s in self.stop if s}  # an empty stop string never matches (it is in every prev)
+        return "".join(sorted(ends)) if all(c.isascii() and c != " " for c in ends) else None
+
+    def _can_end(self, token: int, tokenizer: Detokenizer) -> bool:
+        """Whether a stop string can first appear with `token`. Its occurrence ends in what the token
+        adds: the token's bytes, or a character they complete (a multi-byte one). An ASCII last
+        character is then one of the token's own bytes, which its text alone shows (an ASCII byte
+        decodes as itself wherever it stands; detokenizers' clean-up only drops spaces), except a space,
+        which a SentencePiece decoder strips from the start of a text: stop strings ending in one, or
+        in a non-ASCII character, are checked after every token."""
+        ends = self._last_chars
+        if ends is None or self.texts is None:
+            return True
+        text = self.texts.of(token, tokenizer)
+        return any(c in text for c in ends)
 
     def _ends_in_stop(self, ids: list[int], tokenizer: Detokenizer) -> bool:
         # A stop string can only have appeared with the last token, so look at a tail long enough
