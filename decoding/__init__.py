@@ -9,78 +9,88 @@ api (the decoder tables, kinds.py and decoders.py; the config; the engine; `Serv
 engine protocol over a server's OpenAI-compatible API). The modules beside this file are commands
 (`python -m decoding.install`, `decoding.generate`, ...), on top of all of it. See docs/decoding.md.
 
-What the searches, runs and benchmarks use is exported here (tests/test_layout.py holds `tot/` to
+What the searches, runs and benchmarks use is exported here, each name imported on first use (a
+command that only reads a run folder loads neither torch nor transformers) (tests/test_layout.py holds `tot/` to
 it); the tuning tools that work on the internals (tuning.calibrate_tree, tuning.train_edd) import further.
 """
 
-from decoding.api.config import DecoderConfig, choices
-from decoding.api.engine import Engine, run_sync
-from decoding.api.kinds import DECODERS
-from decoding.api.server import FOLLOW_UPS_REFUSED, ServerEngine, ServerOptions
-from decoding.base.errors import BackendError, ConfigError, OutputError
-from decoding.base.options import as_float, as_int, as_list, from_dict
-from decoding.base.plugins import ENV, Lazy, Plugin, table, unknown
-from decoding.base.values import Completion, DecodeStats, GenRequest, GenResult, Group, host_line
-from decoding.drafters.load import load_draft
-from decoding.runtime.memory import peak_rss_mb
-from decoding.runtime.models import (
-    EMBEDDED,
-    LoadedModel,
-    ModelSpec,
-    activations_and_why,
-    int8_lacks,
-    is_gguf,
-    load_model,
-    load_tokenizer,
-    resolve_activations,
-    resolve_attention,
-    resolve_device,
-    resolve_weights,
-)
-from decoding.runtime.rows_linear import resolve_linear
-from decoding.speculation.heap import frozen
+from __future__ import annotations
 
-__all__ = [
-    "DECODERS",
-    "EMBEDDED",
-    "ENV",
-    "FOLLOW_UPS_REFUSED",
-    "BackendError",
-    "Completion",
-    "ConfigError",
-    "DecodeStats",
-    "DecoderConfig",
-    "Engine",
-    "GenRequest",
-    "GenResult",
-    "Group",
-    "Lazy",
-    "LoadedModel",
-    "ModelSpec",
-    "OutputError",
-    "Plugin",
-    "ServerEngine",
-    "ServerOptions",
-    "activations_and_why",
-    "as_float",
-    "as_int",
-    "as_list",
-    "choices",
-    "from_dict",
-    "frozen",
-    "host_line",
-    "int8_lacks",
-    "is_gguf",
-    "load_draft",
-    "load_model",
-    "load_tokenizer",
-    "peak_rss_mb",
-    "resolve_activations",
-    "resolve_attention",
-    "resolve_device",
-    "resolve_linear",
-    "resolve_weights",
-    "run_sync",
-    "table",
-    "unknown",
-]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# module -> the names exported from it
+EXPORTS: dict[str, tuple[str, ...]] = {
+    "decoding.api.config": ("choices", "DecoderConfig"),
+    "decoding.api.engine": ("Engine",),
+    "decoding.api.kinds": ("DECODERS",),
+    "decoding.api.server": ("FOLLOW_UPS_REFUSED", "ServerEngine", "ServerOptions"),
+    "decoding.base.errors": ("BackendError", "ConfigError", "OutputError"),
+    "decoding.base.options": ("as_float", "as_int", "as_list", "from_dict"),
+    "decoding.base.plugins": ("ENV", "Lazy", "Plugin", "table", "unknown"),
+    "decoding.base.run": ("run_sync",),
+    "decoding.base.values": ("Completion", "DecodeStats", "GenRequest", "GenResult", "Group", "host_line"),
+    "decoding.drafters.load": ("load_draft",),
+    "decoding.runtime.memory": ("peak_rss_mb",),
+    "decoding.runtime.models": (
+        "activations_and_why",
+        "EMBEDDED",
+        "int8_lacks",
+        "is_gguf",
+        "load_model",
+        "load_tokenizer",
+        "LoadedModel",
+        "ModelSpec",
+        "resolve_activations",
+        "resolve_attention",
+        "resolve_device",
+        "resolve_weights",
+    ),
+    "decoding.runtime.rows_linear": ("resolve_linear",),
+    "decoding.speculation.heap": ("frozen",),
+}
+_HOME = {name: module for module, names in EXPORTS.items() for name in names}
+__all__ = sorted(_HOME)
+
+
+def __getattr__(name: str) -> Any:
+    module = _HOME.get(name)
+    if module is None:
+        raise AttributeError(f"module 'decoding' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__
+
+
+if TYPE_CHECKING:  # the same names, for type checkers (tests/test_layout.py holds the two equal)
+    from decoding.api.config import DecoderConfig, choices
+    from decoding.api.engine import Engine
+    from decoding.api.kinds import DECODERS
+    from decoding.api.server import FOLLOW_UPS_REFUSED, ServerEngine, ServerOptions
+    from decoding.base.errors import BackendError, ConfigError, OutputError
+    from decoding.base.options import as_float, as_int, as_list, from_dict
+    from decoding.base.plugins import ENV, Lazy, Plugin, table, unknown
+    from decoding.base.run import run_sync
+    from decoding.base.values import Completion, DecodeStats, GenRequest, GenResult, Group, host_line
+    from decoding.drafters.load import load_draft
+    from decoding.runtime.memory import peak_rss_mb
+    from decoding.runtime.models import (
+        EMBEDDED,
+        LoadedModel,
+        ModelSpec,
+        activations_and_why,
+        int8_lacks,
+        is_gguf,
+        load_model,
+        load_tokenizer,
+        resolve_activations,
+        resolve_attention,
+        resolve_device,
+        resolve_weights,
+    )
+    from decoding.runtime.rows_linear import resolve_linear
+    from decoding.speculation.heap import frozen

@@ -14,7 +14,7 @@ from conftest import DEVICE
 from test_continuous import engine_for
 
 import decoding.schedules.rounds as rounds_module
-from decoding.api.engine import run_sync
+from decoding.base.run import run_sync
 from decoding.base.values import HOST_STAGES, DecodeStats, GenRequest
 from decoding.runtime import kernels
 from decoding.runtime.kv_cache import RowKVCache

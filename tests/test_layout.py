@@ -191,3 +191,19 @@ def test_notebooks_use_decodings_public_face():
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
             bad += [(path.name, n) for n in names if n.startswith("decoding") and n not in PUBLIC]
     assert not bad, f"notebooks import decoding's internals (export what they need in decoding/__init__.py): {bad}"
+
+
+def test_the_public_face_loads_each_name_where_its_type_checking_imports_say():
+    """decoding/__init__.py imports a name on first use (`EXPORTS`, so a command reading a run folder
+    loads no torch); its TYPE_CHECKING imports, what type checkers read, name the same modules."""
+    import importlib
+
+    import decoding
+
+    tree = ast.parse((ROOT / "decoding" / "__init__.py").read_text())
+    block = next(n for n in tree.body if isinstance(n, ast.If) and "TYPE_CHECKING" in ast.unparse(n.test))
+    declared = {(node.module, a.name) for node in block.body for a in node.names}
+    assert declared == {(m, n) for m, names in decoding.EXPORTS.items() for n in names}
+    assert set(decoding.__all__) == {n for _, n in declared}
+    for module, name in declared:
+        assert getattr(decoding, name) is getattr(importlib.import_module(module), name)

@@ -20,19 +20,8 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from decoding import (
-    BackendError,
-    ConfigError,
-    ModelSpec,
-    activations_and_why,
-    is_gguf,
-    resolve_attention,
-    resolve_device,
-    resolve_linear,
-    resolve_weights,
-)
+from decoding import BackendError, ConfigError
 from tasks import TASKS, make_task
-from tot.runs.config import TASK_RUN_KEYS
 from tot.runs.output import write_atomic
 from tot.runs.results import ResultsError, ResultStore
 
@@ -141,6 +130,19 @@ def resolved(container: Mapping[str, Any]) -> Settings:
     """What `auto` means for the target (and the draft model) here: the device, weight format,
     attention, linear kernel and activations load_model will use (a server's decoding is its own:
     nothing to resolve); and the depth a task takes where `task.depth` leaves it to the task."""
+    # Here, not at the top: resolving needs the model runtime (torch), and a command that only reads a
+    # folder (tot.show, tot.collect) imports this module.
+    from decoding import (
+        ModelSpec,
+        activations_and_why,
+        is_gguf,
+        resolve_attention,
+        resolve_device,
+        resolve_linear,
+        resolve_weights,
+    )
+    from tot.runs.config import TASK_RUN_KEYS
+
     out: Settings = {}
     task = container.get("task") or {}
     if task.get("depth") is None and task.get("name") in TASKS:

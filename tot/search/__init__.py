@@ -9,11 +9,24 @@ gathered here into `SEARCHES`. It imports `decoding`'s public face and `tasks`, 
 
 from __future__ import annotations
 
+from typing import Any
+
 from decoding import table
-from tot.search.base import GenerationEngine, SearchBase, Solution, Step, run_sync
 from tot.search.plugin import SearchPlugin
 
-__all__ = ["SEARCHES", "GenerationEngine", "SearchBase", "SearchPlugin", "Solution", "Step", "run_sync"]
+# What a search is written with, from base.py on first use: a command that only reads saved trees
+# (tot.show, tot.collect) imports tree.py through this package and loads no model runtime.
+_FROM_BASE = ("GenerationEngine", "SearchBase", "Solution", "Step", "run_sync")
+__all__ = ["SEARCHES", "SearchPlugin", *_FROM_BASE]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _FROM_BASE:
+        raise AttributeError(f"module 'tot.search' has no attribute {name!r}")
+    from tot.search import base
+
+    return getattr(base, name)
+
 
 # One module per search; TOT_SPEC_PLUGINS adds modules from outside the project (decoding/base/plugins.py).
 MODULES = ("tot.search.bfs", "tot.search.dvts", "tot.search.best_of_n", "tot.search.mcts")
