@@ -7,12 +7,10 @@ from pathlib import Path
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from decoding import BackendError, OutputError
+from decoding import BackendError, ConfigError, OutputError
 from decoding.base.cli import Refused, fail, hydra_command
 from tasks.base import DataError
-from tot.runs.config import ConfigError, RunConfig
 from tot.runs.results import ResultsError
-from tot.runs.run import build_task, open_run, run, summary_line
 
 USER_ERRORS = (ConfigError, DataError, BackendError, OutputError, ResultsError)
 GROUPS = ("task", "search", "decoder", "model")
@@ -21,6 +19,10 @@ GROUPS = ("task", "search", "decoder", "model")
 def check_run(cfg: DictConfig, run_dir: Path) -> None:
     """Before Hydra writes into the run folder: the config, the data and what the folder holds
     (its configuration, its results) checked, so a refused run (or sweep member) leaves every file as it was."""
+    # Imported here: an option that is no config key stops at Hydra's check, before the model runtime loads.
+    from tot.runs.config import RunConfig
+    from tot.runs.run import build_task, open_run
+
     try:
         run_cfg = RunConfig.from_omegaconf(cfg)
         build_task(run_cfg).load(run_cfg.data)
@@ -31,6 +33,9 @@ def check_run(cfg: DictConfig, run_dir: Path) -> None:
 
 @hydra_command("config", groups=GROUPS, before=check_run)
 def main(cfg: DictConfig) -> None:
+    from tot.runs.config import RunConfig
+    from tot.runs.run import run, summary_line
+
     try:
         run_cfg = RunConfig.from_omegaconf(cfg)
         summary = run(run_cfg, Path(HydraConfig.get().runtime.output_dir))
