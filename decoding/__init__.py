@@ -9,9 +9,10 @@ api (the decoder tables, kinds.py and decoders.py; the config; the engine; `Serv
 engine protocol over a server's OpenAI-compatible API). The modules beside this file are commands
 (`python -m decoding.install`, `decoding.generate`, ...), on top of all of it. See docs/decoding.md.
 
-What the searches, runs and benchmarks use is exported here, each name imported on first use (a
-command that only reads a run folder loads neither torch nor transformers) (tests/test_layout.py holds `tot/` to
-it); the tuning tools that work on the internals (tuning.calibrate_tree, tuning.train_edd) import further.
+What the searches, runs and benchmarks use is exported here (tests/test_layout.py holds `tot/` to it),
+each name imported on first use: a command that only reads a run folder loads neither torch nor
+transformers. The tuning tools that work on the internals (tuning.calibrate_tree, tuning.train_edd)
+import further.
 """
 
 from __future__ import annotations
