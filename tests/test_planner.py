@@ -148,6 +148,19 @@ def test_calibration_keeps_first_children_apart_from_their_siblings():
     assert record.accept(other, False)[0] > 0.6
 
 
+def test_a_steps_candidate_plans_cost_what_each_would_alone():
+    """`ms_each` (one pass of array arithmetic over a step's candidate plans) gives `ms`'s values
+    exactly: ragged and padded, between and past the profiled points and row counts, one row count."""
+    one_curve = ForwardCost({4: [(4, 9.0), (16, 20.0), (64, 70.0)]}, context_ms=0.3)
+    for cost in (STEEP, FLAT, ForwardCost(STEEP.points, ragged=False, context_ms=1.0), one_curve):
+        for rows in (1, 3, 16, 40):
+            tokens = rows + np.arange(0, 300, 7, dtype=float)
+            widths = np.minimum(1 + np.arange(len(tokens)), 64).astype(float)
+            for context in (0.0, 256.0, 900.0):
+                want = [cost.ms(rows, t, w, context) for t, w in zip(tokens.tolist(), widths.tolist())]
+                assert cost.ms_each(rows, tokens, widths, context).tolist() == want
+
+
 def test_cost_model_fit_padding_and_cache(tiny_model, tmp_path):
     target = ModelRunner(tiny_model)
     cost = profile(target, repeats=1)

@@ -151,6 +151,35 @@ def test_top_k_rows_is_torch_topk_over_the_concatenation(built, monkeypatch):
     assert all(len(set(row)) == 10 for row in ids.tolist())  # k distinct tokens, even among ties
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("built", [True, False], ids=["kernel", "torch"])
+def test_top_k_rows_of_picked_rows_and_of_softmaxes(built, dtype, monkeypatch):
+    """Picked rows of logits blocks give their softmax's top tokens, as torch's softmax and topk over
+    those rows in float32 do (ids equal, no ties; probabilities to float32 rounding: the kernel sums
+    exp in its own order), beside a block of probabilities taken as they are; masked logits too."""
+    if built:
+        kernels.load()
+    else:
+        monkeypatch.setattr(kernels, "built", lambda: None)
+    g = torch.Generator().manual_seed(5)
+    logits = 4.0 * torch.randn(6, 4099, generator=g)
+    for row in logits:  # the largest values distinct in bfloat16 too, where they lie
+        row[torch.randperm(4099, generator=g)[:16]] = 20.0 + 0.5 * torch.arange(16.0)
+    logits = logits.to(dtype)
+    probs = torch.randn(3, 4099, generator=g).softmax(-1)
+    masked = torch.randn(2, 4099, generator=g)
+    masked[:, 100:] = -torch.inf
+    picks = [[0, 3, 5], [1], [1, 0]]
+    values, ids = top_k_rows([logits, probs, masked], 8, picks, [True, False, True])
+    want = torch.cat([logits[[0, 3, 5]].float().softmax(-1), probs[[1]], masked[[1, 0]].softmax(-1)]).topk(8)
+    assert torch.equal(ids, want.indices)
+    torch.testing.assert_close(values, want.values, rtol=1e-5, atol=1e-7)
+    assert torch.equal(values[3], want.values[3])  # a probabilities block's values are its own
+    # A row's values are its own: the same bits alone, in another block or beside other rows.
+    alone, _ = top_k_rows([logits[3:4]], 8, None, [True])
+    assert torch.equal(alone[0], values[1])
+
+
 def test_check_eos():
     rule = StopRule(EOS, (), 10)
     assert rule.check([1, 2, 0, 1, 2], TOK) == (3, "eos")

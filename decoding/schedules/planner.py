@@ -107,20 +107,17 @@ class Planner:
         heapq.heapify(heap)
         order_rows: list[int] = []
         order_gain: list[float] = []
+        order_width: list[int] = []  # the row's width once it keeps this node
         while heap:
             neg, r, i = heapq.heappop(heap)
             order_rows.append(r)
             order_gain.append(-neg)
+            order_width.append(pending[r] + i + 1)
             if i + 1 < len(gains[r]):
                 heapq.heappush(heap, (-float(gains[r][i + 1]), r, i + 1))
         k = np.arange(len(order_rows) + 1)
         tokens = sum(pending) + k
-        widths = np.empty(len(k))
-        count = list(pending)
-        widths[0] = max(pending)
-        for j, r in enumerate(order_rows, start=1):
-            count[r] += 1
-            widths[j] = max(widths[j - 1], count[r])
+        widths = np.maximum.accumulate(np.array([max(pending), *order_width], dtype=float))
         expected = rows + np.concatenate([[0.0], np.cumsum(order_gain)])
         forward = self.cost.ms_each(rows, tokens, widths, context)
         step = forward + self.overhead.ms(rows, k)

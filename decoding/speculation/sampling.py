@@ -102,17 +102,29 @@ def top_k(x: torch.Tensor, k: int, block: int = 128) -> tuple[torch.Tensor, torc
     return top.values, ids.gather(1, top.indices)
 
 
-def top_k_rows(blocks: list[torch.Tensor], k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`top_k` over the rows of several [n_i, V] blocks as if concatenated, without the copy: on the
-    CPU by the project's kernel where this process has built it (one pass a row: ten rows of a 49k
-    vocabulary in 29 us, against 161 for a concatenation and `top_k`, measured), else by `top_k` (on
-    the first non-CPU block's device, where the rows are moved)."""
+def top_k_rows(
+    blocks: list[torch.Tensor], k: int, picks: list[list[int]] | None = None, normalise: list[bool] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`top_k` over chosen rows of several [n_i, V] blocks as if their rows were concatenated
+    (`picks[i]`: block i's rows, all where None), of the softmax of a block where `normalise[i]` (its
+    rows logits: the top tokens of the distribution and their probabilities). On the CPU by
+    csrc/topk.cpp where this process has built the kernels: float32 or bfloat16 rows read where they
+    lie, no copy, cast or softmax written (three rows of a 49k vocabulary: 0.6 ms a step with them);
+    else by `top_k` (on the first non-CPU block's device, where the rows are moved)."""
+    picks = [list(range(len(b))) for b in blocks] if picks is None else picks
+    normalise = [False] * len(blocks) if normalise is None else normalise
     module = kernels.built()
-    if module is not None and all(b.device.type == "cpu" and b.dtype == torch.float32 for b in blocks):
-        values, ids = module.top_k_rows([b if b.stride(-1) == 1 else b.contiguous() for b in blocks], k)
+    if module is not None and all(
+        b.device.type == "cpu" and b.dtype in (torch.float32, torch.bfloat16) for b in blocks
+    ):
+        flat = [r for p in picks for r in p]
+        rows = [b if b.stride(-1) == 1 else b.contiguous() for b in blocks]
+        values, ids = torch.ops.tot_sampling.top_k_rows(rows, [len(p) for p in picks], flat, normalise, k)
         return values, ids
     device = next((b.device for b in blocks if b.device.type != "cpu"), blocks[0].device)
-    return top_k(torch.cat([b.to(device) for b in blocks]), k)
+    parts = [b[p].to(device).float() for b, p in zip(blocks, picks)]
+    parts = [x.softmax(-1) if norm else x for x, norm in zip(parts, normalise)]
+    return top_k(torch.cat(parts), k)
 
 
 def draft_dists(logits: torch.Tensor, params: SamplingParams) -> list[torch.Tensor]:

@@ -44,6 +44,7 @@ class Sequence:
     choice_logprobs: list[float] | None = None
     _checked: int = 0
     _context: tuple[int, ...] | None = None
+    _prompt_key: tuple[int, ...] | None = None
 
     @classmethod
     def create(
@@ -75,6 +76,13 @@ class Sequence:
                 text = final_text(self.generated, self.reason, self.rule.stop, tokenizer)
             self._context = tuple(self.prompt + reply_ids(self.generated, self.reason, text, tokenizer))
         return self._context
+
+    @property
+    def prompt_key(self) -> tuple[int, ...]:
+        """The prompt as a tuple, made once: the pool's tally reads it for every live row each step."""
+        if self._prompt_key is None:
+            self._prompt_key = tuple(self.prompt)
+        return self._prompt_key
 
     @property
     def done(self) -> bool:
@@ -132,7 +140,7 @@ class Sequence:
 def needs(seqs: list[Sequence], max_nodes: int) -> list[Need]:
     """What each sequence's row of the KV pool must hold: its prompt, and room for its new tokens, a
     draft tree of `max_nodes` and the bonus token."""
-    return [Need(len(s.prompt), s.rule.max_new_tokens + max_nodes + 1, tuple(s.prompt)) for s in seqs]
+    return [Need(len(s.prompt), s.rule.max_new_tokens + max_nodes + 1, s.prompt_key) for s in seqs]
 
 
 def admission_room(seqs: list[Sequence], max_nodes: int) -> int:

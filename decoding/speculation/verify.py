@@ -117,6 +117,8 @@ def accept(
         # The softmax is where the logits are (matched multinomial draws read it there, as transformers
         # does); the rejection walk's scalar work reads it on the CPU.
         probs = dist.cpu() if dist is not None and rule == "rejection" else dist
+        if own is not None and not len(tree):  # an undrafted row: its own token, nothing to walk
+            return [], own[0], probs
         if rule == "rejection" and len(tree) and probs is not None:
             path, token = walk_rejection(tree, probs, s.generator)
         elif own is not None:
@@ -261,33 +263,33 @@ def top_tokens(
     """Per row (its accepted path, processed distribution or None, processed logits or None, raw
     logits) and its sequence: the k most likely tokens at its root and along its path (`Verdict.top`)
     and their probabilities (the processed distribution; the logits' softmax for greedy rows), by one
-    top-k over the step's rows where they lie (`top_k_rows`). What a row lacks is processed at its
-    path's rows alone, and one softmax covers every row without its distribution."""
-    rows: list[torch.Tensor | None] = [None] * len(decided)
-    unnormalised: list[tuple[int, torch.Tensor]] = []
-    unprocessed: list[int] = []
-    ats = [[0, *(1 + n for n in path)] if path else slice(0, 1) for path, *_ in decided]  # a slice: no copy
-    for b, ((_, probs, scores, logits), s, at) in enumerate(zip(decided, seqs, ats)):
-        if probs is not None:
-            rows[b] = probs[at]
-        elif scores is not None or s.params.greedy:
-            unnormalised.append((b, logits[at].float() if scores is None else scores[at]))
+    top-k over the step's rows where they lie (`top_k_rows`, which normalises the logits' rows itself).
+    What a row lacks is processed at its path's rows alone."""
+    ats = [[0, *(1 + n for n in path)] for path, *_ in decided]
+    blocks: list[torch.Tensor] = []
+    picks: list[list[int]] = []
+    normalise: list[bool] = []
+    unprocessed = [
+        b
+        for b, ((_, probs, scores, _), s) in enumerate(zip(decided, seqs))
+        if probs is None and scores is None and not s.params.greedy
+    ]
+    done, _ = processed_rows([seqs[b] for b in unprocessed], [decided[b][3][ats[b]] for b in unprocessed], False)
+    processed = dict(zip(unprocessed, done))
+    for b, ((_, probs, scores, logits), at) in enumerate(zip(decided, ats)):
+        if b in processed:
+            blocks.append(processed[b])  # type: ignore[arg-type]
+            picks.append(list(range(len(at))))
         else:
-            unprocessed.append(b)
-    if unprocessed:
-        done, _ = processed_rows([seqs[b] for b in unprocessed], [decided[b][3][ats[b]] for b in unprocessed], False)
-        unnormalised += [(b, sc) for b, sc in zip(unprocessed, done)]  # type: ignore[misc]
-    if unnormalised:
-        parts = [x for _, x in unnormalised]
-        joined = (parts[0] if len(parts) == 1 else torch.cat(parts)).softmax(-1)
-        for (b, _), dist in zip(unnormalised, torch.split(joined, [len(x) for x in parts])):
-            rows[b] = dist
-    values, ids = top_k_rows(rows, min(k, rows[0].shape[-1]))  # type: ignore[arg-type, union-attr]
+            blocks.append(probs if probs is not None else scores if scores is not None else logits)
+            picks.append(at)
+        normalise.append(probs is None)
+    values, ids = top_k_rows(blocks, min(k, blocks[0].shape[-1]), picks, normalise)
     ids_l, values_l = ids.tolist(), values.tolist()  # one conversion for the step
     out, start = [], 0
-    for r in rows:
-        out.append((ids_l[start : start + len(r)], values_l[start : start + len(r)]))
-        start += len(r)
+    for at in ats:
+        out.append((ids_l[start : start + len(at)], values_l[start : start + len(at)]))
+        start += len(at)
     return out
 
 

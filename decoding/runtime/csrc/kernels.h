@@ -101,5 +101,3 @@ at::Tensor silu_fixed(const at::Tensor& x);
 at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up);
 
 at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, double eps);
-
-std::vector<at::Tensor> top_k_rows(const std::vector<at::Tensor>& blocks, int64_t k);

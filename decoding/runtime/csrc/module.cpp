@@ -5,7 +5,6 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend", &attend, "batch-invariant attention (CPU)");
   m.def("rows_linear", &rows_linear, "row-invariant y = x W^T for a bfloat16 weight (CPU)");
-  m.def("top_k_rows", &top_k_rows, "the k largest values of each row of float32 blocks (CPU)");
   m.def("q4_int8_linear", &q4_int8_linear, "y = x W^T, W in 4-bit blocks, x quantized to int8 per block (CPU)");
   m.def("q8_int8_linear", &q8_int8_linear, "y = x W^T, W in Q8_0 blocks, x quantized to int8 per block (CPU)");
   m.def(

@@ -1,12 +1,16 @@
-// The k largest values of each row of several float32 blocks (decoding/speculation/sampling.py `top_k_rows`):
-// what a drafter that learns from the target's distributions reads at every committed position.
+// The k largest values of chosen rows of a step's blocks, or of their softmax (decoding/speculation/sampling.py
+// `top_k_rows`): what a drafter that learns from the target's distributions reads at every committed
+// position. Registered as torch.ops.tot_sampling.top_k_rows beside gumbel.cpp, outside the forward's digest.
 //
-// One pass over each row: a value is compared with the smallest of the k kept so far, 16 at a time,
-// and only a vector holding a larger one goes to the scalar insertion (about k ln(V / k) of them in a
-// row of V values in no particular order). The rows are read where they are, with no copy into one
-// batch: torch's top-k over a concatenation cost 0.6 ms a step of ten rows in a ToT run, much of it
-// the fresh 2 MB the concatenation wrote.
+// The rows are read where they lie, float32 or bfloat16, with no copy, cast or softmax written out: for a
+// greedy row the top tokens of its softmax are those of its logits, and their probabilities need only the
+// row's sum of exp(x - max), one more pass (the cast, the softmax and torch's top-k cost 0.6 ms a step of
+// three rows of a 49k vocabulary; 2 cores, AVX2). The top-k pass compares 8 values at a time with the
+// smallest of the k kept so far, and only a vector holding a larger one goes to the scalar insertion (about
+// k ln(V / k) of them in a row of V values in no particular order). The sum runs in 8 lanes in a fixed
+// order with kernels.h's fixed_exp, so a row's probabilities depend on that row alone.
 #include <ATen/Parallel.h>
+#include <torch/library.h>
 
 #include "kernels.h"
 
@@ -14,11 +18,17 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
 namespace {
+
+inline float value_at(const float* row, int64_t i) { return row[i]; }
+
+inline float value_at(const at::BFloat16* row, int64_t i) {
+  return __builtin_bit_cast(float, static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(row)[i]) << 16);
+}
 
 // Insert (v, i) into the descending run vals[0..k) (v larger than vals[k - 1]).
 inline void insert(float* vals, int64_t* ids, int64_t k, float v, int64_t i) {
@@ -32,7 +42,17 @@ inline void insert(float* vals, int64_t* ids, int64_t k, float v, int64_t i) {
   ids[j] = i;
 }
 
-void row_top_k(const float* x, int64_t n, int64_t k, float* vals, int64_t* ids) {
+#if defined(__AVX2__)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+inline __m256 load8(const at::BFloat16* p) {  // a bfloat16 is a float32's upper half
+  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+#endif
+
+template <typename T>
+void row_top_k(const T* x, int64_t n, int64_t k, float* vals, int64_t* ids) {
   // The first k values, in order (k distinct tokens even where a row is mostly minus infinity).
   for (int64_t j = 0; j < k; ++j) {
     vals[j] = -std::numeric_limits<float>::infinity();
@@ -40,51 +60,132 @@ void row_top_k(const float* x, int64_t n, int64_t k, float* vals, int64_t* ids) 
   }
   for (int64_t j = 0; j < k; ++j) {
     int64_t at = j;
-    while (at > 0 && vals[at - 1] < x[j]) {
+    const float v = value_at(x, j);
+    while (at > 0 && vals[at - 1] < v) {
       vals[at] = vals[at - 1];
       ids[at] = ids[at - 1];
       --at;
     }
-    vals[at] = x[j];
+    vals[at] = v;
     ids[at] = j;
   }
   int64_t i = k;
-#if defined(__AVX512F__)
-  for (; i + 16 <= n; i += 16) {
-    __m512 v = _mm512_loadu_ps(x + i);
-    __mmask16 above = _mm512_cmp_ps_mask(v, _mm512_set1_ps(vals[k - 1]), _CMP_GT_OQ);
+#if defined(__AVX2__)
+  for (; i + 8 <= n; i += 8) {
+    int above = _mm256_movemask_ps(_mm256_cmp_ps(load8(x + i), _mm256_set1_ps(vals[k - 1]), _CMP_GT_OQ));
     while (above) {
-      int lane = __builtin_ctz(above);
+      const int lane = __builtin_ctz(above);
       above &= above - 1;
-      if (x[i + lane] > vals[k - 1]) insert(vals, ids, k, x[i + lane], i + lane);
+      const float v = value_at(x, i + lane);
+      if (v > vals[k - 1]) insert(vals, ids, k, v, i + lane);
     }
   }
 #endif
-  for (; i < n; ++i)
-    if (x[i] > vals[k - 1]) insert(vals, ids, k, x[i], i);
+  for (; i < n; ++i) {
+    const float v = value_at(x, i);
+    if (v > vals[k - 1]) insert(vals, ids, k, v, i);
+  }
+}
+
+#if defined(__AVX2__)
+// kernels.h's fixed_exp in 8 lanes, operation for operation (no fused multiply-add): the same bits.
+inline __m256 exp8(__m256 x) {
+  const __m256 n = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
+  r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(p, _mm256_mul_ps(r, r)), r), _mm256_set1_ps(1.0f));
+  // std::max(n, -126) keeps n where n is not below -126 (a NaN n stays NaN: max_ps(-126, n) returns n).
+  const __m256i e = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvttps_epi32(_mm256_max_ps(_mm256_set1_ps(-126.0f), n)), _mm256_set1_epi32(127)), 23);
+  const __m256 value = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+  return _mm256_andnot_ps(_mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ), value);
+}
+#endif
+
+// sum_i exp(x_i - most), in 8 lanes (element i into lane i mod 8) added in a fixed tree.
+template <typename T>
+float row_exp_sum(const T* x, int64_t n, float most) {
+  float lanes[8] = {};
+  int64_t i = 0;
+#if defined(__AVX2__)
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) acc = _mm256_add_ps(acc, exp8(_mm256_sub_ps(load8(x + i), _mm256_set1_ps(most))));
+  _mm256_storeu_ps(lanes, acc);
+#endif
+  for (; i + 8 <= n; i += 8)
+    for (int64_t l = 0; l < 8; ++l) lanes[l] += fixed_exp(value_at(x, i + l) - most);
+  float tail = 0.0f;
+  for (; i < n; ++i) tail += fixed_exp(value_at(x, i) - most);
+  return (((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]))) + tail;
+}
+
+template <typename T>
+void top_row(const T* x, int64_t n, int64_t k, bool normalise, float* vals, int64_t* ids) {
+  row_top_k(x, n, k, vals, ids);
+  if (!normalise) return;
+  const float most = vals[0];
+  const float sum = row_exp_sum(x, n, most);
+  for (int64_t j = 0; j < k; ++j) vals[j] = fixed_exp(vals[j] - most) / sum;
+}
+
+// blocks[b]: [rows_b, V] float32 or bfloat16, each row contiguous; picks: the rows chosen, counts[b] of
+// them from block b in turn; normalise[b]: whether block b holds logits (its softmax's top k returned) or
+// probabilities. Returns the values [picked, k] (float32) and their ids [picked, k].
+std::vector<at::Tensor> top_k_rows(const std::vector<at::Tensor>& blocks, const std::vector<int64_t>& counts,
+                                   const std::vector<int64_t>& picks, const c10::List<bool>& normalise, int64_t k) {
+  TORCH_CHECK(blocks.size() == counts.size() && blocks.size() == normalise.size(),
+              "top_k_rows: one count and one normalise flag per block");
+  struct Row {
+    const void* data;
+    bool bf16;
+    bool normalise;
+  };
+  std::vector<Row> rows;
+  int64_t n = -1;
+  size_t next = 0;
+  for (size_t b = 0; b < blocks.size(); ++b) {
+    const auto& t = blocks[b];
+    const bool bf16 = t.scalar_type() == at::kBFloat16;
+    TORCH_CHECK(t.dim() == 2 && t.device().is_cpu() && (bf16 || t.scalar_type() == at::kFloat),
+                "top_k_rows: float32 or bfloat16 CPU blocks [rows, V]");
+    TORCH_CHECK(t.stride(1) == 1, "top_k_rows: each row must be contiguous");
+    TORCH_CHECK(n < 0 || t.size(1) == n, "top_k_rows: blocks of one width");
+    n = t.size(1);
+    TORCH_CHECK(counts[b] >= 0 && next + counts[b] <= picks.size(), "top_k_rows: counts beyond the picks");
+    const size_t item = bf16 ? 2 : 4;
+    for (int64_t j = 0; j < counts[b]; ++j, ++next) {
+      const int64_t r = picks[next];
+      TORCH_CHECK(r >= 0 && r < t.size(0), "top_k_rows: a picked row outside its block");
+      rows.push_back({static_cast<const char*>(t.data_ptr()) + r * t.stride(0) * item, bf16, normalise[b]});
+    }
+  }
+  TORCH_CHECK(next == picks.size(), "top_k_rows: picks beyond the counts");
+  TORCH_CHECK(rows.empty() || (k >= 1 && k <= n), "top_k_rows: k must be in [1, V]");
+  const int64_t m = static_cast<int64_t>(rows.size());
+  auto values = at::empty({m, k}, at::kFloat);
+  auto ids = at::empty({m, k}, at::kLong);
+  float* vp = values.data_ptr<float>();
+  int64_t* ip = ids.data_ptr<int64_t>();
+  at::parallel_for(0, m, 2, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const Row& row = rows[r];
+      if (row.bf16)
+        top_row(static_cast<const at::BFloat16*>(row.data), n, k, row.normalise, vp + r * k, ip + r * k);
+      else
+        top_row(static_cast<const float*>(row.data), n, k, row.normalise, vp + r * k, ip + r * k);
+    }
+  });
+  return {values, ids};
 }
 
 }  // namespace
 
-std::vector<at::Tensor> top_k_rows(const std::vector<at::Tensor>& blocks, int64_t k) {
-  int64_t rows = 0, n = -1;
-  std::vector<const float*> starts;
-  for (const auto& b : blocks) {
-    TORCH_CHECK(b.dim() == 2 && b.scalar_type() == at::kFloat && b.device().is_cpu(),
-                "top_k_rows: float32 CPU blocks [rows, V]");
-    TORCH_CHECK(b.stride(1) == 1, "top_k_rows: each row must be contiguous");
-    TORCH_CHECK(n < 0 || b.size(1) == n, "top_k_rows: blocks of one width");
-    n = b.size(1);
-    for (int64_t r = 0; r < b.size(0); ++r) starts.push_back(b.data_ptr<float>() + r * b.stride(0));
-    rows += b.size(0);
-  }
-  TORCH_CHECK(k >= 1 && k <= n, "top_k_rows: k must be in [1, V]");
-  auto values = at::empty({rows, k}, at::kFloat);
-  auto ids = at::empty({rows, k}, at::kLong);
-  float* vp = values.data_ptr<float>();
-  int64_t* ip = ids.data_ptr<int64_t>();
-  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) row_top_k(starts[r], n, k, vp + r * k, ip + r * k);
-  });
-  return {values, ids};
+TORCH_LIBRARY_FRAGMENT(tot_sampling, m) {
+  m.def("top_k_rows(Tensor[] blocks, int[] counts, int[] picks, bool[] normalise, int k) -> Tensor[]", &top_k_rows);
 }
