@@ -39,8 +39,11 @@ def test_profile_measures_every_cell(tiny_model):
         assert r["split"]["linears"] > 0 and r["split"]["attention"] > 0 and r["split"]["lm_head"] > 0
         assert sum(r["split"].values()) == pytest.approx(1.0)
     assert split_table(rows).splitlines()[2].startswith("| 1 x 1 | ")
-    # The step planner's fitted cost beside each measured cell.
+    # The step planner's fitted cost beside each measured cell; its profile leaves the runner's peaks
+    # what its own forwards reached (a run's peak KV is its requests', not the profile's 64 rows).
+    peaks = target.peak_cache_bytes, target.peak_shared_blocks
     add_fitted(rows, profile_cost(target, repeats=1))
+    assert (target.peak_cache_bytes, target.peak_shared_blocks) == peaks and target.forwards > 1 + 6 * 6
     assert all(r["fitted_ms"] > 0 for r in rows) and ", fitted " in table(rows)
 
 

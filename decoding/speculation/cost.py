@@ -190,7 +190,16 @@ def profile(target: ModelRunner, repeats: int = 3) -> ForwardCost:
     """Time the grid (rows x tokens per row) on `target`; points predicted slower than MAX_POINT_MS
     are left to the linear extension of the faster ones, so a slow machine profiles in seconds. Each
     context's prompt is computed once and copied into every point's rows (recomputed per point, the
-    256-token prompts were most of a 1.5B's profile on 2 cores)."""
+    256-token prompts were most of a 1.5B's profile on 2 cores). The runner's peaks stay what its
+    requests reached: a profile's 64-row forwards counted there made a ToT run's peak KV 15x its own."""
+    peaks = target.peak_cache_bytes, target.peak_shared_blocks
+    try:
+        return _profile(target, repeats)
+    finally:
+        target.peak_cache_bytes, target.peak_shared_blocks = peaks
+
+
+def _profile(target: ModelRunner, repeats: int) -> ForwardCost:
     points: dict[int, list[tuple[int, float]]] = {}
     # At most the grid and two long-context points; a slow machine stops early (the bar then ends there).
     bar = tqdm(total=len(GRID_ROWS) * len(GRID_TOKENS) + 2, desc="profiling the forward", unit="point", leave=False)
