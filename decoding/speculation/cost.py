@@ -90,12 +90,13 @@ class ForwardCost:
         ]
         self._arrays = [(np.array(xs), np.array(ys, dtype=float)) for xs, ys in self._curves]  # for `ms_each`
 
-    def _table(self, rows: int, tokens: float, each: bool = False) -> float:
+    def _table(self, rows: int, tokens: float | np.ndarray, each: bool = False) -> float | np.ndarray:
         """The profile's ms at `rows` rows computing `tokens` tokens in all: between the two profiled
         row counts around `rows`, each read at the same total tokens (log-interpolated in rows). A
         forward's linear layers cost its tokens whatever rows hold them; rows add their attention and
         bookkeeping. Read at the same tokens *per row* instead, 8 rows x 4 tokens was predicted 84 ms
-        against 66 measured (the 16-row curve at 64 tokens, the 4-row one at 16)."""
+        against 66 measured (the 16-row curve at 64 tokens, the 4-row one at 16). `each`: tokens an
+        array, read at each of its values (`ms_each`)."""
         extend, curves = (_extend_each, self._arrays) if each else (_extend, self._curves)
         if len(self._rows) == 1:
             return extend(np.maximum(tokens / rows, 1.0) * self._rows[0], *curves[0]) * (rows / self._rows[0])

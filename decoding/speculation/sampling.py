@@ -113,8 +113,7 @@ def top_k_rows(
     else by `top_k` (on the first non-CPU block's device, where the rows are moved)."""
     picks = [list(range(len(b))) for b in blocks] if picks is None else picks
     normalise = [False] * len(blocks) if normalise is None else normalise
-    module = kernels.built()
-    if module is not None and all(
+    if kernels.built() is not None and all(
         b.device.type == "cpu" and b.dtype in (torch.float32, torch.bfloat16) for b in blocks
     ):
         flat = [r for p in picks for r in p]
