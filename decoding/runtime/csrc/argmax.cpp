@@ -17,15 +17,9 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
+#include "rows.h"
 
 namespace {
-
-inline float value_at(const float* row, int64_t i) { return row[i]; }
-
-inline float value_at(const at::BFloat16* row, int64_t i) { return static_cast<float>(row[i]); }
 
 template <typename T>
 int64_t first_nan(const T* row, int64_t n) {
@@ -47,13 +41,6 @@ int64_t argmax_scalar(const T* row, int64_t n) {
 }
 
 #if defined(__AVX2__)
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-
-inline __m256 load8(const at::BFloat16* p) {  // a bfloat16 is a float32's upper half
-  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
-}
-
 template <typename T>
 int64_t argmax_row(const T* row, int64_t n) {
   if (n < 16) return argmax_scalar(row, n);

@@ -13,22 +13,13 @@
 #include <torch/library.h>
 
 #include "kernels.h"
+#include "rows.h"
 
 #include <cstdint>
 #include <limits>
 #include <vector>
 
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
-
 namespace {
-
-inline float value_at(const float* row, int64_t i) { return row[i]; }
-
-inline float value_at(const at::BFloat16* row, int64_t i) {
-  return __builtin_bit_cast(float, static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(row)[i]) << 16);
-}
 
 // Insert (v, i) into the descending run vals[0..k) (v larger than vals[k - 1]).
 inline void insert(float* vals, int64_t* ids, int64_t k, float v, int64_t i) {
@@ -41,15 +32,6 @@ inline void insert(float* vals, int64_t* ids, int64_t k, float v, int64_t i) {
   vals[j] = v;
   ids[j] = i;
 }
-
-#if defined(__AVX2__)
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-
-inline __m256 load8(const at::BFloat16* p) {  // a bfloat16 is a float32's upper half
-  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
-}
-#endif
 
 template <typename T>
 void row_top_k(const T* x, int64_t n, int64_t k, float* vals, int64_t* ids) {
