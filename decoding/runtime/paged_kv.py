@@ -105,34 +105,31 @@ class BlockPool:
             if len(self._free) < n:  # a quarter more: what the pool holds past its blocks in use stays small
                 self._resize(max(self.blocks + self.blocks // 4, self.blocks + n - len(self._free)))
             ids = [heapq.heappop(self._free) for _ in range(n)]
-            self.refs[ids] = 1
-            self.peak_used = max(self.peak_used, self.used)
+            refs = self.refs.numpy()
+            refs[ids] = 1
+            self.peak_used = max(self.peak_used, int(np.count_nonzero(refs)) - 1)
             return ids
 
     def hold(self, ids: torch.Tensor | list[int], stored: bool = False) -> None:
         """One more holder of each of `ids` (repeats count), the store if `stored`."""
-        ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
-        ids = ids[ids != NULL]
-        one = torch.ones(ids.shape[0], dtype=torch.int32)
+        ids = _held(ids)
         with self.lock:
-            self.refs.index_add_(0, ids, one)
+            np.add.at(self.refs.numpy(), ids, 1)
             if stored:
-                self.stored.index_add_(0, ids, one)
+                np.add.at(self.stored.numpy(), ids, 1)
 
     def drop(self, ids: torch.Tensor | list[int], stored: bool = False) -> None:
         """One holder fewer of each of `ids`; a block nothing holds goes back to the pool."""
-        ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
-        ids = ids[ids != NULL]
-        if not ids.numel():
+        ids = _held(ids)
+        if not len(ids):
             return
-        one = torch.ones(ids.shape[0], dtype=torch.int32)
         with self.lock:
-            self.refs.index_add_(0, ids, -one)
+            refs = self.refs.numpy()
+            np.subtract.at(refs, ids, 1)
             if stored:
-                self.stored.index_add_(0, ids, -one)
-            assert int(self.refs.min()) >= 0, "a block was let go more often than it was held"
-            ids = ids.unique()
-            for b in ids[self.refs[ids] == 0].tolist():
+                np.subtract.at(self.stored.numpy(), ids, 1)
+            assert int(refs[ids].min()) >= 0, "a block was let go more often than it was held"
+            for b in np.unique(ids[refs[ids] == 0]).tolist():
                 heapq.heappush(self._free, b)
 
     def copy(self, src: list[int], dst: list[int]) -> None:
@@ -239,27 +236,39 @@ class PagedKVCache:
     def prepare(self, n_new: int, offset: int = 0, rows: list[int] | None = None, gather: bool = True) -> ForwardView:
         """The next forward's view (as RowKVCache.prepare): each row's blocks for its new slots taken,
         or copied where another holder has them (copy on write), and its table for the attention."""
-        order = list(range(self.batch)) if rows is None else rows
-        host = self.lens[order]
+        # Through numpy views of the host tables, the view's tensors made from its arrays at the end:
+        # torch's per-call cost on these small arrays was a millisecond a step at 32 rows.
+        order = np.arange(self.batch) if rows is None else np.asarray(rows, dtype=np.int64)
+        lens, table_all = self.lens.numpy(), self.tables.numpy()
+        host = lens[order]
         need = int(host.max()) + offset + n_new
         if need > self.capacity:
             raise RuntimeError(f"KV cache holds {self.capacity} positions, a forward needs {need}")
         firsts, ends = (host + offset) // BLOCK, (host + offset + n_new + BLOCK - 1) // BLOCK
-        held = self.tables[order, : int(ends.max())]
-        cols = torch.arange(held.shape[1])
+        held = table_all[order, : int(ends.max())]
+        cols = np.arange(held.shape[1])
         span = (cols >= firsts[:, None]) & (cols < ends[:, None])
         # Most steps every row already holds its blocks alone: one pass finds the rows that do not.
-        short = (span & ((held == NULL) | (self.pool.refs[held] > 1))).any(1)
-        for b in short.nonzero().flatten().tolist():
-            self._own_blocks(order[b], int(firsts[b]), int(ends[b]))
-        slots = host[:, None] + offset + torch.arange(n_new)
-        tables = self.tables[order, : _width(need)]
-        where = (tables.gather(1, slots // BLOCK), slots % BLOCK)
+        short = (span & ((held == NULL) | (self.pool.refs.numpy()[held] > 1))).any(1)
+        for b in np.flatnonzero(short).tolist():
+            self._own_blocks(int(order[b]), int(firsts[b]), int(ends[b]))
+        slots = host[:, None] + offset + np.arange(n_new)
+        tables = table_all[order, : _width(need)]
+        where = (np.take_along_axis(tables, slots // BLOCK, 1), slots % BLOCK)
         share = groups_of(tables, host)
-        index = torch.tensor(order, dtype=torch.long)
-        reads = reads_of(host, share)
         return ForwardView(
-            self, host, slots, offset, need, index, gather, None, share, reads, tables=tables, where=where
+            self,
+            torch.from_numpy(host),
+            torch.from_numpy(slots),
+            offset,
+            need,
+            torch.from_numpy(order),
+            gather,
+            None,
+            share,
+            reads_of(host, share),
+            tables=torch.from_numpy(tables),
+            where=(torch.from_numpy(where[0]), torch.from_numpy(where[1])),
         )
 
     def reads(self, rows: list[int] | None = None) -> tuple[int, int]:
@@ -267,24 +276,25 @@ class PagedKVCache:
         read from a sibling's blocks."""
         if rows is not None and len(rows) == 1:  # no sibling: a row's own length (a tenth of the general case)
             return int(self.lens[rows[0]]), 0
-        host = self.lens if rows is None else self.lens[rows]
-        tables = self.tables if rows is None else self.tables[rows]
+        lens, table_all = self.lens.numpy(), self.tables.numpy()
+        host = lens if rows is None else lens[rows]
+        tables = table_all if rows is None else table_all[rows]
         return reads_of(host, groups_of(tables[:, : _width(int(host.max()) + 1)], host))
 
     def _own_blocks(self, row: int, first: int, end: int) -> None:
         """Row `row` alone holds its blocks first..end - 1 (taken fresh, or copied from a shared one)."""
-        ids = self.tables[row, first:end].tolist()
-        fresh = [i for i, b in enumerate(ids) if b == NULL]
-        shared = [i for i, b in enumerate(ids) if b != NULL and int(self.pool.refs[b]) > 1]
-        if not fresh and not shared:
+        table = self.tables.numpy()[row]
+        ids = table[first:end]
+        fresh = np.flatnonzero(ids == NULL)
+        shared = np.flatnonzero((ids != NULL) & (self.pool.refs.numpy()[ids] > 1))
+        if not len(fresh) and not len(shared):
             return
         new = self.pool.take(len(fresh) + len(shared))
-        if shared:
-            old = [ids[i] for i in shared]
+        if len(shared):
+            old = ids[shared].tolist()
             self.pool.copy(old, new[len(fresh) :])
             self.pool.drop(old)
-        for i, b in zip(fresh + shared, new):
-            self.tables[row, first + i] = b
+        table[first + np.concatenate([fresh, shared])] = new
 
     def advance(self, counts: torch.Tensor) -> None:
         self.lens += counts.cpu()
@@ -308,12 +318,21 @@ class PagedKVCache:
                 v[db, :, do] = v[sb, :, so]
         # Through numpy views of the host tables: a call costs a tenth of torch's, and these few
         # calls made most of a one-row step's bookkeeping (0.25 ms).
-        index, lens_all, table_all = np.asarray(rows), self.lens.numpy(), self.tables.numpy()
+        lens_all, table_all = self.lens.numpy(), self.tables.numpy()
+        if len(rows) == 1:  # one row (a sequence alone): its own entries, a third of the general case
+            row = rows[0]
+            lens_all[row] += len(new_indices[0])
+            tail = table_all[row, (int(lens_all[row]) + BLOCK - 1) // BLOCK :]
+            if tail.any():  # NULL is 0
+                self.pool.drop(tail.copy())
+                tail[:] = NULL
+            return
+        index = np.asarray(rows)
         lens_all[index] += [len(i) for i in new_indices]  # one entry a row (np.add.at: 50 us a call)
         tables = table_all[index]
         past = np.arange(tables.shape[1]) >= (lens_all[index, None] + BLOCK - 1) // BLOCK
         if tables[past].any():  # NULL is 0
-            self.pool.drop(torch.from_numpy(tables[past]))
+            self.pool.drop(tables[past])
             table_all[index] = np.where(past, NULL, tables)
 
     @_bookkeeping
@@ -461,6 +480,12 @@ def _read(pool: BlockPool, table: torch.Tensor, start: int, end: int) -> tuple[l
     return keys, [v[blocks, :, offsets].transpose(0, 1) for v in pool.values]
 
 
+def _held(ids: torch.Tensor | list[int]) -> np.ndarray:
+    """Block ids as a flat array, the null block left out (nothing holds it by count)."""
+    out = np.asarray(ids, dtype=np.int64).reshape(-1)
+    return out[out != NULL]
+
+
 def blocks_for(positions: int) -> int:
     """Blocks that hold `positions` positions."""
     return -(-positions // BLOCK)
@@ -471,7 +496,7 @@ def _width(positions: int) -> int:
     return blocks_for(-(-positions // SHARED_BLOCK) * SHARED_BLOCK)
 
 
-def groups_of(tables: torch.Tensor, lens: torch.Tensor) -> torch.Tensor | None:
+def groups_of(tables: np.ndarray, lens: np.ndarray) -> torch.Tensor | None:
     """Groups [B, 2] for the attention (RowKVCache.groups' form: a group id, the positions every
     member holds alike, at most its committed ones); None where no two rows share a block.
 
@@ -483,14 +508,15 @@ def groups_of(tables: torch.Tensor, lens: torch.Tensor) -> torch.Tensor | None:
     if tables.shape[0] < 2:  # no sibling to share with
         return None
     first = tables[:, 0]
-    ids, counts = first[first != NULL].unique(return_counts=True)
-    if not bool((counts > 1).any()):
+    holders = np.bincount(first[first != NULL])
+    shared = np.flatnonzero(holders > 1)
+    if not len(shared):
         return None
     groups = torch.full((tables.shape[0], 2), -1, dtype=torch.long)
     groups[:, 1] = 0
     rows, held = tables.tolist(), lens.tolist()
-    for block in ids[counts > 1].tolist():
-        members = sorted(torch.nonzero(first == block).flatten().tolist(), key=lambda r: rows[r])
+    for block in shared.tolist():
+        members = sorted(np.flatnonzero(first == block).tolist(), key=lambda r: rows[r])
         for part, alike in _best_runs(members, rows, held):
             if len(part) > 1:
                 groups[part, 0] = part[0]

@@ -60,6 +60,7 @@ class Rounds:
     left: list[Slot] = field(default_factory=list)
     free: list[int] = field(default_factory=list)  # a heap: rows to admit into, lowest first
     size: int = 0  # rows the pool has handed out so far
+    freed: bool = False  # rows released since the last `trim`: only then may memory go back
     cond: threading.Condition | Unlocked = field(default_factory=threading.Condition)
     # (event, row), for tests: the latest LOG_EVENTS to LOG_EVENTS * 2 of them (a whole log would grow
     # by a few entries a token for as long as the engine lives).
@@ -147,11 +148,13 @@ class Rounds:
         with self.cond:
             for slot in slots:
                 heapq.heappush(self.free, slot.row)
+            self.freed = self.freed or bool(slots)
 
     def trim(self) -> int:
         """Drop the free rows at the top of the pool's numbering (rows are handed out lowest first,
         so live rows gather at the bottom); the rows still handed out."""
         with self.cond:
+            self.freed = False
             free = set(self.free)
             while self.size - 1 in free:
                 self.size -= 1

@@ -163,9 +163,11 @@ class Scheduler:
         for draft in drafts:
             self._observe_draft(draft, cost)
         self._observe(record, cost)
-        # Memory back once the pool holds far more than its live rows need (a burst of rows gone).
-        live = [s.seq for s in self.rounds.live.values()]
-        self.target.give_back(self.setup.cache, self.rounds.trim(), needs(live, self.drafter.max_nodes))
+        # Memory back once the pool holds far more than its live rows need (a burst of rows gone): asked
+        # only once a row was let go, since what the live rows need shrinks only then (0.5 ms a step at 32 rows).
+        if self.rounds.freed:
+            live = [s.seq for s in self.rounds.live.values()]
+            self.target.give_back(self.setup.cache, self.rounds.trim(), needs(live, self.drafter.max_nodes))
         finished, forward_s = record.finished, record.forward_ms / 1000
         del record  # its logits freed on the step's clock: freeing is the host's work too
         laps.lap("rounds")

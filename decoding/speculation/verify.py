@@ -238,7 +238,7 @@ def host_targets(
     greedy = [b for b, s in enumerate(seqs) if s.params.greedy]
     out: list[list[int] | None] = [None] * len(seqs)
     if greedy:
-        counts = [len(scored.logits[b]) for b in greedy]
+        counts = [1 + len(trees[b]) for b in greedy]  # a row's logits: its root and its nodes (len of a tensor: 2 us)
         whole = scored.flat is not None and len(greedy) == len(scored.logits)
         flat = argmax_rows(scored.flat if whole else torch.cat([scored.logits[b] for b in greedy]))  # type: ignore[arg-type]
         start = 0
