@@ -35,19 +35,17 @@ EXPORTS: dict[str, tuple[str, ...]] = {
     "decoding.runtime.memory": ("peak_rss_mb",),
     "decoding.runtime.models": (
         "activations_and_why",
-        "EMBEDDED",
         "int8_lacks",
-        "is_gguf",
         "load_model",
         "load_tokenizer",
         "LoadedModel",
-        "ModelSpec",
         "resolve_activations",
         "resolve_attention",
         "resolve_device",
         "resolve_weights",
     ),
     "decoding.runtime.rows_linear": ("resolve_linear",),
+    "decoding.runtime.spec": ("EMBEDDED", "is_gguf", "ModelSpec"),
     "decoding.speculation.heap": ("frozen",),
 }
 _HOME = {name: module for module, names in EXPORTS.items() for name in names}
@@ -80,12 +78,9 @@ if TYPE_CHECKING:  # the same names, for type checkers (tests/test_layout.py hol
     from decoding.drafters.load import load_draft
     from decoding.runtime.memory import peak_rss_mb
     from decoding.runtime.models import (
-        EMBEDDED,
         LoadedModel,
-        ModelSpec,
         activations_and_why,
         int8_lacks,
-        is_gguf,
         load_model,
         load_tokenizer,
         resolve_activations,
@@ -94,4 +89,5 @@ if TYPE_CHECKING:  # the same names, for type checkers (tests/test_layout.py hol
         resolve_weights,
     )
     from decoding.runtime.rows_linear import resolve_linear
+    from decoding.runtime.spec import EMBEDDED, ModelSpec, is_gguf
     from decoding.speculation.heap import frozen

@@ -13,21 +13,22 @@ import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 from tqdm import tqdm
 
 from decoding.api.config import DecoderConfig
-from decoding.api.engine import Engine
-from decoding.base.cli import fail, hydra_command
+from decoding.base.cli import Refused, fail, hydra_command
 from decoding.base.errors import BackendError, ConfigError
 from decoding.base.options import as_float, as_int
 from decoding.base.values import MAX_TOP_LOGPROBS, DecodeStats, GenRequest, Group, host_line
-from decoding.drafters.load import load_draft
-from decoding.runtime.models import ModelSpec, load_model
-from decoding.runtime.time_split import gpu_busy
+from decoding.runtime.spec import ModelSpec
 from decoding.speculation.heap import frozen
+
+if TYPE_CHECKING:  # the runtime (torch, transformers: seconds) loads once the options hold
+    from decoding.api.engine import Engine
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,6 @@ class GenerateConfig:
         return cls(
             prompts=Path(str(c["prompts"])),
             out=Path(str(c["out"])),
-            decoder=DecoderConfig.from_container(c),
             model=ModelSpec.from_config(c["model"]),
             temperature=as_float("gen.temperature", gen["temperature"]),
             top_p=as_float("gen.top_p", gen["top_p"]),
@@ -100,6 +100,7 @@ class GenerateConfig:
             warmup=c.get("warmup", False),
             logprobs=gen.get("logprobs", False),
             top_logprobs=as_int("gen.top_logprobs", gen.get("top_logprobs", 0)),
+            decoder=DecoderConfig.from_container(c),  # last: it loads the drafters' modules (torch, seconds)
         )
 
 
@@ -159,6 +160,8 @@ def request_seed(seed: int, pid: str, sample: int) -> int:
 
 def generate(cfg: GenerateConfig, engine: Engine, progress: bool = True) -> dict:
     """Complete every prompt not yet in cfg.out, appending as each batch finishes; returns the summary."""
+    from decoding.runtime.time_split import gpu_busy
+
     rows = read_prompts(cfg.prompts)
     done = done_ids(cfg.out)
     todo = [r for r in rows if r.id not in done]
@@ -258,11 +261,24 @@ def summary_line(s: dict) -> str:
     )
 
 
-@hydra_command("generate", groups=("decoder", "model"))
+def check_options(cfg: DictConfig, run_dir: Path) -> None:
+    """The options and the prompts checked before Hydra starts and the runtime loads (torch and
+    transformers: seconds), so a bad value stops in about a second."""
+    try:
+        read_prompts(GenerateConfig.from_omegaconf(cfg).prompts)
+    except (ConfigError, BackendError) as e:
+        raise Refused(str(e).splitlines()[0]) from None
+
+
+@hydra_command("generate", groups=("decoder", "model"), before=check_options)
 def main(cfg: DictConfig) -> None:
     try:
         gcfg = GenerateConfig.from_omegaconf(cfg)
         read_prompts(gcfg.prompts)  # bad input fails before a model is loaded
+        from decoding.api.engine import Engine
+        from decoding.drafters.load import load_draft
+        from decoding.runtime.models import load_model
+
         target = load_model(gcfg.model)
         draft = load_draft(gcfg.decoder.draft, target) if gcfg.decoder.draft else None
         with frozen():  # the loaded model's objects out of the collector's full passes

@@ -22,8 +22,7 @@ from decoding.base.values import GenRequest
 from decoding.drafters.draft_model import ModelDrafter
 from decoding.runtime.kv_bytes import pool_bytes
 from decoding.runtime.models import ModelSpec
-from decoding.speculation.options import VerifyOptions
-from decoding.speculation.sampling import Rule
+from decoding.speculation.options import Rule, VerifyOptions
 from decoding.speculation.sequence import needs
 from tasks.base import Problem
 from tasks.gsm8k import GSM8K

@@ -6,6 +6,8 @@ table (no if-chain over decoder names)."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import networkx as nx
@@ -207,3 +209,15 @@ def test_the_public_face_loads_each_name_where_its_type_checking_imports_say():
     assert set(decoding.__all__) == {n for _, n in declared}
     for module, name in declared:
         assert getattr(decoding, name) is getattr(importlib.import_module(module), name)
+
+
+def test_a_commands_options_are_checked_without_torch():
+    """The option dataclasses (model, verify, tree, rounds, run) and the commands that check them load
+    neither torch nor transformers (seconds of imports): a bad value stops in about a second."""
+    code = (
+        "import sys\n"
+        "import decoding.api.config, decoding.generate, tot.runs.config, tot.solve\n"
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

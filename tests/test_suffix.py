@@ -17,8 +17,7 @@ from decoding.base.values import GenRequest, Group
 from decoding.drafters.suffix import SuffixOptions, SuffixTrie, grow
 from decoding.speculation.draft_tree import ROOT
 from decoding.speculation.gumbel import Coupling, gumbel_order
-from decoding.speculation.options import VerifyOptions
-from decoding.speculation.sampling import Rule
+from decoding.speculation.options import Rule, VerifyOptions
 
 # --- the trie ----------------------------------------------------------------------------------------
 

@@ -19,12 +19,17 @@ GROUPS = ("task", "search", "decoder", "model")
 def check_run(cfg: DictConfig, run_dir: Path) -> None:
     """Before Hydra writes into the run folder: the config, the data and what the folder holds
     (its configuration, its results) checked, so a refused run (or sweep member) leaves every file as it was."""
-    # Imported here: an option that is no config key stops at Hydra's check, before the model runtime loads.
+    # Imported here, and the runtime (torch, transformers: seconds) only once the options hold: an option
+    # that is no config key stops at Hydra's check, a bad value at RunConfig's, each in about a second.
     from tot.runs.config import RunConfig
-    from tot.runs.run import build_task, open_run
 
     try:
         run_cfg = RunConfig.from_omegaconf(cfg)
+    except USER_ERRORS as e:
+        raise Refused(str(e).splitlines()[0]) from None
+    from tot.runs.run import build_task, open_run
+
+    try:
         build_task(run_cfg).load(run_cfg.data)
         open_run(run_cfg, run_dir)
     except USER_ERRORS as e:

@@ -12,10 +12,10 @@ from decoding.api.server import ServerOptions
 from decoding.base.errors import ConfigError
 from decoding.base.options import from_dict, option_names
 from decoding.base.plugins import unknown
-from decoding.runtime.models import ModelSpec
-from decoding.schedules.rounds import RoundsOptions
+from decoding.runtime.spec import ModelSpec
+from decoding.schedules.options import RoundsOptions
 from decoding.speculation.options import VerifyOptions
-from decoding.trees.policies import DraftTreeOptions
+from decoding.trees.options import DraftTreeOptions
 
 # The config section a schedule field is read from, where the two differ: SEED's rounds read `seed.*`.
 SECTION_OF = {"rounds": "seed"}

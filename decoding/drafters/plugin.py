@@ -17,9 +17,9 @@ from typing import Any, ClassVar, Literal, Protocol
 
 from decoding.base.errors import ConfigError
 from decoding.base.plugins import Plugin
-from decoding.runtime.models import ModelSpec
+from decoding.runtime.spec import ModelSpec
 from decoding.speculation.options import VerifyOptions
-from decoding.trees.policies import DraftTreeOptions
+from decoding.trees.options import DraftTreeOptions
 
 DraftModel = Literal["none", "required", "optional"]
 # Config sections the schedules and the engine own: no drafter may read its options from them.

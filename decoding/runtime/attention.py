@@ -17,8 +17,9 @@ import torch
 from decoding.base.errors import BackendError
 from decoding.runtime import kernels
 from decoding.runtime.quant import INT8_CACHE, takes_int8
+from decoding.runtime.spec import INVARIANT_ATTENTION
 
-CHOICE = "invariant"  # the model.attention value
+CHOICE = INVARIANT_ATTENTION  # the model.attention value (decoding/runtime/spec.py)
 NAME = "tot_invariant"  # the `attn_implementation` name models are switched to
 _EMPTY = torch.empty(0)
 

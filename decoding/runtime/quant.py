@@ -42,7 +42,6 @@ from decoding.runtime.rows_linear import RowsLinear
 GROUP = 32  # the kernel's group size along the input dimension, GGUF's 4-bit block (or sub-block)
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 Q8_TYPES = ("Q8_0", "Q5_0", "Q6_K")  # signed codes and a scale per 32 (or 16) weights: Q8Linear on the int8 path
-ACTIVATIONS = ("float", "int8", "auto")  # model.activations: what a 4-bit layer multiplies its input as
 # int8 activations keep the hidden states between the 4-bit products in this type, as llama.cpp does:
 # bfloat16 ones would add their rounding to the activations' (docs/performance.md "int8 activations").
 INT8_HIDDEN = torch.float32

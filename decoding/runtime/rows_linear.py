@@ -15,9 +15,10 @@ import torch
 
 from decoding.base.errors import BackendError
 from decoding.runtime import kernels
+from decoding.runtime.spec import LINEARS
 
 # model.linear: auto = rows on a CPU without AVX-512, aten elsewhere; aten = torch's own kernels.
-CHOICES = ("auto", "aten", "rows")
+CHOICES = LINEARS  # model.linear (decoding/runtime/spec.py)
 LANES = 16  # the kernel's dot products run in 16 float lanes: in_features must be a multiple
 _NONE = torch.empty(0)
 

@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import functools
 import gc
-import itertools
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,10 +35,9 @@ import torch
 from decoding.base.errors import BackendError, ConfigError
 from decoding.runtime import architectures, attention
 from decoding.runtime.kv_cache import RowKVCache, to_device
+from decoding.runtime.spec import GRAPH_CHOICES, Buckets
 
 log = logging.getLogger(__name__)
-
-GRAPH_CHOICES = ("auto", "on", "off", "eager")
 
 
 @functools.cache
@@ -51,31 +48,6 @@ def _hf_attention() -> tuple[Any, Any, Any]:
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward
 
     return apply_rotary_pos_emb, eager_attention_forward, ALL_ATTENTION_FUNCTIONS
-
-
-@dataclass(frozen=True)
-class Buckets:
-    """The padded shapes a forward runs at: rows and tokens per row rounded up to the next listed
-    size, the attended positions up to a multiple of `context` (at most the cache's capacity)."""
-
-    rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
-    tokens: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
-    context: int = 256
-
-    def __post_init__(self) -> None:
-        for name, sizes in (("graph_rows", self.rows), ("graph_tokens", self.tokens)):
-            if not sizes or any(s < 1 for s in sizes) or any(a >= b for a, b in itertools.pairwise(sizes)):
-                raise ConfigError(f"model.{name}={list(sizes)} must be increasing positive sizes, e.g. [1,2,4,8]")
-        if self.context < 1:
-            raise ConfigError(f"model.graph_context={self.context} must be a positive number of positions, e.g. 256")
-
-    def fit(self, rows: int, tokens: int, kv_len: int, capacity: int) -> tuple[int, int, int] | None:
-        """(rows, tokens, positions) of the bucket a forward runs in, or None past the largest."""
-        b = next((s for s in self.rows if s >= rows), None)
-        t = next((s for s in self.tokens if s >= tokens), None)
-        if b is None or t is None:
-            return None
-        return b, t, min(math.ceil(kv_len / self.context) * self.context, capacity)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from decoding.runtime.runner import ModelRunner
 from decoding.schedules.base import Step, run_to_end
 from decoding.speculation.gumbel import gumbel_choice
 from decoding.speculation.logprobs import token_logprobs
-from decoding.speculation.sampling import Rule
+from decoding.speculation.options import Rule
 from decoding.speculation.sequence import Sequence
 from decoding.speculation.stopping import Detokenizer
 

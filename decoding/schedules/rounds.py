@@ -15,7 +15,7 @@ import threading
 from collections import deque
 from dataclasses import dataclass, field
 
-from decoding.base.errors import ConfigError
+from decoding.schedules.options import RoundsOptions as RoundsOptions  # its home is the options' module
 from decoding.speculation.draft_tree import DraftTree
 from decoding.speculation.slot import Slot
 from decoding.speculation.verify import Verdict
@@ -170,19 +170,3 @@ class Rounds:
             self.queue.clear()
             self.arrived, self.verified, self.left = [], [], []
             self.cond.notify_all()
-
-
-@dataclass(frozen=True)
-class RoundsOptions:
-    """The `seed:` section, SEED's rounds (section 4 and Algorithm 1) as `seed` and `seed_stand` run
-    them: how many queued drafts one forward verifies, and whether drafting runs in a thread beside
-    the verifier, as SEED's parallel draft processes do."""
-
-    verify_batch: int = 8  # queued drafts verified per target forward (1: the paper's schedule)
-    overlap: bool = False  # draft in a thread while the target verifies
-
-    def __post_init__(self) -> None:
-        if isinstance(self.verify_batch, bool) or not isinstance(self.verify_batch, int) or self.verify_batch < 1:
-            raise ConfigError(
-                f"seed.verify_batch={self.verify_batch} must be a positive integer (1: the paper's schedule)"
-            )

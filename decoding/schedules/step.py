@@ -23,7 +23,7 @@ from decoding.schedules.planner import Planner, StepPlan
 from decoding.schedules.rounds import News, Rounds
 from decoding.speculation.draft_tree import DraftTree
 from decoding.speculation.logprobs import token_logprobs
-from decoding.speculation.sampling import Rule
+from decoding.speculation.options import Rule
 from decoding.speculation.sequence import Sequence
 from decoding.speculation.slot import Slot
 from decoding.speculation.stopping import Detokenizer

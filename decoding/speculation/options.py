@@ -5,11 +5,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING, Literal
 
 from decoding.base.errors import ConfigError
-from decoding.speculation.sampling import RULES, Rule
+
+if TYPE_CHECKING:  # not at import: a command checks its options before it loads torch
+    import torch
+
+# How the target's token at temperature > 0 is decided (verify.rule; decoding/speculation/verify.py):
+# match_gumbel: Gumbel-max with the request's public noise (decoding/speculation/gumbel.py), a draft kept
+# when it is that sample; match_multinomial: the same with `transformers`' torch.multinomial
+# stream; rejection: speculative sampling's rules (decoding/speculation/acceptance.py).
+Rule = Literal["match_gumbel", "match_multinomial", "rejection"]
+RULES: tuple[Rule, ...] = ("match_gumbel", "match_multinomial", "rejection")
 
 # verify.plan=fixed, verify.max_tokens=auto on a CPU: the old fixed cut, 16 tree tokens per forward
 # (where trees stopped paying on the machine it was measured on, docs/performance.md); no cap on a GPU.

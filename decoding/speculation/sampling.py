@@ -7,18 +7,10 @@ per-row parameters so one batched forward can serve requests with different sett
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
 from decoding.runtime import kernels
-
-# How the target's token at temperature > 0 is decided (verify.rule; decoding/speculation/verify.py):
-# match_gumbel: Gumbel-max with the request's public noise (decoding/speculation/gumbel.py), a draft kept
-# when it is that sample; match_multinomial: the same with `transformers`' torch.multinomial
-# stream; rejection: speculative sampling's rules (decoding/speculation/acceptance.py).
-Rule = Literal["match_gumbel", "match_multinomial", "rejection"]
-RULES: tuple[Rule, ...] = ("match_gumbel", "match_multinomial", "rejection")
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,8 @@ from decoding.runtime.runner import ModelRunner, Scored
 from decoding.speculation.acceptance import walk_matched, walk_rejection
 from decoding.speculation.draft_tree import DraftTree
 from decoding.speculation.gumbel import gumbel_pick, gumbel_pick_rows, gumbel_targets, key
-from decoding.speculation.sampling import Rule, SamplingParams, argmax_rows, processed_logits, top_k_rows
+from decoding.speculation.options import Rule
+from decoding.speculation.sampling import SamplingParams, argmax_rows, processed_logits, top_k_rows
 from decoding.speculation.sequence import Sequence
 
 Top = tuple[list[list[int]], list[list[float]]]  # per row: the top-k token ids and their probabilities

@@ -75,8 +75,8 @@ class RunConfig:
                 depth=None if c["task"].get("depth") is None else as_int("task.depth", c["task"]["depth"]),
                 search=c["search"]["name"],
                 search_settings=_search_settings(c["search"]),
+                model=ModelSpec.from_config(c["model"]),  # before the decoder's, which loads the drafters (torch)
                 decoder=DecoderConfig.from_container(c),
-                model=ModelSpec.from_config(c["model"]),
                 data=DataSpec(
                     path=data.get("path"),
                     limit=None if data.get("limit") is None else as_int("data.limit", data["limit"]),

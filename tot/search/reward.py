@@ -23,21 +23,14 @@ import json
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
+from decoding import BackendError, ConfigError, DecodeStats, GenRequest, ModelSpec
 
-from decoding import (
-    BackendError,
-    ConfigError,
-    DecoderConfig,
-    DecodeStats,
-    Engine,
-    GenRequest,
-    ModelSpec,
-    load_model,
-    resolve_device,
-)
+if TYPE_CHECKING:  # torch and the engine load with a reward model, not when a config is checked
+    import torch
+
+    from decoding import Engine
 
 Kind = Literal["auto", "judge", "classifier", "prm"]
 Aggregate = Literal["min", "last", "mean", "product"]
@@ -80,11 +73,13 @@ class ScoringModel:
         self.spec, self.model, self.tokenizer, self.device = spec, model, tokenizer, device
         self.separator = spell(tokenizer, spec.step_separator, "reward.step_separator", spec.path)
 
-    @torch.inference_mode()
     def score(self, question: str, steps: list[str]) -> PathScore:
+        import torch
+
         ids, _ = path_ids(self.tokenizer, self.separator, question, steps)
-        row = self.model(input_ids=torch.tensor([ids], device=self.device)).logits.float()[0]  # (labels,)
-        value = torch.sigmoid(row[0]) if row.numel() == 1 else torch.softmax(row, -1)[1]
+        with torch.inference_mode():
+            row = self.model(input_ids=torch.tensor([ids], device=self.device)).logits.float()[0]  # (labels,)
+            value = torch.sigmoid(row[0]) if row.numel() == 1 else torch.softmax(row, -1)[1]
         return PathScore(float(value))
 
 
@@ -165,6 +160,10 @@ def resolve_kind(spec: RewardSpec) -> str:
 def load_reward(spec: RewardSpec) -> Engine | ScoringModel | ProcessReward:
     """The reward model: an engine of its own for a judge or a PRM, a scoring model on the target's
     device for a classifier."""
+    import torch
+
+    from decoding import DecoderConfig, Engine, load_model, resolve_device
+
     kind = resolve_kind(spec)
     if kind in ("judge", "prm"):
         # Decoded autoregressively (a judge's replies are the reward model's own, whatever the target's
