@@ -216,7 +216,7 @@ def test_a_commands_options_are_checked_without_torch():
     neither torch nor transformers (seconds of imports): a bad value stops in about a second."""
     code = (
         "import sys\n"
-        "import decoding.api.config, decoding.generate, tot.runs.config, tot.solve\n"
+        "import decoding.api.config, decoding.generate, tot.bench, tot.runs.config, tot.solve\n"
         "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)

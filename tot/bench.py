@@ -33,8 +33,8 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 import yaml
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
@@ -46,10 +46,8 @@ from decoding import (
     ConfigError,
     DecoderConfig,
     DecodeStats,
-    Engine,
     GenRequest,
     Group,
-    LoadedModel,
     OutputError,
     ServerEngine,
     as_float,
@@ -57,21 +55,21 @@ from decoding import (
     as_list,
     choices,
     frozen,
-    load_draft,
-    load_model,
-    peak_rss_mb,
 )
-from decoding.base.cli import fail, hydra_command
+from decoding.base.cli import Refused, fail, hydra_command
 from tasks.base import DataError, Problem, Task
 from tot.compare import first_difference
 from tot.runs.config import RunConfig
 from tot.runs.lock import run_lock
 from tot.runs.output import pyplot, save_figure, write_atomic
-from tot.runs.run import build_task, gather_all, make_judge, make_search, score, solve_all
 from tot.scaling import plot_scaling, scaling, scaling_table
 from tot.search.base import PHASES, GenerationEngine, Search, Solution, run_sync
 from tot.search.reward import load_reward
 from tot.search.tree import ReasoningTree
+
+# The runtime (torch, transformers: seconds) is imported where a run needs it, once the options hold.
+if TYPE_CHECKING:
+    from decoding import Engine, LoadedModel
 
 
 @dataclass
@@ -167,6 +165,9 @@ def bench(
     the run's `run.concurrency` for all); `evaluator`: an entry's own task.evaluator; `lockstep`:
     the in-process entries all at once, their engines taking turns forward by forward, each timed
     by its own steps (else the entries take turns by batches of problems, timed by the wall clock)."""
+    from decoding import peak_rss_mb
+    from tot.runs.run import build_task, make_judge, make_search
+
     task = build_task(cfg)
     problems = task.load(cfg.data)
     evaluated = {name: (evaluator or {}).get(name, getattr(task, "evaluator", "separate")) for name in configs}
@@ -182,7 +183,7 @@ def bench(
     tallies = {name: Tally() for name in engines}
     solutions: dict[str, dict[str, Solution]] = {name: {} for name in engines}
     # Server entries decode in another process: timed by the wall clock, in turns after the others.
-    together = [n for n, e in engines.items() if lockstep and isinstance(e, Engine)]
+    together = [n for n, e in engines.items() if lockstep and not isinstance(e, ServerEngine)]
     bar = tqdm(total=len(problems) * len(engines), desc=f"bench {cfg.task}", unit="run", disable=not progress)
     with bar, frozen():  # the loaded model's objects out of the collector's full passes
         if together:
@@ -260,6 +261,8 @@ def _baseline(
 def bench_engine(c: DecoderConfig, target: LoadedModel, draft: LoadedModel | None) -> Engine | ServerEngine:
     """An in-process engine on the loaded model(s), or a client of the server named by `server.*`
     (prompts built with the loaded model's tokenizer: the server must serve that model)."""
+    from decoding import Engine
+
     if c.server is not None:
         return ServerEngine(c.server, target.tokenizer, target.use_chat_template)
     return Engine(target, c, draft if c.draft else None)
@@ -293,7 +296,9 @@ def _bench_chunk(
     bar: tqdm,
 ) -> None:
     """Some problems through one entry, `at_once` of them at a time, timed by the wall clock."""
-    cuda = isinstance(engine, Engine) and engine.target.device.type == "cuda"
+    import torch
+
+    cuda = not isinstance(engine, ServerEngine) and engine.target.device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(engine.target.device)
 
@@ -313,6 +318,7 @@ async def _searched(
     bar: tqdm,
 ) -> None:
     """One entry's search of `problems`, `at_once` of them in flight, each solution kept as it ends."""
+    from tot.runs.run import solve_all
 
     async def solve(problem: Problem) -> None:
         solutions[problem.id] = await search.solve(problem, engine)
@@ -333,6 +339,10 @@ def _bench_lockstep(
     """Every entry's search at once in one event loop: the engines take turns forward by forward
     (each steps between its callers' turns), so whatever the machine does over the run it does to
     every entry alike; each entry is timed by its own engine's steps (`Engine.step_s`)."""
+    import torch
+
+    from tot.runs.run import gather_all
+
     start = {name: engine.step_s for name, engine in engines.items()}
     devices = {e.target.device for e in engines.values() if e.target.device.type == "cuda"}
     for device in devices:
@@ -355,6 +365,8 @@ def _tally(
 ) -> None:
     """An entry's totals from its solutions, scored after its clock stopped (a judge's calls are
     not part of building the tree)."""
+    from tot.runs.run import score
+
     for problem in problems:
         sol = solutions[problem.id]
         for phase, stats in sol.phases.items():
@@ -406,7 +418,7 @@ def _entry_containers(container: dict, names: list[str]) -> dict[str, dict]:
 def _row(name: str, t: Tally, engine: Engine | ServerEngine) -> dict:
     tokens = t.decode.generated_tokens
     # A server does not say how it decoded: its forwards and acceptance are unknown (null).
-    own = isinstance(engine, Engine)
+    own = not isinstance(engine, ServerEngine)
     return {
         "decoder": name,
         "problems_correct": t.correct,
@@ -446,7 +458,7 @@ def _row(name: str, t: Tally, engine: Engine | ServerEngine) -> dict:
         "peak_device_mb": t.peak_device_bytes / 2**20,
         # Stored prefixes (every engine on the model together, against their one cap), the KV pool,
         # resident memory: decoding/runtime/memory.py. Null for a server (its memory is its own).
-        "memory": engine.memory() if isinstance(engine, Engine) else None,
+        "memory": engine.memory() if not isinstance(engine, ServerEngine) else None,
     }
 
 
@@ -552,7 +564,16 @@ def plot(result: dict, path: Path) -> bool:
     return True
 
 
-@hydra_command("bench", groups=("task", "search", "decoder", "model"))
+def check_options(cfg: DictConfig, run_dir: Path) -> None:
+    """The run's options checked before Hydra starts and the runtime loads, so a bad value stops in
+    about a second (the bench's own, read with the model loaded, in `bench_command`)."""
+    try:
+        RunConfig.from_omegaconf(cfg)
+    except (ConfigError, BackendError) as e:
+        raise Refused(str(e).splitlines()[0]) from None
+
+
+@hydra_command("bench", groups=("task", "search", "decoder", "model"), before=check_options)
 def main(cfg: DictConfig) -> None:
     out = Path(HydraConfig.get().runtime.output_dir)
     try:
@@ -570,6 +591,8 @@ def bench_command(cfg: DictConfig, out: Path) -> list[str]:
     """The whole command in its locked folder: runs the entries, prints and writes the table, and
     returns the lossless check's mismatches. The table is printed before it is written, so a write
     that fails loses nothing the run measured."""
+    from decoding import load_draft, load_model
+
     run_cfg = RunConfig.from_omegaconf(cfg)
     container = OmegaConf.to_container(cfg, resolve=True)
     bench_options = container["bench"]
