@@ -101,7 +101,14 @@ def pack(pending: list[list[int]], trees: Sequence[Tree] | None = None) -> Packe
         if n:
             see[b, n_pending : n_pending + n, n_pending : n_pending + n] = tree.ancestry().numpy()
     sizes = [len(p) + n for p, n in zip(pending, sizes_tree)]
-    return Packed(torch.tensor(tokens), torch.from_numpy(see), torch.tensor(depth), n_pending, pads, sizes)
+    return Packed(
+        torch.from_numpy(np.array(tokens)),
+        torch.from_numpy(see),
+        torch.from_numpy(np.array(depth)),
+        n_pending,
+        pads,
+        sizes,
+    )
 
 
 @dataclass(frozen=True)
