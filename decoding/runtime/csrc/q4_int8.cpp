@@ -8,7 +8,9 @@
 //     y[m, n] = sum_b scale[n, b] * d[m, b] * (q . qx)[b]  +  minimum[n, b] * s[m, b],
 // accumulated per block in order with two fused multiply-adds. The block's integer dot product is
 // exact (VPMADDUBSW + VPMADDWD on AVX2, VPDPBUSD with VNNI, TDPBSUD on AMX tiles of 16 rows: the
-// same integers). Q8_0 and Q5_0 layers (signed codes, one scale a block) run the same sums without
+// same integers; with VNNI a signed code w is read as the byte w + 128 and 128 times the block's sum of
+// x taken off, one instruction a product instead of two). Q8_0 and Q5_0 layers (signed codes, one
+// scale a block) run the same sums without
 // the minimum term, Q6_K's (signed codes, a scale per 16 inputs) as two such sums a block. In two levels
 // (quant.py: the attention's projections) the residual x - d qx is quantized again, d2 and qx2, and
 // each block adds scale * d2 * (q . qx2) after its first term: the input to about 16 bits for one more
@@ -42,7 +44,13 @@ namespace {
 
 constexpr int64_t QK = 32;  // inputs per block
 constexpr int64_t L = 8;    // 32-bit lanes of an AVX2 register
-constexpr int64_t R = 4;    // rows of x per tile: one weight block unpacked feeds R rows
+// Rows of x per tile: one weight block unpacked feeds R rows. With AVX-512's 32 vector registers
+// eight rows' accumulators stand beside a block's eight code vectors; with AVX2's 16, four.
+#if defined(__AVX512VL__)
+constexpr int64_t R = 8;
+#else
+constexpr int64_t R = 4;
+#endif
 constexpr int64_t MP = 64;  // rows per panel (a multiple of R: a row's tile does not depend on M)
 
 struct QuantRows {
@@ -51,7 +59,17 @@ struct QuantRows {
   std::vector<float> s;    // [M, K / 32]
   std::vector<int8_t> q2;  // two levels: the first level's residual quantized alone [M, K]; else empty
   std::vector<float> d2;   // ... and its scales [M, K / 32]
+  std::vector<int32_t> c;   // -128 times the sum of each block's codes 0-15 and 16-31 [M, K / 32, 2]
+  std::vector<int32_t> c2;  // ... of the second level's codes (two levels; else empty)
 };
+
+// -128 times the sums of a block's first and last 16 codes: what turns a signed code w read as the
+// unsigned byte w + 128 back into w's dot product (sum (w + 128) x - 128 sum x = sum w x, exactly).
+void half_sums(const int8_t* q, int32_t* c) {
+  int32_t lo = 0, hi = 0;
+  for (int64_t i = 0; i < QK / 2; ++i) lo += q[i], hi += q[QK / 2 + i];
+  c[0] = -128 * lo, c[1] = -128 * hi;
+}
 
 // One block's codes: d = max |x| / 127, q = round-to-even(x * 127 / max |x|); returns sum(q). The
 // same arithmetic on every path (max and scaling are exact or one rounding each; nearbyint is
@@ -100,15 +118,18 @@ int32_t quantize_block(const float* xb, int8_t* q, float* d) {
 
 // One row's blocks, s = d * sum(q). With two levels, the residual x - d q (one rounding, fma) is
 // quantized again by the same rule, x ~ d q + d2 q2 to about 16 bits, and s = d * sum(q) + d2 * sum(q2).
-void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s, int8_t* q2, float* d2) {
+void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s, int32_t* c, int8_t* q2, float* d2,
+                  int32_t* c2) {
   for (int64_t b = 0; b < K / QK; ++b) {
     const float* xb = x + b * QK;
     const int32_t sum = quantize_block(xb, q + b * QK, d + b);
     s[b] = d[b] * static_cast<float>(sum);
+    half_sums(q + b * QK, c + 2 * b);
     if (!q2) continue;
     float residual[QK];
     for (int64_t i = 0; i < QK; ++i) residual[i] = std::fma(-d[b], static_cast<float>(q[b * QK + i]), xb[i]);
     const int32_t sum2 = quantize_block(residual, q2 + b * QK, d2 + b);
+    half_sums(q2 + b * QK, c2 + 2 * b);
     s[b] = std::fma(d2[b], static_cast<float>(sum2), s[b]);
   }
 }
@@ -120,7 +141,8 @@ QuantRows quantize(const float* x, int64_t M, int64_t K, int64_t levels, const f
   TORCH_CHECK(levels == 1 || levels == 2, "q4_int8: activations in 1 or 2 int8 levels, not ", levels);
   const int64_t nb = K / QK, fine = levels == 2 ? M : 0;
   QuantRows r{std::vector<int8_t>(M * K), std::vector<float>(M * nb), std::vector<float>(M * nb),
-              std::vector<int8_t>(fine * K), std::vector<float>(fine * nb)};
+              std::vector<int8_t>(fine * K), std::vector<float>(fine * nb), std::vector<int32_t>(M * nb * 2),
+              std::vector<int32_t>(fine * nb * 2)};
   at::parallel_for(0, M, 4, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       const float* row = x + m * K;
@@ -128,8 +150,9 @@ QuantRows quantize(const float* x, int64_t M, int64_t K, int64_t levels, const f
         norm_row(row, norm, normed + m * K, K, eps);
         row = normed + m * K;
       }
-      quantize_row(row, K, r.q.data() + m * K, r.d.data() + m * nb, r.s.data() + m * nb,
-                   fine ? r.q2.data() + m * K : nullptr, fine ? r.d2.data() + m * nb : nullptr);
+      quantize_row(row, K, r.q.data() + m * K, r.d.data() + m * nb, r.s.data() + m * nb, r.c.data() + m * nb * 2,
+                   fine ? r.q2.data() + m * K : nullptr, fine ? r.d2.data() + m * nb : nullptr,
+                   fine ? r.c2.data() + m * nb * 2 : nullptr);
     }
   });
   return r;
@@ -179,9 +202,9 @@ inline __m256i dot_add(__m256i acc, __m256i u, __m256i x) {
 // moved onto x, each pair (at most 2 * 127 * 127) widened at once.
 inline __m256i q4_dot(const __m256i* v, const int8_t* x) {
 #if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
-  __m256i dot = _mm256_setzero_si256();
-  for (int j = 0; j < 8; ++j) dot = dot_add(dot, v[j], x_group(x, j));
-  return dot;
+  __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
+  for (int j = 0; j < 4; ++j) lo = dot_add(lo, v[j], x_group(x, j)), hi = dot_add(hi, v[j + 4], x_group(x, j + 4));
+  return _mm256_add_epi32(lo, hi);
 #else
   __m256i pairs = _mm256_maddubs_epi16(v[0], x_group(x, 0));
   for (int j = 1; j < 8; ++j) pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(v[j], x_group(x, j)));
@@ -189,15 +212,33 @@ inline __m256i q4_dot(const __m256i* v, const int8_t* x) {
 #endif
 }
 
-// Q8's lane c: column c's codes against x over vectors [J0, J1) (inputs 4 J0 to 4 J1 - 1).
+#if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
+#define Q8_BIASED 1  // VPDPBUSD widens each product at once: codes read as w + 128, x's sum taken off
+#endif
+
+// Q8's lane c: column c's codes against x over vectors [J0, J1) (inputs 4 J0 to 4 J1 - 1). With VNNI
+// v holds w + 128 and the sum starts at c, -128 sum x over those inputs; else v holds |w| and w's sign
+// moves onto x (VPMADDUBSW's pairs of (w + 128) x would pass 16 bits).
 template <int J0 = 0, int J1 = 8>
-inline __m256i q8_dot(const __m256i* v, const uint8_t* w, const int8_t* x) {
+inline __m256i q8_dot(const __m256i* v, const uint8_t* w, const int8_t* x, int32_t c) {
+#if defined(Q8_BIASED)
+  if (J1 - J0 < 8) {
+    __m256i dot = _mm256_set1_epi32(c);
+    for (int j = J0; j < J1; ++j) dot = dot_add(dot, v[j], x_group(x, j));
+    return dot;
+  }
+  __m256i lo = _mm256_set1_epi32(c), hi = _mm256_setzero_si256();
+  for (int j = 0; j < 4; ++j) lo = dot_add(lo, v[j], x_group(x, j)), hi = dot_add(hi, v[j + 4], x_group(x, j + 4));
+  return _mm256_add_epi32(lo, hi);
+#else
   __m256i dot = _mm256_setzero_si256();
   for (int j = J0; j < J1; ++j) {
     const __m256i signs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * j));
     dot = dot_add(dot, v[j], _mm256_sign_epi8(x_group(x, j), signs));
   }
+  (void)c;
   return dot;
+#endif
 }
 #endif
 
@@ -217,6 +258,8 @@ struct TileRows {
   const float* s;
   const int8_t* q2;
   const float* d2;
+  const int32_t* c;
+  const int32_t* c2;
 };
 
 // out[r * G + c] = row r of the tile against column c of group `w` / `f`: per block in order,
@@ -230,6 +273,7 @@ inline void group_tile(const uint8_t* w, const float* f, const TileRows& x_rows,
   using F = Format<Q8, HALVES>;
   const int64_t nb = K / QK;
 #if defined(Q4_AVX2)
+  const int32_t *c = x_rows.c, *c2 = x_rows.c2;
   const __m256i low = _mm256_set1_epi8(0x0F);
   __m256 acc[ROWS];
   for (int64_t r = 0; r < ROWS; ++r) acc[r] = _mm256_setzero_ps();
@@ -239,7 +283,11 @@ inline void group_tile(const uint8_t* w, const float* f, const TileRows& x_rows,
     for (int j = 0; j < (Q8 ? 8 : 4); ++j) {
       const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * j));
       if (Q8) {
+#if defined(Q8_BIASED)
+        v[j] = _mm256_xor_si256(p, _mm256_set1_epi8(static_cast<char>(0x80)));
+#else
         v[j] = _mm256_abs_epi8(p);
+#endif
       } else {
         v[j] = _mm256_and_si256(p, low);
         v[j + 4] = _mm256_and_si256(_mm256_srli_epi16(p, 4), low);
@@ -249,23 +297,26 @@ inline void group_tile(const uint8_t* w, const float* f, const TileRows& x_rows,
     const __m256 scale = _mm256_loadu_ps(fb);
     if (HALVES) {
       const __m256 upper = _mm256_loadu_ps(fb + G);
-      auto half = [&](__m256 a, const int8_t* x, float dx) {
-        a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q8_dot<0, 4>(v, wb, x)), _mm256_mul_ps(scale, _mm256_set1_ps(dx)), a);
-        return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q8_dot<4, 8>(v, wb, x)), _mm256_mul_ps(upper, _mm256_set1_ps(dx)), a);
+      auto half = [&](__m256 a, const int8_t* x, float dx, const int32_t* cx) {
+        a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q8_dot<0, 4>(v, wb, x, cx[0])), _mm256_mul_ps(scale, _mm256_set1_ps(dx)), a);
+        return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q8_dot<4, 8>(v, wb, x, cx[1])), _mm256_mul_ps(upper, _mm256_set1_ps(dx)),
+                               a);
       };
       for (int64_t r = 0; r < ROWS; ++r) {
-        acc[r] = half(acc[r], q + r * K + b * QK, d[r * nb + b]);
-        if (TWO) acc[r] = half(acc[r], q2 + r * K + b * QK, d2[r * nb + b]);
+        acc[r] = half(acc[r], q + r * K + b * QK, d[r * nb + b], c + (r * nb + b) * 2);
+        if (TWO) acc[r] = half(acc[r], q2 + r * K + b * QK, d2[r * nb + b], c2 + (r * nb + b) * 2);
       }
       continue;
     }
     for (int64_t r = 0; r < ROWS; ++r) {
       const int8_t* x = q + r * K + b * QK;
-      const __m256i dot = Q8 ? q8_dot(v, wb, x) : q4_dot(v, x);
+      const int32_t* cx = c + (r * nb + b) * 2;
+      const __m256i dot = Q8 ? q8_dot(v, wb, x, cx[0] + cx[1]) : q4_dot(v, x);
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(scale, _mm256_set1_ps(d[r * nb + b])), acc[r]);
       if (TWO) {
         const int8_t* x2 = q2 + r * K + b * QK;
-        const __m256i dot2 = Q8 ? q8_dot(v, wb, x2) : q4_dot(v, x2);
+        const int32_t* cx2 = c2 + (r * nb + b) * 2;
+        const __m256i dot2 = Q8 ? q8_dot(v, wb, x2, cx2[0] + cx2[1]) : q4_dot(v, x2);
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot2), _mm256_mul_ps(scale, _mm256_set1_ps(d2[r * nb + b])), acc[r]);
       }
       if (!Q8) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(fb + G), _mm256_set1_ps(s[r * nb + b]), acc[r]);
@@ -541,8 +592,10 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& packed, const a
   const QuantRows& qx = rows.qx;
   const bool two = !qx.q2.empty();
   auto tile_rows = [&](int64_t m) {
-    return TileRows{qx.q.data() + m * K, qx.d.data() + m * nb, qx.s.data() + m * nb,
-                    two ? qx.q2.data() + m * K : nullptr, two ? qx.d2.data() + m * nb : nullptr};
+    return TileRows{qx.q.data() + m * K,         qx.d.data() + m * nb,
+                    qx.s.data() + m * nb,        two ? qx.q2.data() + m * K : nullptr,
+                    two ? qx.d2.data() + m * nb : nullptr, qx.c.data() + m * nb * 2,
+                    two ? qx.c2.data() + m * nb * 2 : nullptr};
   };
   // out [n_rows, cols] (row stride cols) for rows m.. and columns from group g's first on: y = out +
   // bias (+ 0 without one: the bits of a zero bias), then residual + y,
@@ -604,12 +657,15 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& packed, const a
           const TileRows t = tile_rows(m);
           if (n_rows == R && two) group_tile<Q8, R, true, HALVES>(w, f, t, K, out);
           else if (n_rows == R) group_tile<Q8, R, false, HALVES>(w, f, t, K, out);
+          else if (n_rows == 4 && two) group_tile<Q8, 4, true, HALVES>(w, f, t, K, out);
+          else if (n_rows == 4) group_tile<Q8, 4, false, HALVES>(w, f, t, K, out);
           else if (two) group_tile<Q8, 1, true, HALVES>(w, f, t, K, out);
           else group_tile<Q8, 1, false, HALVES>(w, f, t, K, out);
           store(out, m, n_rows, g, G);
         };
         int64_t m = first;
         for (; m + R <= m1; m += R) tile(m, R);
+        for (; m + 4 <= m1; m += 4) tile(m, 4);
         for (; m < m1; ++m) tile(m, 1);
       }
     }
