@@ -125,17 +125,19 @@ def tokenizer() -> PreTrainedTokenizerFast:
     return build_tokenizer()
 
 
-def build_model(vocab_size: int, seed: int = 0, max_positions: int = 512, arch: str = "llama") -> torch.nn.Module:
+def build_model(
+    vocab_size: int, seed: int = 0, max_positions: int = 512, arch: str = "llama", hidden: int = 64, heads: int = 4
+) -> torch.nn.Module:
     """A tiny random causal LM of `arch` (a key of ARCHS; qwen2's q, k and v biases are given random
-    values here so that they count)."""
+    values here so that they count), `hidden` wide with an MLP twice as wide."""
     torch.manual_seed(seed)
     config_type, model_type = ARCHS[arch]
     config = config_type(
         vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
         num_hidden_layers=2,
-        num_attention_heads=4,
+        num_attention_heads=heads,
         num_key_value_heads=2,
         max_position_embeddings=max_positions,
         # Larger than the default 0.02 so that next-token distributions are peaked rather than near

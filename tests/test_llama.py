@@ -10,8 +10,9 @@ import copy
 
 import pytest
 import torch
+from conftest import build_model
 from helpers import select_rows, with_linear_kernel
-from test_quant import int4_copy, mixed_blocks
+from test_quant import int4_copy, k_quant_blocks, mixed_blocks
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from decoding.runtime.kv_cache import RowKVCache
@@ -39,6 +40,7 @@ PROMPTS = [[5 + (7 * i + j) % 90 for i in range(n)] for j, n in enumerate((9, 23
         "qwen2-bfloat16-rows",
         "qwen2-gguf-int4-int8",
         "qwen2-gguf-blocks-int8",
+        "qwen2-gguf-kquants-int8",
     ],
 )
 def model(request, tiny_model, tiny_qwen2) -> torch.nn.Module:
@@ -47,6 +49,8 @@ def model(request, tiny_model, tiny_qwen2) -> torch.nn.Module:
         tiny_model = tiny_qwen2
     if param == "gguf-blocks-int8":
         return mixed_blocks(tiny_model)
+    if param == "gguf-kquants-int8":  # K-quants need 256 inputs: a wider model
+        return k_quant_blocks(build_model(tiny_model.config.vocab_size, arch="qwen2", hidden=256))
     if param == "gguf-mixed-int8":
         return mixed_int8(tiny_model)
     if param.startswith("gguf-int4"):

@@ -11,38 +11,64 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, quantize
-from test_quant import int4_copy, q6_k_bytes
+from test_quant import int4_copy, k_quant_layer, q4_k_bytes, q6_k_bytes
 
 from decoding.base.errors import BackendError
 from decoding.runtime import kernels, numerics
 from decoding.runtime.llama import Layers
 from decoding.runtime.models import ModelSpec, default_cache_dir, gguf_file, resolve_activations
 from decoding.runtime.numerics import Numerics
-from decoding.runtime.quant import GROUP, Q8_TYPES, Int4Linear, Q8Linear, decode_int4, decode_q8
+from decoding.runtime.quant import (
+    GROUP,
+    Q8_TYPES,
+    Int4Linear,
+    Q8Linear,
+    decode_int4,
+    decode_q8,
+    k_factors_floats,
+    q6_k_scales,
+)
 
 RNG = np.random.default_rng(1)
 
 
 def gguf_layer(n_out: int, n_in: int, kind: str, activations: str = "int8") -> Int4Linear | Q8Linear:
     """A layer as a GGUF file ships it in `kind` (Q4_K from random bytes: its 6-bit scales; Q8_0 and
-    Q5_0 as the int8 path's Q8Linear, with the bfloat16 weight an LM head keeps)."""
+    Q5_0 as the int8 path's Q8Linear, with the bfloat16 weight an LM head keeps); a K-quant's factors
+    as the loader keeps them."""
     if kind in Q8_TYPES:
         w = RNG.normal(scale=0.05, size=(n_out, n_in)).astype(np.float32)
         raw = q6_k_bytes(n_out, n_in) if kind == "Q6_K" else quantize(w, GGMLQuantizationType[kind])
         codes, scale = decode_q8(raw, kind, n_out, n_in)
         weight = torch.nn.Parameter(torch.from_numpy(w).to(torch.bfloat16), requires_grad=False)
-        return Q8Linear(weight, torch.from_numpy(codes), torch.from_numpy(scale), None)
+        k = q6_k_scales(raw, n_out, n_in).rows(torch.from_numpy) if kind == "Q6_K" else None
+        return Q8Linear(weight, torch.from_numpy(codes), torch.from_numpy(scale), None, k)
     if kind == "Q4_K":
-        raw = RNG.integers(0, 256, size=(n_out, n_in // 256, 144), dtype=np.uint8)
-        for offset in (0, 2):  # d and dmin: finite fp16 values
-            scales = RNG.uniform(0.0005, 0.003, size=(n_out, n_in // 256)).astype(np.float16)
-            raw[..., offset : offset + 2] = scales.view(np.uint8).reshape(n_out, -1, 2)
-        raw = raw.reshape(n_out, -1)
+        raw = q4_k_bytes(n_out, n_in)
     else:
         raw = quantize(RNG.normal(scale=0.05, size=(n_out, n_in)).astype(np.float32), GGMLQuantizationType[kind])
     blocks = decode_int4(raw, kind, n_out, n_in)
     t = [torch.from_numpy(np.ascontiguousarray(a)) for a in (blocks.codes, blocks.scale, blocks.minimum)]
-    return Int4Linear(*t, None, activations)
+    k = blocks.k.rows(torch.from_numpy) if blocks.k is not None and activations == "int8" else None
+    return Int4Linear(*t, None, activations, k)
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_a_k_quants_factors_as_the_file_holds_them_give_the_float_factors_bits(kind):
+    """A K-quant's factors kept as the file holds them (a float per 256 inputs, bytes per block: 24 or
+    20 bytes a block of 8 outputs instead of 64) are the float32 factors exactly once formed, and the
+    kernel gives the bits of the float32 factors' layout from them, for every tile of rows and level."""
+    raw = q6_k_bytes(96, 512) if kind == "Q6_K" else q4_k_bytes(96, 512)
+    compact, floats = (k_quant_layer(raw, kind, 96, 512, file_factors=f) for f in (True, False))
+    assert compact.factors.dtype == torch.uint8 and floats.factors.dtype == torch.float32
+    assert compact.factors.numel() <= floats.factors.numel() * 4 * 3 // 8
+    assert torch.equal(k_factors_floats(compact.factors, halves=kind == "Q6_K"), floats.factors)
+    assert torch.equal(compact.dequantized(), floats.dequantized())
+    x = torch.randn(37, 512)
+    for levels in (1, 2):
+        compact.levels = floats.levels = levels
+        for m in (1, 4, 8, 13, 37):
+            assert torch.equal(compact(x[:m]), floats(x[:m])), (levels, m)
 
 
 def quantized_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -24,6 +24,7 @@ from decoding.runtime.quant import (
     decode_q8,
     decode_q8_0,
     kernel_fits,
+    q6_k_scales,
     two_level_inputs,
 )
 
@@ -65,6 +66,38 @@ def mixed_blocks(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def k_quant_layer(
+    raw: np.ndarray, kind: str, n_out: int, n_in: int, file_factors: bool = True, bias: torch.Tensor | None = None
+) -> torch.nn.Module:
+    """A Q4_K or Q6_K layer on the int8 path, its factors as the loader keeps them (the file's
+    super-block floats and bytes: `file_factors`) or as float32 products."""
+    if kind == "Q6_K":
+        codes, scale = (torch.from_numpy(a) for a in decode_q8(raw, kind, n_out, n_in))
+        k = q6_k_scales(raw, n_out, n_in).rows(torch.from_numpy) if file_factors else None
+        return Q8Linear(None, codes, scale, bias, k)
+    blocks = decode_int4(raw, kind, n_out, n_in)
+    t = [torch.from_numpy(np.ascontiguousarray(a)) for a in (blocks.codes, blocks.scale, blocks.minimum)]
+    return Int4Linear(*t, bias, "int8", blocks.k.rows(torch.from_numpy) if file_factors else None)
+
+
+def k_quant_blocks(model: torch.nn.Module) -> torch.nn.Module:
+    """An int8 copy of a model 256 or more wide in a Q4_K_M file's types (the Qwen2.5-Coder 1.5B's):
+    random Q4_K projections, v and down Q6_K, each with its factors as the loader keeps them, and the
+    model's biases."""
+    model = int4_copy(model, "int8")
+    for name, module in list(model.named_modules()):
+        if not name.endswith("_proj"):
+            continue
+        kind = "Q6_K" if name.endswith(("v_proj", "down_proj")) else "Q4_K"
+        shape = (module.out_features, module.in_features)
+        raw = q6_k_bytes(*shape, (2e-5, 6e-5)) if kind == "Q6_K" else q4_k_bytes(*shape, (1e-4, 3e-4))
+        layer = k_quant_layer(raw, kind, *shape, bias=module.bias)
+        layer.levels = module.levels
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, layer)
+    return model
+
+
 def q8_head(model: torch.nn.Module) -> None:
     """The model's LM head as a GGUF file ships it in Q8_0, on the int8 path (what the loader does
     for model.activations=int8)."""
@@ -101,10 +134,19 @@ def test_decoded_blocks_equal_gguf_dequantization(kind):
     assert np.array_equal(blocks.weights(), dequantize(raw, GGMLQuantizationType[kind]).reshape(48, 256))
 
 
-def q6_k_bytes(n_out: int, n_in: int) -> np.ndarray:
-    """Random Q6_K blocks (gguf-py has no Q6_K quantizer) with a finite fp16 d."""
+def q4_k_bytes(n_out: int, n_in: int, d: tuple[float, float] = (0.0005, 0.003)) -> np.ndarray:
+    """Random Q4_K blocks (their 6-bit scales and minimums) with finite fp16 d and dmin in range `d`."""
+    raw = RNG.integers(0, 256, size=(n_out, n_in // 256, 144), dtype=np.uint8)
+    for offset in (0, 2):
+        factors = RNG.uniform(*d, size=(n_out, n_in // 256)).astype(np.float16)
+        raw[..., offset : offset + 2] = factors.view(np.uint8).reshape(n_out, -1, 2)
+    return raw.reshape(n_out, -1)
+
+
+def q6_k_bytes(n_out: int, n_in: int, d_range: tuple[float, float] = (0.0005, 0.003)) -> np.ndarray:
+    """Random Q6_K blocks (gguf-py has no Q6_K quantizer) with a finite fp16 d in `d_range`."""
     raw = RNG.integers(0, 256, size=(n_out, n_in // 256, 210), dtype=np.uint8)
-    d = RNG.uniform(0.0005, 0.003, size=(n_out, n_in // 256)).astype(np.float16)
+    d = RNG.uniform(*d_range, size=(n_out, n_in // 256)).astype(np.float16)
     raw[..., 208:210] = d.view(np.uint8).reshape(n_out, -1, 2)
     return raw.reshape(n_out, -1)
 

@@ -40,7 +40,8 @@ def _joined(projections: list[torch.nn.Module]) -> list[torch.Tensor] | None:
         return None
     if len({type(p) for p in projections}) != 1:  # 4-bit and Q8 codes are packed apart
         return None
-    if any(len({f(p) for p in projections}) != 1 for f in (lambda p: p.bias is None, lambda p: p.in_features, _levels)):
+    same = (lambda p: p.bias is None, lambda p: p.in_features, _levels, lambda p: (p.factors.dtype, p.factors.dim()))
+    if any(len({f(p) for p in projections}) != 1 for f in same):  # one input, one format of factors
         return None
     packed = torch.cat([p.packed8 for p in projections])
     factors = torch.cat([p.factors for p in projections])

@@ -12,7 +12,10 @@ the kernel multiplies by, and tests/test_quant.py checks it against the file.
 With `model.activations=int8` the same blocks run through csrc/q4_int8.cpp instead: scale and
 minimum kept in float32 (the file's fp16 exactly), codes in the file's nibble order, and each row of
 activations quantized to int8 per block of 32 (its scale and sum beside it), so that the
-multiply-adds run on the integer units; `Int4Linear.dequantized` is then scale * q + minimum. The
+multiply-adds run on the integer units; `Int4Linear.dequantized` is then scale * q + minimum. A
+K-quant's factors stay as its file holds them (`KScales`: a float per super-block of 256, small
+integers per block: 24 or 20 bytes a block of 8 outputs, not 64), and the kernel forms each product
+(the same float32 values: a forward of one token reads the weights once, so bytes are its time). The
 attention's q, k and v take their input in two int8 levels (`two_level_inputs`). The kernel returns
 its input's type; the model around it runs in float32 on that path (models.py).
 
@@ -67,6 +70,7 @@ class Int4Linear(torch.nn.Module):
         minimum: torch.Tensor,
         bias: torch.Tensor | None,
         activations: str = "float",
+        k_scales: KScales | None = None,
     ):
         super().__init__()
         self.out_features, self.in_features = codes.shape
@@ -75,6 +79,8 @@ class Int4Linear(torch.nn.Module):
         if activations == "int8":
             kernels.load()  # built now: a missing compiler is a load-time error
             packed, factors = pack_q4(codes, scale, minimum)
+            if k_scales is not None and self.in_features % 256 == 0:
+                factors = pack_k_factors(k_scales)
             self.register_buffer("packed8", packed)
             self.register_buffer("factors", factors)
         else:
@@ -112,8 +118,10 @@ class Int4Linear(torch.nn.Module):
 
     def scale_minimum(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The int8 path's scale and minimum per output and block [N, K / 32], float32."""
-        n = self.out_features
-        return tuple(self.factors[:, :, i].permute(0, 2, 1).reshape(n, -1) for i in (0, 1))  # type: ignore[return-value]
+        n, factors = self.out_features, self.factors
+        if factors.dtype == torch.uint8:
+            factors = k_factors_floats(factors, halves=False)
+        return tuple(factors[:, :, i].permute(0, 2, 1).reshape(n, -1) for i in (0, 1))  # type: ignore[return-value]
 
     def extra_repr(self) -> str:
         levels = " in two levels" if self.levels == 2 else ""
@@ -131,7 +139,12 @@ class Q8Linear(torch.nn.Module):
     head); a decoder projection has none."""
 
     def __init__(
-        self, weight: torch.nn.Parameter | None, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+        self,
+        weight: torch.nn.Parameter | None,
+        codes: torch.Tensor,
+        scale: torch.Tensor,
+        bias: torch.Tensor | None,
+        k_scales: KScales | None = None,
     ):
         super().__init__()
         self.out_features, self.in_features = codes.shape
@@ -144,6 +157,8 @@ class Q8Linear(torch.nn.Module):
         self.halves = scale.shape[1] * GROUP // 2 == self.in_features  # a scale per 16 inputs
         codes, scale = (torch.cat([t, t.new_zeros(pad, t.shape[1])]) for t in (codes.to(torch.int8), scale.float()))
         packed, factors = pack_q8(codes, scale)
+        if k_scales is not None and self.halves and self.in_features % 256 == 0:
+            factors = pack_k_factors(k_scales.padded(pad))
         self.register_buffer("packed8", packed)
         self.register_buffer("factors", factors)
         self.bias = None if bias is None else torch.nn.Parameter(bias.to(INT8_HIDDEN), requires_grad=False)
@@ -164,7 +179,8 @@ class Q8Linear(torch.nn.Module):
         kernel's layout."""
         n, k = self.packed8.shape[0] * 8, self.in_features
         codes = self.packed8.view(torch.int8).reshape(n // 8, k // GROUP, 8, 8, 4).permute(0, 3, 1, 2, 4)
-        scales = self.factors.permute(0, 3, 1, 2).reshape(n, -1)  # [group, column, block, half]
+        factors = k_factors_floats(self.factors, halves=True) if self.factors.dtype == torch.uint8 else self.factors
+        scales = factors.permute(0, 3, 1, 2).reshape(n, -1)  # [group, column, block, half]
         return codes.reshape(n, k)[: self.out_features], scales[: self.out_features]
 
     def dequantized(self) -> torch.Tensor:
@@ -192,6 +208,56 @@ def pack_q4(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> 
     factors = torch.stack([scale.float(), minimum.float()], 1)  # [N, 2, blocks]
     factors = factors.reshape(n // 8, 8, 2, -1).permute(0, 3, 2, 1).contiguous()
     return packed, factors
+
+
+@dataclass(frozen=True)
+class KScales:
+    """A K-quant's factors as its file holds them, whose products are the float32 factors exactly:
+    Q4_K's scale = d sc and minimum = -(dmin mn) with 6-bit sc, mn per 32 inputs; Q6_K's scale = d sub
+    with a signed 8-bit sub per 16 (the two halves of a block of 32). Arrays or tensors."""
+
+    d: Any  # [N, K / 256] float32
+    small: Any  # [N, K / 32, 2] uint8: Q4_K's (sc, mn), Q6_K's (sub of inputs 0-15, 16-31) as int8 bits
+    dmin: Any = None  # [N, K / 256] float32 (Q4_K); None (Q6_K)
+
+    def rows(self, fn: Any) -> KScales:
+        """Each array [N, ...] through fn (a row permutation, a conversion to torch)."""
+        n = self.small.shape[0]
+        small = fn(self.small.reshape(n, -1)).reshape(n, -1, 2)
+        return KScales(fn(self.d), small, None if self.dmin is None else fn(self.dmin))
+
+    def padded(self, rows: int) -> KScales:
+        """Torch tensors with `rows` zero outputs after the last (a vocabulary padded to 8)."""
+        pad = [torch.as_tensor(t) for t in (self.d, self.small, self.dmin) if t is not None]
+        d, small, *dmin = (torch.cat([t, t.new_zeros(rows, *t.shape[1:])]) for t in pad)
+        return KScales(d, small, dmin[0] if dmin else None)
+
+
+def pack_k_factors(k: KScales) -> torch.Tensor:
+    """A K-quant's factors in csrc/q4_int8.cpp's compact layout, in groups of 8 outputs: uint8
+    [N / 8, K / 256, bytes], per super-block the 8 outputs' d (Q4_K: then their dmin) as float32,
+    then per block their 8 first small integers and their 8 second."""
+    d = torch.as_tensor(k.d).float()
+    n, supers = d.shape
+    floats = [d] if k.dmin is None else [d, torch.as_tensor(k.dmin).float()]
+    head = torch.stack([f.reshape(n // 8, 8, supers) for f in floats], 2)  # [group, column, kind, super]
+    head = head.permute(0, 3, 2, 1).contiguous().view(torch.uint8).reshape(n // 8, supers, -1)
+    small = torch.as_tensor(k.small).view(torch.uint8).reshape(n // 8, 8, supers, 8, 2)  # [g, col, super, b, kind]
+    small = small.permute(0, 2, 3, 4, 1).reshape(n // 8, supers, -1)
+    return torch.cat([head, small], -1).contiguous()
+
+
+def k_factors_floats(compact: torch.Tensor, halves: bool) -> torch.Tensor:
+    """pack_k_factors' layout -> the float32 factors [N / 8, K / 32, 2, 8] the kernel forms from it
+    (pack_q4's, or pack_q8's in halves), with the same products."""
+    groups, supers, _ = compact.shape
+    kinds = 1 if halves else 2
+    head = compact[..., : 32 * kinds].contiguous().view(torch.float32).reshape(groups, supers, kinds, 1, 8)
+    small = compact[..., 32 * kinds :].reshape(groups, supers, 8, 2, 8)
+    small = (small.view(torch.int8) if halves else small).float()
+    first = head[:, :, 0] * small[:, :, :, 0]  # [group, super, block, column]
+    second = head[:, :, 0] * small[:, :, :, 1] if halves else -(head[:, :, 1] * small[:, :, :, 1])
+    return torch.stack([first, second], 3).reshape(groups, supers * 8, 2, 8)
 
 
 def pack_q8(codes: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -243,6 +309,12 @@ def decode_q6_k(data: np.ndarray, n_out: int, n_in: int) -> tuple[np.ndarray, np
     return codes.reshape(n_out, n_in), scale.reshape(n_out, -1)
 
 
+def q6_k_scales(data: np.ndarray, n_out: int, n_in: int) -> KScales:
+    """A Q6_K tensor's factors as the file holds them: d per super-block, a signed byte per 16."""
+    blocks = data.reshape(n_out, n_in // 256, 210)
+    return KScales(_f16(blocks[..., 208:210]), np.ascontiguousarray(blocks[..., 192:208]).reshape(n_out, -1, 2))
+
+
 def decode_q8(data: np.ndarray, type_name: str, n_out: int, n_in: int) -> tuple[np.ndarray, np.ndarray]:
     """Codes and scales of a tensor of one of Q8_TYPES."""
     decode = {"Q8_0": decode_q8_0, "Q5_0": decode_q5_0, "Q6_K": decode_q6_k}[type_name]
@@ -262,9 +334,11 @@ def q8_head_from_gguf(model: torch.nn.Module, path: Path) -> bool:
     )
     if source is None or source.type_name not in Q8_TYPES:
         return False
-    codes, scale = decode_q8(tensor_bytes(path, source), source.type_name, head.out_features, head.in_features)
+    data, shape = tensor_bytes(path, source), (head.out_features, head.in_features)
+    codes, scale = decode_q8(data, source.type_name, *shape)
+    k = q6_k_scales(data, *shape).rows(torch.from_numpy) if source.type_name == "Q6_K" else None
     bias = None if head.bias is None else head.bias
-    model.set_output_embeddings(Q8Linear(head.weight, torch.from_numpy(codes), torch.from_numpy(scale), bias))
+    model.set_output_embeddings(Q8Linear(head.weight, torch.from_numpy(codes), torch.from_numpy(scale), bias, k))
     return True
 
 
@@ -324,6 +398,7 @@ class Int4Blocks:
     codes: np.ndarray
     scale: np.ndarray
     minimum: np.ndarray
+    k: KScales | None = None  # Q4_K's factors as the file holds them
 
     def weights(self) -> np.ndarray:
         """w = scale * q + minimum, float32 (as gguf-py dequantizes Q4_1 and Q4_K)."""
@@ -360,7 +435,8 @@ def decode_int4(data: np.ndarray, type_name: str, n_out: int, n_in: int) -> Int4
         codes = (qs & np.uint8(0x0F)).reshape(n_out, n_in)
         scale = (d[..., None] * sc).reshape(n_out, -1)
         minimum = -(dmin[..., None] * mn).reshape(n_out, -1)
-        return Int4Blocks(codes, scale, minimum)
+        small = np.stack([sc, mn], -1).astype(np.uint8).reshape(n_out, -1, 2)
+        return Int4Blocks(codes, scale, minimum, KScales(d, small, dmin))
     raise BackendError(f"{type_name} is not a 4-bit GGUF type this loader decodes ({', '.join(INT4_TYPES)})")
 
 
@@ -448,10 +524,13 @@ def quantize_from_gguf(model: torch.nn.Module, path: Path, activations: str = "f
             return torch.from_numpy(np.ascontiguousarray(processor.process(a, name).weights))
 
         if q8:
-            layer: torch.nn.Module = Q8Linear(None, *(rows(a) for a in decode_q8(data, kind, *shape)), module.bias)
+            k = q6_k_scales(data, *shape).rows(rows) if kind == "Q6_K" else None
+            layer: torch.nn.Module = Q8Linear(None, *(rows(a) for a in decode_q8(data, kind, *shape)), module.bias, k)
         else:
             blocks = decode_int4(data, kind, *shape)
-            layer = Int4Linear(rows(blocks.codes), rows(blocks.scale), rows(blocks.minimum), module.bias, activations)
+            k = None if blocks.k is None else blocks.k.rows(rows)
+            t = (rows(a) for a in (blocks.codes, blocks.scale, blocks.minimum))
+            layer = Int4Linear(*t, module.bias, activations, k)
         parent, _, child = hf_name.removesuffix(".weight").rpartition(".")
         setattr(modules[parent] if parent else model, child, layer)
         replaced[kind] = replaced.get(kind, 0) + 1

@@ -13,13 +13,19 @@
 
 namespace {
 
+// Whether a projection [codes, scale_min, bias] is on the int8 kernel: float32 scales and minimums, or a
+// K-quant's compact factors (uint8); torch's int4 kernel takes bfloat16 ones.
+bool on_int8(const at::Tensor* w) {
+  return w[1].numel() > 0 && (w[1].scalar_type() == at::kFloat || w[1].scalar_type() == at::kByte);
+}
+
 // Int4Linear.forward / nn.Linear / RowsLinear (`rows_kernel`): [w, scales_zeros, bias] with scales_zeros
 // empty for a dense weight; [codes, scale_min, bias] with float32 scale_min for int8 activations (in
 // `levels` levels).
 at::Tensor linear(const at::Tensor& x, const at::Tensor* w, bool rows_kernel, int64_t levels) {
   if (w[1].numel() == 0 && rows_kernel) return rows_linear(x, w[0], w[2]);
   if (w[1].numel() == 0) return at::linear(x, w[0], w[2].numel() ? c10::optional<at::Tensor>(w[2]) : c10::nullopt);
-  if (w[1].scalar_type() == at::kFloat) return q4_int8_linear(x, w[0], w[1], w[2], levels);
+  if (on_int8(w)) return q4_int8_linear(x, w[0], w[1], w[2], levels);
   const int64_t out_features = w[1].size(1);
   at::Tensor y = at::_weight_int4pack_mm_for_cpu(x.reshape({-1, x.size(-1)}).to(at::kBFloat16), w[0], 32, w[1]);
   if (w[2].numel()) y = y + w[2];
@@ -135,9 +141,6 @@ void put_rows(const at::Tensor& cache, const at::Tensor& x, const at::Tensor& ro
     const_cast<at::Tensor&>(cache).index_put_(where, x.to(c));
   }
 }
-
-// Whether a projection [codes, scale_min, bias] is on the int8 kernel (float32 scales and minimums).
-bool on_int8(const at::Tensor* w) { return w[1].numel() > 0 && w[1].scalar_type() == at::kFloat; }
 
 // The products of projections that read one input, rms_norm(h, norm): [w] alone each, or joined in the
 // first's place (Layers.of: the others' codes empty) and split by columns, `sizes` per projection (-1:

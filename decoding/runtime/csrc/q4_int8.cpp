@@ -177,6 +177,45 @@ struct Format {
   static constexpr int64_t factors = Q8 && !HALVES ? G : 2 * G;          // floats per group and block
 };
 
+// K-quants' factors as their files hold them (quant.py `pack_k_factors`): 24 (Q4_K) or 20 (Q6_K) bytes
+// a group and block instead of 64, what a forward of one token reads besides the codes. Per group and super-block of 8
+// blocks (256 inputs): the 8 columns' float d (Q4_K: then their dmin), then per block 8 columns' bytes
+// of one kind and 8 of the other: Q4_K's 6-bit scale and minimum (scale = d sc, minimum = -(dmin mn)),
+// Q6_K's signed 8-bit scales of inputs 0-15 and 16-31 (d lo, d hi). expand_factors forms the float32
+// factors of a group with the loader's own products (each exact in float32), so the bits are those of
+// the float32 layout's.
+constexpr int64_t SB = 8;  // blocks per super-block
+
+template <bool HALVES>
+struct Compact {
+  static constexpr int64_t floats = HALVES ? G : 2 * G;               // per group and super-block
+  static constexpr int64_t bytes = floats * 4 + SB * 2 * G;           // ... in all
+};
+
+template <bool HALVES>
+void expand_factors(const uint8_t* compact, int64_t nb, float* out) {
+  using C = Compact<HALVES>;
+  for (int64_t sb = 0; sb < nb / SB; ++sb) {
+    const uint8_t* at = compact + sb * C::bytes;
+    float d[G], dmin[G];
+    std::memcpy(d, at, sizeof d);
+    if (!HALVES) std::memcpy(dmin, at + sizeof d, sizeof dmin);
+    const uint8_t* small = at + C::floats * 4;
+    for (int64_t b = 0; b < SB; ++b, small += 2 * G) {
+      float* o = out + (sb * SB + b) * 2 * G;
+      for (int64_t c = 0; c < G; ++c) {
+        if (HALVES) {
+          o[c] = d[c] * static_cast<float>(static_cast<int8_t>(small[c]));
+          o[G + c] = d[c] * static_cast<float>(static_cast<int8_t>(small[G + c]));
+        } else {
+          o[c] = d[c] * static_cast<float>(small[c]);
+          o[G + c] = -(dmin[c] * static_cast<float>(small[G + c]));
+        }
+      }
+    }
+  }
+}
+
 #if defined(Q4_AVX2)
 inline __m256i x_group(const int8_t* x, int j) {  // x[4j..4j+3] in every lane
   int32_t t;
@@ -242,6 +281,35 @@ inline __m256i q8_dot(const __m256i* v, const uint8_t* w, const int8_t* x, int32
 }
 #endif
 
+#if defined(Q4_AVX2)
+// Block b's float32 factors for the group's 8 columns: its scales, and the second vector (Q4: the
+// minimums; halves: the scales of inputs 16-31; Q8: none), from the float32 layout or, COMPACT, formed
+// from a K-quant's (expand_factors' products, the same bits).
+template <bool Q8, bool HALVES, bool COMPACT>
+inline void block_factors(const uint8_t* f, int64_t b, __m256& first, __m256& second) {
+  if (!COMPACT) {
+    const float* fb = reinterpret_cast<const float*>(f) + b * Format<Q8, HALVES>::factors;
+    first = _mm256_loadu_ps(fb);
+    if (!Q8 || HALVES) second = _mm256_loadu_ps(fb + G);
+    return;
+  }
+  const uint8_t* at = f + b / SB * Compact<HALVES>::bytes;
+  const __m256 d = _mm256_loadu_ps(reinterpret_cast<const float*>(at));
+  const uint8_t* small = at + Compact<HALVES>::floats * 4 + b % SB * 2 * G;
+  auto widen = [&](const uint8_t* bytes) {
+    const __m128i eight = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes));
+    return _mm256_cvtepi32_ps(HALVES ? _mm256_cvtepi8_epi32(eight) : _mm256_cvtepu8_epi32(eight));
+  };
+  first = _mm256_mul_ps(d, widen(small));
+  if (HALVES) {
+    second = _mm256_mul_ps(d, widen(small + G));
+  } else {
+    const __m256 dmin = _mm256_loadu_ps(reinterpret_cast<const float*>(at) + G);
+    second = _mm256_xor_ps(_mm256_mul_ps(dmin, widen(small + G)), _mm256_set1_ps(-0.0f));
+  }
+}
+#endif
+
 // Column c's code for input k of a block (w: the group's block).
 template <bool Q8>
 inline int32_t code_at(const uint8_t* w, int64_t c, int64_t k) {
@@ -266,8 +334,8 @@ struct TileRows {
 //     acc = fma(dot, scale * d, acc), (TWO) acc = fma(dot2, scale * d2, acc), (Q4) acc = fma(minimum, s, acc),
 // the same operations for every column, row and tile size; in halves each product is two, the block's
 // first 16 inputs with their scale, then its last 16 with theirs.
-template <bool Q8, int64_t ROWS, bool TWO, bool HALVES = false>
-inline void group_tile(const uint8_t* w, const float* f, const TileRows& x_rows, int64_t K, float* out) {
+template <bool Q8, int64_t ROWS, bool TWO, bool HALVES, bool COMPACT>
+inline void group_tile(const uint8_t* w, const uint8_t* f_bytes, const TileRows& x_rows, int64_t K, float* out) {
   const int8_t *q = x_rows.q, *q2 = x_rows.q2;
   const float *d = x_rows.d, *s = x_rows.s, *d2 = x_rows.d2;
   using F = Format<Q8, HALVES>;
@@ -293,10 +361,10 @@ inline void group_tile(const uint8_t* w, const float* f, const TileRows& x_rows,
         v[j + 4] = _mm256_and_si256(_mm256_srli_epi16(p, 4), low);
       }
     }
-    const float* fb = f + b * F::factors;
-    const __m256 scale = _mm256_loadu_ps(fb);
+    __m256 scale, second = _mm256_setzero_ps();
+    block_factors<Q8, HALVES, COMPACT>(f_bytes, b, scale, second);
     if (HALVES) {
-      const __m256 upper = _mm256_loadu_ps(fb + G);
+      const __m256 upper = second;
       auto half = [&](__m256 a, const int8_t* x, float dx, const int32_t* cx) {
         a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q8_dot<0, 4>(v, wb, x, cx[0])), _mm256_mul_ps(scale, _mm256_set1_ps(dx)), a);
         return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q8_dot<4, 8>(v, wb, x, cx[1])), _mm256_mul_ps(upper, _mm256_set1_ps(dx)),
@@ -319,11 +387,14 @@ inline void group_tile(const uint8_t* w, const float* f, const TileRows& x_rows,
         const __m256i dot2 = Q8 ? q8_dot(v, wb, x2, cx2[0] + cx2[1]) : q4_dot(v, x2);
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot2), _mm256_mul_ps(scale, _mm256_set1_ps(d2[r * nb + b])), acc[r]);
       }
-      if (!Q8) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(fb + G), _mm256_set1_ps(s[r * nb + b]), acc[r]);
+      if (!Q8) acc[r] = _mm256_fmadd_ps(second, _mm256_set1_ps(s[r * nb + b]), acc[r]);
     }
   }
   for (int64_t r = 0; r < ROWS; ++r) _mm256_storeu_ps(out + r * G, acc[r]);
 #else
+  std::vector<float> formed(COMPACT ? nb * 2 * G : 0);
+  if (COMPACT) expand_factors<HALVES>(f_bytes, nb, formed.data());
+  const float* f = COMPACT ? formed.data() : reinterpret_cast<const float*>(f_bytes);
   float acc[ROWS][G] = {};
   for (int64_t b = 0; b < nb; ++b)
     for (int64_t c = 0; c < G; ++c) {
@@ -361,6 +432,17 @@ inline void group_tile(const uint8_t* w, const float* f, const TileRows& x_rows,
   for (int64_t r = 0; r < ROWS; ++r)
     for (int64_t c = 0; c < G; ++c) out[r * G + c] = acc[r][c];
 #endif
+}
+
+// One tile of n_rows rows (R, 4 or 1) against a group, in `two` levels or one.
+template <bool Q8, bool HALVES, bool COMPACT>
+void rows_tile(int64_t n_rows, bool two, const uint8_t* w, const uint8_t* f, const TileRows& t, int64_t K, float* out) {
+  if (n_rows == R && two) group_tile<Q8, R, true, HALVES, COMPACT>(w, f, t, K, out);
+  else if (n_rows == R) group_tile<Q8, R, false, HALVES, COMPACT>(w, f, t, K, out);
+  else if (n_rows == 4 && two) group_tile<Q8, 4, true, HALVES, COMPACT>(w, f, t, K, out);
+  else if (n_rows == 4) group_tile<Q8, 4, false, HALVES, COMPACT>(w, f, t, K, out);
+  else if (two) group_tile<Q8, 1, true, HALVES, COMPACT>(w, f, t, K, out);
+  else group_tile<Q8, 1, false, HALVES, COMPACT>(w, f, t, K, out);
 }
 
 #if defined(Q4_AMX)
@@ -572,9 +654,16 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& packed, const a
                   packed.size(1) % F::bytes == 0 && packed.size(1) > 0,
               name, ": packed codes [N / 8, K / 32 * ", F::bytes, "] uint8 (quant.py pack_q4 / pack_q8)");
   const int64_t groups = packed.size(0), nb = packed.size(1) / F::bytes, K = nb * QK, N = groups * G;
-  TORCH_CHECK(factors.scalar_type() == at::kFloat && factors.is_contiguous() &&
-                  factors.sizes() == at::IntArrayRef({groups, nb, F::factors / G, G}),
-              name, ": factors [N / 8, K / 32, ", F::factors / G, ", 8] float32");
+  const bool compact = factors.scalar_type() == at::kByte;  // a K-quant's (expand_factors)
+  if (compact) {
+    TORCH_CHECK((!Q8 || HALVES) && nb % SB == 0 && factors.is_contiguous() &&
+                    factors.sizes() == at::IntArrayRef({groups, nb / SB, Compact<HALVES>::bytes}),
+                name, ": compact factors [N / 8, K / 256, ", Compact<HALVES>::bytes, "] uint8 (Q4_K or Q6_K)");
+  } else {
+    TORCH_CHECK(factors.scalar_type() == at::kFloat && factors.is_contiguous() &&
+                    factors.sizes() == at::IntArrayRef({groups, nb, F::factors / G, G}),
+                name, ": factors [N / 8, K / 32, ", F::factors / G, ", 8] float32");
+  }
   Rows rows = quantized_rows(x, K, name, norm, eps, levels);
   const int64_t M = rows.M;
   at::Tensor y = at::empty({M, N}, rows.xf.options());
@@ -588,7 +677,8 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& packed, const a
   const float* bp = bias_ptr(bias, bias_f);
   float* yp = y.data_ptr<float>();
   const uint8_t* wp = packed.data_ptr<uint8_t>();
-  const float* fp = factors.data_ptr<float>();
+  const uint8_t* fp = static_cast<const uint8_t*>(factors.data_ptr());
+  const int64_t factor_bytes = compact ? nb / SB * Compact<HALVES>::bytes : nb * F::factors * 4;  // a group's
   const QuantRows& qx = rows.qx;
   const bool two = !qx.q2.empty();
   auto tile_rows = [&](int64_t m) {
@@ -628,14 +718,24 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& packed, const a
     const int64_t paired = m_amx ? begin + (end - begin) / 2 * 2 : begin;
 #if defined(Q4_AMX)
     if (paired > begin) {
+      // Group g's float32 factors for the AMX tiles: in place, or formed from the compact ones into `buffer`.
+      auto group_factors = [&](int64_t g, std::vector<float>& buffer) -> const float* {
+        const uint8_t* at = fp + g * factor_bytes;
+        if (!compact) return reinterpret_cast<const float*>(at);
+        buffer.resize(nb * 2 * G);
+        expand_factors<HALVES>(at, nb, buffer.data());
+        return buffer.data();
+      };
       configure_tiles();
       std::vector<uint8_t> codes(nb * TILE_CODES);
+      std::vector<float> own0, own1;
       float out[TM * TN];
       for (int64_t g = begin; g < paired; g += 2) {
         const bool more = g + 2 < paired;
         pair_codes<Q8>(wp + g * nb * F::bytes, wp + (g + 1) * nb * F::bytes, nb, codes.data(),
-                       more ? wp + (g + 2) * nb * F::bytes : nullptr, more ? fp + (g + 2) * nb * F::factors : nullptr);
-        const float *f0 = fp + g * nb * F::factors, *f1 = fp + (g + 1) * nb * F::factors;
+                       more ? wp + (g + 2) * nb * F::bytes : nullptr,
+                       more ? reinterpret_cast<const float*>(fp + (g + 2) * factor_bytes) : nullptr);
+        const float *f0 = group_factors(g, own0), *f1 = group_factors(g + 1, own1);
         for (int64_t m = 0; m < m_amx; m += TM) {
           if (two) amx_tile<Q8, true>(codes.data(), f0, f1, tile_rows(m), K, out);
           else amx_tile<Q8, false>(codes.data(), f0, f1, tile_rows(m), K, out);
@@ -651,16 +751,13 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& packed, const a
       const int64_t m1 = std::min(M, m0 + MP);
       for (int64_t g = begin; g < end; ++g) {
         const int64_t first = std::max(m0, g < paired ? m_amx : 0);
+        if (first >= m1) continue;
         const uint8_t* w = wp + g * nb * F::bytes;
-        const float* f = fp + g * nb * F::factors;
+        const uint8_t* f = fp + g * factor_bytes;
         auto tile = [&](int64_t m, int64_t n_rows) {
-          const TileRows t = tile_rows(m);
-          if (n_rows == R && two) group_tile<Q8, R, true, HALVES>(w, f, t, K, out);
-          else if (n_rows == R) group_tile<Q8, R, false, HALVES>(w, f, t, K, out);
-          else if (n_rows == 4 && two) group_tile<Q8, 4, true, HALVES>(w, f, t, K, out);
-          else if (n_rows == 4) group_tile<Q8, 4, false, HALVES>(w, f, t, K, out);
-          else if (two) group_tile<Q8, 1, true, HALVES>(w, f, t, K, out);
-          else group_tile<Q8, 1, false, HALVES>(w, f, t, K, out);
+          constexpr bool compact_kind = !Q8 || HALVES;  // the formats K-quants come in
+          if (compact) rows_tile<Q8, HALVES, compact_kind>(n_rows, two, w, f, tile_rows(m), K, out);
+          else rows_tile<Q8, HALVES, false>(n_rows, two, w, f, tile_rows(m), K, out);
           store(out, m, n_rows, g, G);
         };
         int64_t m = first;
@@ -674,9 +771,12 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& packed, const a
 }
 
 // The format a layer's weights were packed in (quant.py pack_q4 / pack_q8 / pack_q8 in halves), told
-// by the code bytes per block (Q4: 128 a group, Q8: 256) and the factors per block (1 or 2 vectors).
+// by the code bytes per block (Q4: 128 a group, Q8: 256) and the factors per block (1 or 2 vectors;
+// compact ones, a K-quant's, hold Q4_K's or Q6_K's halves).
 enum class Packing { Q4, Q8, Q8_HALVES };
 Packing packing(const at::Tensor& packed, const at::Tensor& factors) {
+  if (factors.scalar_type() == at::kByte && factors.dim() == 3 && packed.dim() == 2)
+    return packed.size(1) == factors.size(1) * SB * G * QK ? Packing::Q8_HALVES : Packing::Q4;
   if (factors.dim() == 4 && factors.size(2) == 1) return Packing::Q8;
   const bool wide = factors.dim() == 4 && packed.dim() == 2 && packed.size(1) == factors.size(1) * G * QK;
   return wide ? Packing::Q8_HALVES : Packing::Q4;
