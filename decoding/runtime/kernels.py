@@ -1,6 +1,6 @@
 """The project's CPU kernels (decoding/runtime/csrc): the invariant attention, the Llama decoder layers,
 the row-invariant bfloat16 linear and a top-k over rows, one extension module compiled on first use
-with the machine's C++ compiler (about 45 s on 2 cores, cached by torch under TORCH_EXTENSIONS_DIR, a
+with the machine's C++ compiler (about 75 s on 2 cores, cached by torch under TORCH_EXTENSIONS_DIR, a
 folder per checkout)."""
 
 from __future__ import annotations
