@@ -32,6 +32,26 @@ from decoding.runtime.quant import (
 RNG = np.random.default_rng(1)
 
 
+def test_a_k_quants_file_factors_follow_a_row_permutation():
+    """The loader undoes the converter's q / k row permutation on every array of a layer (quant.py
+    `rows`): permuted, the file's factors still form the permuted layer's float32 factors exactly."""
+    perm = RNG.permutation(96)
+
+    def rows(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a[perm]))
+
+    raw = q4_k_bytes(96, 512)
+    blocks = decode_int4(raw, "Q4_K", 96, 512)
+    t = [rows(a) for a in (blocks.codes, blocks.scale, blocks.minimum)]
+    compact, floats = Int4Linear(*t, None, "int8", blocks.k.rows(rows)), Int4Linear(*t, None, "int8")
+    assert compact.factors.dtype == torch.uint8
+    assert torch.equal(k_factors_floats(compact.factors, halves=False), floats.factors)
+    raw = q6_k_bytes(96, 512)
+    codes, scale = (rows(a) for a in decode_q8(raw, "Q6_K", 96, 512))
+    compact = Q8Linear(None, codes, scale, None, q6_k_scales(raw, 96, 512).rows(rows))
+    assert torch.equal(k_factors_floats(compact.factors, halves=True), Q8Linear(None, codes, scale, None).factors)
+
+
 def gguf_layer(n_out: int, n_in: int, kind: str, activations: str = "int8") -> Int4Linear | Q8Linear:
     """A layer as a GGUF file ships it in `kind` (Q4_K from random bytes: its 6-bit scales; Q8_0 and
     Q5_0 as the int8 path's Q8Linear, with the bfloat16 weight an LM head keeps); a K-quant's factors
