@@ -126,7 +126,7 @@ def tokenizer() -> PreTrainedTokenizerFast:
 
 
 def build_model(
-    vocab_size: int, seed: int = 0, max_positions: int = 512, arch: str = "llama", hidden: int = 64, heads: int = 4
+    vocab_size: int, seed: int = 0, max_positions: int = 512, arch: str = "llama", hidden: int = 64
 ) -> torch.nn.Module:
     """A tiny random causal LM of `arch` (a key of ARCHS; qwen2's q, k and v biases are given random
     values here so that they count), `hidden` wide with an MLP twice as wide."""
@@ -137,7 +137,7 @@ def build_model(
         hidden_size=hidden,
         intermediate_size=2 * hidden,
         num_hidden_layers=2,
-        num_attention_heads=heads,
+        num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=max_positions,
         # Larger than the default 0.02 so that next-token distributions are peaked rather than near

@@ -15,6 +15,7 @@ import pytest
 import torch
 from conftest import build_tokenizer
 from gguf import GGMLQuantizationType as Q
+from test_quant import q4_k_bytes
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from decoding import DecoderConfig, Engine, GenRequest
@@ -110,20 +111,9 @@ def _add_tensor(writer: gguf.GGUFWriter, name: str, values: np.ndarray, kind: Q,
     elif kind == Q.F16:
         writer.add_tensor(name, values.astype(np.float16))
     elif kind == Q.Q4_K:
-        writer.add_tensor(name, _q4_k_bytes(values.shape, rng), raw_dtype=kind)
+        writer.add_tensor(name, q4_k_bytes(*values.shape, d=(0.001, 0.02), rng=rng), raw_dtype=kind)
     else:
         writer.add_tensor(name, gguf.quants.quantize(values, kind), raw_dtype=kind)
-
-
-def _q4_k_bytes(shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
-    """Random Q4_K super-blocks (gguf-py has no Q4_K quantizer): any codes and 6-bit scales, with
-    small finite fp16 factors d and dmin."""
-    rows, blocks = shape[0], shape[1] // 256
-    raw = rng.integers(0, 256, size=(rows, blocks, 144), dtype=np.uint8)
-    for offset in (0, 2):
-        factors = rng.uniform(0.001, 0.02, size=(rows, blocks)).astype(np.float16)
-        raw[..., offset : offset + 2] = factors.view(np.uint8).reshape(rows, blocks, 2)
-    return raw.reshape(rows, -1)
 
 
 def _add_tokenizer(writer: gguf.GGUFWriter) -> int:

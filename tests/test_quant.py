@@ -134,11 +134,15 @@ def test_decoded_blocks_equal_gguf_dequantization(kind):
     assert np.array_equal(blocks.weights(), dequantize(raw, GGMLQuantizationType[kind]).reshape(48, 256))
 
 
-def q4_k_bytes(n_out: int, n_in: int, d: tuple[float, float] = (0.0005, 0.003)) -> np.ndarray:
-    """Random Q4_K blocks (their 6-bit scales and minimums) with finite fp16 d and dmin in range `d`."""
-    raw = RNG.integers(0, 256, size=(n_out, n_in // 256, 144), dtype=np.uint8)
+def q4_k_bytes(
+    n_out: int, n_in: int, d: tuple[float, float] = (0.0005, 0.003), rng: np.random.Generator | None = None
+) -> np.ndarray:
+    """Random Q4_K blocks (gguf-py has no Q4_K quantizer): any codes and 6-bit scales and minimums, with
+    finite fp16 d and dmin in range `d`, drawn from `rng` (this module's by default)."""
+    rng = RNG if rng is None else rng
+    raw = rng.integers(0, 256, size=(n_out, n_in // 256, 144), dtype=np.uint8)
     for offset in (0, 2):
-        factors = RNG.uniform(*d, size=(n_out, n_in // 256)).astype(np.float16)
+        factors = rng.uniform(*d, size=(n_out, n_in // 256)).astype(np.float16)
         raw[..., offset : offset + 2] = factors.view(np.uint8).reshape(n_out, -1, 2)
     return raw.reshape(n_out, -1)
 
