@@ -326,7 +326,6 @@ def test_summary_covers_every_problem_of_the_folder(tmp_path):
         ("gen.top_p=1.5", "gen.top_p=1.5"),
         ("gen.top_p=0", "gen.top_p=0"),
         ("gen.top_k=-2", "gen.top_k=-2"),
-        ("search.breadth=4", "search.breadth=4 exceeds search.n_thoughts=3"),
         ("search.n_thoughts=2.5", "search.n_thoughts=2.5"),
         ("gen.temperature=hot", "gen.temperature='hot'"),
         ("gen.seed=abc", "gen.seed='abc'"),

@@ -309,3 +309,17 @@ def test_sizes(n, b):
     sol, engine = solve(scores=scores, depth=3, n=n, b=b)
     assert [len(c) for c in engine.calls] == [n, n, b * n, b * n, b * n, b * n]
     assert sol.tree.graph.number_of_nodes() == 1 + n + 2 * b * n
+
+
+def test_breadth_above_n_thoughts_keeps_the_b_best_of_all_the_frontiers_thoughts():
+    # n=2, b=3 (ToT's BFS: the b best of every kept state's thoughts, whoever their parent).
+    #   depth 1: t0, t1 (5, 8): fewer than b, both kept
+    #   depth 2: t2, t3 from t1, t4, t5 from t0; values 9, 9, 4, 1 -> keep t2, t3 (both t1's), t4
+    scores = {0: 5, 1: 8, 2: 9, 3: 9, 4: 4, 5: 1}
+    sol, engine = solve(scores=scores, depth=2, n=2, b=3)
+    tree = sol.tree
+    assert [len(c) for c in engine.calls] == [2, 2, 4, 4]
+    chosen = sorted(n for n in tree.graph if tree[n].chosen and n != tree.root)
+    assert chosen == sorted(node(k) for k in (0, 1, 2, 3, 4))
+    assert sorted(tree.graph.successors(node(1))) == [node(2), node(3)]
+    assert sol.answer == "2"

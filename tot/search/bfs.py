@@ -1,12 +1,11 @@
 """ToT-BFS (SEED Algorithm 2): at each depth every kept state grows `search.n_thoughts` thoughts, each
-is valued, and the `search.breadth` best go on; the answer is the best state at the last depth, or
+is valued, and the `search.breadth` best of them all go on; the answer is the best state at the last depth, or
 (search.aggregate=vote) the answer with the largest summed value over every finished state."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from decoding import ConfigError
 from tasks.base import Problem
 from tot.search.base import Aggregate, GenerationEngine, SearchBase, Solution, check_positive, choose, finished_states
 from tot.search.plugin import SearchPlugin
@@ -19,16 +18,12 @@ class BFSSettings:
     aggregate: Aggregate = "best"
 
     def __post_init__(self) -> None:
+        # As in ToT, the b best of all the frontier's thoughts go on: breadth may exceed n_thoughts.
         check_positive(search="bfs", n_thoughts=self.n_thoughts, breadth=self.breadth)
-        if self.breadth > self.n_thoughts:
-            raise ConfigError(
-                f"search.breadth={self.breadth} exceeds search.n_thoughts={self.n_thoughts}; "
-                "BFS keeps at most the b best of n thoughts per state, so set breadth <= n_thoughts"
-            )
 
     def scaled(self, n: int) -> BFSSettings:
         """The settings with n thoughts per state (the scaling curve's N)."""
-        return replace(self, n_thoughts=n, breadth=min(self.breadth, n))
+        return replace(self, n_thoughts=n)
 
 
 class BFS(SearchBase):
