@@ -1,17 +1,19 @@
 """`python -m decoding.shapes NAME DIR`: a checkpoint folder of a real model's shape, without its weights.
 
 Writes DIR/config.json for a named architecture and the embedded model's tokenizer beside it, for
-`model.path=DIR model.init=random`: the model is built with random weights on the device it runs on,
-so the speed of a 1B or 8B model can be measured where its weights cannot be downloaded (a GPU
-machine without network, docs/performance.md "On a GPU"). Random weights make N-gram drafters'
-acceptance meaningless; `draft.path=self` (every draft accepted) measures the machinery. The
-tokenizer's 49,152 tokens cover only part of the shape's vocabulary: ids beyond it decode to nothing,
-which timing does not mind.
+`model.path=DIR model.init=random`, and DIR/prompts.jsonl (32 short prompts, so that a timing's
+inputs are named: `decoding.generate prompts=DIR/prompts.jsonl`): the model is built with random
+weights on the device it runs on, so the speed of a 1B or 8B model can be measured where its
+weights cannot be downloaded (a GPU machine without network, docs/performance.md "On a GPU").
+Random weights make N-gram drafters' acceptance meaningless; `draft.path=self` (every draft
+accepted) measures the machinery. The tokenizer's 49,152 tokens cover only part of the shape's
+vocabulary: ids beyond it decode to nothing, which timing does not mind.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from decoding.base.cli import fail
@@ -82,8 +84,27 @@ SHAPES: dict[str, dict] = {
 }
 
 
+# What the timing prompts ask about: 32 of them, one for each sequence of a 32-row batch.
+TOPICS = (
+    "a cat", "rain", "prime numbers", "the moon", "bread", "rivers", "volcanoes", "chess", "bees", "trains",
+    "glass", "music", "maps", "winter", "salt", "clocks", "ships", "forests", "coffee", "bridges", "stars",
+    "paper", "wind", "gold", "birds", "ice", "honey", "deserts", "rockets", "books", "tea", "mountains",
+)  # fmt: skip
+
+
+def write_prompts(path: Path) -> Path:
+    """The timing prompts as `decoding.generate` reads them, one JSON row each."""
+    rows = (
+        {"id": f"q{i}", "prompt": f"Write a short explanation about {t}, with three facts."}
+        for i, t in enumerate(TOPICS)
+    )
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
 def write_shape(name: str, folder: Path, tokenizer: object | None = None) -> Path:
-    """DIR with the shape's config.json and a tokenizer's files (default: the embedded model's)."""
+    """DIR with the shape's config.json, a tokenizer's files (default: the embedded model's) and the
+    timing prompts."""
     from transformers import LlamaConfig
 
     if name not in SHAPES:
@@ -93,6 +114,7 @@ def write_shape(name: str, folder: Path, tokenizer: object | None = None) -> Pat
     folder.mkdir(parents=True, exist_ok=True)
     LlamaConfig(**SHAPES[name]).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+    write_prompts(folder / "prompts.jsonl")
     return folder
 
 
@@ -105,7 +127,7 @@ def main() -> None:
         folder = write_shape(args.name, args.dir)
     except (BackendError, OSError) as e:
         fail(str(e))
-    print(f"wrote {folder}: run with model.path={folder} model.init=random")
+    print(f"wrote {folder}: run with model.path={folder} model.init=random (prompts={folder}/prompts.jsonl)")
 
 
 if __name__ == "__main__":

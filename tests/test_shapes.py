@@ -13,6 +13,7 @@ from test_cli import REPO, subprocess_env
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
 from decoding.base.errors import BackendError
+from decoding.generate import read_prompts
 from decoding.runtime.models import ModelSpec, load_model
 from decoding.shapes import SHAPES, write_shape
 
@@ -26,6 +27,9 @@ def test_shapes_have_their_models_parameter_counts(tmp_path, tokenizer, name, bi
     params = sum(p.numel() for p in model.parameters()) / 1e9
     assert params == pytest.approx(billions, abs=0.01)
     assert json.loads((folder / "config.json").read_text())["rope_parameters"]["rope_type"] == "llama3"
+    # The timing prompts beside it, as decoding.generate reads them: one per row of a 32-row batch.
+    rows = read_prompts(folder / "prompts.jsonl")
+    assert len(rows) == len({r.id for r in rows}) == len({r.prompt for r in rows}) == 32
 
 
 def test_random_init_builds_the_folders_config_on_the_device(tmp_path, tokenizer):
