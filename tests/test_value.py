@@ -249,11 +249,13 @@ def test_separation_reads_how_well_values_tell_right_from_wrong(tmp_path, capsys
     run(make_config("data.limit=2"), out, engine=FakeEngine(), progress=False)  # answers 12: one problem right
     even = separation(out)
     assert even.right and even.wrong and even.auc == 0.5  # every state scored 7
+    assert (even.problems, even.reachable) == (2, 1)
     right = out / "trees" / "bundled-1.json"  # gold 12
     saved = json.loads(right.read_text())
     for n in saved["nodes"]:
         n["value"] = 9.0 if n["id"] else n["value"]
     right.write_text(json.dumps(saved))
     assert separation(out).auc == 1.0
-    assert main([str(out)]) == 0 and "AUC 1.000" in capsys.readouterr().out
+    assert main([str(out)]) == 0
+    assert "AUC 1.000; a right answer among the finished states of 1 of 2 problems" in capsys.readouterr().out
     assert main([str(tmp_path / "none")]) == 2 and "no summary.json" in capsys.readouterr().err

@@ -25,6 +25,8 @@ from tot.search.base import finished_states
 class Separation:
     right: list[float]  # values of the finished states whose answer is right
     wrong: list[float]
+    problems: int = 0  # problems read
+    reachable: int = 0  # of them, those with a right answer among their finished states (what a choice can reach)
 
     @property
     def auc(self) -> float | None:
@@ -37,7 +39,8 @@ class Separation:
         auc = "n/a (one kind of answer only)" if self.auc is None else f"{self.auc:.3f}"
         return (
             f"{name}: {len(self.right)} finished states right, {len(self.wrong)} wrong; mean value "
-            f"{mean(self.right):.3f} against {mean(self.wrong):.3f}; AUC {auc}"
+            f"{mean(self.right):.3f} against {mean(self.wrong):.3f}; AUC {auc}; a right answer among the finished "
+            f"states of {self.reachable} of {self.problems} problems"
         )
 
 
@@ -51,18 +54,21 @@ def separation(run_dir: Path) -> Separation:
         raise ShowError(f"{run_dir} has no summary.json; give an output directory of python -m tot.solve")
     task, by_id = run_task(summary)
     right, wrong = [], []
+    read = reachable = 0
     for saved in problems(run_dir):
         problem = by_id.get(saved.id)
         if problem is None:
             continue
         tree = read_tree(saved.tree_path)
+        found = False
         for state in finished_states(tree):
-            value = tree[state].value
-            if value is None:
-                continue
             ok = task.is_correct(problem, task.answer(problem, tree.steps(state)))
-            (right if ok else wrong).append(float(value))
-    return Separation(right, wrong)
+            found |= ok
+            value = tree[state].value
+            if value is not None:
+                (right if ok else wrong).append(float(value))
+        read, reachable = read + 1, reachable + found
+    return Separation(right, wrong, read, reachable)
 
 
 def main(argv: list[str] | None = None) -> int:
