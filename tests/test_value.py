@@ -237,6 +237,16 @@ def test_bfs_and_mcts_vote_over_their_finished_states(search):
         assert sol.answer == expected, aggregate
 
 
+def test_choose_weighs_answers_by_value_or_counts_them():
+    """Answers 8, 8, 3 valued 1, 1, 9: the vote takes 3 (9 against 2), the majority 8, best 3."""
+    tree = ReasoningTree("q")
+    leaves = [tree.add(tree.root, a) for a in ("8", "8", "3")]
+    for s, v in zip(leaves, (1.0, 1.0, 9.0)):
+        tree[s].value = v
+    answer = {s: tree[s].text for s in leaves}.__getitem__
+    assert [answer(choose(tree, leaves, answer, rule)) for rule in ("vote", "majority", "best")] == ["3", "8", "3"]
+
+
 def test_separation_reads_how_well_values_tell_right_from_wrong(tmp_path, capsys):
     """tot.separation over a run's finished states: values that know nothing give 0.5; values that put
     every right answer above every wrong one give 1."""
@@ -255,6 +265,7 @@ def test_separation_reads_how_well_values_tell_right_from_wrong(tmp_path, capsys
     for n in saved["nodes"]:
         n["value"] = 9.0 if n["id"] else n["value"]
     right.write_text(json.dumps(saved))
+    assert even.solved == {"run": 1, "vote": 1, "majority": 1}
     assert separation(out).auc == 1.0
     assert main([str(out)]) == 0
     assert "AUC 1.000; a right answer among the finished states of 1 of 2 problems" in capsys.readouterr().out

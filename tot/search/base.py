@@ -307,14 +307,15 @@ class SearchBase:
 
 def choose(tree: ReasoningTree, leaves: list[int], answer_of: Callable[[int], str], aggregate: str) -> int:
     """The subtree state whose answer wins: the best value, or the largest summed value of an answer
-    (ties: more subtrees, then the earlier subtree); within the answer, its best state."""
+    (`vote`; `majority`: 1 a state; ties: more subtrees, then the earlier subtree); within the answer,
+    its best state."""
     if aggregate == "best":
         return max(leaves, key=lambda s: tree[s].value)
     weight: dict[str, float] = defaultdict(float)
     count: dict[str, int] = defaultdict(int)
     answers = [answer_of(s) for s in leaves]
     for s, a in zip(leaves, answers):
-        weight[a] += tree[s].value
+        weight[a] += 1.0 if aggregate == "majority" else tree[s].value
         count[a] += 1
     order = {a: -i for i, a in reversed(list(enumerate(answers)))}
     winner = max(weight, key=lambda a: (weight[a], count[a], order[a]))
