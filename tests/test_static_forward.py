@@ -254,14 +254,67 @@ def test_graphs_on_without_cuda_is_one_line(tmp_path):
     ]
 
 
-def test_the_gpu_check_runs_the_makefiles_cuda_list():
-    """tools/gpu_check.py runs `make test-cuda`'s files (one list, in the Makefile), each a real file;
-    without a GPU it says so in one line."""
+def gpu_check_module():
     sys.path.insert(0, str(ROOT / "tools"))
     try:
         import gpu_check
     finally:
         sys.path.pop(0)
+    return gpu_check
+
+
+def test_the_gpu_checks_transformers_step_is_a_forward_on_its_cached_prompt(tmp_path, capsys):
+    """The baseline beside the graphs-on forward: `transformers`' own step on its StaticCache gives the
+    logits of the whole sequence's forward at the new positions, the same at every call; its table runs
+    every shape (eager here: a capture needs CUDA) and the printed table puts it beside the project's."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    gpu_check = gpu_check_module()
+    shape = tmp_path / "tiny"
+    (shape).mkdir()
+    from transformers import LlamaConfig
+
+    from decoding.shapes import SHAPES
+
+    LlamaConfig(**SHAPES["tiny"]).save_pretrained(shape)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(shape), dtype=torch.float32).eval()
+    rows, tokens, context = 2, 3, 5
+    step = gpu_check.hf_step(model, rows, tokens, context, graph=False)
+    draw = torch.Generator().manual_seed(0)
+    prompt = torch.randint(model.config.vocab_size, (rows, context), generator=draw)
+    new = torch.randint(model.config.vocab_size, (rows, tokens), generator=draw)
+    with torch.inference_mode():
+        whole = model(torch.cat([prompt, new], dim=1)).logits[:, context:]
+    first, again = step(), step()
+    torch.testing.assert_close(first, whole, rtol=1e-4, atol=1e-4)
+    assert torch.equal(first, again)
+    table = gpu_check.hf_table(shape, torch.float32, repeats=2, graph=False)
+    assert [(r["rows"], r["tokens"]) for r in table] == gpu_check.SHAPES and all(r["ms"] > 0 for r in table)
+    on = [{"mode": "on", "rows": b, "tokens": t, "ms": 2.0, "gpu_busy": 0.5} for b, t in gpu_check.SHAPES]
+    ref = [{**r, "mode": "hf_graph", "ms": 1.0} for r in table[:-1]] + [{**table[-1], "mode": "hf_graph", "error": "X"}]
+    del ref[-1]["ms"]
+    gpu_check.print_forward_table(on + ref, ["on"])
+    lines = capsys.readouterr().out.splitlines()
+    assert "| 1 x 1 | 2.00 (50%) | 1.00 | 2.00x |" in lines and "| 8 x 64 | 2.00 (50%) | X | - |" in lines
+
+
+@pytest.mark.slow
+def test_the_gpu_checks_bfs_part_runs_tot_bench_at_one_and_four_problems(tmp_path):
+    """The ToT part: `ar` and `seed_stand` at one and four problems in flight, their speeds read from
+    tot.bench's own file (its trees held to ar's by tot.bench); here on the CPU, one short problem."""
+    gpu_check = gpu_check_module()
+    short = ("data.limit=1", "search.n_thoughts=2", "task.depth=2", "gen.max_thought_tokens=12")
+    result = gpu_check.bfs_bench(tmp_path, ROOT / "tasks/data/gsm8k_examples.jsonl", "smollm2-135m", 600, "cpu", short)
+    assert result["rc"] == 0, (tmp_path / "bfs.log").read_text()[-2000:]
+    assert set(result["decoders"]) == {"ar", "seed_stand", "ar_4", "seed_stand_4"}
+    assert result["decoders"]["seed_stand_4"]["concurrency"] == 4 and result["decoders"]["ar"]["tokens_per_s"] > 0
+
+
+def test_the_gpu_check_runs_the_makefiles_cuda_list():
+    """tools/gpu_check.py runs `make test-cuda`'s files (one list, in the Makefile), each a real file;
+    without a GPU it says so in one line."""
+    gpu_check = gpu_check_module()
     files = gpu_check.cuda_test_files()
     assert "tests/test_static_forward.py" in files and "tests/test_continuous.py" in files
     assert all((ROOT / f).is_file() for f in files)

@@ -1,11 +1,14 @@
-"""The GPU check of one device call: the 8B shape's forward and decode, CUDA graphs off and on, then
-the CUDA test list (`make test-cuda`) in what time is left. docs/tools.md says how to run it.
+"""The GPU check of one device call: the 8B shape's forward and decode, CUDA graphs off and on, beside
+`transformers`' own forward on its static cache captured as a CUDA graph; ToT-BFS on the embedded model
+(`ar` and `seed_stand`, one and four problems in flight, by `tot.bench`); then the CUDA test list
+(`make test-cuda`) in what time is left. docs/tools.md says how to run it.
 
-    python3 tools/gpu_check.py SHAPE_DIR OUT_DIR [--budget SECONDS] [--skip-tests]
+    python3 tools/gpu_check.py SHAPE_DIR OUT_DIR [--budget SECONDS] [--parts tests,forward,hf,decode,bfs]
 
 SHAPE_DIR is a `python -m decoding.shapes llama-3.1-8b DIR` folder (random weights are built on the
-GPU); OUT_DIR gets check.json (every figure) and tests.log. The model is loaded once and each
-measurement runs with graphs off and on in the same process, the baseline beside the method.
+GPU); OUT_DIR gets check.json (every figure), tests.log and bfs/ (tot.bench's folder). The model is
+loaded once and each measurement runs with graphs off and on in the same process, the baseline beside
+the method; `transformers`' graph is timed in the same process on the same shapes.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -65,6 +69,88 @@ def forward_table(loaded: LoadedModel, modes: dict[str, LoadedModel], repeats: i
                 f"forward {rows_n} x {tokens} graphs {mode}: {row['ms']:.2f} ms, GPU busy {100 * busy:.0f}%", flush=True
             )
     return rows
+
+
+def hf_step(model: torch.nn.Module, rows: int, tokens: int, context: int, graph: bool) -> Callable[[], object]:
+    """`transformers`' own forward of `tokens` new tokens a row after `context` cached ones, on its
+    StaticCache rewound to `context` first (a device-side fill, so the same positions are rewritten with
+    the same keys at every call), captured as one CUDA graph (graph=True: what `transformers`'
+    static-cache generation replays a step) or eager."""
+    from transformers import StaticCache
+
+    device = next(model.parameters()).device
+    cache = StaticCache(config=model.config, max_cache_len=context + tokens)
+    draw = torch.Generator().manual_seed(0)
+    prompt = torch.randint(model.config.vocab_size, (rows, context), generator=draw).to(device)
+    new = torch.randint(model.config.vocab_size, (rows, tokens), generator=draw).to(device)
+    position = torch.arange(context, context + tokens, device=device).expand(rows, tokens)
+
+    def forward() -> torch.Tensor:
+        for layer in cache.layers:
+            layer.cumulative_length.fill_(context)
+        with torch.inference_mode():
+            return model(new, cache=cache, position_ids=position, use_cache=True).logits
+
+    with torch.inference_mode():
+        model(prompt, cache=cache, use_cache=True)
+    if not graph:
+        return forward
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture stream, as torch.cuda.graphs asks
+        for _ in range(3):
+            forward()
+    torch.cuda.current_stream().wait_stream(side)
+    captured = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(captured):
+        forward()
+    return captured.replay
+
+
+def hf_table(shape: Path, dtype: torch.dtype, repeats: int, graph: bool = True) -> list[dict]:
+    """`transformers`' model of the shape's config (random weights, the project's dtype) on every
+    SHAPES entry; a shape whose capture fails is a row with its error, not the end of the check."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    device = torch.device("cuda" if graph else "cpu")
+    with device:
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(shape), dtype=dtype).eval()
+    rows = []
+    for rows_n, tokens in SHAPES:
+        row: dict = {"mode": "hf_graph" if graph else "hf_eager", "rows": rows_n, "tokens": tokens}
+        try:
+            times = timed_ms(hf_step(model, rows_n, tokens, CONTEXT, graph), repeats, device)
+            row |= {"ms": statistics.median(times), "ms_min": min(times)}
+            print(f"forward {rows_n} x {tokens} transformers' graph: {row['ms']:.2f} ms", flush=True)
+        except Exception as e:  # a failed capture is a finding: the other shapes still run
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            print(f"forward {rows_n} x {tokens} transformers' graph: {row['error']}", flush=True)
+        rows.append(row)
+    del model
+    return rows
+
+
+def bfs_bench(
+    out: Path, questions: Path, model: str, seconds: int, device: str = "cuda", extra: tuple[str, ...] = ()
+) -> dict:
+    """ToT-BFS on the embedded model by `tot.bench`: `ar` and `seed_stand` at one problem in flight and at
+    four (tot.bench exits 1 where a tree differs from `ar`'s); tokens/s and the speed-ups it printed."""
+    variants = "{ar_4: {decoder: ar, run.concurrency: 4}, seed_stand_4: {decoder: seed_stand, run.concurrency: 4}}"
+    cmd = [sys.executable, "-m", "tot.bench", "task=gsm8k", f"data.path={questions}", "data.limit=4"]
+    cmd += [f"model={model}" if "/" not in model else f"model.path={model}", f"model.device={device}"]
+    cmd += ["bench.decoders=[ar,seed_stand]", f"bench.variants={variants}", "run.concurrency=1"]
+    cmd += [f"hydra.run.dir={out / 'bfs'}", *extra]
+    try:
+        run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=seconds)
+    except subprocess.TimeoutExpired:
+        return {"rc": "timeout"}
+    (out / "bfs.log").write_text(run.stdout + run.stderr)
+    result: dict = {"rc": run.returncode}
+    if (out / "bfs" / "bench.json").is_file():
+        rows = json.loads((out / "bfs" / "bench.json").read_text())["decoders"]
+        keep = ("tokens_per_s", "speedup_vs_ar", "acceptance_length", "forwards_per_token", "concurrency")
+        result["decoders"] = {name: {k: r.get(k) for k in keep} for name, r in rows.items()}
+    return result
 
 
 def decoder_config(decoder: str, draft: str | None) -> DecoderConfig:
@@ -127,18 +213,38 @@ def run_tests(out: Path, seconds: int) -> dict:
     }
 
 
+def print_forward_table(forward: list[dict], modes: list[str]) -> None:
+    """The forward's figures a shape a line: each graphs mode (GPU busy), `transformers`' graph and the
+    project's graphs-on time over it."""
+    by = {(r["mode"], r["rows"], r["tokens"]): r for r in forward}
+    if not by:
+        return
+    hf = any(r["mode"] == "hf_graph" for r in forward)
+    head = [f"graphs {m} ms (GPU busy)" for m in modes]
+    head += ["transformers' graph ms", "on / transformers'"] if hf else []
+    print("\n| rows x tokens | " + " | ".join(head) + " |")
+    for b, t in SHAPES:
+        cells = [f"{c['ms']:.2f} ({c['gpu_busy']:.0%})" if c else "-" for c in (by.get((m, b, t)) for m in modes)]
+        if hf:
+            ref, on = by.get(("hf_graph", b, t), {}), by.get(("on", b, t))
+            cells.append(f"{ref['ms']:.2f}" if "ms" in ref else ref.get("error", "-"))
+            cells.append(f"{on['ms'] / ref['ms']:.2f}x" if on and "ms" in ref else "-")
+        print(f"| {b} x {t} | " + " | ".join(cells) + " |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("shape", type=Path)
     parser.add_argument("out", type=Path)
     parser.add_argument("--budget", type=float, default=420.0, help="seconds for the whole check")
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--parts", default="forward,decode,tests", help="which parts, in this order")
+    parser.add_argument("--parts", default="forward,hf,decode,bfs,tests", help="which parts, in this order")
     parser.add_argument("--modes", default="off,on", help="graphs off and/or on")
     parser.add_argument(
         "--decode", default="ar:1,ar:32,sd:1:self,seed_stand:1", help="decoder:sequences[:draft.path], ..."
     )
     parser.add_argument("--questions", type=Path, default=Path("../shared/data/gsm8k/test.jsonl"))
+    parser.add_argument("--bfs-model", default="smollm2-135m", help="bfs: the embedded model's name or a GGUF path")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("error: tools/gpu_check.py measures a GPU and none is visible; on a CPU use make test", file=sys.stderr)
@@ -163,12 +269,17 @@ def main() -> None:
     if "tests" in parts and parts[0] == "tests":  # first: its own share of the budget, then the rest
         result["tests"] = run_tests(args.out, int(0.6 * args.budget))
         print("tests:", result["tests"], flush=True)
-    if "forward" in parts or "decode" in parts:
+    if any(p in parts for p in ("forward", "hf", "decode")):
         loaded = load_model(ModelSpec(path=str(args.shape), init="random", cuda_graphs="off"))
         on = dataclasses.replace(loaded, static=resolve_graphs("on", loaded.device, Buckets()), strict_graphs=True)
         modes = {m: {"off": loaded, "on": on}[m] for m in args.modes.split(",")}
         if "forward" in parts:
             result["forward"] = forward_table(loaded, modes, args.repeats)
+            (args.out / "check.json").write_text(json.dumps(result, indent=1))
+        if "hf" in parts:
+            dtype = next(loaded.model.parameters()).dtype
+            result["forward"] += hf_table(args.shape, dtype, args.repeats)
+            torch.cuda.empty_cache()
             (args.out / "check.json").write_text(json.dumps(result, indent=1))
         for item in args.decode.split(",") if "decode" in parts else []:
             decoder, n, *draft = item.split(":")
@@ -186,16 +297,16 @@ def main() -> None:
                 (args.out / "check.json").write_text(json.dumps(result, indent=1))
         del loaded, on, modes
         torch.cuda.empty_cache()
+    if "bfs" in parts:
+        seconds = max(60, int(0.9 * args.budget - (time.perf_counter() - start)))
+        result["bfs"] = bfs_bench(args.out.resolve(), args.questions.resolve(), args.bfs_model, seconds)
+        print("bfs:", result["bfs"], flush=True)
+        (args.out / "check.json").write_text(json.dumps(result, indent=1))
     if "tests" in parts and parts[0] != "tests":
         result["tests"] = run_tests(args.out, max(30, int(args.budget - (time.perf_counter() - start))))
         print("tests:", result["tests"], flush=True)
     (args.out / "check.json").write_text(json.dumps(result, indent=1))
-    by = {(r["mode"], r["rows"], r["tokens"]): r for r in result["forward"]}
-    if by:
-        print("\n| rows x tokens | " + " | ".join(f"graphs {m} ms (GPU busy)" for m in args.modes.split(",")) + " |")
-        for b, t in SHAPES:
-            cells = [by[(m, b, t)] for m in args.modes.split(",")]
-            print(f"| {b} x {t} | " + " | ".join(f"{c['ms']:.2f} ({c['gpu_busy']:.0%})" for c in cells) + " |")
+    print_forward_table(result["forward"], args.modes.split(","))
     for r in result["decode"]:
         print(r)
 
