@@ -247,6 +247,17 @@ def test_choose_weighs_answers_by_value_or_counts_them():
     assert [answer(choose(tree, leaves, answer, rule)) for rule in ("vote", "majority", "best")] == ["3", "8", "3"]
 
 
+def test_the_auc_within_problems_is_not_fooled_by_values_that_follow_difficulty():
+    """Values higher on the easy problems, but each problem's wrong state above its right one: pooled
+    over problems the AUC says 0.667; within problems, where a search chooses, 0."""
+    from tot.separation import Separation, Values
+
+    easy, hard = Values([0.8], [0.9]), Values([0.3], [0.4])
+    sep = Separation([easy, hard, Values([0.85], []), Values([], [0.1, 0.1])])
+    assert sep.auc == 0.0 and sep.pooled_auc == 8 / 12
+    assert "AUC within problems 0.000 (2 pairs), pooled 0.667" in sep.line("r")
+
+
 def test_separation_reads_how_well_values_tell_right_from_wrong(tmp_path, capsys):
     """tot.separation over a run's finished states: values that know nothing give 0.5; values that put
     every right answer above every wrong one give 1."""
@@ -258,15 +269,16 @@ def test_separation_reads_how_well_values_tell_right_from_wrong(tmp_path, capsys
     out = tmp_path / "run"
     run(make_config("data.limit=2"), out, engine=FakeEngine(), progress=False)  # answers 12: one problem right
     even = separation(out)
-    assert even.right and even.wrong and even.auc == 0.5  # every state scored 7
+    assert even.right and even.wrong and even.pooled_auc == 0.5  # every state scored 7
+    assert even.auc is None  # no problem has both a right and a wrong state
     assert (even.problems, even.reachable) == (2, 1)
     right = out / "trees" / "bundled-1.json"  # gold 12
     saved = json.loads(right.read_text())
     for n in saved["nodes"]:
         n["value"] = 9.0 if n["id"] else n["value"]
     right.write_text(json.dumps(saved))
-    assert even.solved == {"run": 1, "vote": 1, "majority": 1}
-    assert separation(out).auc == 1.0
+    assert even.solved == {"run": 1, "best": 1, "vote": 1, "majority": 1}
+    assert separation(out).pooled_auc == 1.0
     assert main([str(out)]) == 0
-    assert "AUC 1.000; a right answer among the finished states of 1 of 2 problems" in capsys.readouterr().out
+    assert "pooled 1.000; a right answer among the finished states of 1 of 2 problems" in capsys.readouterr().out
     assert main([str(tmp_path / "none")]) == 2 and "no summary.json" in capsys.readouterr().err

@@ -3,11 +3,14 @@
 Over every finished state in a run's trees (a path that stated an answer or reached the depth), the
 answer is read with the task's rules and checked against the gold; the values of the right ones are
 compared with those of the wrong ones by the AUC: the chance that a right answer's state is valued
-above a wrong one's (ties count half). 1.0: the values rank every right answer first, so a search
-choosing by them can only gain; 0.5: they know nothing of correctness, and choosing by them is a coin.
+above a wrong one's (ties count half). 1.0: the values rank every right answer first; 0.5: they know
+nothing of correctness. Two of them: within problems (a right and a wrong state of the same problem:
+what a search choosing among a problem's states faces, so a search choosing by them gains only where
+this one is above 0.5) and pooled over all problems (it also rewards values that are merely higher on
+easy problems, which a search cannot use).
 It also counts the problems each choice among the finished states answers right: the run's own, the
-value-weighted vote (what search.aggregate=vote would have answered from the same tree: BFS and MCTS grow
-it the same under either) and the plain majority of their answers.
+best-valued state, the value-weighted vote (what search.aggregate=vote would have answered from the same
+tree: BFS and MCTS grow it the same under either) and the plain majority of their answers.
 Nothing is decoded: the trees are read as they were saved.
 """
 
@@ -23,32 +26,62 @@ from tot.rescore import run_task
 from tot.runs.saved import ShowError, problems, read_tree
 from tot.search.base import choose, finished_states
 
-RULES = ("vote", "majority")  # choices recomputed over a tree's finished states, beside the run's own
+RULES = ("best", "vote", "majority")  # choices recomputed over a tree's finished states, beside the run's own
+
+
+@dataclass(frozen=True)
+class Values:
+    """One problem's finished states' values, by whether their answer is right."""
+
+    right: list[float]
+    wrong: list[float]
+
+
+def auc(pairs: list[Values]) -> float | None:
+    """The chance that a right state's value is above a wrong one's of the same Values (ties half)."""
+    above = sum((r > w) + 0.5 * (r == w) for v in pairs for r in v.right for w in v.wrong)
+    n = sum(len(v.right) * len(v.wrong) for v in pairs)
+    return above / n if n else None
 
 
 @dataclass(frozen=True)
 class Separation:
-    right: list[float]  # values of the finished states whose answer is right
-    wrong: list[float]
-    problems: int = 0  # problems read
-    reachable: int = 0  # of them, those with a right answer among their finished states (what a choice can reach)
+    by_problem: list[Values]
+    reachable: int = 0  # problems with a right answer among their finished states (what a choice can reach)
     solved: dict[str, int] = field(default_factory=dict)  # problems answered right: "run" (recorded), and by RULES
 
     @property
+    def problems(self) -> int:
+        return len(self.by_problem)
+
+    @property
+    def right(self) -> list[float]:
+        return [r for v in self.by_problem for r in v.right]
+
+    @property
+    def wrong(self) -> list[float]:
+        return [w for v in self.by_problem for w in v.wrong]
+
+    @property
     def auc(self) -> float | None:
-        if not self.right or not self.wrong:
-            return None
-        above = sum((r > w) + 0.5 * (r == w) for r in self.right for w in self.wrong)
-        return above / (len(self.right) * len(self.wrong))
+        """Within problems: a right and a wrong state of one problem."""
+        return auc(self.by_problem)
+
+    @property
+    def pooled_auc(self) -> float | None:
+        return auc([Values(self.right, self.wrong)])
 
     def line(self, name: str) -> str:
-        auc = "n/a (one kind of answer only)" if self.auc is None else f"{self.auc:.3f}"
+        def shown(value: float | None) -> str:
+            return "n/a (no problem with both)" if value is None else f"{value:.3f}"
+
+        pairs = sum(len(v.right) * len(v.wrong) for v in self.by_problem)
+        chosen = ", ".join(f"{rule} {self.solved.get(rule, 0)}" for rule in ("run", *RULES))
         return (
             f"{name}: {len(self.right)} finished states right, {len(self.wrong)} wrong; mean value "
-            f"{mean(self.right):.3f} against {mean(self.wrong):.3f}; AUC {auc}; a right answer among the finished "
-            f"states of {self.reachable} of {self.problems} problems; answered right by the run "
-            f"{self.solved.get('run', 0)}, by a value-weighted vote over them {self.solved.get('vote', 0)}, by their "
-            f"majority {self.solved.get('majority', 0)}"
+            f"{mean(self.right):.3f} against {mean(self.wrong):.3f}; AUC within problems {shown(self.auc)} "
+            f"({pairs} pairs), pooled {shown(self.pooled_auc)}; a right answer among the finished states of "
+            f"{self.reachable} of {self.problems} problems; answered right by {chosen}"
         )
 
 
@@ -61,8 +94,8 @@ def separation(run_dir: Path) -> Separation:
     if not summary.is_file():
         raise ShowError(f"{run_dir} has no summary.json; give an output directory of python -m tot.solve")
     task, by_id = run_task(summary)
-    right, wrong = [], []
-    read = reachable = 0
+    by_problem: list[Values] = []
+    reachable = 0
     solved = dict.fromkeys(("run", *RULES), 0)
     for saved in problems(run_dir):
         problem = by_id.get(saved.id)
@@ -72,16 +105,19 @@ def separation(run_dir: Path) -> Separation:
         states = finished_states(tree)
         answers = {s: task.answer(problem, tree.steps(s)) for s in states}
         correct = {s: task.is_correct(problem, a) for s, a in answers.items()}
-        for state in states:
-            value = tree[state].value
-            if value is not None:
-                (right if correct[state] else wrong).append(float(value))
+        valued = [s for s in states if tree[s].value is not None]
+        by_problem.append(
+            Values(
+                [float(tree[s].value) for s in valued if correct[s]],
+                [float(tree[s].value) for s in valued if not correct[s]],
+            )
+        )
         solved["run"] += bool(saved.record and saved.record.get("correct"))
-        if states and all(tree[s].value is not None for s in states):
+        if states and len(valued) == len(states):
             for rule in RULES:
                 solved[rule] += correct[choose(tree, states, answers.__getitem__, rule)]
-        read, reachable = read + 1, reachable + any(correct.values())
-    return Separation(right, wrong, read, reachable, solved)
+        reachable += any(correct.values())
+    return Separation(by_problem, reachable, solved)
 
 
 def main(argv: list[str] | None = None) -> int:
