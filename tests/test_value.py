@@ -254,7 +254,7 @@ def test_the_auc_within_problems_is_not_fooled_by_values_that_follow_difficulty(
 
     easy, hard = Values([0.8], [0.9]), Values([0.3], [0.4])
     sep = Separation([easy, hard, Values([0.85], []), Values([], [0.1, 0.1])])
-    assert sep.auc == 0.0 and sep.pooled_auc == 8 / 12
+    assert sep.within_auc == 0.0 and sep.pooled_auc == 8 / 12
     assert "AUC within problems 0.000 (2 pairs), pooled 0.667" in sep.line("r")
 
 
@@ -270,7 +270,7 @@ def test_separation_reads_how_well_values_tell_right_from_wrong(tmp_path, capsys
     run(make_config("data.limit=2"), out, engine=FakeEngine(), progress=False)  # answers 12: one problem right
     even = separation(out)
     assert even.right and even.wrong and even.pooled_auc == 0.5  # every state scored 7
-    assert even.auc is None  # no problem has both a right and a wrong state
+    assert even.within_auc is None  # no problem has both a right and a wrong state
     assert (even.problems, even.reachable) == (2, 1)
     right = out / "trees" / "bundled-1.json"  # gold 12
     saved = json.loads(right.read_text())

@@ -37,10 +37,10 @@ class Values:
     wrong: list[float]
 
 
-def auc(pairs: list[Values]) -> float | None:
-    """The chance that a right state's value is above a wrong one's of the same Values (ties half)."""
-    above = sum((r > w) + 0.5 * (r == w) for v in pairs for r in v.right for w in v.wrong)
-    n = sum(len(v.right) * len(v.wrong) for v in pairs)
+def auc(groups: list[Values]) -> float | None:
+    """The chance that a right state's value is above a wrong one's of the same group (ties half)."""
+    above = sum((r > w) + 0.5 * (r == w) for v in groups for r in v.right for w in v.wrong)
+    n = sum(len(v.right) * len(v.wrong) for v in groups)
     return above / n if n else None
 
 
@@ -63,8 +63,8 @@ class Separation:
         return [w for v in self.by_problem for w in v.wrong]
 
     @property
-    def auc(self) -> float | None:
-        """Within problems: a right and a wrong state of one problem."""
+    def within_auc(self) -> float | None:
+        """A right and a wrong state of one problem: what a search choosing among its states faces."""
         return auc(self.by_problem)
 
     @property
@@ -79,7 +79,7 @@ class Separation:
         chosen = ", ".join(f"{rule} {self.solved.get(rule, 0)}" for rule in ("run", *RULES))
         return (
             f"{name}: {len(self.right)} finished states right, {len(self.wrong)} wrong; mean value "
-            f"{mean(self.right):.3f} against {mean(self.wrong):.3f}; AUC within problems {shown(self.auc)} "
+            f"{mean(self.right):.3f} against {mean(self.wrong):.3f}; AUC within problems {shown(self.within_auc)} "
             f"({pairs} pairs), pooled {shown(self.pooled_auc)}; a right answer among the finished states of "
             f"{self.reachable} of {self.problems} problems; answered right by {chosen}"
         )
