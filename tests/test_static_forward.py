@@ -263,20 +263,16 @@ def gpu_check_module():
     return gpu_check
 
 
-def test_the_gpu_checks_transformers_step_is_a_forward_on_its_cached_prompt(tmp_path, capsys):
+def test_the_gpu_checks_transformers_step_is_a_forward_on_its_cached_prompt(tmp_path, capsys, tokenizer):
     """The baseline beside the graphs-on forward: `transformers`' own step on its StaticCache gives the
     logits of the whole sequence's forward at the new positions, the same at every call; its table runs
     every shape (eager here: a capture needs CUDA) and the printed table puts it beside the project's."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from decoding.shapes import write_shape
+
     gpu_check = gpu_check_module()
-    shape = tmp_path / "tiny"
-    (shape).mkdir()
-    from transformers import LlamaConfig
-
-    from decoding.shapes import SHAPES
-
-    LlamaConfig(**SHAPES["tiny"]).save_pretrained(shape)
+    shape = write_shape("tiny", tmp_path / "tiny", tokenizer)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(shape), dtype=torch.float32).eval()
     rows, tokens, context = 2, 3, 5

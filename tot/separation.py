@@ -73,7 +73,7 @@ class Separation:
 
     def line(self, name: str) -> str:
         def shown(value: float | None) -> str:
-            return "n/a (no problem with both)" if value is None else f"{value:.3f}"
+            return "n/a (no right and wrong state to compare)" if value is None else f"{value:.3f}"
 
         pairs = sum(len(v.right) * len(v.wrong) for v in self.by_problem)
         chosen = ", ".join(f"{rule} {self.solved.get(rule, 0)}" for rule in ("run", *RULES))
