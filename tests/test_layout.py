@@ -32,9 +32,10 @@ def runtime_imports(tree: ast.Module, type_only: bool = False) -> list[ast.Impor
 
 
 def table_modules(tree: ast.Module) -> list[str]:
-    """The modules a plug-in table loads through `importlib` (its `MODULES = ("pkg.mod", ...)`): edges
-    the import statements do not show."""
-    return [
+    """The modules loaded through `importlib`, edges the import statements do not show: a plug-in
+    table's (`MODULES = ("pkg.mod", "pkg.mod:NAME", ...)`) and a deferred builder's
+    (`Deferred("pkg.mod:function")`, imported on its first call)."""
+    tables = [
         elt.value
         for node in tree.body
         if isinstance(node, ast.Assign)
@@ -43,6 +44,17 @@ def table_modules(tree: ast.Module) -> list[str]:
         for elt in node.value.elts
         if isinstance(elt, ast.Constant) and isinstance(elt.value, str)
     ]
+    deferred = [
+        node.args[0].value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == "Deferred"
+        and node.args
+        and isinstance(node.args[0], ast.Constant)
+        and isinstance(node.args[0].value, str)
+    ]
+    return [entry.partition(":")[0] for entry in (*tables, *deferred)]
 
 
 def import_graph(type_only: bool = False) -> nx.DiGraph:
@@ -73,6 +85,9 @@ def test_graph_sees_the_project():
     graph = import_graph()
     assert {"decoding.api.engine", "decoding.speculation.verify", "tot.runs.run", "tasks.gsm8k"} <= set(graph)
     assert graph.has_edge("decoding.api.engine", "decoding.api.decoders")
+    # the drafter table's entries and a declaration's deferred builder
+    assert graph.has_edge("decoding.api.kinds", "decoding.drafters.builtin")
+    assert graph.has_edge("decoding.drafters.builtin", "decoding.drafters.stand")
 
 
 def test_no_import_cycles():
@@ -212,11 +227,14 @@ def test_the_public_face_loads_each_name_where_its_type_checking_imports_say():
 
 
 def test_a_commands_options_are_checked_without_torch():
-    """The option dataclasses (model, verify, tree, rounds, run) and the commands that check them load
-    neither torch nor transformers (seconds of imports): a bad value stops in about a second."""
+    """The option dataclasses (model, verify, tree, rounds, run, every drafter's section), the decoder
+    table and the commands that check them load neither torch nor transformers (seconds of imports):
+    a bad value stops in about a second."""
     code = (
         "import sys\n"
         "import decoding.api.config, decoding.generate, tot.bench, tot.runs.config, tot.solve\n"
+        "from decoding.api.kinds import DECODERS, SECTIONS\n"
+        "assert len(DECODERS) >= 10 and decoding.api.config.DecoderConfig('seed_stand').section('stand')\n"
         "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)

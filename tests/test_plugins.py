@@ -19,7 +19,7 @@ from conf import reference
 from decoding.api.config import DecoderConfig
 from decoding.api.kinds import DECODERS, DRAFTERS, SECTIONS, load
 from decoding.base.errors import ConfigError
-from decoding.base.plugins import declared, table
+from decoding.base.plugins import Deferred, declared, table
 from decoding.runtime import architectures, llama
 from tasks import TaskPlugin
 from tot.search import SEARCHES
@@ -102,6 +102,20 @@ def test_tables_and_config_come_from_the_declarations():
     assert DecoderConfig("stand").section("stand") == sections["stand"]()
     with pytest.raises(ConfigError, match=r"decoder=toy is not one of .* named in TOT_SPEC_PLUGINS"):
         DecoderConfig("toy")
+
+
+def test_the_built_in_drafters_builders_are_imported_on_first_build(tmp_path, monkeypatch):
+    """Each built-in declaration defers its builder to the drafter's module ("module:function"), which
+    exists; an entry "module:NAME" reads that declaration, and names it when it is missing."""
+    for plugin in DRAFTERS.values():
+        assert isinstance(plugin.build, Deferred)
+        module, _, name = plugin.build.target.partition(":")
+        assert callable(getattr(__import__(module, fromlist=[name]), name)), plugin.build.target
+    monkeypatch.syspath_prepend(str(tmp_path))
+    write_module(tmp_path, "two_drafters", TOY + "\nOTHER = PLUGIN\n")
+    assert list(load(("two_drafters:OTHER",))) == [*DRAFTERS, "toy"]
+    with pytest.raises(ConfigError, match=r"^plug-in module two_drafters declares no MISSING = "):
+        load(("two_drafters:MISSING",))
 
 
 def test_a_module_without_a_declaration_fails_naming_it(tmp_path, monkeypatch):

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from decoding.api.config import DecoderConfig
 from decoding.api.kinds import DECODERS, DRAFTERS
 from decoding.drafters.base import Drafter
-from decoding.drafters.draft_model import model_drafter
+from decoding.drafters.draft_model import build as model_drafter
 from decoding.drafters.union import UnionDrafter
 from decoding.runtime.models import LoadedModel
 from decoding.runtime.runner import ModelRunner

@@ -1,6 +1,7 @@
 """The drafter and decoder tables, built from the plug-in modules' declarations (`PLUGIN = DrafterPlugin(...)`).
 
-`MODULES` lists the built-in drafters; `TOT_SPEC_PLUGINS` adds modules (decoding/base/plugins.py). A
+`MODULES` lists the built-in drafters (declared in decoding/drafters/builtin.py, apart from their
+implementations, which load torch); `TOT_SPEC_PLUGINS` adds modules (decoding/base/plugins.py). A
 listed module without a declaration, or two declaring one drafter, decoder or section, stop the load
 with one line naming the module.
 """
@@ -15,13 +16,13 @@ from decoding.base.plugins import load as load_plugins
 from decoding.drafters.plugin import DecoderKind, DrafterPlugin
 
 MODULES = (
-    "decoding.drafters.base",  # none: hf, ar
-    "decoding.drafters.draft_model",  # model: sd, seed
-    "decoding.drafters.pld",
-    "decoding.drafters.recycling",
-    "decoding.drafters.stand",  # stand, seed_stand
-    "decoding.drafters.suffix",
-    "decoding.drafters.aded",
+    "decoding.drafters.builtin:NONE",  # hf, ar
+    "decoding.drafters.builtin:MODEL",  # a draft model: sd, seed
+    "decoding.drafters.builtin:PLD",
+    "decoding.drafters.builtin:RECYCLING",
+    "decoding.drafters.builtin:STAND",  # stand, seed_stand
+    "decoding.drafters.builtin:SUFFIX",
+    "decoding.drafters.builtin:ADED",
 )
 
 __all__ = ["DECODERS", "DRAFTERS", "ENV", "MODULES", "SECTIONS", "check", "load"]

@@ -5,8 +5,11 @@ options=..., section=...)`, where `<Kind>` is a subclass of `Plugin` (DrafterPlu
 TaskPlugin, ArchitecturePlugin); `options` is a frozen dataclass read from the config section
 `section`. Each kind's table is a `Table` of its built-in modules; the environment variable
 `TOT_SPEC_PLUGINS` adds modules (comma-separated, importable from sys.path), each joining the table of
-the kind it declares. Tables load on first use, not at import: a plug-in module may import the
-package whose table lists it (a search imports `tot.search.plugin`, which imports `decoding`).
+the kind it declares. An entry "module:NAME" names one of several declarations a module holds, and
+`build=Deferred("module:function")` imports a builder on its first call: the built-in drafters are
+declared that way (decoding/drafters/builtin.py), apart from their implementations, which load torch.
+Tables load on first use, not at import: a plug-in module may import the package whose table lists it
+(a search imports `tot.search.plugin`, which imports `decoding`).
 
 A listed module that cannot be imported or declares nothing, a built-in module declaring another
 kind, and two modules claiming one name stop the load with one line naming the module.
@@ -42,6 +45,19 @@ class Plugin:
             raise ConfigError(f"plug-in module {module}: PLUGIN's options {self.options!r} is not a dataclass")
 
 
+@dataclass(frozen=True)
+class Deferred:
+    """A builder named "module:function", imported on its first call. A declaration whose builder
+    needs torch (seconds of imports) then loads none of it: a table read only to check options or
+    list names stays light, and the command stops at a bad option in about a second."""
+
+    target: str
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module, _, name = self.target.partition(":")
+        return getattr(importlib.import_module(module), name)(*args, **kwargs)
+
+
 P = TypeVar("P", bound=Plugin)
 V = TypeVar("V")
 Entries = dict[str, tuple[str, P]]  # name -> (the declaring module, its declaration)
@@ -51,13 +67,15 @@ def extra_modules(environ: Mapping[str, str] = os.environ) -> tuple[str, ...]:
     return tuple(m.strip() for m in environ.get(ENV, "").split(",") if m.strip())
 
 
-def declaration(module: str) -> Plugin:
+def declaration(entry: str) -> Plugin:
+    """The declaration a table entry names: a module's `PLUGIN`, or with "module:NAME" its `NAME`."""
+    module, _, name = entry.partition(":")
     try:
-        plugin = getattr(importlib.import_module(module), "PLUGIN", None)
+        plugin = getattr(importlib.import_module(module), name or "PLUGIN", None)
     except ImportError as e:
         raise ConfigError(f"plug-in module {module} cannot be imported: {e}") from None
     if not isinstance(plugin, Plugin):
-        raise ConfigError(f"plug-in module {module} declares no PLUGIN = <Kind>Plugin(name=..., build=...)")
+        raise ConfigError(f"plug-in module {module} declares no {name or 'PLUGIN'} = <Kind>Plugin(name=..., build=...)")
     plugin.check(module)
     return plugin
 

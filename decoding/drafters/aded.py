@@ -24,60 +24,26 @@ import heapq
 import json
 import math
 from collections import OrderedDict
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from decoding.base.errors import ConfigError
-from decoding.drafters.plugin import DecoderKind, DrafterPlugin
-from decoding.drafters.pools import Pools, Scope
+from decoding.drafters.options import AdedOptions
+from decoding.drafters.plugin import BuildConfig
+from decoding.drafters.pools import Pools
 from decoding.speculation.draft_tree import ROOT, DraftTree
 from decoding.speculation.gumbel import Coupling
 from decoding.speculation.sequence import Sequence
 from decoding.speculation.slot import Slot
 from decoding.speculation.verify import Verdict
 
+if TYPE_CHECKING:
+    from decoding.runtime.models import LoadedModel
+    from decoding.runtime.runner import ModelRunner
+    from decoding.speculation.stopping import Detokenizer
+
 NO_TOKEN = -1  # the context before a sequence's first token (never a real token id)
 Candidates = tuple[list[int], list[float]]  # next tokens, most probable first, and their probabilities
-_INTS = ("iterations", "max_depth", "max_nodes", "top_k", "capacity", "max_pools")
-_FLOATS = ("c1", "c2", "update_weight")
-
-
-@dataclass(frozen=True)
-class AdedOptions:
-    iterations: int = 24  # MCTS iterations per draft (the paper: 150, on a GPU)
-    max_depth: int = 4  # tree depth (the paper's draft length l = 4)
-    max_nodes: int = 8  # tree budget: the most visited nodes
-    top_k: int = 4  # children of an expanded node: the matrix's most probable next tokens
-    c1: float = 2.414  # exploration E = c1 + log((N + c2 + 1) / c2) (the paper: 2.414 or 32)
-    c2: float = 8.0
-    scope: Scope = "problem"  # one matrix per group (ToT step), problem or run
-    prime_with_prompt: bool = True  # prompts' tri-grams count too
-    update_weight: float = 1.0  # count added per verified tri-gram (corpus and prompt tri-grams add 1)
-    corpus: str | None = None  # text or JSONL file whose tri-grams every matrix starts from
-    capacity: int = 200_000  # tri-gram contexts per matrix, least recently updated evicted
-    max_pools: int = 256  # matrices kept across calls, least recently used evicted
-
-    def __post_init__(self) -> None:
-        for name in _INTS:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"aded.{name}={value!r} must be a positive integer")
-        for name in _FLOATS:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ConfigError(f"aded.{name}={value!r} is not a number")
-            object.__setattr__(self, name, float(value))
-        if self.c1 < 0 or self.c2 <= 0:
-            raise ConfigError(f"aded.c1={self.c1} and aded.c2={self.c2}: set c1 >= 0 and c2 > 0 (the paper: 2.414, 8)")
-        if self.update_weight <= 0:
-            raise ConfigError(f"aded.update_weight={self.update_weight} must be positive (1: count like the corpus)")
-        if self.scope not in ("group", "problem", "run"):
-            raise ConfigError(f"aded.scope={self.scope!r} is not one of group, problem, run")
-        if self.corpus is not None and not Path(self.corpus).expanduser().is_file():
-            raise ConfigError(
-                f"aded.corpus={self.corpus} is not a file: give a text or JSONL file, or aded.corpus=null"
-            )
 
 
 # --- the tri-gram matrix -------------------------------------------------------------------------------
@@ -377,13 +343,7 @@ class AdedDrafter:
         return 0  # no model, no KV cache
 
 
-PLUGIN = DrafterPlugin(
-    name="aded",
-    # aded.corpus, if any, is tokenised with the target's tokenizer
-    build=lambda config, target, tokenizer, draft: AdedDrafter(
-        config.section("aded"), tokenizer, config.verify.coupled
-    ),
-    options=AdedOptions,
-    section="aded",
-    decoders=(DecoderKind("aded", "batch", "aded", ("aded", "verify")),),
-)
+def build(config: BuildConfig, target: ModelRunner, tokenizer: Detokenizer, draft: LoadedModel | None) -> AdedDrafter:
+    """`aded`'s drafter (decoding/drafters/builtin.py declares it): aded.corpus, if any, is tokenised with the
+    target's tokenizer."""
+    return AdedDrafter(config.section("aded"), tokenizer, config.verify.coupled)

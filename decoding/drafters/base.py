@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from decoding.drafters.plugin import DecoderKind, DrafterPlugin
+from decoding.drafters.plugin import BuildConfig
 from decoding.speculation.draft_tree import DraftTree
 from decoding.speculation.slot import Slot
 from decoding.speculation.verify import Verdict
+
+if TYPE_CHECKING:
+    from decoding.runtime.models import LoadedModel
+    from decoding.runtime.runner import ModelRunner
+    from decoding.speculation.stopping import Detokenizer
 
 
 class Drafter(Protocol):
@@ -63,12 +68,6 @@ class NoDrafter:
         return 0  # no model, no KV cache
 
 
-PLUGIN = DrafterPlugin(
-    name="none",
-    build=lambda config, target, tokenizer, draft: NoDrafter(),
-    decoders=(
-        # hf and ar read verify.rule alone: which sampler decides their tokens at temperature > 0.
-        DecoderKind("hf", "hf", "none", ("verify",)),
-        DecoderKind("ar", "batch", "none", ("verify",)),
-    ),
-)
+def build(config: BuildConfig, target: ModelRunner, tokenizer: Detokenizer, draft: LoadedModel | None) -> NoDrafter:
+    """`none`'s drafter (decoding/drafters/builtin.py declares it)."""
+    return NoDrafter()

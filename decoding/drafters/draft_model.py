@@ -20,7 +20,7 @@ import torch
 
 from decoding.base.errors import BackendError
 from decoding.drafters.edd import EddDrafter
-from decoding.drafters.plugin import BuildConfig, DecoderKind, DrafterPlugin
+from decoding.drafters.plugin import BuildConfig
 from decoding.edd.model import EddModel, draft_vocab
 from decoding.runtime.models import LoadedModel
 from decoding.runtime.runner import ModelRunner
@@ -166,7 +166,7 @@ class ModelDrafter:
         self.model.give_back(self.cache, rows, needs([s.seq for s in live], self.max_nodes))
 
 
-def model_drafter(
+def build(
     config: BuildConfig, target: ModelRunner, tokenizer: Detokenizer, draft: LoadedModel | None
 ) -> ModelDrafter | EddDrafter:
     """The drafter of a loaded draft model: an EDD (draft.path=edd) reads the target's hidden states,
@@ -182,14 +182,3 @@ def model_drafter(
     # One budget for the target's and the draft's prefixes.
     runner = ModelRunner(draft.model, target.prefixes.budget, draft.static, draft.strict_graphs, paged=draft.paged_kv)
     return ModelDrafter(runner, config.draft_tree, target.vocab_size, target=target, coupled=config.verify.coupled)
-
-
-PLUGIN = DrafterPlugin(
-    name="model",
-    build=model_drafter,
-    decoders=(
-        # SEED's SD / MCSD baseline: one sequence at a time; its tree options in sd.*
-        DecoderKind("sd", "serial", "model", ("draft_tree", "verify"), "required", "sd"),
-        DecoderKind("seed", "rounds", "model", ("draft_tree", "rounds", "verify"), "required", "seed"),
-    ),
-)

@@ -6,23 +6,18 @@ sequence's own context (prompt and generated text), with no cross-trajectory sta
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from decoding.base.errors import ConfigError
-from decoding.drafters.plugin import DecoderKind, DrafterPlugin
+from decoding.drafters.options import PLDOptions
+from decoding.drafters.plugin import BuildConfig
 from decoding.speculation.draft_tree import ROOT, DraftTree
 from decoding.speculation.slot import Slot
 from decoding.speculation.verify import Verdict
 
-
-@dataclass(frozen=True)
-class PLDOptions:
-    max_ngram: int = 3  # longest n-gram matched (then shorter ones)
-    num_draft: int = 10  # tokens drafted after a match (a chain)
-
-    def __post_init__(self) -> None:
-        if self.max_ngram < 1 or self.num_draft < 1:
-            raise ConfigError(f"pld.max_ngram={self.max_ngram} and pld.num_draft={self.num_draft} must be positive")
+if TYPE_CHECKING:
+    from decoding.runtime.models import LoadedModel
+    from decoding.runtime.runner import ModelRunner
+    from decoding.speculation.stopping import Detokenizer
 
 
 def lookup(context: list[int], max_ngram: int, num_draft: int) -> list[int]:
@@ -68,10 +63,6 @@ class PLDDrafter:
         return 0  # no model, no KV cache
 
 
-PLUGIN = DrafterPlugin(
-    name="pld",
-    build=lambda config, target, tokenizer, draft: PLDDrafter(config.section("pld")),
-    options=PLDOptions,
-    section="pld",
-    decoders=(DecoderKind("pld", "batch", "pld", ("pld", "verify")),),
-)
+def build(config: BuildConfig, target: ModelRunner, tokenizer: Detokenizer, draft: LoadedModel | None) -> PLDDrafter:
+    """`pld`'s drafter (decoding/drafters/builtin.py declares it)."""
+    return PLDDrafter(config.section("pld"))

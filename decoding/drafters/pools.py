@@ -8,12 +8,11 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Generic, Literal, Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 from decoding.base.values import Group
+from decoding.drafters.options import Scope
 from decoding.runtime.prefix_cache import shared_len
-
-Scope = Literal["group", "problem", "run"]
 
 
 class Pool(Protocol):

@@ -11,24 +11,20 @@ was recorded), so the first child is the target's sample whenever the successor 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from decoding.base.errors import ConfigError
-from decoding.drafters.plugin import DecoderKind, DrafterPlugin
+from decoding.drafters.options import RecyclingOptions
+from decoding.drafters.plugin import BuildConfig
 from decoding.speculation.draft_tree import ROOT, DraftTree
 from decoding.speculation.sequence import Sequence
 from decoding.speculation.slot import Slot
 from decoding.speculation.verify import Verdict, kept_tops
 from decoding.trees.static import StaticTree
 
-
-@dataclass(frozen=True)
-class RecyclingOptions:
-    top_k: int = 8  # successors kept per token
-
-    def __post_init__(self) -> None:
-        if self.top_k < 1:
-            raise ConfigError(f"recycling.top_k={self.top_k} must be a positive integer")
+if TYPE_CHECKING:
+    from decoding.runtime.models import LoadedModel
+    from decoding.runtime.runner import ModelRunner
+    from decoding.speculation.stopping import Detokenizer
 
 
 class RecyclingDrafter:
@@ -86,13 +82,10 @@ class RecyclingDrafter:
         return 0  # no model, no KV cache
 
 
-PLUGIN = DrafterPlugin(
-    name="recycling",
-    # Its tree is STAND's (stand.tree).
-    build=lambda config, target, tokenizer, draft: RecyclingDrafter(
+def build(
+    config: BuildConfig, target: ModelRunner, tokenizer: Detokenizer, draft: LoadedModel | None
+) -> RecyclingDrafter:
+    """`recycling`'s drafter (decoding/drafters/builtin.py declares it): its tree is STAND's (stand.tree)."""
+    return RecyclingDrafter(
         config.section("recycling"), StaticTree.load(config.section("stand").tree), config.verify.coupled
-    ),
-    options=RecyclingOptions,
-    section="recycling",
-    decoders=(DecoderKind("recycling", "batch", "recycling", ("recycling", "stand", "verify")),),
-)
+    )

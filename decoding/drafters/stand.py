@@ -15,14 +15,14 @@ the pool knows nothing.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from decoding.base.errors import ConfigError
 from decoding.drafters.ngram import LogitNGram
-from decoding.drafters.plugin import BuildConfig, DecoderKind, DrafterPlugin
-from decoding.drafters.pools import Pools, Scope
+from decoding.drafters.options import StandOptions
+from decoding.drafters.plugin import BuildConfig
+from decoding.drafters.pools import Pools
 from decoding.drafters.suffix import SuffixDrafter
 from decoding.drafters.union import UnionDrafter
 from decoding.runtime.runner import ModelRunner
@@ -31,28 +31,11 @@ from decoding.speculation.slot import Slot
 from decoding.speculation.verify import Verdict, kept_tops
 from decoding.trees.static import StaticTree
 
+if TYPE_CHECKING:
+    from decoding.runtime.models import LoadedModel
+    from decoding.speculation.stopping import Detokenizer
+
 TOP = 10  # candidates stored per context (STAND: top-10)
-
-
-@dataclass(frozen=True)
-class StandOptions:
-    tree: str = "default"  # a tree shipped in decoding/trees/ (by name) or a JSON file path
-    scope: Scope = "group"
-    prime_with_prompt: bool = True  # the pool starts with the prompt's N-grams: drafts may copy from it
-    stochastic: bool = True  # Gumbel-top-k drafting at temperature > 0 (false: by rank)
-    capacity: int = 200_000  # entries per pool
-    max_pools: int = 256  # pools kept (least recently used evicted)
-    min_path_prob: float = 0.0  # drop nodes whose draft probability of being reached is lower
-    suffix: bool = False  # stand, seed_stand: the suffix drafter's tree (suffix.*) merged with the pool's
-    key: str = "stand"
-
-    def __post_init__(self) -> None:
-        if self.scope not in ("group", "problem", "run"):
-            raise ConfigError(f"{self.key}.scope={self.scope!r} is not one of group, problem, run")
-        if not 0 <= self.min_path_prob < 1:
-            raise ConfigError(f"{self.key}.min_path_prob={self.min_path_prob} must be in [0, 1)")
-        if self.capacity < 1 or self.max_pools < 1:
-            raise ConfigError(f"{self.key}.capacity and {self.key}.max_pools must be positive integers")
 
 
 class GumbelNoise:
@@ -169,7 +152,9 @@ class StandDrafter:
         return 0  # no model, no KV cache
 
 
-def stand_drafter(config: BuildConfig, target: ModelRunner) -> StandDrafter | UnionDrafter:
+def build(
+    config: BuildConfig, target: ModelRunner, tokenizer: Detokenizer, draft: LoadedModel | None
+) -> StandDrafter | UnionDrafter:
     """STAND's pool, with stand.suffix the suffix drafter's tree beside it (merged as one trie under
     the matched rules: a token both propose at the same place is verified once)."""
     options: StandOptions = config.section("stand")
@@ -179,18 +164,3 @@ def stand_drafter(config: BuildConfig, target: ModelRunner) -> StandDrafter | Un
     return UnionDrafter(
         [stand, SuffixDrafter(config.section("suffix"), config.verify.coupled)], config.verify.rule != "rejection"
     )
-
-
-PLUGIN = DrafterPlugin(
-    name="stand",
-    build=lambda config, target, tokenizer, draft: stand_drafter(config, target),
-    options=StandOptions,
-    section="stand",
-    decoders=(
-        DecoderKind("stand", "batch", "stand", ("stand", "suffix", "verify")),
-        # the project's default; with draft.path set, the draft model's tree joins the pool's
-        DecoderKind(
-            "seed_stand", "rounds", "stand", ("draft_tree", "rounds", "stand", "suffix", "verify"), "optional", "seed"
-        ),
-    ),
-)

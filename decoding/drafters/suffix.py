@@ -20,39 +20,21 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from decoding.base.errors import ConfigError
-from decoding.drafters.plugin import DecoderKind, DrafterPlugin
-from decoding.drafters.pools import Pools, Scope
+from decoding.drafters.options import SuffixOptions
+from decoding.drafters.plugin import BuildConfig
+from decoding.drafters.pools import Pools
 from decoding.speculation.draft_tree import ROOT, DraftTree
 from decoding.speculation.gumbel import Coupling
 from decoding.speculation.sequence import Sequence
 from decoding.speculation.slot import Slot
 from decoding.speculation.verify import Verdict
 
-
-@dataclass(frozen=True)
-class SuffixOptions:
-    max_match: int = 12  # longest context suffix matched
-    max_depth: int = 12  # deepest draft (and the trie holds max_match + max_depth tokens per suffix)
-    spec_factor: float = 1.0  # draft depth at most spec_factor x the match length (SuffixDecoding's alpha)
-    max_nodes: int = 16  # nodes per draft tree
-    min_prob: float = 0.1  # nodes whose path probability (the counts' product along it) is lower are not drafted
-    scope: Scope = "problem"
-    prime_with_prompt: bool = True  # prompts enter the trie too: drafts may copy from them
-    capacity: int = 300_000  # trie nodes per pool (about 150 B each); a full pool only counts what it holds
-    max_pools: int = 32  # pools kept across calls, least recently used evicted
-
-    def __post_init__(self) -> None:
-        for name in ("max_match", "max_depth", "max_nodes", "capacity", "max_pools"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"suffix.{name}={getattr(self, name)} must be a positive integer")
-        if self.spec_factor <= 0:
-            raise ConfigError(f"suffix.spec_factor={self.spec_factor} must be positive")
-        if not 0 <= self.min_prob < 1:
-            raise ConfigError(f"suffix.min_prob={self.min_prob} must be in [0, 1)")
-        if self.scope not in ("group", "problem", "run"):
-            raise ConfigError(f"suffix.scope={self.scope!r} is not one of group, problem, run")
+if TYPE_CHECKING:
+    from decoding.runtime.models import LoadedModel
+    from decoding.runtime.runner import ModelRunner
+    from decoding.speculation.stopping import Detokenizer
 
 
 class Node:
@@ -216,10 +198,6 @@ class SuffixDrafter:
         return 0  # no model, no KV cache
 
 
-PLUGIN = DrafterPlugin(
-    name="suffix",
-    build=lambda config, target, tokenizer, draft: SuffixDrafter(config.section("suffix"), config.verify.coupled),
-    options=SuffixOptions,
-    section="suffix",
-    decoders=(DecoderKind("suffix", "batch", "suffix", ("suffix", "verify")),),
-)
+def build(config: BuildConfig, target: ModelRunner, tokenizer: Detokenizer, draft: LoadedModel | None) -> SuffixDrafter:
+    """`suffix`'s drafter (decoding/drafters/builtin.py declares it)."""
+    return SuffixDrafter(config.section("suffix"), config.verify.coupled)
