@@ -1,6 +1,8 @@
 """ToT-BFS (SEED Algorithm 2): at each depth every kept state grows `search.n_thoughts` thoughts, each
-is valued, and the `search.breadth` best of them all go on; the answer is the best state at the last depth, or
-(search.aggregate=vote) the answer with the largest summed value over every finished state."""
+is valued, and the `search.breadth` best of them all go on; the answer is the one with the largest summed
+value over every finished state (search.aggregate=vote, the default: on 200 GSM8K problems at breadth
+4 it answered 53 right where the best state answered 46, and within one of it at breadth 1; README
+Results), or the best state at the last depth (best)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from tot.search.plugin import SearchPlugin
 class BFSSettings:
     n_thoughts: int = 3
     breadth: int = 1
-    aggregate: Aggregate = "best"
+    aggregate: Aggregate = "vote"
 
     def __post_init__(self) -> None:
         # As in ToT, the b best of all the frontier's thoughts go on: breadth may exceed n_thoughts.
