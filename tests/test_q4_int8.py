@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -307,7 +308,7 @@ BUILDS = {
 
 
 @pytest.mark.parametrize("build", sorted(BUILDS))
-def test_every_path_gives_the_same_bits(tmp_path, build):
+def test_every_path_gives_the_same_bits(build):
     """The kernel built for `build` gives the bits of this machine's own path (AVX2, VNNI, or AMX
     tiles for each 16 rows with VNNI for the rest), for rows in tiles of 16 and 4 and alone."""
     from torch.utils import cpp_extension
@@ -315,15 +316,20 @@ def test_every_path_gives_the_same_bits(tmp_path, build):
     native = kernels.load().q4_int8_path()  # checked here, not at collection: no build then
     if native == "portable" or native == build:
         pytest.skip(f"this machine's own path is {native}: nothing to compare the {build} build with")
-    source = tmp_path / f"{build}.cpp"
-    source.write_text(
+    name = f"tot_q4_int8_{build}"
+    # The source where the build lies, written only when it changes: torch's ninja then rebuilds only
+    # when q4_int8.cpp (a dependency it tracks) does, not at every run (25 s of compiling a build).
+    text = (
         f'#include <torch/extension.h>\n#include "{kernels.CSRC / "q4_int8.cpp"}"\n'
         "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {\n"
         '  m.def("q4_int8_linear", &q4_int8_linear);\n  m.def("q8_int8_linear", &q8_int8_linear);\n'
         '  m.def("q4_int8_path", &q4_int8_path);\n}\n'
     )
+    source = Path(cpp_extension._get_build_directory(name, verbose=False)) / f"{build}.cpp"
+    if not source.is_file() or source.read_text() != text:
+        source.write_text(text)
     other = cpp_extension.load(
-        name=f"tot_q4_int8_{build}",
+        name=name,
         sources=[str(source)],
         extra_cflags=["-O2", *BUILDS[build], "-ffp-contract=off", "-fopenmp"],
         extra_include_paths=[str(kernels.CSRC)],
