@@ -57,10 +57,9 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-# Parallel workers (pytest-xdist): one per core, at most 4 (each holds its own fixtures' models); a module
-# marked xdist_group runs on one worker, so its module fixtures (command runs) run once.
+# Parallel workers (pytest-xdist): one per core, at most 4 (each holds its own fixtures' models).
 test: lint $(VENV)/.extras browser
-	$(BIN)/python -m pytest -q -n auto --maxprocesses=4 --dist loadgroup
+	$(BIN)/python -m pytest -q -n auto --maxprocesses=4
 
 # Before each commit (under 2 minutes on 2 cores once the kernels are built): the layers' import graph,
 # the kernels' invariance, the shared reads, every decoder's identity with hf, continuous batching, the
@@ -68,7 +67,7 @@ test: lint $(VENV)/.extras browser
 FAST_TESTS := layout host_time invariance llama kv_cache paged_kv shared_reads acceptance gumbel sampling heap decoders logprobs speculative \
 	continuous planner quant prepack rows_linear search value run dvts mcts best_of_n engine_errors bench
 test-fast: lint $(VENV)/.extras
-	$(BIN)/python -m pytest -q -n auto --maxprocesses=4 --dist loadgroup -m "not slow" $(FAST_TESTS:%=tests/test_%.py)
+	$(BIN)/python -m pytest -q -n auto --maxprocesses=4 -m "not slow" $(FAST_TESTS:%=tests/test_%.py)
 
 # On a CUDA machine: the lossless tests (every decoder, greedy and sampled, continuous batching, the
 # prefix store) with the fixtures' tiny models on the GPU, in float32 without TF32 (docs/performance.md,

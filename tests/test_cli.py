@@ -18,9 +18,6 @@ import pytest
 from decoding.base.cli import check_overrides
 from tot.solve import GROUPS
 
-# One worker runs this module: its module fixtures (command runs, models) then run once, not once a worker.
-pytestmark = pytest.mark.xdist_group("cli")
-
 REPO = Path(__file__).resolve().parents[1]
 CONTEXT = 64  # the tiny checkpoint's context, far shorter than any GSM8K prompt
 

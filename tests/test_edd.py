@@ -40,9 +40,6 @@ from decoding.speculation.options import VerifyOptions
 from decoding.trees.policies import DraftTreeOptions
 from tuning.train_edd import TrainConfig
 
-# One worker runs this module: its module fixtures (command runs, models) then run once, not once a worker.
-pytestmark = pytest.mark.xdist_group("edd")
-
 EVERY_STEP = VerifyOptions(plan="fixed", max_tokens=None)  # every row drafted and verified whole, every step
 
 LAYER = -1  # the tiny target has 2 layers: its last one's output is the soft prompt

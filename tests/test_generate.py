@@ -16,9 +16,6 @@ from decoding.api.engine import Engine
 from decoding.base.errors import ConfigError
 from decoding.generate import GenerateConfig, generate
 
-# One worker runs this module: its module fixtures (command runs, models) then run once, not once a worker.
-pytestmark = pytest.mark.xdist_group("generate")
-
 PROMPTS = [
     {"id": "a", "prompt": "the cat"},
     {"id": "b", "prompt": "hello world and more", "n": 3},

@@ -27,9 +27,6 @@ from decoding.speculation.stopping import reply_ids
 from tot.runs.run import run
 from tot.show import load_tree
 
-# One worker runs this module: its module fixtures (command runs, models) then run once, not once a worker.
-pytestmark = pytest.mark.xdist_group("in_context")
-
 
 @pytest.fixture(scope="module")
 def smol():

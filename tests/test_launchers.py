@@ -21,9 +21,6 @@ from tot.collect import collect
 from tot.runs.config import RunConfig
 from tot.runs.run import run
 
-# One worker runs this module: its module fixtures (command runs, models) then run once, not once a worker.
-pytestmark = pytest.mark.xdist_group("launchers")
-
 REPO = Path(__file__).resolve().parents[1]
 RAY_REMOTE = {"num_gpus": 1, "num_cpus": 4}
 SMALL = ["data.limit=5", "task.depth=2", "search.n_thoughts=2", "gen.max_thought_tokens=8", "gen.max_eval_tokens=4"]

@@ -19,9 +19,6 @@ from tasks import DataSpec, make_task
 from tasks.base import DataError
 from tot.runs.results import TreeFiles, legacy_tree_file, problem_of, tree_file, tree_name
 
-# One worker runs this module: its module fixtures (command runs, models) then run once, not once a worker.
-pytestmark = pytest.mark.xdist_group("problem_ids")
-
 # Ids that the old names ('_' for every character but [\w.-]) gave one file: a/1 and a_1.
 IDS = ["a/1", "a_1", "b c"]
 

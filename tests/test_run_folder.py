@@ -33,9 +33,6 @@ from tot.runs.folder import RECORD, SELECTION, SPEED_ONLY, Configuration, _on_cp
 from tot.runs.results import ResultStore, read_results
 from tot.runs.run import run
 
-# One worker runs this module: its module fixtures (command runs, models) then run once, not once a worker.
-pytestmark = pytest.mark.xdist_group("run_folder")
-
 TINY = [
     "decoder=ar",
     "run.concurrency=1",
