@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import os
+import pickle
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
 
+import pytest
 import torch
+from filelock import FileLock
 
 from decoding.base.values import Completion, DecodeStats, GenRequest, GenResult
 from decoding.runtime.kv_cache import RowKVCache, _by_position
@@ -16,6 +23,28 @@ from decoding.speculation.acceptance import chain, proposals, sample_chain
 from decoding.speculation.draft_tree import DraftDist, Draw
 from decoding.speculation.options import VerifyOptions
 from tasks.base import Problem, Prompt, TaskDefaults
+
+T = TypeVar("T")
+
+
+def once_per_run(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callable[[Path], T]) -> T:
+    """`make(folder)` once per test run: under pytest-xdist the first worker to ask makes it (in a folder
+    beside the workers' own, under a file lock) and pickles it there, and the others read it. A module
+    fixture that runs commands (seconds of imports each) then runs them once, not in every worker that
+    picks one of its tests. Without xdist: `make` in a new temporary folder."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run is None:
+        return make(tmp_path_factory.mktemp(name))
+    folder = tmp_path_factory.getbasetemp().parent / f"{name}-{run}"
+    with FileLock(f"{folder}.lock"):
+        made = folder / "made.pickle"
+        if made.is_file():
+            return pickle.loads(made.read_bytes())
+        folder.mkdir(exist_ok=True)
+        value = make(folder)
+        made.write_bytes(pickle.dumps(value))
+        return value
+
 
 # verify.plan=fixed, verify.max_tokens=null: trees verified whole however many rows share a forward (tests of tree
 # verification; the default cuts them to 16 tokens per forward on a CPU), with the rejection rules

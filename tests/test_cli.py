@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from helpers import once_per_run
 
 from decoding.base.cli import check_overrides
 from tot.solve import GROUPS
@@ -44,8 +45,11 @@ def save_tiny_checkpoint(path: Path, model, tokenizer) -> Path:
 
 @pytest.fixture(scope="module")
 def cli_cases(tmp_path_factory, tiny_model, tokenizer):
-    """name -> (expected text in the error line, completed process, run dir)."""
-    root = tmp_path_factory.mktemp("cli")
+    """name -> (expected text in the error line, completed process, run dir); once per test run."""
+    return once_per_run(tmp_path_factory, "cli", lambda root: run_cli_cases(root, tiny_model, tokenizer))
+
+
+def run_cli_cases(root: Path, tiny_model, tokenizer) -> dict[str, tuple[str, subprocess.CompletedProcess, Path]]:
     missing = root / "data" / "missing.jsonl"
     malformed = root / "malformed.jsonl"
     malformed.write_text(

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from helpers import UNCAPPED, prefill
+from helpers import UNCAPPED, once_per_run, prefill
 from test_cli import REPO, subprocess_env
 from test_decoders import BUDGETS, EOS_ID, PROMPTS, _stop_string_case, encode, reference_greedy
 from test_speculative import PARAMS, RULES, check_three_tokens, sample_three
@@ -504,7 +504,12 @@ def test_sampling_follows_the_target_with_a_draft_vocabulary(tiny_model, tokeniz
 
 
 @pytest.fixture(scope="module")
-def cli_errors():
+def cli_errors(tmp_path_factory):
+    """case -> (the completed command, the text its error names); once per test run."""
+    return once_per_run(tmp_path_factory, "train_edd_errors", lambda _: run_cli_errors())
+
+
+def run_cli_errors() -> dict[str, tuple[subprocess.CompletedProcess, str]]:
     cases = {
         "unknown_key": (["train.nope=1"], "train.nope is not a config key"),
         "blocks": (["train.min_block=9"], "train.min_block=9 exceeds train.max_block=8"),

@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from helpers import once_per_run
 from hydra import compose, initialize_config_module
 from test_cli import REPO, save_tiny_checkpoint, subprocess_env
 
@@ -112,7 +113,11 @@ def test_rerun_resumes(tmp_path, loaded):
 
 @pytest.fixture(scope="module")
 def cli_runs(tmp_path_factory, tiny_model, tokenizer):
-    root = tmp_path_factory.mktemp("generate")
+    """The folder and each case's completed command; once per test run."""
+    return once_per_run(tmp_path_factory, "generate", lambda root: run_cli_cases(root, tiny_model, tokenizer))
+
+
+def run_cli_cases(root: Path, tiny_model, tokenizer) -> tuple[Path, dict[str, subprocess.CompletedProcess]]:
     ckpt = save_tiny_checkpoint(root / "tiny", tiny_model, tokenizer)
     prompts = write_prompts(root / "p.jsonl", PROMPTS)
     bad_json = root / "bad.jsonl"
