@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from decoding.drafters.plugin import BuildConfig
 from decoding.speculation.draft_tree import DraftTree
 from decoding.speculation.slot import Slot
 from decoding.speculation.verify import Verdict
-
-if TYPE_CHECKING:
-    from decoding.runtime.models import LoadedModel
-    from decoding.runtime.runner import ModelRunner
-    from decoding.speculation.stopping import Detokenizer
 
 
 class Drafter(Protocol):
@@ -68,6 +63,6 @@ class NoDrafter:
         return 0  # no model, no KV cache
 
 
-def build(config: BuildConfig, target: ModelRunner, tokenizer: Detokenizer, draft: LoadedModel | None) -> NoDrafter:
+def build(config: BuildConfig, *_: object) -> NoDrafter:
     """`none`'s drafter (decoding/drafters/builtin.py declares it)."""
     return NoDrafter()

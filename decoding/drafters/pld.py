@@ -6,18 +6,11 @@ sequence's own context (prompt and generated text), with no cross-trajectory sta
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from decoding.drafters.options import PLDOptions
 from decoding.drafters.plugin import BuildConfig
 from decoding.speculation.draft_tree import ROOT, DraftTree
 from decoding.speculation.slot import Slot
 from decoding.speculation.verify import Verdict
-
-if TYPE_CHECKING:
-    from decoding.runtime.models import LoadedModel
-    from decoding.runtime.runner import ModelRunner
-    from decoding.speculation.stopping import Detokenizer
 
 
 def lookup(context: list[int], max_ngram: int, num_draft: int) -> list[int]:
@@ -63,6 +56,6 @@ class PLDDrafter:
         return 0  # no model, no KV cache
 
 
-def build(config: BuildConfig, target: ModelRunner, tokenizer: Detokenizer, draft: LoadedModel | None) -> PLDDrafter:
+def build(config: BuildConfig, *_: object) -> PLDDrafter:
     """`pld`'s drafter (decoding/drafters/builtin.py declares it)."""
     return PLDDrafter(config.section("pld"))

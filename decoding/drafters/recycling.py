@@ -11,7 +11,6 @@ was recorded), so the first child is the target's sample whenever the successor 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 from decoding.drafters.options import RecyclingOptions
 from decoding.drafters.plugin import BuildConfig
@@ -20,11 +19,6 @@ from decoding.speculation.sequence import Sequence
 from decoding.speculation.slot import Slot
 from decoding.speculation.verify import Verdict, kept_tops
 from decoding.trees.static import StaticTree
-
-if TYPE_CHECKING:
-    from decoding.runtime.models import LoadedModel
-    from decoding.runtime.runner import ModelRunner
-    from decoding.speculation.stopping import Detokenizer
 
 
 class RecyclingDrafter:
@@ -82,9 +76,7 @@ class RecyclingDrafter:
         return 0  # no model, no KV cache
 
 
-def build(
-    config: BuildConfig, target: ModelRunner, tokenizer: Detokenizer, draft: LoadedModel | None
-) -> RecyclingDrafter:
+def build(config: BuildConfig, *_: object) -> RecyclingDrafter:
     """`recycling`'s drafter (decoding/drafters/builtin.py declares it): its tree is STAND's (stand.tree)."""
     return RecyclingDrafter(
         config.section("recycling"), StaticTree.load(config.section("stand").tree), config.verify.coupled

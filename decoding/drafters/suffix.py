@@ -20,7 +20,6 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from decoding.drafters.options import SuffixOptions
 from decoding.drafters.plugin import BuildConfig
@@ -30,11 +29,6 @@ from decoding.speculation.gumbel import Coupling
 from decoding.speculation.sequence import Sequence
 from decoding.speculation.slot import Slot
 from decoding.speculation.verify import Verdict
-
-if TYPE_CHECKING:
-    from decoding.runtime.models import LoadedModel
-    from decoding.runtime.runner import ModelRunner
-    from decoding.speculation.stopping import Detokenizer
 
 
 class Node:
@@ -198,6 +192,6 @@ class SuffixDrafter:
         return 0  # no model, no KV cache
 
 
-def build(config: BuildConfig, target: ModelRunner, tokenizer: Detokenizer, draft: LoadedModel | None) -> SuffixDrafter:
+def build(config: BuildConfig, *_: object) -> SuffixDrafter:
     """`suffix`'s drafter (decoding/drafters/builtin.py declares it)."""
     return SuffixDrafter(config.section("suffix"), config.verify.coupled)
