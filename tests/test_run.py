@@ -186,7 +186,15 @@ def test_run_writes_outputs(tmp_path):
 
 
 def test_run_limit_offset(tmp_path):
-    cfg = make_config("data.limit=2", "data.offset=3", "search.n_thoughts=2", "search.breadth=2", "task.depth=2")
+    # The fake engine writes every sibling alike: search.distinct=false keeps both copies growing.
+    cfg = make_config(
+        "data.limit=2",
+        "data.offset=3",
+        "search.n_thoughts=2",
+        "search.breadth=2",
+        "task.depth=2",
+        "search.distinct=false",
+    )
     engine = FakeEngine()
     summary = run(cfg, tmp_path, engine=engine, progress=False)
     assert engine.problems == ["bundled-4", "bundled-5"]

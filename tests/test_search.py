@@ -32,6 +32,7 @@ class ScriptedEngine(AwaitableFake):
         self.calls: list[list[GenRequest]] = []
         self.raw_calls: list[list[GenRequest]] = []
         self.thoughts = 0
+        self.same_as: dict[int, int] = {}  # thought k written in the words of thought same_as[k]
         self.last_stats = DecodeStats()
 
     def generate(self, requests: list[GenRequest]) -> list[GenResult]:
@@ -48,7 +49,7 @@ class ScriptedEngine(AwaitableFake):
                 text = score if isinstance(score, str) else f" {score:g}, because the step looks right."
                 results.append(reply(text, [7] * 2))
             else:
-                k = self.thoughts
+                k = self.same_as.get(self.thoughts, self.thoughts)
                 self.thoughts += 1
                 text = f" {k}." if r.prefix == FINAL_PREFIX else f" #{k}"
                 results.append(reply(text, [5] * 3))
@@ -101,6 +102,23 @@ def test_the_search_names_its_steps_and_a_plug_ins_group_still_works():
     run_sync(step.grow([(step.tree.root, 3, "")], Group("mine", "evals")))
     assert [r.group for r in engine.calls[0]] == [Group("p", "0")] * 3
     assert {r.group for r in engine.calls[1]} == {Group("mine", "evals")}
+
+
+def test_a_copied_sibling_takes_no_second_place_and_the_problem_may_grow_more_first_thoughts():
+    task = GSM8K(thoughts="subquestions", depth=2, value="sampled")
+    # t1 writes t0's words: one state goes on from depth 1 (search.distinct, the default), or both copies.
+    for distinct, expanded in ((True, 1), (False, 2)):
+        engine = ScriptedEngine(SCORES)
+        engine.same_as = {1: 0}
+        settings = BFSSettings(n_thoughts=2, breadth=2, distinct=distinct)
+        sol = run_sync(BFS(task, settings, GEN, 0).solve(PROBLEM, engine))
+        assert len(engine.calls[2]) == 2 * expanded
+        assert len(sol.tree.graph) == 1 + 2 + 2 * expanded  # the copy stays in the tree
+    engine = ScriptedEngine(SCORES)
+    run_sync(BFS(task, BFSSettings(n_thoughts=2, breadth=2, root_thoughts=4), GEN, 0).solve(PROBLEM, engine))
+    assert [len(c) for c in engine.calls[0::2]] == [4, 2 * 2]
+    with pytest.raises(ValueError, match=r"search\.root_thoughts=-1"):
+        BFSSettings(root_thoughts=-1)
 
 
 def test_thought_requests():
