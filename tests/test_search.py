@@ -9,6 +9,7 @@ from collections import Counter
 import pytest
 from helpers import AwaitableFake, reply
 
+from decoding import ConfigError
 from decoding.base.values import DecodeStats, GenRequest, GenResult, Group
 from tasks.base import Problem
 from tasks.gsm8k import FINAL_PREFIX, GSM8K, SCORE_PREFIX
@@ -117,7 +118,7 @@ def test_a_copied_sibling_takes_no_second_place_and_the_problem_may_grow_more_fi
     engine = ScriptedEngine(SCORES)
     run_sync(BFS(task, BFSSettings(n_thoughts=2, breadth=2, root_thoughts=4), GEN, 0).solve(PROBLEM, engine))
     assert [len(c) for c in engine.calls[0::2]] == [4, 2 * 2]
-    with pytest.raises(ValueError, match=r"search\.root_thoughts=-1"):
+    with pytest.raises(ConfigError, match=r"search\.root_thoughts=-1"):
         BFSSettings(root_thoughts=-1)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from decoding import ConfigError
 from tasks.base import Problem
 from tot.search.base import Aggregate, GenerationEngine, SearchBase, Solution, check_positive, choose, finished_states
 from tot.search.plugin import SearchPlugin
@@ -29,7 +30,7 @@ class BFSSettings:
         # As in ToT, the b best of all the frontier's thoughts go on: breadth may exceed n_thoughts.
         check_positive(search="bfs", n_thoughts=self.n_thoughts, breadth=self.breadth)
         if self.root_thoughts < 0:
-            raise ValueError(f"search.root_thoughts={self.root_thoughts}: give 0 (n_thoughts) or a positive count")
+            raise ConfigError(f"search.root_thoughts={self.root_thoughts}: 0 (n_thoughts) or a positive count")
 
     def thoughts_at(self, depth: int) -> int:
         return self.root_thoughts if depth == 1 and self.root_thoughts else self.n_thoughts
