@@ -239,8 +239,8 @@ inline __m256i dot_add(__m256i acc, __m256i u, __m256i x) {
 }
 
 // dot_add against x's group j in every lane. With AVX-512 VNNI the 4 bytes are read by VPDPBUSD itself
-// (an embedded broadcast, {1to8}): a broadcast apart took a vector operation beside each product on
-// Zen 4 (the tile ran 1.15-1.3x without them; the same integers). As asm: GCC does not fold
+// (an embedded broadcast, {1to8}; the same integers): a broadcast apart took a vector operation beside
+// each product on Zen 4 (docs/performance.md, the Qwen2.5-Coder pair). As asm: GCC does not fold
 // _mm256_set1_epi32 of a load into the instruction.
 inline __m256i dot_add_group(__m256i acc, __m256i u, const int8_t* x, int j) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
