@@ -72,7 +72,7 @@ test-fast: lint $(VENV)/.extras
 # On a CUDA machine: the lossless tests (every decoder, greedy and sampled, continuous batching, the
 # prefix store) with the fixtures' tiny models on the GPU, in float32 without TF32 (docs/performance.md,
 # "On a GPU"). pytest-xdist, where installed, runs them in parallel: make test-cuda ARGS="-n 8".
-CUDA_TESTS := decoders logprobs continuous speculative stand suffix aded seed sequoia gumbel sampling kv_cache \
+CUDA_TESTS := decoders logprobs continuous speculative stand suffix aded seed sequoia gumbel device_walk sampling kv_cache \
 	generate pct planner edd static_forward
 test-cuda: setup
 	TOT_TEST_DEVICE=cuda $(BIN)/python -m pytest -q -m "not slow" $(ARGS) $(CUDA_TESTS:%=tests/test_%.py)

@@ -195,10 +195,10 @@ def test_a_coupled_draft_is_the_sample_when_it_knows_the_distribution():
 
 @pytest.mark.parametrize("rule", ["match_gumbel", "match_multinomial", "rejection"])
 def test_device_targets_are_the_samplers_own_tokens(rule):
-    """What a GPU's verification computes for every node at once (`device_targets`, one read-back a
-    step) is, node by node, the token `target_sampler` picks lazily on the host: the argmax for a
-    greedy row, the Gumbel-max sample under match_gumbel and for rows without a draft under
-    rejection; rows that sample on the host (a generator's stream, the rejection walk) get None."""
+    """What a GPU's verification computes for every node at once (`device_targets`, no read-back) is,
+    node by node, the token `target_sampler` picks lazily on the host: the argmax for a greedy row, the
+    Gumbel-max sample under match_gumbel and for rows without a draft under rejection; rows that
+    sample on the host (a generator's stream, the rejection walk) are not among them."""
     gen = torch.Generator().manual_seed(3)
     trees, seqs, logits, scores = [], [], [], []
     rows = [(0.0, 0, 1.0, 4), (0.7, 20, 0.9, 6), (1.2, 0, 1.0, 0)]
@@ -213,11 +213,13 @@ def test_device_targets_are_the_samplers_own_tokens(rule):
         seqs.append(seq)
         logits.append(row)
         scores.append(None if params.greedy else processed_logits(row, params))
-    targets = device_targets(trees, seqs, logits, scores, rule)
-    for tree, seq, row, sc, own in zip(trees, seqs, logits, scores, targets):
+    rows, flat = device_targets(trees, seqs, logits, scores, rule)
+    owns = dict(zip(rows, torch.split(flat, [1 + len(trees[b]) for b in rows])))
+    for b, (tree, seq, row, sc) in enumerate(zip(trees, seqs, logits, scores)):
         if sc is not None and (rule == "match_multinomial" or (rule == "rejection" and len(tree))):
-            assert own is None
+            assert b not in owns
             continue
+        own = owns[b].tolist()
         depths = [0, *tree.depths()]
         pick = target_sampler(seq, "match_gumbel" if sc is not None else rule, row, sc, None if sc is None else sc)
         assert own == [pick(m - 1, depths[m]) for m in range(1 + len(tree))]

@@ -15,6 +15,7 @@ from decoding.runtime.kv_cache import KVCache
 from decoding.runtime.packing import Packed, pack
 from decoding.runtime.runner import ModelRunner, Scored
 from decoding.speculation.acceptance import walk_matched, walk_rejection
+from decoding.speculation.device_walk import walk_matched_rows
 from decoding.speculation.draft_tree import DraftTree
 from decoding.speculation.gumbel import gumbel_pick, gumbel_pick_rows, gumbel_targets, key
 from decoding.speculation.options import Rule
@@ -94,30 +95,40 @@ def accept(
     rule: Rule,
     top: int = 0,
     drafted_nodes: list[list[int] | None] | None = None,
+    walk_on_device: bool | None = None,
 ) -> list[Verdict]:
     """Decide every row of one scored forward (`scored.logits`, one [1 + N, V] per row) under `rule`:
     the acceptance stage, batched over the step's rows (see `verify`). `drafted_nodes`: where the step
-    planner cut each drafted tree (`Verdict.drafted_nodes`)."""
+    planner cut each drafted tree (`Verdict.drafted_nodes`). `walk_on_device`: the matched walks as
+    tensor operations where the logits are (decoding/speculation/device_walk.py; default: off the
+    CPU); else on the host, sampling only the nodes a walk reaches."""
     logits, hidden = scored.logits, scored.hidden
     on_device = bool(logits) and logits[0].device.type != "cpu"
+    walk_here = on_device if walk_on_device is None else walk_on_device
     # Processed once per row: what the samplers read; the softmax only where the rule draws from it. On
     # the CPU a row the kernel draws from its raw logits is not processed at all (cast, divided, joined).
-    raw = [not on_device and drawn_raw(t, s, rule) for t, s in zip(trees, seqs)]
+    raw = [not walk_here and drawn_raw(t, s, rule) for t, s in zip(trees, seqs)]
     scores, dists = processed_rows(seqs, logits, softmax=rule != "match_gumbel", skip=raw)
-    # On a GPU every row's own token at its root and at each node is found where the logits are, and
-    # the step reads them back once; the CPU takes every greedy row's argmax in one pass, draws every
-    # undrafted sampled row in one call, and samples the other rows lazily, only the nodes a walk reaches.
-    targets = (
-        device_targets(trees, seqs, logits, scores, rule)
-        if on_device
-        else host_targets(scored, trees, seqs, scores, raw, rule)
-    )
+    # Off the CPU every row's own token at its root and at each node is found where the logits are,
+    # the walks run there too, and the step reads back each row's path and token once; the CPU takes
+    # every greedy row's argmax in one pass, draws every undrafted sampled row in one call, and samples
+    # the other rows lazily, only the nodes a walk reaches.
+    walked: dict[int, tuple[list[int], int]] = {}
+    targets: list[list[int] | None] = [None] * len(trees)
+    if walk_here:
+        rows, flat = device_targets(trees, seqs, logits, scores, rule)
+        if rows:
+            walked = dict(zip(rows, walk_matched_rows([trees[b] for b in rows], flat)))
+    else:
+        targets = host_targets(scored, trees, seqs, scores, raw, rule)
 
     def decide(b: int) -> tuple[list[int], int, torch.Tensor | None]:
         tree, s, row, sc, own, dist = trees[b], seqs[b], logits[b], scores[b], targets[b], dists[b]
         # The softmax is where the logits are (matched multinomial draws read it there, as transformers
         # does); the rejection walk's scalar work reads it on the CPU.
         probs = dist.cpu() if dist is not None and rule == "rejection" else dist
+        if b in walked:
+            return *walked[b], probs
         if own is not None and not len(tree):  # an undrafted row: its own token, nothing to walk
             return [], own[0], probs
         if rule == "rejection" and len(tree) and probs is not None:
@@ -195,12 +206,13 @@ def device_targets(
     logits: list[torch.Tensor],
     scores: list[torch.Tensor | None],
     rule: Rule,
-) -> list[list[int] | None]:
-    """Per row, the target's own token after its root and after each node ([1 + N] ids), computed
-    on the logits' device for every row at once and read back in one transfer: the argmax at
-    temperature 0, the Gumbel-max sample under match_gumbel (and for rows without a draft under
-    rejection), exactly as `target_sampler` picks them. None for the rows that sample on the host
-    (match_multinomial's generator stream; rejection's walk)."""
+) -> tuple[list[int], torch.Tensor]:
+    """The rows whose own tokens are found where their logits are, and those tokens: per row its
+    token after its root and after each node ([1 + N] ids, rows concatenated in the order given),
+    computed for every row at once with no read-back: the argmax at temperature 0, the Gumbel-max
+    sample under match_gumbel (and for rows without a draft under rejection), exactly as
+    `target_sampler` picks them. The rows that sample on the host (match_multinomial's generator
+    stream; rejection's walk) are not among them."""
     greedy = [b for b, sc in enumerate(scores) if sc is None]
     sampled = [
         b
@@ -213,13 +225,8 @@ def device_targets(
     if sampled:
         keys = [key(seqs[b].seed, seqs[b].position + d) for b in sampled for d in (0, *trees[b].depths())]
         parts.append(gumbel_targets(torch.cat([scores[b] for b in sampled]), keys))  # type: ignore[misc]
-    flat = torch.cat(parts).tolist() if parts else []
-    out: list[list[int] | None] = [None] * len(trees)
-    start = 0
-    for b in greedy + sampled:
-        out[b] = flat[start : start + len(logits[b])]
-        start += len(logits[b])
-    return out
+    flat = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+    return greedy + sampled, flat
 
 
 def host_targets(

@@ -1,0 +1,103 @@
+"""The matched walk as tensor operations (decoding/speculation/device_walk.py) against the host's walk:
+the same path and token for every tree, on the tests' device (TOT_TEST_DEVICE), and the acceptance
+stage's verdicts the same whichever walks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import DEVICE
+
+from decoding.runtime.packing import pack
+from decoding.runtime.runner import Scored
+from decoding.speculation.acceptance import walk_matched
+from decoding.speculation.device_walk import walk_matched_rows
+from decoding.speculation.draft_tree import ROOT, DraftTree
+from decoding.speculation.sampling import SamplingParams
+from decoding.speculation.sequence import Sequence
+from decoding.speculation.stopping import StopRule
+from decoding.speculation.verify import accept
+
+VOCAB = 40
+
+
+def random_tree(gen: torch.Generator, n: int) -> DraftTree:
+    """n nodes under random parents, tokens from a small vocabulary, so siblings repeat tokens."""
+    tree = DraftTree()
+    for i in range(n):
+        parent = ROOT if i == 0 else int(torch.randint(-1, i, (1,), generator=gen))
+        tree.add(int(torch.randint(0, 6, (1,), generator=gen)), parent)
+    return tree
+
+
+def targets_along(tree: DraftTree, gen: torch.Generator) -> list[int]:
+    """A target at the root and after each node, mostly one of its children's tokens, so walks go deep."""
+    out = []
+    for node in (ROOT, *range(len(tree))):
+        kids = tree.children(node)
+        if kids and float(torch.rand((), generator=gen)) < 0.8:
+            out.append(tree.tokens[kids[int(torch.randint(0, len(kids), (1,), generator=gen))]])
+        else:
+            out.append(int(torch.randint(0, 6, (1,), generator=gen)))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_device_walk_is_the_host_walk(seed):
+    """Rows of 0-40 nodes, duplicate siblings and chains 1-40 deep, in one call: each row's path (the
+    first matching sibling at each depth) and token are what `walk_matched` finds on the host."""
+    gen = torch.Generator().manual_seed(seed)
+    trees = [random_tree(gen, n) for n in (0, 1, 3, 12, 40, 0, 7)]
+    chain = DraftTree()
+    for i in range(40):
+        chain.add(i % 5, i - 1 if i else ROOT)
+    trees.append(chain)
+    twins = (
+        DraftTree()
+    )  # two children of the root with one token: the first is the walk's, however deep the second goes
+    for token, parent in ((1, ROOT), (1, ROOT), (2, 1)):
+        twins.add(token, parent)
+    trees.append(twins)
+    targets = [targets_along(t, gen) for t in trees]
+    targets[-2] = [*(i % 5 for i in range(40)), 3]  # the whole chain kept, then its bonus token
+    targets[-1] = [1, 3, 2, 4]
+    flat = torch.tensor([x for row in targets for x in row], device=DEVICE)
+    walked = walk_matched_rows(trees, flat)
+    for tree, own, got in zip(trees, targets, walked):
+        assert got == walk_matched(tree, lambda node, d, own=own: own[node + 1])
+    assert walked[-2] == (list(range(40)), 3)
+    assert walked[-1] == ([0], 3)
+
+
+def test_undrafted_rows_alone_read_their_root_targets():
+    flat = torch.tensor([7, 9, 11], device=DEVICE)
+    assert walk_matched_rows([DraftTree(), DraftTree(), DraftTree()], flat) == [([], 7), ([], 9), ([], 11)]
+
+
+@pytest.mark.parametrize("rule", ["match_gumbel", "match_multinomial", "rejection"])
+def test_the_acceptance_stage_decides_the_same_whichever_walks(rule):
+    """One scored forward of a mixed batch (greedy and sampled rows, drafted and not) decided with the
+    walks on the host and with them as tensor operations: the same paths and tokens, row by row (the
+    rows that sample from a generator walk on the host in both)."""
+    gen = torch.Generator().manual_seed(11)
+    settings = [SamplingParams(0.0), SamplingParams(0.8), SamplingParams(0.7, 20, 0.9), SamplingParams(0.0)]
+    trees = [random_tree(gen, n) for n in (9, 6, 0, 0)]
+    logits = []
+    for tree in trees:
+        row = torch.randn(1 + len(tree), VOCAB, generator=gen)
+        for node, want in zip((ROOT, *range(len(tree))), targets_along(tree, gen)):
+            row[node + 1, want] += 12.0  # the walks' tokens mostly drafted: deep paths
+        logits.append(row.to(DEVICE))
+    packed = pack([[1] for _ in trees], trees)
+
+    def decided(on_device: bool) -> list[tuple[list[int], int]]:
+        seqs = [
+            Sequence.create([1, 2, 3 + b], StopRule(frozenset(), (), 50), p, seed=30 + b, device=DEVICE)
+            for b, p in enumerate(settings)
+        ]
+        verdicts = accept(packed, Scored(logits, None, 0.0), trees, seqs, rule, walk_on_device=on_device)
+        return [(v.path, v.token) for v in verdicts]
+
+    host = decided(False)
+    assert decided(True) == host
+    assert max(len(path) for path, _ in host) >= 3
