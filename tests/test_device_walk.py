@@ -11,12 +11,12 @@ from conftest import DEVICE
 from decoding.runtime.packing import pack
 from decoding.runtime.runner import Scored
 from decoding.speculation.acceptance import walk_matched
-from decoding.speculation.device_walk import walk_matched_rows
+from decoding.speculation.device_walk import read_walks, walk_matched_rows
 from decoding.speculation.draft_tree import ROOT, DraftTree
 from decoding.speculation.sampling import SamplingParams
 from decoding.speculation.sequence import Sequence
 from decoding.speculation.stopping import StopRule
-from decoding.speculation.verify import accept
+from decoding.speculation.verify import Verdict, accept
 
 VOCAB = 40
 
@@ -62,7 +62,7 @@ def test_the_device_walk_is_the_host_walk(seed):
     targets[-2] = [*(i % 5 for i in range(40)), 3]  # the whole chain kept, then its bonus token
     targets[-1] = [1, 3, 2, 4]
     flat = torch.tensor([x for row in targets for x in row], device=DEVICE)
-    walked = walk_matched_rows(trees, flat)
+    walked, _ = read_walks(trees, walk_matched_rows(trees, flat))
     for tree, own, got in zip(trees, targets, walked):
         assert got == walk_matched(tree, lambda node, d, own=own: own[node + 1])
     assert walked[-2] == (list(range(40)), 3)
@@ -70,15 +70,18 @@ def test_the_device_walk_is_the_host_walk(seed):
 
 
 def test_undrafted_rows_alone_read_their_root_targets():
-    flat = torch.tensor([7, 9, 11], device=DEVICE)
-    assert walk_matched_rows([DraftTree(), DraftTree(), DraftTree()], flat) == [([], 7), ([], 9), ([], 11)]
+    trees = [DraftTree(), DraftTree(), DraftTree()]
+    walks = walk_matched_rows(trees, torch.tensor([7, 9, 11], device=DEVICE))
+    assert read_walks(trees, walks)[0] == [([], 7), ([], 9), ([], 11)]
+    assert walks.logit_rows().tolist() == [[0], [0], [0]]
 
 
 @pytest.mark.parametrize("rule", ["match_gumbel", "match_multinomial", "rejection"])
 def test_the_acceptance_stage_decides_the_same_whichever_walks(rule):
     """One scored forward of a mixed batch (greedy and sampled rows, drafted and not) decided with the
     walks on the host and with them as tensor operations: the same paths and tokens, row by row (the
-    rows that sample from a generator walk on the host in both)."""
+    rows that sample from a generator walk on the host in both), and the same top tokens along the
+    paths (their probabilities to float32's rounding: the host's softmax is csrc/topk.cpp's)."""
     gen = torch.Generator().manual_seed(11)
     settings = [SamplingParams(0.0), SamplingParams(0.8), SamplingParams(0.7, 20, 0.9), SamplingParams(0.0)]
     trees = [random_tree(gen, n) for n in (9, 6, 0, 0)]
@@ -90,14 +93,16 @@ def test_the_acceptance_stage_decides_the_same_whichever_walks(rule):
         logits.append(row.to(DEVICE))
     packed = pack([[1] for _ in trees], trees)
 
-    def decided(on_device: bool) -> list[tuple[list[int], int]]:
+    def decided(on_device: bool) -> list[Verdict]:
         seqs = [
             Sequence.create([1, 2, 3 + b], StopRule(frozenset(), (), 50), p, seed=30 + b, device=DEVICE)
             for b, p in enumerate(settings)
         ]
-        verdicts = accept(packed, Scored(logits, None, 0.0), trees, seqs, rule, walk_on_device=on_device)
-        return [(v.path, v.token) for v in verdicts]
+        return accept(packed, Scored(logits, None, 0.0), trees, seqs, rule, top=5, walk_on_device=on_device)
 
-    host = decided(False)
-    assert decided(True) == host
-    assert max(len(path) for path, _ in host) >= 3
+    host, walked = decided(False), decided(True)
+    assert [(v.path, v.token) for v in walked] == [(v.path, v.token) for v in host]
+    assert max(len(v.path) for v in host) >= 3
+    for w, h in zip(walked, host):  # the top tokens along each path, read back with it
+        assert w.top[0] == h.top[0] and len(w.top[0]) == 1 + len(h.path)
+        assert torch.allclose(torch.tensor(w.top[1]), torch.tensor(h.top[1]), rtol=1e-5, atol=1e-7)

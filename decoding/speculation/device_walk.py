@@ -12,6 +12,8 @@ jumping (log2 of the depth rounds); the step reads back three numbers a row in o
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -44,37 +46,79 @@ def tree_layout(trees: list[DraftTree]) -> tuple[np.ndarray, int]:
     return out, int(out[2].max()) if n else 0
 
 
-def walk_matched_rows(trees: list[DraftTree], targets: torch.Tensor) -> list[tuple[list[int], int]]:
-    """`walk_matched` for every row at once: `targets` holds each row's target at its root and after
-    each node ([1 + N_b] a row, rows concatenated in order, on any device); per row its accepted nodes
-    (root's child first) and the token after them, exactly as the host's walk returns them."""
+@dataclass(frozen=True)
+class Walks:
+    """Every row's matched walk where its targets are, not yet read back."""
+
+    length: torch.Tensor  # [B] accepted nodes
+    node: torch.Tensor  # [B] the deepest accepted node (any where length is 0)
+    token: torch.Tensor  # [B] the target after the path
+    on_path: torch.Tensor  # [B, N] bool: the accepted nodes
+    depth: torch.Tensor  # [B, N] each node's depth (0: padding)
+    max_depth: int
+
+    def logit_rows(self) -> torch.Tensor:
+        """[B, 1 + D]: each row's logits rows along its path (0 the root, 1 + node), then 0s past it."""
+        if not self.max_depth:
+            return torch.zeros(len(self.length), 1, dtype=torch.long, device=self.length.device)
+        levels = torch.arange(1, self.max_depth + 1, device=self.depth.device)
+        at = self.on_path[:, None, :] & (self.depth[:, None, :] == levels[None, :, None])  # [B, D, N]
+        nodes = torch.where(at.any(-1), 1 + at.to(torch.int8).argmax(-1), 0)
+        return torch.cat([torch.zeros_like(nodes[:, :1]), nodes], 1)
+
+
+def walk_matched_rows(trees: list[DraftTree], targets: torch.Tensor) -> Walks:
+    """`walk_matched` for every row at once, on the targets' device with no read-back: `targets` holds
+    each row's target at its root and after each node ([1 + N_b] a row, rows concatenated in order)."""
     sizes = [1 + len(t) for t in trees]
     starts_np = np.cumsum([0, *sizes[:-1]], dtype=np.int64)
     device = targets.device
     if max(sizes) == 1:  # no row drafted: each row's token is its root's target
-        return [([], token) for token in targets.tolist()]
+        none = torch.zeros(len(trees), 0, dtype=torch.long, device=device)
+        zeros = torch.zeros(len(trees), dtype=torch.long, device=device)
+        return Walks(zeros, zeros, targets, none.bool(), none, 0)
     layout, max_depth = tree_layout(trees)
-    both = np.concatenate([layout.reshape(-1), starts_np])
-    uploaded = torch.from_numpy(both)
+    uploaded = torch.from_numpy(np.concatenate([layout.reshape(-1), starts_np]))
     if device.type == "cuda":  # from pinned memory the copy waits on nothing the stream runs
         uploaded = uploaded.pin_memory().to(device, non_blocking=True)
     b, n = layout.shape[1:]
     parent, tokens, depth, first = uploaded[: 4 * b * n].view(4, b, n).unbind(0)
     starts = uploaded[4 * b * n :]
-    parent_flat = parent.reshape(-1)
     # The target after each node's parent: the row's root target for the root's children.
     after = torch.where(parent >= 0, parent % n + 1, 0) + starts[:, None]
     kept = (targets[after] == tokens) & (first > 0) & (tokens >= 0)
     # Pointer jumping: each round a node takes in its current ancestor's verdict and jumps twice as far.
-    up = parent_flat.clone()
-    ok = kept.reshape(-1).clone()
+    up = parent.reshape(-1)
+    ok = kept.reshape(-1)
     for _ in range(max(1, max_depth - 1).bit_length()):
         has = up >= 0
         at = up.clamp(min=0)
         ok = ok & (~has | ok[at])
         up = torch.where(has, up[at], up)
-    deep = torch.where(ok.view(b, n), depth, 0)
-    length, node = deep.max(1)
-    last = torch.where(length > 0, starts + 1 + node, starts)
-    read = torch.stack([length, node, targets[last]]).tolist()  # the step's one read-back
-    return [(tree.path(nd) if ln else [], token) for tree, ln, nd, token in zip(trees, *read)]
+    on_path = ok.view(b, n)
+    length, node = torch.where(on_path, depth, 0).max(1)
+    token = targets[torch.where(length > 0, starts + 1 + node, starts)]
+    return Walks(length, node, token, on_path, depth, max_depth)
+
+
+def read_walks(
+    trees: list[DraftTree], walks: Walks, tops: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> tuple[list[tuple[list[int], int]], list[tuple[list[list[int]], list[list[float]]]] | None]:
+    """The step's one read-back: per row its accepted nodes (root's child first) and the token after
+    them, exactly as `walk_matched` returns them; with `tops` (values and ids [B, 1 + D, k] at
+    `Walks.logit_rows`), each row's top tokens and probabilities at its root and along its path."""
+    parts = [torch.stack([walks.length, walks.node, walks.token]).reshape(-1).double()]
+    if tops is not None:
+        # float64 holds every id and float32 probability exactly: one transfer for both
+        parts += [tops[1].reshape(-1).double(), tops[0].reshape(-1).double()]
+    flat = torch.cat(parts).cpu()
+    n_rows = len(trees)
+    lengths, nodes, tokens = flat[: 3 * n_rows].long().view(3, n_rows).tolist()
+    walked = [(tree.path(nd) if ln else [], token) for tree, ln, nd, token in zip(trees, lengths, nodes, tokens)]
+    if tops is None:
+        return walked, None
+    shape = tops[0].shape
+    size = shape.numel()
+    ids = flat[3 * n_rows : 3 * n_rows + size].long().view(shape).tolist()
+    values = flat[3 * n_rows + size :].float().view(shape).tolist()
+    return walked, [(i[: 1 + len(path)], v[: 1 + len(path)]) for (path, _), i, v in zip(walked, ids, values)]

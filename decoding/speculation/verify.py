@@ -15,11 +15,11 @@ from decoding.runtime.kv_cache import KVCache
 from decoding.runtime.packing import Packed, pack
 from decoding.runtime.runner import ModelRunner, Scored
 from decoding.speculation.acceptance import walk_matched, walk_rejection
-from decoding.speculation.device_walk import walk_matched_rows
+from decoding.speculation.device_walk import read_walks, walk_matched_rows
 from decoding.speculation.draft_tree import DraftTree
 from decoding.speculation.gumbel import gumbel_pick, gumbel_pick_rows, gumbel_targets, key
 from decoding.speculation.options import Rule
-from decoding.speculation.sampling import SamplingParams, argmax_rows, processed_logits, top_k_rows
+from decoding.speculation.sampling import SamplingParams, argmax_rows, processed_logits, top_k, top_k_rows
 from decoding.speculation.sequence import Sequence
 
 Top = tuple[list[list[int]], list[list[float]]]  # per row: the top-k token ids and their probabilities
@@ -114,11 +114,21 @@ def accept(
     # every greedy row's argmax in one pass, draws every undrafted sampled row in one call, and samples
     # the other rows lazily, only the nodes a walk reaches.
     walked: dict[int, tuple[list[int], int]] = {}
+    walked_tops: dict[int, Top] = {}
     targets: list[list[int] | None] = [None] * len(trees)
     if walk_here:
         rows, flat = device_targets(trees, seqs, logits, scores, rule)
         if rows:
-            walked = dict(zip(rows, walk_matched_rows([trees[b] for b in rows], flat)))
+            row_trees = [trees[b] for b in rows]
+            walks = walk_matched_rows(row_trees, flat)
+            # The top tokens along each path are taken there too, so that the step reads back once.
+            blocks = [
+                dists[b] if dists[b] is not None else scores[b] if scores[b] is not None else logits[b] for b in rows
+            ]
+            at = path_tops(blocks, [dists[b] is None for b in rows], walks.logit_rows(), top) if top else None
+            results, row_tops = read_walks(row_trees, walks, at)
+            walked = dict(zip(rows, results))
+            walked_tops = dict(zip(rows, row_tops or []))
     else:
         targets = host_targets(scored, trees, seqs, scores, raw, rule)
 
@@ -143,11 +153,18 @@ def accept(
     # by a fifth (the pool's threads ran torch operators of their own, and the cores' worker threads
     # contended), for draws that take 0.15 ms a row (decoding/speculation/gumbel.py).
     decided = [decide(b) for b in range(len(trees))]
-    tops = (
-        top_tokens([(path, probs, sc, row) for (path, _, probs), sc, row in zip(decided, scores, logits)], seqs, top)
-        if top
-        else None
-    )
+    tops: list[Top] | None = None
+    if top:
+        rest = [b for b in range(len(trees)) if b not in walked_tops]
+        on_host = (
+            top_tokens(
+                [(decided[b][0], decided[b][2], scores[b], logits[b]) for b in rest], [seqs[b] for b in rest], top
+            )
+            if rest
+            else []
+        )
+        walked_tops.update(zip(rest, on_host))
+        tops = [walked_tops[b] for b in range(len(trees))]
     return [
         Verdict(
             trees[b],
@@ -299,6 +316,21 @@ def top_tokens(
         out.append((ids_l[start : start + len(at)], values_l[start : start + len(at)]))
         start += len(at)
     return out
+
+
+def path_tops(
+    blocks: list[torch.Tensor], normalise: list[bool], rows: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`top_tokens` where the blocks lie, with no read-back: per row the k most likely tokens and
+    their probabilities ([R, 1 + D, k] each, values then ids) at its block's rows `rows[r]` (the root
+    and the path a device walk found, `Walks.logit_rows`), of the block's softmax where `normalise`."""
+    picked = []
+    for block, at, norm in zip(blocks, rows, normalise):
+        x = block.index_select(0, at).float()
+        picked.append(x.softmax(-1) if norm else x)
+    stacked = torch.stack(picked)
+    values, ids = top_k(stacked.flatten(0, 1), min(k, stacked.shape[-1]))
+    return values.view(*stacked.shape[:2], -1), ids.view(*stacked.shape[:2], -1)
 
 
 def kept_tops(verdicts: list[Verdict], k: int) -> list[tuple[list[list[int]], list[list[float]]]]:
