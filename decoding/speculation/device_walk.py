@@ -7,7 +7,8 @@ the same walk is tensor operations over all rows: a node is kept when its token 
 target, it is the first of its siblings with that token, and every ancestor is kept; the kept nodes
 of a row are one chain from the root (its parent's target is one token), so the row's path ends at
 its deepest kept node and its token is the target after that node. The ancestors' test is pointer
-jumping (log2 of the depth rounds); the step reads back three numbers a row in one transfer.
+jumping (log2 of the depth rounds). The step reads back, in one transfer, each row's path length,
+last node and token, and the top tokens along its path where a drafter learns them (`read_walks`).
 """
 
 from __future__ import annotations
@@ -71,16 +72,18 @@ def walk_matched_rows(trees: list[DraftTree], targets: torch.Tensor) -> Walks:
     """`walk_matched` for every row at once, on the targets' device with no read-back: `targets` holds
     each row's target at its root and after each node ([1 + N_b] a row, rows concatenated in order)."""
     sizes = [1 + len(t) for t in trees]
-    starts_np = np.cumsum([0, *sizes[:-1]], dtype=np.int64)
+    offsets = np.cumsum([0, *sizes[:-1]], dtype=np.int64)
     device = targets.device
     if max(sizes) == 1:  # no row drafted: each row's token is its root's target
         none = torch.zeros(len(trees), 0, dtype=torch.long, device=device)
         zeros = torch.zeros(len(trees), dtype=torch.long, device=device)
         return Walks(zeros, zeros, targets, none.bool(), none, 0)
     layout, max_depth = tree_layout(trees)
-    uploaded = torch.from_numpy(np.concatenate([layout.reshape(-1), starts_np]))
-    if device.type == "cuda":  # from pinned memory the copy waits on nothing the stream runs
+    uploaded = torch.from_numpy(np.concatenate([layout.reshape(-1), offsets]))
+    if device.type == "cuda":  # from pinned memory the host queues the copy without waiting for the forward
         uploaded = uploaded.pin_memory().to(device, non_blocking=True)
+    elif device.type != "cpu":
+        uploaded = uploaded.to(device)
     b, n = layout.shape[1:]
     parent, tokens, depth, first = uploaded[: 4 * b * n].view(4, b, n).unbind(0)
     starts = uploaded[4 * b * n :]

@@ -107,7 +107,7 @@ def accept(
     walk_here = on_device if walk_on_device is None else walk_on_device
     # Processed once per row: what the samplers read; the softmax only where the rule draws from it. On
     # the CPU a row the kernel draws from its raw logits is not processed at all (cast, divided, joined).
-    raw = [not walk_here and drawn_raw(t, s, rule) for t, s in zip(trees, seqs)]
+    raw = [not (on_device or walk_here) and drawn_raw(t, s, rule) for t, s in zip(trees, seqs)]
     scores, dists = processed_rows(seqs, logits, softmax=rule != "match_gumbel", skip=raw)
     # Off the CPU every row's own token at its root and at each node is found where the logits are,
     # the walks run there too, and the step reads back each row's path and token once; the CPU takes
@@ -116,19 +116,23 @@ def accept(
     walked: dict[int, tuple[list[int], int]] = {}
     walked_tops: dict[int, Top] = {}
     targets: list[list[int] | None] = [None] * len(trees)
-    if walk_here:
+    if on_device or walk_here:
         rows, flat = device_targets(trees, seqs, logits, scores, rule)
-        if rows:
+        if rows and walk_here:
             row_trees = [trees[b] for b in rows]
             walks = walk_matched_rows(row_trees, flat)
             # The top tokens along each path are taken there too, so that the step reads back once.
-            blocks = [
-                dists[b] if dists[b] is not None else scores[b] if scores[b] is not None else logits[b] for b in rows
-            ]
-            at = path_tops(blocks, [dists[b] is None for b in rows], walks.logit_rows(), top) if top else None
-            results, row_tops = read_walks(row_trees, walks, at)
+            chosen = [top_block(dists[b], scores[b], logits[b]) for b in rows]
+            along = path_tops(chosen, walks.logit_rows(), top) if top else None
+            results, row_tops = read_walks(row_trees, walks, along)
             walked = dict(zip(rows, results))
             walked_tops = dict(zip(rows, row_tops or []))
+        elif rows:  # the targets read back, the walks on the host
+            listed = flat.tolist()
+            start = 0
+            for b in rows:
+                targets[b] = listed[start : start + 1 + len(trees[b])]
+                start += 1 + len(trees[b])
     else:
         targets = host_targets(scored, trees, seqs, scores, raw, rule)
 
@@ -302,13 +306,10 @@ def top_tokens(
     done, _ = processed_rows([seqs[b] for b in unprocessed], [decided[b][3][ats[b]] for b in unprocessed], False)
     processed = dict(zip(unprocessed, done))
     for b, ((_, probs, scores, logits), at) in enumerate(zip(decided, ats)):
-        if b in processed:
-            blocks.append(processed[b])  # type: ignore[arg-type]
-            picks.append(list(range(len(at))))
-        else:
-            blocks.append(probs if probs is not None else scores if scores is not None else logits)
-            picks.append(at)
-        normalise.append(probs is None)
+        block, norm = (processed[b], True) if b in processed else top_block(probs, scores, logits)
+        blocks.append(block)  # type: ignore[arg-type]
+        picks.append(list(range(len(at))) if b in processed else at)
+        normalise.append(norm)
     values, ids = top_k_rows(blocks, min(k, blocks[0].shape[-1]), picks, normalise)
     ids_l, values_l = ids.tolist(), values.tolist()  # one conversion for the step
     out, start = [], 0
@@ -318,16 +319,25 @@ def top_tokens(
     return out
 
 
-def path_tops(
-    blocks: list[torch.Tensor], normalise: list[bool], rows: torch.Tensor, k: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`top_tokens` where the blocks lie, with no read-back: per row the k most likely tokens and
-    their probabilities ([R, 1 + D, k] each, values then ids) at its block's rows `rows[r]` (the root
-    and the path a device walk found, `Walks.logit_rows`), of the block's softmax where `normalise`."""
+def top_block(
+    probs: torch.Tensor | None, scores: torch.Tensor | None, logits: torch.Tensor
+) -> tuple[torch.Tensor, bool]:
+    """Where a row's top tokens are read: its processed distribution, else its processed logits, else
+    its raw ones (a greedy row); and whether the softmax of those rows is still to be taken."""
+    if probs is not None:
+        return probs, False
+    return (scores if scores is not None else logits), True
+
+
+def path_tops(chosen: list[tuple[torch.Tensor, bool]], rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`top_tokens` where the rows lie, with no read-back: per row the k most likely tokens and their
+    probabilities ([R, 1 + D, k] each, values then ids) at rows `rows[r]` (the root and the path a
+    device walk found, `Walks.logit_rows`) of its `top_block`. A launch or three a row (the blocks'
+    kinds and sizes differ); a copy of 1 + D rows of each, not of its tree."""
     picked = []
-    for block, at, norm in zip(blocks, rows, normalise):
-        x = block.index_select(0, at).float()
-        picked.append(x.softmax(-1) if norm else x)
+    for (block, norm), at in zip(chosen, rows):
+        x = block.index_select(0, at)
+        picked.append(x.softmax(-1, dtype=torch.float32) if norm else x.float())
     stacked = torch.stack(picked)
     values, ids = top_k(stacked.flatten(0, 1), min(k, stacked.shape[-1]))
     return values.view(*stacked.shape[:2], -1), ids.view(*stacked.shape[:2], -1)
