@@ -4,19 +4,31 @@ stage's verdicts the same whichever walks."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from conftest import DEVICE
+from test_decoders import EOS_ID, PROMPTS, encode, reference_greedy
+from test_speculative import ScriptedDrafter, ragged_requests
 
+from decoding.api.config import DecoderConfig
+from decoding.api.engine import Engine
+from decoding.base.errors import ConfigError
+from decoding.base.values import GenRequest
+from decoding.runtime.models import ModelSpec
 from decoding.runtime.packing import pack
 from decoding.runtime.runner import Scored
+from decoding.schedules.scheduler import Scheduler
 from decoding.speculation.acceptance import walk_matched
 from decoding.speculation.device_walk import read_walks, walk_matched_rows
 from decoding.speculation.draft_tree import ROOT, DraftTree
+from decoding.speculation.options import VerifyOptions
 from decoding.speculation.sampling import SamplingParams
 from decoding.speculation.sequence import Sequence
 from decoding.speculation.stopping import StopRule
 from decoding.speculation.verify import Verdict, accept
+from decoding.trees.policies import DraftTreeOptions
 
 VOCAB = 40
 
@@ -110,3 +122,45 @@ def test_the_acceptance_stage_decides_the_same_whichever_walks(rule):
         for ids, probs, host_ids in zip(*w.top, h.top[0]):  # tokens top-k / top-p left out tie at 0, in any order
             kept = sum(p > 0 for p in probs)
             assert ids[:kept] == host_ids[:kept]
+
+
+@pytest.mark.parametrize("kind", ["perfect", "random"])
+def test_scripted_drafts_decode_the_greedy_tokens_with_the_walk_on_device(tiny_model, tokenizer, loaded, kind):
+    """`verify.walk=device` on the tests' device (the CPU's default is the host's walk): a batch of
+    ragged requests, one ended by a stop string partway through a drafted run, decodes the plain greedy
+    tokens whatever the drafts."""
+    specs, requests = ragged_requests()
+    refs = [reference_greedy(tiny_model, encode(tokenizer, p), m, {EOS_ID}) for p, m in specs]
+    engine = Engine(loaded, "ar")
+    drafter = ScriptedDrafter(refs, (2, 2, 1), kind, len(tokenizer))
+    verify = VerifyOptions(plan="fixed", max_tokens=None, walk="device")
+    engine.decoder = Scheduler("scripted", engine.target, tokenizer, drafter, verify=verify)
+    assert [r.token_ids for r in engine.generate(requests)] == refs
+    assert engine.last_stats.accepted_tokens > 0
+
+
+@pytest.mark.parametrize("decoder", ["seed_stand", "sd"])
+def test_a_mixed_batch_decodes_hfs_tokens_with_the_walk_on_device(loaded, perturbed, decoder):
+    """Greedy and sampled requests in one batch, STAND's learnt tables (their top tokens read back with
+    the walk) or a perturbed draft model's trees, walked where the logits are: `hf`'s tokens, each
+    request's own, the same as with the host's walk."""
+    requests = [
+        GenRequest(p, max_new_tokens=24, temperature=t, seed=i)
+        for i, (p, t) in enumerate(zip([*PROMPTS[:3], "the cat", "the cat"], (0.0, 0.8, 0.0, 1.1, 0.6)))
+    ]
+    draft = ModelSpec("draft", key="draft") if decoder == "sd" else None
+    outs = {}
+    for walk in ("device", "host"):
+        config = DecoderConfig(
+            decoder, DraftTreeOptions(k_config=(2, 2, 1)), verify=VerifyOptions(walk=walk), draft=draft
+        )
+        engine = Engine(loaded, config, perturbed if draft else None)
+        outs[walk] = [r.token_ids for r in engine.generate(requests)]
+        assert engine.last_stats.accepted_tokens > 0
+    hf = Engine(loaded, DecoderConfig("hf"))
+    assert outs["device"] == outs["host"] == [r.token_ids for r in hf.generate(requests)]
+
+
+def test_an_unknown_walk_is_a_configuration_error():
+    with pytest.raises(ConfigError, match=re.escape("verify.walk='gpu' is not one of auto, host, device")):
+        VerifyOptions(walk="gpu")

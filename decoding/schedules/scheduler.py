@@ -79,6 +79,7 @@ class Scheduler:
             verify.budget(target.device),
             verify.rule,
             verify_batch,
+            verify.walk_on_device,
         )
         self.waiting: deque[Sequence] = deque()
         self.rounds = self._new_rounds()

@@ -68,6 +68,7 @@ class StepSetup:
     budget: int | None  # verify.plan=fixed: tree tokens one forward may score (None: no cap)
     rule: Rule
     verify_batch: int | None  # queued drafts verified per forward (None: all)
+    walk_on_device: bool | None = None  # verify.walk (None: by the logits' device)
 
 
 @dataclass
@@ -119,7 +120,16 @@ def decode_step(rounds: Rounds, setup: StepSetup, laps: Laps, draft_here: bool =
         verdicts = []
         if slots:
             drafted = replace(scored, logits=scored.logits[: len(slots)])
-            verdicts = accept(packed, drafted, trees[: len(slots)], seqs, setup.rule, setup.drafter.learns_top, nodes)
+            verdicts = accept(
+                packed,
+                drafted,
+                trees[: len(slots)],
+                seqs,
+                setup.rule,
+                setup.drafter.learns_top,
+                nodes,
+                setup.walk_on_device,
+            )
             laps.lap("accept")
             verdicts = commit(setup, slots, verdicts, packed)
         verdicts += score_choices(choices, scored.logits[len(slots) :])

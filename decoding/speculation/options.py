@@ -23,6 +23,8 @@ RULES: tuple[Rule, ...] = ("match_gumbel", "match_multinomial", "rejection")
 # (where trees stopped paying on the machine it was measured on, docs/performance.md); no cap on a GPU.
 CPU_MAX_TOKENS = 16
 PLANS = ("auto", "goodput", "fixed")
+# Where the matched rules walk a verified tree (verify.walk; decoding/speculation/device_walk.py).
+WALKS = ("auto", "host", "device")
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,10 @@ class VerifyOptions:
     # `hf`'s samples.
     rule: Rule = "match_gumbel"
     cost: str | None = None  # plan=goodput: a forward-cost profile JSON (null: profiled on this machine, cached)
+    # Where the matched rules' tree walk runs: device, as tensor operations where the logits are with one
+    # read-back a step; host, node by node, sampling only the nodes a walk reaches; auto: device off the
+    # CPU, host on it. The same paths and tokens either way.
+    walk: str = "auto"
 
     def __post_init__(self) -> None:
         if self.plan not in PLANS:
@@ -56,6 +62,8 @@ class VerifyOptions:
             )
         if self.rule not in RULES:
             raise ConfigError(f"verify.rule={self.rule!r} is not one of {', '.join(RULES)}")
+        if self.walk not in WALKS:
+            raise ConfigError(f"verify.walk={self.walk!r} is not one of {', '.join(WALKS)}")
         if self.cost is not None and not Path(self.cost).is_file():
             raise ConfigError(
                 f"verify.cost={self.cost!r} is not a file: give a profile JSON "
@@ -66,6 +74,11 @@ class VerifyOptions:
     def coupled(self) -> bool:
         """Drafters propose the target's own samples: they order candidates by its public noise."""
         return self.rule == "match_gumbel"
+
+    @property
+    def walk_on_device(self) -> bool | None:
+        """`accept`'s walk_on_device: None where auto decides by the logits' device."""
+        return None if self.walk == "auto" else self.walk == "device"
 
     def for_decoder(self, name: str) -> VerifyOptions:
         """plan=auto resolved for decoder `name`."""
