@@ -263,6 +263,17 @@ def gpu_check_module():
     return gpu_check
 
 
+def test_the_gpu_checks_decode_rows_say_where_the_walk_ran(loaded):
+    """A decode item's fourth field is `verify.walk`: the same tokens walked on the host and where the
+    logits are, each row with the host's milliseconds a step (what the walk on a GPU is to cut)."""
+    gpu_check = gpu_check_module()
+    questions = ["once upon a time there was", "the cat sat on the"]
+    rows = [gpu_check.decode(loaded, questions, "seed_stand", 2, 12, None, walk) for walk in ("host", "device")]
+    assert [r["walk"] for r in rows] == ["host", "device"]
+    assert rows[0]["tokens"] == rows[1]["tokens"] > 0
+    assert all(r["host_ms_per_step"] > 0 for r in rows)
+
+
 def test_the_gpu_checks_transformers_step_is_a_forward_on_its_cached_prompt(tmp_path, capsys, tokenizer):
     """The baseline beside the graphs-on forward: `transformers`' own step on its StaticCache gives the
     logits of the whole sequence's forward at the new positions, the same at every call; its table runs

@@ -153,20 +153,24 @@ def bfs_bench(
     return result
 
 
-def decoder_config(decoder: str, draft: str | None) -> DecoderConfig:
-    """The decoder's options as `decoding.generate decoder=NAME [draft.path=...]` reads them."""
+def decoder_config(decoder: str, draft: str | None, walk: str = "auto") -> DecoderConfig:
+    """The decoder's options as `decoding.generate decoder=NAME [draft.path=...] verify.walk=WALK` reads them."""
     from hydra import compose, initialize_config_module
     from omegaconf import OmegaConf
 
-    overrides = [f"decoder={decoder}", "prompts=-", "out=-", *([f"draft.path={draft}"] if draft else [])]
+    overrides = [f"decoder={decoder}", "prompts=-", "out=-", f"verify.walk={walk}"]
+    overrides += [f"draft.path={draft}"] if draft else []
     with initialize_config_module("conf", version_base="1.3"):
         cfg = compose("generate", overrides=overrides)
     return DecoderConfig.from_container(OmegaConf.to_container(cfg, resolve=True))
 
 
-def decode(variant: LoadedModel, questions: list[str], decoder: str, n: int, tokens: int, draft: str | None) -> dict:
-    """`decoder` on the first n questions, `tokens` each, after a warm-up call; tokens/s and ms a forward."""
-    config = decoder_config(decoder, draft)
+def decode(
+    variant: LoadedModel, questions: list[str], decoder: str, n: int, tokens: int, draft: str | None, walk: str = "auto"
+) -> dict:
+    """`decoder` on the first n questions, `tokens` each, after a warm-up call; tokens/s, ms a forward
+    and the host's ms a step (`verify.walk`: where the tree walk runs)."""
+    config = decoder_config(decoder, draft, walk)
     engine = Engine(variant, config, load_draft(config.draft, variant) if config.draft else None)
     questions = questions[:n]
     requests = [GenRequest(q, max_new_tokens=tokens, seed=i) for i, q in enumerate(questions)]
@@ -178,12 +182,14 @@ def decode(variant: LoadedModel, questions: list[str], decoder: str, n: int, tok
     out = {
         "decoder": decoder,
         "draft": draft,
+        "walk": walk,
         "sequences": n,
         "tokens": s.generated_tokens,
         "wall_s": s.wall_s,
         "tokens_per_s": s.generated_tokens / s.wall_s,
         "ms_per_forward": 1000 * s.wall_s / max(s.target_forwards, 1),
         "acceptance_length": s.acceptance_length,
+        "host_ms_per_step": s.host_ms_per_step,
         "warmup_s": warm_s,
     }
     return out
@@ -241,7 +247,9 @@ def main() -> None:
     parser.add_argument("--parts", default="forward,hf,decode,bfs,tests", help="which parts, in this order")
     parser.add_argument("--modes", default="off,on", help="graphs off and/or on")
     parser.add_argument(
-        "--decode", default="ar:1,ar:32,sd:1:self,seed_stand:1", help="decoder:sequences[:draft.path], ..."
+        "--decode",
+        default="ar:1,ar:32,sd:1:self,seed_stand:1,seed_stand:1::host,seed_stand:32,seed_stand:32::host",
+        help="decoder:sequences[:draft.path[:verify.walk]], ...",
     )
     parser.add_argument("--questions", type=Path, default=Path("../shared/data/gsm8k/test.jsonl"))
     parser.add_argument("--bfs-model", default="smollm2-135m", help="bfs: the embedded model's name or a GGUF path")
@@ -282,16 +290,18 @@ def main() -> None:
             torch.cuda.empty_cache()
             (args.out / "check.json").write_text(json.dumps(result, indent=1))
         for item in args.decode.split(",") if "decode" in parts else []:
-            decoder, n, *draft = item.split(":")
+            decoder, n, *rest = item.split(":")
+            draft, walk = (rest[0] if rest else None) or None, rest[1] if len(rest) > 1 else "auto"
             for mode, variant in modes.items():
                 if time.perf_counter() - start > 0.8 * args.budget:
                     print(f"skipped {item} graphs {mode}: the budget", flush=True)
                     continue
-                row = {"mode": mode, **decode(variant, questions, decoder, int(n), 256, draft[0] if draft else None)}
+                row = {"mode": mode, **decode(variant, questions, decoder, int(n), 256, draft, walk)}
                 result["decode"].append(row)
                 print(
                     f"decode {item} graphs {mode}: {row['tokens_per_s']:.1f} tok/s, "
-                    f"{row['ms_per_forward']:.2f} ms/forward, acceptance {row['acceptance_length']:.2f}",
+                    f"{row['ms_per_forward']:.2f} ms/forward, host {row['host_ms_per_step']:.2f} ms/step, "
+                    f"acceptance {row['acceptance_length']:.2f}",
                     flush=True,
                 )
                 (args.out / "check.json").write_text(json.dumps(result, indent=1))
