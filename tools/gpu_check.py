@@ -291,7 +291,8 @@ def main() -> None:
             (args.out / "check.json").write_text(json.dumps(result, indent=1))
         for item in args.decode.split(",") if "decode" in parts else []:
             decoder, n, *rest = item.split(":")
-            draft, walk = (rest[0] if rest else None) or None, rest[1] if len(rest) > 1 else "auto"
+            draft = rest[0] if rest and rest[0] else None  # "seed_stand:1::host": no draft model
+            walk = rest[1] if len(rest) > 1 else "auto"
             for mode, variant in modes.items():
                 if time.perf_counter() - start > 0.8 * args.budget:
                     print(f"skipped {item} graphs {mode}: the budget", flush=True)
