@@ -280,6 +280,37 @@ def test_sigterm_during_the_kernel_build_ends_its_compilers(gsm8k_tiny, tmp_path
     assert working_in(build) == []
 
 
+SPAWNER = """
+import subprocess, sys, time
+from pathlib import Path
+from decoding.base.cli import descendants, end_descendants
+# A shell starting sleeps as fast as it can, as ninja starts compilers: a parent ended while its
+# children are listed must leave none running.
+shell = subprocess.Popen(["sh", "-c", "i=0; while [ $i -lt 300 ]; do sleep 30.25 & i=$((i+1)); done; wait"])
+while len(descendants(shell.pid)) < 20:
+    time.sleep(0.001)
+end_descendants()
+shell.wait()
+time.sleep(0.5)
+left = 0
+for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+    try:
+        left += cmdline.read_bytes().startswith(b"sleep\\x0030.25")
+    except OSError:
+        pass
+print(left)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="processes are listed from /proc")
+def test_ending_descendants_catches_the_ones_started_while_they_are_listed():
+    # In a process of its own: this pytest worker's descendants include other tests' servers.
+    cmd = [sys.executable, "-c", SPAWNER]
+    out = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["0"]
+
+
 def test_each_checkout_builds_its_kernels_in_a_folder_of_its_own(tmp_path, monkeypatch):
     """Build files name their sources by path: two checkouts sharing one build folder rebuilt all of it
     at every alternation."""

@@ -125,9 +125,19 @@ def descendants(pid: int) -> list[int]:
 
 
 def end_descendants(sig: int = signal.SIGTERM) -> None:
-    for pid in descendants(os.getpid()):
-        with contextlib.suppress(OSError):
-            os.kill(pid, sig)
+    """Send `sig` to every process started under this one. They are stopped first, scanning until a
+    scan finds none new: a parent signalled while its children are still being listed (ninja, killed
+    by torch right after) may start a compiler that no scan sees, left orphaned and running."""
+    stopped: list[int] = []
+    while new := [pid for pid in descendants(os.getpid()) if pid not in stopped]:
+        for pid in new:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGSTOP)
+        stopped += new
+    for resume in (sig, signal.SIGCONT):  # a stopped process takes `sig` when it resumes
+        for pid in stopped:
+            with contextlib.suppress(OSError):
+                os.kill(pid, resume)
 
 
 @contextlib.contextmanager
