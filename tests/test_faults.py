@@ -286,19 +286,28 @@ from pathlib import Path
 from decoding.base.cli import descendants, end_descendants
 # A shell starting sleeps as fast as it can, as ninja starts compilers: a parent ended while its
 # children are listed must leave none running.
-shell = subprocess.Popen(["sh", "-c", "i=0; while [ $i -lt 300 ]; do sleep 30.25 & i=$((i+1)); done; wait"])
+script = "i=0; while [ $i -lt 300 ]; do sleep 30.25 & i=$((i+1)); done; wait"
+shell = subprocess.Popen(["sh", "-c", script], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 while len(descendants(shell.pid)) < 20:
     time.sleep(0.001)
 end_descendants()
 shell.wait()
-time.sleep(0.5)
-left = 0
-for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-    try:
-        left += cmdline.read_bytes().startswith(b"sleep\\x0030.25")
-    except OSError:
-        pass
-print(left)
+
+
+def left() -> int:
+    count = 0
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            count += cmdline.read_bytes().startswith(b"sleep\\x0030.25")
+        except OSError:
+            pass
+    return count
+
+
+deadline = time.monotonic() + 10  # a sleep signalled ends within moments; one missed lives 30 s
+while left() and time.monotonic() < deadline:
+    time.sleep(0.1)
+print(left())
 """
 
 
