@@ -281,7 +281,7 @@ def test_sigterm_during_the_kernel_build_ends_its_compilers(gsm8k_tiny, tmp_path
 
 
 SPAWNER = """
-import subprocess, sys, time
+import subprocess, time
 from pathlib import Path
 from decoding.base.cli import descendants, end_descendants
 # A shell starting sleeps as fast as it can, as ninja starts compilers: a parent ended while its
