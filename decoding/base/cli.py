@@ -15,6 +15,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from importlib import resources
@@ -104,6 +105,12 @@ def _stop(signum: int, frame: object) -> None:
     raise Stopped(signum)
 
 
+def _after_name(stat: str) -> list[str]:
+    """A /proc/PID/stat's fields from the state on: the command's name before them sits in parentheses
+    and may hold anything, so they follow the last ')'."""
+    return stat[stat.rfind(")") + 2 :].split()
+
+
 def descendants(pid: int) -> list[int]:
     """The processes started under `pid`, at any depth, parents before their children (Linux's /proc;
     elsewhere none are found)."""
@@ -113,8 +120,7 @@ def descendants(pid: int) -> list[int]:
             text = stat.read_text()
         except OSError:  # it ended while we looked
             continue
-        # The command's name sits in parentheses and may hold anything: the fields follow the last ')'.
-        parent = int(text[text.rfind(")") + 2 :].split()[1])
+        parent = int(_after_name(text)[1])
         children.setdefault(parent, []).append(int(stat.parent.name))
     found, queue = [], [pid]
     while queue:
@@ -122,6 +128,20 @@ def descendants(pid: int) -> list[int]:
         found += below
         queue += below
     return found
+
+
+def _wait_stopped(pids: list[int], timeout_s: float = 0.5) -> None:
+    """Until each of `pids` is stopped, a zombie or gone (its state in /proc), at most `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    for pid in pids:
+        while time.monotonic() < deadline:
+            try:
+                text = Path(f"/proc/{pid}/stat").read_text()
+            except OSError:
+                break
+            if _after_name(text)[0] in "TtZX":
+                break
+            time.sleep(0.001)
 
 
 def end_descendants(sig: int = signal.SIGTERM) -> None:
@@ -133,6 +153,7 @@ def end_descendants(sig: int = signal.SIGTERM) -> None:
         for pid in new:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGSTOP)
+        _wait_stopped(new)  # a signal is taken moments after it is sent: a fork may come between
         stopped += new
     for resume in (sig, signal.SIGCONT):  # a stopped process takes `sig` when it resumes
         for pid in stopped:
