@@ -7,7 +7,7 @@ import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from decoding.runtime import kernels
-from decoding.speculation.sampling import SamplingParams, process_logits, top_k, top_k_rows
+from decoding.speculation.sampling import NUCLEUS_FIRST, SamplingParams, process_logits, top_k, top_k_rows, top_p_kept
 from decoding.speculation.stopping import StopRule, final_text
 
 PARAM_SETS = [
@@ -42,6 +42,53 @@ def test_process_logits_matches_transformers_warpers(p):
     for b in range(6):
         torch.testing.assert_close(got[b], hf_probs(logits[b], p), atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(got.sum(-1), torch.ones(6))
+
+
+def sorted_top_p_kept(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Top-p by a sort of the whole row: the smallest descending prefix whose mass reaches top_p
+    (the row's softmax as the kernel takes it: a sorted row's sum rounds otherwise, which moves a
+    cut deep in the tail by a few tokens)."""
+    order = torch.sort(logits, dim=-1, descending=True).indices
+    mass = logits.softmax(-1).gather(-1, order)
+    kept = (mass.cumsum(-1) - mass) < top_p
+    return torch.zeros_like(kept).scatter(-1, order, kept)
+
+
+@pytest.mark.parametrize("first", [NUCLEUS_FIRST, None], ids=["candidates", "sorted"])
+@pytest.mark.parametrize("top_p", [0.3, 0.9, 0.95, 0.999])
+def test_top_p_over_a_large_vocabulary_keeps_what_a_sort_of_it_keeps(top_p, first):
+    """The nucleus is looked for among the largest logits, more of them while a row's mass falls
+    short: peaked rows find it in the first candidates, flat ones only in most of the vocabulary."""
+    gen = torch.Generator().manual_seed(5)
+    scale = torch.tensor([8.0, 4.0, 1.0, 0.05])[:, None]  # peaked to nearly uniform
+    logits = torch.randn(4, 50_000, generator=gen) * scale
+    kept = top_p_kept(logits, top_p, first)
+    assert torch.equal(kept, sorted_top_p_kept(logits, top_p))
+    counts = kept.sum(-1)
+    assert counts.min() >= 1 and counts.max() > NUCLEUS_FIRST  # both the first look and a grown one
+    if top_p <= 0.9:
+        assert counts.min() < NUCLEUS_FIRST
+
+
+@pytest.mark.parametrize("top_p", [0.5, 0.9, 0.99])
+def test_top_p_keeps_tied_tokens_together_whatever_the_batch(top_p):
+    """bfloat16 logits tie often: a cut among tied tokens would depend on the order a sort or top-k
+    leaves them in, and the number of candidates looked at, on the rest of the batch."""
+    gen = torch.Generator().manual_seed(6)
+    scale = torch.tensor([6.0, 2.0, 0.05])[:, None]
+    logits = (torch.randn(3, 20_000, generator=gen) * scale).bfloat16().float()
+    batch = top_p_kept(logits, top_p)
+    for b in range(3):
+        alone = top_p_kept(logits[b : b + 1], top_p)[0]
+        assert torch.equal(alone, batch[b])
+        assert torch.equal(alone, top_p_kept(logits[b : b + 1], top_p, None)[0])
+        row, kept = logits[b], batch[b]
+        assert torch.equal(torch.isin(row, row[kept]), kept)  # a tie is kept whole or not at all
+        probs = row.double().softmax(-1)
+        lowest = row[kept].min()
+        assert probs[row > lowest].sum() < top_p + 1e-6  # the last tie kept starts below top_p
+        assert probs[kept].sum() >= top_p - 1e-6  # and what is kept reaches it
+    assert (logits[0] == logits[0][batch[0]].min()).sum() > 1 or (logits[1] == logits[1][batch[1]].min()).sum() > 1
 
 
 def test_process_logits_per_row_parameters_in_one_batch():

@@ -242,7 +242,9 @@ def commit(setup: StepSetup, slots: list[Slot], verdicts: list[Verdict], packed:
         s = slot.seq
         v.kept = s.commit(v.tokens, setup.tokenizer, drafted=len(v.tree), accepted=len(v.path))
         if s.top_logprobs is not None and v.kept:
-            s.logprobs += token_logprobs(v.logits[v.kept_rows()], v.tokens[: v.kept], s.params, s.top_logprobs)
+            rows = v.kept_rows()
+            processed = None if v.scores is None else v.scores[rows]
+            s.logprobs += token_logprobs(v.logits[rows], v.tokens[: v.kept], s.params, s.top_logprobs, processed)
         if not slot.seq.done:
             going.append((slot.row, packed.committed(b, v.path)))
             slot.pending = [v.token]

@@ -16,20 +16,32 @@ from decoding.speculation.draft_tree import ROOT, DraftTree
 from decoding.speculation.sampling import SamplingParams, processed_logits
 
 
-def log_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+def log_distribution(
+    logits: torch.Tensor, params: SamplingParams, processed: torch.Tensor | None = None
+) -> torch.Tensor:
     """log p over the vocabulary for logits [n, V]: the request's own sampling distribution (the
     processed logits, as `transformers` reports its sampled scores; -inf outside top-k / top-p), the
-    raw logits' at temperature 0 (greedy search's scores)."""
-    rows = logits.float()
-    return (rows if params.greedy else processed_logits(rows, params)).log_softmax(-1)
+    raw logits' at temperature 0 (greedy search's scores). `processed`: those rows' processed logits
+    where the acceptance already made them (the same bits: processing works row by row)."""
+    if params.greedy:
+        return logits.float().log_softmax(-1)
+    return (processed_logits(logits.float(), params) if processed is None else processed).log_softmax(-1)
 
 
-def token_logprobs(logits: torch.Tensor, tokens: list[int], params: SamplingParams, top: int) -> list[TokenLogprob]:
+def token_logprobs(
+    logits: torch.Tensor,
+    tokens: list[int],
+    params: SamplingParams,
+    top: int,
+    processed: torch.Tensor | None = None,
+) -> list[TokenLogprob]:
     """Each of `tokens`' log-probability at its row of `logits` [len(tokens), V] (the row that
-    predicted it), with the `top` most likely tokens there; one read back for all of them."""
+    predicted it), with the `top` most likely tokens there; one read back for all of them.
+    `processed`: the same rows' processed logits, where they were made already."""
     if not tokens:
         return []
-    logp = log_distribution(logits[: len(tokens)], params)
+    n = len(tokens)
+    logp = log_distribution(logits[:n], params, None if processed is None else processed[:n])
     ids = torch.tensor(tokens, device=logp.device)
     chosen = logp.gather(-1, ids[:, None])[:, 0].tolist()
     if top:

@@ -67,14 +67,42 @@ def processed_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         kth = torch.topk(logits, p.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if p.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        # Keep the smallest prefix whose mass reaches top_p: a token is dropped when the mass
-        # strictly before it already reaches top_p (the top token always stays).
-        drop_sorted = (cum - sorted_logits.softmax(-1)) >= p.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
+        first = NUCLEUS_FIRST if logits.device.type == "cpu" else None  # a GPU sorts a row in microseconds
+        logits = logits.masked_fill(~top_p_kept(logits, p.top_p, first), float("-inf"))
     return logits
+
+
+NUCLEUS_FIRST = 256  # candidates a row's nucleus is first looked for among (grown 8x while short)
+
+
+def top_p_kept(logits: torch.Tensor, top_p: float, first: int | None = NUCLEUS_FIRST) -> torch.Tensor:
+    """The tokens top-p keeps in each row of logits [..., V]: those whose larger tokens (the row's
+    tokens of strictly larger logits) hold less than top_p of its mass, so the smallest prefix of
+    the row in descending order that reaches top_p, with the tokens tied to its last one (the top
+    token always stays). Tied tokens stand or fall together: a cut between them would depend on the
+    order a sort leaves them in (bfloat16 logits tie often). The prefix is looked for among the row's
+    `first` largest logits, 8x more while some row's does not end among them, not by sorting the
+    whole vocabulary: on 2 CPU cores (AVX-512) a sort of 151,936 logits took 11.7 ms, a top-256 0.3.
+    None sorts the whole row (no test of the candidates to read back). The tokens kept do not depend
+    on how many candidates were looked at, so neither on the other rows of a batch."""
+    probs = logits.softmax(-1)
+    vocab = logits.shape[-1]
+    k = vocab if first is None else min(vocab, first)
+    while True:
+        values, order = logits.topk(k, dim=-1)  # descending
+        mass = probs.gather(-1, order)
+        before = torch.cat([torch.zeros_like(mass[..., :1]), mass.cumsum(-1)[..., :-1]], -1)
+        # Each token takes the mass before the first of its ties: a sum of the same values whatever
+        # their order, so the same bits.
+        starts = torch.ones_like(values, dtype=torch.bool)
+        starts[..., 1:] = values[..., 1:] != values[..., :-1]
+        place = torch.arange(k, device=logits.device).expand_as(values)
+        larger = before.gather(-1, torch.where(starts, place, 0).cummax(-1).values)
+        # Done when every row's last candidate falls: every token after it has at least its mass larger.
+        if k == vocab or bool((larger[..., -1] >= top_p).all()):
+            break
+        k = min(vocab, 8 * k)
+    return torch.zeros_like(logits, dtype=torch.bool).scatter(-1, order, larger < top_p)
 
 
 def top_k(x: torch.Tensor, k: int, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:

@@ -50,6 +50,9 @@ class Verdict:
     # distribution; the softmax of the logits for greedy rows) at the root and along the accepted
     # path, in that order (1 + len(path) rows of k each), as lists: what drafters' tables take.
     top: Top | None = None
+    # The processed logits at the root and at each node [1 + N, V] where the acceptance made them (None:
+    # greedy rows, rows the kernel drew from their raw logits): what log-probabilities read again.
+    scores: torch.Tensor | None = None
 
     @property
     def drafted_path(self) -> list[int]:
@@ -179,6 +182,7 @@ def accept(
             hidden=None if hidden is None else hidden[b, packed.committed(b, path)],
             drafted_nodes=None if drafted_nodes is None else drafted_nodes[b],
             top=None if tops is None else tops[b],
+            scores=scores[b],
         )
         for b, (path, token, probs) in enumerate(decided)
     ]
