@@ -89,7 +89,8 @@ def top_p_kept(logits: torch.Tensor, top_p: float, first: int | None = NUCLEUS_F
     vocab = logits.shape[-1]
     k = vocab if first is None else min(vocab, first)
     while True:
-        values, order = logits.topk(k, dim=-1)  # descending
+        # descending; the whole row by a sort (a top-k of all of it was no faster)
+        values, order = logits.sort(dim=-1, descending=True) if k == vocab else logits.topk(k, dim=-1)
         mass = probs.gather(-1, order)
         before = torch.cat([torch.zeros_like(mass[..., :1]), mass.cumsum(-1)[..., :-1]], -1)
         # Each token takes the mass before the first of its ties: a sum of the same values whatever
