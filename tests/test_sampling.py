@@ -50,7 +50,7 @@ def sorted_top_p_kept(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     cut deep in the tail by a few tokens)."""
     order = torch.sort(logits, dim=-1, descending=True).indices
     mass = logits.softmax(-1).gather(-1, order)
-    kept = (mass.cumsum(-1) - mass) < top_p
+    kept = torch.cat([torch.zeros_like(mass[:, :1]), mass.cumsum(-1)[:, :-1]], -1) < top_p
     return torch.zeros_like(kept).scatter(-1, order, kept)
 
 

@@ -65,7 +65,9 @@ class UnionDrafter:
         # Without its own path a drafter learns only the first committed position (kept_rows()
         # stops at the path's end; `kept` still locates the committed tokens).
         top = None if v.top is None else (v.top[0][: 1 + len(own_path)], v.top[1][: 1 + len(own_path)])
-        return replace(v, tree=trees[k], path=own_path, probs=probs, logits=logits, drafted_nodes=None, top=top)
+        return replace(
+            v, tree=trees[k], path=own_path, probs=probs, logits=logits, drafted_nodes=None, top=top, scores=None
+        )
 
     def release(self, slots: list[Slot], live: list[Slot]) -> None:
         for d in self.drafters:

@@ -245,6 +245,7 @@ def commit(setup: StepSetup, slots: list[Slot], verdicts: list[Verdict], packed:
             rows = v.kept_rows()
             processed = None if v.scores is None else v.scores[rows]
             s.logprobs += token_logprobs(v.logits[rows], v.tokens[: v.kept], s.params, s.top_logprobs, processed)
+        v.scores = None
         if not slot.seq.done:
             going.append((slot.row, packed.committed(b, v.path)))
             slot.pending = [v.token]

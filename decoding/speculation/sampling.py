@@ -89,21 +89,18 @@ def top_p_kept(logits: torch.Tensor, top_p: float, first: int | None = NUCLEUS_F
     vocab = logits.shape[-1]
     k = vocab if first is None else min(vocab, first)
     while True:
-        # descending; the whole row by a sort (a top-k of all of it was no faster)
         values, order = logits.sort(dim=-1, descending=True) if k == vocab else logits.topk(k, dim=-1)
         mass = probs.gather(-1, order)
+        # The mass before each candidate: running sums, the same bits for any number of candidates.
         before = torch.cat([torch.zeros_like(mass[..., :1]), mass.cumsum(-1)[..., :-1]], -1)
-        # Each token takes the mass before the first of its ties: a sum of the same values whatever
-        # their order, so the same bits.
-        starts = torch.ones_like(values, dtype=torch.bool)
-        starts[..., 1:] = values[..., 1:] != values[..., :-1]
-        place = torch.arange(k, device=logits.device).expand_as(values)
-        larger = before.gather(-1, torch.where(starts, place, 0).cummax(-1).values)
-        # Done when every row's last candidate falls: every token after it has at least its mass larger.
-        if k == vocab or bool((larger[..., -1] >= top_p).all()):
-            break
-        k = min(vocab, 8 * k)
-    return torch.zeros_like(logits, dtype=torch.bool).scatter(-1, order, larger < top_p)
+        # The candidates before which less than top_p lies are a prefix (at least the top token); the
+        # row keeps every token at least as large as its last, ties included.
+        last = (before < top_p).sum(-1, keepdim=True) - 1
+        least = values.gather(-1, last)
+        # Enough candidates when every row's last one falls short of that: all after it do too.
+        if k == vocab or bool((values[..., -1:] < least).all()):
+            return logits >= least
+        k = vocab if 32 * k > vocab else 8 * k  # a nucleus this wide: one sort, not a top-k of most of it
 
 
 def top_k(x: torch.Tensor, k: int, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:

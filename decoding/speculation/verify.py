@@ -50,8 +50,9 @@ class Verdict:
     # distribution; the softmax of the logits for greedy rows) at the root and along the accepted
     # path, in that order (1 + len(path) rows of k each), as lists: what drafters' tables take.
     top: Top | None = None
-    # The processed logits at the root and at each node [1 + N, V] where the acceptance made them (None:
-    # greedy rows, rows the kernel drew from their raw logits): what log-probabilities read again.
+    # The processed logits at the root and at each node [1 + N, V] where the acceptance made them and
+    # the sequence asks for log-probabilities (else None: greedy rows, rows the kernel drew from their raw
+    # logits); the commit reads them and lets them go (a view keeps its whole group's tensor alive).
     scores: torch.Tensor | None = None
 
     @property
@@ -182,7 +183,7 @@ def accept(
             hidden=None if hidden is None else hidden[b, packed.committed(b, path)],
             drafted_nodes=None if drafted_nodes is None else drafted_nodes[b],
             top=None if tops is None else tops[b],
-            scores=scores[b],
+            scores=scores[b] if seqs[b].top_logprobs is not None else None,
         )
         for b, (path, token, probs) in enumerate(decided)
     ]
