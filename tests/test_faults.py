@@ -281,7 +281,7 @@ def test_sigterm_during_the_kernel_build_ends_its_compilers(gsm8k_tiny, tmp_path
 
 
 SPAWNER = """
-import subprocess, time
+import contextlib, subprocess, time
 from pathlib import Path
 from decoding.base.cli import descendants, end_descendants
 # A shell starting sleeps as fast as it can, as ninja starts compilers: a parent ended while its
@@ -297,10 +297,8 @@ shell.wait()
 def left() -> int:
     count = 0
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
+        with contextlib.suppress(OSError):  # a process that ended while listed
             count += cmdline.read_bytes().startswith(b"sleep\\x0030.25")
-        except OSError:
-            pass
     return count
 
 
