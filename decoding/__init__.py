@@ -30,7 +30,15 @@ EXPORTS: dict[str, tuple[str, ...]] = {
     "decoding.base.options": ("as_float", "as_int", "as_list", "from_dict"),
     "decoding.base.plugins": ("ENV", "Lazy", "Plugin", "table", "unknown"),
     "decoding.base.run": ("run_sync",),
-    "decoding.base.values": ("Completion", "DecodeStats", "GenRequest", "GenResult", "Group", "host_line"),
+    "decoding.base.values": (
+        "Completion",
+        "DecodeStats",
+        "GenRequest",
+        "GenResult",
+        "Group",
+        "TokenLogprob",
+        "host_line",
+    ),
     "decoding.drafters.load": ("load_draft",),
     "decoding.runtime.memory": ("peak_rss_mb",),
     "decoding.runtime.models": (
@@ -74,7 +82,7 @@ if TYPE_CHECKING:  # the same names, for type checkers (tests/test_layout.py hol
     from decoding.base.options import as_float, as_int, as_list, from_dict
     from decoding.base.plugins import ENV, Lazy, Plugin, table, unknown
     from decoding.base.run import run_sync
-    from decoding.base.values import Completion, DecodeStats, GenRequest, GenResult, Group, host_line
+    from decoding.base.values import Completion, DecodeStats, GenRequest, GenResult, Group, TokenLogprob, host_line
     from decoding.drafters.load import load_draft
     from decoding.runtime.memory import peak_rss_mb
     from decoding.runtime.models import (

@@ -94,7 +94,9 @@ EVALUATORS = ("separate", "in_context")
 # question (RAP). Those two read one forward of the prompt (GenRequest.choices): no reply is generated.
 # `confidence`: no evaluator at all, the thought's own mean token probability as the model wrote it
 # (its geometric mean, from the reply's log-probabilities; self-certainty, as CISC weighs votes by).
-VALUES = ("sampled", "expected", "yes", "confidence")
+# `rollout`: no evaluator either: task.rollouts completions sampled from the state to an answer, the
+# state's value the share of them that reach the answer the problem's vote favours (rStar, phi-Decoding).
+VALUES = ("sampled", "expected", "yes", "confidence", "rollout")
 YES_NO = {" Yes": 1.0, " No": 0.0}
 
 
@@ -141,6 +143,12 @@ class Task(Protocol):
 
     def solution_prompt(self, problem: Problem) -> Prompt:
         """The prompt whose one reply solves the whole problem (best-of-N's samples)."""
+        ...
+
+    def rollout_prompt(self, problem: Problem, steps: list[str]) -> Prompt:
+        """With task.value=rollout: the prompt whose one reply completes the path `steps` to an answer
+        (read by `answer` as the step after them); task.rollouts of them value the state, each at most
+        task.rollout_tokens long."""
         ...
 
     def solution_steps(self, problem: Problem, reply: str) -> list[str]:
@@ -208,7 +216,8 @@ def check_value(task: str, value: str, modes: tuple[str, ...] = VALUES) -> None:
     if value not in modes:
         raise DataError(
             f"task.value={value!r} is not one of {', '.join(modes)} (task={task}): sampled reads the number in "
-            "sampled evaluations; expected (the expected score) and yes (the probability of Yes) read one forward"
+            "sampled evaluations; expected (the expected score) and yes (the probability of Yes) read one forward; "
+            "rollout values a state by how often completions from it reach the vote's answer"
         )
 
 

@@ -123,15 +123,28 @@ class GSM8K(TaskDefaults):
     evaluator: str = "separate"
     thoughts: str = "paragraphs"
     value: str = "confidence"
+    rollouts: int = 2  # task.value=rollout: completions sampled from each state
+    rollout_tokens: int = 384  # the longest completion (as best-of-N's whole solutions)
     name: str = "gsm8k"
 
     def __post_init__(self) -> None:
         if self.thoughts not in THOUGHTS:
             raise DataError(f"task.thoughts={self.thoughts!r} is not one of {', '.join(THOUGHTS)}")
         self.depth = self.depth or THOUGHTS[self.thoughts]
-        check_positive(self.name, depth=self.depth, n_evaluate=self.n_evaluate)
+        check_positive(
+            self.name,
+            depth=self.depth,
+            n_evaluate=self.n_evaluate,
+            rollouts=self.rollouts,
+            rollout_tokens=self.rollout_tokens,
+        )
         check_evaluator(self.name, self.evaluator)
         check_value(self.name, self.value)
+        if self.value == "rollout" and self.thoughts != "paragraphs":
+            raise DataError(
+                "task.value=rollout completes a state's solution paragraph by paragraph: use it with "
+                "task.thoughts=paragraphs (sub-questions are not a solution a completion can continue)"
+            )
 
     def value_answers(self) -> dict[str, float]:
         return YES_NO if self.value == "yes" else score_answers(1, 10)
@@ -243,6 +256,11 @@ class GSM8K(TaskDefaults):
             f"{problem.question}\n\nSolve the problem step by step, then end with the sentence "
             '"The answer is <number>."',
         )
+
+    def rollout_prompt(self, problem: Problem, steps: list[str]) -> Prompt:
+        # The prompt the state's next paragraphs are sampled from, without the paragraph stop: its keys
+        # and values are those its children's thoughts read.
+        return replace(self.generator_prompt(problem, steps), stop=())
 
     def solution_steps(self, problem: Problem, reply: str) -> list[str]:
         return [reply.strip()]

@@ -67,7 +67,7 @@ class TemplateTask(TaskDefaults):
 
     def __post_init__(self) -> None:
         check_positive(self.name, depth=self.depth, n_evaluate=self.n_evaluate)
-        check_value(self.name, self.value)
+        check_value(self.name, self.value, ("sampled", "expected", "yes", "confidence"))
         check_evaluator(self.name, self.evaluator)
         for key in ("generator_template", "evaluator_template", "solution_template"):
             try:

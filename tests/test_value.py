@@ -282,3 +282,28 @@ def test_separation_reads_how_well_values_tell_right_from_wrong(tmp_path, capsys
     assert main([str(out)]) == 0
     assert "pooled 1.000; a right answer among the finished states of 1 of 2 problems" in capsys.readouterr().out
     assert main([str(tmp_path / "none")]) == 2 and "no summary.json" in capsys.readouterr().err
+
+
+def test_separation_scores_each_confidence_reading_the_trees_kept(tmp_path, capsys):
+    """Finished states whose replies kept their readings: one line per reading, its AUC and its vote."""
+    from test_run import FakeEngine, make_config
+
+    from tot.runs.run import run
+    from tot.separation import main, separation
+
+    out = tmp_path / "run"
+    run(make_config("data.limit=2"), out, engine=FakeEngine(), progress=False)  # bundled-1 right, bundled-2 wrong
+    assert separation(out).readings == {}  # nothing asked for log-probabilities
+    for name, sure in (("bundled-2", 0.2), ("bundled-1", 0.9)):
+        path = out / "trees" / f"{name}.json"
+        saved = json.loads(path.read_text())
+        for n in saved["nodes"]:
+            n["confidence"] = {"mean": sure, "lowest_window": sure / 2, "tail": 1 - sure}
+        path.write_text(json.dumps(saved))
+    sep = separation(out)
+    assert list(sep.readings) == ["mean", "lowest_window", "tail"]
+    assert sep.readings["mean"].pooled_auc == 1.0 and sep.readings["tail"].pooled_auc == 0.0
+    assert sep.readings["mean"].solved == {"vote": 1}
+    assert main([str(out)]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert len(printed) == 4 and printed[3].startswith("  tail: ") and "pooled 0.000" in printed[3]

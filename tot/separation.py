@@ -11,6 +11,11 @@ easy problems, which a search cannot use).
 It also counts the problems each choice among the finished states answers right: the run's own, the
 best-valued state, the value-weighted vote (what search.aggregate=vote would have answered from the same
 tree: BFS and MCTS grow it the same under either) and the plain majority of their answers.
+
+Where the finished states' replies kept their log-probabilities (a vote.weight reading, or
+task.value=confidence), each confidence reading (tot/search/confidence.py) is scored the same way, one
+line each: its AUC within problems, and the problems its weighted vote (vote.weight=READING) answers
+right; so a user sees which reading separates before choosing one.
 Nothing is decoded: the trees are read as they were saved.
 """
 
@@ -24,7 +29,9 @@ from pathlib import Path
 from tasks.base import DataError
 from tot.rescore import run_task
 from tot.runs.saved import ShowError, problems, read_tree
-from tot.search.base import choose, finished_states
+from tot.search.base import choose, finished_states, path_confidence
+from tot.search.confidence import READINGS
+from tot.search.vote import VoteRule
 
 RULES = ("best", "vote", "majority")  # choices recomputed over a tree's finished states, beside the run's own
 
@@ -49,6 +56,8 @@ class Separation:
     by_problem: list[Values]
     reachable: int = 0  # problems with a right answer among their finished states (what a choice can reach)
     solved: dict[str, int] = field(default_factory=dict)  # problems answered right: "run" (recorded), and by RULES
+    # Per confidence reading that every finished state of a problem has: its values and its vote's hits.
+    readings: dict[str, Separation] = field(default_factory=dict)
 
     @property
     def problems(self) -> int:
@@ -71,10 +80,18 @@ class Separation:
     def pooled_auc(self) -> float | None:
         return auc([Values(self.right, self.wrong)])
 
-    def line(self, name: str) -> str:
-        def shown(value: float | None) -> str:
-            return "n/a (no right and wrong state to compare)" if value is None else f"{value:.3f}"
+    def lines(self, name: str) -> list[str]:
+        """The values' line, then one per confidence reading."""
+        out = [self.line(name)]
+        for reading, sep in self.readings.items():
+            out.append(
+                f"  {reading}: {len(sep.right)} right, {len(sep.wrong)} wrong over {sep.problems} problems; mean "
+                f"{mean(sep.right):.3f} against {mean(sep.wrong):.3f}; AUC within problems {shown(sep.within_auc)}, "
+                f"pooled {shown(sep.pooled_auc)}; its weighted vote answers {sep.solved.get('vote', 0)} right"
+            )
+        return out
 
+    def line(self, name: str) -> str:
         pairs = sum(len(v.right) * len(v.wrong) for v in self.by_problem)
         chosen = ", ".join(f"{rule} {self.solved.get(rule, 0)}" for rule in ("run", *RULES))
         return (
@@ -83,6 +100,10 @@ class Separation:
             f"({pairs} pairs), pooled {shown(self.pooled_auc)}; a right answer among the finished states of "
             f"{self.reachable} of {self.problems} problems; answered right by {chosen}"
         )
+
+
+def shown(value: float | None) -> str:
+    return "n/a (no right and wrong state to compare)" if value is None else f"{value:.3f}"
 
 
 def mean(values: list[float]) -> float:
@@ -97,6 +118,8 @@ def separation(run_dir: Path) -> Separation:
     by_problem: list[Values] = []
     reachable = 0
     solved = dict.fromkeys(("run", *RULES), 0)
+    by_reading: dict[str, list[Values]] = {r: [] for r in READINGS}
+    read_solved = dict.fromkeys(READINGS, 0)
     for saved in problems(run_dir):
         problem = by_id.get(saved.id)
         if problem is None:
@@ -117,7 +140,19 @@ def separation(run_dir: Path) -> Separation:
             for rule in RULES:
                 solved[rule] += correct[choose(tree, states, answers.__getitem__, rule)]
         reachable += any(correct.values())
-    return Separation(by_problem, reachable, solved)
+        sure = {s: path_confidence(tree, s) or {} for s in states}
+        for reading in READINGS:
+            if states and all(reading in sure[s] for s in states):
+                by_reading[reading].append(
+                    Values(
+                        [sure[s][reading] for s in states if correct[s]],
+                        [sure[s][reading] for s in states if not correct[s]],
+                    )
+                )
+                rule = VoteRule(weight=reading)
+                read_solved[reading] += correct[choose(tree, states, answers.__getitem__, "vote", rule)]
+    kept = {r: Separation(v, solved={"vote": read_solved[r]}) for r, v in by_reading.items() if v}
+    return Separation(by_problem, reachable, solved, kept)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         for run_dir in args.runs:
-            print(separation(run_dir).line(str(run_dir)))
+            print("\n".join(separation(run_dir).lines(str(run_dir))))
     except (ShowError, DataError) as e:
         print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2

@@ -11,7 +11,9 @@ from decoding import FOLLOW_UPS_REFUSED, ConfigError, DecoderConfig, ModelSpec, 
 from tasks import TASKS, DataSpec
 from tot.search import SEARCHES
 from tot.search.base import GenSettings
+from tot.search.best_of_n import BestOfNSettings
 from tot.search.reward import IN_CONTEXT_REFUSED, RewardSpec
+from tot.search.vote import PLAIN_VOTE, VoteRule, check_stop
 
 # Keys of `task:` that are not options of the task object itself.
 TASK_RUN_KEYS = ("name", "depth", "judge", "max_thought_tokens", "max_eval_tokens")
@@ -34,6 +36,7 @@ class RunConfig:
     judge: ModelSpec | None = None  # task.judge.path: a separate model scores final answers
     concurrency: int = 1  # run.concurrency: problems searched at once over the one engine
     reward: RewardSpec | None = None  # reward.path: a reward model values states in place of the evaluator
+    vote: VoteRule = PLAIN_VOTE  # vote.*: what a ballot of the problem's vote weighs, which ones count
     # The resolved config this was read from (hydra's own keys left out): what a run folder records
     # as its configuration (tot/runs/folder.py). A copy made with dataclasses.replace keeps the old one.
     source: dict = field(default_factory=dict, compare=False, repr=False)
@@ -63,6 +66,8 @@ class RunConfig:
             raise ConfigError(f"gen.top_p={self.gen.top_p} must be in (0, 1]; use 1.0 to turn nucleus sampling off")
         if self.gen.top_k < 0:
             raise ConfigError(f"gen.top_k={self.gen.top_k} is negative; use 0 to turn top-k off")
+        if isinstance(self.search_settings, BestOfNSettings):
+            check_stop(self.search_settings.stop, self.vote, self.search_settings.own, self.search)
 
     @classmethod
     def from_omegaconf(cls, cfg: DictConfig) -> RunConfig:
@@ -97,6 +102,7 @@ class RunConfig:
                 judge=_judge(c),
                 concurrency=as_int("run.concurrency", c["run"]["concurrency"]),
                 reward=_reward(c),
+                vote=from_dict(VoteRule, c.get("vote"), "vote"),
                 source=c,
             )
         except KeyError as e:

@@ -264,7 +264,21 @@ def summarize(records: list[dict], header: dict) -> dict:
         "tokens_per_s": total.generated_tokens / wall if wall else 0.0,
         "wall_s": wall,
         "phases": phases,
+        **_budget(records),
     }
+
+
+def _budget(records: list[dict]) -> dict:
+    """Where a budget was spent in waves (search.stop): the samples drawn of the budget's, and the
+    tokens the undrawn ones would have cost at the mean of the drawn ones of their problem (an
+    estimate: they were never sampled)."""
+    spent = [r for r in records if r.get("budget")]
+    if not spent:
+        return {}
+    drawn = sum(r["budget"]["samples"] for r in spent)
+    budget = sum(r["budget"]["budget"] for r in spent)
+    saved = sum(r["tokens"] / r["budget"]["samples"] * (r["budget"]["budget"] - r["budget"]["samples"]) for r in spent)
+    return {"samples_drawn": drawn, "samples_budget": budget, "tokens_saved_estimate": round(saved)}
 
 
 def _accuracy_by(records: list[dict]) -> dict[str, float]:

@@ -108,6 +108,8 @@ def _run(cfg: RunConfig, out_dir: Path, engine: GenerationEngine | None, progres
                     # run's wall time, whatever the concurrency.
                     "wall_share_s": now - clock[0],
                     "phases": phases,
+                    # search.stop: the samples drawn of the budget's (best-of-N's n)
+                    **({"budget": sol.budget} if sol.budget else {}),
                     # Where memory stood when the problem finished: over a run, the curves of the
                     # stored prefixes, the KV pool and resident memory (decoding/runtime/memory.py).
                     **({"memory": engine.memory()} if isinstance(engine, Engine) else {}),
@@ -241,7 +243,7 @@ def build_task(cfg: RunConfig) -> Task:
 
 
 def make_search(cfg: RunConfig, task: Task, reward: Reward | None = None) -> Search:
-    return SEARCHES[cfg.search].build(task, cfg.search_settings, cfg.gen, cfg.seed, reward)
+    return SEARCHES[cfg.search].build(task, cfg.search_settings, cfg.gen, cfg.seed, reward, vote=cfg.vote)
 
 
 def make_judge(cfg: RunConfig, engine: GenerationEngine) -> GenerationEngine:

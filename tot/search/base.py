@@ -14,19 +14,22 @@ from __future__ import annotations
 import asyncio
 import math
 import zlib
-from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+import networkx as nx
+
 from decoding import Completion, ConfigError, DecodeStats, GenRequest, GenResult, Group
 from decoding import run_sync as run_sync  # searches are run with it
 from tasks.base import Problem, Prompt, Task
+from tot.search.confidence import TOP_NEEDED, readings
 from tot.search.reward import ProcessReward, ScoringModel
 from tot.search.tree import ReasoningTree, Valuation
 from tot.search.value import read_value
+from tot.search.vote import PLAIN_VOTE, Ballot, VoteRule, tally, weights
 
-PHASES = ("generate", "evaluate")
+PHASES = ("generate", "evaluate", "rollout")
 # How a search's answer is chosen among its finished states (search.aggregate): the best-valued one, or
 # the answer with the largest summed value over them (a value-weighted vote, as search-and-learn's).
 Aggregate = Literal["best", "vote"]
@@ -54,6 +57,7 @@ class GenSettings:
         max_new_tokens: int | None = None,
         choices: tuple[str, ...] = (),
         logprobs: bool = False,
+        top_logprobs: int = 0,
     ) -> GenRequest:
         """The request for a thought (or, with evaluate, for a state evaluation: with `context`, a
         follow-up turn of the thought's own reply; `keep` holds a thought's keys and values for it;
@@ -74,6 +78,7 @@ class GenSettings:
             keep=keep,
             choices=choices,
             logprobs=logprobs,
+            top_logprobs=top_logprobs if logprobs else 0,
         )
 
 
@@ -104,6 +109,8 @@ class Solution:
     tree: ReasoningTree
     phases: dict[str, PhaseStats]
     steps: list[str] = field(default_factory=list)  # the answer path's thoughts
+    # A budget spent in waves (search.stop): the samples drawn and the budget's whole count.
+    budget: dict[str, int] = field(default_factory=dict)
 
 
 class GenerationEngine(Protocol):
@@ -145,16 +152,26 @@ class Step:
         problem: Problem,
         engine: GenerationEngine,
         reward: Reward | None = None,
+        vote: VoteRule = PLAIN_VOTE,
     ) -> None:
         self.task, self.gen, self.seed, self.problem, self.engine = task, gen, seed, problem, engine
-        self.reward = reward
+        self.reward, self.vote = reward, vote
         self.tree = ReasoningTree(problem.question)
         self.phases = {p: PhaseStats() for p in PHASES}
+        mode = getattr(task, "value", "sampled")
         # task.value=confidence: a thought is valued by its own tokens' probabilities, asked with it; no
         # evaluator is asked, so none follows a thought up (its context is not kept for one). A reward
         # model (reward.path) values states in its place.
-        self.confident = getattr(task, "value", "sampled") == "confidence" and reward is None
-        self.in_context = getattr(task, "evaluator", "separate") == "in_context" and not self.confident
+        self.confident = mode == "confidence" and reward is None
+        # task.value=rollout: a state is valued by completions sampled from it to an answer, and each
+        # completion is a ballot of the problem's vote (`revalue`).
+        self.rollouts = mode == "rollout" and reward is None
+        self.in_context = (
+            getattr(task, "evaluator", "separate") == "in_context" and not self.confident and not self.rollouts
+        )
+        # Replies that may finish a path come with their log-probabilities where a value or the vote reads them.
+        self.logprobs = self.confident or vote.reading is not None
+        self.top_logprobs = TOP_NEEDED if vote.reading == "tail_margin" else 0
         self._replies: dict[int, tuple[int, ...]] = {}  # node -> its thought's whole sequence, until valued
         self._confidence: dict[int, float] = {}  # node -> its thought's mean token probability, until valued
 
@@ -184,24 +201,88 @@ class Step:
                     group=group or self.siblings(str(state)),
                     seed=seed,
                     keep=self.in_context,
-                    logprobs=self.confident,
+                    logprobs=self.logprobs,
+                    top_logprobs=self.top_logprobs,
                 )
                 thoughts.append((child, request))
-        await asyncio.gather(*(self._thought(child, request, eval_group) for child, request in thoughts))
+        sampled = await asyncio.gather(*(self._thought(child, request, eval_group) for child, request in thoughts))
+        if self.rollouts:
+            # Added in thought order once all are in, and valued by the vote as it stands after them:
+            # the tree does not depend on which reply finished first.
+            for (child, _), completions in zip(thoughts, sampled):
+                for text, tokens, read in completions:
+                    self.tree.add(child, text, raw=text, tokens=tokens, terminal=True, rollout=True, confidence=read)
+            self.revalue()
         return [child for child, _ in thoughts]
 
-    async def _thought(self, child: int, request: GenRequest, eval_group: Group) -> None:
+    async def _thought(
+        self, child: int, request: GenRequest, eval_group: Group
+    ) -> list[tuple[str, int, dict[str, float] | None]]:
+        """Write one thought, then value it (task.value=rollout: sample its completions, returned)."""
         (out,) = await self.call([request], "generate")
         steps = self.tree.steps(child)[:-1]
         node = self.tree[child]
         node.text = self.task.parse_thought(self.problem, steps, out.text)
         node.raw, node.tokens = out.text, out.stats.generated_tokens
         node.terminal = self.finished(child)
+        if out.logprobs is not None:
+            node.confidence = readings(out.logprobs)
         if self.in_context:
             self._replies[child] = out.context
         if self.confident:
             self._confidence[child] = confidence(out)
+        if self.rollouts:
+            return [] if node.terminal else await self.complete(child)
         await self.evaluate([child], eval_group)
+        return []
+
+    async def complete(self, node: int) -> list[tuple[str, int, dict[str, float] | None]]:
+        """task.rollouts completions of node's path to an answer: each (its text, tokens, readings), in
+        order. They continue the prompt node's own thoughts will be sampled from, in its group: they
+        share its keys and values and teach the drafters what its children will say."""
+        task, pid = self.task, self.problem.id
+        prompt = task.rollout_prompt(self.problem, self.tree.steps(node))
+        requests = [
+            self.gen.request(
+                prompt,
+                group=self.siblings(str(node)),
+                seed=request_seed(self.seed, pid, node, "rollout", j),
+                max_new_tokens=task.rollout_tokens,
+                logprobs=self.logprobs,
+                top_logprobs=self.top_logprobs,
+            )
+            for j in range(task.rollouts)
+        ]
+        outs = await self.call(requests, "rollout")
+        return [
+            (o.text.strip(), o.stats.generated_tokens, readings(o.logprobs) if o.logprobs is not None else None)
+            for o in outs
+        ]
+
+    def ballot(self, node: int) -> Ballot:
+        """A finished state as a ballot: its answer, value and its path's confidence (`path_confidence`)."""
+        tree = self.tree
+        answer = self.task.answer(self.problem, tree.steps(node))
+        return Ballot(answer, tree[node].value, path_confidence(tree, node))
+
+    def revalue(self) -> None:
+        """task.value=rollout: every state valued anew by the vote as it stands: the (weighted) share of its
+        completions whose answer is the problem's plurality; a finished state, and a completion, 1 where
+        its own answer is it, else 0. Values of one tree are so always read against one plurality."""
+        tree = self.tree
+        ballots = {s: self.ballot(s) for s in finished_states(tree)}
+        leader = tally(self.vote, [b for b in ballots.values() if b.answer], "one").winner
+        for s, b in ballots.items():
+            tree[s].value = float(bool(leader) and b.answer == leader)
+        for n in tree.graph.nodes:
+            completions = tree.rollouts(n)
+            if not completions:
+                continue
+            counted = [w or 0.0 for w in weights(self.vote, [ballots[c] for c in completions], "one")]
+            agree = sum(w for c, w in zip(completions, counted) if ballots[c].answer == leader)
+            tree[n].value = agree / sum(counted) if sum(counted) > 0 else 0.0
+            reached = sum(ballots[c].answer == leader for c in completions)
+            tree[n].evaluation = f"{reached} of {len(completions)} completions answer {leader or '(none yet)'}"
 
     async def evaluate(self, nodes: list[int], group: Group) -> None:
         """Value each node by the task's state evaluator; with task.evaluator=in_context, asked as a
@@ -295,31 +376,58 @@ class Step:
 
 
 class SearchBase:
-    """What every search is built from: the task, its settings, the sampling settings, the run seed
-    and the reward model, if any (reward.path: it values states in place of the task's evaluator)."""
+    """What every search is built from: the task, its settings, the sampling settings, the run seed,
+    the reward model, if any (reward.path: it values states in place of the task's evaluator), and how
+    the problem's vote weighs its ballots (vote.*)."""
 
-    def __init__(self, task: Task, settings: Any, gen: GenSettings, seed: int, reward: Reward | None = None) -> None:
+    def __init__(
+        self,
+        task: Task,
+        settings: Any,
+        gen: GenSettings,
+        seed: int,
+        reward: Reward | None = None,
+        vote: VoteRule = PLAIN_VOTE,
+    ) -> None:
         self.task, self.settings, self.gen, self.seed, self.reward = task, settings, gen, seed, reward
+        self.vote = vote
 
     def step(self, problem: Problem, engine: GenerationEngine) -> Step:
-        return Step(self.task, self.gen, self.seed, problem, engine, self.reward)
+        return Step(self.task, self.gen, self.seed, problem, engine, self.reward, self.vote)
 
 
-def choose(tree: ReasoningTree, leaves: list[int], answer_of: Callable[[int], str], aggregate: str) -> int:
-    """The subtree state whose answer wins: the best value, or the largest summed value of an answer
-    (`vote`; `majority`: 1 a state; ties: more subtrees, then the earlier subtree); within the answer,
-    its best state."""
+def choose(
+    tree: ReasoningTree,
+    leaves: list[int],
+    answer_of: Callable[[int], str],
+    aggregate: str,
+    vote: VoteRule = PLAIN_VOTE,
+) -> int:
+    """The state whose answer wins: the best value, or the answer of the largest summed weight (`vote`:
+    each state's value; `majority`: 1 a state; vote.weight: a confidence reading in place of either;
+    ties: more states, then the earlier one); within the answer, its best-valued state."""
     if aggregate == "best":
         return max(leaves, key=lambda s: tree[s].value)
-    weight: dict[str, float] = defaultdict(float)
-    count: dict[str, int] = defaultdict(int)
-    answers = [answer_of(s) for s in leaves]
-    for s, a in zip(leaves, answers):
-        weight[a] += 1.0 if aggregate == "majority" else tree[s].value
-        count[a] += 1
-    order = {a: -i for i, a in reversed(list(enumerate(answers)))}
-    winner = max(weight, key=lambda a: (weight[a], count[a], order[a]))
-    return max((s for s, a in zip(leaves, answers) if a == winner), key=lambda s: tree[s].value)
+    ballots = [Ballot(answer_of(s), tree[s].value, path_confidence(tree, s)) for s in leaves]
+    winner = tally(vote, ballots, "one" if aggregate == "majority" else "value").winner
+    return max((s for s, b in zip(leaves, ballots) if b.answer == winner), key=lambda s: tree[s].value)
+
+
+def path_confidence(tree: ReasoningTree, node: int) -> dict[str, float] | None:
+    """The confidence readings of the path ending at node, from its replies' (None where its own reply
+    has none): `mean` over all the path's tokens, `lowest_window` the path's least sure window (of any
+    one reply), `tail` and `tail_margin` its last reply's."""
+    last = tree[node].confidence
+    if last is None:
+        return None
+    path = [tree[n] for n in nx.shortest_path(tree.graph, tree.root, node)[1:] if tree[n].confidence]
+    tokens = sum(t.tokens or 0 for t in path)
+    read = dict(last)
+    if tokens:
+        logprob = sum((t.tokens or 0) * math.log(max(t.confidence["mean"], 1e-300)) for t in path)
+        read["mean"] = math.exp(logprob / tokens)
+    read["lowest_window"] = min(t.confidence["lowest_window"] for t in path)
+    return read
 
 
 def confidence(reply: GenResult) -> float:

@@ -5,8 +5,14 @@ a whole Blocksworld plan, a whole passage), sampled in one group, STAND's best c
 trajectories of the same prompt. `majority` takes the most frequent parsed answer (no evaluator
 call is made), `weighted` the answer with the largest summed value, `best` the best-valued solution
 (the one sensible rule where answers do not repeat, as in Creative Writing). A solution is valued by
-the task's whole-solution evaluator as soon as it is written. In the tree each solution is a chain
-from the root, one node per step the task reads in it (one Blocksworld action per node).
+the task's whole-solution evaluator as soon as it is written; vote.weight weighs the vote by a
+confidence reading of each solution's tokens instead (CISC, DeepConf). In the tree each solution is a
+chain from the root, one node per step the task reads in it (one Blocksworld action per node).
+
+With `wave` the solutions are sampled `wave` at a time and `stop` may end the problem before all n are
+drawn: `decided` once no solution still to come can change the vote (the answer is the one all n would
+give: solution i is sampled from the same seed either way), `agree` also once a whole wave agrees with
+the leader (early-stopping self-consistency's window; it may answer otherwise than all n would).
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import asyncio
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from decoding import GenRequest
+from decoding import ConfigError
 from tasks.base import Problem, Prompt
 from tot.search.base import (
     GenerationEngine,
@@ -27,8 +33,10 @@ from tot.search.base import (
     confidence,
     request_seed,
 )
+from tot.search.confidence import readings
 from tot.search.plugin import SearchPlugin
 from tot.search.tree import ReasoningTree, Valuation
+from tot.search.vote import STOPS, Ballot, Own, settled
 
 Vote = Literal["majority", "weighted", "best"]
 
@@ -38,13 +46,26 @@ class BestOfNSettings:
     n: int = 8
     aggregate: Vote = "majority"
     max_tokens: int = 384  # per solution: a whole chain of thought is longer than a thought
+    wave: int = 0  # solutions sampled at a time (0: all n)
+    stop: str = "never"  # never | decided | agree: when the vote is settled before n are drawn
 
     def __post_init__(self) -> None:
         check_positive(search="best_of_n", n=self.n, max_tokens=self.max_tokens)
+        if self.wave < 0:
+            raise ConfigError(f"search.wave={self.wave} must be >= 0 (0: all search.n solutions at once)")
+        if self.stop not in STOPS:
+            raise ConfigError(f"search.stop={self.stop!r} is not one of {', '.join(STOPS)} (search=best_of_n)")
+        if self.stop != "never" and self.aggregate == "best":
+            raise ConfigError("search.stop stops a vote: use it with search.aggregate=majority or weighted")
 
     @property
     def scored(self) -> bool:
         return self.aggregate != "majority"
+
+    @property
+    def own(self) -> Own:
+        """What a ballot weighs unless vote.weight says otherwise."""
+        return "one" if self.aggregate == "majority" else "value"
 
     def scaled(self, n: int) -> BestOfNSettings:
         return replace(self, n=n)
@@ -55,49 +76,75 @@ class BestOfN(SearchBase):
 
     async def solve(self, problem: Problem, engine: GenerationEngine) -> Solution:
         step = self.step(problem, engine)
-        prompt = self.task.solution_prompt(problem)
-        requests = [
-            self.gen.request(
-                prompt,
-                group=step.siblings("solutions"),
-                seed=request_seed(self.seed, problem.id, "solution", i),
-                keep=step.in_context and self.settings.scored,
-                max_new_tokens=self.settings.max_tokens,
-                logprobs=step.confident and self.settings.scored,
-            )
-            for i in range(self.settings.n)
-        ]
-        written = await asyncio.gather(*(self._solution(step, i, r) for i, r in enumerate(requests)))
+        settings = self.settings
+        wave = settings.wave or settings.n
+        written: list[Written] = []
+        while len(written) < settings.n:
+            batch = range(len(written), min(settings.n, len(written) + wave))
+            written += await asyncio.gather(*(self._solution(step, i) for i in batch))
+            ballots = [Ballot(w.answer, w.valued.value if w.valued else None, w.confidence) for w in written]
+            if settled(self.vote, ballots, settings.own, settings.n - len(written), settings.stop, wave):
+                break
         # The chains are added in solution order once all are written: node ids do not depend on
         # which reply finished first.
         tree = step.tree
         leaves = []
-        for i, (reply, steps, tokens, valued) in enumerate(written):
+        for i, w in enumerate(written):
             node = tree.root
-            for j, text in enumerate(steps):
-                node = tree.add(node, text, solution=i, **({"reply": reply, "tokens": tokens} if j == 0 else {}))
+            for j, text in enumerate(w.steps):
+                node = tree.add(node, text, solution=i, **({"reply": w.reply, "tokens": w.tokens} if j == 0 else {}))
             # A majority vote is a vote weighted by 1 per solution.
             tree[node].terminal = tree[node].chosen = True
-            tree[node].take(valued or Valuation(1.0))
+            tree[node].take(w.valued or Valuation(1.0))
+            tree[node].confidence = w.confidence
             leaves.append(node)
-        aggregate = "best" if self.settings.aggregate == "best" else "vote"
-        return step.solution(choose(tree, leaves, lambda s: self.task.answer(problem, tree.steps(s)), aggregate))
+        answer_of = lambda s: self.task.answer(problem, tree.steps(s))  # noqa: E731
+        aggregate = {"best": "best", "majority": "majority"}.get(settings.aggregate, "vote")
+        solution = step.solution(choose(tree, leaves, answer_of, aggregate, self.vote))
+        if settings.stop != "never" or wave < settings.n:
+            solution.budget = {"samples": len(written), "budget": settings.n}
+        return solution
 
-    async def _solution(self, step: Step, i: int, request: GenRequest) -> tuple[str, list[str], int, Valuation | None]:
-        """One solution: its reply, the steps the task reads in it, its tokens and, when the vote
-        needs it, what values it (asked as soon as it is written)."""
+    async def _solution(self, step: Step, i: int) -> Written:
+        """Solution i: its reply, the steps the task reads in it, its tokens, its confidence readings
+        where its log-probabilities were asked and, when the vote needs it, what values it (asked as
+        soon as it is written)."""
+        scored = self.settings.scored
+        request = self.gen.request(
+            self.task.solution_prompt(step.problem),
+            group=step.siblings("solutions"),
+            seed=request_seed(self.seed, step.problem.id, "solution", i),
+            keep=step.in_context and scored,
+            max_new_tokens=self.settings.max_tokens,
+            logprobs=(step.confident and scored) or self.vote.reading is not None,
+            top_logprobs=step.top_logprobs,
+        )
         (out,) = await step.call([request], "generate")
         steps = self.task.solution_steps(step.problem, out.text)
         valued = None
-        if self.settings.scored:
+        if scored:
 
             def prompt(path: list[str], follow_up: bool) -> Prompt:
                 return self.task.solution_evaluator_prompt(step.problem, path, follow_up)
 
-            sure = confidence(out) if request.logprobs else None
+            sure = confidence(out) if step.confident else None
             context = out.context if request.keep else ()
             valued = await step.judge(steps, context, prompt, "solutions/eval", f"s{i}", sure)
-        return out.text, steps, out.stats.generated_tokens, valued
+        read = readings(out.logprobs) if out.logprobs is not None else None
+        answer = self.task.answer(step.problem, steps)
+        return Written(out.text, steps, out.stats.generated_tokens, valued, read, answer)
+
+
+@dataclass(frozen=True)
+class Written:
+    """One whole solution as it came back."""
+
+    reply: str
+    steps: list[str]
+    tokens: int
+    valued: Valuation | None
+    confidence: dict[str, float] | None
+    answer: str
 
 
 def solution_leaves(tree: ReasoningTree) -> list[int]:

@@ -64,7 +64,8 @@ class BFS(SearchBase):
                 tree[c].chosen = True
         finished = finished_states(tree)
         if self.settings.aggregate == "vote" and finished:
-            return step.solution(choose(tree, finished, lambda s: self.task.answer(problem, tree.steps(s)), "vote"))
+            answer_of = lambda s: self.task.answer(problem, tree.steps(s))  # noqa: E731
+            return step.solution(choose(tree, finished, answer_of, "vote", self.vote))
         return step.solution(frontier[0])
 
 

@@ -68,7 +68,11 @@ class DVTS(SearchBase):
 
     def choose(self, step: Step, leaves: list[int]) -> int:
         return choose(
-            step.tree, leaves, lambda s: step.task.answer(step.problem, step.tree.steps(s)), self.settings.aggregate
+            step.tree,
+            leaves,
+            lambda s: step.task.answer(step.problem, step.tree.steps(s)),
+            self.settings.aggregate,
+            self.vote,
         )
 
 

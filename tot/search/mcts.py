@@ -107,7 +107,8 @@ class MCTS(SearchBase):
         finished = finished_states(step.tree)
         if self.settings.aggregate == "vote" and finished:
             tree = step.tree
-            return step.solution(choose(tree, finished, lambda s: self.task.answer(problem, tree.steps(s)), "vote"))
+            answer_of = lambda s: self.task.answer(problem, tree.steps(s))  # noqa: E731
+            return step.solution(choose(tree, finished, answer_of, "vote", self.vote))
         return step.solution(self._answer(step.tree, stats))
 
     def _select(self, tree: ReasoningTree, stats: Stats, budget: int) -> list[list[int]]:
@@ -132,9 +133,10 @@ class MCTS(SearchBase):
 
     async def _simulate(self, step: Step, stats: Stats, paths: list[list[int]], wave: int) -> None:
         """Expand each path's leaf and follow its best-valued new child down, `simulation_depth`
-        levels more or until a path finishes, all paths one level at a time; paths are extended."""
+        levels more or until a path finishes, all paths one level at a time; paths are extended. Under
+        task.value=rollout the children's completions are the simulation (rStar's): no level more."""
         tree, width = step.tree, self.settings.n_thoughts
-        for _ in range(1 + self.settings.simulation_depth):
+        for _ in range(1 + (0 if step.rollouts else self.settings.simulation_depth)):
             live = [p for p in paths if not tree[p[-1]].terminal]
             if not live:
                 return

@@ -48,6 +48,9 @@ class Thought:
     reply: str | None = None  # best-of-N: the solution's whole reply, on its first step
     visits: int | None = None  # MCTS: visits and mean return
     q: float | None = None
+    # Its reply's confidence readings (tot/search/confidence.py), where its log-probabilities were asked.
+    confidence: dict[str, float] | None = None
+    rollout: bool | None = None  # task.value=rollout: a completion sampled from its parent to an answer
     extra: dict[str, Any] = field(default_factory=dict)  # fields a tree saved by another version holds
 
     def take(self, valued: Valuation) -> None:
@@ -97,7 +100,12 @@ class ReasoningTree:
         return self.thoughts[node]
 
     def children(self, node: int) -> list[int]:
-        return list(self.graph.successors(node))
+        """The thoughts below node (its rollouts, completions that value it, left out)."""
+        return [c for c in self.graph.successors(node) if not self.thoughts[c].rollout]
+
+    def rollouts(self, node: int) -> list[int]:
+        """The completions sampled from node to an answer (task.value=rollout), in node order."""
+        return [c for c in self.graph.successors(node) if self.thoughts[c].rollout]
 
     def steps(self, node: int) -> list[str]:
         """Thought texts from the root's child down to node."""

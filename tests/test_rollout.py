@@ -1,0 +1,136 @@
+"""Rollout values (task.value=rollout) on a scripted engine: a state valued by the share of its
+completions that reach the problem's plurality, every completion a ballot of the vote, the values read
+against one plurality, MCTS's simulation as the rollouts, and trees that do not depend on the order
+requests finish in."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+from helpers import reply
+
+from decoding.base.values import Completion, DecodeStats, GenRequest, GenResult, Group, TokenLogprob
+from tasks.base import DataError, Problem
+from tasks.gsm8k import GSM8K
+from tot.search.base import GenSettings, path_confidence, run_sync
+from tot.search.bfs import BFS, BFSSettings
+from tot.search.mcts import MCTS, MCTSSettings
+from tot.search.vote import PLAIN_VOTE, VoteRule
+
+PROBLEM = Problem(id="p", question="How many?", gold="5")
+# A state's path (its thoughts) -> the thoughts sampled from it, and the answers its completions state.
+THOUGHTS = {(): ["A", "B"], ("A",): ["A1 The answer is 7.", "A2 The answer is 7."]}
+COMPLETIONS = {("A",): [5, 5], ("B",): [5, 9]}
+
+
+def path_of(r: GenRequest) -> tuple[str, ...]:
+    return tuple(s for s in r.prefix.split("\n\n") if s)
+
+
+class RolloutEngine:
+    """Thoughts as THOUGHTS lists them (the i-th request of a state the i-th), completions stating
+    COMPLETIONS' answers; with `scramble`, each request waits a seed-given number of turns. Each reply's
+    tokens have log-probability -0.1 a token, the completions' j-th -0.1 * (j + 1)."""
+
+    def __init__(self, scramble: bool = False) -> None:
+        self.scramble = scramble
+        self.requests: list[GenRequest] = []
+        self.asked: dict[tuple, int] = {}
+
+    async def agenerate(self, requests: list[GenRequest]) -> Completion:
+        self.requests += requests
+        out = [self.answer(r) for r in requests]  # in the order asked: the i-th thought of a state the i-th
+        for _ in range(requests[0].seed % 5 if self.scramble else 1):
+            await asyncio.sleep(0)
+        return Completion(out, DecodeStats(generated_tokens=len(requests)))
+
+    def answer(self, r: GenRequest) -> GenResult:
+        path = path_of(r)
+        key = (path, r.stop == ())
+        i = self.asked.get(key, 0)
+        self.asked[key] = i + 1
+        if r.stop == ():  # a completion to the answer
+            text, lp = f"Then more. The answer is {COMPLETIONS[path][i % 2]}.", -0.1 * (i % 2 + 1)
+        else:
+            text, lp = (THOUGHTS[path][i % 2] if path in THOUGHTS else f"{path[-1]}.{i}"), -0.1
+        out = reply(text, [1, 2, 3])
+        if r.logprobs:
+            top = ((1, lp), (2, lp - 2.0)) if r.top_logprobs else ()
+            out.logprobs = [TokenLogprob(t, lp, top) for t in (1, 2, 3)]
+        return out
+
+
+def bfs(vote: VoteRule = PLAIN_VOTE, scramble: bool = False, **task):
+    engine = RolloutEngine(scramble)
+    search = BFS(GSM8K(value="rollout", depth=2, **task), BFSSettings(n_thoughts=2), GenSettings(), 0, vote=vote)
+    return run_sync(search.solve(PROBLEM, engine)), engine
+
+
+def by_text(tree) -> dict[str, int]:
+    return {tree[n].text: n for n in tree.graph.nodes}
+
+
+def test_a_state_is_valued_by_the_share_of_its_completions_that_reach_the_plurality():
+    sol, engine = bfs()
+    tree = sol.tree
+    node = by_text(tree)
+    a, b = node["A"], node["B"]
+    # Ballots: A's completions 5, 5, B's 5, 9, the finished thoughts A1 and A2 7, 7: the plurality is 5.
+    assert tree[a].value == 1.0 and tree[b].value == 0.5
+    assert tree[a].chosen and not tree[b].chosen  # BFS went on from A alone
+    assert [tree[c].value for c in tree.rollouts(b)] == [1.0, 0.0]
+    assert tree[node["A1 The answer is 7."]].value == 0.0
+    # The completions count in the vote: the finished thoughts alone would answer 7.
+    assert sol.answer == "5" and tree[b].evaluation == "1 of 2 completions answer 5"
+    # Completions hang below their state, outside its thoughts.
+    assert tree.children(a) == [node["A1 The answer is 7."], node["A2 The answer is 7."]]
+    assert len(tree.rollouts(a)) == 2 and all(tree[c].terminal for c in tree.rollouts(a))
+    # Finished thoughts are not completed; a state's completions continue its children's prompt in their group.
+    completions = [r for r in engine.requests if r.stop == ()]
+    assert len(completions) == 4
+    assert {(r.prefix, r.group) for r in completions} == {("A\n\n", Group("p", str(a))), ("B\n\n", Group("p", str(b)))}
+    assert {r.max_new_tokens for r in completions} == {384}
+    assert all(not r.logprobs for r in engine.requests)  # nothing reads them under the plain vote
+
+
+def test_completions_are_weighted_by_their_confidence_where_the_vote_is():
+    """vote.weight=mean: a completion weighs its whole path's mean token probability: B's three tokens
+    at -0.1 and its own three at -0.1 (answering 5) or -0.2 (answering 9); B's value is the share of
+    that weight that reaches 5."""
+    sol, engine = bfs(VoteRule(weight="mean"))
+    tree = sol.tree
+    b = by_text(tree)["B"]
+    five, nine = tree.rollouts(b)
+    assert path_confidence(tree, five)["mean"] == pytest.approx(math.exp(-0.1))
+    assert path_confidence(tree, nine)["mean"] == pytest.approx(math.exp(-0.15))
+    assert tree[b].value == pytest.approx(math.exp(-0.1) / (math.exp(-0.1) + math.exp(-0.15)))
+    assert all(r.logprobs for r in engine.requests)
+
+
+def test_the_tree_does_not_depend_on_the_order_replies_finish_in():
+    plain, _ = bfs()
+    scrambled, _ = bfs(scramble=True)
+    assert plain.tree.to_dict() == scrambled.tree.to_dict()
+
+
+def test_mcts_simulates_by_its_completions_and_returns_their_agreement():
+    engine = RolloutEngine()
+    task = GSM8K(value="rollout", depth=3)
+    settings = MCTSSettings(iterations=1, n_thoughts=2, simulation_depth=2, parallel=1)
+    sol = run_sync(MCTS(task, settings, GenSettings(), 0).solve(PROBLEM, engine))
+    tree = sol.tree
+    # One iteration: the root expanded, its children completed, no simulation level below them.
+    assert [tree[n].depth for n in tree.graph.nodes if not tree[n].rollout] == [0, 1, 1]
+    a = by_text(tree)["A"]
+    assert tree[a].visits == 1 and tree[a].q == 1.0  # its return: its completions' agreement
+    scrambled = run_sync(MCTS(task, settings, GenSettings(), 0).solve(PROBLEM, RolloutEngine(scramble=True)))
+    assert scrambled.tree.to_dict() == tree.to_dict()
+
+
+def test_rollout_values_need_paragraphs():
+    with pytest.raises(DataError, match=r"task\.thoughts=paragraphs"):
+        GSM8K(value="rollout", thoughts="subquestions")
+    with pytest.raises(DataError, match=r"task\.rollouts=0"):
+        GSM8K(value="rollout", rollouts=0)
