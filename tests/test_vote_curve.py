@@ -1,0 +1,61 @@
+"""`tot.vote_curve` on a best-of-N run whose solutions are scripted: each budget's vote, the early
+stops' budgets and tokens, the weighted votes, the pairing with a baseline, the files written."""
+
+from __future__ import annotations
+
+import json
+
+from helpers import AwaitableFake, reply
+from test_run import make_config
+
+from decoding.base.values import DecodeStats, GenRequest, GenResult, TokenLogprob
+from tot.runs.run import run
+from tot.vote_curve import main
+
+# Solution j of a problem states ANSWERS[problem][j] (bundled-1's gold is 12, bundled-2's 110), its
+# tokens' log-probability SURE[j] each; solution j has j + 1 tokens.
+ANSWERS = {"bundled-1": ["5", "12", "12", "12"], "bundled-2": ["110", "110", "3", "3"]}
+SURE = [-0.05, -2.0, -2.0, -2.0]
+
+
+class SolutionEngine(AwaitableFake):
+    def __init__(self) -> None:
+        self.asked: dict[str, int] = {}
+        self.last_stats = DecodeStats()
+
+    def generate(self, requests: list[GenRequest]) -> list[GenResult]:
+        out = []
+        for r in requests:
+            pid = r.group.problem
+            j = self.asked.get(pid, 0)
+            self.asked[pid] = j + 1
+            result = reply(f"So. The answer is {ANSWERS[pid][j]}.", list(range(j + 1)))
+            result.logprobs = [TokenLogprob(t, SURE[j]) for t in range(j + 1)]
+            out.append(result)
+        self.last_stats = DecodeStats(generated_tokens=sum(len(o.token_ids) for o in out))
+        return out
+
+
+def test_the_curve_votes_again_over_the_first_k_solutions(tmp_path, capsys):
+    out = tmp_path / "bo4"
+    config = make_config("search=best_of_n", "search.n=4", "data.limit=2", "vote.weight=mean", "run.concurrency=1")
+    run(config, out, engine=SolutionEngine(), progress=False)
+    assert main([str(out), "--baseline", str(out)]) == 0
+    rows = {line.split(" | ")[0][2:]: line for line in capsys.readouterr().out.splitlines()[2:]}
+    points = {p["name"]: p for p in json.loads((out / "vote_curve.json").read_text())["points"]}
+    # Majority: bundled-2 always 110 (at k=4 a 2-2 tie goes to the earlier answer); bundled-1 5 at k=1
+    # and at k=2 (a tie), 12 from k=3.
+    assert [points[f"best-of-{k}, majority"]["correct"] for k in (1, 2, 3, 4)] == [1, 1, 2, 2]
+    # Weighted by the mean probability, the one sure solution (0.95) outweighs three unsure ones (0.14 each).
+    assert [r["correct"] for r in points["best-of-4, mean"]["records"]] == [False, True]
+    # Tokens: solution j has j + 1 tokens.
+    assert points["best-of-4, majority"]["tokens_per_problem"] == 10
+    # decided, one at a time: neither is decided before the fourth (a lead of 1 with 1 to come is not).
+    decided = points["best-of-4, majority, stop=decided, wave=1"]
+    assert decided["samples_per_problem"] == 4
+    assert points["best-of-4, majority, stop=agree, wave=2"]["samples_per_problem"] == 3  # bundled-2's first wave agrees
+    # Paired with the run's own answers (its vote weighted by the mean, as best-of-4, mean is).
+    assert rows["best-of-4, mean"].endswith("| 0 / 0 (1.000) |")
+    assert rows["best-of-4, majority"].endswith("| 1 / 0 (1.000) |")
+    assert (out / "vote_curve.md").is_file() and (out / "vote_curve.png").is_file()
+    assert main([str(tmp_path / "none")]) == 2 and "no summary.json" in capsys.readouterr().err

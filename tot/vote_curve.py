@@ -1,0 +1,202 @@
+"""`python -m tot.vote_curve BEST_OF_N_RUN [--baseline RUN] [--runs RUN ...]`: accuracy against tokens
+for every way of voting over one best-of-N run's solutions, and beside it other runs (a chain, tree
+searches), each paired with the baseline problem by problem.
+
+Solution i of a problem is sampled from the same seed whatever the budget, so the first k solutions
+of a run of n are what best-of-k would have drawn: one run of n gives the whole curve for k = 1..n,
+for the plain majority and for each confidence reading the solutions kept (vote.weight=READING; the
+run asked for log-probabilities where it had a vote.weight reading), and the early stops
+(search.stop=decided and agree, waves of 1, 2 and 4): the budget each spends, problem by problem.
+Tokens are the solutions' own (no evaluator is asked under these votes). Nothing is decoded.
+
+Writes `vote_curve.md`, `vote_curve.json` and `vote_curve.png` into the best-of-N run's folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import networkx as nx
+
+from tasks.base import DataError
+from tot.collect import paired, wilson
+from tot.rescore import run_task
+from tot.runs.output import OutputError, pyplot, save_figure, write_atomic
+from tot.runs.saved import ShowError, problems, read_records, read_tree
+from tot.search.base import path_confidence
+from tot.search.best_of_n import solution_leaves
+from tot.search.confidence import READINGS
+from tot.search.vote import Ballot, VoteRule, settled, tally
+
+WAVES = (1, 2, 4)
+STOPPED = ("decided", "agree")
+
+
+@dataclass(frozen=True)
+class Drawn:
+    """One problem's solutions in the order they were sampled."""
+
+    id: str
+    ballots: list[Ballot]
+    correct: list[bool]
+    tokens: list[int]
+
+    def answer_right(self, k: int, rule: VoteRule) -> bool:
+        """Whether the vote over the first k solutions answers right (the first right one of the winner's)."""
+        winner = tally(rule, self.ballots[:k], "one").winner
+        return any(c for b, c in zip(self.ballots[:k], self.correct[:k]) if b.answer == winner)
+
+    def stop(self, stop: str, wave: int) -> int:
+        """How many solutions a run with search.wave=wave and search.stop=stop draws."""
+        n, drawn = len(self.ballots), 0
+        while drawn < n:
+            drawn = min(n, drawn + wave)
+            if settled(VoteRule(), self.ballots[:drawn], "one", n - drawn, stop, wave):
+                break
+        return drawn
+
+
+def drawn(run_dir: Path) -> list[Drawn]:
+    """Every problem's solutions, with their answers, correctness, readings and tokens."""
+    task, by_id = run_task(run_dir / "summary.json")
+    out = []
+    for saved in problems(run_dir):
+        problem = by_id.get(saved.id)
+        if problem is None:
+            continue
+        tree = read_tree(saved.tree_path)
+        leaves = solution_leaves(tree)
+        if not leaves:
+            raise ShowError(f"{saved.tree_path} holds no best-of-N solution; give a run of search=best_of_n")
+        ballots, correct, tokens = [], [], []
+        for leaf in leaves:
+            answer = task.answer(problem, tree.steps(leaf))
+            ballots.append(Ballot(answer, tree[leaf].value, path_confidence(tree, leaf)))
+            correct.append(task.is_correct(problem, answer))
+            first = nx.shortest_path(tree.graph, tree.root, leaf)[1]  # a solution's tokens sit on its first step
+            tokens.append(tree[first].tokens or 0)
+        out.append(Drawn(saved.id, ballots, correct, tokens))
+    return out
+
+
+def curve(solutions: list[Drawn]) -> list[dict]:
+    """One point per (vote, budget): its problems' correctness and tokens (a problem's `correct` list in
+    the problems' order, for pairing)."""
+    n = min(len(d.ballots) for d in solutions)
+    rules = {"majority": VoteRule()}
+    for reading in READINGS:
+        if all(b.confidence and reading in b.confidence for d in solutions for b in d.ballots):
+            rules[reading] = VoteRule(weight=reading)
+    points = []
+    for name, rule in rules.items():
+        for k in range(1, n + 1):
+            points.append(point(f"best-of-{k}, {name}", solutions, [(k, d.answer_right(k, rule)) for d in solutions]))
+    for stop in STOPPED:
+        for wave in WAVES:
+            if wave < n:
+                spent = [(k, d.answer_right(k, VoteRule())) for d in solutions for k in [d.stop(stop, wave)]]
+                points.append(point(f"best-of-{n}, majority, stop={stop}, wave={wave}", solutions, spent))
+    return points
+
+
+def point(name: str, solutions: list[Drawn], spent: list[tuple[int, bool]]) -> dict:
+    records = [{"id": d.id, "correct": ok} for d, (_, ok) in zip(solutions, spent)]
+    tokens = sum(sum(d.tokens[:k]) for d, (k, _) in zip(solutions, spent))
+    return {
+        "name": name,
+        "problems": len(records),
+        "correct": sum(r["correct"] for r in records),
+        "tokens_per_problem": tokens / len(records),
+        "samples_per_problem": sum(k for k, _ in spent) / len(records),
+        "records": records,
+    }
+
+
+def run_point(run_dir: Path) -> dict:
+    """A whole run as one point: its recorded correctness and tokens."""
+    records = read_records(run_dir)
+    if not records:
+        raise ShowError(f"{run_dir} has no finished problem; give a tot.solve run folder")
+    return {
+        "name": str(run_dir),
+        "problems": len(records),
+        "correct": sum(bool(r["correct"]) for r in records),
+        "tokens_per_problem": sum(r["tokens"] for r in records) / len(records),
+        "samples_per_problem": None,
+        "records": [{"id": r["id"], "correct": bool(r["correct"])} for r in records],
+    }
+
+
+def table(points: list[dict], baseline: list[dict] | None) -> str:
+    head = "| run / vote | problems | accuracy [95%] | tokens a problem | samples |"
+    head += " only it / only baseline (p) |" if baseline else ""
+    lines = [head, "|" + "---|" * head.count(" |")]
+    for p in points:
+        low, high = wilson(p["correct"], p["problems"])
+        samples = "" if p["samples_per_problem"] is None else f"{p['samples_per_problem']:.2f}"
+        row = (
+            f"| {p['name']} | {p['problems']} | {p['correct'] / p['problems']:.3f} [{low:.3f}, {high:.3f}] | "
+            f"{p['tokens_per_problem']:,.0f} | {samples} |"
+        )
+        if baseline:
+            pair = paired(p["records"], baseline)
+            row += f" {pair['only_this']} / {pair['only_baseline']} ({pair['paired_p']:.3f}) |"
+        lines.append(row)
+    return "\n".join(lines)
+
+
+def plot(points: list[dict], runs: list[dict], path: Path) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    series: dict[str, list[dict]] = {}
+    for p in points:
+        if "stop=" not in p["name"]:
+            series.setdefault(p["name"].split(", ", 1)[1], []).append(p)
+    for name, ps in series.items():
+        ax.plot([p["tokens_per_problem"] for p in ps], [p["correct"] / p["problems"] for p in ps], "o-", label=name)
+    for p, label in [(p, p["name"].split(", ", 2)[-1]) for p in points if "stop=" in p["name"]] + [
+        (r, Path(r["name"]).name) for r in runs
+    ]:
+        xy = (p["tokens_per_problem"], p["correct"] / p["problems"])
+        ax.plot(*xy, "ks" if p in runs else "k^", markersize=4)
+        ax.annotate(label, xy, fontsize=6, xytext=(3, 3), textcoords="offset points")
+    ax.set_xlabel("generated tokens a problem")
+    ax.set_ylabel("accuracy")
+    ax.set_xscale("log")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    save_figure(fig, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run", type=Path, help="a tot.solve run folder of search=best_of_n")
+    parser.add_argument("--baseline", type=Path, help="a run each point is paired with (e.g. the greedy chain)")
+    parser.add_argument("--runs", type=Path, nargs="*", default=[], help="other runs shown as points beside the curve")
+    args = parser.parse_args(argv)
+    try:
+        for folder in [args.run, *args.runs, *([args.baseline] if args.baseline else [])]:
+            if not (folder / "summary.json").is_file():
+                raise ShowError(f"{folder} has no summary.json; give an output directory of python -m tot.solve")
+        points = curve(drawn(args.run))
+        runs = [run_point(r) for r in args.runs]
+        baseline = run_point(args.baseline)["records"] if args.baseline else None
+        text = table(runs + points, baseline)
+        print(text)
+        write_atomic(args.run / "vote_curve.md", text + "\n")
+        write_atomic(args.run / "vote_curve.json", json.dumps({"points": points, "runs": runs}, indent=2) + "\n")
+        plot(points, runs, args.run / "vote_curve.png")
+    except (ShowError, DataError, OutputError) as e:
+        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
