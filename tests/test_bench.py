@@ -296,3 +296,18 @@ def test_a_bench_with_nothing_to_run_is_one_line_and_writes_nothing(tmp_path):
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, (case, proc.stderr[-3000:])
         assert lines[-1].startswith("error: " + NOTHING_TO_RUN[case][1]), (case, lines[-1])
         assert "loaded" not in proc.stderr and not (tmp_path / case / "bench.json").exists()
+
+
+def test_a_rollout_valued_mcts_builds_hfs_trees_under_every_decoder_and_concurrency(long_context):
+    """task.value=rollout under MCTS, sampled: every decoder's trees, at one problem in flight and at
+    four, are hf's (the completions, their groups and the values read from them included)."""
+    rollout = ["search=mcts", "task.value=rollout", "task.depth=2", "task.rollouts=2", "task.rollout_tokens=6"]
+    variants = "bench.variants={ar_1: {decoder: ar, run.concurrency: 1}}"
+    run_cfg, container = compose_bench(
+        *rollout, "search.iterations=2", "search.parallel=2", "data.limit=2", "gen.temperature=0.8", variants
+    )
+    configs, _ = decoder_configs(container, ["hf", "ar", "seed_stand"], False, container["bench"]["variants"])
+    result = bench(run_cfg, configs, long_context, None, progress=False)
+    assert result["lossless_checked"] and result["mismatches"] == []
+    assert list(result["decoders"]) == ["hf", "ar", "seed_stand", "ar_1"]
+    assert {r["tokens"] for r in result["decoders"].values()} == {result["decoders"]["hf"]["tokens"]}
