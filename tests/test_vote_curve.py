@@ -53,7 +53,8 @@ def test_the_curve_votes_again_over_the_first_k_solutions(tmp_path, capsys):
     # decided, one at a time: neither is decided before the fourth (a lead of 1 with 1 to come is not).
     decided = points["best-of-4, majority, stop=decided, wave=1"]
     assert decided["samples_per_problem"] == 4
-    assert points["best-of-4, majority, stop=agree, wave=2"]["samples_per_problem"] == 3  # bundled-2's first wave agrees
+    # agree, two at a time: bundled-2's first wave agrees (2), bundled-1 draws all four.
+    assert points["best-of-4, majority, stop=agree, wave=2"]["samples_per_problem"] == 3
     # Paired with the run's own answers (its vote weighted by the mean, as best-of-4, mean is).
     assert rows["best-of-4, mean"].endswith("| 0 / 0 (1.000) |")
     assert rows["best-of-4, majority"].endswith("| 1 / 0 (1.000) |")

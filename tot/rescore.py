@@ -29,6 +29,7 @@ from tot.runs.saved import ShowError, read_json, read_tree, save_tree
 from tot.search import SEARCHES
 from tot.search.base import choose
 from tot.search.tree import ReasoningTree
+from tot.search.vote import PLAIN_VOTE, VoteRule
 
 
 @dataclass(frozen=True)
@@ -71,13 +72,13 @@ def answer_steps(tree: ReasoningTree) -> list[str]:
     return tree.steps(max(path, key=lambda n: tree[n].depth))
 
 
-def revote(task: Task, problem: Problem, tree: ReasoningTree, leaves: list[int]) -> None:
+def revote(task: Task, problem: Problem, tree: ReasoningTree, leaves: list[int], vote: VoteRule = PLAIN_VOTE) -> None:
     """A vote (DVTS's aggregate=vote over its subtrees' final states, best-of-N's majority or weighted
-    vote over its solutions) again, on the answers the current parsers read, and the answer path
-    marked anew."""
+    vote over its solutions) again under the run's vote.* rule, on the answers the current parsers read,
+    and the answer path marked anew."""
     if not leaves:
         return
-    best = choose(tree, leaves, lambda s: task.answer(problem, tree.steps(s)), "vote")
+    best = choose(tree, leaves, lambda s: task.answer(problem, tree.steps(s)), "vote", vote)
     for thought in tree.thoughts.values():
         thought.answer = False
     tree.mark_answer(best)
@@ -133,6 +134,7 @@ def _rescore(run_dir: Path, summary_path: Path) -> Rescored:
     record = read_record(run_dir)
     results = read_results(results_path, record.fingerprint if record else None)
     voted = voted_leaves(old.get("search"), config)
+    vote = VoteRule(**(config.get("vote") or {}))  # a run recorded before vote.* voted by its search's own rule
     latest = {id(rec) for rec in results.latest.values()}
     files = TreeFiles.of(run_dir, [str(rec["id"]) for rec in results.entries])
     lines, records, changes, trees, without_tree = [], [], [], [], 0
@@ -141,7 +143,7 @@ def _rescore(run_dir: Path, summary_path: Path) -> Rescored:
             lines.append(rec)
             continue
         path = files.find(str(rec["id"]))
-        new, tree = rescored(task, problems.get(str(rec["id"])), rec, path, voted)
+        new, tree = rescored(task, problems.get(str(rec["id"])), rec, path, voted, vote)
         if tree is not None and path is not None:
             trees.append((tree, path))
         else:
@@ -177,6 +179,7 @@ def rescored(
     rec: dict,
     path: Path | None,
     voted: Callable[[ReasoningTree], list[int]] | None,
+    vote: VoteRule = PLAIN_VOTE,
 ) -> tuple[dict, ReasoningTree | None]:
     """The record with its answer and metrics read again from its tree, and the tree reparsed; the
     record as it was (and no tree) where the problem or its tree is not there to read."""
@@ -185,7 +188,7 @@ def rescored(
     tree = read_tree(path)
     reparse(task, problem, tree)
     if voted is not None:
-        revote(task, problem, tree, voted(tree))
+        revote(task, problem, tree, voted(tree), vote)
     fields = answer_fields(task, problem, answer_steps(tree))
     metrics = {**rec.get("metrics", {}), **task.metrics(problem, fields["answer"])}
     return {**rec, **fields, "metrics": metrics}, tree
