@@ -40,6 +40,7 @@ EXPORTS: dict[str, tuple[str, ...]] = {
         "host_line",
     ),
     "decoding.drafters.load": ("load_draft",),
+    "decoding.install": ("install_on_first_use",),
     "decoding.runtime.memory": ("peak_rss_mb",),
     "decoding.runtime.models": (
         "activations_and_why",
@@ -84,6 +85,7 @@ if TYPE_CHECKING:  # the same names, for type checkers (tests/test_layout.py hol
     from decoding.base.run import run_sync
     from decoding.base.values import Completion, DecodeStats, GenRequest, GenResult, Group, TokenLogprob, host_line
     from decoding.drafters.load import load_draft
+    from decoding.install import install_on_first_use
     from decoding.runtime.memory import peak_rss_mb
     from decoding.runtime.models import (
         LoadedModel,

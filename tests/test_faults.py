@@ -25,6 +25,7 @@ from tot.runs.results import ResultStore
 from tot.runs.run import run
 
 SMALL = [
+    "model=smollm2-135m",
     "decoder=ar",
     "data.limit=3",
     "run.concurrency=1",  # problems finish in order, so the fault lands after the first is written

@@ -71,7 +71,7 @@ def contents(folder: Path) -> dict[str, bytes]:
 
 def sweep(cwd: Path, launcher: str, options: list[str], *extra: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "tot.solve", "-m", f"hydra/launcher={launcher}", "data.shard=0,1"]
-    cmd += ["data.num_shards=2", *options, *extra]
+    cmd += ["model=smollm2-135m", "data.num_shards=2", *options, *extra]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0"}
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=600, env=env)
 

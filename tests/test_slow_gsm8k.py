@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 def solve_one(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
     """`python -m tot.solve` on the first bundled GSM8K problem with the embedded model, its states valued
     by sampled scores (the evaluator's replies are what these tests read); it must succeed."""
-    cmd = [sys.executable, "-m", "tot.solve", "task=gsm8k", "task.value=sampled", "data.limit=1"]
+    cmd = [sys.executable, "-m", "tot.solve", "model=smollm2-135m", "task=gsm8k", "task.value=sampled", "data.limit=1"]
     cmd += ["gen.max_thought_tokens=48"]
     cmd += ["gen.max_eval_tokens=24", *overrides, f"hydra.run.dir={run_dir}"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
@@ -77,7 +77,8 @@ def test_in_context_values_parse_on_the_embedded_model(tmp_path):
 def test_in_context_labels_parse_on_blocksworld(tmp_path):
     """Blocksworld's in-context follow-up on the embedded model: its replies read as good / bad labels."""
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "tot.solve", "task=blocksworld", "data.path=../shared/data/blocksworld/step_6.jsonl"]
+    cmd = [sys.executable, "-m", "tot.solve", "model=smollm2-135m", "task=blocksworld"]
+    cmd += ["data.path=../shared/data/blocksworld/step_6.jsonl"]
     cmd += ["data.limit=2", "task.evaluator=in_context", f"hydra.run.dir={run_dir}"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -36,7 +36,7 @@ def check_run(cfg: DictConfig, run_dir: Path) -> None:
         raise Refused(str(e).splitlines()[0]) from None
 
 
-@hydra_command("config", groups=GROUPS, before=check_run)
+@hydra_command("solve", groups=GROUPS, before=check_run)
 def main(cfg: DictConfig) -> None:
     from tot.runs.config import RunConfig
     from tot.runs.run import run, summary_line

@@ -21,6 +21,7 @@ from decoding import (
     ServerEngine,
     frozen,
     host_line,
+    install_on_first_use,
     int8_lacks,
     load_draft,
     load_model,
@@ -307,6 +308,9 @@ def make_engine(cfg: RunConfig) -> Engine | ServerEngine:
     """The in-process engine on the loaded model(s), or a client of the server that serves it."""
     if cfg.decoder.server is not None:
         return ServerEngine(cfg.decoder.server, *load_tokenizer(cfg.model))
+    for path in (cfg.model.path, cfg.decoder.draft.path if cfg.decoder.draft else None):
+        if path:
+            install_on_first_use(path)
     target = load_model(cfg.model)
     draft = load_draft(cfg.decoder.draft, target) if cfg.decoder.draft else None
     return Engine(target, cfg.decoder, draft)
