@@ -147,3 +147,11 @@ def test_best_of_n_in_waves_stops_when_decided_with_the_whole_budgets_answer(wav
     assert engine.asked == drawn and early.budget == {"samples": drawn, "budget": 8}
     assert early.phases["generate"].decode.generated_tokens == 10 * drawn
     assert whole.budget == {}
+
+
+def test_agree_needs_a_wave_of_two():
+    with pytest.raises(ConfigError, match=r"search\.stop=agree stops once a whole wave agrees"):
+        BestOfNSettings(stop="agree")
+    with pytest.raises(ConfigError, match=r"search\.stop stops a vote"):
+        BestOfNSettings(stop="decided", aggregate="best")
+    assert BestOfNSettings(stop="agree", wave=2).stop == "agree"

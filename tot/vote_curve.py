@@ -6,7 +6,7 @@ Solution i of a problem is sampled from the same seed whatever the budget, so th
 of a run of n are what best-of-k would have drawn: one run of n gives the whole curve for k = 1..n,
 for the plain majority and for each confidence reading the solutions kept (vote.weight=READING; the
 run asked for log-probabilities where it had a vote.weight reading), and the early stops
-(search.stop=decided and agree, waves of 1, 2 and 4): the budget each spends, problem by problem.
+(search.stop=decided in waves of 1, 2 and 4, agree in waves of 2, 3 and 4): the budget each spends.
 Tokens are the solutions' own (no evaluator is asked under these votes). Nothing is decoded.
 
 Writes `vote_curve.md`, `vote_curve.json` and `vote_curve.png` into the best-of-N run's folder.
@@ -32,8 +32,8 @@ from tot.search.best_of_n import solution_leaves
 from tot.search.confidence import READINGS
 from tot.search.vote import Ballot, VoteRule, settled, tally
 
-WAVES = (1, 2, 4)
-STOPPED = ("decided", "agree")
+# The early stops drawn, each at these waves (agree needs two at least: one always agrees with itself).
+STOPS_DRAWN = {"decided": (1, 2, 4), "agree": (2, 3, 4)}
 
 
 @dataclass(frozen=True)
@@ -95,8 +95,8 @@ def curve(solutions: list[Drawn]) -> list[dict]:
     for name, rule in rules.items():
         for k in range(1, n + 1):
             points.append(point(f"best-of-{k}, {name}", solutions, [(k, d.answer_right(k, rule)) for d in solutions]))
-    for stop in STOPPED:
-        for wave in WAVES:
+    for stop, waves in STOPS_DRAWN.items():
+        for wave in waves:
             if wave < n:
                 spent = [(k, d.answer_right(k, VoteRule())) for d in solutions for k in [d.stop(stop, wave)]]
                 points.append(point(f"best-of-{n}, majority, stop={stop}, wave={wave}", solutions, spent))

@@ -57,6 +57,11 @@ class BestOfNSettings:
             raise ConfigError(f"search.stop={self.stop!r} is not one of {', '.join(STOPS)} (search=best_of_n)")
         if self.stop != "never" and self.aggregate == "best":
             raise ConfigError("search.stop stops a vote: use it with search.aggregate=majority or weighted")
+        if self.stop == "agree" and self.wave < 2:
+            raise ConfigError(
+                f"search.stop=agree stops once a whole wave agrees: give search.wave >= 2 (given {self.wave}; "
+                "one solution always agrees with itself)"
+            )
 
     @property
     def scored(self) -> bool:
