@@ -134,3 +134,50 @@ def test_rollout_values_need_paragraphs():
         GSM8K(value="rollout", thoughts="subquestions")
     with pytest.raises(DataError, match=r"task\.rollouts=0"):
         GSM8K(value="rollout", rollouts=0)
+
+
+# search.foresight: completions from a state (by its path), in request order.
+FORESIGHT = {
+    (): ["A\n\nSo 5. The answer is 5.", "B\n\nThe answer is 9.", "A\n\nThe answer is 5."],
+    ("A",): ["A1 The answer is 5.", "A2\n\nThe answer is 7.", "A3\n\nThe answer is 5."],
+}
+
+
+class ForesightEngine(RolloutEngine):
+    def answer(self, r: GenRequest) -> GenResult:
+        assert r.stop == (), "foresight asks for completions alone"
+        path = path_of(r)
+        i = self.asked.get(path, 0)
+        self.asked[path] = i + 1
+        return reply(FORESIGHT[path][i], [1, 2, 3, 4])
+
+
+def test_foresight_takes_a_states_thoughts_from_the_completions_that_value_them():
+    engine = ForesightEngine()
+    task = GSM8K(value="rollout", depth=3)
+    sol = run_sync(BFS(task, BFSSettings(n_thoughts=3, foresight=True), GenSettings(), 0).solve(PROBLEM, engine))
+    tree = sol.tree
+    texts = [(tree[n].text, tree[n].rollout, tree[n].value) for n in tree.graph.nodes if n]
+    # Depth 1: A (5), B (9), A again (5): the plurality 5; BFS goes on from the first A. Depth 2: A1 states 5
+    # itself (a finished thought, no completion below it), A2's completion 7, A3's 5.
+    assert texts == [
+        ("A", None, 1.0), ("B", None, 0.0), ("A", None, 1.0),
+        ("So 5. The answer is 5.", True, 1.0), ("The answer is 9.", True, 0.0), ("The answer is 5.", True, 1.0),
+        ("A1 The answer is 5.", None, 1.0), ("A2", None, 0.0), ("A3", None, 1.0),
+        ("The answer is 7.", True, 0.0), ("The answer is 5.", True, 1.0),
+    ]  # fmt: skip
+    assert sol.answer == "5" and tree[7].terminal and not tree.rollouts(7)
+    assert len(engine.requests) == 6 and {r.group for r in engine.requests} == {Group("p", "0"), Group("p", "1")}
+    assert sol.phases["rollout"].calls == 6 and sol.phases["generate"].calls == 0
+
+
+def test_foresight_needs_rollout_values():
+    from test_run import make_config
+
+    from tot.runs.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"search\.foresight=true .* needs task\.value=rollout"):
+        make_config("search.foresight=true", "task.value=confidence")
+    assert make_config(
+        "search.foresight=true", "task.value=rollout", "task.thoughts=paragraphs"
+    ).search_settings.foresight

@@ -215,6 +215,46 @@ class Step:
             self.revalue()
         return [child for child, _ in thoughts]
 
+    async def foresee(self, parents: list[tuple[int, int, str]]) -> list[int]:
+        """task.value=rollout, foresight (phi-Decoding's): each (state, n, seed key)'s n thoughts are the
+        first steps of n completions sampled from it to an answer, the rest of each completion below its
+        thought as that thought's one completion: a thought and its value for the tokens of one
+        completion. A thought that ends its path (or a completion with no step after it) is the ballot
+        itself. Returns the new thoughts in request order, valued against the vote after them all."""
+        task, tree, pid = self.task, self.tree, self.problem.id
+        asked = []
+        for state, n, key in parents:
+            steps = tree.steps(state)
+            prompt = task.rollout_prompt(self.problem, steps)
+            stops = task.generator_prompt(self.problem, steps).stop
+            for i in range(n):
+                child = tree.add(state, "", raw="", tokens=0, value=0.0)  # its id fixed before anything runs
+                request = self.gen.request(
+                    prompt,
+                    group=self.siblings(str(state)),
+                    seed=request_seed(self.seed, pid, state, *([key] if key else []), "foresee", i),
+                    max_new_tokens=task.rollout_tokens,
+                    logprobs=self.logprobs,
+                    top_logprobs=self.top_logprobs,
+                )
+                asked.append((child, request, stops))
+        outs = await asyncio.gather(*(self.call([request], "rollout") for _, request, _ in asked))
+        for (child, _, stops), (out,) in zip(asked, outs):
+            head, rest = split_at_stop(out.text, stops)
+            node = tree[child]
+            node.text = task.parse_thought(self.problem, tree.steps(child)[:-1], head)
+            node.raw = head
+            node.terminal = self.finished(child)
+            read = readings(out.logprobs) if out.logprobs is not None else None
+            if node.terminal or not rest.strip():
+                node.tokens, node.confidence = out.stats.generated_tokens, read
+                node.terminal = True  # nothing follows it: its answer is its completion's
+            else:
+                tokens = out.stats.generated_tokens
+                tree.add(child, rest.strip(), raw=rest, tokens=tokens, terminal=True, rollout=True, confidence=read)
+        self.revalue()
+        return [child for child, _, _ in asked]
+
     async def _thought(
         self, child: int, request: GenRequest, eval_group: Group
     ) -> list[tuple[str, int, dict[str, float] | None]]:
@@ -436,6 +476,15 @@ def confidence(reply: GenResult) -> float:
     if not reply.logprobs:
         return 1.0
     return math.exp(sum(t.logprob for t in reply.logprobs) / len(reply.logprobs))
+
+
+def split_at_stop(text: str, stops: tuple[str, ...]) -> tuple[str, str]:
+    """The text before the first of `stops` in it (what a request stopping there returns) and after it."""
+    found = [(i, s) for s in stops if s and (i := text.find(s)) >= 0]
+    if not found:
+        return text, ""
+    i, stop = min(found)
+    return text[:i], text[i + len(stop) :]
 
 
 def finished_states(tree: ReasoningTree) -> list[int]:

@@ -25,6 +25,9 @@ class BFSSettings:
     aggregate: Aggregate = "vote"
     distinct: bool = True
     root_thoughts: int = 0  # thoughts grown from the problem; 0: n_thoughts, as from any state
+    # task.value=rollout: a state's thoughts are the first steps of completions sampled from it, each valued
+    # by the rest of its completion (phi-Decoding's foresight): no thought is sampled apart from its valuation.
+    foresight: bool = False
 
     def __post_init__(self) -> None:
         # As in ToT, the b best of all the frontier's thoughts go on: breadth may exceed n_thoughts.
@@ -54,7 +57,10 @@ class BFS(SearchBase):
             if not open_:
                 break
             n = self.settings.thoughts_at(depth)
-            children = await step.grow([(s, n, "") for s in open_], f"d{depth}")
+            if self.settings.foresight:
+                children = await step.foresee([(s, n, "") for s in open_])
+            else:
+                children = await step.grow([(s, n, "") for s in open_], f"d{depth}")
             # Stable sort: among equal values the earlier thought wins, deterministically.
             ranked = sorted(done + children, key=lambda c: -tree[c].value)
             if self.settings.distinct:
