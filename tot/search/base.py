@@ -23,7 +23,7 @@ import networkx as nx
 from decoding import Completion, ConfigError, DecodeStats, GenRequest, GenResult, Group
 from decoding import run_sync as run_sync  # searches are run with it
 from tasks.base import Problem, Prompt, Task
-from tot.search.confidence import TOP_NEEDED, readings
+from tot.search.confidence import TOP_NEEDED, mean_probability, readings
 from tot.search.reward import ProcessReward, ScoringModel
 from tot.search.tree import ReasoningTree, Valuation
 from tot.search.value import read_value
@@ -473,9 +473,7 @@ def path_confidence(tree: ReasoningTree, node: int) -> dict[str, float] | None:
 def confidence(reply: GenResult) -> float:
     """A reply's geometric-mean token probability (asked with GenRequest.logprobs); 1 for no tokens."""
     assert reply.logprobs is not None, "the reply was not asked for its log-probabilities"
-    if not reply.logprobs:
-        return 1.0
-    return math.exp(sum(t.logprob for t in reply.logprobs) / len(reply.logprobs))
+    return mean_probability([t.logprob for t in reply.logprobs])
 
 
 def split_at_stop(text: str, stops: tuple[str, ...]) -> tuple[str, str]:
