@@ -155,3 +155,29 @@ def test_agree_needs_a_wave_of_two():
     with pytest.raises(ConfigError, match=r"search\.stop stops a vote"):
         BestOfNSettings(stop="decided", aggregate="best")
     assert BestOfNSettings(stop="agree", wave=2).stop == "agree"
+
+
+def test_a_token_budget_ends_the_waves():
+    """search.token_budget: no wave more once the problem's tokens reach it (10 tokens a solution here)."""
+    task, problem = GSM8K(), Problem("p", "q", "6")
+    engine = StreamEngine(["4", "6", "6", "6", "6", "6", "4", "4"])
+    settings = BestOfNSettings(n=8, wave=2, token_budget=35)
+    sol = run_sync(BestOfN(task, settings, GenSettings(), 0).solve(problem, engine))
+    assert engine.asked == 4 and sol.budget == {"samples": 4, "budget": 8} and sol.answer == "6"
+    with pytest.raises(ConfigError, match=r"search\.token_budget=35 stops between waves"):
+        BestOfNSettings(token_budget=35)
+
+
+def test_a_token_budget_ends_bfs_levels():
+    from test_rollout import PROBLEM, RolloutEngine
+
+    from tot.search.bfs import BFS, BFSSettings
+
+    task = GSM8K(value="rollout", depth=2)
+    full = run_sync(BFS(task, BFSSettings(n_thoughts=2), GenSettings(), 0).solve(PROBLEM, RolloutEngine()))
+    cut = run_sync(
+        BFS(task, BFSSettings(n_thoughts=2, token_budget=1), GenSettings(), 0).solve(PROBLEM, RolloutEngine())
+    )
+    assert {full.tree[n].depth for n in full.tree.graph.nodes if not full.tree[n].rollout} == {0, 1, 2}
+    depths = {cut.tree[n].depth for n in cut.tree.graph.nodes if not cut.tree[n].rollout}
+    assert depths == {0, 1} and cut.answer == "5"  # one level, then the vote over its completions

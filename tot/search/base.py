@@ -175,6 +175,11 @@ class Step:
         self._replies: dict[int, tuple[int, ...]] = {}  # node -> its thought's whole sequence, until valued
         self._confidence: dict[int, float] = {}  # node -> its thought's mean token probability, until valued
 
+    @property
+    def tokens(self) -> int:
+        """The tokens this problem's requests have generated so far, every phase's."""
+        return sum(p.decode.generated_tokens for p in self.phases.values())
+
     def siblings(self, step: str | Group) -> Group:
         """The requests of this problem's search step `step` (say "d2": the thoughts or evaluations
         of depth 2) as the engine pools them: siblings share the drafters' cross-trajectory statistics.

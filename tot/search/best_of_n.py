@@ -9,10 +9,11 @@ the task's whole-solution evaluator as soon as it is written; vote.weight weighs
 confidence reading of each solution's tokens instead (CISC, DeepConf). In the tree each solution is a
 chain from the root, one node per step the task reads in it (one Blocksworld action per node).
 
-With `wave` the solutions are sampled `wave` at a time and `stop` may end the problem before all n are
-drawn: `decided` once no solution still to come can change the vote (the answer is the one all n would
-give: solution i is sampled from the same seed either way), `agree` also once a whole wave agrees with
-the leader (early-stopping self-consistency's window; it may answer otherwise than all n would).
+With `wave` the solutions are sampled `wave` at a time, none more once the problem has generated
+`token_budget` tokens, and `stop` may end the problem before all n are drawn: `decided` once no
+solution still to come can change the vote (the answer is the one all n would give: solution i is
+sampled from the same seed either way), `agree` also once a whole wave agrees with the leader
+(early-stopping self-consistency's window; it may answer otherwise than all n would).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class BestOfNSettings:
     max_tokens: int = 384  # per solution: a whole chain of thought is longer than a thought
     wave: int = 0  # solutions sampled at a time (0: all n)
     stop: str = "never"  # never | decided | agree: when the vote is settled before n are drawn
+    token_budget: int = 0  # a problem's generated tokens after which no wave more is drawn (0: none)
 
     def __post_init__(self) -> None:
         check_positive(search="best_of_n", n=self.n, max_tokens=self.max_tokens)
@@ -57,6 +59,11 @@ class BestOfNSettings:
             raise ConfigError(f"search.stop={self.stop!r} is not one of {', '.join(STOPS)} (search=best_of_n)")
         if self.stop != "never" and self.aggregate == "best":
             raise ConfigError("search.stop stops a vote: use it with search.aggregate=majority or weighted")
+        if self.token_budget < 0 or (self.token_budget and not self.wave):
+            raise ConfigError(
+                f"search.token_budget={self.token_budget} stops between waves: give search.wave (say 2) and a "
+                "positive budget, or 0 for none"
+            )
         if self.stop == "agree" and self.wave < 2:
             raise ConfigError(
                 f"search.stop=agree stops once a whole wave agrees: give search.wave >= 2 (given {self.wave}; "
@@ -90,6 +97,8 @@ class BestOfN(SearchBase):
             ballots = [Ballot(w.answer, w.valued.value if w.valued else None, w.confidence) for w in written]
             if settled(self.vote, ballots, settings.own, settings.n - len(written), settings.stop, wave):
                 break
+            if settings.token_budget and step.tokens >= settings.token_budget:
+                break
         # The chains are added in solution order once all are written: node ids do not depend on
         # which reply finished first.
         tree = step.tree
@@ -106,7 +115,7 @@ class BestOfN(SearchBase):
         answer_of = lambda s: self.task.answer(problem, tree.steps(s))  # noqa: E731
         aggregate = {"best": "best", "majority": "majority"}.get(settings.aggregate, "vote")
         solution = step.solution(choose(tree, leaves, answer_of, aggregate, self.vote))
-        if settings.stop != "never" or wave < settings.n:
+        if len(written) < settings.n or wave < settings.n:
             solution.budget = {"samples": len(written), "budget": settings.n}
         return solution
 

@@ -28,10 +28,13 @@ class BFSSettings:
     # task.value=rollout: a state's thoughts are the first steps of completions sampled from it, each valued
     # by the rest of its completion (phi-Decoding's foresight): no thought is sampled apart from its valuation.
     foresight: bool = False
+    token_budget: int = 0  # a problem's generated tokens after which no level more is grown (0: none)
 
     def __post_init__(self) -> None:
         # As in ToT, the b best of all the frontier's thoughts go on: breadth may exceed n_thoughts.
         check_positive(search="bfs", n_thoughts=self.n_thoughts, breadth=self.breadth)
+        if self.token_budget < 0:
+            raise ConfigError(f"search.token_budget={self.token_budget}: a positive number of tokens, or 0 for none")
         if self.root_thoughts < 0:
             raise ConfigError(f"search.root_thoughts={self.root_thoughts}: 0 (n_thoughts) or a positive count")
 
@@ -54,7 +57,7 @@ class BFS(SearchBase):
             # Finished states are not extended; they compete with the new thoughts for the frontier.
             done = [s for s in frontier if s != tree.root and tree[s].terminal]
             open_ = [s for s in frontier if s not in done]
-            if not open_:
+            if not open_ or (self.settings.token_budget and step.tokens >= self.settings.token_budget):
                 break
             n = self.settings.thoughts_at(depth)
             if self.settings.foresight:
