@@ -160,9 +160,9 @@ def plot(points: list[dict], runs: list[dict], path: Path) -> None:
             series.setdefault(p["name"].split(", ", 1)[1], []).append(p)
     for name, ps in series.items():
         ax.plot([p["tokens_per_problem"] for p in ps], [p["correct"] / p["problems"] for p in ps], "o-", label=name)
-    for p, label in [(p, p["name"].split(", ", 2)[-1]) for p in points if "stop=" in p["name"]] + [
-        (r, Path(r["name"]).name) for r in runs
-    ]:
+    for p, label in [
+        (p, p["name"].split("stop=")[1].replace(", wave=", " w")) for p in points if "stop=" in p["name"]
+    ] + [(r, Path(r["name"]).name) for r in runs]:
         xy = (p["tokens_per_problem"], p["correct"] / p["problems"])
         ax.plot(*xy, "ks" if p in runs else "k^", markersize=4)
         ax.annotate(label, xy, fontsize=6, xytext=(3, 3), textcoords="offset points")
