@@ -1,7 +1,8 @@
 """The search library: how the tree is searched, apart from the commands and run folders around it.
 
-`base.py` holds what every search shares (the generation step, valuation, the answer chosen over
-leaves), `tree.py` the reasoning tree, `value.py` and `reward.py` how states are valued, and one module
+`base.py` holds what every search shares (the generation step, valuation, rollouts, the answer chosen over
+leaves), `tree.py` the reasoning tree, `value.py` and `reward.py` how states are valued, `vote.py` how a vote
+weighs, filters and stops, `confidence.py` the readings of a reply's log-probabilities, and one module
 per search (bfs, dvts, best_of_n, mcts), each ending with its `PLUGIN` declaration (`plugin.py`),
 gathered here into `SEARCHES`. It imports `decoding`'s public face and `tasks`, never the run folders
 (tot/runs/) or the commands (tot/*.py).
