@@ -44,7 +44,7 @@ class RolloutEngine:
         out = [self.answer(r) for r in requests]  # in the order asked: the i-th thought of a state the i-th
         for _ in range(requests[0].seed % 5 if self.scramble else 1):
             await asyncio.sleep(0)
-        return Completion(out, DecodeStats(generated_tokens=len(requests)))
+        return Completion(out, DecodeStats(generated_tokens=sum(len(o.token_ids) for o in out)))
 
     def answer(self, r: GenRequest) -> GenResult:
         path = path_of(r)

@@ -60,3 +60,32 @@ def test_the_curve_votes_again_over_the_first_k_solutions(tmp_path, capsys):
     assert rows["best-of-4, majority"].endswith("| 1 / 0 (1.000) |")
     assert (out / "vote_curve.md").is_file() and (out / "vote_curve.png").is_file()
     assert main([str(tmp_path / "none")]) == 2 and "no summary.json" in capsys.readouterr().err
+
+
+def test_a_rollout_bfs_run_is_read_level_by_level(tmp_path, capsys):
+    """The levels of a rollout-valued BFS run: its last level is the run itself (tokens and answers)."""
+    from test_rollout import RolloutEngine
+
+    from tot.runs.saved import read_records
+    from tot.vote_curve import level_points
+
+    bo = tmp_path / "bo4"
+    run(make_config("search=best_of_n", "search.n=4", "data.limit=2"), bo, engine=SolutionEngine(), progress=False)
+    bfs = tmp_path / "bfs"
+    overrides = [
+        "task.thoughts=paragraphs",
+        "task.value=rollout",
+        "task.depth=2",
+        "search.n_thoughts=2",
+        "data.limit=2",
+    ]
+    run(make_config(*overrides), bfs, engine=RolloutEngine(), progress=False)
+    levels = level_points(bfs)
+    records = read_records(bfs)
+    assert [p["name"] for p in levels] == ["bfs, levels <= 1", "bfs, levels <= 2"]
+    assert levels[-1]["tokens_per_problem"] == sum(r["tokens"] for r in records) / 2
+    assert levels[0]["tokens_per_problem"] < levels[-1]["tokens_per_problem"]
+    assert [r["correct"] for r in levels[-1]["records"]] == [bool(r["correct"]) for r in records]
+    assert level_points(bo) == []  # not a rollout BFS
+    assert main([str(bo), "--runs", str(bfs)]) == 0
+    assert "| bfs, levels <= 1 | 2 |" in capsys.readouterr().out

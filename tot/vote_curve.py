@@ -7,7 +7,8 @@ of a run of n are what best-of-k would have drawn: one run of n gives the whole 
 for the plain majority and for each confidence reading the solutions kept (vote.weight=READING; the
 run asked for log-probabilities where it had a vote.weight reading), and the early stops
 (search.stop=decided in waves of 1, 2 and 4, agree in waves of 2, 3 and 4): the budget each spends.
-Tokens are the solutions' own (no evaluator is asked under these votes). Nothing is decoded.
+Tokens are the solutions' own (no evaluator is asked under these votes). A rollout-valued BFS run given
+with --runs is also read level by level (`level_points`). Nothing is decoded.
 
 Writes `vote_curve.md`, `vote_curve.json` and `vote_curve.png` into the best-of-N run's folder.
 """
@@ -18,6 +19,7 @@ import argparse
 import json
 import sys
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import networkx as nx
@@ -26,10 +28,11 @@ from tasks.base import DataError
 from tot.collect import paired, wilson
 from tot.rescore import run_task
 from tot.runs.output import OutputError, pyplot, save_figure, write_atomic
-from tot.runs.saved import ShowError, problems, read_records, read_tree
-from tot.search.base import path_confidence
+from tot.runs.saved import ShowError, problems, read_json, read_records, read_tree
+from tot.search.base import choose, path_confidence
 from tot.search.best_of_n import solution_leaves
 from tot.search.confidence import READINGS
+from tot.search.tree import ReasoningTree
 from tot.search.vote import Ballot, VoteRule, settled, tally
 
 # The early stops drawn, each at these waves (agree needs two at least: one always agrees with itself).
@@ -131,6 +134,50 @@ def run_point(run_dir: Path) -> dict:
     }
 
 
+def level_points(run_dir: Path) -> list[dict]:
+    """A rollout-valued BFS run (task.value=rollout) read level by level: the tree up to level L is what
+    the run grew had `search.token_budget` stopped it after L (a level's choices read only the tree
+    before it), so the majority over the ballots of levels <= L, and the tokens of those levels (every
+    token of such a run is a thought's or a completion's), give its curve. Other runs give no levels."""
+    summary = read_json(run_dir / "summary.json")
+    config = summary.get("config") or {}
+    if summary.get("search") != "bfs" or (config.get("task_options") or {}).get("value") != "rollout":
+        return []
+    task, by_id = run_task(run_dir / "summary.json")
+    trees = []
+    for saved in problems(run_dir):
+        if saved.id in by_id:
+            trees.append((by_id[saved.id], read_tree(saved.tree_path)))
+
+    def level(tree: ReasoningTree, node: int) -> int:  # a completion belongs to the level of its state
+        return tree[node].depth - 1 if tree[node].rollout else tree[node].depth
+
+    deepest = max((level(t, n) for _, t in trees for n in t.graph.nodes), default=0)
+    points = []
+    for top in range(1, deepest + 1):
+        records, tokens = [], 0
+        for problem, tree in trees:
+            kept = [n for n in tree.graph.nodes if n != tree.root and level(tree, n) <= top]
+            tokens += sum(tree[n].tokens or 0 for n in kept)
+            ballots = [n for n in kept if tree[n].terminal]
+            right = False
+            if ballots:
+                answer_of = partial(lambda t, p, s: task.answer(p, t.steps(s)), tree, problem)
+                right = task.is_correct(problem, answer_of(choose(tree, ballots, answer_of, "majority")))
+            records.append({"id": problem.id, "correct": right})
+        points.append(
+            {
+                "name": f"{run_dir.name}, levels <= {top}",
+                "problems": len(records),
+                "correct": sum(r["correct"] for r in records),
+                "tokens_per_problem": tokens / len(records),
+                "samples_per_problem": None,
+                "records": records,
+            }
+        )
+    return points
+
+
 def table(points: list[dict], baseline: list[dict] | None) -> str:
     head = "| run / vote | problems | accuracy [95%] | tokens a problem | samples |"
     head += " only it / only baseline (p) |" if baseline else ""
@@ -158,6 +205,10 @@ def plot(points: list[dict], runs: list[dict], path: Path) -> None:
     for p in points:
         if "stop=" not in p["name"]:
             series.setdefault(p["name"].split(", ", 1)[1], []).append(p)
+    for r in runs:
+        if ", levels <= " in r["name"]:
+            series.setdefault(r["name"].split(", levels")[0] + " by levels", []).append(r)
+    runs = [r for r in runs if ", levels <= " not in r["name"]]
     for name, ps in series.items():
         ax.plot([p["tokens_per_problem"] for p in ps], [p["correct"] / p["problems"] for p in ps], "o-", label=name)
     for p, label in [
@@ -185,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
             if not (folder / "summary.json").is_file():
                 raise ShowError(f"{folder} has no summary.json; give an output directory of python -m tot.solve")
         points = curve(drawn(args.run))
-        runs = [run_point(r) for r in args.runs]
+        runs = [run_point(r) for r in args.runs] + [p for r in args.runs for p in level_points(r)]
         baseline = run_point(args.baseline)["records"] if args.baseline else None
         text = table(runs + points, baseline)
         print(text)
