@@ -49,7 +49,7 @@ class Drawn:
     tokens: list[int]
 
     def answer_right(self, k: int, rule: VoteRule) -> bool:
-        """Whether the vote over the first k solutions answers right (the first right one of the winner's)."""
+        """Whether the vote over the first k solutions names a right answer."""
         winner = tally(rule, self.ballots[:k], "one").winner
         return any(c for b, c in zip(self.ballots[:k], self.correct[:k]) if b.answer == winner)
 
@@ -106,17 +106,22 @@ def curve(solutions: list[Drawn]) -> list[dict]:
     return points
 
 
-def point(name: str, solutions: list[Drawn], spent: list[tuple[int, bool]]) -> dict:
-    records = [{"id": d.id, "correct": ok} for d, (_, ok) in zip(solutions, spent)]
-    tokens = sum(sum(d.tokens[:k]) for d, (k, _) in zip(solutions, spent))
+def as_point(name: str, records: list[dict], tokens: int, samples: int | None = None) -> dict:
+    """A point of the curve: its problems' correctness (id, correct: for pairing) and its cost."""
     return {
         "name": name,
         "problems": len(records),
         "correct": sum(r["correct"] for r in records),
         "tokens_per_problem": tokens / len(records),
-        "samples_per_problem": sum(k for k, _ in spent) / len(records),
+        "samples_per_problem": None if samples is None else samples / len(records),
         "records": records,
     }
+
+
+def point(name: str, solutions: list[Drawn], spent: list[tuple[int, bool]]) -> dict:
+    records = [{"id": d.id, "correct": ok} for d, (_, ok) in zip(solutions, spent)]
+    tokens = sum(sum(d.tokens[:k]) for d, (k, _) in zip(solutions, spent))
+    return as_point(name, records, tokens, sum(k for k, _ in spent))
 
 
 def run_point(run_dir: Path) -> dict:
@@ -124,14 +129,8 @@ def run_point(run_dir: Path) -> dict:
     records = read_records(run_dir)
     if not records:
         raise ShowError(f"{run_dir} has no finished problem; give a tot.solve run folder")
-    return {
-        "name": str(run_dir),
-        "problems": len(records),
-        "correct": sum(bool(r["correct"]) for r in records),
-        "tokens_per_problem": sum(r["tokens"] for r in records) / len(records),
-        "samples_per_problem": None,
-        "records": [{"id": r["id"], "correct": bool(r["correct"])} for r in records],
-    }
+    kept = [{"id": r["id"], "correct": bool(r["correct"])} for r in records]
+    return as_point(str(run_dir), kept, sum(r["tokens"] for r in records))
 
 
 def level_points(run_dir: Path) -> list[dict]:
@@ -165,16 +164,7 @@ def level_points(run_dir: Path) -> list[dict]:
                 answer_of = partial(lambda t, p, s: task.answer(p, t.steps(s)), tree, problem)
                 right = task.is_correct(problem, answer_of(choose(tree, ballots, answer_of, "majority")))
             records.append({"id": problem.id, "correct": right})
-        points.append(
-            {
-                "name": f"{run_dir.name}, levels <= {top}",
-                "problems": len(records),
-                "correct": sum(r["correct"] for r in records),
-                "tokens_per_problem": tokens / len(records),
-                "samples_per_problem": None,
-                "records": records,
-            }
-        )
+        points.append(as_point(f"{run_dir.name}, levels <= {top}", records, tokens))
     return points
 
 
