@@ -25,7 +25,7 @@ from tot.runs.folder import read_record
 from tot.runs.lock import run_lock
 from tot.runs.output import write_atomic
 from tot.runs.results import ResultsError, TreeFiles, answer_fields, read_results, summarize
-from tot.runs.saved import ShowError, read_json, read_tree, save_tree
+from tot.runs.saved import SavedTree, ShowError, problems, read_json, read_tree, save_tree
 from tot.search import SEARCHES
 from tot.search.base import choose
 from tot.search.tree import ReasoningTree
@@ -120,6 +120,27 @@ def run_task(summary_path: Path) -> tuple[Task, dict[str, Problem]]:
         raise ShowError(
             f"{summary_path} does not say which task and problems it ran ({e}); give a run of tot.solve"
         ) from None
+
+
+@dataclass(frozen=True)
+class ReadProblem:
+    """A saved problem of a run, its problem from the run's data and its tree."""
+
+    saved: SavedTree
+    problem: Problem
+    tree: ReasoningTree
+
+
+def read_problems(run_dir: Path) -> tuple[Task, list[ReadProblem]]:
+    """The task a run ran and its saved problems with their trees, in the run's order (a problem its
+    data file no longer holds is left out): what the commands that read a run's trees start from."""
+    task, by_id = run_task(run_dir / "summary.json")
+    read = [
+        ReadProblem(saved, by_id[saved.id], read_tree(saved.tree_path))
+        for saved in problems(run_dir)
+        if saved.id in by_id
+    ]
+    return task, read
 
 
 def _rescore(run_dir: Path, summary_path: Path) -> Rescored:

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tasks.base import DataError
-from tot.rescore import run_task
-from tot.runs.saved import ShowError, problems, read_tree
+from tot.rescore import read_problems
+from tot.runs.saved import ShowError
 from tot.search.base import choose, finished_states, path_confidence
 from tot.search.confidence import READINGS
 from tot.search.vote import VoteRule
@@ -114,17 +114,14 @@ def separation(run_dir: Path) -> Separation:
     summary = run_dir / "summary.json"
     if not summary.is_file():
         raise ShowError(f"{run_dir} has no summary.json; give an output directory of python -m tot.solve")
-    task, by_id = run_task(summary)
+    task, read = read_problems(run_dir)
     by_problem: list[Values] = []
     reachable = 0
     solved = dict.fromkeys(("run", *RULES), 0)
     by_reading: dict[str, list[Values]] = {r: [] for r in READINGS}
     read_solved = dict.fromkeys(READINGS, 0)
-    for saved in problems(run_dir):
-        problem = by_id.get(saved.id)
-        if problem is None:
-            continue
-        tree = read_tree(saved.tree_path)
+    for one in read:
+        saved, problem, tree = one.saved, one.problem, one.tree
         states = finished_states(tree)
         answers = {s: task.answer(problem, tree.steps(s)) for s in states}
         correct = {s: task.is_correct(problem, a) for s, a in answers.items()}

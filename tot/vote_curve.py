@@ -26,9 +26,9 @@ import networkx as nx
 
 from tasks.base import DataError
 from tot.collect import paired, wilson
-from tot.rescore import run_task
+from tot.rescore import read_problems
 from tot.runs.output import OutputError, pyplot, save_figure, write_atomic
-from tot.runs.saved import ShowError, problems, read_json, read_records, read_tree
+from tot.runs.saved import ShowError, read_json, read_records
 from tot.search.base import choose, path_confidence
 from tot.search.best_of_n import solution_leaves
 from tot.search.confidence import READINGS
@@ -65,13 +65,10 @@ class Drawn:
 
 def drawn(run_dir: Path) -> list[Drawn]:
     """Every problem's solutions, with their answers, correctness, readings and tokens."""
-    task, by_id = run_task(run_dir / "summary.json")
+    task, read = read_problems(run_dir)
     out = []
-    for saved in problems(run_dir):
-        problem = by_id.get(saved.id)
-        if problem is None:
-            continue
-        tree = read_tree(saved.tree_path)
+    for one in read:
+        saved, problem, tree = one.saved, one.problem, one.tree
         leaves = solution_leaves(tree)
         if not leaves:
             raise ShowError(f"{saved.tree_path} holds no best-of-N solution; give a run of search=best_of_n")
@@ -142,11 +139,8 @@ def level_points(run_dir: Path) -> list[dict]:
     config = summary.get("config") or {}
     if summary.get("search") != "bfs" or (config.get("task_options") or {}).get("value") != "rollout":
         return []
-    task, by_id = run_task(run_dir / "summary.json")
-    trees = []
-    for saved in problems(run_dir):
-        if saved.id in by_id:
-            trees.append((by_id[saved.id], read_tree(saved.tree_path)))
+    task, read = read_problems(run_dir)
+    trees = [(one.problem, one.tree) for one in read]
 
     def level(tree: ReasoningTree, node: int) -> int:  # a completion belongs to the level of its state
         return tree[node].depth - 1 if tree[node].rollout else tree[node].depth
