@@ -75,10 +75,10 @@ def test_the_rule_is_checked():
     with pytest.raises(ConfigError, match=r"vote\.temperature=-1"):
         VoteRule(temperature=-1)
     with pytest.raises(ConfigError, match=r"search\.stop=decided stops when"):
-        check_stop("decided", VoteRule(temperature=0.5), "one", "best_of_n")
+        check_stop("decided", VoteRule(temperature=0.5), "one")
     with pytest.raises(ConfigError, match=r"search\.stop=decided stops when"):
-        check_stop("decided", VoteRule(), "value", "best_of_n")
-    check_stop("decided", VoteRule(weight="tail"), "value", "best_of_n")
+        check_stop("decided", VoteRule(), "value")
+    check_stop("decided", VoteRule(weight="tail"), "value")
 
 
 def stop_point(answers: list[str], rule: VoteRule, stop: str, wave: int = 1) -> int:

@@ -11,10 +11,8 @@ from decoding import FOLLOW_UPS_REFUSED, ConfigError, DecoderConfig, ModelSpec, 
 from tasks import TASKS, DataSpec
 from tot.search import SEARCHES
 from tot.search.base import GenSettings
-from tot.search.best_of_n import BestOfNSettings
-from tot.search.bfs import BFSSettings
 from tot.search.reward import IN_CONTEXT_REFUSED, RewardSpec
-from tot.search.vote import PLAIN_VOTE, VoteRule, check_stop
+from tot.search.vote import PLAIN_VOTE, VoteRule
 
 # Keys of `task:` that are not options of the task object itself.
 TASK_RUN_KEYS = ("name", "depth", "judge", "max_thought_tokens", "max_eval_tokens")
@@ -67,14 +65,7 @@ class RunConfig:
             raise ConfigError(f"gen.top_p={self.gen.top_p} must be in (0, 1]; use 1.0 to turn nucleus sampling off")
         if self.gen.top_k < 0:
             raise ConfigError(f"gen.top_k={self.gen.top_k} is negative; use 0 to turn top-k off")
-        foresight = isinstance(self.search_settings, BFSSettings) and self.search_settings.foresight
-        if foresight and self.task_options.get("value") != "rollout":
-            raise ConfigError(
-                "search.foresight=true takes a state's thoughts from completions that value them: it needs "
-                f"task.value=rollout (given task.value={self.task_options.get('value')})"
-            )
-        if isinstance(self.search_settings, BestOfNSettings):
-            check_stop(self.search_settings.stop, self.vote, self.search_settings.own, self.search)
+        SEARCHES[self.search].check_config(self.search_settings, self.vote, self.task_options)
 
     @classmethod
     def from_omegaconf(cls, cfg: DictConfig) -> RunConfig:

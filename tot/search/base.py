@@ -275,7 +275,7 @@ class Step:
         if self.in_context:
             self._replies[child] = out.context
         if self.confident:
-            self._confidence[child] = confidence(out)
+            self._confidence[child] = node.confidence["mean"]  # confidence(out), read once
         if self.rollouts:
             return [] if node.terminal else await self.complete(child)
         await self.evaluate([child], eval_group)

@@ -19,8 +19,9 @@ sampled from the same seed either way), `agree` also once a whole wave agrees wi
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Any, Literal
 
 from decoding import ConfigError
 from tasks.base import Problem, Prompt
@@ -37,7 +38,7 @@ from tot.search.base import (
 from tot.search.confidence import readings
 from tot.search.plugin import SearchPlugin
 from tot.search.tree import ReasoningTree, Valuation
-from tot.search.vote import STOPS, Ballot, Own, settled
+from tot.search.vote import STOPS, Ballot, Own, VoteRule, check_stop, settled
 
 Vote = Literal["majority", "weighted", "best"]
 
@@ -167,9 +168,14 @@ def solution_leaves(tree: ReasoningTree) -> list[int]:
     return sorted(leaves, key=lambda n: tree[n].solution)
 
 
+def check_stop_rule(settings: BestOfNSettings, vote: VoteRule, task_options: Mapping[str, Any]) -> None:
+    check_stop(settings.stop, vote, settings.own)
+
+
 PLUGIN = SearchPlugin(
     name="best_of_n",
     build=BestOfN,
     options=BestOfNSettings,
+    check_config=check_stop_rule,
     voted=lambda settings: solution_leaves if settings.get("aggregate") in ("majority", "weighted") else None,
 )

@@ -9,13 +9,16 @@ places went to copies, and every path began with one of two first paragraphs."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from typing import Any
 
 from decoding import ConfigError
 from tasks.base import Problem
 from tot.search.base import Aggregate, GenerationEngine, SearchBase, Solution, check_positive, choose, finished_states
 from tot.search.plugin import SearchPlugin
 from tot.search.tree import ReasoningTree
+from tot.search.vote import VoteRule
 
 
 @dataclass(frozen=True)
@@ -90,9 +93,18 @@ def first_of_each_state(tree: ReasoningTree, states: list[int]) -> list[int]:
     return kept
 
 
+def check_foresight(settings: BFSSettings, vote: VoteRule, task_options: Mapping[str, Any]) -> None:
+    if settings.foresight and task_options.get("value") != "rollout":
+        raise ConfigError(
+            "search.foresight=true takes a state's thoughts from completions that value them: it needs "
+            f"task.value=rollout (given task.value={task_options.get('value')})"
+        )
+
+
 PLUGIN = SearchPlugin(
     name="bfs",
     build=BFS,
     options=BFSSettings,
+    check_config=check_foresight,
     voted=lambda settings: finished_states if settings.get("aggregate") == "vote" else None,
 )

@@ -4,18 +4,22 @@ gathers them into `SEARCHES`).
 A search is one module and its yaml (conf/search/NAME.yaml): the module ends with its declaration,
 naming the search, its settings (a frozen dataclass read from `search.*`, checking itself in
 __post_init__, with `scaled(n)`: its settings at budget N, the scaling curve's x) and its builder,
-`build(task, settings, gen, seed, reward)` -> a `Search` (tot/search/base.py; tot/search/bfs.py is
-one). `TOT_SPEC_PLUGINS` adds modules from outside the project (decoding/base/plugins.py).
+`build(task, settings, gen, seed, reward, vote=...)` -> a `Search` (tot/search/base.py; tot/search/bfs.py
+is one), and where its settings depend on the rest of the run's config, `check_config(settings, vote,
+task_options)`, run at load time. `TOT_SPEC_PLUGINS` adds modules from outside the project (decoding/base/plugins.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from decoding import Plugin
 from tot.search.tree import ReasoningTree
+
+if TYPE_CHECKING:
+    from tot.search.vote import VoteRule
 
 # Where a run's answer is a vote: from the recorded settings, the leaves it voted over (tot.rescore
 # votes again on answers read anew); None where a value chose it.
@@ -26,9 +30,19 @@ def no_vote(settings: Mapping[str, Any]) -> None:
     return None
 
 
+# A search's settings checked at load time against the rest of the run's config: the vote's rule and the
+# task's options (a ConfigError names what to change).
+Check = Callable[[Any, "VoteRule", Mapping[str, Any]], None]
+
+
+def no_check(settings: Any, vote: VoteRule, task_options: Mapping[str, Any]) -> None:
+    return None
+
+
 @dataclass(frozen=True)
 class SearchPlugin(Plugin):
     KIND: ClassVar[str] = "search"
 
     section: str = "search"
     voted: Voted = no_vote
+    check_config: Check = no_check

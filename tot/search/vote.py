@@ -147,10 +147,8 @@ def settled(rule: VoteRule, ballots: Sequence[Ballot], own: Own, remaining: int,
     return False
 
 
-def check_stop(stop: str, rule: VoteRule, own: Own, search: str) -> None:
-    """search.stop is one of STOPS, and `decided` only where no ballot to come can weigh more than 1."""
-    if stop not in STOPS:
-        raise ConfigError(f"search.stop={stop!r} is not one of {', '.join(STOPS)} (search={search})")
+def check_stop(stop: str, rule: VoteRule, own: Own) -> None:
+    """A stop (`decided`, `agree`) only where no ballot to come can weigh more than 1."""
     weight = rule.weight or own
     if stop != "never" and not (rule.temperature == 0 and rule.keep == 1 and weight != "value"):
         raise ConfigError(
