@@ -56,6 +56,12 @@ class RunConfig:
             raise ConfigError(FOLLOW_UPS_REFUSED)
         if self.reward is not None and self.task_options.get("evaluator") == "in_context":
             raise ConfigError(IN_CONTEXT_REFUSED)
+        completes = self.reward is not None and self.reward.kind == "consistency"
+        if completes and not hasattr(TASKS[self.task].build, "rollout_prompt"):
+            raise ConfigError(
+                f"reward.kind=consistency completes a path through the task's rollout prompt, which task={self.task} "
+                "has not: use another reward.kind, or a task with rollouts (gsm8k)"
+            )
         _positive("gen.max_thought_tokens", self.gen.max_thought_tokens)
         _positive("gen.max_eval_tokens", self.gen.max_eval_tokens)
         for key, t in (("gen.temperature", self.gen.temperature), ("gen.eval_temperature", self.gen.eval_temperature)):

@@ -24,7 +24,7 @@ from decoding import Completion, ConfigError, DecodeStats, GenRequest, GenResult
 from decoding import run_sync as run_sync  # searches are run with it
 from tasks.base import Problem, Prompt, Task
 from tot.search.confidence import TOP_NEEDED, mean_probability, readings
-from tot.search.reward import ProcessReward, ScoringModel
+from tot.search.reward import Discriminator, ProcessReward, ScoringModel, paragraphs
 from tot.search.tree import ReasoningTree, Valuation
 from tot.search.value import read_value
 from tot.search.vote import PLAIN_VOTE, Ballot, VoteRule, tally, weights
@@ -120,8 +120,9 @@ class GenerationEngine(Protocol):
     async def agenerate(self, requests: list[GenRequest]) -> Completion: ...
 
 
-# A reward model (reward.path): a judge's engine, or a classifier / PRM scoring paths itself.
-Reward = GenerationEngine | ScoringModel | ProcessReward
+# A reward model (reward.path): a judge's engine, a classifier / PRM scoring paths itself, or a
+# discriminator completing them (mutual consistency).
+Reward = GenerationEngine | ScoringModel | ProcessReward | Discriminator
 
 
 class Search(Protocol):
@@ -369,6 +370,9 @@ class Step:
             self.phases["evaluate"].calls += 1
             steps_scored = list(scored.steps) if scored.steps else None  # a PRM's step scores
             return Valuation(scored.value, f"reward {scored.value:.4f}", reward_steps=steps_scored)
+        if isinstance(self.reward, Discriminator):
+            answer = self.task.answer(self.problem, steps) if self.ends(steps) else None
+            return await self.discriminate(steps, answer, key)
         if self.confident:
             assert confidence is not None, "task.value=confidence values a reply by its own tokens: pass `confidence`"
             return Valuation(confidence, f"mean token probability {confidence:.4f} (no evaluator asked)")
@@ -401,9 +405,39 @@ class Step:
         value = sum(map(task.parse_value, texts)) / k
         return Valuation(value, texts[0] if k == 1 else texts, asked.text, in_context)
 
+    async def discriminate(self, steps: list[str], answer: str | None, key: object) -> Valuation:
+        """reward.kind=consistency (rStar's mutual consistency): the reward model completes the path from
+        its shown paragraphs (reward.hint), reward.completions times; the value is the share of those
+        completions whose answer is `answer`, the path's own. A path with no answer yet (None) is completed
+        from all its paragraphs, its value the share reaching the completions' most frequent answer."""
+        reward = self.reward
+        assert isinstance(reward, Discriminator), "discriminate is reward.kind=consistency's valuation"
+        task, pid = self.task, self.problem.id
+        shown = reward.shown(steps) if answer is not None else [p for s in steps for p in paragraphs(s)]
+        prompt = task.rollout_prompt(self.problem, shown)
+        requests = [
+            self.gen.request(
+                prompt,
+                group=self.siblings("consistency"),
+                seed=request_seed(self.seed, pid, key, "consistency", j),
+                max_new_tokens=reward.spec.max_tokens,
+            )
+            for j in range(reward.spec.completions)
+        ]
+        outs = await self.call(requests, "evaluate", reward.engine)
+        answers = [task.answer(self.problem, [*shown, o.text.strip()]) for o in outs]
+        if answer is None:
+            stated = [a for a in answers if a]
+            answer = max(stated, key=stated.count) if stated else ""
+        agree = sum(bool(a) and a == answer for a in answers)
+        said = f"{agree} of {len(answers)} completions from paragraph {len(shown) + 1} answer {answer or '(none)'}"
+        return Valuation(agree / len(answers), said)
+
     def finished(self, node: int) -> bool:
         """A path ends at the depth limit or where the task says it is complete."""
-        steps = self.tree.steps(node)
+        return self.ends(self.tree.steps(node))
+
+    def ends(self, steps: list[str]) -> bool:
         return len(steps) >= self.task.depth or self.task.is_terminal(self.problem, steps)
 
     def solution(self, best: int) -> Solution:

@@ -5,7 +5,8 @@ a whole Blocksworld plan, a whole passage), sampled in one group, STAND's best c
 trajectories of the same prompt. `majority` takes the most frequent parsed answer (no evaluator
 call is made), `weighted` the answer with the largest summed value, `best` the best-valued solution
 (the one sensible rule where answers do not repeat, as in Creative Writing). A solution is valued by
-the task's whole-solution evaluator as soon as it is written; vote.weight weighs the vote by a
+the task's whole-solution evaluator as soon as it is written (or the reward model: reward.kind=consistency
+completes its masked tail, rStar's mutual consistency); vote.weight weighs the vote by a
 confidence reading of each solution's tokens instead (CISC, DeepConf). In the tree each solution is a
 chain from the root, one node per step the task reads in it (one Blocksworld action per node).
 
@@ -37,6 +38,7 @@ from tot.search.base import (
 )
 from tot.search.confidence import readings
 from tot.search.plugin import SearchPlugin
+from tot.search.reward import Discriminator
 from tot.search.tree import ReasoningTree, Valuation
 from tot.search.vote import STOPS, Ballot, Own, VoteRule, check_stop, settled
 
@@ -136,8 +138,11 @@ class BestOfN(SearchBase):
         )
         (out,) = await step.call([request], "generate")
         steps = self.task.solution_steps(step.problem, out.text)
+        answer = self.task.answer(step.problem, steps)
         valued = None
-        if scored:
+        if scored and isinstance(self.reward, Discriminator):  # its answer as it votes, stated or not
+            valued = await step.discriminate(steps, answer, f"s{i}")
+        elif scored:
 
             def prompt(path: list[str], follow_up: bool) -> Prompt:
                 return self.task.solution_evaluator_prompt(step.problem, path, follow_up)
@@ -146,7 +151,6 @@ class BestOfN(SearchBase):
             context = out.context if request.keep else ()
             valued = await step.judge(steps, context, prompt, "solutions/eval", f"s{i}", sure)
         read = readings(out.logprobs) if out.logprobs is not None else None
-        answer = self.task.answer(step.problem, steps)
         return Written(out.text, steps, out.stats.generated_tokens, valued, read, answer)
 
 

@@ -7,6 +7,13 @@ Three kinds (`reward.kind`):
 - `classifier`: a sequence-classification checkpoint (an outcome reward model) scoring the question and
   the path's steps, each followed by `reward.step_separator`: sigmoid of its one logit, or the second
   label's probability of two (bad, good). Values in [0, 1].
+- `consistency`: rStar's mutual consistency: the reward model (a second small model, or the target
+  again) is shown the first `reward.hint` share of a path's paragraphs, the rest masked, and completes
+  the solution `reward.completions` times through the task's rollout prompt; the path's value is the
+  share of completions reaching the path's own answer (a path with no answer yet is completed from all
+  its paragraphs, its value the share reaching the completions' most frequent answer). With one
+  completion a value is 1 or 0: a weighted vote then counts the consistent solutions alone (rStar's
+  filter). Values in [0, 1].
 - `prm`: a process reward model read as Math-Shepherd and RLHFlow's PRMs are: a causal LM whose next
   token after each step's separator is `reward.good_label` or `reward.bad_label`; a step's score is
   P(good) / (P(good) + P(bad)) there, and the path's is their `reward.aggregate` (min, last, mean or
@@ -32,7 +39,7 @@ if TYPE_CHECKING:  # torch and the engine load with a reward model, not when a c
 
     from decoding import Engine
 
-Kind = Literal["auto", "judge", "classifier", "prm"]
+Kind = Literal["auto", "judge", "classifier", "prm", "consistency"]
 Aggregate = Literal["min", "last", "mean", "product"]
 IN_CONTEXT_REFUSED = (
     "reward.path values states with a model of its own, which cannot read the target's stored reply "
@@ -48,6 +55,9 @@ class RewardSpec:
     good_label: str = "+"
     bad_label: str = "-"
     aggregate: Aggregate = "min"
+    hint: float = 0.5  # consistency: the share of a path's paragraphs shown (the rest masked)
+    completions: int = 1  # consistency: the reward model's completions of each path
+    max_tokens: int = 384  # consistency: the longest completion
 
     @property
     def path(self) -> str:
@@ -58,6 +68,14 @@ class RewardSpec:
             raise ConfigError("reward.step_separator is empty; give the text the reward model ends each step with")
         if self.good_label == self.bad_label:
             raise ConfigError(f"reward.good_label and reward.bad_label are both {self.good_label!r}; give two labels")
+        if not 0 <= self.hint < 1:
+            raise ConfigError(
+                f"reward.hint={self.hint} must be in [0, 1): the share of a path's paragraphs the reward model is "
+                "shown before it completes the rest (0: it solves the problem alone)"
+            )
+        for key in ("completions", "max_tokens"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"reward.{key}={getattr(self, key)} must be a positive integer")
 
 
 @dataclass(frozen=True)
@@ -110,6 +128,25 @@ class ProcessReward:
         return PathScore(aggregate(per_step, self.spec.aggregate), tuple(per_step)), done.stats
 
 
+@dataclass(frozen=True)
+class Discriminator:
+    """reward.kind=consistency: the reward model's engine, completing paths from their shown paragraphs
+    (decoded as the target samples, gen.*, so its completions are draws, not one greedy guess)."""
+
+    spec: RewardSpec
+    engine: Engine
+
+    def shown(self, steps: list[str]) -> list[str]:
+        """The paragraphs of the path `steps` the reward model is shown: the first reward.hint share,
+        rounded down (a best-of-N solution is one step of several paragraphs)."""
+        every = [p for step in steps for p in paragraphs(step)]
+        return every[: math.floor(len(every) * self.spec.hint)]
+
+
+def paragraphs(text: str) -> list[str]:
+    return [p.strip() for p in text.split("\n\n") if p.strip()]
+
+
 def path_ids(tokenizer: object, separator: list[int], question: str, steps: list[str]) -> tuple[list[int], list[int]]:
     """The path's token ids (the question, then each step, each followed by the separator, pieces
     tokenized apart) and, per step, the position of its separator's last token."""
@@ -157,18 +194,20 @@ def resolve_kind(spec: RewardSpec) -> str:
     return "classifier" if any("ForSequenceClassification" in a for a in architectures) else "judge"
 
 
-def load_reward(spec: RewardSpec) -> Engine | ScoringModel | ProcessReward:
-    """The reward model: an engine of its own for a judge or a PRM, a scoring model on the target's
-    device for a classifier."""
+def load_reward(spec: RewardSpec) -> Engine | ScoringModel | ProcessReward | Discriminator:
+    """The reward model: an engine of its own for a judge, a PRM or a discriminator, a scoring model on
+    the target's device for a classifier."""
     import torch
 
     from decoding import DecoderConfig, Engine, load_model, resolve_device
 
     kind = resolve_kind(spec)
-    if kind in ("judge", "prm"):
+    if kind in ("judge", "prm", "consistency"):
         # Decoded autoregressively (a judge's replies are the reward model's own, whatever the target's
         # decoder); a PRM's rows are choices, scored in the forwards of that engine.
         engine = Engine(load_model(spec.model), DecoderConfig(name="ar"))
+        if kind == "consistency":
+            return Discriminator(spec, engine)
         return engine if kind == "judge" else ProcessReward(replace(spec, kind=kind), engine)
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
