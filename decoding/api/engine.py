@@ -10,6 +10,7 @@ had its turn to submit, so what runs together is decided by the searches, not by
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field, fields
@@ -18,7 +19,7 @@ from decoding.api.config import DecoderConfig
 from decoding.api.decoders import make_decoder
 from decoding.base.errors import BackendError
 from decoding.base.prompts import PLAIN_SEAM, Seam, chat_seam, render, render_follow_up
-from decoding.base.values import Completion, DecodeStats, GenRequest, GenResult
+from decoding.base.values import Completion, DecodeStats, GenRequest, GenResult, check_ids
 from decoding.runtime.memory import peak_rss_mb, rss_mb
 from decoding.runtime.models import LoadedModel
 from decoding.runtime.runner import ModelRunner
@@ -27,6 +28,8 @@ from decoding.speculation.logprobs import Choices
 from decoding.speculation.sampling import SamplingParams
 from decoding.speculation.sequence import Sequence
 from decoding.speculation.stopping import StopRule, TokenTexts, final_text
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -65,6 +68,7 @@ class Engine:
         self.last_stats = DecodeStats()
         self.total_stats = DecodeStats()
         self._arrived: list[_Call] = []
+        self._alone: list[_Call] = []  # after a failed step: its calls, to run one at a time (`_isolate`)
         self._calls: dict[int, _Call] = {}  # id(sequence) -> its call, while it decodes
         self._driver: asyncio.Task[None] | None = None
         # Time spent in the decoder's steps for awaited calls (a bench that interleaves engines
@@ -125,6 +129,10 @@ class Engine:
         return self._seam
 
     def generate(self, requests: list[GenRequest]) -> list[GenResult]:
+        """Decode `requests` to the end. A request the engine cannot take raises before anything runs; a
+        failure while decoding raises too, and the engine drops the call's sequences (their rows, KV
+        blocks and pins), so the next call decodes as on a fresh engine."""
+        requests = checked("generate", requests)
         if self._driver is not None and not self._driver.done():
             raise BackendError("the engine is serving awaited calls: use `await engine.agenerate(...)` there")
         if not requests:
@@ -132,14 +140,21 @@ class Engine:
             return []
         t0 = time.perf_counter()
         seqs = [self._sequence(r) for r in requests]
-        stats = self.decoder.run(seqs)
+        try:
+            stats = self.decoder.run(seqs)
+        except BaseException:
+            self.decoder.clear()
+            raise
         # Tokenizing and detokenizing is part of what a call costs.
         self.last_stats = self._finish(seqs, requests, stats, time.perf_counter() - t0).stats
         self.total_stats += self.last_stats
         return self._results(seqs, requests)
 
     async def agenerate(self, requests: list[GenRequest]) -> Completion:
-        """Decode `requests` in the running batch, beside every other call in flight."""
+        """Decode `requests` in the running batch, beside every other call in flight. A request the
+        engine cannot take raises here, before it joins; a step that fails is not charged to the calls
+        beside the one that caused it (`_isolate`)."""
+        requests = checked("agenerate", requests)
         if not requests:
             return Completion([], DecodeStats())
         seqs = [self._sequence(r) for r in requests]
@@ -154,34 +169,91 @@ class Engine:
         try:
             while True:
                 await self._settle()
-                for call in self._arrived:
-                    self.decoder.admit(call.seqs)
-                    call.stats.prompt_tokens = sum(len(s.prompt) for s in call.seqs)
-                    self._calls.update((id(s), call) for s in call.seqs)
-                self._arrived = []
+                self._admit_next()
                 if not self.decoder.busy:
                     return
                 t0 = time.perf_counter()
-                step = self.decoder.step()
-                self.step_s += time.perf_counter() - t0
+                try:
+                    step = self.decoder.step()
+                except Exception as e:
+                    self._isolate(e)
+                    continue
+                finally:
+                    self.step_s += time.perf_counter() - t0
                 self._share(step.cost)
                 for s in step.finished:
                     call = self._calls.pop(id(s))
                     call.live -= 1
                     if call.live == 0:
-                        # Its time is its share of the steps (draft, verify, other): no wall-clock
-                        # figure, as calls in flight overlap.
-                        done = self._finish(call.seqs, call.requests, call.stats, None)
-                        self.total_stats += done.stats
-                        call.future.set_result(done)
-        except BaseException as e:  # every caller hears of it, and the batch starts clean next time
-            for call in [*self._arrived, *{id(c): c for c in self._calls.values()}.values()]:
+                        self._resolve(call)
+        except BaseException as e:  # the driver itself stopped (interrupted): every caller hears of it
+            for call in [*self._arrived, *self._alone, *self._in_flight()]:
                 if not call.future.done():
                     call.future.set_exception(e)
-            self._arrived, self._calls = [], {}
+            self._arrived, self._alone, self._calls = [], [], {}
             self.decoder.clear()
             if not isinstance(e, Exception):
                 raise
+
+    def _admit_next(self) -> None:
+        """Calls join the batch between steps: those that arrived, or, after a failed step, the calls
+        that were in it, one at a time and alone (`_isolate`). A cancelled call never joins."""
+        while self._alone and not self.decoder.busy:
+            call = self._alone.pop(0)
+            if not call.future.done():
+                self._admit(call)
+                return
+        if self._alone:
+            return
+        for call in self._arrived:
+            if not call.future.done():
+                self._admit(call)
+        self._arrived = []
+
+    def _admit(self, call: _Call) -> None:
+        self.decoder.admit(call.seqs)
+        call.stats.prompt_tokens = sum(len(s.prompt) for s in call.seqs)
+        self._calls.update((id(s), call) for s in call.seqs)
+
+    def _in_flight(self) -> list[_Call]:
+        return list({id(c): c for c in self._calls.values()}.values())
+
+    def _isolate(self, error: Exception) -> None:
+        """A step failed: the batch is dropped (every row, KV block, pin and drafter entry of it). A call
+        alone in it hears of the error. Calls beside others run again from their requests, one at a time
+        and alone: one that fails alone is the one at fault and hears of it, the others return what a
+        fresh engine returns (seeded decoding is deterministic and lossless, so a rerun's tokens are the
+        first run's)."""
+        calls = [c for c in self._in_flight() if not c.future.done()]
+        self._calls = {}
+        self.decoder.clear()
+        if len(calls) == 1:
+            calls[0].future.set_exception(error)
+            return
+        log.warning(
+            "a decode step failed (%s: %s); its %d calls run again one at a time to find the one at fault",
+            type(error).__name__,
+            error,
+            len(calls),
+        )
+        for call in calls:
+            call.seqs = [self._sequence(r) for r in call.requests]
+            call.live, call.stats, call.owed = len(call.seqs), DecodeStats(), defaultdict(float)
+        self._alone = calls + self._alone
+
+    def _resolve(self, call: _Call) -> None:
+        """A call's sequences all stopped: its results, unless its caller has gone (cancelled)."""
+        if call.future.done():
+            return
+        try:
+            # Its time is its share of the steps (draft, verify, other): no wall-clock figure, as calls
+            # in flight overlap.
+            done = self._finish(call.seqs, call.requests, call.stats, None)
+        except Exception as e:  # reading its results failed: this call's fault alone
+            call.future.set_exception(e)
+            return
+        self.total_stats += done.stats
+        call.future.set_result(done)
 
     async def _settle(self) -> None:
         """Yield until the callers woken by the last step have submitted what they send next."""
@@ -244,19 +316,26 @@ class Engine:
         ]
 
     def _sequence(self, r: GenRequest) -> Sequence:
+        """The request as the decoder's sequence; what the model makes of it checked first: its ids
+        against the vocabulary, its prompt and what it may generate (or its answers) against the context."""
+        vocab = self.target.vocab_size
+        if not isinstance(r.prompt, str):
+            check_ids("prompt", r.prompt, vocab)
+        check_ids("context", r.context, vocab)
         ids = self.encode(r.prompt, r.prefix, r.context)
         if not ids:
             raise BackendError("a request has an empty prompt; give at least one token of prompt")
-        limit = self.target.max_length
-        if len(ids) + r.max_new_tokens > limit:
-            raise BackendError(
-                f"a prompt of {len(ids)} tokens plus max_new_tokens={r.max_new_tokens} exceeds the model's context "
-                f"of {limit} tokens; shorten the prompt or lower the token limits (gen.max_thought_tokens, "
-                "gen.max_eval_tokens)"
-            )
         choices = Choices.of([self._answer(r, ids, a) for a in r.choices]) if r.choices else None
         # A choice's row holds its answers' tree where a reply's tokens would be.
         room = r.max_new_tokens if choices is None else len(choices.tree)
+        limit = self.target.max_length
+        if len(ids) + room > limit:
+            asked = f"max_new_tokens={r.max_new_tokens}" if choices is None else f"its choices' {room} tokens"
+            raise BackendError(
+                f"a prompt of {len(ids)} tokens plus {asked} exceeds the model's context of {limit} tokens; shorten "
+                "the prompt or lower the token limits (gen.max_thought_tokens, gen.max_eval_tokens)"
+                + ("" if choices is None else " or the choices")
+            )
         rule = StopRule(self.eos_ids, r.stop, room, self.token_texts)
         params = SamplingParams(r.temperature, r.top_k, r.top_p)
         seq = Sequence.create(ids, rule, params, r.seed, r.group, self.loaded.device)
@@ -272,6 +351,22 @@ class Engine:
         if len(joined) > len(ids) and joined[: len(ids)] == ids:
             return joined[len(ids) :]
         return self.tokenizer(answer, add_special_tokens=False)["input_ids"]
+
+
+def checked(call: str, requests: object) -> list[GenRequest]:
+    """`requests` as a list of GenRequest, or a TypeError saying what `call` takes."""
+    if isinstance(requests, (GenRequest, str)) or not isinstance(requests, (list, tuple)):
+        raise TypeError(
+            f"{call} takes a list of GenRequest, not a {type(requests).__name__}: wrap one request in a list, "
+            f"{call}([GenRequest(prompt)])"
+        )
+    bad = next((i for i, r in enumerate(requests) if not isinstance(r, GenRequest)), None)
+    if bad is not None:
+        raise TypeError(
+            f"{call}: requests[{bad}] is a {type(requests[bad]).__name__}, not a GenRequest: give "
+            "GenRequest(prompt, ...)"
+        )
+    return list(requests)
 
 
 def apportion(total: int, weights: list[int], owed: list[float] | None = None) -> list[int]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
@@ -58,30 +60,111 @@ class GenRequest:
     choices: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if isinstance(self.prompt, list):
-            object.__setattr__(self, "prompt", tuple(self.prompt))
-        if isinstance(self.context, list):
-            object.__setattr__(self, "context", tuple(self.context))
+        """Every field checked for its type, finiteness and range, each as it is read (a list of ids
+        or of strings becomes a tuple, a numpy integer an int): a `TypeError` or `ValueError` naming the
+        field and the fix. What needs the model (ids against its vocabulary, lengths against its
+        context) the engine checks as it tokenizes (`check_ids`, `Engine`)."""
+        if isinstance(self.prompt, str):
+            pass
+        elif isinstance(self.prompt, (list, tuple, range)):
+            self._set("prompt", token_ids("prompt", self.prompt))
+        else:
+            raise TypeError(
+                f"prompt is a {type(self.prompt).__name__}: give text (a str) or token ids (a list of ints)"
+            )
+        self._set("context", token_ids("context", self.context))
         if self.context and not isinstance(self.prompt, str):
             raise ValueError("a follow-up's prompt is the new turn's message: give it as text")
         for name in ("stop", "choices"):  # a string is one of them; a list, a tuple
-            value = getattr(self, name)
-            if isinstance(value, (list, str)):
-                object.__setattr__(self, name, (value,) if isinstance(value, str) else tuple(value))
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
+            self._set(name, texts(name, getattr(self, name)))
+        if any(not s for s in self.stop):
+            raise ValueError(f"stop={self.stop!r} holds an empty string, which would stop at once; leave it out")
+        self._set("max_new_tokens", integer("max_new_tokens", self.max_new_tokens, 1))
+        self._set("temperature", real("temperature", self.temperature))
         if self.temperature < 0:
             raise ValueError(f"temperature={self.temperature} must be >= 0 (0 means greedy)")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise ValueError(
+                f"temperature={self.temperature} is too small to sample with (logits / temperature overflow): use 0 "
+                f"for greedy decoding or at least {MIN_TEMPERATURE}"
+            )
+        self._set("top_p", real("top_p", self.top_p))
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
-        if self.top_k < 0:
-            raise ValueError(f"top_k={self.top_k} must be >= 0 (0 disables top-k)")
-        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"top_logprobs={self.top_logprobs} must be in 0..{MAX_TOP_LOGPROBS}")
+        self._set("top_k", integer("top_k", self.top_k, 0, fix="0 disables top-k"))
+        self._set("seed", integer("seed", self.seed, 0, MAX_SEED))
+        if not isinstance(self.group, Group):
+            raise TypeError(f"group={self.group!r} must be a Group (decoding.base.values.Group(problem, step))")
+        if not isinstance(self.prefix, str):
+            raise TypeError(f"prefix={self.prefix!r} must be text (a str): the start of the model's reply")
+        for name in ("keep", "logprobs"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name}={getattr(self, name)!r} must be True or False")
+        self._set("top_logprobs", integer("top_logprobs", self.top_logprobs, 0, MAX_TOP_LOGPROBS))
         if self.top_logprobs and not self.logprobs:
             raise ValueError(f"top_logprobs={self.top_logprobs} needs logprobs=True (as OpenAI's API has it)")
         if any(not a for a in self.choices) or len(set(self.choices)) < len(self.choices):
             raise ValueError(f"choices={self.choices!r}: give distinct, non-empty answers")
+
+    def _set(self, name: str, value: object) -> None:
+        object.__setattr__(self, name, value)
+
+
+MIN_TEMPERATURE = 1e-4  # below it (and above 0) logits / temperature overflow float32
+MAX_SEED = 2**63 - 1  # a torch generator's seed, and the draft generator's (seed ^ a salt)
+
+
+def integer(name: str, value: object, low: int, high: int | None = None, fix: str = "") -> int:
+    """`value` as an int in [low, high]: a TypeError for anything but an integer (a bool included)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}={value!r} must be an integer, not a {type(value).__name__}")
+    if value < low or (high is not None and value > high):
+        span = f">= {low}" if high is None else f"in {low}..{high}"
+        raise ValueError(f"{name}={value} must be {span}" + (f" ({fix})" if fix else ""))
+    return int(value)
+
+
+def real(name: str, value: object) -> float:
+    """`value` as a finite float: a TypeError for anything but a number, a ValueError for NaN or inf."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}={value!r} must be a number, not a {type(value).__name__}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name}={value} must be a finite number")
+    return float(value)
+
+
+def token_ids(name: str, ids: object) -> tuple[int, ...]:
+    """A list or tuple of token ids as a tuple of non-negative ints; each checked against the
+    model's vocabulary by `check_ids` when the engine tokenizes."""
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple, range)):
+        raise TypeError(f"{name} must be a list of token ids (ints), not a {type(ids).__name__}")
+    out = []
+    for i, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            raise TypeError(f"{name}[{i}]={t!r} is not a token id (an int)")
+        if t < 0:
+            raise ValueError(f"{name}[{i}]={t} is a negative token id")
+        out.append(int(t))
+    return tuple(out)
+
+
+def check_ids(name: str, ids: tuple[int, ...], vocab: int) -> None:
+    """Token ids given by a caller are ids of the model's vocabulary (its embedding's `vocab` rows)."""
+    bad = next((i for i, t in enumerate(ids) if t >= vocab), None)
+    if bad is not None:
+        raise ValueError(f"{name}[{bad}]={ids[bad]} is outside the model's vocabulary of {vocab} tokens")
+
+
+def texts(name: str, value: object) -> tuple[str, ...]:
+    """One string or a list / tuple of strings, as a tuple of strings."""
+    if isinstance(value, str):
+        return (value,)
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"{name} must be a string or a list of strings, not a {type(value).__name__}")
+    bad = next((i for i, v in enumerate(value) if not isinstance(v, str)), None)
+    if bad is not None:
+        raise TypeError(f"{name}={value!r} holds {value[bad]!r}, which is not text: give strings")
+    return tuple(value)
 
 
 HOST_STAGES = ("learn", "plan", "draft", "cut", "pack", "launch", "accept", "commit", "finish", "rounds")

@@ -127,7 +127,9 @@ class Scheduler:
 
     def clear(self) -> None:
         """Drop every queued and live sequence (their callers are gone: an error or a cancel), so
-        that the next call starts on a clean batch; what the drafter learned stays."""
+        that the next call starts on a clean batch: every row of the pool empty (paged, its blocks
+        back), the follow-ups' pins let go, the drafter's entries for them released; what the drafter
+        learned and what the prefix store holds stay."""
         with self.rounds.cond:
             known = [*self.rounds.live.values(), *self.rounds.left]
         self.rounds.fail()  # wakes a drafting thread, which then ends
@@ -135,6 +137,12 @@ class Scheduler:
             self._thread.join()
             self._thread, self._thread_running = None, False
         self.drafter.release(sorted((s for s in known if s.heard), key=lambda s: s.row), [])
+        cache = self.setup.cache
+        # Every row: a step may have failed between taking a row and handing it to the rounds.
+        self.target.release(cache, list(range(len(cache.lens))))
+        for s in self.waiting:
+            if s.follows:  # pinned for this follow-up, which will not come
+                self.target.prefixes.unpin(s.follows)
         self.waiting.clear()
         self.rounds = self._new_rounds()
         self._failure.clear()
