@@ -69,13 +69,31 @@ class TemplateTask(TaskDefaults):
         check_positive(self.name, depth=self.depth, n_evaluate=self.n_evaluate)
         check_value(self.name, self.value, ("sampled", "expected", "yes", "confidence"))
         check_evaluator(self.name, self.evaluator)
-        for key in ("generator_template", "evaluator_template", "solution_template"):
+        if not isinstance(self.answer_phrase, str) or not self.answer_phrase.strip():
+            raise DataError(
+                f"task.answer_phrase={self.answer_phrase!r} is empty: give the words a final step states its answer "
+                "after (say 'The answer is')"
+            )
+        # Every templated field rendered as a search renders it, on a sample problem at the root and a
+        # step in: a bad template stops the run here, before the model loads.
+        sample, paths = Problem(id="sample", question="What is 2 + 3?", gold="5"), ([], ["2 + 3 = 5."])
+        renders = {
+            "generator_template": lambda: [self._fill(self.generator_template, sample, p) for p in paths],
+            "generator_prefix": lambda: [self.generator_prefix.format(n=len(p) + 1) for p in paths],
+            "evaluator_template": lambda: [self._fill(self.evaluator_template, sample, p) for p in paths],
+            "solution_template": lambda: self._fill(self.solution_template, sample, []),
+        }
+        for key, render in renders.items():
+            template = getattr(self, key)
+            if not isinstance(template, str):
+                raise DataError(f"task.{key}={template!r} is not text: give a template string")
+            takes = "{n}" if key == "generator_prefix" else "{question}, {steps} and {n}"
             try:
-                getattr(self, key).format(question="", steps="", n=1)
-            except (KeyError, IndexError, ValueError) as e:
+                render()
+            except Exception as e:  # any error of str.format: a field, an index, an attribute, a spec
                 raise DataError(
-                    f"task.{key} is not a template of {{question}}, {{steps}} and {{n}} ({type(e).__name__}: {e}); "
-                    "write a literal brace as {{ or }}"
+                    f"task.{key}={template!r} is not a template of {takes} ({type(e).__name__}: {e}); write a "
+                    "literal brace as {{ or }}"
                 ) from None
 
     # What a problem is: override these where the defaults do not fit.

@@ -126,6 +126,30 @@ def test_a_module_without_a_declaration_fails_naming_it(tmp_path, monkeypatch):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "body", ["raise RuntimeError('no config here\\nsecond line')", "import not_a_module_at_all", "1/0"]
+)
+def test_a_module_that_fails_to_import_is_one_line(tmp_path, monkeypatch, body):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    name = write_module(tmp_path, "broken_drafter", body + "\n")
+    with pytest.raises(
+        ConfigError, match=r"^plug-in module broken_drafter cannot be imported \(.*TOT_SPEC_PLUGINS$"
+    ) as e:
+        load((name,))
+    assert "\n" not in str(e.value)
+
+
+def test_a_module_that_fails_to_import_stops_a_command_with_exit_2(tmp_path):
+    write_module(tmp_path, "broken_drafter", "raise RuntimeError('boom')\n")
+    env = subprocess_env()
+    env.update(TOT_SPEC_PLUGINS="broken_drafter", PYTHONPATH=f"{tmp_path}:{env.get('PYTHONPATH', '')}")
+    cmd = [sys.executable, "-m", "tot.solve", "model=smollm2-135m", "data.limit=1"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "plug-in module broken_drafter cannot be imported (RuntimeError: boom)" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_two_modules_claiming_one_name_fail_naming_the_second(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     clash = TOY.replace('name="toy"', 'name="pld"').replace(

@@ -64,9 +64,25 @@ def test_a_bare_yes_from_a_yaml_file_is_named():
 
 
 @pytest.mark.parametrize("key", ["generator_template", "evaluator_template", "solution_template"])
-def test_a_template_with_an_unknown_field_is_refused_at_load(key):
-    with pytest.raises(DataError, match=rf"^task\.{key} is not a template of \{{question\}}, \{{steps\}} and \{{n\}} "):
-        Riddles(**{key: "{question} {answer}"})
+@pytest.mark.parametrize("template", ["{question} {answer}", "{question.upper.x}", "{steps[7]}", "{n:q}", "{", 3])
+def test_a_template_that_does_not_render_is_refused_at_load(key, template):
+    """Rendered on a sample problem and path as a search renders it: an unknown field, an attribute or
+    index the value has not, a bad format spec, a lone brace, or no text at all: one line naming it."""
+    with pytest.raises(
+        DataError, match=rf"^task\.{key}=.* is not (a template of \{{question\}}, \{{steps\}} and \{{n\}}|text)"
+    ):
+        Riddles(**{key: template})
+
+
+@pytest.mark.parametrize("prefix", ["Step {question}:", "Step {n.real.x}:", "{"])
+def test_the_generator_prefix_is_rendered_at_load_too(prefix):
+    with pytest.raises(DataError, match=r"^task\.generator_prefix=.* is not a template of \{n\} "):
+        Riddles(generator_prefix=prefix)
+
+
+def test_an_empty_answer_phrase_is_refused():
+    with pytest.raises(DataError, match=r"task\.answer_phrase='' is empty"):
+        Riddles(answer_phrase="")
 
 
 class ChoiceEngine(AwaitableFake):

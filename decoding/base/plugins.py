@@ -72,8 +72,12 @@ def declaration(entry: str) -> Plugin:
     module, _, name = entry.partition(":")
     try:
         plugin = getattr(importlib.import_module(module), name or "PLUGIN", None)
-    except ImportError as e:
-        raise ConfigError(f"plug-in module {module} cannot be imported: {e}") from None
+    except Exception as e:  # a module that raises anything on import is one line, as a missing one is
+        said = (str(e).strip().splitlines() or [""])[0][:200]
+        kind = "" if isinstance(e, ImportError) else f"{type(e).__name__}: "
+        raise ConfigError(
+            f"plug-in module {module} cannot be imported ({kind}{said}); fix the module or take it out of {ENV}"
+        ) from None
     if not isinstance(plugin, Plugin):
         raise ConfigError(f"plug-in module {module} declares no {name or 'PLUGIN'} = <Kind>Plugin(name=..., build=...)")
     plugin.check(module)
