@@ -47,3 +47,29 @@ def test_collect_compares_each_run_with_a_baseline(tmp_path, capsys):
     assert "only_baseline" in capsys.readouterr().out
     assert collect_main([str(root), "--baseline", str(tmp_path / "none")]) == 2
     assert "--baseline" in capsys.readouterr().err
+
+
+def test_a_baseline_of_another_task_or_no_shared_problem_gives_no_pairing(tmp_path, capsys):
+    """A baseline of another task is refused in one line; one over other problems pairs nothing and
+    prints no p-value (n/a), saying why."""
+    root = tmp_path / "runs"
+    run(make_config("data.limit=4"), root / "search", engine=FakeEngine(), progress=False)
+    other_task = tmp_path / "other_task"
+    shutil.copytree(root / "search", other_task)
+    summary = json.loads((other_task / "summary.json").read_text())
+    (other_task / "summary.json").write_text(json.dumps({**summary, "task": "blocksworld"}))
+    assert collect_main([str(root), "--baseline", str(other_task)]) == 2
+    err = capsys.readouterr().err
+    assert "run search is task=gsm8k, the baseline" in err and "task=blocksworld" in err and err.count("\n") == 1
+
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(root / "search", elsewhere)
+    lines = (elsewhere / "results.jsonl").read_text().splitlines()
+    moved = [json.dumps({**json.loads(line), "id": f"train-{i}"}) for i, line in enumerate(lines)]
+    (elsewhere / "results.jsonl").write_text("\n".join(moved) + "\n")
+    assert collect_main([str(root), "--baseline", str(elsewhere)]) == 0
+    out = capsys.readouterr().out
+    assert "run search shares no problem with the baseline" in out
+    (row,) = json.loads((root / "collected.json").read_text())["runs"]
+    assert row["paired_problems"] == 0 and row["paired_p"] is None
+    assert "| 0 | 0 | 0 | n/a |" in out

@@ -93,13 +93,49 @@ def fingerprint(folder: Path, summary: dict) -> str:
     return "legacy-" + hashlib.sha256(text.encode()).hexdigest()[:9]
 
 
+@dataclass(frozen=True)
+class Baseline:
+    """A run each row is paired with (--baseline): its folder, task and latest records."""
+
+    folder: Path
+    task: str | None
+    records: list[dict]
+
+
+def read_baseline(folder: Path) -> Baseline:
+    if not (folder / "results.jsonl").is_file():
+        raise CollectError(f"--baseline {folder} holds no results.jsonl; give a tot.solve run folder")
+    summary = folder / "summary.json"
+    recorded = read_record(folder)
+    if summary.is_file():
+        task = read_json(summary).get("task")
+    else:
+        task = recorded.settings.get("task.name") if recorded is not None else None
+    return Baseline(folder, task, read_records(folder))
+
+
 def collect(
-    root: Path, report: Callable[[str], None] = print, baseline: list[dict] | None = None
+    root: Path, report: Callable[[str], None] = print, baseline: Baseline | None = None
 ) -> tuple[list[dict], list[dict]]:
     """One row per run, and one per configuration (its runs' problems, each counted once); each against
-    the baseline's records where given."""
+    the baseline's records where given (a run of the same task: pairing another task's problems by id
+    would compare unrelated problems)."""
     runs = find_runs(root)
+    if baseline is not None:
+        for r in runs:
+            if baseline.task and r.header.get("task") and r.header["task"] != baseline.task:
+                raise CollectError(
+                    f"run {r.name} is task={r.header['task']}, the baseline {baseline.folder} task={baseline.task}: "
+                    "give a baseline of the runs' task, or collect the runs of each task apart"
+                )
     rows = [row(r.name, r, r.records, baseline) for r in runs]
+    if baseline is not None:
+        for r in rows:
+            if not r["paired_problems"]:
+                report(
+                    f"run {r['run']} shares no problem with the baseline {baseline.folder}: no paired comparison "
+                    "(give a baseline run over the same problems: its task, data.path and selection)"
+                )
     combined = []
     for config in dict.fromkeys(r.configuration for r in runs):
         members = [r for r in runs if r.configuration == config]
@@ -120,7 +156,7 @@ def collect(
     return rows, combined
 
 
-def row(name: str, run: Run, records: list[dict], baseline: list[dict] | None = None) -> dict:
+def row(name: str, run: Run, records: list[dict], baseline: Baseline | None = None) -> dict:
     s = summarize(records, run.header)
     n = s["n_problems"]
     low, high = wilson(s["n_correct"], n)
@@ -136,7 +172,7 @@ def row(name: str, run: Run, records: list[dict], baseline: list[dict] | None = 
         "n_correct": s["n_correct"],
         "model": s.get("model"),
     }
-    return out | (paired(records, baseline) if baseline is not None else {})
+    return out | (paired(records, baseline.records) if baseline is not None else {})
 
 
 def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -159,7 +195,8 @@ def paired(records: list[dict], baseline: list[dict]) -> dict:
     other = sum(b and not a for a, b in both)
     k, m = min(this, other), this + other
     p = min(1.0, 2 * sum(math.comb(m, i) for i in range(k + 1)) / 2**m) if m else 1.0
-    return {"paired_problems": len(both), "only_this": this, "only_baseline": other, "paired_p": p}
+    # No p-value over no pairs: nothing was compared.
+    return {"paired_problems": len(both), "only_this": this, "only_baseline": other, "paired_p": p if both else None}
 
 
 def check_not_fewer(root: Path, combined: list[dict]) -> None:
@@ -181,7 +218,7 @@ def markdown(rows: list[dict]) -> str:
     columns = COLUMNS + (PAIRED if rows and PAIRED[0] in rows[0] else ())
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for r in rows:
-        cells = [f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in columns]
+        cells = [f"{r[c]:.3f}" if isinstance(r[c], float) else "n/a" if r[c] is None else str(r[c]) for c in columns]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -197,11 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {args.root} is not a folder; give a sweep folder such as multirun/<date>", file=sys.stderr)
         return 2
     try:
-        baseline = None
-        if args.baseline is not None:
-            if not (args.baseline / "results.jsonl").is_file():
-                raise CollectError(f"--baseline {args.baseline} holds no results.jsonl; give a tot.solve run folder")
-            baseline = read_records(args.baseline)
+        baseline = read_baseline(args.baseline) if args.baseline is not None else None
         rows, combined = collect(args.root, baseline=baseline)
         if not rows:
             raise CollectError(f"no summary.json under {args.root}; give the folder of finished tot.solve runs")
