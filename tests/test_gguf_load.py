@@ -116,7 +116,7 @@ def _add_tensor(writer: gguf.GGUFWriter, name: str, values: np.ndarray, kind: Q,
         writer.add_tensor(name, gguf.quants.quantize(values, kind), raw_dtype=kind)
 
 
-def _add_tokenizer(writer: gguf.GGUFWriter) -> int:
+def _add_tokenizer(writer: gguf.GGUFWriter, pad: int = 0) -> int:
     """conftest's byte-level BPE as llama.cpp's converter writes a "gpt2" vocabulary; its size."""
     backend = build_tokenizer().backend_tokenizer
     vocab = backend.get_vocab()
@@ -129,17 +129,18 @@ def _add_tokenizer(writer: gguf.GGUFWriter) -> int:
     writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in model["merges"]])
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
-    writer.add_pad_token_id(0)
+    writer.add_pad_token_id(pad)
     writer.add_chat_template("{% for m in messages %}<bos>{{ m['content'] }}<eos>{% endfor %}")
     return len(tokens)
 
 
-def write_gguf(path: Path, spec: Spec, seed: int = 0) -> Path:
-    """A tiny random model of `spec` as a GGUF file, the way llama.cpp lays one out."""
+def write_gguf(path: Path, spec: Spec, seed: int = 0, pad: int = 0) -> Path:
+    """A tiny random model of `spec` as a GGUF file, the way llama.cpp lays one out (`pad`: its padding
+    token's id)."""
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(path, spec.arch)
     writer.add_name(f"tiny {spec.arch}")
-    vocab = _add_tokenizer(writer)
+    vocab = _add_tokenizer(writer, pad)
     writer.add_block_count(2)
     writer.add_context_length(256)
     writer.add_embedding_length(HIDDEN)
@@ -350,6 +351,18 @@ def test_unknown_architecture_is_one_line(tmp_path: Path) -> None:
         with pytest.raises(BackendError, match="oddformer") as e:
             load(path)
         assert "\n" not in str(e.value)
+
+
+def test_a_file_transformers_reads_but_cannot_build_is_one_line(tmp_path: Path) -> None:
+    """A padding token outside the vocabulary: the config reads, the tokenizer and the model do not; each
+    names the file and why, the tokenizer through the loader a user calls."""
+    path = write_gguf(tmp_path / "padded.gguf", QWEN2, pad=10**6)
+    with pytest.raises(BackendError, match=r"padded\.gguf: transformers cannot read its tokenizer \(IndexError") as e:
+        load_model(ModelSpec(path=str(path), weights="gguf", cache_dir=str(tmp_path)))
+    assert "\n" not in str(e.value)
+    with pytest.raises(BackendError, match=r"padded\.gguf: transformers cannot build a qwen2 model .*[Pp]adding") as e:
+        gguf_load.load_model(path, torch.float32)
+    assert "\n" not in str(e.value)
 
 
 def test_not_a_gguf_file_is_one_line(tmp_path: Path) -> None:

@@ -226,9 +226,18 @@ def _empty_model(gguf: Path, config: PretrainedConfig, dtype: torch.dtype) -> Pr
     except KeyError:
         raise BackendError(f"{gguf}: model type {config.model_type!r} is not a causal LM transformers builds") from None
     config.dtype = dtype  # as from_pretrained records it
-    with ContextManagers(cls.get_init_context(dtype, False, False, None)):
-        model = cls(config)
-        patch_output_recorders(model)
+    try:
+        with ContextManagers(cls.get_init_context(dtype, False, False, None)):
+            model = cls(config)
+            patch_output_recorders(model)
+    except (AssertionError, ValueError, TypeError, IndexError, KeyError, AttributeError, RuntimeError) as e:
+        # transformers reads the config but cannot build the model it describes (say a padding token
+        # outside the vocabulary): the file's metadata, not the caller, is at fault.
+        raise BackendError(
+            f"{gguf}: transformers cannot build a {config.model_type} model from its metadata "
+            f"({type(e).__name__}: {_first_line(e)}); the file is not one the project can run: convert it again "
+            "(llama.cpp's convert_hf_to_gguf.py) or give another model"
+        ) from None
     return model
 
 
@@ -404,9 +413,13 @@ def _convert_tokenizer(gguf: Path, folder: Path) -> None:
         try:
             with _plain_gguf_reader():
                 converted = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
+        # IndexError: a special token's id outside the vocabulary.
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
             read_config(gguf)  # an architecture transformers lacks is named as such
-            raise BackendError(f"{gguf}: transformers cannot read its tokenizer ({_first_line(e)})") from None
+            raise BackendError(
+                f"{gguf}: transformers cannot read its tokenizer ({type(e).__name__}: {_first_line(e)}); the file's "
+                "tokenizer metadata is broken: convert it again or give another model"
+            ) from None
         converted.save_pretrained(tmp)
         _rename_into_place(tmp, folder)
     except OSError as e:

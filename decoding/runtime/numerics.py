@@ -58,15 +58,16 @@ SHIPPED = Path(__file__).parent / "records"  # the records of the files the proj
 SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
-def file_digest(gguf: Path, cache: Path) -> str:
+def file_digest(gguf: Path, cache: Path, memo_ok: bool = True) -> str:
     """The file's SHA-256, computed once per path, size and modification time (kept in `cache`:
-    a gigabyte takes seconds to hash, a model loads in about as long)."""
+    a gigabyte takes seconds to hash, a model loads in about as long); `memo_ok` False: hashed again
+    (the memo is a claim, rewritten where it was wrong)."""
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
     memo = cache / "digests" / key
     with contextlib.suppress(OSError, UnicodeDecodeError):
         known = memo.read_text().strip()
-        if SHA256.fullmatch(known):  # anything else (a damaged memo) is hashed again and rewritten
+        if memo_ok and SHA256.fullmatch(known):  # anything else (a damaged memo) is hashed again and rewritten
             return known
     digest = hashlib.sha256()
     with gguf.open("rb") as f:
@@ -97,8 +98,19 @@ def write(folder: Path, gguf: Path, numerics: Numerics, digest: str) -> Path:
 
 
 def read(cache: Path, gguf: Path) -> Numerics | None:
-    """The file's record of this arithmetic (the cache's, else the shipped one), or None."""
+    """The file's record of this arithmetic (the cache's, else the shipped one), or None. A memo'd
+    digest no record knows is checked by hashing the file again before the answer is None: a wrong
+    memo would otherwise turn auto to float for a file that has a record."""
     digest = file_digest(gguf, cache)
+    found = _lookup(cache, digest)
+    if found is None:
+        fresh = file_digest(gguf, cache, memo_ok=False)
+        if fresh != digest:
+            found = _lookup(cache, fresh)
+    return found
+
+
+def _lookup(cache: Path, digest: str) -> Numerics | None:
     for folder in (cache / "numerics", SHIPPED):
         record = _read(record_path(folder, digest), digest)
         if record is not None:
