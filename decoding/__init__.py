@@ -37,6 +37,7 @@ EXPORTS: dict[str, tuple[str, ...]] = {
         "GenResult",
         "Group",
         "TokenLogprob",
+        "check_sampling",
         "host_line",
     ),
     "decoding.drafters.load": ("load_draft",),
@@ -83,7 +84,16 @@ if TYPE_CHECKING:  # the same names, for type checkers (tests/test_layout.py hol
     from decoding.base.options import as_float, as_int, as_list, from_dict
     from decoding.base.plugins import ENV, Lazy, Plugin, table, unknown
     from decoding.base.run import run_sync
-    from decoding.base.values import Completion, DecodeStats, GenRequest, GenResult, Group, TokenLogprob, host_line
+    from decoding.base.values import (
+        Completion,
+        DecodeStats,
+        GenRequest,
+        GenResult,
+        Group,
+        TokenLogprob,
+        check_sampling,
+        host_line,
+    )
     from decoding.drafters.load import load_draft
     from decoding.install import install_on_first_use
     from decoding.runtime.memory import peak_rss_mb

@@ -23,7 +23,7 @@ from decoding.api.config import DecoderConfig
 from decoding.base.cli import Refused, fail, hydra_command
 from decoding.base.errors import BackendError, ConfigError
 from decoding.base.options import as_float, as_int
-from decoding.base.values import MAX_TOP_LOGPROBS, DecodeStats, GenRequest, Group, host_line
+from decoding.base.values import MAX_TOP_LOGPROBS, DecodeStats, GenRequest, Group, check_sampling, host_line
 from decoding.runtime.spec import ModelSpec
 from decoding.speculation.heap import frozen
 
@@ -57,14 +57,14 @@ class GenerateConfig:
     top_logprobs: int = 0
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ConfigError(f"gen.temperature={self.temperature} is negative; use 0 for greedy decoding")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"gen.top_p={self.top_p} must be in (0, 1]; use 1.0 to turn nucleus sampling off")
-        if self.top_k < 0:
-            raise ConfigError(f"gen.top_k={self.top_k} is negative; use 0 to turn top-k off")
-        if self.max_new_tokens < 1:
-            raise ConfigError(f"gen.max_new_tokens={self.max_new_tokens} must be a positive integer")
+        check_sampling(
+            {
+                "gen.temperature": ("temperature", self.temperature),
+                "gen.top_p": ("top_p", self.top_p),
+                "gen.top_k": ("top_k", self.top_k),
+                "gen.max_new_tokens": ("max_new_tokens", self.max_new_tokens),
+            }
+        )
         if self.batch_size < 1:
             raise ConfigError(f"batch_size={self.batch_size} must be a positive integer")
         if not isinstance(self.gpu_profile, bool):

@@ -180,3 +180,21 @@ def test_cli_bad_input(cli_runs, case, expected):
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], proc.stderr
+
+
+@pytest.mark.parametrize(
+    "override, named",
+    [
+        ("gen.temperature=1e-30", "gen.temperature=1e-30 is too small to sample with"),
+        ("gen.temperature=nan", "gen.temperature=nan"),
+        ("gen.top_p=0", "gen.top_p=0.0 must be in (0, 1]"),
+        ("gen.top_k=-1", "gen.top_k=-1 must be >= 0"),
+        ("gen.max_new_tokens=0", "gen.max_new_tokens=0 must be >= 1"),
+    ],
+)
+def test_sampling_settings_are_checked_at_load_by_the_requests_rules(tmp_path, override, named):
+    from decoding.base.errors import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        config(tmp_path / "p.jsonl", tmp_path / "o.jsonl", override)
+    assert str(info.value).startswith(named) and "\n" not in str(info.value)

@@ -334,6 +334,8 @@ def test_summary_covers_every_problem_of_the_folder(tmp_path):
         ("gen.top_p=1.5", "gen.top_p=1.5"),
         ("gen.top_p=0", "gen.top_p=0"),
         ("gen.top_k=-2", "gen.top_k=-2"),
+        ("gen.temperature=1e-30", "gen.temperature=1e-30 is too small to sample with"),
+        ("gen.eval_temperature=nan", "gen.eval_temperature=nan"),
         ("search.n_thoughts=2.5", "search.n_thoughts=2.5"),
         ("gen.temperature=hot", "gen.temperature='hot'"),
         ("gen.seed=abc", "gen.seed='abc'"),

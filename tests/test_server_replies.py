@@ -217,3 +217,11 @@ def test_a_malformed_model_list_is_named(data: object, expected: str):
 def test_a_model_list_gives_names_and_owners():
     data = {"data": [{"id": "a", "owned_by": "me"}, {"id": "b", "owned_by": None}, {"id": "c"}]}
     assert parse_models(data) == {"a": "me", "b": "", "c": ""}
+
+
+@pytest.mark.parametrize("given", ["Name a color.", GenRequest("Name a color.")])
+def test_the_server_backend_says_what_it_takes_before_asking(tokenizer, given):
+    """The same check of a call's requests as the engine's: nothing is sent (no server runs here)."""
+    engine = ServerEngine(ServerOptions(url="http://127.0.0.1:9"), tokenizer, False)
+    with pytest.raises(TypeError, match=r"^agenerate takes a list of GenRequest"):
+        asyncio.run(engine.agenerate(given))

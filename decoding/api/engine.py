@@ -19,7 +19,7 @@ from decoding.api.config import DecoderConfig
 from decoding.api.decoders import make_decoder
 from decoding.base.errors import BackendError
 from decoding.base.prompts import PLAIN_SEAM, Seam, chat_seam, render, render_follow_up
-from decoding.base.values import Completion, DecodeStats, GenRequest, GenResult, check_ids
+from decoding.base.values import Completion, DecodeStats, GenRequest, GenResult, check_ids, request_list
 from decoding.runtime.memory import peak_rss_mb, rss_mb
 from decoding.runtime.models import LoadedModel
 from decoding.runtime.runner import ModelRunner
@@ -132,7 +132,7 @@ class Engine:
         """Decode `requests` to the end. A request the engine cannot take raises before anything runs; a
         failure while decoding raises too, and the engine drops the call's sequences (their rows, KV
         blocks and pins), so the next call decodes as on a fresh engine."""
-        requests = checked("generate", requests)
+        requests = request_list("generate", requests)
         if self._driver is not None and not self._driver.done():
             raise BackendError("the engine is serving awaited calls: use `await engine.agenerate(...)` there")
         if not requests:
@@ -154,7 +154,7 @@ class Engine:
         """Decode `requests` in the running batch, beside every other call in flight. A request the
         engine cannot take raises here, before it joins; a step that fails is not charged to the calls
         beside the one that caused it (`_isolate`)."""
-        requests = checked("agenerate", requests)
+        requests = request_list("agenerate", requests)
         if not requests:
             return Completion([], DecodeStats())
         seqs = [self._sequence(r) for r in requests]
@@ -351,22 +351,6 @@ class Engine:
         if len(joined) > len(ids) and joined[: len(ids)] == ids:
             return joined[len(ids) :]
         return self.tokenizer(answer, add_special_tokens=False)["input_ids"]
-
-
-def checked(call: str, requests: object) -> list[GenRequest]:
-    """`requests` as a list of GenRequest, or a TypeError saying what `call` takes."""
-    if isinstance(requests, (GenRequest, str)) or not isinstance(requests, (list, tuple)):
-        raise TypeError(
-            f"{call} takes a list of GenRequest, not a {type(requests).__name__}: wrap one request in a list, "
-            f"{call}([GenRequest(prompt)])"
-        )
-    bad = next((i for i, r in enumerate(requests) if not isinstance(r, GenRequest)), None)
-    if bad is not None:
-        raise TypeError(
-            f"{call}: requests[{bad}] is a {type(requests[bad]).__name__}, not a GenRequest: give "
-            "GenRequest(prompt, ...)"
-        )
-    return list(requests)
 
 
 def apportion(total: int, weights: list[int], owed: list[float] | None = None) -> list[int]:

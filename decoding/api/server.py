@@ -32,7 +32,7 @@ from urllib.parse import urlsplit
 
 from decoding.base.errors import BackendError, ConfigError
 from decoding.base.prompts import render
-from decoding.base.values import Completion, DecodeStats, GenRequest, GenResult, TokenLogprob
+from decoding.base.values import Completion, DecodeStats, GenRequest, GenResult, TokenLogprob, request_list
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +153,7 @@ class ServerEngine:
         return 0  # the server's memory is its own
 
     async def agenerate(self, requests: list[GenRequest]) -> Completion:
+        requests = request_list("agenerate", requests)
         if not requests:
             return Completion([], DecodeStats())
         await self._connect()

@@ -7,6 +7,8 @@ import numbers
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
+from decoding.base.errors import ConfigError
+
 FinishReason = Literal["stop", "length", "eos"]
 MAX_TOP_LOGPROBS = 20  # as OpenAI's API bounds top_logprobs
 
@@ -165,6 +167,33 @@ def texts(name: str, value: object) -> tuple[str, ...]:
     if bad is not None:
         raise TypeError(f"{name}={value!r} holds {value[bad]!r}, which is not text: give strings")
     return tuple(value)
+
+
+def check_sampling(settings: dict[str, tuple[str, object]]) -> None:
+    """A command's sampling settings ({config key: (GenRequest field, value)}) checked at load by the
+    request's own rules, each error naming the key: a ConfigError (one line, exit 2) rather than a
+    request refused after the model has loaded."""
+    for key, (name, value) in settings.items():
+        try:
+            GenRequest("x", **{name: value})  # type: ignore[arg-type]
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"{key}{str(e).removeprefix(name)}") from None
+
+
+def request_list(call: str, requests: object) -> list[GenRequest]:
+    """`requests` as a list of GenRequest, or a TypeError saying what `call` takes."""
+    if isinstance(requests, (GenRequest, str)) or not isinstance(requests, (list, tuple)):
+        raise TypeError(
+            f"{call} takes a list of GenRequest, not a {type(requests).__name__}: wrap one request in a list, "
+            f"{call}([GenRequest(prompt)])"
+        )
+    bad = next((i for i, r in enumerate(requests) if not isinstance(r, GenRequest)), None)
+    if bad is not None:
+        raise TypeError(
+            f"{call}: requests[{bad}] is a {type(requests[bad]).__name__}, not a GenRequest: give "
+            "GenRequest(prompt, ...)"
+        )
+    return list(requests)
 
 
 HOST_STAGES = ("learn", "plan", "draft", "cut", "pack", "launch", "accept", "commit", "finish", "rounds")

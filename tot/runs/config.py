@@ -7,7 +7,17 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from decoding import FOLLOW_UPS_REFUSED, ConfigError, DecoderConfig, ModelSpec, as_float, as_int, from_dict, unknown
+from decoding import (
+    FOLLOW_UPS_REFUSED,
+    ConfigError,
+    DecoderConfig,
+    ModelSpec,
+    as_float,
+    as_int,
+    check_sampling,
+    from_dict,
+    unknown,
+)
 from tasks import TASKS, DataSpec
 from tot.search import SEARCHES
 from tot.search.base import GenSettings
@@ -64,13 +74,14 @@ class RunConfig:
             )
         _positive("gen.max_thought_tokens", self.gen.max_thought_tokens)
         _positive("gen.max_eval_tokens", self.gen.max_eval_tokens)
-        for key, t in (("gen.temperature", self.gen.temperature), ("gen.eval_temperature", self.gen.eval_temperature)):
-            if t < 0:
-                raise ConfigError(f"{key}={t} is negative; use 0 for greedy decoding or a positive temperature")
-        if not 0 < self.gen.top_p <= 1:
-            raise ConfigError(f"gen.top_p={self.gen.top_p} must be in (0, 1]; use 1.0 to turn nucleus sampling off")
-        if self.gen.top_k < 0:
-            raise ConfigError(f"gen.top_k={self.gen.top_k} is negative; use 0 to turn top-k off")
+        check_sampling(
+            {
+                "gen.temperature": ("temperature", self.gen.temperature),
+                "gen.eval_temperature": ("temperature", self.gen.eval_temperature),
+                "gen.top_p": ("top_p", self.gen.top_p),
+                "gen.top_k": ("top_k", self.gen.top_k),
+            }
+        )
         SEARCHES[self.search].check_config(self.search_settings, self.vote, self.task_options)
 
     @classmethod
