@@ -89,3 +89,34 @@ def test_a_rollout_bfs_run_is_read_level_by_level(tmp_path, capsys):
     assert level_points(bo) == []  # not a rollout BFS
     assert main([str(bo), "--runs", str(bfs)]) == 0
     assert "| bfs, levels <= 1 | 2 |" in capsys.readouterr().out
+
+
+def test_a_valued_run_adds_the_vote_by_its_values_at_the_cost_of_valuing():
+    """Solutions valued (a reward model's consistency: 1 or 0): the value curve counts the consistent
+    ones, falls back to the plurality where none is, and its tokens add what valuing them generated."""
+    from tot.search.tree import ReasoningTree
+    from tot.search.vote import Ballot
+    from tot.vote_curve import Drawn, curve, valuation_tokens
+
+    def problem(pid, answers, values, gold):
+        ballots = [Ballot(a, v) for a, v in zip(answers, values)]
+        return Drawn(pid, ballots, [a == gold for a in answers], [10] * len(answers), [4.0] * len(answers))
+
+    solutions = [
+        problem("p1", ["7", "7", "5"], [0.0, 0.0, 1.0], "5"),  # the consistent minority wins
+        problem("p2", ["3", "3", "9"], [0.0, 0.0, 0.0], "3"),  # no consistent one: the plurality
+    ]
+    points = {p["name"]: p for p in curve(solutions)}
+    assert [r["correct"] for r in points["best-of-3, value"]["records"]] == [True, True]
+    assert [r["correct"] for r in points["best-of-3, majority"]["records"]] == [False, True]
+    assert (
+        points["best-of-3, value"]["tokens_per_problem"] == 42
+        and points["best-of-3, majority"]["tokens_per_problem"] == 30
+    )
+    assert points["best-of-1, value"]["tokens_per_problem"] == 14
+    # A tree saved before nodes recorded their valuation's tokens shares the evaluate phase evenly.
+    tree = ReasoningTree("q")
+    leaves = [tree.add(tree.root, "a"), tree.add(tree.root, "b")]
+    assert valuation_tokens(tree, leaves, {"phases": {"evaluate": {"tokens": 30}}}) == [15.0, 15.0]
+    tree[leaves[0]].eval_tokens, tree[leaves[1]].eval_tokens = 10, 20
+    assert valuation_tokens(tree, leaves, None) == [10.0, 20.0]

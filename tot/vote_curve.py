@@ -7,7 +7,9 @@ of a run of n are what best-of-k would have drawn: one run of n gives the whole 
 for the plain majority and for each confidence reading the solutions kept (vote.weight=READING; the
 run asked for log-probabilities where it had a vote.weight reading), and the early stops
 (search.stop=decided in waves of 1, 2 and 4, agree in waves of 2, 3 and 4): the budget each spends.
-Tokens are the solutions' own (no evaluator is asked under these votes). A rollout-valued BFS run given
+Tokens are the solutions' own (no evaluator is asked under these votes); a run that valued its solutions
+(search.aggregate=weighted: a judge, reward.kind=consistency) adds the vote by those values, its tokens
+the solutions' and their valuations' (`eval_tokens`). A rollout-valued BFS run given
 with --runs is also read level by level (`level_points`). Nothing is decoded.
 
 Writes `vote_curve.md`, `vote_curve.json` and `vote_curve.png` into the best-of-N run's folder.
@@ -47,9 +49,11 @@ class Drawn:
     ballots: list[Ballot]
     correct: list[bool]
     tokens: list[int]
+    eval_tokens: list[float]  # what valuing each solution generated (a reward model's completions, a judge)
 
     def answer_right(self, k: int, rule: VoteRule) -> bool:
-        """Whether the vote over the first k solutions names a right answer."""
+        """Whether the vote over the first k solutions names a right answer (the plurality where every
+        ballot weighs 0: what a weighted vote falls back to)."""
         winner = tally(rule, self.ballots[:k], "one").winner
         return any(c for b, c in zip(self.ballots[:k], self.correct[:k]) if b.answer == winner)
 
@@ -79,8 +83,23 @@ def drawn(run_dir: Path) -> list[Drawn]:
             correct.append(task.is_correct(problem, answer))
             first = nx.shortest_path(tree.graph, tree.root, leaf)[1]  # a solution's tokens sit on its first step
             tokens.append(tree[first].tokens or 0)
-        out.append(Drawn(saved.id, ballots, correct, tokens))
+        out.append(Drawn(saved.id, ballots, correct, tokens, valuation_tokens(tree, leaves, saved.record)))
     return out
+
+
+def valuation_tokens(tree: ReasoningTree, leaves: list[int], record: dict | None) -> list[float]:
+    """Each solution's valuation tokens as its node records them; a tree saved before nodes recorded
+    them shares the problem's `evaluate` phase evenly among its solutions."""
+    recorded = [tree[leaf].eval_tokens for leaf in leaves]
+    if all(t is not None for t in recorded):
+        return [float(t) for t in recorded]  # type: ignore[arg-type]
+    spent = ((record or {}).get("phases") or {}).get("evaluate", {}).get("tokens", 0)
+    return [spent / len(leaves)] * len(leaves)
+
+
+def valued(solutions: list[Drawn]) -> bool:
+    """Whether the run valued its solutions (search.aggregate=weighted or best: a judge, a reward model)."""
+    return any(d.eval_tokens and sum(d.eval_tokens) for d in solutions)
 
 
 def curve(solutions: list[Drawn]) -> list[dict]:
@@ -91,10 +110,13 @@ def curve(solutions: list[Drawn]) -> list[dict]:
     for reading in READINGS:
         if all(b.confidence and reading in b.confidence for d in solutions for b in d.ballots):
             rules[reading] = VoteRule(weight=reading)
+    if valued(solutions):  # the values' own vote, its tokens the solutions' and their valuations'
+        rules["value"] = VoteRule(weight="value")
     points = []
     for name, rule in rules.items():
         for k in range(1, n + 1):
-            points.append(point(f"best-of-{k}, {name}", solutions, [(k, d.answer_right(k, rule)) for d in solutions]))
+            spent = [(k, d.answer_right(k, rule)) for d in solutions]
+            points.append(point(f"best-of-{k}, {name}", solutions, spent, valuing=name == "value"))
     for stop, waves in STOPS_DRAWN.items():
         for wave in waves:
             if wave < n:
@@ -115,10 +137,11 @@ def as_point(name: str, records: list[dict], tokens: int, samples: int | None = 
     }
 
 
-def point(name: str, solutions: list[Drawn], spent: list[tuple[int, bool]]) -> dict:
+def point(name: str, solutions: list[Drawn], spent: list[tuple[int, bool]], valuing: bool = False) -> dict:
+    """The point of drawing the first k solutions of each problem (with `valuing`, and valuing them)."""
     records = [{"id": d.id, "correct": ok} for d, (_, ok) in zip(solutions, spent)]
-    tokens = sum(sum(d.tokens[:k]) for d, (k, _) in zip(solutions, spent))
-    return as_point(name, records, tokens, sum(k for k, _ in spent))
+    tokens = sum(sum(d.tokens[:k]) + (sum(d.eval_tokens[:k]) if valuing else 0) for d, (k, _) in zip(solutions, spent))
+    return as_point(name, records, round(tokens), sum(k for k, _ in spent))
 
 
 def run_point(run_dir: Path) -> dict:
@@ -175,7 +198,8 @@ def table(points: list[dict], baseline: list[dict] | None) -> str:
         )
         if baseline:
             pair = paired(p["records"], baseline)
-            row += f" {pair['only_this']} / {pair['only_baseline']} ({pair['paired_p']:.3f}) |"
+            p_value = "n/a" if pair["paired_p"] is None else f"{pair['paired_p']:.3f}"
+            row += f" {pair['only_this']} / {pair['only_baseline']} ({p_value}) |"
         lines.append(row)
     return "\n".join(lines)
 

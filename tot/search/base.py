@@ -403,7 +403,8 @@ class Step:
             return Valuation(read.value, None, asked.text, in_context, distribution=read.distribution)
         texts = [o.text for o in results]
         value = sum(map(task.parse_value, texts)) / k
-        return Valuation(value, texts[0] if k == 1 else texts, asked.text, in_context)
+        spent = sum(o.stats.generated_tokens for o in results)
+        return Valuation(value, texts[0] if k == 1 else texts, asked.text, in_context, eval_tokens=spent)
 
     async def discriminate(self, steps: list[str], answer: str | None, key: object) -> Valuation:
         """reward.kind=consistency (rStar's mutual consistency): the reward model completes the path from
@@ -431,7 +432,7 @@ class Step:
             answer = max(stated, key=stated.count) if stated else ""
         agree = sum(bool(a) and a == answer for a in answers)
         said = f"{agree} of {len(answers)} completions from paragraph {len(shown) + 1} answer {answer or '(none)'}"
-        return Valuation(agree / len(answers), said)
+        return Valuation(agree / len(answers), said, eval_tokens=sum(o.stats.generated_tokens for o in outs))
 
     def finished(self, node: int) -> bool:
         """A path ends at the depth limit or where the task says it is complete."""

@@ -20,6 +20,7 @@ class Valuation:
     reward_steps: list[float] | None = None  # a process reward model's score of each step
     # task.value=expected or yes: the evaluator's answers' probabilities the value was read from
     distribution: dict[str, float] | None = None
+    eval_tokens: int | None = None  # tokens generated to value it (evaluator replies, a reward model's completions)
 
 
 @dataclass
@@ -43,6 +44,7 @@ class Thought:
     eval_in_context: bool | None = None
     reward_steps: list[float] | None = None
     distribution: dict[str, float] | None = None
+    eval_tokens: int | None = None
     subtree: int | None = None  # DVTS: the subtree the thought grew in
     solution: int | None = None  # best-of-N: the solution the step belongs to
     reply: str | None = None  # best-of-N: the solution's whole reply, on its first step
