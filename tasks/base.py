@@ -186,6 +186,7 @@ class TaskDefaults:
 
     n_evaluate: int = 1
     value: str = "sampled"
+    evaluator: str = "separate"
     judge_metric: str = "judge_score"
 
     def is_terminal(self, problem: Problem, steps: list[str]) -> bool:

@@ -170,7 +170,7 @@ def bench(
 
     task = build_task(cfg)
     problems = task.load(cfg.data)
-    evaluated = {name: (evaluator or {}).get(name, getattr(task, "evaluator", "separate")) for name in configs}
+    evaluated = {name: (evaluator or {}).get(name, task.evaluator) for name in configs}
     # Tasks are dataclasses: an entry's task differs from the run's in its evaluator alone.
     reward = load_reward(cfg.reward) if cfg.reward else None  # reward.path: one model for every entry
     searches = {name: make_search(cfg, replace(task, evaluator=e), reward) for name, e in evaluated.items()}  # type: ignore[type-var]

@@ -159,7 +159,7 @@ class Step:
         self.reward, self.vote = reward, vote
         self.tree = ReasoningTree(problem.question)
         self.phases = {p: PhaseStats() for p in PHASES}
-        mode = getattr(task, "value", "sampled")
+        mode = task.value
         # task.value=confidence: a thought is valued by its own tokens' probabilities, asked with it; no
         # evaluator is asked, so none follows a thought up (its context is not kept for one). A reward
         # model (reward.path) values states in its place.
@@ -167,9 +167,7 @@ class Step:
         # task.value=rollout: a state is valued by completions sampled from it to an answer, and each
         # completion is a ballot of the problem's vote (`revalue`).
         self.rollouts = mode == "rollout" and reward is None
-        self.in_context = (
-            getattr(task, "evaluator", "separate") == "in_context" and not self.confident and not self.rollouts
-        )
+        self.in_context = task.evaluator == "in_context" and not self.confident and not self.rollouts
         # Replies that may finish a path come with their log-probabilities where a value or the vote reads them.
         self.logprobs = self.confident or vote.reading is not None
         self.top_logprobs = TOP_NEEDED if vote.reading == "tail_margin" else 0
@@ -379,7 +377,7 @@ class Step:
         task, pid = self.task, self.problem.id
         asked = prompt(steps, bool(context))
         # A judge under task.value=confidence reads the evaluator's reply, as under sampled.
-        worth = {} if getattr(task, "value", "sampled") in ("sampled", "confidence") else task.value_answers()
+        worth = {} if task.value in ("sampled", "confidence") else task.value_answers()
         k = 1 if worth else task.n_evaluate  # a forward's distribution is read once
         requests = [
             self.gen.request(
