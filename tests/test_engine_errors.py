@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from decoding.base.errors import BackendError, ConfigError
-from decoding.base.values import GenRequest
+from decoding.base.values import GenRequest, Group
 from decoding.runtime.models import LoadedModel, ModelSpec, load_model
 
 
@@ -326,3 +326,80 @@ def test_a_cancelled_call_among_others_leaves_them_decoding(loaded):
     assert doomed.cancelled()
     assert [r.token_ids for r in done.results] == expected
     assert [r.token_ids for r in run_sync(engine.agenerate(good)).results] == expected
+
+
+def test_one_caller_at_a_time_the_others_told_so(loaded):
+    """A second thread's generate, or an awaited call from another thread's event loop, while the
+    engine decodes: a BackendError saying to give each thread an engine; the first call's tokens are a
+    fresh engine's."""
+    import threading
+
+    from decoding.api.engine import Engine
+
+    long = [GenRequest(f"long {i}", max_new_tokens=200, temperature=0.7, seed=i) for i in range(4)]
+    expected = [r.token_ids for r in Engine(loaded, "ar").generate(long)]
+    engine = Engine(loaded, "ar")
+    got: list = []
+    first = threading.Thread(target=lambda: got.append([r.token_ids for r in engine.generate(long)]))
+    first.start()
+    while not engine._generating:
+        pass
+    with pytest.raises(BackendError, match="another thread"):
+        engine.generate([GenRequest("hi", max_new_tokens=3)])
+    with pytest.raises(BackendError, match="another thread"):
+        asyncio.run(engine.agenerate([GenRequest("hi", max_new_tokens=3)]))
+    first.join()
+    assert got == [expected]
+
+    refused: list = []
+
+    def other_loop() -> None:
+        try:
+            asyncio.run(engine.agenerate([GenRequest("hi", max_new_tokens=3)]))
+        except BackendError as e:
+            refused.append(str(e))
+
+    async def serve():
+        call = asyncio.ensure_future(engine.agenerate(long))
+        await asyncio.sleep(0)
+        thread = threading.Thread(target=other_loop)
+        thread.start()
+        while thread.is_alive():
+            await asyncio.sleep(0.001)
+        return await call
+
+    done = asyncio.run(serve())
+    assert [r.token_ids for r in done.results] == expected
+    assert refused and "another event loop" in refused[0]
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, named",
+    [
+        ({"temperature": 10**400}, ValueError, "temperature=.* is too large to be a float"),
+        ({"group": Group(problem="p")}, None, ""),
+    ],
+)
+def test_odd_numbers_and_groups(kwargs, error, named):
+    if error is None:
+        GenRequest("x", **kwargs)
+    else:
+        with pytest.raises(error, match=named):
+            GenRequest("x", **kwargs)
+    with pytest.raises(TypeError, match=r"Group\.problem=\['p'\] must be text"):
+        Group(["p"])
+
+
+def test_a_top_p_that_rounds_to_zero_keeps_the_top_token(make_engine):
+    greedy = make_engine("ar").generate([GenRequest("abc", max_new_tokens=6)])[0].token_ids
+    (got,) = make_engine("ar").generate([GenRequest("abc", temperature=0.8, top_p=1e-46, max_new_tokens=6, seed=3)])
+    assert got.token_ids == greedy
+
+
+def test_what_the_tokenizer_cannot_spell_and_what_is_not_a_model_are_named(make_engine, loaded):
+    from decoding.api.engine import Engine
+
+    with pytest.raises(BackendError, match=r"choices\[1\]='🐱' is no token"):
+        make_engine("ar").generate([GenRequest("Pick: ", choices=["yes", "🐱"])])
+    with pytest.raises(TypeError, match="Engine's loaded is a str, not a loaded model: give load_model"):
+        Engine("meta-llama/Llama-3.2-1B", "ar")

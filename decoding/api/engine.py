@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field, fields
@@ -30,6 +31,10 @@ from decoding.speculation.sequence import Sequence
 from decoding.speculation.stopping import StopRule, TokenTexts, final_text
 
 log = logging.getLogger(__name__)
+ANOTHER_THREAD = (
+    "the engine is decoding a generate call of another thread: one engine serves one caller at a time (a "
+    "generate, or the awaited calls of one event loop); give each thread an engine of its own"
+)
 
 
 @dataclass(eq=False)
@@ -53,6 +58,12 @@ class Engine:
     def __init__(
         self, loaded: LoadedModel, decoder: str | DecoderConfig = "ar", draft: LoadedModel | None = None
     ) -> None:
+        for name, given in (("loaded", loaded), ("draft", draft)):
+            if given is not None and not isinstance(given, LoadedModel):
+                raise TypeError(
+                    f"Engine's {name} is a {type(given).__name__}, not a loaded model: give "
+                    f"load_model(ModelSpec(path=...)) (from decoding)"
+                )
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.target = ModelRunner(
@@ -68,6 +79,9 @@ class Engine:
         self.last_stats = DecodeStats()
         self.total_stats = DecodeStats()
         self._arrived: list[_Call] = []
+        # One caller at a time decodes: a generate call, or the awaited calls of one event loop.
+        self._guard = threading.Lock()
+        self._generating = False
         self._alone: list[_Call] = []  # after a failed step: its calls, to run one at a time (`_isolate`)
         self._calls: dict[int, _Call] = {}  # id(sequence) -> its call, while it decodes
         self._driver: asyncio.Task[None] | None = None
@@ -133,8 +147,18 @@ class Engine:
         failure while decoding raises too, and the engine drops the call's sequences (their rows, KV
         blocks and pins), so the next call decodes as on a fresh engine."""
         requests = request_list("generate", requests)
-        if self._driver is not None and not self._driver.done():
-            raise BackendError("the engine is serving awaited calls: use `await engine.agenerate(...)` there")
+        with self._guard:
+            if self._driver is not None and not self._driver.done():
+                raise BackendError("the engine is serving awaited calls: use `await engine.agenerate(...)` there")
+            if self._generating:
+                raise BackendError(ANOTHER_THREAD)
+            self._generating = True
+        try:
+            return self._generate(requests)
+        finally:
+            self._generating = False
+
+    def _generate(self, requests: list[GenRequest]) -> list[GenResult]:
         if not requests:
             self.last_stats = DecodeStats()
             return []
@@ -157,12 +181,23 @@ class Engine:
         requests = request_list("agenerate", requests)
         if not requests:
             return Completion([], DecodeStats())
-        seqs = [self._sequence(r) for r in requests]
         loop = asyncio.get_running_loop()
-        call = _Call(requests, seqs, loop.create_future(), len(seqs))
-        self._arrived.append(call)
-        if self._driver is None or self._driver.done():
-            self._driver = loop.create_task(self._drive())
+        with self._guard:  # one event loop drives the engine at a time, and no thread's generate beside it
+            if self._generating:
+                raise BackendError(ANOTHER_THREAD)
+            if self._driver is not None and not self._driver.done() and self._driver.get_loop() is not loop:
+                raise BackendError(
+                    "the engine is serving awaited calls of another event loop (another thread's): await its "
+                    "calls in one loop, or give each thread an engine of its own"
+                )
+            seqs = [self._sequence(r) for r in requests]
+            call = _Call(requests, seqs, loop.create_future(), len(seqs))
+            self._arrived.append(call)
+            if self._driver is None or self._driver.done():
+                self._driver = loop.create_task(self._drive())
+                # Its callers hear of what stopped it (an interrupt): the task's own error is read here,
+                # not reported again as never retrieved.
+                self._driver.add_done_callback(lambda t: t.cancelled() or t.exception())
         return await call.future
 
     async def _drive(self) -> None:
@@ -324,8 +359,20 @@ class Engine:
         check_ids("context", r.context, vocab)
         ids = self.encode(r.prompt, r.prefix, r.context)
         if not ids:
-            raise BackendError("a request has an empty prompt; give at least one token of prompt")
-        choices = Choices.of([self._answer(r, ids, a) for a in r.choices]) if r.choices else None
+            said = (
+                "an empty prompt"
+                if not r.prompt
+                else f"a prompt ({str(r.prompt)[:40]!r}) the tokenizer reads as no token"
+            )
+            raise BackendError(f"a request has {said}; give at least one token of prompt")
+        answers = [self._answer(r, ids, a) for a in r.choices]
+        empty = next((i for i, a in enumerate(answers) if not a), None)
+        if empty is not None:
+            raise BackendError(
+                f"choices[{empty}]={r.choices[empty]!r} is no token in the model's tokenizer (characters it cannot "
+                "spell); give answers it can"
+            )
+        choices = Choices.of(answers) if r.choices else None
         # A choice's row holds its answers' tree where a reply's tokens would be.
         room = r.max_new_tokens if choices is None else len(choices.tree)
         limit = self.target.max_length

@@ -22,6 +22,11 @@ class Group:
     problem: str = ""
     step: str = ""
 
+    def __post_init__(self) -> None:
+        for name in ("problem", "step"):
+            if not isinstance(getattr(self, name), str):
+                raise TypeError(f"Group.{name}={getattr(self, name)!r} must be text (a str)")
+
 
 @dataclass(frozen=True)
 class GenRequest:
@@ -130,9 +135,13 @@ def real(name: str, value: object) -> float:
     """`value` as a finite float: a TypeError for anything but a number, a ValueError for NaN or inf."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name}={value!r} must be a number, not a {type(value).__name__}")
-    if not math.isfinite(value):
+    try:
+        number = float(value)
+    except OverflowError:  # an int past a float's range
+        raise ValueError(f"{name}={value} is too large to be a float; give a finite number") from None
+    if not math.isfinite(number):
         raise ValueError(f"{name}={value} must be a finite number")
-    return float(value)
+    return number
 
 
 def token_ids(name: str, ids: object) -> tuple[int, ...]:

@@ -95,7 +95,8 @@ def top_p_kept(logits: torch.Tensor, top_p: float, first: int | None = NUCLEUS_F
         before = torch.cat([torch.zeros_like(mass[..., :1]), mass.cumsum(-1)[..., :-1]], -1)
         # The candidates before which less than top_p lies are a prefix (at least the top token); the
         # row keeps every token at least as large as its last, ties included.
-        last = (before < top_p).sum(-1, keepdim=True) - 1
+        # clamp: a top_p that rounds to 0 in the logits' precision keeps the top token alone.
+        last = ((before < top_p).sum(-1, keepdim=True) - 1).clamp(min=0)
         least = values.gather(-1, last)
         # Enough candidates when every row's last one falls short of that: all after it do too.
         if k == vocab or bool((values[..., -1:] < least).all()):
