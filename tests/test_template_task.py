@@ -152,6 +152,12 @@ def test_a_template_task_runs_from_the_command_line(gsm8k_tiny, tmp_path):
     cmd = [sys.executable, "-m", "tot.solve", "task=riddles", f"data.path={data}", f"model.path={gsm8k_tiny}"]
     cmd += ["decoder=ar", "gen.max_thought_tokens=6", f"hydra.run.dir={out}"]
     cmd += [f"hydra.searchpath=[file://{tmp_path / 'conf'}]"]
+    bad = subprocess.run(
+        [*cmd, "+task.generator_prefix='{question.x}'"], cwd=REPO, env=env, capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr[-2000:]
+    assert "task.generator_prefix='{question.x}' is not a template of {n}" in bad.stderr
+    assert "loaded" not in bad.stderr  # stopped before the model loads
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = json.loads((out / "summary.json").read_text())
