@@ -64,7 +64,7 @@ test: lint $(VENV)/.extras browser
 # Before each commit (under 2 minutes on 2 cores once the kernels are built): the layers' import graph,
 # the kernels' invariance, the shared reads, every decoder's identity with hf, continuous batching, the
 # planner and the searches, in process on the tiny models. make test runs everything else as well.
-FAST_TESTS := layout host_time invariance llama kv_cache paged_kv shared_reads acceptance gumbel sampling heap decoders logprobs speculative \
+FAST_TESTS := layout host_time invariance llama kv_cache paged_kv shared_reads acceptance gumbel sampling collector decoders logprobs speculative \
 	continuous planner quant prepack rows_linear search value run dvts mcts best_of_n engine_errors bench vote rollout consistency
 test-fast: lint $(VENV)/.extras
 	$(BIN)/python -m pytest -q -n auto --maxprocesses=4 -m "not slow" $(FAST_TESTS:%=tests/test_%.py)

@@ -56,7 +56,7 @@ EXPORTS: dict[str, tuple[str, ...]] = {
     ),
     "decoding.runtime.rows_linear": ("resolve_linear",),
     "decoding.runtime.spec": ("EMBEDDED", "is_gguf", "ModelSpec"),
-    "decoding.speculation.heap": ("frozen",),
+    "decoding.runtime.collector": ("collector_off",),
 }
 _HOME = {name: module for module, names in EXPORTS.items() for name in names}
 __all__ = sorted(_HOME)
@@ -96,6 +96,7 @@ if TYPE_CHECKING:  # the same names, for type checkers (tests/test_layout.py hol
     )
     from decoding.drafters.load import load_draft
     from decoding.install import install_on_first_use
+    from decoding.runtime.collector import collector_off
     from decoding.runtime.memory import peak_rss_mb
     from decoding.runtime.models import (
         LoadedModel,
@@ -110,4 +111,3 @@ if TYPE_CHECKING:  # the same names, for type checkers (tests/test_layout.py hol
     )
     from decoding.runtime.rows_linear import resolve_linear
     from decoding.runtime.spec import EMBEDDED, ModelSpec, is_gguf
-    from decoding.speculation.heap import frozen

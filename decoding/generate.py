@@ -24,8 +24,8 @@ from decoding.base.cli import Refused, fail, hydra_command
 from decoding.base.errors import BackendError, ConfigError
 from decoding.base.options import as_float, as_int
 from decoding.base.values import MAX_TOP_LOGPROBS, DecodeStats, GenRequest, Group, check_sampling, host_line
+from decoding.runtime.collector import collector_off
 from decoding.runtime.spec import ModelSpec
-from decoding.speculation.heap import frozen
 
 if TYPE_CHECKING:  # the runtime (torch, transformers: seconds) loads once the options hold
     from decoding.api.engine import Engine
@@ -281,7 +281,7 @@ def main(cfg: DictConfig) -> None:
 
         target = load_model(gcfg.model)
         draft = load_draft(gcfg.decoder.draft, target) if gcfg.decoder.draft else None
-        with frozen():  # the loaded model's objects out of the collector's full passes
+        with collector_off():  # the loaded model's objects out of the collector's full passes
             summary = generate(gcfg, Engine(target, gcfg.decoder, draft))
     except (ConfigError, BackendError) as e:
         fail(str(e).splitlines()[0])

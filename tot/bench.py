@@ -54,7 +54,7 @@ from decoding import (
     as_int,
     as_list,
     choices,
-    frozen,
+    collector_off,
 )
 from decoding.base.cli import Refused, fail, hydra_command
 from tasks.base import DataError, Problem, Task
@@ -185,7 +185,7 @@ def bench(
     # Server entries decode in another process: timed by the wall clock, in turns after the others.
     together = [n for n, e in engines.items() if lockstep and not isinstance(e, ServerEngine)]
     bar = tqdm(total=len(problems) * len(engines), desc=f"bench {cfg.task}", unit="run", disable=not progress)
-    with bar, frozen():  # the loaded model's objects out of the collector's full passes
+    with bar, collector_off():  # the loaded model's objects out of the collector's full passes
         if together:
             _bench_lockstep(problems, {n: engines[n] for n in together}, at_once, searches, solutions, tallies, bar)
         for name, chunk in turn_order([n for n in engines if n not in together], problems, at_once):

@@ -19,7 +19,7 @@ from decoding import (
     Engine,
     Group,
     ServerEngine,
-    frozen,
+    collector_off,
     host_line,
     install_on_first_use,
     int8_lacks,
@@ -125,7 +125,7 @@ def _run(cfg: RunConfig, out_dir: Path, engine: GenerationEngine | None, progres
             bar.set_postfix(acc=f"{summary['accuracy']:.2f}", tok_s=f"{summary['tokens_per_s']:.1f}")
 
         try:
-            with frozen():  # the loaded model's objects out of the collector's full passes
+            with collector_off():  # the loaded model's objects out of the collector's full passes
                 run_sync(solve_all(todo, solve, cfg.concurrency))
         finally:
             bar.close()  # before any error line is printed

@@ -1,11 +1,11 @@
-"""The collector kept off the run's long-lived objects while decoding runs (decoding/speculation/heap.py)."""
+"""The collector kept off the run's long-lived objects while decoding runs (decoding/runtime/collector.py)."""
 
 from __future__ import annotations
 
 import gc
 import weakref
 
-from decoding.speculation.heap import frozen
+from decoding.runtime.collector import collector_off
 
 
 class Node:
@@ -17,7 +17,7 @@ def test_what_lives_when_entered_is_frozen_and_given_back_after():
     gc.collect()
     old = Node()
     gone = weakref.ref(old)
-    with frozen():
+    with collector_off():
         assert gc.get_freeze_count() > 0
         del old
         gc.collect()
