@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from test_cli import REPO, save_tiny_checkpoint, solve_cmd, subprocess_env
-from test_gguf_load import odd_gguf
+from test_gguf_load import QWEN2, odd_gguf, write_gguf
 
 from decoding.base.errors import BackendError
 from decoding.runtime.model_files import check_checkpoint, check_gguf, gguf_size
@@ -158,6 +158,13 @@ def test_models_that_cannot_load_and_memory_too_small_through_the_cli(gsm8k_tiny
         "gguf_architecture": (
             [f"model.path={odd_gguf(tmp_path / 'odd.gguf', tokenizer=True)}", f"model.cache_dir={tmp_path / 'cache'}"],
             "transformers does not load GGUF architecture 'oddformer'",
+        ),
+        "gguf_padding": (
+            [
+                f"model.path={write_gguf(tmp_path / 'padded.gguf', QWEN2, pad=10**6)}",
+                f"model.cache_dir={tmp_path / 'c2'}",
+            ],
+            "padded.gguf: transformers cannot read its tokenizer (IndexError",
         ),
         "kv_memory": (
             [f"model.path={gsm8k_tiny}", "model.kv_memory=0.000000001", "decoder=ar"],
