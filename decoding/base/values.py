@@ -71,14 +71,12 @@ class GenRequest:
         or of strings becomes a tuple, a numpy integer an int): a `TypeError` or `ValueError` naming the
         field and the fix. What needs the model (ids against its vocabulary, lengths against its
         context) the engine checks as it tokenizes (`check_ids`, `Engine`)."""
-        if isinstance(self.prompt, str):
-            pass
-        elif isinstance(self.prompt, (list, tuple, range)):
+        if not isinstance(self.prompt, str):
+            if not isinstance(self.prompt, (list, tuple, range)):
+                raise TypeError(
+                    f"prompt is a {type(self.prompt).__name__}: give text (a str) or token ids (a list of ints)"
+                )
             self._set("prompt", token_ids("prompt", self.prompt))
-        else:
-            raise TypeError(
-                f"prompt is a {type(self.prompt).__name__}: give text (a str) or token ids (a list of ints)"
-            )
         self._set("context", token_ids("context", self.context))
         if self.context and not isinstance(self.prompt, str):
             raise ValueError("a follow-up's prompt is the new turn's message: give it as text")
