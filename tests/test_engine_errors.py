@@ -339,36 +339,48 @@ def test_one_caller_at_a_time_the_others_told_so(loaded):
     long = [GenRequest(f"long {i}", max_new_tokens=200, temperature=0.7, seed=i) for i in range(4)]
     expected = [r.token_ids for r in Engine(loaded, "ar").generate(long)]
     engine = Engine(loaded, "ar")
+    # The engine's decoding holds at its first step until the other callers have been answered: no race
+    # with how fast the tiny model decodes.
+    started, answered = threading.Event(), threading.Event()
+    real_step = engine.decoder.step
+
+    def held_step():
+        started.set()
+        assert answered.wait(30), "the other callers were not answered"
+        engine.decoder.step = real_step
+        return real_step()
+
+    engine.decoder.step = held_step
     got: list = []
     first = threading.Thread(target=lambda: got.append([r.token_ids for r in engine.generate(long)]))
     first.start()
-    while not engine._generating:
-        pass
+    assert started.wait(30)
     with pytest.raises(BackendError, match="another thread"):
         engine.generate([GenRequest("hi", max_new_tokens=3)])
     with pytest.raises(BackendError, match="another thread"):
         asyncio.run(engine.agenerate([GenRequest("hi", max_new_tokens=3)]))
+    answered.set()
     first.join()
     assert got == [expected]
 
     refused: list = []
+    started.clear()
+    answered.clear()
+    engine.decoder.step = held_step
 
     def other_loop() -> None:
+        assert started.wait(30)
         try:
             asyncio.run(engine.agenerate([GenRequest("hi", max_new_tokens=3)]))
         except BackendError as e:
             refused.append(str(e))
+        finally:
+            answered.set()
 
-    async def serve():
-        call = asyncio.ensure_future(engine.agenerate(long))
-        await asyncio.sleep(0)
-        thread = threading.Thread(target=other_loop)
-        thread.start()
-        while thread.is_alive():
-            await asyncio.sleep(0.001)
-        return await call
-
-    done = asyncio.run(serve())
+    thread = threading.Thread(target=other_loop)
+    thread.start()
+    done = asyncio.run(engine.agenerate(long))  # its first step waits for the other loop's answer
+    thread.join()
     assert [r.token_ids for r in done.results] == expected
     assert refused and "another event loop" in refused[0]
 

@@ -24,7 +24,7 @@ from decoding import Completion, ConfigError, DecodeStats, GenRequest, GenResult
 from decoding import run_sync as run_sync  # searches are run with it
 from tasks.base import Problem, Prompt, Task
 from tot.search.confidence import TOP_NEEDED, mean_probability, readings
-from tot.search.reward import Discriminator, ProcessReward, ScoringModel, paragraphs
+from tot.search.reward import Discriminator, ProcessReward, ScoringModel
 from tot.search.tree import ReasoningTree, Valuation
 from tot.search.value import read_value
 from tot.search.vote import PLAIN_VOTE, Ballot, VoteRule, tally, weights
@@ -412,7 +412,7 @@ class Step:
         reward = self.reward
         assert isinstance(reward, Discriminator), "discriminate is reward.kind=consistency's valuation"
         task, pid = self.task, self.problem.id
-        shown = reward.shown(steps) if answer is not None else [p for s in steps for p in paragraphs(s)]
+        shown = reward.shown(steps, answered=answer is not None)
         prompt = task.rollout_prompt(self.problem, shown)
         requests = [
             self.gen.request(

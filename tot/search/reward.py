@@ -136,15 +136,12 @@ class Discriminator:
     spec: RewardSpec
     engine: Engine
 
-    def shown(self, steps: list[str]) -> list[str]:
-        """The paragraphs of the path `steps` the reward model is shown: the first reward.hint share,
-        rounded down (a best-of-N solution is one step of several paragraphs)."""
-        every = [p for step in steps for p in paragraphs(step)]
-        return every[: math.floor(len(every) * self.spec.hint)]
-
-
-def paragraphs(text: str) -> list[str]:
-    return [p.strip() for p in text.split("\n\n") if p.strip()]
+    def shown(self, steps: list[str], answered: bool = True) -> list[str]:
+        """The paragraphs of the path `steps` the reward model is shown: of a path with an answer, the
+        first reward.hint share, rounded down (a best-of-N solution is one step of several paragraphs);
+        of one without, all of them (it is completed, nothing of it masked)."""
+        every = [p.strip() for step in steps for p in step.split("\n\n") if p.strip()]
+        return every[: math.floor(len(every) * self.spec.hint)] if answered else every
 
 
 def path_ids(tokenizer: object, separator: list[int], question: str, steps: list[str]) -> tuple[list[int], list[int]]:
