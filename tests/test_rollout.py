@@ -34,8 +34,10 @@ class RolloutEngine:
     COMPLETIONS' answers; with `scramble`, each request waits a seed-given number of turns. Each reply's
     tokens have log-probability -0.1 a token, the completions' j-th -0.1 * (j + 1)."""
 
-    def __init__(self, scramble: bool = False) -> None:
+    def __init__(self, scramble: bool = False, thoughts: dict | None = None, completions: dict | None = None) -> None:
         self.scramble = scramble
+        self.thoughts = THOUGHTS if thoughts is None else thoughts
+        self.completions = COMPLETIONS if completions is None else completions
         self.requests: list[GenRequest] = []
         self.asked: dict[tuple, int] = {}
 
@@ -52,9 +54,11 @@ class RolloutEngine:
         i = self.asked.get(key, 0)
         self.asked[key] = i + 1
         if r.stop == ():  # a completion to the answer
-            text, lp = f"Then more. The answer is {COMPLETIONS[path][i % 2]}.", -0.1 * (i % 2 + 1)
+            answers = self.completions.get(path, [5, 5])
+            text, lp = f"Then more. The answer is {answers[i % len(answers)]}.", -0.1 * (i % 2 + 1)
         else:
-            text, lp = (THOUGHTS[path][i % 2] if path in THOUGHTS else f"{path[-1]}.{i}"), -0.1
+            listed = self.thoughts.get(path)
+            text, lp = (listed[i % len(listed)] if listed else f"{path[-1]}.{i}"), -0.1
         out = reply(text, [1, 2, 3])
         if r.logprobs:
             top = ((1, lp), (2, lp - 2.0)) if r.top_logprobs else ()
@@ -129,6 +133,60 @@ def test_mcts_simulates_by_its_completions_and_returns_their_agreement():
     assert scrambled.tree.to_dict() == tree.to_dict()
 
 
+def stopped_bfs(stop: str, completions: dict, depth: int = 2, **settings) -> tuple:
+    engine = RolloutEngine(thoughts={(): ["A", "B", "C", "D"]}, completions=completions)
+    task = GSM8K(value="rollout", depth=depth, rollouts=2)
+    search = BFS(task, BFSSettings(stop=stop, **settings), GenSettings(), 0, vote=VoteRule(weight="one"))
+    return run_sync(search.solve(PROBLEM, engine)), engine
+
+
+def thought_depth(tree) -> int:
+    return max(tree[n].depth for n in tree.graph.nodes if not tree[n].rollout)
+
+
+def test_bfs_stops_once_no_level_to_come_can_change_the_vote():
+    """Four first thoughts, two completions each: 8 ballots for 5 after level 1, where level 2 (one
+    state, one thought, finished at the depth limit) can add 1: decided stops there, with the answer
+    every level gives. Where level 1 splits 5 against 9 (lead 0), it grows level 2."""
+    shape = {"root_thoughts": 4, "n_thoughts": 1}
+    agreed = {}  # every completion answers 5
+    full, full_engine = stopped_bfs("never", agreed, **shape)
+    early, early_engine = stopped_bfs("decided", agreed, **shape)
+    assert early.answer == full.answer == "5"
+    assert thought_depth(early.tree) == 1 < thought_depth(full.tree) == 2
+    assert len(early_engine.requests) == 12 < len(full_engine.requests) == 13
+    assert early.budget == {"levels": 1, "budget": 2} and full.budget == {}
+    split = {(t,): [5, 9] for t in "ABCD"}
+    grown, _ = stopped_bfs("decided", split, **shape)
+    assert grown.budget == {"levels": 2, "budget": 2}  # it ran to its end: no level saved
+
+
+def test_bfs_agree_stops_once_a_levels_ballots_all_name_the_leader():
+    """Depth 3, two thoughts a level, two completions each: after level 1 (4 ballots for 5) the levels
+    to come could add 6 + 2: decided grows level 2 (8 for 5 against the last level's 2) and stops there;
+    agree stops once level 1's completions all answer the leader's 5, and not where one dissents."""
+    shape = {"n_thoughts": 2, "depth": 3}
+    decided, _ = stopped_bfs("decided", {}, **shape)
+    agreed, _ = stopped_bfs("agree", {}, **shape)
+    dissent, _ = stopped_bfs("agree", {("B",): [5, 9]}, **shape)
+    assert decided.budget == {"levels": 2, "budget": 3}
+    assert agreed.budget == {"levels": 1, "budget": 3} and agreed.answer == "5"
+    assert dissent.budget["levels"] > 1
+
+
+def test_bfs_stop_needs_a_vote_of_weights_known_as_they_come():
+    from decoding import ConfigError
+    from tot.search.bfs import check_config
+
+    with pytest.raises(ConfigError, match=r"search\.aggregate=vote"):
+        BFSSettings(stop="decided", aggregate="best")
+    with pytest.raises(ConfigError, match="not one of"):
+        BFSSettings(stop="soon")
+    with pytest.raises(ConfigError, match="weight=value"):
+        check_config(BFSSettings(stop="decided"), PLAIN_VOTE, {"value": "rollout"})
+    check_config(BFSSettings(stop="decided"), VoteRule(weight="one"), {"value": "rollout"})
+
+
 def test_rollout_values_need_paragraphs():
     with pytest.raises(DataError, match=r"task\.thoughts=paragraphs"):
         GSM8K(value="rollout", thoughts="subquestions")
@@ -181,3 +239,15 @@ def test_foresight_needs_rollout_values():
     assert make_config(
         "search.foresight=true", "task.value=rollout", "task.thoughts=paragraphs"
     ).search_settings.foresight
+
+
+def test_the_summary_counts_the_levels_a_stop_saved():
+    from tot.runs.results import _budget
+
+    records = [
+        {"tokens": 300, "budget": {"levels": 1, "budget": 3}},  # stopped after one level of three
+        {"tokens": 500, "budget": {"levels": 2, "budget": 2}},  # ran to its end
+        {"tokens": 100},
+    ]
+    assert _budget(records) == {"levels_drawn": 3, "levels_budget": 5, "tokens_saved_estimate": 600}
+    assert _budget([{"tokens": 80, "budget": {"samples": 2, "budget": 4}}])["samples_drawn"] == 2

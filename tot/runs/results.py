@@ -269,16 +269,17 @@ def summarize(records: list[dict], header: dict) -> dict:
 
 
 def _budget(records: list[dict]) -> dict:
-    """Where a budget was spent in waves (search.stop): the samples drawn of the budget's, and the
-    tokens the undrawn ones would have cost at the mean of the drawn ones of their problem (an
-    estimate: they were never sampled)."""
+    """Where a budget was spent in waves (search.stop): the samples (best-of-N) or levels (BFS) drawn of
+    the budget's, and the tokens the undrawn ones would have cost at the mean of the drawn ones of their
+    problem (an estimate: they were never sampled)."""
     spent = [r for r in records if r.get("budget")]
     if not spent:
         return {}
-    drawn = sum(r["budget"]["samples"] for r in spent)
+    unit = "levels" if "levels" in spent[0]["budget"] else "samples"
+    drawn = sum(r["budget"][unit] for r in spent)
     budget = sum(r["budget"]["budget"] for r in spent)
-    saved = sum(r["tokens"] / r["budget"]["samples"] * (r["budget"]["budget"] - r["budget"]["samples"]) for r in spent)
-    return {"samples_drawn": drawn, "samples_budget": budget, "tokens_saved_estimate": round(saved)}
+    saved = sum(r["tokens"] / max(1, r["budget"][unit]) * (r["budget"]["budget"] - r["budget"][unit]) for r in spent)
+    return {f"{unit}_drawn": drawn, f"{unit}_budget": budget, "tokens_saved_estimate": round(saved)}
 
 
 def _accuracy_by(records: list[dict]) -> dict[str, float]:

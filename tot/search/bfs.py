@@ -5,7 +5,9 @@ value over every finished state (search.aggregate=vote, the default: on 200 GSM8
 Results), or the best state at the last depth (best). A state whose steps equal a kept one's (a
 sibling sampled twice) takes no second place in the frontier (search.distinct), and the problem may grow
 more first thoughts than a state does (search.root_thoughts): at breadth 4 a fifth of the frontier's
-places went to copies, and every path began with one of two first paragraphs."""
+places went to copies, and every path began with one of two first paragraphs. Under the vote, `search.stop`
+ends a problem between levels once the ballots still to come cannot change the answer (decided) or a
+level's new ballots all name the leader (agree), as best-of-N's waves do."""
 
 from __future__ import annotations
 
@@ -15,10 +17,20 @@ from typing import Any
 
 from decoding import ConfigError
 from tasks.base import Problem
-from tot.search.base import Aggregate, GenerationEngine, SearchBase, Solution, check_positive, choose, finished_states
+from tot.search.base import (
+    Aggregate,
+    GenerationEngine,
+    SearchBase,
+    Solution,
+    Step,
+    check_positive,
+    choose,
+    finished_states,
+    path_confidence,
+)
 from tot.search.plugin import SearchPlugin
 from tot.search.tree import ReasoningTree
-from tot.search.vote import VoteRule
+from tot.search.vote import STOPS, Ballot, VoteRule, check_stop, settled
 
 
 @dataclass(frozen=True)
@@ -32,6 +44,7 @@ class BFSSettings:
     # by the rest of its completion (phi-Decoding's foresight): no thought is sampled apart from its valuation.
     foresight: bool = False
     token_budget: int = 0  # a problem's generated tokens after which no level more is grown (0: none)
+    stop: str = "never"  # never | decided | agree: when the vote is settled before the last level
 
     def __post_init__(self) -> None:
         # As in ToT, the b best of all the frontier's thoughts go on: breadth may exceed n_thoughts.
@@ -40,6 +53,10 @@ class BFSSettings:
             raise ConfigError(f"search.token_budget={self.token_budget}: a positive number of tokens, or 0 for none")
         if self.root_thoughts < 0:
             raise ConfigError(f"search.root_thoughts={self.root_thoughts}: 0 (n_thoughts) or a positive count")
+        if self.stop not in STOPS:
+            raise ConfigError(f"search.stop={self.stop!r} is not one of {', '.join(STOPS)} (search=bfs)")
+        if self.stop != "never" and self.aggregate != "vote":
+            raise ConfigError("search.stop stops a vote: use it with search.aggregate=vote")
 
     def thoughts_at(self, depth: int) -> int:
         return self.root_thoughts if depth == 1 and self.root_thoughts else self.n_thoughts
@@ -56,6 +73,8 @@ class BFS(SearchBase):
         step = self.step(problem, engine)
         tree = step.tree
         frontier = [tree.root]
+        grown = counted = 0  # levels grown, ballots cast before this level
+        stopped = False
         for depth in range(1, self.task.depth + 1):
             # Finished states are not extended; they compete with the new thoughts for the frontier.
             done = [s for s in frontier if s != tree.root and tree[s].terminal]
@@ -74,11 +93,43 @@ class BFS(SearchBase):
             frontier = ranked[: self.settings.breadth]
             for c in frontier:
                 tree[c].chosen = True
+            grown = depth
+            stopped = depth < self.task.depth and self._settled(step, problem, depth, counted)
+            if stopped:
+                break
+            counted = len(finished_states(tree))
         finished = finished_states(tree)
         if self.settings.aggregate == "vote" and finished:
             answer_of = lambda s: self.task.answer(problem, tree.steps(s))  # noqa: E731
-            return step.solution(choose(tree, finished, answer_of, "vote", self.vote))
-        return step.solution(frontier[0])
+            solution = step.solution(choose(tree, finished, answer_of, "vote", self.vote))
+        else:
+            solution = step.solution(frontier[0])
+        if self.settings.stop != "never":
+            # The levels left ungrown by the stop (none where the search ended by itself).
+            solution.budget = {"levels": grown, "budget": self.task.depth if stopped else grown}
+        return solution
+
+    def _settled(self, step: Step, problem: Problem, depth: int, counted: int) -> bool:
+        """search.stop after level `depth`: whether the ballots of the levels still to come cannot change
+        the vote, or (agree) this level's ballots all name its leader. At most breadth states grow their
+        thoughts a level, each thought a ballot and, valued by rollouts, as many more as its completions
+        (foresight's one completion a thought no more than task.rollouts)."""
+        if self.settings.stop == "never":
+            return False
+        tree = step.tree
+        finished = finished_states(tree)
+        ballots = [Ballot(self.task.answer(problem, tree.steps(s)), tree[s].value) for s in finished]
+        if self.vote.reading:
+            ballots = [replace(b, confidence=path_confidence(tree, s)) for b, s in zip(ballots, finished)]
+
+        def ballots_at(d: int) -> int:  # a thought at the depth limit is finished, not completed (but in foresight)
+            completed = step.rollouts and (d < self.task.depth or self.settings.foresight)
+            return self.settings.breadth * self.settings.thoughts_at(d) * (1 + (self.task.rollouts if completed else 0))
+
+        remaining = sum(ballots_at(d) for d in range(depth + 1, self.task.depth + 1))
+        new = len(finished) - counted  # node order: this level's ballots come last
+        wave = new if new >= 2 else 0
+        return settled(self.vote, ballots, "value", remaining, self.settings.stop, wave)
 
 
 def first_of_each_state(tree: ReasoningTree, states: list[int]) -> list[int]:
@@ -93,7 +144,8 @@ def first_of_each_state(tree: ReasoningTree, states: list[int]) -> list[int]:
     return kept
 
 
-def check_foresight(settings: BFSSettings, vote: VoteRule, task_options: Mapping[str, Any]) -> None:
+def check_config(settings: BFSSettings, vote: VoteRule, task_options: Mapping[str, Any]) -> None:
+    check_stop(settings.stop, vote, "value")
     if settings.foresight and task_options.get("value") != "rollout":
         raise ConfigError(
             "search.foresight=true takes a state's thoughts from completions that value them: it needs "
@@ -105,6 +157,6 @@ PLUGIN = SearchPlugin(
     name="bfs",
     build=BFS,
     options=BFSSettings,
-    check_config=check_foresight,
+    check_config=check_config,
     voted=lambda settings: finished_states if settings.get("aggregate") == "vote" else None,
 )
