@@ -7,7 +7,15 @@ import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from decoding.runtime import kernels
-from decoding.speculation.sampling import NUCLEUS_FIRST, SamplingParams, process_logits, top_k, top_k_rows, top_p_kept
+from decoding.speculation.sampling import (
+    NUCLEUS_FIRST,
+    SamplingParams,
+    process_logits,
+    processed_logits,
+    top_k,
+    top_k_rows,
+    top_p_kept,
+)
 from decoding.speculation.stopping import StopRule, final_text
 
 PARAM_SETS = [
@@ -298,3 +306,63 @@ def test_final_text():
     # Only a stop finish cuts.
     assert final_text([1, 3, 4], "length", ("END",), TOK) == "aEND"
     assert final_text([1, 3, 4], None, ("END",), TOK) == "aEND"
+
+
+@pytest.mark.parametrize("built", [True, False], ids=["kernel", "torch"])
+def test_top_k_rows_reads_a_row_divided_by_its_temperature_as_its_processed_logits(built, monkeypatch):
+    """A raw row read at temperature t gives exactly (bits) what its processed logits give: the
+    division is IEEE's, as torch's `logits / t`; float32 and bfloat16 rows alike."""
+    if built:
+        kernels.load()
+    else:
+        monkeypatch.setattr(kernels, "built", lambda: None)
+    g = torch.Generator().manual_seed(11)
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = (5.0 * torch.randn(4, 4099, generator=g)).to(dtype)
+        for t in (0.7, 0.3, 1.0):
+            params = SamplingParams(temperature=t)
+            got = top_k_rows([logits], 6, [[0, 2, 3]], [True], [t])
+            want = top_k_rows([processed_logits(logits[[0, 2, 3]].float(), params)], 6, None, [True])
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def asks_of_every_kind() -> tuple[list, torch.Tensor]:
+    from decoding.speculation.logprobs import Asked
+
+    g = torch.Generator().manual_seed(12)
+    logits = 4.0 * torch.randn(5, 3001, generator=g)
+    top_p = SamplingParams(temperature=0.8, top_p=0.9)
+    asks = [
+        Asked(logits, [0, 1], [7, 8], SamplingParams(temperature=0.0), 3),  # greedy
+        Asked(logits, [2, 4], [9, 10], SamplingParams(temperature=0.6), 5),  # its temperature alone
+        Asked(logits, [1, 3, 4], [11, 12, 13], top_p, 0),  # top-p, processed here
+        Asked(logits, [3], [14], top_p, 2, processed=processed_logits(logits.float(), top_p)),  # processed already
+        Asked(logits, [], [], SamplingParams(temperature=0.6), 2),  # nothing kept
+    ]
+    # The tokens top-p keeps, so that their log-probabilities are finite.
+    kept = top_p_kept(processed_logits(logits.float(), SamplingParams(temperature=0.8)), 0.9)
+    for a in asks[2:4]:
+        for i, r in enumerate(a.rows):
+            a.tokens[i] = int(kept[r].nonzero()[i % 2])
+    return asks, logits
+
+
+def test_token_logprobs_of_a_step_in_one_call_are_torchs_log_softmax():
+    """Every kind of ask (greedy, a temperature alone, top-p processed here or already) read in one
+    kernel call gives torch's log-softmax of the processed rows (to float32 rounding: the kernel sums
+    exp in its own order) and its top tokens; a row's values are the same bits alone."""
+    from decoding.speculation.logprobs import Asked, one_logprobs, token_logprobs
+
+    kernels.load()
+    asks, logits = asks_of_every_kind()
+    got = token_logprobs(asks)
+    want = [one_logprobs(a) for a in asks if a.tokens]
+    assert len(got) == len(want) == 4
+    for row_got, row_want in zip(got, want):
+        assert [t.token for t in row_got] == [t.token for t in row_want]
+        assert [t.logprob for t in row_got] == pytest.approx([t.logprob for t in row_want], abs=1e-5)
+        for a, b in zip(row_got, row_want):
+            assert [i for i, _ in a.top] == [i for i, _ in b.top]
+            assert [v for _, v in a.top] == pytest.approx([v for _, v in b.top], abs=1e-5)
+    alone = token_logprobs([Asked(logits, [4], [10], SamplingParams(temperature=0.6), 5)])[0][0]
+    assert alone == got[1][1]

@@ -13,7 +13,7 @@ from decoding.drafters.base import NoDrafter
 from decoding.runtime.runner import ModelRunner
 from decoding.schedules.base import Step, run_to_end
 from decoding.speculation.gumbel import gumbel_choice
-from decoding.speculation.logprobs import token_logprobs
+from decoding.speculation.logprobs import Asked, token_logprobs
 from decoding.speculation.options import Rule
 from decoding.speculation.sequence import Sequence
 from decoding.speculation.stopping import Detokenizer
@@ -136,7 +136,8 @@ class HFDecoder:
         s.commit(generated, self.tokenizer)
         if s.top_logprobs is not None:
             logits = torch.cat(out.logits)[: len(s.generated)]
-            s.logprobs = token_logprobs(logits, s.generated, s.params, s.top_logprobs)
+            asked = Asked(logits, list(range(len(s.generated))), s.generated, s.params, s.top_logprobs)
+            s.logprobs = token_logprobs([asked])[0] if s.generated else []
         s.reason = s.reason or "length"
         # generate runs one forward per new token; count them like the other decoders do.
         s.stats.verify_steps = s.stats.target_forwards = s.stats.generated_tokens

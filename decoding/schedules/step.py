@@ -22,7 +22,7 @@ from decoding.runtime.runner import ModelRunner
 from decoding.schedules.planner import Planner, StepPlan
 from decoding.schedules.rounds import News, Rounds
 from decoding.speculation.draft_tree import DraftTree
-from decoding.speculation.logprobs import token_logprobs
+from decoding.speculation.logprobs import Asked, token_logprobs
 from decoding.speculation.options import Rule
 from decoding.speculation.sequence import Sequence
 from decoding.speculation.slot import Slot
@@ -238,18 +238,20 @@ def commit(setup: StepSetup, slots: list[Slot], verdicts: list[Verdict], packed:
     what each sequence kept."""
     out = []
     going: list[tuple[int, list[int]]] = []  # (row, the forward's columns it keeps) of the rows that go on
+    asked: list[tuple[Sequence, Asked]] = []  # the log-probabilities to read, all in one call
     for b, (slot, v) in enumerate(zip(slots, verdicts)):
         s = slot.seq
         v.kept = s.commit(v.tokens, setup.tokenizer, drafted=len(v.tree), accepted=len(v.path))
         if s.top_logprobs is not None and v.kept:
-            rows = v.kept_rows()
-            processed = None if v.scores is None else v.scores[rows]
-            s.logprobs += token_logprobs(v.logits[rows], v.tokens[: v.kept], s.params, s.top_logprobs, processed)
+            asked.append((s, Asked(v.logits, v.kept_rows(), v.tokens[: v.kept], s.params, s.top_logprobs, v.scores)))
         v.scores = None
         if not slot.seq.done:
             going.append((slot.row, packed.committed(b, v.path)))
             slot.pending = [v.token]
         out.append(v)
+    if asked:
+        for (s, _), read in zip(asked, token_logprobs([a for _, a in asked])):
+            s.logprobs += read
     if going:
         rows, kept = zip(*going)
         setup.cache.keep_rows(list(rows), list(kept))

@@ -13,7 +13,7 @@ import torch
 
 from decoding.base.values import TokenLogprob
 from decoding.speculation.draft_tree import ROOT, DraftTree
-from decoding.speculation.sampling import SamplingParams, processed_logits
+from decoding.speculation.sampling import SamplingParams, on_kernel, processed_logits
 
 
 def log_distribution(
@@ -28,28 +28,79 @@ def log_distribution(
     return (processed_logits(logits.float(), params) if processed is None else processed).log_softmax(-1)
 
 
-def token_logprobs(
-    logits: torch.Tensor,
-    tokens: list[int],
-    params: SamplingParams,
-    top: int,
-    processed: torch.Tensor | None = None,
-) -> list[TokenLogprob]:
-    """Each of `tokens`' log-probability at its row of `logits` [len(tokens), V] (the row that
-    predicted it), with the `top` most likely tokens there; one read back for all of them.
-    `processed`: the same rows' processed logits, where they were made already."""
-    if not tokens:
-        return []
-    n = len(tokens)
-    logp = log_distribution(logits[:n], params, None if processed is None else processed[:n])
-    ids = torch.tensor(tokens, device=logp.device)
+@dataclass(frozen=True)
+class Asked:
+    """One sequence's log-probabilities to read in a step: `tokens`, each predicted by the row of
+    `logits` [R, V] that `rows` names in turn, the `top` most likely beside each, under `params`;
+    `processed`: the same block's processed logits where the acceptance made them."""
+
+    logits: torch.Tensor
+    rows: list[int]
+    tokens: list[int]
+    params: SamplingParams
+    top: int
+    processed: torch.Tensor | None = None
+
+
+def token_logprobs(asked: list[Asked]) -> list[list[TokenLogprob]]:
+    """Each ask's tokens' log-probabilities with the `top` most likely tokens beside each. On the CPU
+    every ask of a step in one call of csrc/topk.cpp's `log_rows`, the rows read where they lie (a
+    row whose processing is its temperature's division alone read divided there, no processed copy:
+    each ask paid a division, a log-softmax and a top-k over the vocabulary, row by row); else by
+    `log_distribution`, an ask at a time. Either way a row's values depend on that row alone."""
+    asked = [a for a in asked if a.tokens]
+    blocks: list[torch.Tensor] = []
+    picks: list[list[int]] = []
+    temperatures: list[float] = []
+    for a in asked:
+        p, rows = a.params, a.rows[: len(a.tokens)]
+        if p.greedy or (a.processed is None and p.top_k == 0 and p.top_p >= 1.0):
+            blocks.append(a.logits)
+            temperatures.append(1.0 if p.greedy else p.temperature)
+        elif a.processed is not None:
+            blocks.append(a.processed)
+            temperatures.append(1.0)
+        else:  # top-k or top-p: processed here, the rows asked alone
+            blocks.append(processed_logits(a.logits[rows].float(), p))
+            temperatures.append(1.0)
+            rows = list(range(len(rows)))
+        picks.append(rows)
+    out: list[list[TokenLogprob]] = []
+    if blocks and on_kernel(blocks):
+        tokens = [t for a in asked for t in a.tokens]
+        k = max(1, max(a.top for a in asked))
+        chosen, values, ids = torch.ops.tot_sampling.log_rows(
+            [b if b.stride(-1) == 1 else b.contiguous() for b in blocks],
+            [len(p) for p in picks],
+            [r for p in picks for r in p],
+            temperatures,
+            tokens,
+            min(k, blocks[0].shape[-1]),
+        )
+        chosen_l, values_l, ids_l = chosen.tolist(), values.tolist(), ids.tolist()  # one conversion a step
+        start = 0
+        for a in asked:
+            end = start + len(a.tokens)
+            tops = [tuple(zip(i[: a.top], v[: a.top])) for i, v in zip(ids_l[start:end], values_l[start:end])]
+            out.append([TokenLogprob(t, lp, top) for t, lp, top in zip(a.tokens, chosen_l[start:end], tops)])
+            start = end
+    else:
+        out = [one_logprobs(a) for a in asked]
+    return out
+
+
+def one_logprobs(a: Asked) -> list[TokenLogprob]:
+    """`token_logprobs` of one ask by torch's operators (off the CPU, or without the kernels)."""
+    rows = a.rows[: len(a.tokens)]
+    logp = log_distribution(a.logits[rows], a.params, None if a.processed is None else a.processed[rows])
+    ids = torch.tensor(a.tokens, device=logp.device)
     chosen = logp.gather(-1, ids[:, None])[:, 0].tolist()
-    if top:
-        best = logp.topk(min(top, logp.shape[-1]), dim=-1)
+    if a.top:
+        best = logp.topk(min(a.top, logp.shape[-1]), dim=-1)
         pairs = [tuple(zip(i, v)) for i, v in zip(best.indices.tolist(), best.values.tolist())]
     else:
-        pairs = [()] * len(tokens)
-    return [TokenLogprob(t, lp, p) for t, lp, p in zip(tokens, chosen, pairs)]
+        pairs = [()] * len(a.tokens)
+    return [TokenLogprob(t, lp, p) for t, lp, p in zip(a.tokens, chosen, pairs)]
 
 
 @dataclass(frozen=True)

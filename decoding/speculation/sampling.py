@@ -122,27 +122,39 @@ def top_k(x: torch.Tensor, k: int, block: int = 128) -> tuple[torch.Tensor, torc
 
 
 def top_k_rows(
-    blocks: list[torch.Tensor], k: int, picks: list[list[int]] | None = None, normalise: list[bool] | None = None
+    blocks: list[torch.Tensor],
+    k: int,
+    picks: list[list[int]] | None = None,
+    normalise: list[bool] | None = None,
+    temperatures: list[float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`top_k` over chosen rows of several [n_i, V] blocks as if their rows were concatenated
     (`picks[i]`: block i's rows, all where None), of the softmax of a block where `normalise[i]` (its
-    rows logits: the top tokens of the distribution and their probabilities). On the CPU by
-    csrc/topk.cpp where this process has built the kernels: float32 or bfloat16 rows read where they
-    lie, no copy, cast or softmax written (three rows of a 49k vocabulary: 0.6 ms a step with them);
-    else by `top_k` (on the first non-CPU block's device, where the rows are moved)."""
+    rows logits: the top tokens of the distribution and their probabilities), each block's rows read
+    divided by `temperatures[i]` (the same bits as `processed_logits` at that temperature alone). On
+    the CPU by csrc/topk.cpp where this process has built the kernels: float32 or bfloat16 rows read
+    where they lie, no copy, cast, division or softmax written (three rows of a 49k vocabulary: 0.6 ms
+    a step with them); else by `top_k` (on the first non-CPU block's device, where the rows are moved)."""
     picks = [list(range(len(b))) for b in blocks] if picks is None else picks
     normalise = [False] * len(blocks) if normalise is None else normalise
-    if kernels.built() is not None and all(
-        b.device.type == "cpu" and b.dtype in (torch.float32, torch.bfloat16) for b in blocks
-    ):
+    temperatures = [1.0] * len(blocks) if temperatures is None else temperatures
+    if on_kernel(blocks):
         flat = [r for p in picks for r in p]
         rows = [b if b.stride(-1) == 1 else b.contiguous() for b in blocks]
-        values, ids = torch.ops.tot_sampling.top_k_rows(rows, [len(p) for p in picks], flat, normalise, k)
+        counts = [len(p) for p in picks]
+        values, ids = torch.ops.tot_sampling.top_k_rows(rows, counts, flat, normalise, temperatures, k)
         return values, ids
     device = next((b.device for b in blocks if b.device.type != "cpu"), blocks[0].device)
-    parts = [b[p].to(device).float() for b, p in zip(blocks, picks)]
+    parts = [b[p].to(device).float() / t for b, p, t in zip(blocks, picks, temperatures)]
     parts = [x.softmax(-1) if norm else x for x, norm in zip(parts, normalise)]
     return top_k(torch.cat(parts), k)
+
+
+def on_kernel(blocks: list[torch.Tensor]) -> bool:
+    """Whether csrc/topk.cpp reads these blocks: built in this process, float32 or bfloat16 CPU rows."""
+    return kernels.built() is not None and all(
+        b.device.type == "cpu" and b.dtype in (torch.float32, torch.bfloat16) for b in blocks
+    )
 
 
 def draft_dists(logits: torch.Tensor, params: SamplingParams) -> list[torch.Tensor]:

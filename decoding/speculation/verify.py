@@ -298,24 +298,19 @@ def top_tokens(
     logits) and its sequence: the k most likely tokens at its root and along its path (`Verdict.top`)
     and their probabilities (the processed distribution; the logits' softmax for greedy rows), by one
     top-k over the step's rows where they lie (`top_k_rows`, which normalises the logits' rows itself).
-    What a row lacks is processed at its path's rows alone."""
+    A sampled row left unprocessed (`drawn_raw`: its processing the temperature's division alone) is
+    read from its raw logits divided by its temperature there, with no processed copy made."""
     ats = [[0, *(1 + n for n in path)] for path, *_ in decided]
     blocks: list[torch.Tensor] = []
-    picks: list[list[int]] = []
     normalise: list[bool] = []
-    unprocessed = [
-        b
-        for b, ((_, probs, scores, _), s) in enumerate(zip(decided, seqs))
-        if probs is None and scores is None and not s.params.greedy
-    ]
-    done, _ = processed_rows([seqs[b] for b in unprocessed], [decided[b][3][ats[b]] for b in unprocessed], False)
-    processed = dict(zip(unprocessed, done))
-    for b, ((_, probs, scores, logits), at) in enumerate(zip(decided, ats)):
-        block, norm = (processed[b], True) if b in processed else top_block(probs, scores, logits)
-        blocks.append(block)  # type: ignore[arg-type]
-        picks.append(list(range(len(at))) if b in processed else at)
+    temperatures: list[float] = []
+    for (_, probs, scores, logits), s in zip(decided, seqs):
+        raw = probs is None and scores is None and not s.params.greedy
+        block, norm = (logits, True) if raw else top_block(probs, scores, logits)
+        blocks.append(block)
         normalise.append(norm)
-    values, ids = top_k_rows(blocks, min(k, blocks[0].shape[-1]), picks, normalise)
+        temperatures.append(s.params.temperature if raw else 1.0)
+    values, ids = top_k_rows(blocks, min(k, blocks[0].shape[-1]), ats, normalise, temperatures)
     ids_l, values_l = ids.tolist(), values.tolist()  # one conversion for the step
     out, start = [], 0
     for at in ats:

@@ -9,6 +9,11 @@
 // smallest of the k kept so far, and only a vector holding a larger one goes to the scalar insertion (about
 // k ln(V / k) of them in a row of V values in no particular order). The sum runs in 8 lanes in a fixed
 // order with kernels.h's fixed_exp, so a row's probabilities depend on that row alone.
+//
+// A row is read divided by its block's temperature (x / t, IEEE division as torch's `logits / t`: the
+// same bits as processed logits at that temperature, 1 leaving x as it is), so a row sampled at a
+// temperature alone needs no processed copy. `log_rows` reads the same way each row's log-softmax at a
+// given token and its k largest: a request's log-probabilities for all of a step's rows in one call.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -33,8 +38,19 @@ inline void insert(float* vals, int64_t* ids, int64_t k, float v, int64_t i) {
   ids[j] = i;
 }
 
+// A row of logits read divided by its temperature.
 template <typename T>
-void row_top_k(const T* x, int64_t n, int64_t k, float* vals, int64_t* ids) {
+struct Scaled {
+  const T* x;
+  float t;
+  float at(int64_t i) const { return value_at(x, i) / t; }
+#if defined(__AVX2__)
+  __m256 load(int64_t i) const { return _mm256_div_ps(load8(x + i), _mm256_set1_ps(t)); }
+#endif
+};
+
+template <typename T>
+void row_top_k(const Scaled<T>& x, int64_t n, int64_t k, float* vals, int64_t* ids) {
   // The first k values, in order (k distinct tokens even where a row is mostly minus infinity).
   for (int64_t j = 0; j < k; ++j) {
     vals[j] = -std::numeric_limits<float>::infinity();
@@ -42,7 +58,7 @@ void row_top_k(const T* x, int64_t n, int64_t k, float* vals, int64_t* ids) {
   }
   for (int64_t j = 0; j < k; ++j) {
     int64_t at = j;
-    const float v = value_at(x, j);
+    const float v = x.at(j);
     while (at > 0 && vals[at - 1] < v) {
       vals[at] = vals[at - 1];
       ids[at] = ids[at - 1];
@@ -54,17 +70,17 @@ void row_top_k(const T* x, int64_t n, int64_t k, float* vals, int64_t* ids) {
   int64_t i = k;
 #if defined(__AVX2__)
   for (; i + 8 <= n; i += 8) {
-    int above = _mm256_movemask_ps(_mm256_cmp_ps(load8(x + i), _mm256_set1_ps(vals[k - 1]), _CMP_GT_OQ));
+    int above = _mm256_movemask_ps(_mm256_cmp_ps(x.load(i), _mm256_set1_ps(vals[k - 1]), _CMP_GT_OQ));
     while (above) {
       const int lane = __builtin_ctz(above);
       above &= above - 1;
-      const float v = value_at(x, i + lane);
+      const float v = x.at(i + lane);
       if (v > vals[k - 1]) insert(vals, ids, k, v, i + lane);
     }
   }
 #endif
   for (; i < n; ++i) {
-    const float v = value_at(x, i);
+    const float v = x.at(i);
     if (v > vals[k - 1]) insert(vals, ids, k, v, i);
   }
 }
@@ -92,23 +108,23 @@ inline __m256 exp8(__m256 x) {
 
 // sum_i exp(x_i - most), in 8 lanes (element i into lane i mod 8) added in a fixed tree.
 template <typename T>
-float row_exp_sum(const T* x, int64_t n, float most) {
+float row_exp_sum(const Scaled<T>& x, int64_t n, float most) {
   float lanes[8] = {};
   int64_t i = 0;
 #if defined(__AVX2__)
   __m256 acc = _mm256_setzero_ps();
-  for (; i + 8 <= n; i += 8) acc = _mm256_add_ps(acc, exp8(_mm256_sub_ps(load8(x + i), _mm256_set1_ps(most))));
+  for (; i + 8 <= n; i += 8) acc = _mm256_add_ps(acc, exp8(_mm256_sub_ps(x.load(i), _mm256_set1_ps(most))));
   _mm256_storeu_ps(lanes, acc);
 #endif
   for (; i + 8 <= n; i += 8)
-    for (int64_t l = 0; l < 8; ++l) lanes[l] += fixed_exp(value_at(x, i + l) - most);
+    for (int64_t l = 0; l < 8; ++l) lanes[l] += fixed_exp(x.at(i + l) - most);
   float tail = 0.0f;
-  for (; i < n; ++i) tail += fixed_exp(value_at(x, i) - most);
+  for (; i < n; ++i) tail += fixed_exp(x.at(i) - most);
   return (((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]))) + tail;
 }
 
 template <typename T>
-void top_row(const T* x, int64_t n, int64_t k, bool normalise, float* vals, int64_t* ids) {
+void top_row(const Scaled<T>& x, int64_t n, int64_t k, bool normalise, float* vals, int64_t* ids) {
   row_top_k(x, n, k, vals, ids);
   if (!normalise) return;
   const float most = vals[0];
@@ -116,58 +132,115 @@ void top_row(const T* x, int64_t n, int64_t k, bool normalise, float* vals, int6
   for (int64_t j = 0; j < k; ++j) vals[j] = fixed_exp(vals[j] - most) / sum;
 }
 
-// blocks[b]: [rows_b, V] float32 or bfloat16, each row contiguous; picks: the rows chosen, counts[b] of
-// them from block b in turn; normalise[b]: whether block b holds logits (its softmax's top k returned) or
-// probabilities. Returns the values [picked, k] (float32) and their ids [picked, k].
-std::vector<at::Tensor> top_k_rows(const std::vector<at::Tensor>& blocks, const std::vector<int64_t>& counts,
-                                   const std::vector<int64_t>& picks, const c10::List<bool>& normalise, int64_t k) {
-  TORCH_CHECK(blocks.size() == counts.size() && blocks.size() == normalise.size(),
-              "top_k_rows: one count and one normalise flag per block");
-  struct Row {
-    const void* data;
-    bool bf16;
-    bool normalise;
-  };
+struct Row {
+  const void* data;
+  bool bf16;
+  bool normalise;
+  float t;
+};
+
+// The picked rows of a step's blocks ([rows_b, V] float32 or bfloat16 on the CPU, each row contiguous;
+// counts[b] of the picks from block b in turn), each with its block's flag and temperature; their width.
+std::vector<Row> picked_rows(const char* op, const std::vector<at::Tensor>& blocks, const std::vector<int64_t>& counts,
+                             const std::vector<int64_t>& picks, const c10::List<bool>& normalise,
+                             const std::vector<double>& temperatures, int64_t& n) {
+  TORCH_CHECK(blocks.size() == counts.size() && blocks.size() == normalise.size() && blocks.size() == temperatures.size(),
+              op, ": one count, normalise flag and temperature per block");
   std::vector<Row> rows;
-  int64_t n = -1;
+  n = -1;
   size_t next = 0;
   for (size_t b = 0; b < blocks.size(); ++b) {
     const auto& t = blocks[b];
     const bool bf16 = t.scalar_type() == at::kBFloat16;
-    TORCH_CHECK(t.dim() == 2 && t.device().is_cpu() && (bf16 || t.scalar_type() == at::kFloat),
-                "top_k_rows: float32 or bfloat16 CPU blocks [rows, V]");
-    TORCH_CHECK(t.stride(1) == 1, "top_k_rows: each row must be contiguous");
-    TORCH_CHECK(n < 0 || t.size(1) == n, "top_k_rows: blocks of one width");
+    TORCH_CHECK(t.dim() == 2 && t.device().is_cpu() && (bf16 || t.scalar_type() == at::kFloat), op,
+                ": float32 or bfloat16 CPU blocks [rows, V]");
+    TORCH_CHECK(t.stride(1) == 1, op, ": each row must be contiguous");
+    TORCH_CHECK(n < 0 || t.size(1) == n, op, ": blocks of one width");
+    TORCH_CHECK(temperatures[b] > 0, op, ": a temperature must be positive");
     n = t.size(1);
-    TORCH_CHECK(counts[b] >= 0 && next + counts[b] <= picks.size(), "top_k_rows: counts beyond the picks");
+    TORCH_CHECK(counts[b] >= 0 && next + counts[b] <= picks.size(), op, ": counts beyond the picks");
     const size_t item = bf16 ? 2 : 4;
     for (int64_t j = 0; j < counts[b]; ++j, ++next) {
       const int64_t r = picks[next];
-      TORCH_CHECK(r >= 0 && r < t.size(0), "top_k_rows: a picked row outside its block");
-      rows.push_back({static_cast<const char*>(t.data_ptr()) + r * t.stride(0) * item, bf16, normalise[b]});
+      TORCH_CHECK(r >= 0 && r < t.size(0), op, ": a picked row outside its block");
+      rows.push_back({static_cast<const char*>(t.data_ptr()) + r * t.stride(0) * item, bf16, normalise[b],
+                      static_cast<float>(temperatures[b])});
     }
   }
-  TORCH_CHECK(next == picks.size(), "top_k_rows: picks beyond the counts");
+  TORCH_CHECK(next == picks.size(), op, ": picks beyond the counts");
+  return rows;
+}
+
+// f(r, row r read as its type) for every picked row, rows on the machine's threads.
+template <typename F>
+void each_row(const std::vector<Row>& rows, F f) {
+  at::parallel_for(0, static_cast<int64_t>(rows.size()), 2, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const Row& row = rows[r];
+      if (row.bf16)
+        f(r, Scaled<at::BFloat16>{static_cast<const at::BFloat16*>(row.data), row.t});
+      else
+        f(r, Scaled<float>{static_cast<const float*>(row.data), row.t});
+    }
+  });
+}
+
+// normalise[b]: whether block b holds logits (its softmax's top k returned) or probabilities. Returns the
+// values [picked, k] (float32) and their ids [picked, k].
+std::vector<at::Tensor> top_k_rows(const std::vector<at::Tensor>& blocks, const std::vector<int64_t>& counts,
+                                   const std::vector<int64_t>& picks, const c10::List<bool>& normalise,
+                                   const std::vector<double>& temperatures, int64_t k) {
+  int64_t n;
+  const std::vector<Row> rows = picked_rows("top_k_rows", blocks, counts, picks, normalise, temperatures, n);
   TORCH_CHECK(rows.empty() || (k >= 1 && k <= n), "top_k_rows: k must be in [1, V]");
   const int64_t m = static_cast<int64_t>(rows.size());
   auto values = at::empty({m, k}, at::kFloat);
   auto ids = at::empty({m, k}, at::kLong);
   float* vp = values.data_ptr<float>();
   int64_t* ip = ids.data_ptr<int64_t>();
-  at::parallel_for(0, m, 2, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const Row& row = rows[r];
-      if (row.bf16)
-        top_row(static_cast<const at::BFloat16*>(row.data), n, k, row.normalise, vp + r * k, ip + r * k);
-      else
-        top_row(static_cast<const float*>(row.data), n, k, row.normalise, vp + r * k, ip + r * k);
-    }
-  });
+  each_row(rows, [&](int64_t r, const auto& x) { top_row(x, n, k, rows[r].normalise, vp + r * k, ip + r * k); });
   return {values, ids};
+}
+
+// log p of a row's token and of its k most likely: (x - most) - log(sum exp(x - most)) over the row read
+// divided by its temperature, the sum as top_row's.
+template <typename T>
+void log_row(const Scaled<T>& x, int64_t n, int64_t token, int64_t k, float* chosen, float* vals, int64_t* ids) {
+  row_top_k(x, n, k, vals, ids);
+  const float most = vals[0];
+  const float log_sum = std::log(row_exp_sum(x, n, most));
+  for (int64_t j = 0; j < k; ++j) vals[j] = (vals[j] - most) - log_sum;
+  *chosen = (x.at(token) - most) - log_sum;
+}
+
+// Per picked row (as top_k_rows picks them, every block's rows logits), the log-softmax at tokens[r] and
+// the k largest log-probabilities with their ids: [picked], [picked, k], [picked, k].
+std::vector<at::Tensor> log_rows(const std::vector<at::Tensor>& blocks, const std::vector<int64_t>& counts,
+                                 const std::vector<int64_t>& picks, const std::vector<double>& temperatures,
+                                 const std::vector<int64_t>& tokens, int64_t k) {
+  int64_t n;
+  c10::List<bool> logits;
+  for (size_t b = 0; b < blocks.size(); ++b) logits.push_back(true);
+  const std::vector<Row> rows = picked_rows("log_rows", blocks, counts, picks, logits, temperatures, n);
+  TORCH_CHECK(tokens.size() == rows.size(), "log_rows: one token per picked row");
+  TORCH_CHECK(rows.empty() || (k >= 1 && k <= n), "log_rows: k must be in [1, V]");
+  for (int64_t token : tokens) TORCH_CHECK(token >= 0 && token < n, "log_rows: a token outside the vocabulary");
+  const int64_t m = static_cast<int64_t>(rows.size());
+  auto chosen = at::empty({m}, at::kFloat);
+  auto values = at::empty({m, k}, at::kFloat);
+  auto ids = at::empty({m, k}, at::kLong);
+  float* cp = chosen.data_ptr<float>();
+  float* vp = values.data_ptr<float>();
+  int64_t* ip = ids.data_ptr<int64_t>();
+  each_row(rows, [&](int64_t r, const auto& x) { log_row(x, n, tokens[r], k, cp + r, vp + r * k, ip + r * k); });
+  return {chosen, values, ids};
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tot_sampling, m) {
-  m.def("top_k_rows(Tensor[] blocks, int[] counts, int[] picks, bool[] normalise, int k) -> Tensor[]", &top_k_rows);
+  m.def("top_k_rows(Tensor[] blocks, int[] counts, int[] picks, bool[] normalise, float[] temperatures, int k) -> Tensor[]",
+        &top_k_rows);
+  m.def("log_rows(Tensor[] blocks, int[] counts, int[] picks, float[] temperatures, int[] tokens, int k) -> Tensor[]",
+        &log_rows);
 }
