@@ -123,3 +123,34 @@ def test_performance_page_holds_current_figures_only() -> None:
     assert len(lines) <= PERFORMANCE_MAX_LINES, (
         f"docs/performance.md has {len(lines)} lines; keep a topic's current figures, move design to docs/decoding.md"
     )
+
+
+def _layout() -> dict[str, str]:
+    """docs/decoding.md's layout block: each entry's path (`decoding/runtime/`, `tot/*.py`) -> its text."""
+    text = (ROOT / "docs" / "decoding.md").read_text()
+    block = text.split("## Layout", 1)[1].split("```", 2)[1]
+    entries: dict[str, str] = {}
+    path = ""
+    for line in block.splitlines():
+        if line and not line.startswith(" "):
+            path, _, rest = line.partition(" ")
+            entries[path] = rest
+        elif path:
+            entries[path] += " " + line.strip()
+    return entries
+
+
+def test_the_layout_lists_every_module() -> None:
+    """Every module of every folder the layout names is in its entry; a `*.py` entry's commands are
+    those with an entry point (`python -m NAME`), and no module without one is called a command."""
+    entries = _layout()
+    assert entries, "docs/decoding.md has no layout block"
+    for path, text in entries.items():
+        folder = ROOT / path.replace("*.py", "")
+        modules = sorted(p.stem for p in folder.glob("*.py") if p.stem not in ("__init__", "__main__"))
+        words = set(re.findall(r"[a-z_0-9]+", text))
+        missing = [m for m in modules if m not in words]
+        assert not missing, f"docs/decoding.md's layout entry {path} does not name {missing}"
+    commands = entries["tot/*.py"].split("commands:", 1)[1].split("(python -m")[0]
+    for name in re.findall(r"[a-z_]+", commands):
+        assert "__main__" in (ROOT / "tot" / f"{name}.py").read_text(), f"tot.{name} is listed as a command"
