@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from decoding.base.errors import ConfigError
 from decoding.base.values import GenRequest, Group
 from decoding.drafters.stand import StandDrafter, StandOptions
 from decoding.runtime.runner import ModelRunner
-from decoding.schedules.planner import FAR_PROBE, PROBE, SELDOM, Planner, best_first
+from decoding.schedules.planner import FAR_PROBE, PLAIN_REUSE, PROBE, SELDOM, Planner, best_first
 from decoding.schedules.scheduler import Scheduler
 from decoding.schedules.step import forward_context
 from decoding.speculation.calibration import EXPLORE, AcceptanceRecord
@@ -73,6 +74,33 @@ def test_no_draft_tokens_where_they_cost_more_than_they_return():
     assert [planner.budgets(rows, 4) for _ in range(PROBE)] == [[0, 0]] * (PROBE - 1) + [[4, 4]]
     # A new sequence's row starts from what the other rows' drafts were worth: not drafted either.
     assert planner.budgets([Estimate()], 4) == [0]
+
+
+def test_a_plain_steps_plan_is_priced_once_while_its_rows_stay():
+    """A step that verifies no draft reads the context (every row's blocks) only when its plan is
+    priced: anew every PLAIN_REUSE steps of the same rows and tokens, and whenever those change."""
+    planner = Planner(copy.deepcopy(STEEP))
+    reads: list[float] = []
+
+    def context() -> float:
+        reads.append(100.0)
+        return 100.0
+
+    first = planner.plain(2, [1, 1], context)
+    assert first.nodes == [0, 0] and first.expected_tokens == 2 and planner.rate_per_ms > 0
+    plans = [planner.plain(2, [1, 1], context) for _ in range(PLAIN_REUSE - 2)]
+    assert len(reads) == 1 and all(p == first for p in plans)
+    # The cost model corrected meanwhile: the reused forward's prediction follows it (observe reads it).
+    planner.cost.observe(first.predicted_forward_ms, 2 * first.predicted_forward_ms)
+    scaled = planner.plain(2, [1, 1], context)
+    assert scaled.predicted_forward_ms == pytest.approx(first.predicted_forward_ms * planner.cost.correction)
+    planner.plain(2, [1, 1], context)
+    assert len(reads) == 2  # priced again
+    planner.plain(3, [1, 1, 1], context)  # another row count
+    assert len(reads) == 3
+    # cut's own plain case goes the same way: no tree has a node, nothing ranked.
+    cut, plan = planner.cut([Estimate()] * 3, [DraftTree()] * 3, [True] * 3, [1] * 3, 100.0)
+    assert plan.nodes == [0, 0, 0] and [len(t) for t in cut] == [0, 0, 0] and len(reads) == 3
 
 
 def test_large_trees_under_a_flat_curve():

@@ -19,7 +19,8 @@ The planner sizes trees; it never picks rows: every ready row is verified in eve
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -38,6 +39,10 @@ PROBE = 4  # steps a row goes undrafted before it is drafted again to look
 # waits, see decoding/drafters/ngram.py) until fewer rows make nodes worth their cost again.
 FAR_PROBE = 128
 SELDOM = 0.1
+# Steps a plain step's plan (no row drafted) is reused while its rows and tokens stay: its price moves
+# with the context, a token a row a step, and pricing it read every row's blocks (0.45 ms of a 16 ms
+# step of the embedded model at one problem in flight, the whole of seed_stand's lag behind ar's).
+PLAIN_REUSE = 16
 
 
 def best_first(tree: DraftTree, reach: list[float]) -> list[int]:
@@ -77,6 +82,17 @@ class StepPlan:
 
 
 @dataclass
+class PlainPlan:
+    """The latest plain step's plan: its (rows, tokens, width), the cost model's correction it was
+    priced at, and the steps it has served."""
+
+    key: tuple[int, int, int]
+    plan: StepPlan
+    correction: float
+    uses: int = 1
+
+
+@dataclass
 class Planner:
     cost: ForwardCost
     record: AcceptanceRecord = field(default_factory=AcceptanceRecord)
@@ -95,6 +111,7 @@ class Planner:
     # where the latest step's alone stopped probes for FAR_PROBE steps after every miss).
     node_tokens: float = 0.0
     pays: float = 1.0
+    _plain: PlainPlan | None = field(default=None, init=False, repr=False)
 
     def allocate(
         self, gains: list[np.ndarray], pending: list[int], context: float
@@ -148,12 +165,7 @@ class Planner:
     ) -> tuple[list[DraftTree], StepPlan]:
         """Phase 2: each row's tree cut to the nodes that pay, by the calibrated reach of every node."""
         if not any(len(t) for t in trees):  # a busy step's usual case: plain decoding, nothing to rank
-            forward_ms, node_ms = self._margin(len(rows), sum(pending), max(pending), context)
-            step_ms = forward_ms + float(self.overhead.ms(len(rows), 0))
-            self.rate_per_ms = len(rows) / step_ms if step_ms > 0 else 0.0
-            self.node_tokens = self.rate_per_ms * node_ms
-            plan = StepPlan(len(rows), [0] * len(rows), [None] * len(rows), 0, len(rows), forward_ms, step_ms)
-            return trees, plan
+            return trees, self.plain(len(rows), pending, lambda: context)
         orders, gains = [], []
         for tree, g in zip(trees, greedy):
             if not len(tree):
@@ -183,6 +195,25 @@ class Planner:
         cut = [t if nodes is None else t.subtree(nodes) for t, nodes in zip(trees, kept_nodes)]
         plan = StepPlan(len(rows), kept, kept_nodes, sum(len(t) for t in trees), expected, forward_ms, step_ms)
         return cut, plan
+
+    def plain(self, rows: int, pending: list[int], context: Callable[[], float]) -> StepPlan:
+        """The plan of a step that verifies no draft: its predicted forward and step, and the rate
+        and a node's price that phase 1 charges drafting at; reused for PLAIN_REUSE steps of the same
+        rows and tokens (`context` is read only when it is priced anew), its forward's prediction
+        scaled by the cost model's correction since (what `observe` corrects the model by)."""
+        key = (rows, sum(pending), max(pending))
+        if self._plain is not None and self._plain.key == key and self._plain.uses < PLAIN_REUSE:
+            self._plain.uses += 1
+            scale = self.cost.correction / self._plain.correction
+            plan = self._plain.plan
+            return replace(plan, predicted_forward_ms=plan.predicted_forward_ms * scale)
+        forward_ms, node_ms = self._margin(rows, key[1], key[2], context())
+        step_ms = forward_ms + float(self.overhead.ms(rows, 0))
+        self.rate_per_ms = rows / step_ms if step_ms > 0 else 0.0
+        self.node_tokens = self.rate_per_ms * node_ms
+        plan = StepPlan(rows, [0] * rows, [None] * rows, 0, rows, forward_ms, step_ms)
+        self._plain = PlainPlan(key, plan, self.cost.correction)
+        return plan
 
     def _margin(self, rows: int, tokens: int, width: int, context: float) -> tuple[float, float]:
         """The predicted ms of a forward of `rows` rows holding `tokens` tokens (the widest
