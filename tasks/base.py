@@ -107,6 +107,8 @@ class Task(Protocol):
     n_evaluate: int  # evaluator samples per state under task.value=sampled; the state's value is their mean
     value: str  # one of VALUES: how the evaluator's answer becomes a value
     judge_metric: str  # the name judge_prompt's mean score gets in results and summaries
+    rollouts: int  # task.value=rollout: completions sampled from each state
+    rollout_tokens: int  # and the longest of them
 
     def load(self, data: DataSpec) -> list[Problem]: ...
 
@@ -188,6 +190,8 @@ class TaskDefaults:
     value: str = "sampled"
     evaluator: str = "separate"
     judge_metric: str = "judge_score"
+    rollouts: int = 2
+    rollout_tokens: int = 384
 
     def is_terminal(self, problem: Problem, steps: list[str]) -> bool:
         return False

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 import hydra
 from hydra import compose, initialize_config_module
@@ -232,7 +232,7 @@ def prepare_folder(argv: list[str], config_name: str, before: Callable[[DictConf
         return ""
     check_folder(folder, key)
     if before is not None and not multirun(argv):  # a sweep member's folder: checked_member
-        body = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
+        body = OmegaConf.masked_copy(cfg, [str(k) for k in cfg if k != "hydra"])
         try:
             before(body, folder)
         except Refused as e:
@@ -374,7 +374,7 @@ def checked_member(
 
 def save_hydra_files(cfg: DictConfig, out: Path) -> None:
     """The files Hydra writes for a job (hydra.core.utils.run_job), as it writes them."""
-    hydra_cfg = HydraConfig.instance().cfg
+    hydra_cfg = cast(DictConfig, HydraConfig.instance().cfg)  # typed HydraConf, it holds {"hydra": ...}
     assert hydra_cfg is not None
     out.mkdir(parents=True, exist_ok=True)
     files = {"config.yaml": cfg, "hydra.yaml": hydra_cfg, "overrides.yaml": hydra_cfg.hydra.overrides.task}

@@ -43,7 +43,7 @@ def held_text(key: str, value: object) -> str:
     return str(path)
 
 
-def held_rows(path: str) -> list[dict]:
+def held_rows(path: str) -> list[dict[str, Any]]:
     """The held texts' rows; a line that is not a JSON object with a question and an answer is refused."""
     rows = []
     with open(path) as f:
@@ -71,7 +71,7 @@ def as_float(key: str, value: object) -> float:
     return number
 
 
-def as_list(key: str, value: object, example: str = "[1,2,3]") -> list:
+def as_list(key: str, value: object, example: str = "[1,2,3]") -> list[Any]:
     if not isinstance(value, (list, tuple)):
         raise ConfigError(f"{key}={value!r} must be a list such as {example}")
     return list(value)

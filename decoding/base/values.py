@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass, field, fields
-from typing import Literal
+from typing import Any, Literal
 
 from decoding.base.errors import ConfigError
 
@@ -115,6 +115,11 @@ class GenRequest:
         object.__setattr__(self, name, value)
 
 
+def _as_type_of(default: Any, value: Any) -> Any:
+    """`value` read as its field's default's type (a saved summary's numbers as the record's)."""
+    return type(default)(value)
+
+
 MIN_TEMPERATURE = 1e-4  # below it (and above 0) logits / temperature overflow float32
 MAX_SEED = 2**63 - 1  # a torch generator's seed, and the draft generator's (seed ^ a salt)
 
@@ -123,10 +128,11 @@ def integer(name: str, value: object, low: int, high: int | None = None, fix: st
     """`value` as an int in [low, high]: a TypeError for anything but an integer (a bool included)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name}={value!r} must be an integer, not a {type(value).__name__}")
+    value = int(value)  # numpy's integers as Python's
     if value < low or (high is not None and value > high):
         span = f">= {low}" if high is None else f"in {low}..{high}"
         raise ValueError(f"{name}={value} must be {span}" + (f" ({fix})" if fix else ""))
-    return int(value)
+    return value
 
 
 def real(name: str, value: object) -> float:
@@ -376,7 +382,7 @@ class DecodeStats:
 
     @classmethod
     def from_dict(cls, d: dict[str, float]) -> DecodeStats:
-        return cls(**{f.name: type(f.default)(d.get(f.name, f.default)) for f in fields(cls)})
+        return cls(**{f.name: _as_type_of(f.default, d.get(f.name, f.default)) for f in fields(cls)})
 
 
 _STAT_FIELDS = tuple(f.name for f in fields(DecodeStats))  # `+=` runs once a step per call in flight
@@ -392,7 +398,7 @@ class TokenLogprob:
     logprob: float
     top: tuple[tuple[int | str, float], ...] = ()
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {"token": self.token, "logprob": self.logprob, "top": [list(t) for t in self.top]}
 
 
@@ -421,7 +427,7 @@ class Completion:
     stats: DecodeStats
 
 
-def host_line(summary: dict) -> str:
+def host_line(summary: dict[str, Any]) -> str:
     """A summary's step times in words ("" for one without them: a server, an older run)."""
     if not summary.get("steps"):
         return ""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -51,7 +52,7 @@ class ModelRunner:
         paged: bool = True,
     ) -> None:
         self.model = model
-        self.config = model.config
+        self.config: Any = model.config  # transformers' PretrainedConfig: its attributes are the model's own
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.cache_dtype = cache_dtype(model)

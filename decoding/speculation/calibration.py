@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
+from typing import Any
 
 from decoding.speculation.draft_tree import ROOT, DraftTree
 
@@ -101,7 +102,7 @@ class AcceptanceRecord:
             self.scored[pool] = self.scored.get(pool, 0.0) * DECAY + min(tree.probs[node], 1.0)
             self.hits[pool] = self.hits.get(pool, 0.0) * DECAY + (node in on_path)
 
-    def table(self) -> list[dict]:
+    def table(self) -> list[dict[str, Any]]:
         """The record as rows (source, greedy, first child, depth, score bucket, verdicts, acceptance),
         for reports."""
         return [

@@ -25,6 +25,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -60,7 +61,8 @@ def _extend_each(x: np.ndarray, xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
         return np.full(np.shape(x), float(ys[0]))
     hi = np.minimum(np.maximum(xs.searchsorted(x, side="right"), 1), len(xs) - 1)  # np.clip: 10 us a call
     lo = hi - 1
-    return ys[lo] + (ys[hi] - ys[lo]) * (x - xs[lo]) / (xs[hi] - xs[lo])
+    out: np.ndarray = ys[lo] + (ys[hi] - ys[lo]) * (x - xs[lo]) / (xs[hi] - xs[lo])
+    return out
 
 
 @dataclass
@@ -90,14 +92,13 @@ class ForwardCost:
         ]
         self._arrays = [(np.array(xs), np.array(ys, dtype=float)) for xs, ys in self._curves]  # for `ms_each`
 
-    def _table(self, rows: int, tokens: float | np.ndarray, each: bool = False) -> float | np.ndarray:
+    def _table(self, rows: int, tokens: Any, extend: Callable[..., Any], curves: Sequence[Any]) -> Any:
         """The profile's ms at `rows` rows computing `tokens` tokens in all: between the two profiled
         row counts around `rows`, each read at the same total tokens (log-interpolated in rows). A
         forward's linear layers cost its tokens whatever rows hold them; rows add their attention and
         bookkeeping. Read at the same tokens *per row* instead, 8 rows x 4 tokens was predicted 84 ms
-        against 66 measured (the 16-row curve at 64 tokens, the 4-row one at 16). `each`: tokens an
-        array, read at each of its values (`ms_each`)."""
-        extend, curves = (_extend_each, self._arrays) if each else (_extend, self._curves)
+        against 66 measured (the 16-row curve at 64 tokens, the 4-row one at 16). `tokens` a number read
+        by `_extend` on plain lists, or an array read at each of its values by `_extend_each` (`ms_each`)."""
         if len(self._rows) == 1:
             return extend(np.maximum(tokens / rows, 1.0) * self._rows[0], *curves[0]) * (rows / self._rows[0])
         i = min(max(bisect.bisect_left(self._rows, rows) - 1, 0), len(self._rows) - 2)
@@ -115,7 +116,8 @@ class ForwardCost:
         computed = tokens if self.ragged else rows * width
         # A ragged forward's attention skips the pads' queries too (decoding/runtime/csrc/attention.cpp).
         attend = self.context_ms * computed * max(0.0, context - self.context) / 1000
-        return self.correction * max(self._table(rows, computed) + attend, 0.0)
+        table: float = self._table(rows, computed, _extend, self._curves)
+        return self.correction * max(table + attend, 0.0)
 
     def ms_each(self, rows: int, tokens: np.ndarray, widths: np.ndarray, context: float) -> np.ndarray:
         """`ms` for each (tokens, width) pair, the planner's candidate plans of one step, in one pass
@@ -123,7 +125,8 @@ class ForwardCost:
         call per plan cost 0.2 ms of a step's 16 candidates)."""
         computed = np.asarray(tokens, dtype=float) if self.ragged else rows * np.asarray(widths, dtype=float)
         attend = self.context_ms * computed * max(0.0, context - self.context) / 1000
-        return self.correction * np.maximum(self._table(rows, computed, each=True) + attend, 0.0)
+        table: np.ndarray = self._table(rows, computed, _extend_each, self._arrays)
+        return self.correction * np.maximum(table + attend, 0.0)
 
     def observe(self, predicted_ms: float, measured_ms: float, weight: float = 0.05) -> None:
         """Correct the table by a running average of measured / predicted (bounded: one odd forward,
@@ -132,7 +135,7 @@ class ForwardCost:
             ratio = measured_ms / (predicted_ms / self.correction)
             self.correction = min(max((1 - weight) * self.correction + weight * ratio, 0.25), 4.0)
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {
             "version": VERSION,
             "points": {str(r): p for r, p in self.points.items()},
@@ -143,7 +146,7 @@ class ForwardCost:
         }
 
     @classmethod
-    def from_json(cls, data: dict, source: str) -> ForwardCost:
+    def from_json(cls, data: dict[str, Any], source: str) -> ForwardCost:
         points = {int(r): [(int(n), float(ms)) for n, ms in p] for r, p in data["points"].items()}
         context, context_ms, ragged = int(data["context"]), float(data["context_ms"]), bool(data["ragged"])
         saving = float(data.get("shared_saving", 0.0))  # (profiles written before it was measured: none)
@@ -328,7 +331,7 @@ class Overhead:
         if trace > 20.0:
             self.p00, self.p01, self.p11 = (v * 20.0 / trace for v in (self.p00, self.p01, self.p11))
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, float]:
         return {"ms": self.a, "ms_per_row": self.b, "ms_per_node": self.node_ms}
 
 

@@ -168,7 +168,7 @@ def _gumbel_np(bits: np.ndarray) -> np.ndarray:
 def _vocabulary_np(size: int) -> np.ndarray:
     """Each token id times splitmix64's increment (wrapping): the start of every position's hash."""
     with np.errstate(over="ignore"):
-        out = np.arange(size, dtype=np.uint64) * np.uint64(_GAMMA)
+        out: np.ndarray = np.arange(size, dtype=np.uint64) * np.uint64(_GAMMA)
     out.setflags(write=False)
     return out
 

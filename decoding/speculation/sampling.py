@@ -35,7 +35,8 @@ def argmax_rows(logits: torch.Tensor) -> list[int]:
     if logits.dtype == torch.bfloat16 and logits.dim() == 2 and kernels.built() is not None:
         return list(torch.ops.tot_sampling.argmax_rows(logits.detach().contiguous()))
     exact = logits.detach() if logits.dtype in (torch.float32, torch.float64) else logits.detach().float()
-    return exact.numpy().argmax(-1).tolist()
+    ids: list[int] = exact.numpy().argmax(-1).tolist()
+    return ids
 
 
 def process_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

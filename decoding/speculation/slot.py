@@ -64,7 +64,8 @@ class Slot:
         """`drafter`'s state for this slot, made by `new` the first time it asks."""
         if drafter not in self._drafters:
             self._drafters[drafter] = new()
-        return self._drafters[drafter]
+        state: T = self._drafters[drafter]
+        return state
 
     def state(self, drafter: object) -> Any:
         """`drafter`'s state for this slot (set by `put` or `own`)."""

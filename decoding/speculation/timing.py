@@ -10,9 +10,9 @@ from collections.abc import Callable
 import torch
 
 from decoding.runtime.kv_cache import KVCache
+from decoding.runtime.packing import pack
 from decoding.runtime.runner import ModelRunner, Scored
 from decoding.speculation.draft_tree import DraftTree, k_config_parents
-from decoding.speculation.verify import pack
 
 
 def timed_ms(step: Callable[[], object], repeats: int, device: torch.device | None = None) -> list[float]:

@@ -94,7 +94,7 @@ class PhaseStats:
     def engine_s(self) -> float:
         return self.decode.draft_s + self.decode.verify_s + self.decode.other_s
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {
             "tokens": self.decode.generated_tokens,
             "engine_s": self.engine_s,
@@ -269,12 +269,13 @@ class Step:
         node.text = self.task.parse_thought(self.problem, steps, out.text)
         node.raw, node.tokens = out.text, out.stats.generated_tokens
         node.terminal = self.finished(child)
-        if out.logprobs is not None:
-            node.confidence = readings(out.logprobs)
+        read = None if out.logprobs is None else readings(out.logprobs)
+        node.confidence = read
         if self.in_context:
             self._replies[child] = out.context
         if self.confident:
-            self._confidence[child] = node.confidence["mean"]  # confidence(out), read once
+            assert read is not None, "task.value=confidence asks every thought's log-probabilities"
+            self._confidence[child] = read["mean"]  # confidence(out), read once
         if self.rollouts:
             return [] if node.terminal else await self.complete(child)
         await self.evaluate([child], eval_group)
@@ -485,10 +486,10 @@ def choose(
     each state's value; `majority`: 1 a state; vote.weight: a confidence reading in place of either;
     ties: more states, then the earlier one); within the answer, its best-valued state."""
     if aggregate == "best":
-        return max(leaves, key=lambda s: tree[s].value)
+        return max(leaves, key=tree.value)
     ballots = [Ballot(answer_of(s), tree[s].value, path_confidence(tree, s)) for s in leaves]
     winner = tally(vote, ballots, "one" if aggregate == "majority" else "value").winner
-    return max((s for s, b in zip(leaves, ballots) if b.answer == winner), key=lambda s: tree[s].value)
+    return max((s for s, b in zip(leaves, ballots) if b.answer == winner), key=tree.value)
 
 
 def path_confidence(tree: ReasoningTree, node: int) -> dict[str, float] | None:
@@ -498,13 +499,14 @@ def path_confidence(tree: ReasoningTree, node: int) -> dict[str, float] | None:
     last = tree[node].confidence
     if last is None:
         return None
-    path = [tree[n] for n in nx.shortest_path(tree.graph, tree.root, node)[1:] if tree[n].confidence]
-    tokens = sum(t.tokens or 0 for t in path)
+    thoughts = [tree[n] for n in nx.shortest_path(tree.graph, tree.root, node)[1:]]
+    path = [(t.tokens or 0, t.confidence) for t in thoughts if t.confidence]  # (tokens, readings) of each reply
+    tokens = sum(n for n, _ in path)
     read = dict(last)
     if tokens:
-        logprob = sum((t.tokens or 0) * math.log(max(t.confidence["mean"], 1e-300)) for t in path)
+        logprob = sum(n * math.log(max(c["mean"], 1e-300)) for n, c in path)
         read["mean"] = math.exp(logprob / tokens)
-    read["lowest_window"] = min(t.confidence["lowest_window"] for t in path)
+    read["lowest_window"] = min(c["lowest_window"] for _, c in path)
     return read
 
 

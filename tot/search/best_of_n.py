@@ -168,8 +168,8 @@ class Written:
 
 def solution_leaves(tree: ReasoningTree) -> list[int]:
     """The last step of each solution in a saved best-of-N tree, in solution order (what it voted over)."""
-    leaves = [n for n in tree.graph.nodes if tree[n].solution is not None and tree[n].terminal]
-    return sorted(leaves, key=lambda n: tree[n].solution)
+    solution = {n: i for n in tree.graph.nodes if (i := tree[n].solution) is not None and tree[n].terminal}
+    return sorted(solution, key=solution.__getitem__)
 
 
 def check_stop_rule(settings: BestOfNSettings, vote: VoteRule, task_options: Mapping[str, Any]) -> None:

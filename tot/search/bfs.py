@@ -87,7 +87,7 @@ class BFS(SearchBase):
             else:
                 children = await step.grow([(s, n, "") for s in open_], f"d{depth}")
             # Stable sort: among equal values the earlier thought wins, deterministically.
-            ranked = sorted(done + children, key=lambda c: -tree[c].value)
+            ranked = sorted(done + children, key=lambda c: -tree.value(c))
             if self.settings.distinct:
                 ranked = first_of_each_state(tree, ranked)
             frontier = ranked[: self.settings.breadth]

@@ -61,7 +61,7 @@ class DVTS(SearchBase):
                 candidates = children[i * width : (i + 1) * width]
                 for c in candidates:
                     tree[c].subtree = k
-                current[k] = max(candidates, key=lambda c: tree[c].value)  # the first of equals
+                current[k] = max(candidates, key=tree.value)  # the first of equals
                 tree[current[k]].chosen = True
             live = [k for k in live if not tree[current[k]].terminal]
         return step.solution(self.choose(step, current))

@@ -20,7 +20,7 @@ the finished states; where no path finished, the path of most visits from the ro
 from __future__ import annotations
 
 import math
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field, replace
 
 from decoding import ConfigError
@@ -65,9 +65,9 @@ class Stats:
     """Visits and summed returns per node, the virtual visits of the wave being selected, and the
     range of values seen (for the rescaling)."""
 
-    visits: Counter = field(default_factory=Counter)
-    total: Counter = field(default_factory=Counter)
-    virtual: Counter = field(default_factory=Counter)
+    visits: Counter[int] = field(default_factory=Counter)
+    total: dict[int, float] = field(default_factory=lambda: defaultdict(float))
+    virtual: Counter[int] = field(default_factory=Counter)
     low: float = math.inf
     high: float = -math.inf
 
@@ -82,7 +82,7 @@ class Stats:
         worst value (0 once rescaled)."""
         n = self.visits[node] + self.virtual[node]
         if n == 0:
-            return self.scaled(tree[node].value)
+            return self.scaled(tree.value(node))
         return self.scaled(self.total[node] / self.visits[node]) * self.visits[node] / n if self.visits[node] else 0.0
 
 
@@ -96,7 +96,7 @@ class MCTS(SearchBase):
             paths = self._select(step.tree, stats, self.settings.iterations - done)
             await self._simulate(step, stats, paths, wave)
             for path in paths:
-                ret = step.tree[path[-1]].value
+                ret = step.tree.value(path[-1])
                 for node in path:
                     stats.visits[node] += 1
                     stats.total[node] += ret
@@ -144,8 +144,8 @@ class MCTS(SearchBase):
             for i, path in enumerate(live):
                 grown = children[i * width : (i + 1) * width]
                 for c in grown:
-                    stats.see(tree[c].value)
-                path.append(max(grown, key=lambda c: tree[c].value))  # the first of equals
+                    stats.see(tree.value(c))
+                path.append(max(grown, key=tree.value))  # the first of equals
 
     @staticmethod
     def _answer(tree: ReasoningTree, stats: Stats) -> int:

@@ -179,7 +179,7 @@ def spell(tokenizer: object, text: str, key: str, path: str) -> list[int]:
     return list(ids)
 
 
-def resolve_kind(spec: RewardSpec) -> str:
+def resolve_kind(spec: RewardSpec) -> Kind:
     """`auto`: a classifier where the checkpoint's config names a sequence-classification head, else a judge."""
     if spec.kind != "auto":
         return spec.kind

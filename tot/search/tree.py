@@ -93,13 +93,20 @@ class ReasoningTree:
 
     def add(self, parent: int, text: str, **attrs: Any) -> int:
         """A new thought below parent (attrs: Thought's fields); its id is the next number."""
-        node = self.graph.number_of_nodes()
+        node = int(self.graph.number_of_nodes())
         self._put(node, Thought(text, self.thoughts[parent].depth + 1, **attrs))
         self.graph.add_edge(parent, node)
         return node
 
     def __getitem__(self, node: int) -> Thought:
         return self.thoughts[node]
+
+    def value(self, node: int) -> float:
+        """A valued node's value: what the searches rank and back up (a node not yet valued is an error)."""
+        value = self.thoughts[node].value
+        if value is None:
+            raise ValueError(f"node {node} ({self.thoughts[node].text[:40]!r}) has not been valued")
+        return value
 
     def children(self, node: int) -> list[int]:
         """The thoughts below node (its rollouts, completions that value it, left out)."""
@@ -118,14 +125,14 @@ class ReasoningTree:
         for n in nx.shortest_path(self.graph, self.root, node):
             self.thoughts[n].answer = True
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         """networkx's node-link form, each node's saved fields beside its id."""
         nodes = [{**self.thoughts[n].to_dict(), "id": n} for n in self.graph.nodes]
         edges = [{"source": u, "target": v} for u, v in self.graph.edges]
         return {"directed": True, "multigraph": False, "graph": {}, "nodes": nodes, "edges": edges}
 
     @classmethod
-    def from_dict(cls, data: dict) -> ReasoningTree:
+    def from_dict(cls, data: dict[str, Any]) -> ReasoningTree:
         graph = nx.node_link_graph(data, edges="edges")
         tree = cls.__new__(cls)
         tree.graph, tree.thoughts = nx.DiGraph(), {}
