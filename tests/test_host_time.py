@@ -141,7 +141,7 @@ def test_pack_lays_rows_out_as_row_by_row():
 
 
 @pytest.mark.parametrize("paged", [False, True])
-def test_keep_rows_keeps_what_keep_does_row_by_row(paged):
+def test_commit_rows_commits_what_commit_does_row_by_row(paged):
     rng = random.Random(1)
     caches = []
     for _ in range(2):
@@ -174,8 +174,8 @@ def test_keep_rows_keeps_what_keep_does_row_by_row(paged):
                     v[view_rows[:, None], :, slots] = -new.transpose(1, 2)
         one, batched = caches
         for row, k in zip(rows, kept):
-            one.keep(row, k)
-        batched.keep_rows(rows, kept)
+            one.commit(row, k)
+        batched.commit_rows(rows, kept)
         assert torch.equal(one.lens, batched.lens)
         for row in range(5):
             for a, b in zip(stored(one, row), stored(batched, row)):

@@ -150,7 +150,7 @@ def test_keep_accepted_path_then_continue(tiny_model, target):
     accepted = [[0, 2, 3], [0, 3], [0, 1, 3]]
     committed = []
     for b, idx in enumerate(accepted):
-        cache.keep(b, idx)
+        cache.commit(b, idx)
         committed.append(PROMPTS[b] + tokens[b, idx].tolist())
     assert cache.lens.tolist() == [len(s) for s in committed]
     # The rejected entries still lie past each row's length; continuing must not see them.
@@ -176,7 +176,7 @@ def test_keep_then_second_tree(tiny_model, target):
             for t in range(len(parents)):
                 seq = committed[b] + tokens[b, path(parents, t)].tolist()
                 assert_close(logits[b, t], plain_logits(tiny_model, seq)[-1])
-            cache.keep(b, accepted[b])
+            cache.commit(b, accepted[b])
             committed[b] += tokens[b, accepted[b]].tolist()
     assert cache.lens.tolist() == [len(s) for s in committed]
 

@@ -143,7 +143,7 @@ def test_a_ragged_forward_computes_the_padded_forwards_bits(model):
         packed = pack(pending, trees)
         outs.append(runner.score(cache, packed, rows=[2, 0, 1]).logits)
         for b, row in enumerate([2, 0, 1]):
-            cache.keep(row, packed.committed(b, [0] if len(trees[b]) else []))
+            cache.commit(row, packed.committed(b, [0] if len(trees[b]) else []))
         caches.append(cache)
     for got, want, t in zip(*outs, trees):
         assert got.shape[0] == 1 + len(t) and torch.equal(got, want)
@@ -175,7 +175,7 @@ def test_keys_stored_by_position_keep_their_layout_and_values():
     cache.lens[:] = torch.tensor([5, 6, 7])
     src = [k[1, :, 6:9].clone() for k in cache.keys]
     cache.prepare(3)
-    cache.keep(1, [0, 2])
+    cache.commit(1, [0, 2])
     assert all(torch.equal(k[1, :, 6], s[:, 0]) and torch.equal(k[1, :, 7], s[:, 2]) for k, s in zip(cache.keys, src))
     store = PrefixCache()
     store.store((1, 2, 3, 4, 5), cache)

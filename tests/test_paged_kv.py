@@ -237,7 +237,7 @@ def test_both_layouts_implement_the_kv_cache_interface(loaded):
     declared = {n: m for n, m in vars(KVCache).items() if not n.startswith("_") or n == "__len__"}
     methods = {n: m for n, m in declared.items() if inspect.isfunction(m)}
     properties = {n for n, m in declared.items() if isinstance(m, property)}
-    assert {"prepare", "advance", "keep", "copy_prefix", "restore"} <= set(methods) and "nbytes" in properties
+    assert {"prepare", "advance", "commit", "copy_prefix", "restore"} <= set(methods) and "nbytes" in properties
     for cache in caches:
         assert isinstance(cache, KVCache)
         for name in [*KVCache.__annotations__, *properties]:  # attributes or properties alike

@@ -153,7 +153,7 @@ def test_tree_verification_logits_equal_sequential_decoding(tiny_model, tokenize
         # Commit a path of a different length per row (not the greedy one: any path must be keepable).
         for b, tree in enumerate(trees):
             path = tree.path(len(tree) - 1) if len(tree) else []
-            cache.keep(b, packed.committed(b, path))
+            cache.commit(b, packed.committed(b, path))
             nxt = int(torch.randint(3, len(tokenizer), (1,), generator=g))
             contexts[b] = contexts[b] + [tree.tokens[n] for n in path]
             assert int(cache.lens[b]) == len(contexts[b])

@@ -154,7 +154,7 @@ class ModelDrafter:
                 # Accepted nodes the draft model computed form a prefix of the path (the shallower
                 # levels). A path from another drafter (a grafted tree) keeps none of them.
                 computed = [n for n in v.drafted_path if n in drafted.node_cols]
-                self.cache.keep(slot.row, drafted.pending_cols + [drafted.node_cols[n] for n in computed])
+                self.cache.commit(slot.row, drafted.pending_cols + [drafted.node_cols[n] for n in computed])
             # Everything committed that the draft cache lacks is fed next time.
             own.pending = (seq.prompt + seq.generated)[int(self.cache.lens[slot.row]) :]
 

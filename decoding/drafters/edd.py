@@ -191,7 +191,7 @@ class EddDrafter:
         # The queued hidden states join the soft prompt; the block and the tree never do.
         for b, ((_, slot, _, _), r) in enumerate(zip(active, own)):
             if k[b]:
-                self.cache.keep(slot.row, list(range(pads[b], pads[b] + k[b])))
+                self.cache.commit(slot.row, list(range(pads[b], pads[b] + k[b])))
             r.queue = []
         return [g.tree for g in growths]
 

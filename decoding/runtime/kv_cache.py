@@ -31,7 +31,7 @@ class Segment(Protocol):
 @runtime_checkable
 class KVCache(Protocol):
     """What the runner, the decoders and the prefix store ask of a KV cache: rows with a committed
-    length each, written by a forward through `prepare`'s view and committed by `advance` / `keep`.
+    length each, written by a forward through `prepare`'s view and committed by `advance` / `commit`.
     Two layouts implement it: `RowKVCache` (rows of their own, here) and `paged_kv.PagedKVCache`
     (tables of blocks shared by reference); each accounts its own bytes (`nbytes`)."""
 
@@ -67,9 +67,9 @@ class KVCache(Protocol):
 
     def advance(self, counts: torch.Tensor) -> None: ...
 
-    def keep(self, row: int, new_indices: list[int]) -> None: ...
+    def commit(self, row: int, new_indices: list[int]) -> None: ...
 
-    def keep_rows(self, rows: list[int], new_indices: list[list[int]]) -> None: ...
+    def commit_rows(self, rows: list[int], new_indices: list[list[int]]) -> None: ...
 
     def clear(self, rows: list[int]) -> None: ...
 
@@ -92,7 +92,7 @@ class RowKVCache:
     """Keys/values [B, H_kv, capacity, D] per layer, with a committed length per row.
 
     A forward writes T new entries per row at slots lens[b] .. lens[b] + T - 1 without committing
-    them; `advance` commits a prefix of them and `keep` moves an arbitrary subset (an accepted tree
+    them; `advance` commits a prefix of them and `commit` moves an arbitrary subset (an accepted tree
     path) into place. Uncommitted slots are simply overwritten by the next forward.
 
     The lengths live on the host (a CPU tensor) whatever the device: the host decides every
@@ -208,12 +208,12 @@ class RowKVCache:
         """Commit the first counts[b] new entries of each row."""
         self.lens += counts.cpu()
 
-    def keep(self, row: int, new_indices: list[int]) -> None:
+    def commit(self, row: int, new_indices: list[int]) -> None:
         """Commit the given new entries of one row (an accepted tree path), moved to be contiguous."""
-        self.keep_rows([row], [new_indices])
+        self.commit_rows([row], [new_indices])
 
-    def keep_rows(self, rows: list[int], new_indices: list[list[int]]) -> None:
-        """`keep` for many rows at once: one move per layer for the rows whose entries are not in
+    def commit_rows(self, rows: list[int], new_indices: list[list[int]]) -> None:
+        """`commit` for many rows at once: one move per layer for the rows whose entries are not in
         place already (an accepted path off the tree's first branch), one update of the lengths."""
         moved = moves(rows, new_indices, self.lens)
         if moved is not None:
@@ -474,7 +474,7 @@ def cache_geometry(config: object) -> tuple[int, int, int]:
 def moves(
     rows: list[int], new_indices: list[list[int]], lens: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """Where `keep_rows` moves entries: (row, from, to) positions of every entry not in place (the
+    """Where `commit_rows` moves entries: (row, from, to) positions of every entry not in place (the
     k-th kept entry of a row goes to its length + k), or None where all are."""
     out: tuple[list[int], list[int], list[int]] = ([], [], [])
     for row, kept in zip(rows, new_indices):

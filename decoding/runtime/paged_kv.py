@@ -299,14 +299,14 @@ class PagedKVCache:
     def advance(self, counts: torch.Tensor) -> None:
         self.lens += counts.cpu()
 
-    def keep(self, row: int, new_indices: list[int]) -> None:
+    def commit(self, row: int, new_indices: list[int]) -> None:
         """Commit the given new entries of one row, moved to be contiguous (in blocks it alone holds:
         the forward that wrote them took them). Blocks past the committed positions (a rejected
         tree's, a left-padded prefill's) go back."""
-        self.keep_rows([row], [new_indices])
+        self.commit_rows([row], [new_indices])
 
-    def keep_rows(self, rows: list[int], new_indices: list[list[int]]) -> None:
-        """`keep` for many rows at once: one move per layer, one pass over their tables."""
+    def commit_rows(self, rows: list[int], new_indices: list[list[int]]) -> None:
+        """`commit` for many rows at once: one move per layer, one pass over their tables."""
         moved = moves(rows, new_indices, self.lens)
         if moved is not None:
             row, src, dst = moved

@@ -410,7 +410,7 @@ class ModelRunner:
             real=packed.real if ragged else None,
         )
         for b, (row, _) in enumerate(todo):
-            cache.keep(row, packed.committed(b, []))
+            cache.commit(row, packed.committed(b, []))
 
     def remember(self, cache: KVCache, row: int, tokens: list[int], pin: tuple[int, ...] | None = None) -> None:
         """Store what a row committed (its prompt and generated tokens) for later prompts that extend

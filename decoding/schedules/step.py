@@ -257,7 +257,7 @@ def commit(setup: StepSetup, slots: list[Slot], verdicts: list[Verdict], packed:
             s.logprobs += read
     if going:
         rows, kept = zip(*going)
-        setup.cache.keep_rows(list(rows), list(kept))
+        setup.cache.commit_rows(list(rows), list(kept))
     return out
 
 
