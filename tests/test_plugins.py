@@ -219,14 +219,14 @@ class ChainSettings:
 
 class Chain(SearchBase):
     async def solve(self, problem, engine):
-        step = self.step(problem, engine)
-        node = step.tree.root
+        thinker = self.thinker(problem, engine)
+        node = thinker.tree.root
         for depth in range(1, min(self.task.depth, self.settings.steps) + 1):
-            node = (await step.grow([(node, 1, "")], f"d{depth}"))[0]
-            step.tree[node].chosen = True
-            if step.tree[node].terminal:
+            node = (await thinker.grow([(node, 1, "")], f"d{depth}"))[0]
+            thinker.tree[node].chosen = True
+            if thinker.tree[node].terminal:
                 break
-        return step.solution(node)
+        return thinker.solution(node)
 
 
 PLUGIN = SearchPlugin(name="chain", build=Chain, options=ChainSettings)

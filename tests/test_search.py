@@ -91,7 +91,7 @@ def test_one_batch_per_phase_per_depth():
     assert all(len(c) == 1 for c in engine.raw_calls)
 
 
-def test_the_search_names_its_steps_and_a_plug_ins_group_still_works():
+def test_the_search_names_its_rounds_and_a_plug_ins_group_still_works():
     """BFS names each depth ("d1"): a state's thoughts are siblings, and the depth's evaluations; a
     plug-in that passes a `Group` of its own (the earlier API) gets its evaluations pooled in it."""
     _, engine = solve()
@@ -99,8 +99,8 @@ def test_the_search_names_its_steps_and_a_plug_ins_group_still_works():
     assert {r.group for r in engine.calls[3]} == {Group("p", "d2/eval")}
     engine = ScriptedEngine(SCORES)
     task = GSM8K(thoughts="subquestions", depth=3, value="sampled")
-    step = BFS(task, BFSSettings(n_thoughts=3, breadth=2), GEN, 0).step(PROBLEM, engine)
-    run_sync(step.grow([(step.tree.root, 3, "")], Group("mine", "evals")))
+    thinker = BFS(task, BFSSettings(n_thoughts=3, breadth=2), GEN, 0).thinker(PROBLEM, engine)
+    run_sync(thinker.grow([(thinker.tree.root, 3, "")], Group("mine", "evals")))
     assert [r.group for r in engine.calls[0]] == [Group("p", "0")] * 3
     assert {r.group for r in engine.calls[1]} == {Group("mine", "evals")}
 

@@ -17,7 +17,7 @@ from tot.search.plugin import SearchPlugin
 
 # What a search is written with, from base.py on first use: a command that only reads saved trees
 # (tot.show, tot.collect) imports tree.py through this package and loads no model runtime.
-_FROM_BASE = ("GenerationEngine", "SearchBase", "Solution", "Step", "run_sync")
+_FROM_BASE = ("GenerationEngine", "SearchBase", "Solution", "Thinker", "run_sync")
 __all__ = ["SEARCHES", "SearchPlugin", *_FROM_BASE]
 
 

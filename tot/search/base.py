@@ -1,4 +1,4 @@
-"""What every search is built on: the sampling settings, a step's growing and valuing of thoughts,
+"""What every search is built on: the sampling settings, a problem's growing and valuing of thoughts (`Thinker`),
 the phases' decode costs, and `SearchBase` (the searches: tot/search/bfs.py, dvts.py, best_of_n.py, mcts.py).
 
 A search is a coroutine: it submits requests and awaits them, so that several problems run at once
@@ -141,7 +141,7 @@ def request_seed(seed: int, *parts: object) -> int:
     return zlib.crc32("/".join(map(str, (seed, *parts))).encode())
 
 
-class Step:
+class Thinker:
     """Thought generation and state evaluation for one problem's tree, each call's cost added to
     its phase's stats."""
 
@@ -179,21 +179,21 @@ class Step:
         """The tokens this problem's requests have generated so far, every phase's."""
         return sum(p.decode.generated_tokens for p in self.phases.values())
 
-    def siblings(self, step: str | Group) -> Group:
-        """The requests of this problem's search step `step` (say "d2": the thoughts or evaluations
+    def siblings(self, label: str | Group) -> Group:
+        """The requests of this problem's search round `label` (say "d2": the thoughts or evaluations
         of depth 2) as the engine pools them: siblings share the drafters' cross-trajectory statistics.
         A `Group` given is kept as it is (search plug-ins that built their own)."""
-        return step if isinstance(step, Group) else Group(self.problem.id, step)
+        return label if isinstance(label, Group) else Group(self.problem.id, label)
 
-    async def grow(self, parents: list[tuple[int, int, str]], step: str | Group, together: bool = False) -> list[int]:
-        """Sample n thoughts from each (state, n, seed key) of search step `step`, and value each
+    async def grow(self, parents: list[tuple[int, int, str]], label: str | Group, together: bool = False) -> list[int]:
+        """Sample n thoughts from each (state, n, seed key) of search round `label`, and value each
         thought as soon as it is done. Siblings, as the engine pools them: the thoughts of one state
-        (`together`: all of the step's thoughts), and the step's evaluations ("<step>/eval"; a `Group`
-        given for `step` is the evaluations' group, as plug-ins passed it). Returns the new nodes in
-        request order."""
+        (`together`: all of the round's thoughts), and the round's evaluations ("<label>/eval"; a
+        `Group` given for `label` is the evaluations' group, as plug-ins passed it). Returns the new
+        nodes in request order."""
         task, gen, tree, pid = self.task, self.gen, self.tree, self.problem.id
-        eval_group = step if isinstance(step, Group) else self.siblings(f"{step}/eval")
-        group = self.siblings(step) if together and not isinstance(step, Group) else None
+        eval_group = label if isinstance(label, Group) else self.siblings(f"{label}/eval")
+        group = self.siblings(label) if together and not isinstance(label, Group) else None
         thoughts = []
         for state, n, key in parents:
             prompt = task.generator_prompt(self.problem, tree.steps(state))
@@ -356,7 +356,7 @@ class Step:
     ) -> Valuation:
         """The valuation of the path `steps`: its value, the mean of task.n_evaluate evaluator
         samples of prompt(steps, whether asked in the reply's `context`), all in one call, seeded by
-        `key` (the path's place in the search), pooled with the search step `siblings`' other
+        `key` (the path's place in the search), pooled with the search round `siblings`' other
         evaluations, and the evaluation that gave it; with task.value
         expected or yes, read from the evaluator's answers' probabilities after the prompt instead;
         with confidence, the `confidence` of the reply that wrote the path's last step."""
@@ -471,8 +471,9 @@ class SearchBase:
         self.task, self.settings, self.gen, self.seed, self.reward = task, settings, gen, seed, reward
         self.vote = vote
 
-    def step(self, problem: Problem, engine: GenerationEngine) -> Step:
-        return Step(self.task, self.gen, self.seed, problem, engine, self.reward, self.vote)
+    def thinker(self, problem: Problem, engine: GenerationEngine) -> Thinker:
+        """The one problem's thoughts: its tree, grown and valued through `engine`."""
+        return Thinker(self.task, self.gen, self.seed, problem, engine, self.reward, self.vote)
 
 
 def choose(

@@ -30,7 +30,7 @@ from tot.search.base import (
     GenerationEngine,
     SearchBase,
     Solution,
-    Step,
+    Thinker,
     check_positive,
     choose,
     confidence,
@@ -90,21 +90,21 @@ class BestOfN(SearchBase):
     settings: BestOfNSettings
 
     async def solve(self, problem: Problem, engine: GenerationEngine) -> Solution:
-        step = self.step(problem, engine)
+        thinker = self.thinker(problem, engine)
         settings = self.settings
         wave = settings.wave or settings.n
         written: list[Written] = []
         while len(written) < settings.n:
             batch = range(len(written), min(settings.n, len(written) + wave))
-            written += await asyncio.gather(*(self._solution(step, i) for i in batch))
+            written += await asyncio.gather(*(self._solution(thinker, i) for i in batch))
             ballots = [Ballot(w.answer, w.valued.value if w.valued else None, w.confidence) for w in written]
             if settled(self.vote, ballots, settings.own, settings.n - len(written), settings.stop, wave):
                 break
-            if settings.token_budget and step.tokens >= settings.token_budget:
+            if settings.token_budget and thinker.tokens >= settings.token_budget:
                 break
         # The chains are added in solution order once all are written: node ids do not depend on
         # which reply finished first.
-        tree = step.tree
+        tree = thinker.tree
         leaves = []
         for i, w in enumerate(written):
             node = tree.root
@@ -117,39 +117,39 @@ class BestOfN(SearchBase):
             leaves.append(node)
         answer_of = lambda s: self.task.answer(problem, tree.steps(s))  # noqa: E731
         aggregate = {"best": "best", "majority": "majority"}.get(settings.aggregate, "vote")
-        solution = step.solution(choose(tree, leaves, answer_of, aggregate, self.vote))
+        solution = thinker.solution(choose(tree, leaves, answer_of, aggregate, self.vote))
         if len(written) < settings.n or wave < settings.n:
             solution.budget = {"samples": len(written), "budget": settings.n}
         return solution
 
-    async def _solution(self, step: Step, i: int) -> Written:
+    async def _solution(self, thinker: Thinker, i: int) -> Written:
         """Solution i: its reply, the steps the task reads in it, its tokens, its confidence readings
         where its log-probabilities were asked and, when the vote needs it, what values it (asked as
         soon as it is written)."""
         scored = self.settings.scored
         request = self.gen.request(
-            self.task.solution_prompt(step.problem),
-            group=step.siblings("solutions"),
-            seed=request_seed(self.seed, step.problem.id, "solution", i),
-            keep=step.in_context and scored,
+            self.task.solution_prompt(thinker.problem),
+            group=thinker.siblings("solutions"),
+            seed=request_seed(self.seed, thinker.problem.id, "solution", i),
+            keep=thinker.in_context and scored,
             max_new_tokens=self.settings.max_tokens,
-            logprobs=(step.confident and scored) or self.vote.reading is not None,
-            top_logprobs=step.top_logprobs,
+            logprobs=(thinker.confident and scored) or self.vote.reading is not None,
+            top_logprobs=thinker.top_logprobs,
         )
-        (out,) = await step.call([request], "generate")
-        steps = self.task.solution_steps(step.problem, out.text)
-        answer = self.task.answer(step.problem, steps)
+        (out,) = await thinker.call([request], "generate")
+        steps = self.task.solution_steps(thinker.problem, out.text)
+        answer = self.task.answer(thinker.problem, steps)
         valued = None
         if scored and isinstance(self.reward, Discriminator):  # its answer as it votes, stated or not
-            valued = await step.discriminate(steps, answer, f"s{i}")
+            valued = await thinker.discriminate(steps, answer, f"s{i}")
         elif scored:
 
             def prompt(path: list[str], follow_up: bool) -> Prompt:
-                return self.task.solution_evaluator_prompt(step.problem, path, follow_up)
+                return self.task.solution_evaluator_prompt(thinker.problem, path, follow_up)
 
-            sure = confidence(out) if step.confident else None
+            sure = confidence(out) if thinker.confident else None
             context = out.context if request.keep else ()
-            valued = await step.judge(steps, context, prompt, "solutions/eval", f"s{i}", sure)
+            valued = await thinker.judge(steps, context, prompt, "solutions/eval", f"s{i}", sure)
         read = readings(out.logprobs) if out.logprobs is not None else None
         return Written(out.text, steps, out.stats.generated_tokens, valued, read, answer)
 

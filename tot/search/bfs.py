@@ -22,7 +22,7 @@ from tot.search.base import (
     GenerationEngine,
     SearchBase,
     Solution,
-    Step,
+    Thinker,
     check_positive,
     choose,
     finished_states,
@@ -70,8 +70,8 @@ class BFS(SearchBase):
     settings: BFSSettings
 
     async def solve(self, problem: Problem, engine: GenerationEngine) -> Solution:
-        step = self.step(problem, engine)
-        tree = step.tree
+        thinker = self.thinker(problem, engine)
+        tree = thinker.tree
         frontier = [tree.root]
         grown = counted = 0  # levels grown, ballots cast before this level
         stopped = False
@@ -79,13 +79,13 @@ class BFS(SearchBase):
             # Finished states are not extended; they compete with the new thoughts for the frontier.
             done = [s for s in frontier if s != tree.root and tree[s].terminal]
             open_ = [s for s in frontier if s not in done]
-            if not open_ or (self.settings.token_budget and step.tokens >= self.settings.token_budget):
+            if not open_ or (self.settings.token_budget and thinker.tokens >= self.settings.token_budget):
                 break
             n = self.settings.thoughts_at(depth)
             if self.settings.foresight:
-                children = await step.foresee([(s, n, "") for s in open_])
+                children = await thinker.foresee([(s, n, "") for s in open_])
             else:
-                children = await step.grow([(s, n, "") for s in open_], f"d{depth}")
+                children = await thinker.grow([(s, n, "") for s in open_], f"d{depth}")
             # Stable sort: among equal values the earlier thought wins, deterministically.
             ranked = sorted(done + children, key=lambda c: -tree.value(c))
             if self.settings.distinct:
@@ -94,36 +94,36 @@ class BFS(SearchBase):
             for c in frontier:
                 tree[c].chosen = True
             grown = depth
-            stopped = depth < self.task.depth and self._settled(step, problem, depth, counted)
+            stopped = depth < self.task.depth and self._settled(thinker, problem, depth, counted)
             if stopped:
                 break
             counted = len(finished_states(tree))
         finished = finished_states(tree)
         if self.settings.aggregate == "vote" and finished:
             answer_of = lambda s: self.task.answer(problem, tree.steps(s))  # noqa: E731
-            solution = step.solution(choose(tree, finished, answer_of, "vote", self.vote))
+            solution = thinker.solution(choose(tree, finished, answer_of, "vote", self.vote))
         else:
-            solution = step.solution(frontier[0])
+            solution = thinker.solution(frontier[0])
         if self.settings.stop != "never":
             # The levels left ungrown by the stop (none where the search ended by itself).
             solution.budget = {"levels": grown, "budget": self.task.depth if stopped else grown}
         return solution
 
-    def _settled(self, step: Step, problem: Problem, depth: int, counted: int) -> bool:
+    def _settled(self, thinker: Thinker, problem: Problem, depth: int, counted: int) -> bool:
         """search.stop after level `depth`: whether the ballots of the levels still to come cannot change
         the vote, or (agree) this level's ballots all name its leader. At most breadth states grow their
         thoughts a level, each thought a ballot and, valued by rollouts, as many more as its completions
         (foresight's one completion a thought no more than task.rollouts)."""
         if self.settings.stop == "never":
             return False
-        tree = step.tree
+        tree = thinker.tree
         finished = finished_states(tree)
         ballots = [Ballot(self.task.answer(problem, tree.steps(s)), tree[s].value) for s in finished]
         if self.vote.reading:
             ballots = [replace(b, confidence=path_confidence(tree, s)) for b, s in zip(ballots, finished)]
 
         def ballots_at(d: int) -> int:  # a thought at the depth limit is finished, not completed (but in foresight)
-            completed = step.rollouts and (d < self.task.depth or self.settings.foresight)
+            completed = thinker.rollouts and (d < self.task.depth or self.settings.foresight)
             return self.settings.breadth * self.settings.thoughts_at(d) * (1 + (self.task.rollouts if completed else 0))
 
         remaining = sum(ballots_at(d) for d in range(depth + 1, self.task.depth + 1))

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 from decoding import ConfigError
 from tasks.base import Problem
-from tot.search.base import Aggregate, GenerationEngine, SearchBase, Solution, Step, check_positive, choose
+from tot.search.base import Aggregate, GenerationEngine, SearchBase, Solution, Thinker, check_positive, choose
 from tot.search.plugin import SearchPlugin
 from tot.search.tree import ReasoningTree
 
@@ -47,8 +47,8 @@ class DVTS(SearchBase):
     settings: DVTSSettings
 
     async def solve(self, problem: Problem, engine: GenerationEngine) -> Solution:
-        step = self.step(problem, engine)
-        tree, width = step.tree, self.settings.beam_width
+        thinker = self.thinker(problem, engine)
+        tree, width = thinker.tree, self.settings.beam_width
         current = [tree.root] * self.settings.subtrees
         live = list(range(self.settings.subtrees))
         for depth in range(1, self.task.depth + 1):
@@ -56,7 +56,7 @@ class DVTS(SearchBase):
                 break
             # The seed key names the subtree: subtrees that start from the same state sample apart.
             # All subtrees' thoughts of a depth are siblings: one STAND pool sees every candidate.
-            children = await step.grow([(current[k], width, f"s{k}") for k in live], f"d{depth}", together=True)
+            children = await thinker.grow([(current[k], width, f"s{k}") for k in live], f"d{depth}", together=True)
             for i, k in enumerate(live):
                 candidates = children[i * width : (i + 1) * width]
                 for c in candidates:
@@ -64,13 +64,13 @@ class DVTS(SearchBase):
                 current[k] = max(candidates, key=tree.value)  # the first of equals
                 tree[current[k]].chosen = True
             live = [k for k in live if not tree[current[k]].terminal]
-        return step.solution(self.choose(step, current))
+        return thinker.solution(self.choose(thinker, current))
 
-    def choose(self, step: Step, leaves: list[int]) -> int:
+    def choose(self, thinker: Thinker, leaves: list[int]) -> int:
         return choose(
-            step.tree,
+            thinker.tree,
             leaves,
-            lambda s: step.task.answer(step.problem, step.tree.steps(s)),
+            lambda s: thinker.task.answer(thinker.problem, thinker.tree.steps(s)),
             self.settings.aggregate,
             self.vote,
         )

@@ -30,7 +30,7 @@ from tot.search.base import (
     GenerationEngine,
     SearchBase,
     Solution,
-    Step,
+    Thinker,
     check_positive,
     choose,
     finished_states,
@@ -90,26 +90,26 @@ class MCTS(SearchBase):
     settings: MCTSSettings
 
     async def solve(self, problem: Problem, engine: GenerationEngine) -> Solution:
-        step = self.step(problem, engine)
+        thinker = self.thinker(problem, engine)
         stats, done, wave = Stats(), 0, 0
         while done < self.settings.iterations:
-            paths = self._select(step.tree, stats, self.settings.iterations - done)
-            await self._simulate(step, stats, paths, wave)
+            paths = self._select(thinker.tree, stats, self.settings.iterations - done)
+            await self._simulate(thinker, stats, paths, wave)
             for path in paths:
-                ret = step.tree.value(path[-1])
+                ret = thinker.tree.value(path[-1])
                 for node in path:
                     stats.visits[node] += 1
                     stats.total[node] += ret
             done, wave = done + len(paths), wave + 1
         for node, n in stats.visits.items():
-            thought = step.tree[node]
+            thought = thinker.tree[node]
             thought.visits, thought.q, thought.chosen = n, stats.total[node] / n, True
-        finished = finished_states(step.tree)
+        finished = finished_states(thinker.tree)
         if self.settings.aggregate == "vote" and finished:
-            tree = step.tree
+            tree = thinker.tree
             answer_of = lambda s: self.task.answer(problem, tree.steps(s))  # noqa: E731
-            return step.solution(choose(tree, finished, answer_of, "vote", self.vote))
-        return step.solution(self._answer(step.tree, stats))
+            return thinker.solution(choose(tree, finished, answer_of, "vote", self.vote))
+        return thinker.solution(self._answer(thinker.tree, stats))
 
     def _select(self, tree: ReasoningTree, stats: Stats, budget: int) -> list[list[int]]:
         """A wave's paths from the root down to a leaf by UCT, each adding a virtual loss to its path."""
@@ -131,16 +131,16 @@ class MCTS(SearchBase):
         n_child = stats.visits[child] + stats.virtual[child]
         return stats.q(tree, child) + self.settings.exploration * math.sqrt(math.log(n_parent + 1) / (n_child + 1))
 
-    async def _simulate(self, step: Step, stats: Stats, paths: list[list[int]], wave: int) -> None:
+    async def _simulate(self, thinker: Thinker, stats: Stats, paths: list[list[int]], wave: int) -> None:
         """Expand each path's leaf and follow its best-valued new child down, `simulation_depth`
         levels more or until a path finishes, all paths one level at a time; paths are extended. Under
         task.value=rollout the children's completions are the simulation (rStar's): no level more."""
-        tree, width = step.tree, self.settings.n_thoughts
-        for _ in range(1 + (0 if step.rollouts else self.settings.simulation_depth)):
+        tree, width = thinker.tree, self.settings.n_thoughts
+        for _ in range(1 + (0 if thinker.rollouts else self.settings.simulation_depth)):
             live = [p for p in paths if not tree[p[-1]].terminal]
             if not live:
                 return
-            children = await step.grow([(p[-1], width, "") for p in live], f"w{wave}")
+            children = await thinker.grow([(p[-1], width, "") for p in live], f"w{wave}")
             for i, path in enumerate(live):
                 grown = children[i * width : (i + 1) * width]
                 for c in grown:
