@@ -137,7 +137,7 @@ class HFDecoder:
         if s.top_logprobs is not None:
             logits = torch.cat(out.logits)[: len(s.generated)]
             asked = Asked(logits, list(range(len(s.generated))), s.generated, s.params, s.top_logprobs)
-            s.logprobs = token_logprobs([asked])[0] if s.generated else []
+            s.logprobs = token_logprobs([asked])[0]
         s.reason = s.reason or "length"
         # generate runs one forward per new token; count them like the other decoders do.
         s.stats.verify_steps = s.stats.target_forwards = s.stats.generated_tokens

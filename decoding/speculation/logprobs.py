@@ -47,8 +47,14 @@ def token_logprobs(asked: list[Asked]) -> list[list[TokenLogprob]]:
     every ask of a step in one call of csrc/topk.cpp's `log_rows`, the rows read where they lie (a
     row whose processing is its temperature's division alone read divided there, no processed copy:
     each ask paid a division, a log-softmax and a top-k over the vocabulary, row by row); else by
-    `log_distribution`, an ask at a time. Either way a row's values depend on that row alone."""
-    asked = [a for a in asked if a.tokens]
+    `log_distribution`, an ask at a time. Either way a row's values depend on that row alone. An ask
+    of no tokens reads nothing: its list is empty."""
+    read = iter(_read([a for a in asked if a.tokens]))
+    return [next(read) if a.tokens else [] for a in asked]
+
+
+def _read(asked: list[Asked]) -> list[list[TokenLogprob]]:
+    """`token_logprobs` of asks that each have tokens."""
     blocks: list[torch.Tensor] = []
     picks: list[list[int]] = []
     temperatures: list[float] = []
