@@ -488,9 +488,14 @@ def choose(
     ties: more states, then the earlier one); within the answer, its best-valued state."""
     if aggregate == "best":
         return max(leaves, key=tree.value)
-    ballots = [Ballot(answer_of(s), tree[s].value, path_confidence(tree, s)) for s in leaves]
+    ballots = ballots_of(tree, leaves, answer_of)
     winner = tally(vote, ballots, "one" if aggregate == "majority" else "value").winner
     return max((s for s, b in zip(leaves, ballots) if b.answer == winner), key=tree.value)
+
+
+def ballots_of(tree: ReasoningTree, leaves: list[int], answer_of: Callable[[int], str]) -> list[Ballot]:
+    """Each finished state's ballot: its answer, value and its path's confidence readings."""
+    return [Ballot(answer_of(s), tree[s].value, path_confidence(tree, s)) for s in leaves]
 
 
 def path_confidence(tree: ReasoningTree, node: int) -> dict[str, float] | None:

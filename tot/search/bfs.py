@@ -23,14 +23,14 @@ from tot.search.base import (
     SearchBase,
     Solution,
     Thinker,
+    ballots_of,
     check_positive,
     choose,
     finished_states,
-    path_confidence,
 )
 from tot.search.plugin import SearchPlugin
 from tot.search.tree import ReasoningTree
-from tot.search.vote import STOPS, Ballot, VoteRule, check_stop, settled
+from tot.search.vote import STOPS, VoteRule, check_stop, settled
 
 
 @dataclass(frozen=True)
@@ -118,9 +118,7 @@ class BFS(SearchBase):
             return False
         tree = thinker.tree
         finished = finished_states(tree)
-        ballots = [Ballot(self.task.answer(problem, tree.steps(s)), tree[s].value) for s in finished]
-        if self.vote.reading:
-            ballots = [replace(b, confidence=path_confidence(tree, s)) for b, s in zip(ballots, finished)]
+        ballots = ballots_of(tree, finished, lambda s: self.task.answer(problem, tree.steps(s)))
 
         def ballots_at(d: int) -> int:  # a thought at the depth limit is finished, not completed (but in foresight)
             completed = thinker.rollouts and (d < self.task.depth or self.settings.foresight)
