@@ -20,6 +20,7 @@ from decoding.base.cli import fail, hydra_command
 from decoding.base.errors import BackendError, ConfigError
 from decoding.base.options import as_int
 from decoding.base.prompts import render
+from decoding.base.values import check_sampling
 from decoding.runtime.models import ModelSpec, load_model
 from decoding.speculation.gumbel import gumbel_choice
 from decoding.speculation.sampling import SamplingParams, make_generator, process_logits
@@ -39,8 +40,11 @@ class SamplerCostConfig:
             raise ConfigError(
                 f"temperatures={list(self.temperatures)} must be positive (temperature 0 samples nothing)"
             )
-        if self.repeats < 1 or self.top_k < 0 or not 0 < self.top_p <= 1:
-            raise ConfigError("repeats must be positive, top_k >= 0 and top_p in (0, 1]")
+        # The request's own rules (GenRequest), each error naming the key.
+        sampling = {f"temperatures[{i}]": ("temperature", t) for i, t in enumerate(self.temperatures)}
+        check_sampling({**sampling, "top_k": ("top_k", self.top_k), "top_p": ("top_p", self.top_p)})
+        if self.repeats < 1:
+            raise ConfigError(f"repeats={self.repeats} must be positive")
 
     @classmethod
     def from_omegaconf(cls, cfg: DictConfig) -> SamplerCostConfig:

@@ -198,3 +198,23 @@ def test_sampling_settings_are_checked_at_load_by_the_requests_rules(tmp_path, o
     with pytest.raises(ConfigError) as info:
         config(tmp_path / "p.jsonl", tmp_path / "o.jsonl", override)
     assert str(info.value).startswith(named) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "field, value, named",
+    [
+        ("temperatures", (0.5, float("nan")), "temperatures[1]=nan must be a finite number"),
+        ("temperatures", (1e-9,), "temperatures[0]=1e-09 is too small to sample with"),
+        ("top_p", 0.0, "top_p=0.0 must be in (0, 1]"),
+        ("top_k", -1, "top_k=-1 must be >= 0"),
+    ],
+)
+def test_the_sampler_cost_command_checks_its_settings_by_the_requests_rules(field, value, named):
+    from decoding.base.errors import ConfigError
+    from decoding.runtime.spec import ModelSpec
+    from decoding.sampler_cost import SamplerCostConfig
+
+    settings = {"model": ModelSpec(), "prompt": "x", "temperatures": (0.6,), "top_k": 0, "top_p": 1.0, "repeats": 1}
+    with pytest.raises(ConfigError) as info:
+        SamplerCostConfig(**{**settings, field: value})
+    assert str(info.value).startswith(named) and "\n" not in str(info.value)

@@ -24,7 +24,7 @@ from decoding.api.engine import Engine
 from decoding.base.cli import fail, hydra_command
 from decoding.base.errors import BackendError, ConfigError
 from decoding.base.options import as_float, as_int, from_dict
-from decoding.base.values import GenRequest
+from decoding.base.values import GenRequest, check_sampling
 from decoding.edd.model import edd_dir, vocab_ranking
 from decoding.edd.train import TrainSettings, build_features, train
 from decoding.runtime.models import ModelSpec, load_model
@@ -101,8 +101,7 @@ class TrainConfig:
         temperature = as_float("corpus.temperature", corpus["temperature"])
         if n_thoughts < 1 or per_call < 1:
             raise ConfigError("corpus.n_thoughts and corpus.problems_per_call must be positive integers")
-        if temperature < 0:
-            raise ConfigError(f"corpus.temperature={temperature} is negative; use 0 for greedy decoding")
+        check_sampling({"corpus.temperature": ("temperature", temperature)})  # the request's own rule
         return cls(
             model=model,
             sources=tuple(sources),
