@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from typing import Any
 
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from decoding.base.values import DecodeStats
-from decoding.drafters.base import NoDrafter
+from decoding.drafters.base import Drafter, NoDrafter
 from decoding.runtime.runner import ModelRunner
 from decoding.schedules.base import Step, run_to_end
 from decoding.speculation.gumbel import gumbel_choice
@@ -50,7 +51,7 @@ def answer_logprobs(model: torch.nn.Module, prompt: list[int], answer: list[int]
     tokens' raw log-softmax (what a choice request's tree reads in one forward for all answers)."""
     ids = torch.tensor([prompt + answer], device=next(model.parameters()).device)
     logp = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float().log_softmax(-1)
-    return sum(logp.gather(-1, ids[0, len(prompt) :, None])[:, 0].tolist())
+    return float(sum(logp.gather(-1, ids[0, len(prompt) :, None])[:, 0].tolist()))
 
 
 class HFDecoder:
@@ -60,7 +61,7 @@ class HFDecoder:
     live = 0  # a sequence is decoded within one step
 
     def __init__(self, target: ModelRunner, tokenizer: Detokenizer, rule: Rule = "match_gumbel") -> None:
-        self.drafter = NoDrafter()  # transformers drafts nothing here
+        self.drafter: Drafter = NoDrafter()  # transformers drafts nothing here
         self.target = target
         self.tokenizer = tokenizer
         # Plain decoding's sampler under the rule: torch.multinomial's stream for match_multinomial,
@@ -85,7 +86,7 @@ class HFDecoder:
         # generate() fills every option a call leaves unset from the model's generation_config, which
         # may carry the checkpoint's own sampling options (repetition_penalty, min_p, ...). Every
         # decoder samples only the request's temperature / top-k / top-p, so run with a neutral one.
-        model = self.target.model
+        model: Any = self.target.model  # a transformers model: its generation_config, generate
         saved = model.generation_config
         model.generation_config = GenerationConfig()
         try:
@@ -97,7 +98,8 @@ class HFDecoder:
     @torch.inference_mode()
     def _generate(self, s: Sequence) -> DecodeStats:
         """Decode `s` to its end; what it cost."""
-        stats, model = DecodeStats(), self.target.model
+        stats = DecodeStats()
+        model: Any = self.target.model  # a transformers model: its generate
         t0 = time.perf_counter()
         ids = torch.tensor([s.prompt], device=self.target.device)
         if s.choices is not None:
@@ -148,13 +150,6 @@ class HFDecoder:
         s.stats.prompt_tokens_computed = len(s.prompt)
         stats.verify_s += time.perf_counter() - t0
         return stats
-
-    def _choices(self, s: Sequence) -> list[float]:
-        """Each answer of a choice by a plain forward of the prompt and it (one sequence at a time)."""
-        assert s.choices is not None
-        tree = s.choices.tree
-        answers = [[tree.tokens[n] for n in path] for path in s.choices.paths]
-        return [answer_logprobs(self.target.model, s.prompt, a) for a in answers]
 
     def _choices(self, s: Sequence) -> list[float]:
         """Each answer of a choice by a plain forward of the prompt and it (one sequence at a time)."""

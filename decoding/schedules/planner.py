@@ -166,7 +166,8 @@ class Planner:
         """Phase 2: each row's tree cut to the nodes that pay, by the calibrated reach of every node."""
         if not any(len(t) for t in trees):  # a busy step's usual case: plain decoding, nothing to rank
             return trees, self.plain(len(rows), pending, lambda: context)
-        orders, gains = [], []
+        orders: list[list[int]] = []
+        gains: list[np.ndarray] = []
         for tree, g in zip(trees, greedy):
             if not len(tree):
                 orders.append([])

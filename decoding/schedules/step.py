@@ -207,12 +207,15 @@ def cut(setup: StepSetup, slots: list[Slot], trees: list[DraftTree]) -> tuple[li
     """The trees this forward verifies: cut by the planner to the nodes that pay, or to the fixed budget."""
     if setup.planner is None:
         return cut_to_budget(trees, setup.budget), None
-    pending = [len(s.pending) for s in slots]
-    context = lambda: forward_context(setup.cache, slots, setup.planner.cost.shared_saving)  # noqa: E731
+    planner, pending = setup.planner, [len(s.pending) for s in slots]
+
+    def context() -> float:
+        return forward_context(setup.cache, slots, planner.cost.shared_saving)
+
     if not any(len(t) for t in trees):  # plain decoding: its plan reused while its rows stay
-        return trees, setup.planner.plain(len(slots), pending, context)
+        return trees, planner.plain(len(slots), pending, context)
     greedy = [s.seq.params.greedy for s in slots]
-    return setup.planner.cut([s.estimate for s in slots], trees, greedy, pending, context())
+    return planner.cut([s.estimate for s in slots], trees, greedy, pending, context())
 
 
 def forward_context(cache: KVCache, slots: list[Slot], shared_saving: float) -> float:
