@@ -204,7 +204,7 @@ def table(points: list[dict], baseline: list[dict] | None) -> str:
     return "\n".join(lines)
 
 
-def plot(points: list[dict], runs: list[dict], path: Path) -> None:
+def plot(points: list[dict], runs: list[dict], path: Path, baseline: dict | None = None) -> None:
     plt = pyplot()
     if plt is None:
         return
@@ -219,12 +219,19 @@ def plot(points: list[dict], runs: list[dict], path: Path) -> None:
     runs = [r for r in runs if ", levels <= " not in r["name"]]
     for name, ps in series.items():
         ax.plot([p["tokens_per_problem"] for p in ps], [p["correct"] / p["problems"] for p in ps], "o-", label=name)
-    for p, label in [
-        (p, p["name"].split("stop=")[1].replace(", wave=", " w")) for p in points if "stop=" in p["name"]
-    ] + [(r, Path(r["name"]).name) for r in runs]:
+    # The other points, one label where several fall on one spot (early stops that drew the same samples).
+    labels: dict[tuple[float, float], list[str]] = {}
+    marks: dict[tuple[float, float], str] = {}
+    named = [(p, p["name"].split("stop=")[1].replace(", wave=", " w"), "k^") for p in points if "stop=" in p["name"]]
+    named += [(r, Path(r["name"]).name, "ks") for r in runs]
+    named += [(baseline, f"{Path(baseline['name']).name} (baseline)", "rs")] if baseline else []
+    for p, label, mark in named:
         xy = (p["tokens_per_problem"], p["correct"] / p["problems"])
-        ax.plot(*xy, "ks" if p in runs else "k^", markersize=4)
-        ax.annotate(label, xy, fontsize=6, xytext=(3, 3), textcoords="offset points")
+        labels.setdefault(xy, []).append(label)
+        marks.setdefault(xy, mark)
+    for i, (xy, texts) in enumerate(sorted(labels.items())):  # neighbours' labels above and below in turn
+        ax.plot(*xy, marks[xy], markersize=4)
+        ax.annotate(", ".join(texts), xy, fontsize=6, xytext=(3, 3 if i % 2 else -9), textcoords="offset points")
     ax.set_xlabel("generated tokens a problem")
     ax.set_ylabel("accuracy")
     ax.set_xscale("log")
@@ -245,12 +252,12 @@ def main(argv: list[str] | None = None) -> int:
                 raise ShowError(f"{folder} has no summary.json; give an output directory of python -m tot.solve")
         points = curve(drawn(args.run))
         runs = [run_point(r) for r in args.runs] + [p for r in args.runs for p in level_points(r)]
-        baseline = run_point(args.baseline)["records"] if args.baseline else None
-        text = table(runs + points, baseline)
+        base = run_point(args.baseline) if args.baseline else None
+        text = table(runs + points, base["records"] if base else None)
         print(text)
         write_atomic(args.run / "vote_curve.md", text + "\n")
         write_atomic(args.run / "vote_curve.json", json.dumps({"points": points, "runs": runs}, indent=2) + "\n")
-        plot(points, runs, args.run / "vote_curve.png")
+        plot(points, runs, args.run / "vote_curve.png", base)
     except (ShowError, DataError, OutputError) as e:
         print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
