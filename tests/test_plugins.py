@@ -383,13 +383,15 @@ def test_every_options_dataclass_defaults_to_what_the_yaml_says():
 
 def test_the_searches_tasks_and_run_options_default_to_what_the_yaml_says():
     """The same for what a run reads beside the decoder: each search's settings (conf/search/), each
-    task's options (conf/task/), the sampling settings, the vote and the reward model's options."""
+    task's options (conf/task/), the problems' selection, the sampling settings, the vote and the reward
+    model's options."""
     from dataclasses import MISSING, fields
 
     from hydra import compose, initialize_config_module
     from omegaconf import OmegaConf
 
     from tasks import TASKS
+    from tasks.base import DataSpec
     from tot.search.base import GenSettings
     from tot.search.reward import RewardSpec
     from tot.search.vote import VoteRule
@@ -401,7 +403,7 @@ def test_the_searches_tasks_and_run_options_default_to_what_the_yaml_says():
     base = composed()
     pairs = [(f"search={name}", "search", plugin.options) for name, plugin in SEARCHES.items()]
     pairs += [(f"task={name}", "task", plugin.options) for name, plugin in TASKS.items()]
-    pairs += [("", "gen", GenSettings), ("", "vote", VoteRule), ("", "reward", RewardSpec)]
+    pairs += [("", "data", DataSpec), ("", "gen", GenSettings), ("", "vote", VoteRule), ("", "reward", RewardSpec)]
     run_keys = {"name", "depth", "model", "judge_metric"}  # read by the run, computed, or a name the code gives
     differ, missing, compared = [], [], 0
     for override, section, options in pairs:
