@@ -251,3 +251,36 @@ def test_the_summary_counts_the_levels_a_stop_saved():
     ]
     assert _budget(records) == {"levels_drawn": 3, "levels_budget": 5, "tokens_saved_estimate": 600}
     assert _budget([{"tokens": 80, "budget": {"samples": 2, "budget": 4}}])["samples_drawn"] == 2
+
+
+def stopped_mcts(stop: str, completions: dict, iterations: int) -> tuple:
+    engine = RolloutEngine(thoughts={(): ["A", "B"]}, completions=completions)
+    settings = MCTSSettings(iterations=iterations, n_thoughts=2, parallel=1, aggregate="vote", stop=stop)
+    search = MCTS(GSM8K(value="rollout", depth=6, rollouts=2), settings, GenSettings(), 0, vote=VoteRule(weight="one"))
+    return run_sync(search.solve(PROBLEM, engine)), engine
+
+
+def test_mcts_stops_once_the_iterations_left_cannot_change_the_vote():
+    """Each iteration expands a leaf into two thoughts with two completions each (4 ballots, at most 6
+    by the bound: two thoughts, each a ballot with two completions). Every completion answers 5: after
+    4 of 5 iterations the lead (16) passes what one more could add (6), so decided stops there with the
+    full run's answer; agree stops after the first wave, whose 4 ballots all name the leader."""
+    full, full_engine = stopped_mcts("never", {}, 5)
+    early, early_engine = stopped_mcts("decided", {}, 5)
+    assert early.answer == full.answer == "5"
+    assert early.budget == {"iterations": 4, "budget": 5} and full.budget == {}
+    assert len(early_engine.requests) < len(full_engine.requests)
+    agreed, _ = stopped_mcts("agree", {}, 5)
+    assert agreed.budget == {"iterations": 1, "budget": 5} and agreed.answer == "5"
+    split = {(t,): [5, 9] for t in ("A", "B")}  # level 1 splits: agree does not stop on it
+    assert stopped_mcts("agree", split, 2)[0].budget["iterations"] == 2
+
+
+def test_mcts_stop_needs_the_vote():
+    from decoding import ConfigError
+    from tot.search.mcts import check_stop_rule
+
+    with pytest.raises(ConfigError, match=r"search\.aggregate=vote"):
+        MCTSSettings(stop="decided")
+    with pytest.raises(ConfigError, match="weight=value"):
+        check_stop_rule(MCTSSettings(stop="agree", aggregate="vote"), PLAIN_VOTE, {"value": "rollout"})

@@ -269,13 +269,13 @@ def summarize(records: list[dict], header: dict) -> dict:
 
 
 def _budget(records: list[dict]) -> dict:
-    """Where a budget was spent in waves (search.stop): the samples (best-of-N) or levels (BFS) drawn of
-    the budget's, and the tokens the undrawn ones would have cost at the mean of the drawn ones of their
-    problem (an estimate: they were never sampled)."""
+    """Where a budget was spent in waves (search.stop): the samples (best-of-N), levels (BFS) or
+    iterations (MCTS) drawn of the budget's, and the tokens the undrawn ones would have cost at the
+    mean of the drawn ones of their problem (an estimate: they were never sampled)."""
     spent = [r for r in records if r.get("budget")]
     if not spent:
         return {}
-    unit = "levels" if "levels" in spent[0]["budget"] else "samples"
+    unit = next(k for k in spent[0]["budget"] if k != "budget")  # samples (best-of-N), levels, iterations
     drawn = sum(r["budget"][unit] for r in spent)
     budget = sum(r["budget"]["budget"] for r in spent)
     saved = sum(r["tokens"] / max(1, r["budget"][unit]) * (r["budget"]["budget"] - r["budget"][unit]) for r in spent)

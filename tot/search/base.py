@@ -27,7 +27,7 @@ from tot.search.confidence import TOP_NEEDED, mean_probability, readings
 from tot.search.reward import Discriminator, ProcessReward, ScoringModel
 from tot.search.tree import ReasoningTree, Valuation
 from tot.search.value import read_value
-from tot.search.vote import PLAIN_VOTE, Ballot, VoteRule, tally, weights
+from tot.search.vote import PLAIN_VOTE, Ballot, VoteRule, settled, tally, weights
 
 PHASES = ("generate", "evaluate", "rollout")
 # How a search's answer is chosen among its finished states (search.aggregate): the best-valued one, or
@@ -491,6 +491,19 @@ def choose(
     ballots = ballots_of(tree, leaves, answer_of)
     winner = tally(vote, ballots, "one" if aggregate == "majority" else "value").winner
     return max((s for s, b in zip(leaves, ballots) if b.answer == winner), key=tree.value)
+
+
+def vote_settled(
+    tree: ReasoningTree, answer_of: Callable[[int], str], vote: VoteRule, stop: str, counted: int, remaining: int
+) -> bool:
+    """search.stop between a tree search's rounds: whether at most `remaining` ballots still to come
+    cannot change the vote over the finished states (`decided`), or (`agree`) the round's new ballots,
+    those past the first `counted` (node order: a round's come last), two or more, all name its leader."""
+    if stop == "never":
+        return False
+    finished = finished_states(tree)
+    new = len(finished) - counted
+    return settled(vote, ballots_of(tree, finished, answer_of), "value", remaining, stop, new if new >= 2 else 0)
 
 
 def ballots_of(tree: ReasoningTree, leaves: list[int], answer_of: Callable[[int], str]) -> list[Ballot]:

@@ -23,14 +23,14 @@ from tot.search.base import (
     SearchBase,
     Solution,
     Thinker,
-    ballots_of,
     check_positive,
     choose,
     finished_states,
+    vote_settled,
 )
 from tot.search.plugin import SearchPlugin
 from tot.search.tree import ReasoningTree
-from tot.search.vote import STOPS, VoteRule, check_stop, settled
+from tot.search.vote import STOPS, VoteRule, check_stop
 
 
 @dataclass(frozen=True)
@@ -110,24 +110,19 @@ class BFS(SearchBase):
         return solution
 
     def _settled(self, thinker: Thinker, problem: Problem, depth: int, counted: int) -> bool:
-        """search.stop after level `depth`: whether the ballots of the levels still to come cannot change
-        the vote, or (agree) this level's ballots all name its leader. At most breadth states grow their
-        thoughts a level, each thought a ballot and, valued by rollouts, as many more as its completions
-        (foresight's one completion a thought no more than task.rollouts)."""
-        if self.settings.stop == "never":
-            return False
-        tree = thinker.tree
-        finished = finished_states(tree)
-        ballots = ballots_of(tree, finished, lambda s: self.task.answer(problem, tree.steps(s)))
+        """search.stop after level `depth` (`vote_settled`). At most breadth states grow their thoughts a
+        level, each thought a ballot and, valued by rollouts, as many more as its completions (none at
+        the depth limit, where a thought is finished; foresight's one completion a thought no more than
+        task.rollouts)."""
 
-        def ballots_at(d: int) -> int:  # a thought at the depth limit is finished, not completed (but in foresight)
+        def ballots_at(d: int) -> int:
             completed = thinker.rollouts and (d < self.task.depth or self.settings.foresight)
             return self.settings.breadth * self.settings.thoughts_at(d) * (1 + (self.task.rollouts if completed else 0))
 
         remaining = sum(ballots_at(d) for d in range(depth + 1, self.task.depth + 1))
-        new = len(finished) - counted  # node order: this level's ballots come last
-        wave = new if new >= 2 else 0
-        return settled(self.vote, ballots, "value", remaining, self.settings.stop, wave)
+        tree = thinker.tree
+        answer_of = lambda s: self.task.answer(problem, tree.steps(s))  # noqa: E731
+        return vote_settled(tree, answer_of, self.vote, self.settings.stop, counted, remaining)
 
 
 def first_of_each_state(tree: ReasoningTree, states: list[int]) -> list[int]:

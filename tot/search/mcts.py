@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import math
 from collections import Counter, defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from decoding import ConfigError
 from tasks.base import Problem
@@ -34,9 +36,11 @@ from tot.search.base import (
     check_positive,
     choose,
     finished_states,
+    vote_settled,
 )
 from tot.search.plugin import SearchPlugin
 from tot.search.tree import ReasoningTree
+from tot.search.vote import STOPS, VoteRule, check_stop
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,7 @@ class MCTSSettings:
     simulation_depth: int = 1  # levels a simulation grows below the expanded state
     parallel: int = 4  # iterations per wave (virtual loss keeps them apart)
     aggregate: Aggregate = "best"
+    stop: str = "never"  # never | decided | agree: when the vote is settled before every iteration ran
 
     def __post_init__(self) -> None:
         check_positive(search="mcts", iterations=self.iterations, n_thoughts=self.n_thoughts, parallel=self.parallel)
@@ -55,6 +60,10 @@ class MCTSSettings:
                 f"search.exploration={self.exploration} and search.simulation_depth={self.simulation_depth} "
                 "must be >= 0 (search=mcts)"
             )
+        if self.stop not in STOPS:
+            raise ConfigError(f"search.stop={self.stop!r} is not one of {', '.join(STOPS)} (search=mcts)")
+        if self.stop != "never" and self.aggregate != "vote":
+            raise ConfigError("search.stop stops a vote: use it with search.aggregate=vote (search=mcts)")
 
     def scaled(self, n: int) -> MCTSSettings:
         return replace(self, iterations=n)
@@ -91,25 +100,39 @@ class MCTS(SearchBase):
 
     async def solve(self, problem: Problem, engine: GenerationEngine) -> Solution:
         thinker = self.thinker(problem, engine)
-        stats, done, wave = Stats(), 0, 0
-        while done < self.settings.iterations:
-            paths = self._select(thinker.tree, stats, self.settings.iterations - done)
+        tree, settings = thinker.tree, self.settings
+        answer_of = lambda s: self.task.answer(problem, tree.steps(s))  # noqa: E731
+        stats, done, wave, counted, stopped = Stats(), 0, 0, 0, False
+        while done < settings.iterations:
+            paths = self._select(tree, stats, settings.iterations - done)
             await self._simulate(thinker, stats, paths, wave)
             for path in paths:
-                ret = thinker.tree.value(path[-1])
+                ret = tree.value(path[-1])
                 for node in path:
                     stats.visits[node] += 1
                     stats.total[node] += ret
             done, wave = done + len(paths), wave + 1
+            # An iteration adds at most its levels' thoughts, each with its completions under rollouts.
+            levels = 1 if thinker.rollouts else 1 + settings.simulation_depth
+            per_iteration = levels * settings.n_thoughts * (1 + (self.task.rollouts if thinker.rollouts else 0))
+            remaining = (settings.iterations - done) * per_iteration
+            stopped = done < settings.iterations and vote_settled(
+                tree, answer_of, self.vote, settings.stop, counted, remaining
+            )
+            if stopped:
+                break
+            counted = len(finished_states(tree))
         for node, n in stats.visits.items():
             thought = thinker.tree[node]
             thought.visits, thought.q, thought.chosen = n, stats.total[node] / n, True
-        finished = finished_states(thinker.tree)
-        if self.settings.aggregate == "vote" and finished:
-            tree = thinker.tree
-            answer_of = lambda s: self.task.answer(problem, tree.steps(s))  # noqa: E731
-            return thinker.solution(choose(tree, finished, answer_of, "vote", self.vote))
-        return thinker.solution(self._answer(thinker.tree, stats))
+        finished = finished_states(tree)
+        if settings.aggregate == "vote" and finished:
+            solution = thinker.solution(choose(tree, finished, answer_of, "vote", self.vote))
+        else:
+            solution = thinker.solution(self._answer(tree, stats))
+        if settings.stop != "never":  # the iterations left unrun by the stop
+            solution.budget = {"iterations": done, "budget": settings.iterations if stopped else done}
+        return solution
 
     def _select(self, tree: ReasoningTree, stats: Stats, budget: int) -> list[list[int]]:
         """A wave's paths from the root down to a leaf by UCT, each adding a virtual loss to its path."""
@@ -158,9 +181,14 @@ class MCTS(SearchBase):
         return node
 
 
+def check_stop_rule(settings: MCTSSettings, vote: VoteRule, task_options: Mapping[str, Any]) -> None:
+    check_stop(settings.stop, vote, "value")
+
+
 PLUGIN = SearchPlugin(
     name="mcts",
     build=MCTS,
     options=MCTSSettings,
+    check_config=check_stop_rule,
     voted=lambda settings: finished_states if settings.get("aggregate") == "vote" else None,
 )
