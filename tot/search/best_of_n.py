@@ -40,7 +40,7 @@ from tot.search.confidence import readings
 from tot.search.plugin import SearchPlugin
 from tot.search.reward import Discriminator
 from tot.search.tree import ReasoningTree, Valuation
-from tot.search.vote import STOPS, Ballot, Own, VoteRule, check_stop, settled
+from tot.search.vote import Ballot, Own, VoteRule, check_stop, check_stop_name, settled
 
 Vote = Literal["majority", "weighted", "best"]
 
@@ -58,10 +58,7 @@ class BestOfNSettings:
         check_positive(search="best_of_n", n=self.n, max_tokens=self.max_tokens)
         if self.wave < 0:
             raise ConfigError(f"search.wave={self.wave} must be >= 0 (0: all search.n solutions at once)")
-        if self.stop not in STOPS:
-            raise ConfigError(f"search.stop={self.stop!r} is not one of {', '.join(STOPS)} (search=best_of_n)")
-        if self.stop != "never" and self.aggregate == "best":
-            raise ConfigError("search.stop stops a vote: use it with search.aggregate=majority or weighted")
+        check_stop_name(self.stop, "best_of_n", self.aggregate != "best", "majority or weighted")
         if self.token_budget < 0 or (self.token_budget and not self.wave):
             raise ConfigError(
                 f"search.token_budget={self.token_budget} stops between waves: give search.wave (say 2) and a "

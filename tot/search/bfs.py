@@ -30,7 +30,7 @@ from tot.search.base import (
 )
 from tot.search.plugin import SearchPlugin
 from tot.search.tree import ReasoningTree
-from tot.search.vote import STOPS, VoteRule, check_stop
+from tot.search.vote import VoteRule, check_stop, check_stop_name
 
 
 @dataclass(frozen=True)
@@ -53,10 +53,7 @@ class BFSSettings:
             raise ConfigError(f"search.token_budget={self.token_budget}: a positive number of tokens, or 0 for none")
         if self.root_thoughts < 0:
             raise ConfigError(f"search.root_thoughts={self.root_thoughts}: 0 (n_thoughts) or a positive count")
-        if self.stop not in STOPS:
-            raise ConfigError(f"search.stop={self.stop!r} is not one of {', '.join(STOPS)} (search=bfs)")
-        if self.stop != "never" and self.aggregate != "vote":
-            raise ConfigError("search.stop stops a vote: use it with search.aggregate=vote")
+        check_stop_name(self.stop, "bfs", self.aggregate == "vote", "vote")
 
     def thoughts_at(self, depth: int) -> int:
         return self.root_thoughts if depth == 1 and self.root_thoughts else self.n_thoughts

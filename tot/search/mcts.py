@@ -40,7 +40,7 @@ from tot.search.base import (
 )
 from tot.search.plugin import SearchPlugin
 from tot.search.tree import ReasoningTree
-from tot.search.vote import STOPS, VoteRule, check_stop
+from tot.search.vote import VoteRule, check_stop, check_stop_name
 
 
 @dataclass(frozen=True)
@@ -60,10 +60,7 @@ class MCTSSettings:
                 f"search.exploration={self.exploration} and search.simulation_depth={self.simulation_depth} "
                 "must be >= 0 (search=mcts)"
             )
-        if self.stop not in STOPS:
-            raise ConfigError(f"search.stop={self.stop!r} is not one of {', '.join(STOPS)} (search=mcts)")
-        if self.stop != "never" and self.aggregate != "vote":
-            raise ConfigError("search.stop stops a vote: use it with search.aggregate=vote (search=mcts)")
+        check_stop_name(self.stop, "mcts", self.aggregate == "vote", "vote")
 
     def scaled(self, n: int) -> MCTSSettings:
         return replace(self, iterations=n)

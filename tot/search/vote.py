@@ -147,6 +147,15 @@ def settled(rule: VoteRule, ballots: Sequence[Ballot], own: Own, remaining: int,
     return False
 
 
+def check_stop_name(stop: str, search: str, voted: bool, votes: str) -> None:
+    """`search.stop` one of STOPS, and `never` unless the search's answer is a vote (`votes`: the
+    aggregates that are, for the message)."""
+    if stop not in STOPS:
+        raise ConfigError(f"search.stop={stop!r} is not one of {', '.join(STOPS)} (search={search})")
+    if stop != "never" and not voted:
+        raise ConfigError(f"search.stop stops a vote: use it with search.aggregate={votes} (search={search})")
+
+
 def check_stop(stop: str, rule: VoteRule, own: Own) -> None:
     """A stop (`decided`, `agree`) only where no ballot to come can weigh more than 1."""
     weight = rule.weight or own
