@@ -249,7 +249,10 @@ def test_the_summary_counts_the_levels_a_stop_saved():
         {"tokens": 500, "budget": {"levels": 2, "budget": 2}},  # ran to its end
         {"tokens": 100},
     ]
-    assert _budget(records) == {"levels_drawn": 3, "levels_budget": 5, "tokens_saved_estimate": 600}
+    # A BFS's depth limit bounds it, not what its full run would grow: no tokens claimed as saved.
+    assert _budget(records) == {"levels_drawn": 3, "levels_budget": 5}
+    iterations = [{"tokens": 300, "budget": {"iterations": 3, "budget": 4}}]
+    assert _budget(iterations) == {"iterations_drawn": 3, "iterations_budget": 4, "tokens_saved_estimate": 100}
     assert _budget([{"tokens": 80, "budget": {"samples": 2, "budget": 4}}])["samples_drawn"] == 2
 
 

@@ -270,16 +270,20 @@ def summarize(records: list[dict], header: dict) -> dict:
 
 def _budget(records: list[dict]) -> dict:
     """Where a budget was spent in waves (search.stop): the samples (best-of-N), levels (BFS) or
-    iterations (MCTS) drawn of the budget's, and the tokens the undrawn ones would have cost at the
-    mean of the drawn ones of their problem (an estimate: they were never sampled)."""
+    iterations (MCTS) drawn of the budget's, and (samples, iterations: a budget a full run spends) the
+    tokens the undrawn ones would have cost at the mean of the drawn ones of their problem (an
+    estimate: they were never sampled)."""
     spent = [r for r in records if r.get("budget")]
     if not spent:
         return {}
     unit = next(k for k in spent[0]["budget"] if k != "budget")  # samples (best-of-N), levels, iterations
     drawn = sum(r["budget"][unit] for r in spent)
     budget = sum(r["budget"]["budget"] for r in spent)
+    out = {f"{unit}_drawn": drawn, f"{unit}_budget": budget}
+    if unit == "levels":  # the depth limit bounds a BFS; its full run ends sooner where every state finished
+        return out
     saved = sum(r["tokens"] / max(1, r["budget"][unit]) * (r["budget"]["budget"] - r["budget"][unit]) for r in spent)
-    return {f"{unit}_drawn": drawn, f"{unit}_budget": budget, "tokens_saved_estimate": round(saved)}
+    return {**out, "tokens_saved_estimate": round(saved)}
 
 
 def _accuracy_by(records: list[dict]) -> dict[str, float]:
