@@ -180,10 +180,10 @@ class Node:
         self.context = context  # the last two tokens once this node's token is appended
         self.parent = parent
         self.prior = prior  # P(s, a): the matrix's probability of this token after its parent
-        self.depth = 0 if parent is None else parent.depth + 1
-        self.reach = prior if parent is None else parent.reach * prior  # the matrix's path probability
+        self.depth: int = 0 if parent is None else parent.depth + 1
+        self.reach: float = prior if parent is None else parent.reach * prior  # the matrix's path probability
         # Expected accepted tokens of the path down to here, were the matrix the target.
-        self.gain = 0.0 if parent is None else parent.gain + self.reach
+        self.gain: float = 0.0 if parent is None else parent.gain + self.reach
         self.children: list[Node] = []
         self.expanded = False
         self.visits = 0
@@ -231,10 +231,11 @@ class Search:
             if node.children:
                 node = node.children[0]
         value = self.evaluate(node)
-        while node is not None:
-            node.visits += 1
-            node.value += value
-            node = node.parent
+        up: Node | None = node
+        while up is not None:
+            up.visits += 1
+            up.value += value
+            up = up.parent
 
     def select(self, node: Node) -> Node:
         visits = sum(c.visits for c in node.children)

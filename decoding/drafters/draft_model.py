@@ -23,6 +23,7 @@ from decoding.drafters.edd import EddDrafter
 from decoding.drafters.plugin import BuildConfig
 from decoding.edd.model import EddModel, draft_vocab
 from decoding.runtime.models import LoadedModel
+from decoding.runtime.packing import pack
 from decoding.runtime.runner import ModelRunner
 from decoding.speculation.draft_tree import DraftTree
 from decoding.speculation.sampling import SamplingParams, draft_dists
@@ -30,7 +31,7 @@ from decoding.speculation.sequence import admission_room, needs
 from decoding.speculation.slot import Slot
 from decoding.speculation.stopping import Detokenizer
 from decoding.speculation.timing import speed_ratio, time_forward
-from decoding.speculation.verify import Verdict, pack
+from decoding.speculation.verify import Verdict
 from decoding.trees.policies import DraftTreeOptions, grow_levels, make_policy
 
 log = logging.getLogger(__name__)

@@ -106,7 +106,7 @@ class EddDrafter:
             head = members[0].start_hidden
             group = [s.row for s in members]
             n = 0 if head is None else len(head)
-            if n:
+            if head is not None and n:
                 scratch = self.edd.new_cache(1, n)
                 causal = torch.ones(n, n, dtype=torch.bool).tril()[None]
                 self.edd.step(scratch, head[None], causal, torch.arange(n)[None], torch.zeros(0, dtype=torch.long))

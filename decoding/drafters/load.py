@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from decoding.base.errors import BackendError
 from decoding.edd.model import load_edd
-from decoding.runtime.models import LoadedModel, ModelSpec, load_model
+from decoding.runtime.models import LoadedModel, load_model
+from decoding.runtime.spec import ModelSpec
 
 
 def load_draft(spec: ModelSpec, target: LoadedModel) -> LoadedModel:

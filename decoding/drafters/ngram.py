@@ -31,8 +31,8 @@ WAITING = 16  # distributions filed under one entry before it merges them anyway
 
 @dataclass
 class Entry:
-    ids: array  # int32 token ids, most probable first
-    probs: array  # float32, summing to at most 1 (mass beyond the top 10 is dropped)
+    ids: array[int]  # int32 token ids, most probable first
+    probs: array[float]  # float32, summing to at most 1 (mass beyond the top 10 is dropped)
     count: int  # distributions averaged into this entry
     # Distributions filed since the entry was last read, merged in order when it is (`settle`).
     waiting: list[tuple[Sequence[int], Sequence[float]]] | None = None

@@ -7,7 +7,7 @@ The trajectories of one ToT step share a pool (`GenRequest.group`), or all steps
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Generic, Protocol, TypeVar
 
 from decoding.base.values import Group
@@ -16,7 +16,7 @@ from decoding.runtime.prefix_cache import shared_len
 
 
 class Pool(Protocol):
-    def prime(self, tokens: Sequence[int], start: int = 0) -> None:
+    def prime(self, tokens: list[int], start: int = 0) -> None:
         """Count a prompt's own statistics, so that drafts may copy from it: the text from token
         `start` on (the tokens before it, a prefix the pool has counted already, are context only)."""
 

@@ -75,11 +75,12 @@ class SuffixTrie:
             open_ = self.step(open_, t)
 
     def find(self, tokens: list[int]) -> Node | None:
-        node: Node | None = self.root
+        node = self.root
         for t in tokens:
-            node = node.kids.get(t)
-            if node is None:
+            kid = node.kids.get(t)
+            if kid is None:
                 return None
+            node = kid
         return node
 
     def resume(self, context: list[int]) -> list[Open]:

@@ -45,7 +45,7 @@ class UnionDrafter:
         drafted = [slot.take(self) for slot in slots]
         for k, drafter in enumerate(self.drafters):
             drafter.update(
-                slots, [v if d is None else self._as_drafted_by(k, *d, v) for d, v in zip(drafted, verdicts)]
+                slots, [v if d is None else self._as_drafted_by(k, d[0], d[1], v) for d, v in zip(drafted, verdicts)]
             )
 
     def _as_drafted_by(self, k: int, trees: list[DraftTree], where: list[list[int]], v: Verdict) -> Verdict:

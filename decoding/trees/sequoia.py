@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -131,7 +132,7 @@ class SequoiaDP:
             level = nxt
         return SequoiaTree(tuple(parents), best)
 
-    def _children(self, n: int, d: int) -> list:
+    def _children(self, n: int, d: int) -> list[Any]:
         """The optimal subtrees under a root of n nodes and depth d, in rank order (nested lists)."""
         if n == 1:
             return []
@@ -174,7 +175,7 @@ class CostCurve:
         return float(np.interp(n, self.tokens, self.ms))
 
     @classmethod
-    def from_profile(cls, rows: list[dict], batch: int) -> CostCurve:
+    def from_profile(cls, rows: list[dict[str, Any]], batch: int) -> CostCurve:
         """From the rows `python -m decoding.profile_forward out=...` writes, at one batch size."""
         mine = sorted((int(r["tree_tokens"]), float(r["ms"])) for r in rows if int(r["batch"]) == batch)
         if not mine:

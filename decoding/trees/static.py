@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 from decoding.base.errors import ConfigError
 from decoding.speculation.draft_tree import ROOT, DraftTree
@@ -30,7 +31,7 @@ class StaticTree:
     """A draft tree shape: parent of each node (parents first, ROOT = -1), children in rank order."""
 
     parents: tuple[int, ...]
-    meta: dict = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for i, p in enumerate(self.parents):
@@ -131,7 +132,7 @@ def initial_tree(max_depth: int = 20) -> StaticTree:
     return StaticTree(tuple(parents), {"made_by": "STAND appendix Algorithm 1", "depth": max_depth})
 
 
-def prune(tree: StaticTree, hits: dict[int, int], nodes: int, meta: dict) -> StaticTree:
+def prune(tree: StaticTree, hits: dict[int, int], nodes: int, meta: dict[str, Any]) -> StaticTree:
     """The `nodes` most accepted nodes as a connected tree (STAND's data-driven tree optimisation).
 
     A node is on an accepted path at most as often as its parent, so taking nodes by hit count
