@@ -38,19 +38,20 @@ inline void insert(float* vals, int64_t* ids, int64_t k, float v, int64_t i) {
   ids[j] = i;
 }
 
-// A row of logits read divided by its temperature.
-template <typename T>
+// A row of logits read divided by its temperature; DIV false for a temperature of 1 (x / 1 is x, so the
+// same bits without a division an element: most rows, greedy ones and distributions).
+template <typename T, bool DIV>
 struct Scaled {
   const T* x;
   float t;
-  float at(int64_t i) const { return value_at(x, i) / t; }
+  float at(int64_t i) const { return DIV ? value_at(x, i) / t : value_at(x, i); }
 #if defined(__AVX2__)
-  __m256 load(int64_t i) const { return _mm256_div_ps(load8(x + i), _mm256_set1_ps(t)); }
+  __m256 load(int64_t i) const { return DIV ? _mm256_div_ps(load8(x + i), _mm256_set1_ps(t)) : load8(x + i); }
 #endif
 };
 
-template <typename T>
-void row_top_k(const Scaled<T>& x, int64_t n, int64_t k, float* vals, int64_t* ids) {
+template <typename R>
+void row_top_k(const R& x, int64_t n, int64_t k, float* vals, int64_t* ids) {
   // The first k values, in order (k distinct tokens even where a row is mostly minus infinity).
   for (int64_t j = 0; j < k; ++j) {
     vals[j] = -std::numeric_limits<float>::infinity();
@@ -107,8 +108,8 @@ inline __m256 exp8(__m256 x) {
 #endif
 
 // sum_i exp(x_i - most), in 8 lanes (element i into lane i mod 8) added in a fixed tree.
-template <typename T>
-float row_exp_sum(const Scaled<T>& x, int64_t n, float most) {
+template <typename R>
+float row_exp_sum(const R& x, int64_t n, float most) {
   float lanes[8] = {};
   int64_t i = 0;
 #if defined(__AVX2__)
@@ -123,8 +124,8 @@ float row_exp_sum(const Scaled<T>& x, int64_t n, float most) {
   return (((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]))) + tail;
 }
 
-template <typename T>
-void top_row(const Scaled<T>& x, int64_t n, int64_t k, bool normalise, float* vals, int64_t* ids) {
+template <typename R>
+void top_row(const R& x, int64_t n, int64_t k, bool normalise, float* vals, int64_t* ids) {
   row_top_k(x, n, k, vals, ids);
   if (!normalise) return;
   const float most = vals[0];
@@ -171,6 +172,16 @@ std::vector<Row> picked_rows(const char* op, const std::vector<at::Tensor>& bloc
   return rows;
 }
 
+// g(row read as its type T, divided by its temperature where that is not 1).
+template <typename T, typename G>
+void dispatch(const Row& row, G g) {
+  const T* x = static_cast<const T*>(row.data);
+  if (row.t == 1.0f)
+    g(Scaled<T, false>{x, row.t});
+  else
+    g(Scaled<T, true>{x, row.t});
+}
+
 // f(r, row r read as its type) for every picked row, rows on the machine's threads.
 template <typename F>
 void each_row(const std::vector<Row>& rows, F f) {
@@ -178,9 +189,9 @@ void each_row(const std::vector<Row>& rows, F f) {
     for (int64_t r = begin; r < end; ++r) {
       const Row& row = rows[r];
       if (row.bf16)
-        f(r, Scaled<at::BFloat16>{static_cast<const at::BFloat16*>(row.data), row.t});
+        dispatch<at::BFloat16>(row, [&](const auto& x) { f(r, x); });
       else
-        f(r, Scaled<float>{static_cast<const float*>(row.data), row.t});
+        dispatch<float>(row, [&](const auto& x) { f(r, x); });
     }
   });
 }
@@ -204,8 +215,8 @@ std::vector<at::Tensor> top_k_rows(const std::vector<at::Tensor>& blocks, const 
 
 // log p of a row's token and of its k most likely: (x - most) - log(sum exp(x - most)) over the row read
 // divided by its temperature, the sum as top_row's.
-template <typename T>
-void log_row(const Scaled<T>& x, int64_t n, int64_t token, int64_t k, float* chosen, float* vals, int64_t* ids) {
+template <typename R>
+void log_row(const R& x, int64_t n, int64_t token, int64_t k, float* chosen, float* vals, int64_t* ids) {
   row_top_k(x, n, k, vals, ids);
   const float most = vals[0];
   const float log_sum = std::log(row_exp_sum(x, n, most));
