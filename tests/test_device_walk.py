@@ -24,6 +24,7 @@ from decoding.speculation.acceptance import walk_matched
 from decoding.speculation.device_walk import read_walks, walk_matched_rows
 from decoding.speculation.draft_tree import ROOT, DraftTree
 from decoding.speculation.options import VerifyOptions
+from decoding.speculation.row_sampling import RowSampling
 from decoding.speculation.sampling import SamplingParams
 from decoding.speculation.sequence import Sequence
 from decoding.speculation.stopping import StopRule
@@ -111,7 +112,8 @@ def test_the_acceptance_stage_decides_the_same_whichever_walks(rule):
             Sequence.create([1, 2, 3 + b], StopRule(frozenset(), (), 50), p, seed=30 + b, device=DEVICE)
             for b, p in enumerate(settings)
         ]
-        return accept(packed, Scored(logits, None, 0.0), trees, seqs, rule, top=5, walk_on_device=on_device)
+        sampling = RowSampling.of(s.params for s in seqs)
+        return accept(packed, Scored(logits, None, 0.0), trees, seqs, sampling, rule, top=5, walk_on_device=on_device)
 
     host, walked = decided(False), decided(True)
     assert [(v.path, v.token) for v in walked] == [(v.path, v.token) for v in host]

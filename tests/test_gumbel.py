@@ -27,10 +27,11 @@ from decoding.speculation.gumbel import (
     gumbel_pick_rows,
     key,
 )
+from decoding.speculation.row_sampling import RowSampling
 from decoding.speculation.sampling import SamplingParams, process_logits, processed_logits
 from decoding.speculation.sequence import Sequence
 from decoding.speculation.stopping import StopRule
-from decoding.speculation.verify import device_targets, processed, processed_rows, target_sampler
+from decoding.speculation.verify import device_targets, processed_rows, target_sampler
 
 N = 20_000
 
@@ -230,11 +231,10 @@ def test_rows_processed_together_are_the_rows_processed_alone():
     each row's scores, and their softmax, are what processing it alone gives."""
     gen = torch.Generator().manual_seed(5)
     settings = [SamplingParams(0.7, 20, 0.9), SamplingParams(0.0), SamplingParams(1.3), SamplingParams(0.7, 20, 0.9)]
-    seqs = [Sequence.create([1, 2, 3], StopRule(frozenset(), (), 8), p, seed=i) for i, p in enumerate(settings)]
-    logits = [torch.randn(1 + i, 300, generator=gen) * 2 for i in range(len(seqs))]
-    together, dists = processed_rows(seqs, logits)
-    for s, row, t, dist in zip(seqs, logits, together, dists):
-        alone = processed(s, row)
+    logits = [torch.randn(1 + i, 300, generator=gen) * 2 for i in range(len(settings))]
+    together, dists = processed_rows(RowSampling.of(settings), logits)
+    for p, row, t, dist in zip(settings, logits, together, dists):
+        alone = None if p.greedy else processed_logits(row.float(), p)
         assert (t is None) == (alone is None) == (dist is None)
         if t is not None:
             assert torch.equal(t, alone) and torch.equal(dist, alone.softmax(-1))

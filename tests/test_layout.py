@@ -239,3 +239,47 @@ def test_a_commands_options_are_checked_without_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+# The modules a decode step runs through after drafting: verification, acceptance, log-probabilities,
+# the commit and the planner. Each row's sampling settings reach them as the step's `RowSampling`
+# (copied from the request once, at admission: decoding/speculation/row_sampling.py).
+STEP_PATH = (
+    "decoding/schedules/step.py",
+    "decoding/schedules/scheduler.py",
+    "decoding/schedules/rounds.py",
+    "decoding/schedules/planner.py",
+    "decoding/speculation/verify.py",
+    "decoding/speculation/acceptance.py",
+    "decoding/speculation/device_walk.py",
+    "decoding/speculation/gumbel.py",
+    "decoding/speculation/logprobs.py",
+)
+
+
+def params_reads(source: str) -> list[str]:
+    """Each `X.params` read in the source but `sampling.params` (the step's arrays): a request's
+    sampling record read row by row."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr == "params":
+            owner = node.value
+            name = owner.id if isinstance(owner, ast.Name) else owner.attr if isinstance(owner, ast.Attribute) else ""
+            if name != "sampling":
+                found.append((node.lineno, f"line {node.lineno}: {ast.unparse(node)}"))
+    return [text for _, text in sorted(found)]
+
+
+def test_params_reads_finds_a_requests_settings_read_per_row():
+    assert params_reads("t = [s.params.temperature for s in seqs]\ng = seqs[b].params.greedy") == [
+        "line 1: s.params",
+        "line 2: seqs[b].params",
+    ]
+    assert params_reads("p = sampling.params[b]\nq = record.sampling.params") == []
+
+
+def test_no_module_on_the_steps_path_reads_a_requests_sampling_settings():
+    """Verification, acceptance and log-probabilities read the step's `RowSampling` arrays, never
+    `seq.params` row by row (the table copies them at admission)."""
+    found = {path: params_reads((ROOT / path).read_text()) for path in STEP_PATH}
+    assert {path: reads for path, reads in found.items() if reads} == {}

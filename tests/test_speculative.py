@@ -37,6 +37,7 @@ from decoding.schedules.step import cut_to_budget
 from decoding.speculation.cost import ForwardCost
 from decoding.speculation.draft_tree import ROOT, DraftTree, k_config_parents
 from decoding.speculation.options import VerifyOptions
+from decoding.speculation.row_sampling import RowSampling
 from decoding.speculation.sampling import SamplingParams
 from decoding.speculation.sequence import Sequence
 from decoding.speculation.stopping import StopRule
@@ -148,7 +149,8 @@ def test_tree_verification_logits_equal_sequential_decoding(tiny_model, tokenize
         for b, shape in enumerate(shapes[step:] + shapes[:step]):
             parents = k_config_parents(shape) if b != step else []  # one row with an empty tree
             trees.append(tree_of(parents, torch.randint(3, len(tokenizer), (len(parents),), generator=g).tolist()))
-        packed, verdicts = verify(target, cache, pending, trees, seqs, "match_gumbel")
+        sampling = RowSampling.of(s.params for s in seqs)
+        packed, verdicts = verify(target, cache, pending, trees, seqs, sampling, "match_gumbel")
         check_tree_logits(tiny_model, contexts, trees, verdicts)
         # Commit a path of a different length per row (not the greedy one: any path must be keepable).
         for b, tree in enumerate(trees):

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from decoding.schedules.options import RoundsOptions as RoundsOptions  # its home is the options' module
 from decoding.speculation.draft_tree import DraftTree
+from decoding.speculation.row_sampling import SamplingTable
 from decoding.speculation.slot import Slot
 from decoding.speculation.verify import Verdict
 
@@ -61,6 +62,7 @@ class Rounds:
     free: list[int] = field(default_factory=list)  # a heap: rows to admit into, lowest first
     size: int = 0  # rows the pool has handed out so far
     freed: bool = False  # rows released since the last `trim`: only then may memory go back
+    sampling: SamplingTable = field(default_factory=SamplingTable)  # each row's settings, copied at admission
     cond: threading.Condition | Unlocked = field(default_factory=threading.Condition)
     # (event, row), for tests: the latest LOG_EVENTS to LOG_EVENTS * 2 of them (a whole log would grow
     # by a few entries a token for as long as the engine lives).
@@ -85,6 +87,7 @@ class Rounds:
 
     def arrive(self, slots: list[Slot]) -> None:
         with self.cond:
+            self.sampling.admit([s.row for s in slots], [s.seq for s in slots])
             for slot in slots:
                 slot.phase = "drafting"
                 self.live[slot.row] = slot

@@ -196,10 +196,9 @@ class Scheduler:
         stats.verified_drafts += len(record.slots)
         stats.verify_s += record.verify_s
         stats.other_s += record.other_s
-        if plan is not None and self.planner is not None:
-            greedy = [s.seq.params.greedy for s in record.slots]
+        if plan is not None and self.planner is not None and record.sampling is not None:
             around_ms = 1000 * record.verify_s - record.forward_ms
-            self.planner.observe(plan, record.verdicts, greedy, record.forward_ms, around_ms)
+            self.planner.observe(plan, record.verdicts, record.sampling.greedy, record.forward_ms, around_ms)
             stats.planned_rows += plan.rows
             stats.planned_nodes += sum(plan.nodes)
             stats.predicted_step_s += plan.predicted_ms / 1000

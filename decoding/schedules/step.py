@@ -24,6 +24,7 @@ from decoding.schedules.rounds import News, Rounds
 from decoding.speculation.draft_tree import DraftTree
 from decoding.speculation.logprobs import Asked, token_logprobs
 from decoding.speculation.options import Rule
+from decoding.speculation.row_sampling import RowSampling
 from decoding.speculation.sequence import Sequence
 from decoding.speculation.slot import Slot
 from decoding.speculation.stopping import Detokenizer
@@ -88,6 +89,7 @@ class StepRecord:
     slots: list[Slot] = field(default_factory=list)  # verified, in the forward's row order
     verdicts: list[Verdict] = field(default_factory=list)
     plan: StepPlan | None = None
+    sampling: RowSampling | None = None  # the drafted slots' settings (the first rows of `slots`)
     queue_wait_s: float = 0.0  # summed over the verified slots: queued -> taken
     forward_ms: float = 0.0
     reads: tuple[int, int] = (0, 0)  # the forward's context positions attended, read from a sibling
@@ -108,7 +110,8 @@ def decode_step(rounds: Rounds, setup: StepSetup, laps: Laps, draft_here: bool =
         # Drafted rows first (the planner plans them), then choices, scored over their answers' trees.
         slots = [s for s in queued if s.seq.choices is None]
         choices = [s for s in queued if s.seq.choices is not None]
-        trees, plan = cut(setup, slots, [s.draft for s in slots]) if slots else ([], None)  # type: ignore[misc]
+        sampling = rounds.sampling.rows([s.row for s in slots])
+        trees, plan = cut(setup, slots, sampling, [s.draft for s in slots]) if slots else ([], None)  # type: ignore[misc]
         trees += [s.seq.choices.tree for s in choices]  # type: ignore[union-attr]
         laps.lap("cut")
         packed = pack([s.pending for s in slots + choices], trees)
@@ -125,20 +128,21 @@ def decode_step(rounds: Rounds, setup: StepSetup, laps: Laps, draft_here: bool =
                 drafted,
                 trees[: len(slots)],
                 seqs,
+                sampling,
                 setup.rule,
                 setup.drafter.learns_top,
                 nodes,
                 setup.walk_on_device,
             )
             laps.lap("accept")
-            verdicts = commit(setup, slots, verdicts, packed)
+            verdicts = commit(setup, slots, sampling, verdicts, packed)
         verdicts += score_choices(choices, scored.logits[len(slots) :])
         t1 = laps.lap("commit")
         slots += choices
         record.finished = finish(setup, slots)
         laps.lap("finish")
         rounds.verified_now(slots, verdicts)
-        record.slots, record.verdicts, record.plan = slots, verdicts, plan
+        record.slots, record.verdicts, record.plan, record.sampling = slots, verdicts, plan, sampling
         record.queue_wait_s = sum(t0 - s.queued_at for s in slots)
         record.forward_ms, record.reads = scored.ms, scored.reads
         record.verify_s, record.other_s = t1 - t0, laps.lap("rounds") - t1
@@ -203,7 +207,9 @@ def plan_drafts(setup: StepSetup, slots: list[Slot]) -> list[int]:
     return setup.planner.budgets([s.estimate for s in slots], setup.drafter.max_nodes)
 
 
-def cut(setup: StepSetup, slots: list[Slot], trees: list[DraftTree]) -> tuple[list[DraftTree], StepPlan | None]:
+def cut(
+    setup: StepSetup, slots: list[Slot], sampling: RowSampling, trees: list[DraftTree]
+) -> tuple[list[DraftTree], StepPlan | None]:
     """The trees this forward verifies: cut by the planner to the nodes that pay, or to the fixed budget."""
     if setup.planner is None:
         return cut_to_budget(trees, setup.budget), None
@@ -214,8 +220,7 @@ def cut(setup: StepSetup, slots: list[Slot], trees: list[DraftTree]) -> tuple[li
 
     if not any(len(t) for t in trees):  # plain decoding: its plan reused while its rows stay
         return trees, planner.plain(len(slots), pending, context)
-    greedy = [s.seq.params.greedy for s in slots]
-    return planner.cut([s.estimate for s in slots], trees, greedy, pending, context())
+    return planner.cut([s.estimate for s in slots], trees, sampling.greedy, pending, context())
 
 
 def forward_context(cache: KVCache, slots: list[Slot], shared_saving: float) -> float:
@@ -238,7 +243,9 @@ def rows_of(cache: KVCache, slots: list[Slot]) -> list[int] | None:
     return None if rows == list(range(cache.batch)) else rows
 
 
-def commit(setup: StepSetup, slots: list[Slot], verdicts: list[Verdict], packed: Packed) -> list[Verdict]:
+def commit(
+    setup: StepSetup, slots: list[Slot], sampling: RowSampling, verdicts: list[Verdict], packed: Packed
+) -> list[Verdict]:
     """Each slot keeps what its verdict accepted: tokens to the sequence (stop rules may cut them),
     the accepted path to its cache row, the next token to its pending tokens. The verdicts with
     what each sequence kept."""
@@ -249,7 +256,8 @@ def commit(setup: StepSetup, slots: list[Slot], verdicts: list[Verdict], packed:
         s = slot.seq
         v.kept = s.commit(v.tokens, setup.tokenizer, drafted=len(v.tree), accepted=len(v.path))
         if s.top_logprobs is not None and v.kept:
-            asked.append((s, Asked(v.logits, v.kept_rows(), v.tokens[: v.kept], s.params, s.top_logprobs, v.scores)))
+            tokens = v.tokens[: v.kept]
+            asked.append((s, Asked(v.logits, v.kept_rows(), tokens, sampling.params[b], s.top_logprobs, v.scores)))
         v.scores = None
         if not slot.seq.done:
             going.append((slot.row, packed.committed(b, v.path)))

@@ -31,13 +31,14 @@ def log_distribution(
 @dataclass(frozen=True)
 class Asked:
     """One sequence's log-probabilities to read in a step: `tokens`, each predicted by the row of
-    `logits` [R, V] that `rows` names in turn, the `top` most likely beside each, under `params`;
-    `processed`: the same block's processed logits where the acceptance made them."""
+    `logits` [R, V] that `rows` names in turn, the `top` most likely beside each, under `sampling` (the
+    row's settings as the step's `RowSampling` holds them); `processed`: the same block's processed
+    logits where the acceptance made them."""
 
     logits: torch.Tensor
     rows: list[int]
     tokens: list[int]
-    params: SamplingParams
+    sampling: SamplingParams
     top: int
     processed: torch.Tensor | None = None
 
@@ -59,7 +60,7 @@ def _read(asked: list[Asked]) -> list[list[TokenLogprob]]:
     picks: list[list[int]] = []
     temperatures: list[float] = []
     for a in asked:
-        p, rows = a.params, a.rows[: len(a.tokens)]
+        p, rows = a.sampling, a.rows[: len(a.tokens)]
         if p.greedy or (a.processed is None and p.top_k == 0 and p.top_p >= 1.0):
             blocks.append(a.logits)
             temperatures.append(1.0 if p.greedy else p.temperature)
@@ -98,7 +99,7 @@ def _read(asked: list[Asked]) -> list[list[TokenLogprob]]:
 def one_logprobs(a: Asked) -> list[TokenLogprob]:
     """`token_logprobs` of one ask by torch's operators (off the CPU, or without the kernels)."""
     rows = a.rows[: len(a.tokens)]
-    logp = log_distribution(a.logits[rows], a.params, None if a.processed is None else a.processed[rows])
+    logp = log_distribution(a.logits[rows], a.sampling, None if a.processed is None else a.processed[rows])
     ids = torch.tensor(a.tokens, device=logp.device)
     chosen = logp.gather(-1, ids[:, None])[:, 0].tolist()
     if a.top:

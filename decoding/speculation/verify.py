@@ -19,7 +19,8 @@ from decoding.speculation.device_walk import read_walks, walk_matched_rows
 from decoding.speculation.draft_tree import DraftTree
 from decoding.speculation.gumbel import gumbel_pick, gumbel_pick_rows, gumbel_targets, key
 from decoding.speculation.options import Rule
-from decoding.speculation.sampling import SamplingParams, argmax_rows, processed_logits, top_k, top_k_rows
+from decoding.speculation.row_sampling import RowSampling
+from decoding.speculation.sampling import argmax_rows, processed_logits, top_k, top_k_rows
 from decoding.speculation.sequence import Sequence
 
 Top = tuple[list[list[int]], list[list[float]]]  # per row: the top-k token ids and their probabilities
@@ -75,20 +76,21 @@ def verify(
     pending: list[list[int]],
     trees: list[DraftTree],
     seqs: list[Sequence],
+    sampling: RowSampling,
     rule: Rule,
     rows: list[int] | None = None,
     top: int = 0,
 ) -> tuple[Packed, list[Verdict]]:
     """Score every row's tree in one forward and decide each under `rule` (see `target_sampler`).
 
-    `seqs` are the rows' sequences (their sampling parameters, seeds, generators and positions);
-    `rows` the cache rows verified (default: all, in order); `top` > 0: each verdict carries its
-    distributions' top tokens along the accepted path (`Verdict.top`, what drafters learn from).
-    The cache holds the new entries uncommitted; the caller commits `packed.committed(b, path)` for
-    the rows that go on.
+    `seqs` are the rows' sequences (their seeds, generators and positions), `sampling` their settings
+    (decoding/speculation/row_sampling.py); `rows` the cache rows verified (default: all, in order);
+    `top` > 0: each verdict carries its distributions' top tokens along the accepted path
+    (`Verdict.top`, what drafters learn from). The cache holds the new entries uncommitted; the caller
+    commits `packed.committed(b, path)` for the rows that go on.
     """
     packed = pack(pending, trees)
-    return packed, accept(packed, target.score(cache, packed, rows), trees, seqs, rule, top)
+    return packed, accept(packed, target.score(cache, packed, rows), trees, seqs, sampling, rule, top)
 
 
 def accept(
@@ -96,6 +98,7 @@ def accept(
     scored: Scored,
     trees: list[DraftTree],
     seqs: list[Sequence],
+    sampling: RowSampling,
     rule: Rule,
     top: int = 0,
     drafted_nodes: list[list[int] | None] | None = None,
@@ -111,8 +114,8 @@ def accept(
     walk_here = on_device if walk_on_device is None else walk_on_device
     # Processed once per row: what the samplers read; the softmax only where the rule draws from it. On
     # the CPU a row the kernel draws from its raw logits is not processed at all (cast, divided, joined).
-    raw = [not (on_device or walk_here) and drawn_raw(t, s, rule) for t, s in zip(trees, seqs)]
-    scores, dists = processed_rows(seqs, logits, softmax=rule != "match_gumbel", skip=raw)
+    raw = [not (on_device or walk_here) and drawn_raw(t, plain, rule) for t, plain in zip(trees, sampling.plain)]
+    scores, dists = processed_rows(sampling, logits, softmax=rule != "match_gumbel", skip=raw)
     # Off the CPU every row's own token at its root and at each node is found where the logits are,
     # the walks run there too, and the step reads back each row's path and token once; the CPU takes
     # every greedy row's argmax in one pass, draws every undrafted sampled row in one call, and samples
@@ -138,7 +141,7 @@ def accept(
                 targets[b] = listed[start : start + 1 + len(trees[b])]
                 start += 1 + len(trees[b])
     else:
-        targets = host_targets(scored, trees, seqs, scores, raw, rule)
+        targets = host_targets(scored, trees, seqs, sampling, scores, raw, rule)
 
     def decide(b: int) -> tuple[list[int], int, torch.Tensor | None]:
         tree, s, row, sc, own, dist = trees[b], seqs[b], logits[b], scores[b], targets[b], dists[b]
@@ -165,9 +168,7 @@ def accept(
     if top:
         rest = [b for b in range(len(trees)) if b not in walked_tops]
         on_host = (
-            top_tokens(
-                [(decided[b][0], decided[b][2], scores[b], logits[b]) for b in rest], [seqs[b] for b in rest], top
-            )
+            top_tokens([(decided[b][0], decided[b][2], scores[b], logits[b]) for b in rest], sampling.take(rest), top)
             if rest
             else []
         )
@@ -189,32 +190,23 @@ def accept(
     ]
 
 
-def processed(s: Sequence, row: torch.Tensor) -> torch.Tensor | None:
-    """A row's processed logits (None at temperature 0: only the argmax matters)."""
-    return None if s.params.greedy else processed_logits(row.float(), s.params)
-
-
-def drawn_raw(tree: DraftTree, s: Sequence, rule: Rule) -> bool:
+def drawn_raw(tree: DraftTree, plain: bool, rule: Rule) -> bool:
     """Whether a sampled row's one token is drawn by the kernel from its raw logits: no draft, a rule
-    that draws it by Gumbel-max, and a processing that is the temperature's division alone."""
-    p = s.params
-    return not p.greedy and not len(tree) and rule != "match_multinomial" and p.top_k == 0 and p.top_p >= 1.0
+    that draws it by Gumbel-max, and a processing that is the temperature's division alone (`plain`,
+    `RowSampling.plain`)."""
+    return plain and not len(tree) and rule != "match_multinomial"
 
 
 def processed_rows(
-    seqs: list[Sequence], logits: list[torch.Tensor], softmax: bool = True, skip: list[bool] | None = None
+    sampling: RowSampling, logits: list[torch.Tensor], softmax: bool = True, skip: list[bool] | None = None
 ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
     """`processed` for every row (but those `skip` says), and (`softmax`) its softmax, in one call per
     sampling setting: every operation in it works row by row, and per-row calls cost a dozen small
     launches each on a GPU (thousands a step in the statistical tests) and ~20 us of dispatch an
     operator on a CPU (a step of 32 sampled rows paid 0.4 ms a row)."""
-    scores: list[torch.Tensor | None] = [None] * len(seqs)
-    dists: list[torch.Tensor | None] = [None] * len(seqs)
-    groups: dict[SamplingParams, list[int]] = {}
-    for b, s in enumerate(seqs):
-        if not s.params.greedy and not (skip and skip[b]):
-            groups.setdefault(s.params, []).append(b)
-    for params, members in groups.items():
+    scores: list[torch.Tensor | None] = [None] * len(sampling)
+    dists: list[torch.Tensor | None] = [None] * len(sampling)
+    for params, members in sampling.groups(skip).items():
         rows = logits[members[0]] if len(members) == 1 else torch.cat([logits[b] for b in members])
         done = processed_logits(rows.float(), params)
         sizes = [len(logits[b]) for b in members]
@@ -259,6 +251,7 @@ def host_targets(
     scored: Scored,
     trees: list[DraftTree],
     seqs: list[Sequence],
+    sampling: RowSampling,
     scores: list[torch.Tensor | None],
     raw: list[bool],
     rule: Rule,
@@ -269,7 +262,7 @@ def host_targets(
     where they lie together, else over the greedy rows' (a call per row cost a tenth of a millisecond
     more than its argmax); the draws in one call, rows on the machine's threads, the `raw` ones from
     their logits and temperature (`drawn_raw`)."""
-    greedy = [b for b, s in enumerate(seqs) if s.params.greedy]
+    greedy = [b for b, g in enumerate(sampling.greedy) if g]
     out: list[list[int] | None] = [None] * len(seqs)
     if greedy:
         counts = [1 + len(trees[b]) for b in greedy]  # a row's logits: its root and its nodes (len of a tensor: 2 us)
@@ -279,10 +272,10 @@ def host_targets(
         for b, n in zip(greedy, counts):
             out[b] = flat[start : start + n]
             start += n
-    drawn = [b for b, s in enumerate(seqs) if not s.params.greedy and not len(trees[b]) and rule != "match_multinomial"]
+    drawn = [b for b, g in enumerate(sampling.greedy) if not g and not len(trees[b]) and rule != "match_multinomial"]
     if drawn:
         rows = [scored.logits[b][0] if raw[b] else scores[b][0] for b in drawn]  # type: ignore[index]
-        temperatures = [seqs[b].params.temperature if raw[b] else 1.0 for b in drawn]
+        temperatures = [sampling.temperatures[b] if raw[b] else 1.0 for b in drawn]
         picks = gumbel_pick_rows(rows, [key(seqs[b].seed, seqs[b].position) for b in drawn], temperatures)
         for b, token in zip(drawn, picks):
             out[b] = [token]
@@ -291,11 +284,11 @@ def host_targets(
 
 def top_tokens(
     decided: list[tuple[list[int], torch.Tensor | None, torch.Tensor | None, torch.Tensor]],
-    seqs: list[Sequence],
+    sampling: RowSampling,
     k: int,
 ) -> list[Top]:
     """Per row (its accepted path, processed distribution or None, processed logits or None, raw
-    logits) and its sequence: the k most likely tokens at its root and along its path (`Verdict.top`)
+    logits) and its settings: the k most likely tokens at its root and along its path (`Verdict.top`)
     and their probabilities (the processed distribution; the logits' softmax for greedy rows), by one
     top-k over the step's rows where they lie (`top_k_rows`, which normalises the logits' rows itself).
     A sampled row left unprocessed (`drawn_raw`: its processing the temperature's division alone) is
@@ -304,12 +297,12 @@ def top_tokens(
     blocks: list[torch.Tensor] = []
     normalise: list[bool] = []
     temperatures: list[float] = []
-    for (_, probs, scores, logits), s in zip(decided, seqs):
-        raw = probs is None and scores is None and not s.params.greedy
+    for (_, probs, scores, logits), greedy, temperature in zip(decided, sampling.greedy, sampling.temperatures):
+        raw = probs is None and scores is None and not greedy
         block, norm = (logits, True) if raw else top_block(probs, scores, logits)
         blocks.append(block)
         normalise.append(norm)
-        temperatures.append(s.params.temperature if raw else 1.0)
+        temperatures.append(temperature if raw else 1.0)
     values, ids = top_k_rows(blocks, min(k, blocks[0].shape[-1]), ats, normalise, temperatures)
     ids_l, values_l = ids.tolist(), values.tolist()  # one conversion for the step
     out, start = [], 0
