@@ -33,7 +33,8 @@ def test_a_steps_rows_read_the_settings_their_sequences_were_admitted_with():
 def test_a_row_admitted_again_takes_its_new_sequences_settings():
     table = SamplingTable()
     table.admit([0, 1], [Admitted(SamplingParams(1.3)), Admitted(SamplingParams(0.5))])
-    table.admit([0], [Admitted(SamplingParams())])  # row 0 released and reused
+    assert table.rows([0, 1]).temperatures == [1.3, 0.5]
+    table.admit([0], [Admitted(SamplingParams())])  # row 0 released and reused: the same rows read anew
     assert table.rows([0, 1]).temperatures == [0.0, 0.5]
     table.admit([5], [Admitted(SamplingParams(0.9, 4))])  # the arrays grow to the pool's rows
     assert table.rows([5, 1]).params == (SamplingParams(0.9, 4), SamplingParams(0.5))
