@@ -23,6 +23,10 @@ from decoding.runtime.static_forward import StaticForward, StaticSpec
 log = logging.getLogger(__name__)
 
 MIN_SHARED_PREFIX = 8  # shorter common prefixes are simply fed with each row
+# Prompt tokens one admission forward computes at most. Its activations grow with them (about 135 KB a
+# token on the 0.5B on a CPU: a hundred prompts of 1,600 tokens in one forward took 20 GB), so more,
+# or longer, prompts are computed in turns; a forward this large already runs at the machine's rate.
+PREFILL_TOKENS = 4096
 
 
 def _common_prefix_len(prompts: list[list[int]]) -> int:
@@ -88,6 +92,10 @@ class ModelRunner:
         self.kv_budget = kv_budget  # bytes a decoder's KV pool may take (model.kv_memory); None: unbounded
         # Hidden-state capture for drafters that read them (EDD): off unless capture_hidden is called.
         self.hidden_layer: int | None = None
+        self.prefill_tokens = PREFILL_TOKENS
+        # A prompt cut into pieces keeps its bits only where the attention reads every position in order
+        # whichever forward wrote it (the project's kernel); elsewhere a long prompt goes whole, alone.
+        self.cuts_prompts = self.reads_rows_in_place
 
     def capture_hidden(self, layer: int) -> None:
         """Return the output of decoder layer `layer` (negative: from the end) with every forward
@@ -379,14 +387,17 @@ class ModelRunner:
         reuse = reused.length
         hidden = [self.prefixes.restore(reused, scratch, 0, 0, reuse)] if reuse else []
         rest = list(head[reuse:])
-        if rest:
-            causal = torch.ones(len(rest), len(rest), dtype=torch.bool).tril()[None]
+        step = self.prefill_tokens if self.cuts_prompts else max(1, len(rest))
+        for start in range(0, len(rest), step):
+            piece = rest[start : start + step]
+            causal = torch.ones(len(piece), len(piece), dtype=torch.bool).tril()[None]
             out = self.forward(
-                scratch, torch.tensor([rest]), causal, torch.arange(len(rest))[None], logits_at=torch.tensor([0])
+                scratch, torch.tensor([piece]), causal, torch.arange(len(piece))[None], logits_at=torch.tensor([0])
             )
-            scratch.advance(torch.tensor([len(rest)]))
+            scratch.advance(torch.tensor([len(piece)]))
             if out.hidden is not None:
                 hidden.append(out.hidden[0])
+        if rest:
             self.prefixes.store(head, scratch, 0, torch.cat(hidden) if capture else None)
             self.prompt_tokens_computed += len(rest)
         cache.copy_prefix(scratch, 0, rows, len(head))
@@ -394,23 +405,23 @@ class ModelRunner:
         return dict.fromkeys(rows, len(head)), torch.cat(hidden) if capture and hidden else empty
 
     def _prefill(self, cache: KVCache, rows: list[int], pending: list[list[int]]) -> None:
-        """Compute every row's pending tokens but the last, all rows in one forward (left-padded)."""
+        """Compute every row's pending tokens but the last, the rows together (left-padded) in forwards
+        of at most `prefill_tokens` tokens (`prefill_turns`)."""
         todo = [(row, p[:-1]) for row, p in zip(rows, pending) if len(p) > 1]
-        if not todo:
-            return
-        packed = pack([p for _, p in todo])
         ragged = self.ragged  # left pads are not computed: the forward costs the prompts' own tokens
-        self.forward(
-            cache,
-            packed.tokens,
-            packed.see,
-            packed.depth,
-            logits_at=torch.tensor([0 if ragged else packed.n_pending - 1]),
-            rows=[row for row, _ in todo],
-            real=packed.real if ragged else None,
-        )
-        for b, (row, _) in enumerate(todo):
-            cache.commit(row, packed.committed(b, []))
+        for turn in prefill_turns(todo, self.prefill_tokens, self.cuts_prompts):
+            packed = pack([p for _, p in turn])
+            self.forward(
+                cache,
+                packed.tokens,
+                packed.see,
+                packed.depth,
+                logits_at=torch.tensor([0 if ragged else packed.n_pending - 1]),
+                rows=[row for row, _ in turn],
+                real=packed.real if ragged else None,
+            )
+            for b, (row, _) in enumerate(turn):
+                cache.commit(row, packed.committed(b, []))
 
     def remember(self, cache: KVCache, row: int, tokens: list[int], pin: tuple[int, ...] | None = None) -> None:
         """Store what a row committed (its prompt and generated tokens) for later prompts that extend
@@ -424,6 +435,29 @@ class ModelRunner:
         the store also held now count against its budget, which may then evict."""
         cache.clear(rows)
         self.kv.released(self.prefixes)
+
+
+def prefill_turns(todo: list[tuple[int, list[int]]], limit: int, cut: bool = True) -> list[list[tuple[int, list[int]]]]:
+    """(row, tokens) to compute, as forwards of at most `limit` tokens: rows whole and in order, a
+    forward closed where the next row does not fit; a row longer than `limit` alone, in pieces of
+    `limit`, one forward each (not `cut`: whole). A forward is left-padded to its widest row, so a row cut mid-prompt
+    never shares one (its slots would run past what the pool reserved for it). A row's logits and KV
+    do not depend on how its prompt was cut: a piece reads the pieces before it from the cache, as a
+    decode step does."""
+    turns: list[list[tuple[int, list[int]]]] = []
+    turn: list[tuple[int, list[int]]] = []
+    room = limit
+    for row, tokens in todo:
+        if len(tokens) > room and turn:
+            turns.append(turn)
+            turn, room = [], limit
+        if len(tokens) > limit:
+            step = limit if cut else len(tokens)
+            turns += [[(row, tokens[i : i + step])] for i in range(0, len(tokens), step)]
+            continue
+        turn.append((row, tokens))
+        room -= len(tokens)
+    return [*turns, turn] if turn else turns
 
 
 def _rows_of_their_own(layers: bool, bucketed: bool, device: torch.device) -> str | None:
