@@ -84,7 +84,7 @@ def select_rows(cache: RowKVCache, index: torch.Tensor) -> None:
     ]
     cache.values = [v.index_select(0, index) for v in cache.values]
     cache.lens = cache.lens.index_select(0, lens_index)
-    cache.groups = cache.groups.index_select(0, lens_index)  # a repeated row: a copy, of its group
+    cache.siblings = cache.siblings.index_select(0, lens_index)  # a repeated row: a copy, of its siblings
     if cache.graphs is not None:
         cache.graphs.clear()  # they read the replaced tensors
 

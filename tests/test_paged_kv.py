@@ -18,7 +18,7 @@ from decoding.base.values import GenRequest
 from decoding.runtime.kv_bytes import Need, pool_bytes
 from decoding.runtime.kv_cache import shared_reads
 from decoding.runtime.memory import MemoryBudget
-from decoding.runtime.paged_kv import BLOCK, BlockPool, groups_of
+from decoding.runtime.paged_kv import BLOCK, BlockPool, siblings_of
 from decoding.runtime.prefix_cache import PrefixCache
 from decoding.runtime.runner import ModelRunner, _rows_of_their_own
 from decoding.schedules.admission import rows_that_fit
@@ -52,22 +52,23 @@ def test_blocks_are_held_by_count_and_go_back_lowest_first():
         pool.drop([1, 1])
 
 
-def test_rows_are_grouped_where_most_is_read_once():
+def test_siblings_are_set_where_most_is_read_once():
     """Eight samples of one state hold its 10 blocks, four evaluations only the question's first 3 with
-    them: two groups (the samples reading their whole prompt once, the evaluations the question), not one
-    group reading the question alone."""
+    them: two sets of siblings (the samples reading their whole prompt once, the evaluations the
+    question), not one set reading the question alone."""
     tables = torch.zeros(12, 16, dtype=torch.long)
     tables[:, :3] = torch.tensor([1, 2, 3])
     tables[:8, 3:10] = torch.arange(4, 11)
     tables[torch.arange(12), torch.tensor([10] * 8 + [3] * 4)] = torch.arange(100, 112)  # each its own next
     lens = torch.tensor([10 * BLOCK + 5] * 8 + [3 * BLOCK + 20] * 4)
-    groups = groups_of(tables.numpy(), lens.numpy())
-    assert groups is not None
-    assert groups[:8, 1].tolist() == [10 * BLOCK] * 8 and groups[8:, 1].tolist() == [3 * BLOCK] * 4
-    assert groups[:8, 0].unique().numel() == 1 and groups[8:, 0].unique().numel() == 1 and groups[0, 0] != groups[8, 0]
+    siblings = siblings_of(tables.numpy(), lens.numpy())
+    assert siblings is not None
+    assert siblings[:8, 1].tolist() == [10 * BLOCK] * 8 and siblings[8:, 1].tolist() == [3 * BLOCK] * 4
+    assert siblings[:8, 0].unique().numel() == 1 and siblings[8:, 0].unique().numel() == 1
+    assert siblings[0, 0] != siblings[8, 0]
     one = torch.stack([torch.ones(12, dtype=torch.long), torch.full((12,), 3 * BLOCK)], 1)
-    assert shared_reads(groups) > shared_reads(one)
-    assert groups_of(tables[:1].numpy(), lens[:1].numpy()) is None
+    assert shared_reads(siblings) > shared_reads(one)
+    assert siblings_of(tables[:1].numpy(), lens[:1].numpy()) is None
 
 
 def _prefilled(runner: ModelRunner, rows: int, n: int):

@@ -26,8 +26,8 @@ def test_a_steps_rows_read_the_settings_their_sequences_were_admitted_with():
     assert step.temperatures == [0.7, 0.7, 0.0]  # float64: the request's own value, not float32's 0.69999...
     assert step.plain == [False, True, False]  # only the temperature's division: read raw by the kernels
     assert step.top_k.tolist() == [20, 0, 0] and step.top_p.tolist() == [0.9, 1.0, 1.0]
-    assert step.groups() == {nucleus: [0], warm: [1]}
-    assert step.groups(skip=[False, True, False]) == {nucleus: [0]}
+    assert step.by_setting() == {nucleus: [0], warm: [1]}
+    assert step.by_setting(skip=[False, True, False]) == {nucleus: [0]}
 
 
 def test_a_row_admitted_again_takes_its_new_sequences_settings():

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 POOL_SLACK = 4.0  # a pool gives memory back once it holds this many times what its live rows need
-SHARED_BLOCK = 64  # the CPU attention reads a group's shared positions in whole blocks of this many (its BL)
+SHARED_BLOCK = 64  # the CPU attention reads siblings' shared positions in whole blocks of this many (its BL)
 
 
 class Segment(Protocol):
@@ -75,7 +75,7 @@ class KVCache(Protocol):
 
     def copy_prefix(self, src: KVCache, src_row: int, rows: list[int], n: int, share: bool = True) -> None: ...
 
-    def share(self, rows: list[int], n: int, group: int | None = None) -> None: ...
+    def share(self, rows: list[int], n: int, siblings: int | None = None) -> None: ...
 
     def written(self, rows: list[int], start: int) -> None: ...
 
@@ -126,12 +126,12 @@ class RowKVCache:
             self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.lens = torch.zeros(batch - spare, dtype=torch.long)
-        # Rows given one prefix copy hold the same first positions: per row (group id, how many; -1:
-        # none). The invariant attention reads those keys and values once for all the rows of a
-        # group in a forward (csrc/attention.cpp). A row's count only drops until it is admitted again.
-        self.groups = torch.full((batch - spare, 2), -1, dtype=torch.long)
-        self.groups[:, 1] = 0
-        self._next_group = 0
+        # Rows given one prefix copy (siblings) hold the same first positions: per row (its siblings' id,
+        # how many; -1: none). The invariant attention reads those keys and values once for all the
+        # siblings in a forward (csrc/attention.cpp). A row's count only drops until it is admitted again.
+        self.siblings = torch.full((batch - spare, 2), -1, dtype=torch.long)
+        self.siblings[:, 1] = 0
+        self._next_siblings = 0
         # CUDA graphs captured over these tensors, by whoever captured them (static_forward.py); None:
         # this cache is not worth capturing for (a scratch cache of one admission). Dropped on resize.
         self.graphs: dict[tuple, object] | None = None
@@ -196,13 +196,13 @@ class RowKVCache:
         return reads_of(host, self._share(rows, host))
 
     def _share(self, rows: list[int] | None, lens: torch.Tensor) -> torch.Tensor | None:
-        """The forward's rows' groups [B, 2] (id, positions held alike, at most the committed ones:
+        """The forward's rows' siblings [B, 2] (id, positions held alike, at most the committed ones:
         the slots past them are each row's own), or None where no two of its rows share."""
-        groups = (self.groups if rows is None else self.groups[rows]).clone()
-        groups[:, 1] = torch.minimum(groups[:, 1], lens)
-        groups[groups[:, 1] == 0, 0] = -1
-        ids = groups[:, 0][groups[:, 0] >= 0]
-        return None if ids.numel() == ids.unique().numel() else groups
+        siblings = (self.siblings if rows is None else self.siblings[rows]).clone()
+        siblings[:, 1] = torch.minimum(siblings[:, 1], lens)
+        siblings[siblings[:, 1] == 0, 0] = -1
+        ids = siblings[:, 0][siblings[:, 0] >= 0]
+        return None if ids.numel() == ids.unique().numel() else siblings
 
     def advance(self, counts: torch.Tensor) -> None:
         """Commit the first counts[b] new entries of each row."""
@@ -263,37 +263,37 @@ class RowKVCache:
         self.keys = [resized(k) for k in self.keys]
         self.values = [resized(v) for v in self.values]
         self.lens = torch.cat([lens, lens.new_zeros(batch - self.spare - b)])
-        fresh = self.groups.new_full((batch - self.spare - b, 2), -1)
+        fresh = self.siblings.new_full((batch - self.spare - b, 2), -1)
         fresh[:, 1] = 0
-        self.groups = torch.cat([self.groups[:b], fresh])
+        self.siblings = torch.cat([self.siblings[:b], fresh])
         if self.graphs is not None:
             self.graphs.clear()  # they read the old tensors' addresses
 
     def copy_prefix(self, src: KVCache, src_row: int, rows: list[int], n: int, share: bool = True) -> None:
         """Rows `rows` become the first n committed positions of `src`'s row src_row; with `share`,
-        they form a group (with src_row, when it is a row of this cache) whose first n positions are
+        they are siblings (with src_row, when it is a row of this cache) whose first n positions are
         read once for all of them."""
         index = to_device(torch.tensor(rows, dtype=torch.long), self.device)
         for dst, s in zip(self.keys + self.values, src.keys + src.values):
             dst[index, :, :n] = s[src_row, :, :n]
         self.lens[rows] = n
         self.written(rows, 0)
-        if share and src is self and self.groups[src_row, 1] == n and self.groups[src_row, 0] >= 0:
-            self.share(rows, n, int(self.groups[src_row, 0]))  # a third copy joins the second's group
+        if share and src is self and self.siblings[src_row, 1] == n and self.siblings[src_row, 0] >= 0:
+            self.share(rows, n, int(self.siblings[src_row, 0]))  # a third copy joins the second's siblings
         elif share:
             self.share([*rows, src_row] if src is self else rows, n)
 
-    def share(self, rows: list[int], n: int, group: int | None = None) -> None:
-        """The rows hold the same first n positions (the caller vouches for it): a group (`group`, or a
-        new one) whose n positions a forward reads once for all of them."""
-        if group is None:
-            group, self._next_group = self._next_group, self._next_group + 1
-        self.groups[rows, 0] = group
-        self.groups[rows, 1] = n
+    def share(self, rows: list[int], n: int, siblings: int | None = None) -> None:
+        """The rows hold the same first n positions (the caller vouches for it): siblings (of id
+        `siblings`, or a new one) whose n positions a forward reads once for all of them."""
+        if siblings is None:
+            siblings, self._next_siblings = self._next_siblings, self._next_siblings + 1
+        self.siblings[rows, 0] = siblings
+        self.siblings[rows, 1] = n
 
     def written(self, rows: list[int], start: int) -> None:
-        """Positions from `start` on of `rows` are rewritten: they no longer hold their group's."""
-        self.groups[rows, 1] = self.groups[rows, 1].clamp(max=start)
+        """Positions from `start` on of `rows` are rewritten: they no longer hold their siblings'."""
+        self.siblings[rows, 1] = self.siblings[rows, 1].clamp(max=start)
 
     def clear(self, rows: list[int]) -> None:
         """Rows hold nothing (a sequence starts in them without a prefix)."""
@@ -365,7 +365,7 @@ class ForwardView:
     # rows that are one run first..first + n: `update` returns a view; found once from the host's list,
     # since a test on the device tensor would wait for the GPU at every layer
     block: tuple[int, int] | None = None
-    share: torch.Tensor | None = None  # [B, 2] the rows' groups (RowKVCache.groups), None: none shared
+    share: torch.Tensor | None = None  # [B, 2] the rows' siblings (RowKVCache.siblings), None: none shared
     reads: tuple[int, int] = (0, 0)  # committed positions the rows attend; of them, read from a sibling
     # a paged cache (paged_kv.py): the rows' block tables [B, blocks] the attention reads through, and
     # where the new tokens go: (blocks, offsets) [B, T]
@@ -436,17 +436,17 @@ class ForwardView:
 
 
 def reads_of(lens: torch.Tensor | np.ndarray, share: torch.Tensor | None) -> tuple[int, int]:
-    """Committed positions rows of these lengths attend, and of them read from a sibling (`share`'s groups)."""
+    """Committed positions rows of these lengths attend, and of them read from a sibling (`share`)."""
     return int(lens.sum()), 0 if share is None else shared_reads(share)
 
 
 def shared_reads(share: torch.Tensor) -> int:
-    """Positions a forward with these groups [B, 2] reads from a sibling's row: per group, its shared
-    whole blocks for every member but the one they are read from."""
-    groups, alike = share.cpu().numpy().T  # numpy's calls: a step's bookkeeping, a tenth of torch's
+    """Positions a forward with these siblings [B, 2] reads from a sibling's row: per set of siblings,
+    its shared whole blocks for every member but the one they are read from."""
+    ids, alike = share.cpu().numpy().T  # numpy's calls: a step's bookkeeping, a tenth of torch's
     out = 0
-    for group in np.unique(groups[groups >= 0]).tolist():
-        members = alike[groups == group]
+    for one in np.unique(ids[ids >= 0]).tolist():
+        members = alike[ids == one]
         out += (len(members) - 1) * (int(members.min()) // SHARED_BLOCK * SHARED_BLOCK)
     return out
 

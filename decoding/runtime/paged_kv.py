@@ -255,7 +255,7 @@ class PagedKVCache:
         slots = host[:, None] + offset + np.arange(n_new)
         tables = table_all[order, : _width(need)]
         where = (np.take_along_axis(tables, slots // BLOCK, 1), slots % BLOCK)
-        share = groups_of(tables, host)
+        share = siblings_of(tables, host)
         return ForwardView(
             self,
             torch.from_numpy(host),
@@ -279,7 +279,7 @@ class PagedKVCache:
         lens, table_all = self.lens.numpy(), self.tables.numpy()
         host = lens if rows is None else lens[rows]
         tables = table_all if rows is None else table_all[rows]
-        return reads_of(host, groups_of(tables[:, : _width(int(host.max()) + 1)], host))
+        return reads_of(host, siblings_of(tables[:, : _width(int(host.max()) + 1)], host))
 
     def _own_blocks(self, row: int, first: int, end: int) -> None:
         """Row `row` alone holds its blocks first..end - 1 (taken fresh, or copied from a shared one)."""
@@ -390,7 +390,7 @@ class PagedKVCache:
         for dst, src in zip(self.pool.keys + self.pool.values, keys + values):
             dst[blocks, :, offsets] = src.transpose(0, 1)
 
-    def share(self, rows: list[int], n: int, group: int | None = None) -> None:
+    def share(self, rows: list[int], n: int, siblings: int | None = None) -> None:
         """Rows hold the same first n positions (the caller vouches for it): they take the first row's
         blocks of them, letting go of their own."""
         k = blocks_for(n)
@@ -496,13 +496,13 @@ def _width(positions: int) -> int:
     return blocks_for(-(-positions // SHARED_BLOCK) * SHARED_BLOCK)
 
 
-def groups_of(tables: np.ndarray, lens: np.ndarray) -> torch.Tensor | None:
-    """Groups [B, 2] for the attention (RowKVCache.groups' form: a group id, the positions every
-    member holds alike, at most its committed ones); None where no two rows share a block.
+def siblings_of(tables: np.ndarray, lens: np.ndarray) -> torch.Tensor | None:
+    """Siblings [B, 2] for the attention (RowKVCache.siblings' form: an id, the positions every
+    sibling holds alike, at most its committed ones); None where no two rows share a block.
 
-    A row is in one group, and a group reads the run of blocks all its members hold, so rows are
-    grouped where it reads most once: rows sharing a first block, in the order of their tables (rows
-    with longer common runs side by side), cut into the consecutive groups that read the most
+    A row has one set of siblings, and a set reads the run of blocks all its members hold, so rows are
+    set together where it reads most once: rows sharing a first block, in the order of their tables
+    (rows with longer common runs side by side), cut into the consecutive sets that read the most
     positions from a sibling (the samples of one state apart from the evaluations that share only its
     question with them)."""
     if tables.shape[0] < 2:  # no sibling to share with
@@ -512,16 +512,16 @@ def groups_of(tables: np.ndarray, lens: np.ndarray) -> torch.Tensor | None:
     shared = np.flatnonzero(holders > 1)
     if not len(shared):
         return None
-    groups = torch.full((tables.shape[0], 2), -1, dtype=torch.long)
-    groups[:, 1] = 0
+    siblings = torch.full((tables.shape[0], 2), -1, dtype=torch.long)
+    siblings[:, 1] = 0
     rows, held = tables.tolist(), lens.tolist()
     for block in shared.tolist():
         members = sorted(np.flatnonzero(first == block).tolist(), key=lambda r: rows[r])
         for part, alike in _best_runs(members, rows, held):
             if len(part) > 1:
-                groups[part, 0] = part[0]
-                groups[part, 1] = alike
-    return groups if bool((groups[:, 0] >= 0).any()) else None
+                siblings[part, 0] = part[0]
+                siblings[part, 1] = alike
+    return siblings if bool((siblings[:, 0] >= 0).any()) else None
 
 
 def _common(a: list[int], b: list[int]) -> int:

@@ -173,7 +173,7 @@ class ModelRunner:
             logits, hidden = self._transformers_forward(view, tokens, mask, positions, kv_rows, keep)
         self.forwards += 1
         self.rows += tokens.shape[0]
-        # Only the project's layers pass the groups to the kernel; other attentions read every row's own.
+        # Only the project's layers pass the siblings to the kernel; other attentions read every row's own.
         reads = view.reads if self.layers is not None else (view.reads[0], 0)
         return Forward(logits, hidden if self.hidden_layer is not None else None, reads)
 

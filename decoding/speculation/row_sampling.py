@@ -71,7 +71,7 @@ class RowSampling:
         at = torch.tensor(list(rows), dtype=torch.int64)
         return RowSampling(tuple(self.params[r] for r in rows), self.temperature[at], self.top_k[at], self.top_p[at])
 
-    def groups(self, skip: Sequence[bool] | None = None) -> dict[SamplingParams, list[int]]:
+    def by_setting(self, skip: Sequence[bool] | None = None) -> dict[SamplingParams, list[int]]:
         """The sampled rows (but those `skip` says) by their settings: each group is processed in one call."""
         out: dict[SamplingParams, list[int]] = {}
         for b, (p, greedy) in enumerate(zip(self.params, self.greedy)):
