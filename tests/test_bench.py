@@ -185,8 +185,8 @@ def test_bench_variants(long_context, tmp_path):
     StaticTree(tuple(k_config_parents((1, 1, 1))), {}).save(tree)
     variants = (
         "bench.variants={stand_chain: {decoder: stand, stand.tree: '" + str(tree) + "'}, "
-        "sd_pct: ['decoder=sd', 'sd.tree_policy=pct', 'sd.pct_ratio=0.2'], "
-        "sd_wr: {decoder: sd, sd.without_replacement: true}}"
+        "sd_pct: ['decoder=sd', 'draft_tree.tree_policy=pct', 'draft_tree.pct_ratio=0.2'], "
+        "sd_wr: {decoder: sd, draft_tree.without_replacement: true}}"
     )
     run_cfg, container = compose_bench("gen.temperature=0", "bench.decoders=[hf,stand]", "draft.path=self", variants)
     configs, skipped = decoder_configs(container, ["hf", "stand"], False, container["bench"]["variants"])
@@ -203,10 +203,13 @@ def test_bench_variants(long_context, tmp_path):
     assert result["lossless_checked"] and result["mismatches"] == []
     assert list(result["decoders"]) == list(configs) and "`sd_pct`" in table(result)
     for overrides, message in (
-        ({"sd.tree_policy": "pct"}, r"bench\.variants\.v does not say which decoder"),
+        ({"draft_tree.tree_policy": "pct"}, r"bench\.variants\.v does not say which decoder"),
         ({"decoder": "sd", "gen.temperature": 1.0}, r"bench\.variants\.v sets gen\.temperature: every decoder"),
         ({"decoder": "sd", "sd.nope": 1}, r"bench\.variants\.v sets sd\.nope, which is not a config key"),
-        ({"decoder": "sd", "sd.tree_policy": "x"}, r"bench\.variants\.v: sd\.tree_policy=x is not one of"),
+        (
+            {"decoder": "sd", "draft_tree.tree_policy": "x"},
+            r"bench\.variants\.v: draft_tree\.tree_policy=x is not one of",
+        ),
         ("decoder=sd", r"bench\.variants\.v='decoder=sd' must be a list of overrides"),
         ({"decoder": "sd", "draft.path": "x"}, r"bench\.variants\.v sets draft\.path: every decoder"),
         ({"decoder": "sd", "draft.vocab": 8}, r"bench\.variants\.v: draft\.vocab=8: .*draft\.path=edd"),

@@ -367,7 +367,7 @@ def test_greedy_identity(tiny_model, tokenizer, loaded, trained, name, k_config)
 
 @pytest.mark.parametrize("ratio", [0.05, None], ids=["given", "measured"])
 def test_greedy_identity_pct(tiny_model, tokenizer, loaded, trained, ratio):
-    """EDD with its own pruned candidate tree (sd.tree_policy=pct), s_d / s_t given or measured."""
+    """EDD with its own pruned candidate tree (draft_tree.tree_policy=pct), s_d / s_t given or measured."""
     _, draft = trained
     specs, requests = ragged()
     refs = [reference_greedy(tiny_model, encode(tokenizer, p), m, {EOS_ID}) for p, m in specs]

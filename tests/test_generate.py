@@ -51,7 +51,7 @@ def test_every_decoder_gives_the_same_greedy_completions(tmp_path, loaded):
     outputs = {}
     for decoder in ("hf", "ar", "sd"):
         # Whole trees (the fixed plan): the goodput plan rightly drafts little with the target as its draft.
-        extra = ["draft.path=self", "sd.k_config=[2,2,1]", "verify.plan=fixed"] if decoder == "sd" else []
+        extra = ["draft.path=self", "draft_tree.k_config=[2,2,1]", "verify.plan=fixed"] if decoder == "sd" else []
         cfg = config(prompts, tmp_path / f"{decoder}.jsonl", f"decoder={decoder}", *extra)
         summary = generate(cfg, engine_for(cfg, loaded), progress=False)
         rows = read(cfg.out)
@@ -137,7 +137,7 @@ def run_cli_cases(root: Path, tiny_model, tokenizer) -> tuple[Path, dict[str, su
             f"out={root / 'o.jsonl'}",
             "decoder=sd",
             "draft.path=self",
-            "sd.multi_candidate=false",
+            "draft_tree.multi_candidate=false",
             *base,
         ],
         "unknown_key": [f"prompts={prompts}", f"out={root / 'o.jsonl'}", "gen.temprature=1", *base],
@@ -170,7 +170,7 @@ def test_cli_outputs_agree(cli_runs):
         ("bad_json", "bad.jsonl:2 is not valid JSON"),
         ("no_prompt", 'np.jsonl:1 needs an "id" and a non-empty "prompt" string'),
         ("sd_no_draft", "decoder=sd drafts with a draft model: set draft.path="),
-        ("single_candidate_tree", "sd.k_config=[2, 2, 1] drafts several candidates per position"),
+        ("single_candidate_tree", "draft_tree.k_config=[2, 2, 1] drafts several candidates per position"),
         ("unknown_key", "gen.temprature is not a config key"),
     ],
 )

@@ -164,18 +164,21 @@ def test_sampling_follows_the_target(tiny_model, tokenizer, loaded, perturbed, p
 
 
 def test_config():
-    spec = decoder_from("decoder=sd", "sd.tree_policy=pct", "sd.pct_ratio=0.25", "sd.pct_top_k=3").draft_tree
+    pct = ("decoder=sd", "draft_tree.tree_policy=pct")
+    spec = decoder_from(*pct, "draft_tree.pct_ratio=0.25", "draft_tree.pct_top_k=3").draft_tree
     assert (spec.tree_policy, spec.pct_ratio, spec.pct_top_k, spec.draw) == ("pct", 0.25, 3, "top")
-    assert decoder_from("decoder=seed", "seed.tree_policy=pct").draft_tree.pct_ratio is None  # measured at start-up
+    seed = decoder_from("decoder=seed", "draft_tree.tree_policy=pct").draft_tree
+    assert seed.pct_ratio is None  # measured at start-up
     cases = {
-        ("decoder=sd", "sd.tree_policy=pct", "sd.pct_threshold=0"): r"sd\.pct_threshold=0\.0 must be in \(0, 1\)",
-        ("decoder=seed", "seed.tree_policy=pct", "seed.pct_top_k=0"): r"seed\.pct_top_k=0 .* must be positive",
-        ("decoder=sd", "sd.tree_policy=pct", "sd.pct_ratio=-1"): r"sd\.pct_ratio=-1\.0 must be positive, or null",
-        ("decoder=sd", "sd.tree_policy=pct", "sd.without_replacement=true"): (
-            r"sd\.tree_policy=pct takes the top-k candidates deterministically .* set sd\.without_replacement=false"
+        (*pct, "draft_tree.pct_threshold=0"): r"draft_tree\.pct_threshold=0\.0 must be in \(0, 1\)",
+        ("decoder=seed", *pct[1:], "draft_tree.pct_top_k=0"): r"draft_tree\.pct_top_k=0 .* must be positive",
+        (*pct, "draft_tree.pct_ratio=-1"): r"draft_tree\.pct_ratio=-1\.0 must be positive, or null",
+        (*pct, "draft_tree.without_replacement=true"): (
+            r"draft_tree\.tree_policy=pct takes the top-k candidates deterministically .* "
+            r"set draft_tree\.without_replacement=false"
         ),
-        ("decoder=sd", "sd.tree_policy=pct", "sd.multi_candidate=false"): r"needs sd\.multi_candidate=true",
-        ("decoder=sd", "sd.tree_policy=pct", "sd.pct_ratio=fast"): r"sd\.pct_ratio='fast' is not a number",
+        (*pct, "draft_tree.multi_candidate=false"): r"needs draft_tree\.multi_candidate=true",
+        (*pct, "draft_tree.pct_ratio=fast"): r"draft_tree\.pct_ratio='fast' is not a number",
     }
     for overrides, message in cases.items():
         with pytest.raises(ConfigError, match=message):

@@ -358,8 +358,8 @@ def test_every_options_dataclass_defaults_to_what_the_yaml_says():
         config = OmegaConf.to_container(compose(config_name="config"), resolve=True)
     sections = {
         "verify": [VerifyOptions],
-        "sd": [DraftTreeOptions],
-        "seed": [DraftTreeOptions, RoundsOptions],
+        "draft_tree": [DraftTreeOptions],
+        "seed": [RoundsOptions],
         **{name: [options] for name, options in SECTIONS.items()},
         "server": [ServerOptions],
         "model": [ModelSpec],

@@ -368,9 +368,18 @@ def test_config_accepts_edges():
     "overrides, named",
     [
         (["decoder=sd"], "decoder=sd drafts with a draft model: set draft.path="),
-        (["decoder=sd", "draft.path=self", "sd.multi_candidate=false"], "sd.k_config=[2, 2, 1] drafts several"),
-        (["decoder=sd", "draft.path=self", "sd.k_config=[2,0]"], "sd.k_config=[2, 0] must list positive"),
-        (["decoder=sd", "draft.path=self", "sd.without_replacement=maybe"], "sd.without_replacement='maybe'"),
+        (
+            ["decoder=sd", "draft.path=self", "draft_tree.multi_candidate=false"],
+            "draft_tree.k_config=[2, 2, 1] drafts several",
+        ),
+        (
+            ["decoder=sd", "draft.path=self", "draft_tree.k_config=[2,0]"],
+            "draft_tree.k_config=[2, 0] must list positive",
+        ),
+        (
+            ["decoder=sd", "draft.path=self", "draft_tree.without_replacement=maybe"],
+            "draft_tree.without_replacement='maybe'",
+        ),
         (["decoder=sd", "draft.path=self", "draft.device=tpu"], "draft.device='tpu'"),
     ],
 )
@@ -380,7 +389,9 @@ def test_decoder_config_errors(overrides, named):
 
 
 def test_decoder_config():
-    cfg = make_config("decoder=sd", "draft.path=self", "sd.k_config=[1,1,1]", "sd.multi_candidate=false")
+    cfg = make_config(
+        "decoder=sd", "draft.path=self", "draft_tree.k_config=[1,1,1]", "draft_tree.multi_candidate=false"
+    )
     assert cfg.decoder.name == "sd" and cfg.decoder.draft_tree.k_config == (1, 1, 1)
     assert cfg.decoder.draft is not None and cfg.decoder.draft.path == "self"
     assert make_config("decoder=ar", "draft.path=self").decoder.draft is None  # ar drafts nothing

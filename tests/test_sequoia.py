@@ -282,18 +282,31 @@ def decoder_from(*overrides: str) -> DecoderConfig:
 
 
 def test_config_errors(tmp_path, sequoia_file):
-    spec = decoder_from("decoder=sd", "sd.tree_policy=sequoia", f"sd.tree={sequoia_file}").draft_tree
+    spec = decoder_from("decoder=sd", "draft_tree.tree_policy=sequoia", f"draft_tree.tree={sequoia_file}").draft_tree
     assert spec.tree_policy == "sequoia" and spec.parents == StaticTree.load(sequoia_file).parents
-    seed = decoder_from("decoder=seed", "seed.tree_policy=sequoia", f"seed.tree={sequoia_file}").draft_tree
-    assert seed.key == "seed" and seed.tree == sequoia_file
+    seed = decoder_from("decoder=seed", "draft_tree.tree_policy=sequoia", f"draft_tree.tree={sequoia_file}").draft_tree
+    assert seed.key == "draft_tree" and seed.tree == sequoia_file
     cases = {
-        ("decoder=sd", "sd.tree_policy=nope"): r"sd\.tree_policy=nope is not one of k_config, sequoia, pct",
-        ("decoder=sd", "sd.tree_policy=sequoia"): r"sd\.tree_policy=sequoia needs sd\.tree=PATH",
-        ("decoder=seed", "seed.tree_policy=sequoia", "seed.tree=/no/such.json"): r"seed\.tree=/no/such\.json is "
+        (
+            "decoder=sd",
+            "draft_tree.tree_policy=nope",
+        ): r"draft_tree\.tree_policy=nope is not one of k_config, sequoia, pct",
+        (
+            "decoder=sd",
+            "draft_tree.tree_policy=sequoia",
+        ): r"draft_tree\.tree_policy=sequoia needs draft_tree\.tree=PATH",
+        (
+            "decoder=seed",
+            "draft_tree.tree_policy=sequoia",
+            "draft_tree.tree=/no/such.json",
+        ): r"draft_tree\.tree=/no/such\.json is "
         "neither a shipped tree",
-        ("decoder=sd", "sd.tree_policy=sequoia", f"sd.tree={sequoia_file}", "sd.multi_candidate=false"): (
-            r"has nodes with \d children, which needs sd\.multi_candidate=true"
-        ),
+        (
+            "decoder=sd",
+            "draft_tree.tree_policy=sequoia",
+            f"draft_tree.tree={sequoia_file}",
+            "draft_tree.multi_candidate=false",
+        ): (r"has nodes with \d children, which needs draft_tree\.multi_candidate=true"),
     }
     for overrides, message in cases.items():
         with pytest.raises(ConfigError, match=message):
@@ -373,7 +386,8 @@ def test_command_stand(tmp_path, long_context, profile_file):
     # Loadable as STAND's tree and as the draft model's Sequoia tree.
     assert StaticTree.load(str(out)).parents == made.tree.parents
     assert (
-        decoder_from("decoder=sd", "sd.tree_policy=sequoia", f"sd.tree={out}").draft_tree.parents == made.tree.parents
+        decoder_from("decoder=sd", "draft_tree.tree_policy=sequoia", f"draft_tree.tree={out}").draft_tree.parents
+        == made.tree.parents
     )
     # Re-solved from the recorded counts without decoding: the same tree for the same costs.
     again, _ = build(compose_command(f"calibrate.from_counts={out}"), tmp_path / "again")

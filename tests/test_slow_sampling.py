@@ -45,7 +45,7 @@ def test_every_decoder_samples_what_hf_samples_on_the_embedded_model(tmp_path, r
         assert tokens == hf, name
     # The target drafting for itself, chains of 4, every tree verified whole.
     k = 4
-    extra = ["decoder=sd", "draft.path=self", f"sd.k_config=[{','.join(['1'] * k)}]", "verify.plan=fixed"]
+    extra = ["decoder=sd", "draft.path=self", f"draft_tree.k_config=[{','.join(['1'] * k)}]", "verify.plan=fixed"]
     tokens, stats, rows = generate(tmp_path, "self", *extra, "verify.max_tokens=null", f"verify.rule={rule}")
     assert tokens == hf
     if rule == "match_gumbel":

@@ -19,7 +19,7 @@ def test_sd_trees_equal_ar_trees(tmp_path):
     runs = {}
     for name, extra in {
         "ar": ["decoder=ar"],
-        "sd": ["decoder=sd", "draft.path=self", "sd.k_config=[2,2,1]", "verify.plan=fixed"],
+        "sd": ["decoder=sd", "draft.path=self", "draft_tree.k_config=[2,2,1]", "verify.plan=fixed"],
     }.items():
         run_dir = tmp_path / name
         cmd = [sys.executable, "-m", "tot.solve", *common, *extra, f"hydra.run.dir={run_dir}"]

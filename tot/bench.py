@@ -22,7 +22,7 @@ tokens, acceptance length and speed over `ar` for `bench.scaling_decoders`, as e
 `bench.searches` grows its budget N (`bench.budgets`), at each of `bench.temperatures`:
 scaling.json, scaling.md and scaling.png. `bench.variants` adds runs of one decoder with
 other options (tree policies, rules) under their own names, e.g. bench.variants='{sd_pct: {decoder:
-sd, sd.tree_policy: pct}}'.
+sd, draft_tree.tree_policy: pct}}'.
 """
 
 from __future__ import annotations
@@ -123,8 +123,8 @@ PER_DECODER = ("draft.vocab", "task.evaluator")
 
 
 def variant_container(container: dict, name: str, overrides: object) -> dict:
-    """The run's options with one variant's overrides applied: a list such as
-    [decoder=sd, sd.tree_policy=pct] (values parsed as YAML) or a mapping {decoder: sd, sd.tree_policy: pct}."""
+    """The run's options with one variant's overrides applied: a list such as [decoder=sd,
+    draft_tree.tree_policy=pct] (values parsed as YAML) or a mapping {decoder: sd, draft_tree.tree_policy: pct}."""
     if isinstance(overrides, dict):
         items = [(str(k), v) for k, v in overrides.items()]
     elif isinstance(overrides, list) and all(isinstance(o, str) and "=" in o for o in overrides):
@@ -132,7 +132,8 @@ def variant_container(container: dict, name: str, overrides: object) -> dict:
     else:
         raise ConfigError(
             f"bench.variants.{name}={overrides!r} must be a list of overrides such as "
-            "['decoder=sd','sd.tree_policy=pct'] or a mapping such as {decoder: sd, sd.tree_policy: pct}"
+            "['decoder=sd','draft_tree.tree_policy=pct'] or a mapping such as "
+            "{decoder: sd, draft_tree.tree_policy: pct}"
         )
     if "decoder" not in dict(items):
         raise ConfigError(f"bench.variants.{name} does not say which decoder it runs; add decoder=<one of bench's>")

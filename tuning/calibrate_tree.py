@@ -18,7 +18,7 @@ initial tree (`calibrate.prune_from`), the recorder counts how often each node w
 path, and the `calibrate.nodes` most accepted nodes are kept as a connected tree.
 
 The tree is written as JSON ({"parents": [...], "meta": {...how it was made...}}), loadable as
-`stand.tree=PATH` and (Sequoia trees) as `sd.tree_policy=sequoia sd.tree=PATH` (or `seed.*`).
+`stand.tree=PATH` and (Sequoia trees) as `draft_tree.tree_policy=sequoia draft_tree.tree=PATH` (or `seed.*`).
 `calibrate.from_counts=TREE` re-solves (or re-prunes) from the counts a tree file of this command
 recorded, without decoding again (e.g. for another profile, such as a GPU's, or another size).
 """
@@ -110,9 +110,9 @@ def calibration_config(cfg: DictConfig, opts: CalibrateOptions, run_dir: Path) -
                 "calibrate.drafter=model measures a draft model: set draft.path=<model sharing the target's "
                 "tokenizer> (or draft.path=self)"
             )
-        OmegaConf.update(cfg, "sd.k_config", list(opts.calibration))
-        OmegaConf.update(cfg, "sd.tree_policy", "k_config")
-        OmegaConf.update(cfg, "sd.multi_candidate", True)
+        OmegaConf.update(cfg, "draft_tree.k_config", list(opts.calibration))
+        OmegaConf.update(cfg, "draft_tree.tree_policy", "k_config")
+        OmegaConf.update(cfg, "draft_tree.multi_candidate", True)
     return cfg
 
 
@@ -384,7 +384,10 @@ def main(cfg: DictConfig) -> None:
         print("calibration: " + summary_line(summary))
     for line in lines:
         print(line)
-    print(f"tree of {len(tree)} nodes written to {out} (stand.tree={out}, or sd.tree_policy=sequoia sd.tree={out})")
+    print(
+        f"tree of {len(tree)} nodes written to {out} "
+        f"(stand.tree={out}, or draft_tree.tree_policy=sequoia draft_tree.tree={out})"
+    )
 
 
 if __name__ == "__main__":

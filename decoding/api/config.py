@@ -10,7 +10,7 @@ from decoding.api.kinds import DECODERS, SECTIONS
 from decoding.api.server import NAME as SERVER
 from decoding.api.server import ServerOptions
 from decoding.base.errors import ConfigError
-from decoding.base.options import from_dict, option_names
+from decoding.base.options import from_dict
 from decoding.base.plugins import unknown
 from decoding.runtime.spec import ModelSpec
 from decoding.schedules.options import RoundsOptions
@@ -37,7 +37,7 @@ class DecoderConfig:
     not given reads its defaults)."""
 
     name: str = "ar"
-    draft_tree: DraftTreeOptions = field(default_factory=DraftTreeOptions)  # from sd.* or seed.*
+    draft_tree: DraftTreeOptions = field(default_factory=DraftTreeOptions)  # from draft_tree.*
     rounds: RoundsOptions = field(default_factory=RoundsOptions)  # from the seed.* section
     verify: VerifyOptions = field(default_factory=VerifyOptions)
     draft: ModelSpec | None = None  # path "self" drafts with the target itself
@@ -76,12 +76,8 @@ class DecoderConfig:
         hints = {"draft_tree": DraftTreeOptions, "rounds": RoundsOptions, "verify": VerifyOptions, **SECTIONS}
         read: dict[str, Any] = {}
         for f in kind.options:
-            namespace = kind.tree_section if f == "draft_tree" else SECTION_OF.get(f, f)
-            # `seed:` holds both SEED's schedule options and its draft tree's: each reader skips the other's.
-            shared = (
-                option_names(RoundsOptions if f == "draft_tree" else DraftTreeOptions) if namespace == "seed" else ()
-            )
-            read[f] = from_dict(hints[f], c.get(namespace), namespace, ignore=shared)
+            namespace = SECTION_OF.get(f, f)
+            read[f] = from_dict(hints[f], c.get(namespace), namespace)
         options = {f: v for f, v in read.items() if f not in SECTIONS}
         draft_cfg = c.get("draft") or {}
         draft = None

@@ -26,9 +26,9 @@ MODEL = DrafterPlugin(
     name="model",
     build=Deferred("decoding.drafters.draft_model:build"),
     decoders=(
-        # SEED's SD / MCSD baseline: one sequence at a time; its tree options in sd.*
-        DecoderKind("sd", "serial", "model", ("draft_tree", "verify"), "required", "sd"),
-        DecoderKind("seed", "rounds", "model", ("draft_tree", "rounds", "verify"), "required", "seed"),
+        # SEED's SD / MCSD baseline: one sequence at a time; the tree's options in draft_tree.*
+        DecoderKind("sd", "serial", "model", ("draft_tree", "verify"), "required"),
+        DecoderKind("seed", "rounds", "model", ("draft_tree", "rounds", "verify"), "required"),
     ),
 )
 
@@ -56,9 +56,7 @@ STAND = DrafterPlugin(
     decoders=(
         DecoderKind("stand", "batch", "stand", ("stand", "suffix", "verify")),
         # the project's default; with draft.path set, the draft model's tree joins the pool's
-        DecoderKind(
-            "seed_stand", "rounds", "stand", ("draft_tree", "rounds", "stand", "suffix", "verify"), "optional", "seed"
-        ),
+        DecoderKind("seed_stand", "rounds", "stand", ("draft_tree", "rounds", "stand", "suffix", "verify"), "optional"),
     ),
 )
 

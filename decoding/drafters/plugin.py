@@ -23,7 +23,7 @@ from decoding.trees.options import DraftTreeOptions
 
 DraftModel = Literal["none", "required", "optional"]
 # Config sections the schedules and the engine own: no drafter may read its options from them.
-RESERVED = frozenset({"name", "draft_tree", "seed", "rounds", "sd", "verify", "draft", "server", "decoder", "model"})
+RESERVED = frozenset({"name", "draft_tree", "seed", "rounds", "verify", "draft", "server", "decoder", "model"})
 
 
 class BuildConfig(Protocol):
@@ -48,7 +48,6 @@ class DecoderKind:
     drafter: str  # the name of a DrafterPlugin
     options: tuple[str, ...] = ()  # the DecoderConfig fields (config sections) it reads
     draft_model: DraftModel = "none"  # optional: with draft.path set, the model's tree joins the drafter's
-    tree_section: str = ""  # the section of its draft-model tree options (sd or seed)
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ class VerifyOptions:
     # that sample; drafters that know the noise propose it. match_multinomial: the same with
     # torch.multinomial's stream (`transformers`' own sampling). Under either, outputs are `hf`'s
     # very samples under that sampler, whatever was drafted and ran at once. rejection: speculative
-    # sampling's rules (sd.multi_candidate, without_replacement): distributed as the target, not
+    # sampling's rules (draft_tree.multi_candidate, without_replacement): distributed as the target, not
     # `hf`'s samples.
     rule: Rule = "match_gumbel"
     cost: str | None = None  # plan=goodput: a forward-cost profile JSON (null: profiled on this machine, cached)

@@ -27,7 +27,7 @@ class DraftTreeOptions:
     pct_max_depth: int = 10  # pct: deepest drafted level (EDD: 10)
     pct_threshold: float = 0.01  # pct: leaves whose path confidence is lower are pruned (EDD: 0.01)
     pct_ratio: float | None = None  # pct: s_d / s_t; None: measured at start-up (speculation/timing.speed_ratio)
-    key: str = "sd"  # the config namespace, for error messages
+    key: str = "draft_tree"  # the config namespace, for error messages
 
     def __post_init__(self) -> None:
         key = self.key
