@@ -23,11 +23,13 @@ def make_task(name: str, depth: int | None, options: dict[str, Any] | None = Non
             f"task={name!r} is not one of {', '.join(TASKS)} (a plug-in outside the project is named in {ENV})"
         )
     plugin = TASKS[name]
-    known = {f.name for f in dataclasses.fields(plugin.options) if f.init} - {"name", "depth"}
+    declared = dataclasses.fields(plugin.options) if plugin.options is not None else ()
+    known = {f.name for f in declared if f.init} - {"name", "depth"}
     for key in options or {}:
         if key not in known:
             raise DataError(f"task.{key} is not an option of task={name}; its options are {', '.join(sorted(known))}")
-    return plugin.build(**({} if depth is None else {"depth": depth}), **(options or {}))
+    task: Task = plugin.build(**({} if depth is None else {"depth": depth}), **(options or {}))
+    return task
 
 
 __all__ = ["TASKS", "DataError", "DataSpec", "Problem", "Task", "TaskPlugin", "make_task"]

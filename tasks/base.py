@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
 from decoding import Plugin
 
@@ -22,7 +22,7 @@ class Problem:
     id: str
     question: str
     gold: str
-    meta: dict = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
     line: int = field(default=0, compare=False)  # its line in the data file (0: not read from one), for messages
 
 
@@ -216,7 +216,7 @@ def check_evaluator(task: str, evaluator: str) -> None:
 
 def check_value(task: str, value: str, modes: tuple[str, ...] = VALUES) -> None:
     """task.value is one this task's evaluator can be read by (task.n_evaluate applies to `sampled` alone)."""
-    if value is True:  # YAML 1.1 reads a bare yes as true
+    if value is True:  # type: ignore[comparison-overlap]  # YAML 1.1 reads a bare yes as true
         raise DataError(f'task.value=true (task={task}): a bare yes in a yaml file reads as true; write value: "yes"')
     if value not in modes:
         raise DataError(
@@ -242,7 +242,7 @@ def read_jsonl(
     required: tuple[str, ...] = (),
     expected: str = "an existing JSONL file, or leave data.path unset",
     key: str = "data.path",
-) -> list[tuple[int, dict]]:
+) -> list[tuple[int, dict[str, Any]]]:
     """(line number, record) pairs of a JSONL file; a missing file or a bad line is a DataError
     naming the file (as the config `key` that gave it, if any), the line, and what it should hold."""
     name = f"{key}={path}" if key else str(path)
@@ -267,7 +267,7 @@ def read_jsonl(
     return records
 
 
-def record_id(path: Path, lineno: int, rec: dict, default: str) -> str:
+def record_id(path: Path, lineno: int, rec: dict[str, Any], default: str) -> str:
     """A record's id as runs store it, a string (a number's digits); `default` where it has none.
     A null, a float or any other JSON value is a DataError naming the line: str() would store
     "None" or "1.0" for it."""

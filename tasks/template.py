@@ -25,6 +25,7 @@ sampled reply) or `confidence` (the thought's own token probabilities, no evalua
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,8 +77,9 @@ class TemplateTask(TaskDefaults):
             )
         # Every templated field rendered as a search renders it, on a sample problem at the root and a
         # step in: a bad template stops the run here, before the model loads.
-        sample, paths = Problem(id="sample", question="What is 2 + 3?", gold="5"), ([], ["2 + 3 = 5."])
-        renders = {
+        sample = Problem(id="sample", question="What is 2 + 3?", gold="5")
+        paths: tuple[list[str], ...] = ([], ["2 + 3 = 5."])
+        renders: dict[str, Callable[[], object]] = {
             "generator_template": lambda: [self._fill(self.generator_template, sample, p) for p in paths],
             "generator_prefix": lambda: [self.generator_prefix.format(n=len(p) + 1) for p in paths],
             "evaluator_template": lambda: [self._fill(self.evaluator_template, sample, p) for p in paths],

@@ -397,7 +397,7 @@ class Engine:
         joined = self.encode(r.prompt, r.prefix + answer, r.context)
         if len(joined) > len(ids) and joined[: len(ids)] == ids:
             return joined[len(ids) :]
-        return self.tokenizer(answer, add_special_tokens=False)["input_ids"]
+        return list(self.tokenizer(answer, add_special_tokens=False)["input_ids"])
 
 
 def apportion(total: int, weights: list[int], owed: list[float] | None = None) -> list[int]:

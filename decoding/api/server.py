@@ -27,7 +27,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 from urllib.parse import urlsplit
 
 from decoding.base.errors import BackendError, ConfigError
@@ -114,7 +114,7 @@ class Reply:
     """What a run uses of a completion, each field checked."""
 
     text: str
-    finish_reason: str  # "length" or "stop"
+    finish_reason: Literal["length", "stop"]
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int  # prompt tokens the server took from its cache (0 where it reports none)
@@ -444,8 +444,7 @@ def _string(value: Any, path: str, optional: bool = False) -> str:
 
 def _count(value: Any, path: str, high: int | None = None) -> int:
     """A token count: a whole number from 0 (to `high`, what was asked for, where there is a bound)."""
-    whole = isinstance(value, int) and not isinstance(value, bool)
-    if whole and value >= 0 and (high is None or value <= high):
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0 and (high is None or value <= high):
         return value
     bound = "of 0 or more" if high is None else f"from 0 to {high}"
     raise BadReply(f"{path} is {_show(value)}, not a token count {bound}")

@@ -16,7 +16,7 @@ def load_draft(spec: ModelSpec, target: LoadedModel) -> LoadedModel:
     if spec.path == "edd":  # the EDD draft decoder trained for this target (python -m tuning.train_edd)
         return load_edd(spec, target)
     draft = load_model(spec)
-    if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():  # type: ignore[attr-defined]
+    if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
         raise BackendError(
             f"{spec.key}.path={spec.path} does not share the target's tokenizer ({target.source}); a draft model "
             "must come from the target's family (same vocabulary), or use draft.path=self"

@@ -29,10 +29,14 @@ RESERVED = frozenset({"name", "draft_tree", "seed", "rounds", "verify", "draft",
 class BuildConfig(Protocol):
     """What a drafter's builder reads of the decoder's config (`DecoderConfig` is one)."""
 
-    name: str
-    verify: VerifyOptions
-    draft_tree: DraftTreeOptions  # from the decoder's tree section (sd.* or seed.*)
-    draft: ModelSpec | None
+    @property
+    def name(self) -> str: ...
+    @property
+    def verify(self) -> VerifyOptions: ...
+    @property
+    def draft_tree(self) -> DraftTreeOptions: ...  # the draft model's tree (draft_tree.*)
+    @property
+    def draft(self) -> ModelSpec | None: ...
 
     def section(self, name: str) -> Any:
         """The options of a drafter's config section (its defaults where not given)."""

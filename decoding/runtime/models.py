@@ -9,6 +9,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -41,7 +42,7 @@ DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}  # model.weights' 
 @dataclass
 class LoadedModel:
     model: torch.nn.Module
-    tokenizer: object
+    tokenizer: Any  # a transformers tokenizer: called to encode, `decode`d
     device: torch.device
     use_chat_template: bool
     source: str

@@ -272,6 +272,14 @@ def parse_action(text: str) -> Action | None:
     return None
 
 
+def action_of(text: str) -> Action:
+    """The action of a line known to be one (a validated plan's); ValueError otherwise."""
+    action = parse_action(text)
+    if action is None:
+        raise ValueError(f"{text!r} is not a blocksworld action")
+    return action
+
+
 def parse_plan(text: str) -> list[Action | None]:
     """One parsed action (or None) per non-empty line."""
     return [parse_action(line) for line in text.splitlines() if line.strip()]

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Sequence
 from functools import lru_cache
 from itertools import pairwise
 from math import comb, factorial
+from typing import Any
 
 from tasks.blocksworld.domain import Action, apply, canonical_facts, goal_reached, precondition_failure
 
@@ -60,8 +61,8 @@ def _bfs_plan(
         for state in frontier:
             if goal_reached(state, goal):
                 plan = []
-                while parent[state] is not None:
-                    state, action = parent[state]
+                while (before := parent[state]) is not None:
+                    state, action = before
                     plan.append(action)
                 return plan[::-1]
             for action, nxt in successors(state, objects):
@@ -154,7 +155,7 @@ def random_state(objects: Sequence[str], rng: random.Random) -> frozenset[str]:
     return frozenset(facts)
 
 
-def generate_problems(n_problems: int, n_blocks: int, steps: int, seed: int) -> list[dict]:
+def generate_problems(n_problems: int, n_blocks: int, steps: int, seed: int) -> list[dict[str, Any]]:
     """Distinct problems over blocks a, b, ... whose optimal plans take exactly `steps` actions, as records
     in the benchmark's JSONL format; the goal is the "on" facts of a random arrangement, as in the data.
 
@@ -170,7 +171,7 @@ def generate_problems(n_problems: int, n_blocks: int, steps: int, seed: int) -> 
         raise ValueError(f"n_problems must be >= 0, got {n_problems}")
     objects = [chr(ord("a") + i) for i in range(n_blocks)]
     rng = random.Random(seed)
-    records: list[dict] = []
+    records: list[dict[str, Any]] = []
     seen: set[tuple[frozenset[str], frozenset[str]]] = set()
     failed = 0
     while len(records) < n_problems:

@@ -25,6 +25,7 @@ from tasks.base import (
 )
 from tasks.blocksworld.domain import (
     Action,
+    action_of,
     action_words,
     apply,
     check_plan,
@@ -73,7 +74,7 @@ def walk(init: frozenset[str], steps: list[str]) -> Walk:
     for text in steps:
         action = parse_action(text)
         reason = "not an action" if action is None else precondition_failure(w.state, action)
-        if reason is not None:
+        if action is None or reason is not None:
             w.failure = f'"{text}": {reason}'
             return w
         w.state = apply(w.state, action)
@@ -131,7 +132,7 @@ class Blocksworld(TaskDefaults):
     def _solved_demos(self) -> str:
         return "\n\n".join(
             f"[STATEMENT]\n{statement(d.init, d.goal)}\n[PLAN]\n"
-            + "\n".join(render_action(parse_action(a)) for a in d.gold_plan)
+            + "\n".join(render_action(action_of(a)) for a in d.gold_plan)
             + "\n[PLAN END]"
             for d in self._demos
         )
@@ -203,7 +204,7 @@ class Blocksworld(TaskDefaults):
         rng = random.Random(DEMO_SEED)
         blocks = []
         for i, d in enumerate(self._demos):
-            plan = [parse_action(a) for a in d.gold_plan]
+            plan = [action_of(a) for a in d.gold_plan]
             k = rng.randrange(len(plan))
             state = d.init
             for a in plan[:k]:
@@ -265,8 +266,9 @@ class Blocksworld(TaskDefaults):
 
     def is_correct(self, problem: Problem, answer: str) -> bool:
         init, goal = self._init_goal(problem)
-        actions = [parse_action(line) for line in answer.splitlines() if line.strip()]
-        return None not in actions and check_plan(init, goal, actions).reached_goal
+        lines = [line for line in answer.splitlines() if line.strip()]
+        actions = [a for line in lines if (a := parse_action(line)) is not None]
+        return len(actions) == len(lines) and check_plan(init, goal, actions).reached_goal
 
     def metrics(self, problem: Problem, answer: str) -> dict[str, float]:
         init, _ = self._init_goal(problem)

@@ -7,6 +7,7 @@ import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeGuard
 
 from tasks.base import DataError, read_jsonl
 from tasks.blocksworld.domain import apply, goal_reached, is_fact, parse_action, precondition_failure
@@ -53,11 +54,11 @@ class Report:
         return [*failed, f"{self.n_valid}/{len(self.verdicts)} plans valid"]
 
 
-def _strings(value: object) -> bool:
+def _strings(value: object) -> TypeGuard[list[str]]:
     return isinstance(value, list) and all(isinstance(v, str) for v in value)
 
 
-def problem_from_record(rec: dict, need_gold: bool = True) -> BlocksworldProblem:
+def problem_from_record(rec: dict[str, Any], need_gold: bool = True) -> BlocksworldProblem:
     """ValueError saying which field is wrong."""
     required = ("id", "objects", "init", "goal", *(("gold_plan",) if need_gold else ()))
     missing = [k for k in required if k not in rec]
@@ -86,7 +87,8 @@ def problem_from_record(rec: dict, need_gold: bool = True) -> BlocksworldProblem
 
 def load_problems(path: Path, need_gold: bool = True, key: str = "") -> list[BlocksworldProblem]:
     """The problems of a data file; `key` names the config key that gave the path, for messages."""
-    problems, seen = [], {}
+    problems: list[BlocksworldProblem] = []
+    seen: dict[str, int] = {}
     for lineno, rec in read_jsonl(path, expected=DATA_FORMAT, key=key):
         try:
             problem = problem_from_record(rec, need_gold)
@@ -136,7 +138,7 @@ def check_plan_text(problem: BlocksworldProblem, lines: list[str]) -> PlanVerdic
     for step, line in enumerate(lines, 1):
         action = parse_action(line)
         reason = "not a blocksworld action" if action is None else precondition_failure(state, action)
-        if reason is not None:
+        if action is None or reason is not None:
             return PlanVerdict(problem.id, False, f'step {step} "{line.strip()}": {reason}')
         state = apply(state, action)
     if not goal_reached(state, problem.goal):
