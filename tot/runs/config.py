@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -41,21 +41,22 @@ class RunConfig:
     data: DataSpec
     gen: GenSettings
     seed: int
-    task_options: dict = field(default_factory=dict)  # task.<key> options of the task itself
+    task_options: dict[str, Any] = field(default_factory=dict)  # task.<key> options of the task itself
     judge: ModelSpec | None = None  # task.judge.path: a separate model scores final answers
     concurrency: int = 1  # run.concurrency: problems searched at once over the one engine
     reward: RewardSpec | None = None  # reward.path: a reward model values states in place of the evaluator
     vote: VoteRule = PLAIN_VOTE  # vote.*: what a ballot of the problem's vote weighs, which ones count
     # The resolved config this was read from (hydra's own keys left out): what a run folder records
     # as its configuration (tot/runs/folder.py). A copy made with dataclasses.replace keeps the old one.
-    source: dict = field(default_factory=dict, compare=False, repr=False)
+    source: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
             raise unknown("task", self.task, TASKS)
         if self.search not in SEARCHES:
             raise unknown("search", self.search, SEARCHES)
-        if not isinstance(self.search_settings, SEARCHES[self.search].options):
+        options = SEARCHES[self.search].options
+        if options is None or not isinstance(self.search_settings, options):
             raise ConfigError(
                 f"search={self.search} takes {SEARCHES[self.search].options}, not {self.search_settings!r}"
             )
@@ -87,7 +88,7 @@ class RunConfig:
     @classmethod
     def from_omegaconf(cls, cfg: DictConfig) -> RunConfig:
         try:
-            c = OmegaConf.to_container(cfg, resolve=True)
+            c = cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True))  # a DictConfig's is a dict
             c.pop("hydra", None)
             data = c["data"]
             return cls(
@@ -124,15 +125,18 @@ class RunConfig:
             raise ConfigError(f"config key {e} is missing; start from conf/config.yaml") from None
 
 
-def _search_settings(search: dict) -> Any:
+def _search_settings(search: dict[str, Any]) -> Any:
     """The chosen search's settings, read from `search.*`."""
     name = search["name"]
     if name not in SEARCHES:
         raise unknown("search", name, SEARCHES)
-    return from_dict(SEARCHES[name].options, search, "search", ignore=("name",))
+    options = SEARCHES[name].options
+    if options is None:
+        raise ConfigError(f"search={name}: its plug-in declares no settings; give its PLUGIN options=<a dataclass>")
+    return from_dict(options, search, "search", ignore=("name",))
 
 
-def _reward(c: dict) -> RewardSpec | None:
+def _reward(c: dict[str, Any]) -> RewardSpec | None:
     """reward.path's model, loaded like the target (model.device, model.weights...), and how to read it."""
     options = dict(c.get("reward") or {})
     path = options.pop("path", None)
@@ -142,7 +146,7 @@ def _reward(c: dict) -> RewardSpec | None:
     return from_dict(RewardSpec, {**options, "model": model}, "reward")
 
 
-def _judge(c: dict) -> ModelSpec | None:
+def _judge(c: dict[str, Any]) -> ModelSpec | None:
     """The judge model: task.judge.path, loaded like the target (model.device, model.weights...)."""
     path = (c["task"].get("judge") or {}).get("path")
     if not path:

@@ -222,7 +222,7 @@ def legacy_record(out_dir: Path, has_results: bool) -> Configuration | None:
     try:
         container = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
         assert isinstance(container, dict)
-        config = Configuration.of(container)
+        config = Configuration.of({str(k): v for k, v in container.items()})
     except Exception as e:  # an old or hand-edited file: whatever fails, the folder's settings are unknown
         raise ConfigError(
             f"{path} (the settings of a run made before configuration.json) cannot be read "

@@ -19,6 +19,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote, unquote
 
 from decoding import DecodeStats
@@ -26,7 +27,7 @@ from tasks.base import Problem, Task
 from tot.runs.output import append_line, output_error
 
 # What summarize and the tools read of every record; a line without them is not a record of tot.solve.
-REQUIRED = {"id": str, "correct": bool, "wall_s": (int, float), "phases": dict}
+REQUIRED: dict[str, type | tuple[type, ...]] = {"id": str, "correct": bool, "wall_s": (int, float), "phases": dict}
 FIX = "remove or repair that line (the other records are kept), then rerun"
 MAX_NAME = 200  # characters of a tree file's name before .json: ASCII, within the usual 255-byte limit
 
@@ -40,14 +41,14 @@ class Results:
     """What results.jsonl holds: every whole line's record in file order, and where a torn last line starts."""
 
     path: Path
-    entries: list[dict] = field(default_factory=list)
+    entries: list[dict[str, Any]] = field(default_factory=list)
     whole_bytes: int = 0  # the length of the whole lines: a torn last line starts here
     torn_line: int | None = None  # the number of a last line cut short, if there is one
 
     @property
-    def latest(self) -> dict[str, dict]:
+    def latest(self) -> dict[str, dict[str, Any]]:
         """The latest record of each problem, in the order the problems first finished."""
-        out: dict[str, dict] = {}
+        out: dict[str, dict[str, Any]] = {}
         for rec in self.entries:
             out[rec["id"]] = rec
         return out
@@ -88,7 +89,7 @@ def read_results(path: Path, fingerprint: str | None = None) -> Results:
     return results
 
 
-def parse_record(path: Path, number: int, line: bytes, fingerprint: str | None) -> dict:
+def parse_record(path: Path, number: int, line: bytes, fingerprint: str | None) -> dict[str, Any]:
     where = f"{path}:{number}"
     try:
         rec = json.loads(line.decode("utf-8"))
@@ -118,11 +119,11 @@ class ResultStore:
         self._latest = self.results.latest
 
     @property
-    def records(self) -> list[dict]:
+    def records(self) -> list[dict[str, Any]]:
         """The latest record of each problem."""
         return list(self._latest.values())
 
-    def append(self, record: dict) -> None:
+    def append(self, record: dict[str, Any]) -> None:
         if self.results.torn_line is not None:
             # The cut line goes before the first new one, or the new record would be glued to it.
             try:
@@ -189,7 +190,7 @@ class TreeFiles:
         return before if before.exists() and before not in self.shared else None
 
 
-def answer_fields(task: Task, problem: Problem, steps: list[str]) -> dict:
+def answer_fields(task: Task, problem: Problem, steps: list[str]) -> dict[str, Any]:
     """What a record says of the answer a path of thoughts gives: the answer and whether it is
     correct, and the same for each of the task's extraction rules (`answers`, `correct_by`)."""
     answer = task.answer(problem, steps)
@@ -202,10 +203,10 @@ def answer_fields(task: Task, problem: Problem, steps: list[str]) -> dict:
     }
 
 
-def summarize(records: list[dict], header: dict) -> dict:
+def summarize(records: list[dict[str, Any]], header: dict[str, Any]) -> dict[str, Any]:
     """Totals over finished problems: accuracy, tokens, throughput, tau, per-phase cost."""
     total = DecodeStats()
-    phases: dict[str, dict] = {}
+    phases: dict[str, dict[str, Any]] = {}
     phase_stats: dict[str, DecodeStats] = {}
     for r in records:
         for name, p in r["phases"].items():
@@ -268,7 +269,7 @@ def summarize(records: list[dict], header: dict) -> dict:
     }
 
 
-def _budget(records: list[dict]) -> dict:
+def _budget(records: list[dict[str, Any]]) -> dict[str, Any]:
     """Where a budget was spent in waves (search.stop): the samples (best-of-N), levels (BFS) or
     iterations (MCTS) drawn of the budget's, and (samples, iterations: a budget a full run spends) the
     tokens the undrawn ones would have cost at the mean of the drawn ones of their problem (an
@@ -286,7 +287,7 @@ def _budget(records: list[dict]) -> dict:
     return {**out, "tokens_saved_estimate": round(saved)}
 
 
-def _accuracy_by(records: list[dict]) -> dict[str, float]:
+def _accuracy_by(records: list[dict[str, Any]]) -> dict[str, float]:
     hits: dict[str, list[bool]] = {}
     for r in records:
         for rule, ok in r.get("correct_by", {}).items():

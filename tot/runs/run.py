@@ -41,7 +41,7 @@ from tot.search.reward import load_reward
 log = logging.getLogger(__name__)
 
 
-def run(cfg: RunConfig, out_dir: Path, engine: GenerationEngine | None = None, progress: bool = True) -> dict:
+def run(cfg: RunConfig, out_dir: Path, engine: GenerationEngine | None = None, progress: bool = True) -> dict[str, Any]:
     """Run (or resume) every selected problem into out_dir and return the summary; the folder is
     this run's alone while it runs (tot/runs/lock.py)."""
     make_dirs(out_dir)
@@ -49,7 +49,7 @@ def run(cfg: RunConfig, out_dir: Path, engine: GenerationEngine | None = None, p
         return _run(cfg, out_dir, engine, progress)
 
 
-def _run(cfg: RunConfig, out_dir: Path, engine: GenerationEngine | None, progress: bool) -> dict:
+def _run(cfg: RunConfig, out_dir: Path, engine: GenerationEngine | None, progress: bool) -> dict[str, Any]:
     task = build_task(cfg)
     problems = task.load(cfg.data)
     check_selection(cfg, problems)
@@ -201,7 +201,7 @@ def sampling_rule(cfg: RunConfig) -> str:
     return "server" if cfg.decoder.server is not None else cfg.decoder.verify.rule
 
 
-def check_rule(records: list[dict], rule: str, out_dir: Path) -> None:
+def check_rule(records: list[dict[str, Any]], rule: str, out_dir: Path) -> None:
     """A run resumes only under the rule its finished problems were sampled with: another rule
     gives other samples, and the run's trees would mix two samplers. (Records written before rules
     were recorded sampled by torch.multinomial: match_multinomial.)"""
@@ -244,7 +244,8 @@ def build_task(cfg: RunConfig) -> Task:
 
 
 def make_search(cfg: RunConfig, task: Task, reward: Reward | None = None) -> Search:
-    return SEARCHES[cfg.search].build(task, cfg.search_settings, cfg.gen, cfg.seed, reward, vote=cfg.vote)
+    search: Search = SEARCHES[cfg.search].build(task, cfg.search_settings, cfg.gen, cfg.seed, reward, vote=cfg.vote)
+    return search
 
 
 def make_judge(cfg: RunConfig, engine: GenerationEngine) -> GenerationEngine:
@@ -274,14 +275,15 @@ async def score(cfg: RunConfig, task: Task, problem: Problem, answer: str, judge
     return metrics
 
 
-def config_record(cfg: RunConfig) -> dict:
+def config_record(cfg: RunConfig) -> dict[str, Any]:
     """The config as the run read it, its search's settings under the search's name (tot.rescore
     reads them there); its source is configuration.json's business."""
     record = {k: v for k, v in asdict(cfg).items() if k not in ("source", "search_settings")}
-    return json.loads(json.dumps({**record, cfg.search: asdict(cfg.search_settings)}, default=str))
+    out: dict[str, Any] = json.loads(json.dumps({**record, cfg.search: asdict(cfg.search_settings)}, default=str))
+    return out
 
 
-def summary_line(s: dict) -> str:
+def summary_line(s: dict[str, Any]) -> str:
     metrics = "".join(f", {k} {v:.3f}" for k, v in s.get("metrics", {}).items())
     by = ", ".join(f"{k} {v:.3f}" for k, v in s.get("accuracy_by", {}).items())
     # A server does not report its forwards (decoder=server): no tau or rows to print.

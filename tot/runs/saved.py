@@ -9,6 +9,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tot.runs.folder import RECORD
 from tot.runs.output import make_dirs, write_atomic
@@ -27,7 +28,7 @@ class SavedTree:
     """One problem of a run: its results.jsonl record (None when only the tree was saved) and tree file."""
 
     id: str
-    record: dict | None
+    record: dict[str, Any] | None
     tree_path: Path
 
     def header(self, tree: ReasoningTree) -> str:
@@ -37,7 +38,7 @@ class SavedTree:
         return f"problem {self.id}: answer={answer} correct={correct} nodes={tree.graph.number_of_nodes()}"
 
 
-def read_records(run_dir: Path) -> list[dict]:
+def read_records(run_dir: Path) -> list[dict[str, Any]]:
     """The latest record of each problem in results.jsonl, read only (tot/runs/results.py): a last line cut
     short (a run still writing it) is skipped with a warning, damage in the middle is a ResultsError."""
     record = run_dir / RECORD
@@ -101,7 +102,7 @@ def read_tree(path: Path) -> ReasoningTree:
         ) from None
 
 
-def read_json(path: Path) -> dict:
+def read_json(path: Path) -> dict[str, Any]:
     """A run's JSON file, or ShowError naming it when it cannot be read."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
