@@ -25,6 +25,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from decoding import OutputError
 from tot.runs.folder import SELECTION, read_record
@@ -61,8 +62,8 @@ class CollectError(ValueError):
 class Run:
     name: str  # its folder, relative to the root
     configuration: str  # the fingerprint of its configuration
-    header: dict  # task, search, decoder, model
-    records: list[dict]  # the latest record of each of its problems
+    header: dict[str, Any]  # task, search, decoder, model
+    records: list[dict[str, Any]]  # the latest record of each of its problems
 
 
 def find_runs(root: Path) -> list[Run]:
@@ -80,7 +81,7 @@ def find_runs(root: Path) -> list[Run]:
     return runs
 
 
-def fingerprint(folder: Path, summary: dict) -> str:
+def fingerprint(folder: Path, summary: dict[str, Any]) -> str:
     """The run's configuration: its configuration.json, else (a run made before there was one) a
     fingerprint of the settings its summary.json records, the selection left out."""
     recorded = read_record(folder)
@@ -99,7 +100,7 @@ class Baseline:
 
     folder: Path
     task: str | None
-    records: list[dict]
+    records: list[dict[str, Any]]
 
 
 def read_baseline(folder: Path) -> Baseline:
@@ -116,7 +117,7 @@ def read_baseline(folder: Path) -> Baseline:
 
 def collect(
     root: Path, report: Callable[[str], None] = print, baseline: Baseline | None = None
-) -> tuple[list[dict], list[dict]]:
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """One row per run, and one per configuration (its runs' problems, each counted once); each against
     the baseline's records where given (a run of the same task: pairing another task's problems by id
     would compare unrelated problems)."""
@@ -130,16 +131,16 @@ def collect(
                 )
     rows = [row(r.name, r, r.records, baseline) for r in runs]
     if baseline is not None:
-        for r in rows:
-            if not r["paired_problems"]:
+        for made in rows:
+            if not made["paired_problems"]:
                 report(
-                    f"run {r['run']} shares no problem with the baseline {baseline.folder}: no paired comparison "
+                    f"run {made['run']} shares no problem with the baseline {baseline.folder}: no paired comparison "
                     "(give a baseline run over the same problems: its task, data.path and selection)"
                 )
     combined = []
     for config in dict.fromkeys(r.configuration for r in runs):
         members = [r for r in runs if r.configuration == config]
-        kept: dict[str, dict] = {}
+        kept: dict[str, dict[str, Any]] = {}
         where: dict[str, list[str]] = {}
         for r in members:
             for rec in r.records:
@@ -156,7 +157,7 @@ def collect(
     return rows, combined
 
 
-def row(name: str, run: Run, records: list[dict], baseline: Baseline | None = None) -> dict:
+def row(name: str, run: Run, records: list[dict[str, Any]], baseline: Baseline | None = None) -> dict[str, Any]:
     s = summarize(records, run.header)
     n = s["n_problems"]
     low, high = wilson(s["n_correct"], n)
@@ -186,7 +187,7 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-def paired(records: list[dict], baseline: list[dict]) -> dict:
+def paired(records: list[dict[str, Any]], baseline: list[dict[str, Any]]) -> dict[str, Any]:
     """The row against the baseline on the problems both have: how many only each solves, and the exact
     two-sided McNemar p-value (the discordant problems split as a fair coin would split them)."""
     base = {r["id"]: bool(r["correct"]) for r in baseline}
@@ -199,7 +200,7 @@ def paired(records: list[dict], baseline: list[dict]) -> dict:
     return {"paired_problems": len(both), "only_this": this, "only_baseline": other, "paired_p": p if both else None}
 
 
-def check_not_fewer(root: Path, combined: list[dict]) -> None:
+def check_not_fewer(root: Path, combined: list[dict[str, Any]]) -> None:
     """Refuse to replace a collection with one that counts fewer problems of a configuration."""
     path = root / "collected.json"
     if not path.is_file():
@@ -214,7 +215,7 @@ def check_not_fewer(root: Path, combined: list[dict]) -> None:
             )
 
 
-def markdown(rows: list[dict]) -> str:
+def markdown(rows: list[dict[str, Any]]) -> str:
     columns = COLUMNS + (PAIRED if rows and PAIRED[0] in rows[0] else ())
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for r in rows:

@@ -16,7 +16,7 @@ from tot.runs.saved import ShowError, read_records
 COLUMNS = ("prefix_store_mb", "prefix_store_cap_mb", "prefix_evictions", "kv_pool_mb", "rss_mb", "peak_rss_mb")
 
 
-def memory_rows(run_dir: Path) -> list[dict]:
+def memory_rows(run_dir: Path) -> list[dict[str, Any]]:
     """Per finished problem, in the order they finished: its index, id, and the memory figures."""
     records = [r for r in read_records(run_dir) if isinstance(r.get("memory"), dict)]
     if not records:
@@ -27,7 +27,7 @@ def memory_rows(run_dir: Path) -> list[dict]:
     return [{"problem": i, "id": r["id"], **{k: r["memory"].get(k) for k in COLUMNS}} for i, r in enumerate(records, 1)]
 
 
-def memory_table(rows: list[dict]) -> str:
+def memory_table(rows: list[dict[str, Any]]) -> str:
     head = (
         "| problem | id | stored prefixes (MB) | cap (MB) | evictions | KV pool (MB) | resident (MB) "
         "| peak resident (MB) |"
@@ -39,7 +39,7 @@ def memory_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def draw_memory(rows: list[dict], out: Path, plt: Any) -> Path:
+def draw_memory(rows: list[dict[str, Any]], out: Path, plt: Any) -> Path:
     """The curves as a PNG at `out`, drawn with matplotlib's pyplot `plt`."""
     fig, ax = plt.subplots(figsize=(7, 3.5))
     x = [r["problem"] for r in rows]

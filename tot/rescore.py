@@ -17,6 +17,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from decoding import OutputError
 from tasks import DataSpec, Problem, Task, make_task
@@ -34,8 +35,8 @@ from tot.search.vote import PLAIN_VOTE, VoteRule
 
 @dataclass(frozen=True)
 class Rescored:
-    before: dict  # summary.json as it was
-    after: dict  # as rewritten
+    before: dict[str, Any]  # summary.json as it was
+    after: dict[str, Any]  # as rewritten
     changes: list[Change]
     without_tree: int  # problems kept as recorded: their tree is not there to read
 
@@ -43,8 +44,8 @@ class Rescored:
 @dataclass(frozen=True)
 class Change:
     id: str
-    before: dict  # answer, correct, correct_by as the run recorded them
-    after: dict
+    before: dict[str, Any]  # answer, correct, correct_by as the run recorded them
+    after: dict[str, Any]
 
     def line(self) -> str:
         b, a = self.before, self.after
@@ -57,11 +58,12 @@ class Change:
 def reparse(task: Task, problem: Problem, tree: ReasoningTree) -> None:
     """Every node's thought parsed again from its saved reply, parents first."""
     for node in sorted(tree.graph.nodes, key=lambda n: tree[n].depth):
-        if node == tree.root or tree[node].raw is None:
+        raw = tree[node].raw
+        if node == tree.root or raw is None:
             continue
         parent = next(iter(tree.graph.predecessors(node)))
         before = tree.steps(parent) if parent != tree.root else []
-        tree[node].text = task.parse_thought(problem, before, tree[node].raw)
+        tree[node].text = task.parse_thought(problem, before, raw)
 
 
 def answer_steps(tree: ReasoningTree) -> list[str]:
@@ -84,11 +86,11 @@ def revote(task: Task, problem: Problem, tree: ReasoningTree, leaves: list[int],
     tree.mark_answer(best)
 
 
-def voted_leaves(search: str | None, config: dict) -> Callable[[ReasoningTree], list[int]] | None:
+def voted_leaves(search: str | None, config: dict[str, Any]) -> Callable[[ReasoningTree], list[int]] | None:
     """Where the run's answer is a vote, what it voted over (the search declares it from its recorded
     settings: DVTS's subtrees' final states under aggregate=vote, best-of-N's solutions under majority
     or weighted); None where a value chose it."""
-    if search not in SEARCHES:
+    if search is None or search not in SEARCHES:
         return None
     return SEARCHES[search].voted(config.get(search) or {})
 
@@ -197,11 +199,11 @@ def _rescore(run_dir: Path, summary_path: Path) -> Rescored:
 def rescored(
     task: Task,
     problem: Problem | None,
-    rec: dict,
+    rec: dict[str, Any],
     path: Path | None,
     voted: Callable[[ReasoningTree], list[int]] | None,
     vote: VoteRule = PLAIN_VOTE,
-) -> tuple[dict, ReasoningTree | None]:
+) -> tuple[dict[str, Any], ReasoningTree | None]:
     """The record with its answer and metrics read again from its tree, and the tree reparsed; the
     record as it was (and no tree) where the problem or its tree is not there to read."""
     if problem is None or path is None or not path.is_file():

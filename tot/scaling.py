@@ -12,14 +12,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
-from decoding import ConfigError, from_dict
+from decoding import ConfigError
 from tot.runs.config import RunConfig
 from tot.runs.output import pyplot, save_figure
 from tot.search import SEARCHES
 
 
-def search_cells(cfg: RunConfig, searches: dict[str, dict | None] | None) -> dict[str, object]:
+def search_cells(cfg: RunConfig, searches: dict[str, dict[str, Any] | None] | None) -> dict[str, object]:
     """Each swept search's settings at the run's budget: the run's own for its search, else the
     search's defaults with the options given in `bench.searches` (name -> options)."""
     if not searches:
@@ -31,18 +32,18 @@ def search_cells(cfg: RunConfig, searches: dict[str, dict | None] | None) -> dic
         if name == cfg.search and not options:
             cells[name] = cfg.search_settings
         else:
-            cells[name] = from_dict(SEARCHES[name].options, options or {}, f"bench.searches.{name}")
+            cells[name] = SEARCHES[name].settings(options or {}, f"bench.searches.{name}")
     return cells
 
 
 def scaling(
     cfg: RunConfig,
-    run_cell: Callable[[RunConfig], dict],
+    run_cell: Callable[[RunConfig], dict[str, Any]],
     budgets: list[int],
     temperatures: list[float],
-    searches: dict[str, dict | None] | None = None,
-    after_cell: Callable[[list[dict]], None] | None = None,
-) -> tuple[list[dict], list[str]]:
+    searches: dict[str, dict[str, Any] | None] | None = None,
+    after_cell: Callable[[list[dict[str, Any]]], None] | None = None,
+) -> tuple[list[dict[str, Any]], list[str]]:
     """One bench per (temperature, search, N), run by `run_cell` (tot.bench.bench on the loaded
     models and decoders): the rows of the curve and the lossless check's mismatches, each naming its
     cell. `after_cell` gets the rows so far after each cell (the command writes them: a long sweep
@@ -80,7 +81,7 @@ def scaling(
     return rows, mismatches
 
 
-def scaling_table(rows: list[dict]) -> str:
+def scaling_table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| temperature | search | N | decoder | accuracy | wall (s) | tokens | acceptance length | tokens/s | vs ar |",
         "|" + "---|" * 10,
@@ -95,14 +96,14 @@ def scaling_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot_scaling(rows: list[dict], path: Path) -> bool:
+def plot_scaling(rows: list[dict[str, Any]], path: Path) -> bool:
     """Accuracy against wall time and against tokens, one line per (search, decoder) per temperature,
     each point labelled with its N; False when matplotlib is missing."""
     plt = pyplot()
     if plt is None:
         return False
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    lines: dict[tuple, list[dict]] = {}
+    lines: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for r in rows:
         lines.setdefault((r["search"], r["decoder"], r["temperature"]), []).append(r)
     several_t = len({r["temperature"] for r in rows}) > 1

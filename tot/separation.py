@@ -125,11 +125,11 @@ def separation(run_dir: Path) -> Separation:
         states = finished_states(tree)
         answers = {s: task.answer(problem, tree.steps(s)) for s in states}
         correct = {s: task.is_correct(problem, a) for s, a in answers.items()}
-        valued = [s for s in states if tree[s].value is not None]
+        valued = [(s, v) for s in states if (v := tree[s].value) is not None]
         by_problem.append(
             Values(
-                [float(tree[s].value) for s in valued if correct[s]],
-                [float(tree[s].value) for s in valued if not correct[s]],
+                [float(v) for s, v in valued if correct[s]],
+                [float(v) for s, v in valued if not correct[s]],
             )
         )
         solved["run"] += bool(saved.record and saved.record.get("correct"))
@@ -146,8 +146,8 @@ def separation(run_dir: Path) -> Separation:
                         [sure[s][reading] for s in states if not correct[s]],
                     )
                 )
-                rule = VoteRule(weight=reading)
-                read_solved[reading] += correct[choose(tree, states, answers.__getitem__, "vote", rule)]
+                by_reading_rule = VoteRule(weight=reading)
+                read_solved[reading] += correct[choose(tree, states, answers.__getitem__, "vote", by_reading_rule)]
     kept = {r: Separation(v, solved={"vote": read_solved[r]}) for r, v in by_reading.items() if v}
     return Separation(by_problem, reachable, solved, kept)
 

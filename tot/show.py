@@ -15,7 +15,7 @@ import sys
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 from decoding import OutputError
 from tot.runs.results import ResultsError
@@ -59,7 +59,7 @@ def _walk(tree: ReasoningTree) -> Iterator[tuple[int, str]]:
             stack.append((kid, below + ("└─ " if last else "├─ "), below + ("   " if last else "│  ")))
 
 
-def _is_number(value: Any) -> bool:
+def _is_number(value: Any) -> TypeGuard[float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
@@ -142,7 +142,8 @@ def draw(tree: ReasoningTree, ax: Axes | None = None, title: str | None = None) 
     pos = layout(tree)
     if ax is None:
         _, ax = plt.subplots(figsize=figure_size(pos))
-    fig = ax.figure
+    fig = ax.get_figure(root=True)
+    assert fig is not None, "an axes drawn on belongs to a figure"
     for u, v in tree.graph.edges:
         on_path = bool(tree[u].answer and tree[v].answer)
         (x0, y0), (x1, y1) = pos[u], pos[v]

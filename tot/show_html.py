@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 from tot.runs.output import write_atomic
 from tot.runs.saved import SavedTree, ShowError, read_json, read_tree
@@ -19,11 +20,11 @@ from tot.runs.saved import SavedTree, ShowError, read_json, read_tree
 # Record fields shown beside each tree (the rest of a record is the decode statistics per phase).
 RECORD_KEYS = ("id", "question", "answer", "answers", "gold", "correct", "correct_by", "metrics", "tokens", "wall_s")
 PHASE_KEYS = ("tokens", "engine_s", "calls", "decode_acceptance_length", "decode_rows_per_forward")
-SUMMARY_KEYS = ("task", "search", "decoder", "model", "n_problems", "accuracy", "accuracy_by", "metrics")
-SUMMARY_KEYS += ("generated_tokens", "wall_s", "tokens_per_s", "acceptance_length", "rows_per_forward")
+SUMMARY_KEYS: tuple[str, ...] = ("task", "search", "decoder", "model", "n_problems", "accuracy", "accuracy_by")
+SUMMARY_KEYS += ("metrics", "generated_tokens", "wall_s", "tokens_per_s", "acceptance_length", "rows_per_forward")
 
 
-def page_data(run_dir: Path, shown: list[SavedTree], unreadable: list[str]) -> dict:
+def page_data(run_dir: Path, shown: list[SavedTree], unreadable: list[str]) -> dict[str, Any]:
     """The page's data: every tree that can be read; why each other one cannot goes to `unreadable`."""
     summary_path = run_dir / "summary.json"
     summary = read_json(summary_path) if summary_path.is_file() else {}
@@ -45,7 +46,7 @@ def page_data(run_dir: Path, shown: list[SavedTree], unreadable: list[str]) -> d
     return {"run": str(run_dir), "summary": {k: summary[k] for k in SUMMARY_KEYS if k in summary}, "problems": problems}
 
 
-def render_page(data: dict) -> str:
+def render_page(data: dict[str, Any]) -> str:
     # No markup character may reach the script element ("</script>" ends it, "<!--" changes how it
     # ends): JSON's own escapes stand for them.
     payload = (

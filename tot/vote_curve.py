@@ -23,13 +23,15 @@ import sys
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import networkx as nx
 
+from decoding import OutputError
 from tasks.base import DataError
 from tot.collect import paired, wilson
 from tot.rescore import read_problems
-from tot.runs.output import OutputError, pyplot, save_figure, write_atomic
+from tot.runs.output import pyplot, save_figure, write_atomic
 from tot.runs.saved import ShowError, read_json, read_records
 from tot.search.base import choose, path_confidence
 from tot.search.best_of_n import solution_leaves
@@ -87,7 +89,7 @@ def drawn(run_dir: Path) -> list[Drawn]:
     return out
 
 
-def valuation_tokens(tree: ReasoningTree, leaves: list[int], record: dict | None) -> list[float]:
+def valuation_tokens(tree: ReasoningTree, leaves: list[int], record: dict[str, Any] | None) -> list[float]:
     """Each solution's valuation tokens as its node records them; a tree saved before nodes recorded
     them shares the problem's `evaluate` phase evenly among its solutions."""
     recorded = [tree[leaf].eval_tokens for leaf in leaves]
@@ -102,7 +104,7 @@ def valued(solutions: list[Drawn]) -> bool:
     return any(d.eval_tokens and sum(d.eval_tokens) for d in solutions)
 
 
-def curve(solutions: list[Drawn]) -> list[dict]:
+def curve(solutions: list[Drawn]) -> list[dict[str, Any]]:
     """One point per (vote, budget): its problems' correctness and tokens (a problem's `correct` list in
     the problems' order, for pairing)."""
     n = min(len(d.ballots) for d in solutions)
@@ -125,7 +127,7 @@ def curve(solutions: list[Drawn]) -> list[dict]:
     return points
 
 
-def as_point(name: str, records: list[dict], tokens: int, samples: int | None = None) -> dict:
+def as_point(name: str, records: list[dict[str, Any]], tokens: int, samples: int | None = None) -> dict[str, Any]:
     """A point of the curve: its problems' correctness (id, correct: for pairing) and its cost."""
     return {
         "name": name,
@@ -137,14 +139,14 @@ def as_point(name: str, records: list[dict], tokens: int, samples: int | None = 
     }
 
 
-def point(name: str, solutions: list[Drawn], spent: list[tuple[int, bool]], valuing: bool = False) -> dict:
+def point(name: str, solutions: list[Drawn], spent: list[tuple[int, bool]], valuing: bool = False) -> dict[str, Any]:
     """The point of drawing the first k solutions of each problem (with `valuing`, and valuing them)."""
     records = [{"id": d.id, "correct": ok} for d, (_, ok) in zip(solutions, spent)]
     tokens = sum(sum(d.tokens[:k]) + (sum(d.eval_tokens[:k]) if valuing else 0) for d, (k, _) in zip(solutions, spent))
     return as_point(name, records, round(tokens), sum(k for k, _ in spent))
 
 
-def run_point(run_dir: Path) -> dict:
+def run_point(run_dir: Path) -> dict[str, Any]:
     """A whole run as one point: its recorded correctness and tokens."""
     records = read_records(run_dir)
     if not records:
@@ -153,7 +155,7 @@ def run_point(run_dir: Path) -> dict:
     return as_point(str(run_dir), kept, sum(r["tokens"] for r in records))
 
 
-def level_points(run_dir: Path) -> list[dict]:
+def level_points(run_dir: Path) -> list[dict[str, Any]]:
     """A rollout-valued BFS run (task.value=rollout) read level by level: the tree up to level L is what
     the run grew had `search.token_budget` stopped it after L (a level's choices read only the tree
     before it), so the majority over the ballots of levels <= L, and the tokens of those levels (every
@@ -185,7 +187,7 @@ def level_points(run_dir: Path) -> list[dict]:
     return points
 
 
-def table(points: list[dict], baseline: list[dict] | None) -> str:
+def table(points: list[dict[str, Any]], baseline: list[dict[str, Any]] | None) -> str:
     head = "| run / vote | problems | accuracy [95%] | tokens a problem | samples |"
     head += " only it / only baseline (p) |" if baseline else ""
     lines = [head, "|" + "---|" * head.count(" |")]
@@ -204,12 +206,14 @@ def table(points: list[dict], baseline: list[dict] | None) -> str:
     return "\n".join(lines)
 
 
-def plot(points: list[dict], runs: list[dict], path: Path, baseline: dict | None = None) -> None:
+def plot(
+    points: list[dict[str, Any]], runs: list[dict[str, Any]], path: Path, baseline: dict[str, Any] | None = None
+) -> None:
     plt = pyplot()
     if plt is None:
         return
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    series: dict[str, list[dict]] = {}
+    series: dict[str, list[dict[str, Any]]] = {}
     for p in points:
         if "stop=" not in p["name"]:
             series.setdefault(p["name"].split(", ", 1)[1], []).append(p)

@@ -130,10 +130,7 @@ def _search_settings(search: dict[str, Any]) -> Any:
     name = search["name"]
     if name not in SEARCHES:
         raise unknown("search", name, SEARCHES)
-    options = SEARCHES[name].options
-    if options is None:
-        raise ConfigError(f"search={name}: its plug-in declares no settings; give its PLUGIN options=<a dataclass>")
-    return from_dict(options, search, "search", ignore=("name",))
+    return SEARCHES[name].settings(search, "search")
 
 
 def _reward(c: dict[str, Any]) -> RewardSpec | None:

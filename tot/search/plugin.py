@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from decoding import Plugin
+from decoding import ConfigError, Plugin, from_dict
 from tot.search.tree import ReasoningTree
 
 if TYPE_CHECKING:
@@ -46,3 +46,11 @@ class SearchPlugin(Plugin):
     section: str = "search"
     voted: Voted = no_vote
     check_config: Check = no_check
+
+    def settings(self, given: Mapping[str, Any], key: str) -> Any:
+        """Its settings from a config section's values (`key` names the section in messages)."""
+        if self.options is None:
+            raise ConfigError(
+                f"search={self.name}: its plug-in declares no settings; give its PLUGIN options=<a dataclass>"
+            )
+        return from_dict(self.options, given, key, ignore=("name",))
