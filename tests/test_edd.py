@@ -383,7 +383,7 @@ def test_seed_stand_grafts_edd_and_ngram_trees(tiny_model, tokenizer, loaded, tr
     refs = [reference_greedy(tiny_model, encode(tokenizer, p), m, {EOS_ID}) for p, m in specs]
     cfg = DecoderConfig(
         "seed_stand",
-        DraftTreeOptions(key="seed"),
+        DraftTreeOptions(),
         RoundsOptions(2),
         draft=ModelSpec("edd", key="draft"),
         verify=UNCAPPED,

@@ -168,7 +168,11 @@ def accept(
     if top:
         rest = [b for b in range(len(trees)) if b not in walked_tops]
         on_host = (
-            top_tokens([(decided[b][0], decided[b][2], scores[b], logits[b]) for b in rest], sampling.take(rest), top)
+            top_tokens(
+                [(decided[b][0], decided[b][2], scores[b], logits[b]) for b in rest],
+                sampling if len(rest) == len(trees) else sampling.take(rest),  # the step's own: its lists made once
+                top,
+            )
             if rest
             else []
         )
