@@ -7,7 +7,7 @@ import dataclasses
 from typing import Any
 
 from decoding import ENV, table
-from tasks.base import DataError, DataSpec, Problem, Task, TaskPlugin
+from tasks.base import DataError, DataSpec, FullTask, Problem, Scoring, StatePrompts, Task, TaskPlugin, Values
 
 # A task is one module ending with `PLUGIN = TaskPlugin(...)` and its yaml (conf/task/NAME.yaml);
 # TOT_SPEC_PLUGINS adds modules from outside the project (decoding/base/plugins.py).
@@ -15,7 +15,7 @@ MODULES = ("tasks.gsm8k", "tasks.creative_writing", "tasks.blocksworld.task")
 TASKS = table(TaskPlugin, MODULES)
 
 
-def make_task(name: str, depth: int | None, options: dict[str, Any] | None = None) -> Task:
+def make_task(name: str, depth: int | None, options: dict[str, Any] | None = None) -> FullTask:
     """The task `name` with its config options (`task.<key>=...`), each checked by the task; depth
     None: the task's own default."""
     if name not in TASKS:
@@ -28,8 +28,20 @@ def make_task(name: str, depth: int | None, options: dict[str, Any] | None = Non
     for key in options or {}:
         if key not in known:
             raise DataError(f"task.{key} is not an option of task={name}; its options are {', '.join(sorted(known))}")
-    task: Task = plugin.build(**({} if depth is None else {"depth": depth}), **(options or {}))
+    task: FullTask = plugin.build(**({} if depth is None else {"depth": depth}), **(options or {}))
     return task
 
 
-__all__ = ["TASKS", "DataError", "DataSpec", "Problem", "Task", "TaskPlugin", "make_task"]
+__all__ = [
+    "TASKS",
+    "DataError",
+    "DataSpec",
+    "FullTask",
+    "Problem",
+    "Scoring",
+    "StatePrompts",
+    "Task",
+    "TaskPlugin",
+    "Values",
+    "make_task",
+]

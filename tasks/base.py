@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from decoding import Plugin
 
@@ -101,16 +101,11 @@ YES_NO = {" Yes": 1.0, " No": 0.0}
 
 
 class Task(Protocol):
-    name: str
-    depth: int
-    evaluator: str  # one of EVALUATORS: a prompt of its own per state, or a follow-up of the thought's reply
-    n_evaluate: int  # evaluator samples per state under task.value=sampled; the state's value is their mean
-    value: str  # one of VALUES: how the evaluator's answer becomes a value
-    judge_metric: str  # the name judge_prompt's mean score gets in results and summaries
-    rollouts: int  # task.value=rollout: completions sampled from each state
-    rollout_tokens: int  # and the longest of them
+    """What a search calls to grow a tree and read its answers: 7 members. How a state is valued comes
+    to a search apart, as `Values` (the task's value options and its `StatePrompts`), and what a run
+    scores with is `Scoring`; a task module's class is usually all three (`FullTask`)."""
 
-    def load(self, data: DataSpec) -> list[Problem]: ...
+    depth: int
 
     def generator_prompt(self, problem: Problem, steps: list[str]) -> Prompt:
         """The prompt whose samples are the candidate next thoughts after `steps`."""
@@ -119,6 +114,28 @@ class Task(Protocol):
     def parse_thought(self, problem: Problem, steps: list[str], text: str) -> str:
         """The thought a reply (without its prefix) to generator_prompt(problem, steps) stands for."""
         ...
+
+    def is_terminal(self, problem: Problem, steps: list[str]) -> bool:
+        """Whether the path `steps` is finished before the depth limit (it is not extended further)."""
+        ...
+
+    def solution_prompt(self, problem: Problem) -> Prompt:
+        """The prompt whose one reply solves the whole problem (best-of-N's samples)."""
+        ...
+
+    def solution_steps(self, problem: Problem, reply: str) -> list[str]:
+        """The reasoning path a whole reply (without its prefix) stands for: what `answer` reads,
+        at least one step."""
+        ...
+
+    def answer(self, problem: Problem, steps: list[str]) -> str:
+        """The answer the path `steps` gives ("" where it states none): what the vote counts."""
+        ...
+
+
+class StatePrompts(Protocol):
+    """How the model is asked for a state's value (task.value = sampled, expected or yes; a judge's
+    reward under any value) and how its reply reads: 5 members."""
 
     def evaluator_prompt(self, problem: Problem, steps: list[str]) -> Prompt:
         """The prompt that values the state whose last thought is steps[-1]."""
@@ -130,6 +147,11 @@ class Task(Protocol):
         read by parse_value. It judges the reply as the model wrote it, not the parsed thought."""
         ...
 
+    def solution_evaluator_prompt(self, problem: Problem, steps: list[str], follow_up: bool) -> Prompt:
+        """The prompt that values a whole solution, read by parse_value: on its own, or (follow_up,
+        with task.evaluator=in_context) as a new turn after the reply that wrote it."""
+        ...
+
     def parse_value(self, text: str) -> float:
         """The value of a state from the evaluator's reply (without its prefix)."""
         ...
@@ -139,38 +161,32 @@ class Task(Protocol):
         task writes them for its value mode) and the value each stands for."""
         ...
 
-    def is_terminal(self, problem: Problem, steps: list[str]) -> bool:
-        """Whether the path `steps` is finished before the depth limit (it is not extended further)."""
-        ...
 
-    def solution_prompt(self, problem: Problem) -> Prompt:
-        """The prompt whose one reply solves the whole problem (best-of-N's samples)."""
-        ...
+@runtime_checkable
+class Completes(Protocol):
+    """A task whose paths a completion can continue to an answer (task.value=rollout, and
+    reward.kind=consistency's discriminator): GSM8K."""
 
     def rollout_prompt(self, problem: Problem, steps: list[str]) -> Prompt:
-        """With task.value=rollout: the prompt whose one reply completes the path `steps` to an answer
-        (read by `answer` as the step after them); task.rollouts of them value the state, each at most
-        task.rollout_tokens long."""
+        """The prompt whose one reply completes the path `steps` to an answer (read by `answer` as the
+        step after them); task.rollouts of them value the state, each at most task.rollout_tokens long."""
         ...
 
-    def solution_steps(self, problem: Problem, reply: str) -> list[str]:
-        """The reasoning path a whole reply (without its prefix) stands for: what `answer` reads,
-        at least one step."""
-        ...
 
-    def solution_evaluator_prompt(self, problem: Problem, steps: list[str], follow_up: bool) -> Prompt:
-        """The prompt that values a whole solution, read by parse_value: on its own, or (follow_up,
-        with task.evaluator=in_context) as a new turn after the reply that wrote it."""
-        ...
+class Scoring(Protocol):
+    """What a run calls to read problems and score answers: 7 members."""
 
-    def answer(self, problem: Problem, steps: list[str]) -> str: ...
+    name: str
+    judge_metric: str  # the name judge_prompt's mean score gets in results and summaries
+
+    def load(self, data: DataSpec) -> list[Problem]: ...
+
+    def is_correct(self, problem: Problem, answer: str) -> bool: ...
 
     def answers(self, problem: Problem, steps: list[str]) -> dict[str, str]:
         """The answer as each of the task's extraction rules reads it (GSM8K: strict and flexible,
         as lm-evaluation-harness reports them), each scored beside `answer`; {} when there is one."""
         ...
-
-    def is_correct(self, problem: Problem, answer: str) -> bool: ...
 
     def metrics(self, problem: Problem, answer: str) -> dict[str, float]:
         """Scores of an answer that code computes, beside `correct` (e.g. a constraint check)."""
@@ -180,6 +196,52 @@ class Task(Protocol):
         """A prompt whose replies score the answer (`judge_metric`, by parse_value), or None when code
         scores the task alone."""
         ...
+
+
+class FullTask(Task, StatePrompts, Scoring, Protocol):
+    """What a task plug-in builds: the three roles in one object, with the value options a run's
+    `Values` is read from (`task.<field>=...`)."""
+
+    value: str  # one of VALUES: how a state is valued
+    n_evaluate: int  # evaluator samples per state under task.value=sampled; the state's value is their mean
+    evaluator: str  # one of EVALUATORS: a prompt of its own per state, or a follow-up of the thought's reply
+    rollouts: int  # task.value=rollout: completions sampled from each state
+    rollout_tokens: int  # and the longest of them
+
+
+@dataclass(frozen=True)
+class Values:
+    """How a run values a task's states: task.value and the options beside it, and the task's prompts
+    that ask the model (what a search reads besides the task's `Task` members)."""
+
+    prompts: StatePrompts
+    mode: str = "confidence"  # task.value, one of VALUES
+    n_evaluate: int = 1
+    in_context: bool = False  # task.evaluator=in_context
+    rollouts: int = 2
+    rollout_tokens: int = 384
+    completes: Completes | None = None  # the task, where its paths can be completed (task.value=rollout)
+
+    @classmethod
+    def of(cls, task: FullTask) -> Values:
+        return cls(
+            prompts=task,
+            mode=task.value,
+            n_evaluate=task.n_evaluate,
+            in_context=task.evaluator == "in_context",
+            rollouts=task.rollouts,
+            rollout_tokens=task.rollout_tokens,
+            completes=task if isinstance(task, Completes) else None,
+        )
+
+    def rollout_prompt(self, problem: Problem, steps: list[str]) -> Prompt:
+        """The task's completion prompt for the path `steps`; a DataError where the task has none."""
+        if self.completes is None:
+            raise DataError(
+                "this task has no rollout_prompt, so its paths cannot be completed: use task.value=rollout and "
+                "reward.kind=consistency with a task that has one (gsm8k)"
+            )
+        return self.completes.rollout_prompt(problem, steps)
 
 
 class TaskDefaults:

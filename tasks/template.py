@@ -1,7 +1,8 @@
 """A task in a few members: what a problem is (`load`, `answer`, `is_correct`, and `is_terminal` where
 a path may end early) apart from how it is prompted, which templates say.
 
-The built-in tasks write each of the 25 members of `tasks.base.Task` (17 methods, 8 fields) by hand. A new
+A task module's class plays the three roles of tasks/base.py (`Task`: 7 members a search calls,
+`StatePrompts`: 5, how a state's value is asked, `Scoring`: 7, what a run scores with). A new
 task subclasses `TemplateTask`, sets its `name`, `depth` and templates, and overrides what its problems need:
 
     @dataclass

@@ -64,7 +64,9 @@ class ScriptEngine:
 
 def solve(replies, values=None, aggregate="majority", reverse=False):
     engine = ScriptEngine(replies, values, reverse)
-    search = BestOfN(WholeTask(), BestOfNSettings(n=len(replies), aggregate=aggregate, max_tokens=50), GenSettings(), 0)
+    search = BestOfN.over(
+        WholeTask(), BestOfNSettings(n=len(replies), aggregate=aggregate, max_tokens=50), GenSettings(), 0
+    )
     return run_sync(search.solve(PROBLEM, engine)), engine
 
 

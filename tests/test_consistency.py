@@ -70,7 +70,7 @@ def discriminator(**options: object) -> tuple[Discriminator, Completer]:
 
 def best_of_4(aggregate: str, **options: object):
     reward, engine = discriminator(**options)
-    search = BestOfN(GSM8K(), BestOfNSettings(n=4, aggregate=aggregate), GenSettings(), 0, reward=reward)
+    search = BestOfN.over(GSM8K(), BestOfNSettings(n=4, aggregate=aggregate), GenSettings(), 0, reward=reward)
     return run_sync(search.solve(PROBLEM, Solver())), engine
 
 
@@ -109,7 +109,7 @@ def test_a_state_with_no_answer_yet_is_valued_by_the_completions_agreement():
     reward, engine = discriminator(completions=3, hint=0.0)
     thoughts = ["Count the pears.", "The answer is 9."]
     task = GSM8K(depth=2)
-    search = BFS(task, BFSSettings(n_thoughts=2, breadth=1), GenSettings(), 0, reward=reward)
+    search = BFS.over(task, BFSSettings(n_thoughts=2, breadth=1), GenSettings(), 0, reward=reward)
     sol = run_sync(search.solve(PROBLEM, Solver(thoughts)))
     tree = sol.tree
     by_text = {tree[n].text: n for n in tree.children(tree.root)}

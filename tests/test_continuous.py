@@ -192,7 +192,7 @@ PROBLEMS = [
 def trees_at(engine: Engine, concurrency: int, temperature: float) -> dict[str, str]:
     gen = GenSettings(temperature, max_thought_tokens=12, max_eval_tokens=6, eval_temperature=temperature)
     task = GSM8K(thoughts="subquestions", depth=2, value="sampled")
-    search = BFS(task, BFSSettings(n_thoughts=3, breadth=2), gen, seed=5)
+    search = BFS.over(task, BFSSettings(n_thoughts=3, breadth=2), gen, seed=5)
     trees: dict[str, str] = {}
 
     async def one(problem: Problem) -> None:

@@ -61,7 +61,7 @@ class ScriptEngine(AwaitableFake):
 def solve(values, n=4, width=2, aggregate="best", depth=3, **task_kw):
     task = ScriptTask(values=values, depth=depth, **task_kw)
     engine = ScriptEngine(task)
-    dvts = DVTS(task, DVTSSettings(n=n, beam_width=width, aggregate=aggregate), GenSettings(), seed=0)
+    dvts = DVTS.over(task, DVTSSettings(n=n, beam_width=width, aggregate=aggregate), GenSettings(), seed=0)
     sol = run_sync(dvts.solve(PROBLEM, engine))
     return sol, engine
 

@@ -6,6 +6,7 @@ table (no if-chain over decoder names)."""
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -283,3 +284,51 @@ def test_no_module_on_the_steps_path_reads_a_requests_sampling_settings():
     `seq.params` row by row (the table copies them at admission)."""
     found = {path: params_reads((ROOT / path).read_text()) for path in STEP_PATH}
     assert {path: reads for path, reads in found.items() if reads} == {}
+
+
+def protocol_members(protocol: type) -> list[str]:
+    """The members a protocol declares itself: its annotated fields and its methods."""
+    own = vars(protocol)
+    methods = [k for k, v in own.items() if callable(v) and not k.startswith("_")]
+    return sorted([*own.get("__annotations__", {}), *methods])
+
+
+def task_reads(source: str) -> list[str]:
+    """Each member read off `task` or `self.task` in the source, as `name (line)`."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Attribute):
+            continue
+        owner = node.value
+        is_task = (isinstance(owner, ast.Name) and owner.id == "task") or (
+            isinstance(owner, ast.Attribute) and owner.attr == "task" and isinstance(owner.value, ast.Name)
+        )
+        if is_task:
+            found.append(f"{node.attr} (line {node.lineno})")
+    return found
+
+
+def test_task_reads_finds_the_members_read_off_a_task():
+    assert task_reads("a = self.task.value\nb = task.answer(p, s)\nc = self.values.mode") == [
+        "value (line 1)",
+        "answer (line 2)",
+    ]
+
+
+def test_the_task_contract_is_what_searches_call():
+    """A search reads nothing off its task but `Task`'s members (how states are valued reaches it as
+    `Values`), and the docs' counts are the protocols' own."""
+    from tasks.base import FullTask, Scoring, StatePrompts, Task
+
+    contract = set(protocol_members(Task))
+    searches = sorted((ROOT / "tot" / "search").glob("*.py"))
+    outside = {p.name: [r for r in task_reads(p.read_text()) if r.split()[0] not in contract] for p in searches}
+    assert {name: reads for name, reads in outside.items() if reads} == {}
+    counts = {p: len(protocol_members(p)) for p in (Task, StatePrompts, Scoring)}
+    assert counts == {Task: 7, StatePrompts: 5, Scoring: 7}
+    assert len(protocol_members(FullTask)) == 5  # the value options a run's Values is read from
+    doc = " ".join((ROOT / "docs" / "decoding.md").read_text().split())
+    for protocol, n in counts.items():
+        assert re.search(rf"`{protocol.__name__}`, [^(]*\({n}\b", doc), protocol.__name__
+    template = " ".join((ROOT / "tasks" / "template.py").read_text().split())
+    assert all(f"`{p.__name__}`: {n}" in template for p, n in counts.items())

@@ -46,7 +46,7 @@ class HashEngine:
 
 def solve(scramble=False, depth=3, **settings):
     engine = HashEngine(scramble)
-    search = MCTS(HashTask(depth=depth), MCTSSettings(**settings), GenSettings(), seed=0)
+    search = MCTS.over(HashTask(depth=depth), MCTSSettings(**settings), GenSettings(), seed=0)
     return run_sync(search.solve(PROBLEM, engine)), engine
 
 

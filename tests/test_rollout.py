@@ -68,7 +68,7 @@ class RolloutEngine:
 
 def bfs(vote: VoteRule = PLAIN_VOTE, scramble: bool = False, **task):
     engine = RolloutEngine(scramble)
-    search = BFS(GSM8K(value="rollout", depth=2, **task), BFSSettings(n_thoughts=2), GenSettings(), 0, vote=vote)
+    search = BFS.over(GSM8K(value="rollout", depth=2, **task), BFSSettings(n_thoughts=2), GenSettings(), 0, vote=vote)
     return run_sync(search.solve(PROBLEM, engine)), engine
 
 
@@ -123,20 +123,20 @@ def test_mcts_simulates_by_its_completions_and_returns_their_agreement():
     engine = RolloutEngine()
     task = GSM8K(value="rollout", depth=3)
     settings = MCTSSettings(iterations=1, n_thoughts=2, simulation_depth=2, parallel=1)
-    sol = run_sync(MCTS(task, settings, GenSettings(), 0).solve(PROBLEM, engine))
+    sol = run_sync(MCTS.over(task, settings, GenSettings(), 0).solve(PROBLEM, engine))
     tree = sol.tree
     # One iteration: the root expanded, its children completed, no simulation level below them.
     assert [tree[n].depth for n in tree.graph.nodes if not tree[n].rollout] == [0, 1, 1]
     a = by_text(tree)["A"]
     assert tree[a].visits == 1 and tree[a].q == 1.0  # its return: its completions' agreement
-    scrambled = run_sync(MCTS(task, settings, GenSettings(), 0).solve(PROBLEM, RolloutEngine(scramble=True)))
+    scrambled = run_sync(MCTS.over(task, settings, GenSettings(), 0).solve(PROBLEM, RolloutEngine(scramble=True)))
     assert scrambled.tree.to_dict() == tree.to_dict()
 
 
 def stopped_bfs(stop: str, completions: dict, depth: int = 2, **settings) -> tuple:
     engine = RolloutEngine(thoughts={(): ["A", "B", "C", "D"]}, completions=completions)
     task = GSM8K(value="rollout", depth=depth, rollouts=2)
-    search = BFS(task, BFSSettings(stop=stop, **settings), GenSettings(), 0, vote=VoteRule(weight="one"))
+    search = BFS.over(task, BFSSettings(stop=stop, **settings), GenSettings(), 0, vote=VoteRule(weight="one"))
     return run_sync(search.solve(PROBLEM, engine)), engine
 
 
@@ -213,7 +213,7 @@ class ForesightEngine(RolloutEngine):
 def test_foresight_takes_a_states_thoughts_from_the_completions_that_value_them():
     engine = ForesightEngine()
     task = GSM8K(value="rollout", depth=3)
-    sol = run_sync(BFS(task, BFSSettings(n_thoughts=3, foresight=True), GenSettings(), 0).solve(PROBLEM, engine))
+    sol = run_sync(BFS.over(task, BFSSettings(n_thoughts=3, foresight=True), GenSettings(), 0).solve(PROBLEM, engine))
     tree = sol.tree
     texts = [(tree[n].text, tree[n].rollout, tree[n].value) for n in tree.graph.nodes if n]
     # Depth 1: A (5), B (9), A again (5): the plurality 5; BFS goes on from the first A. Depth 2: A1 states 5
@@ -259,7 +259,9 @@ def test_the_summary_counts_the_levels_a_stop_saved():
 def stopped_mcts(stop: str, completions: dict, iterations: int) -> tuple:
     engine = RolloutEngine(thoughts={(): ["A", "B"]}, completions=completions)
     settings = MCTSSettings(iterations=iterations, n_thoughts=2, parallel=1, aggregate="vote", stop=stop)
-    search = MCTS(GSM8K(value="rollout", depth=6, rollouts=2), settings, GenSettings(), 0, vote=VoteRule(weight="one"))
+    search = MCTS.over(
+        GSM8K(value="rollout", depth=6, rollouts=2), settings, GenSettings(), 0, vote=VoteRule(weight="one")
+    )
     return run_sync(search.solve(PROBLEM, engine)), engine
 
 

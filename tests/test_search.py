@@ -74,7 +74,7 @@ GEN = GenSettings(temperature=0.6, top_p=0.9, top_k=5, max_thought_tokens=40, ma
 def solve(scores=SCORES, depth=3, n=3, b=2, seed=0, gen=GEN, problem=PROBLEM):
     engine = ScriptedEngine(scores)
     task = GSM8K(thoughts="subquestions", depth=depth, value="sampled")
-    sol = run_sync(BFS(task, BFSSettings(n_thoughts=n, breadth=b), gen, seed).solve(problem, engine))
+    sol = run_sync(BFS.over(task, BFSSettings(n_thoughts=n, breadth=b), gen, seed).solve(problem, engine))
     return sol, engine
 
 
@@ -99,7 +99,7 @@ def test_the_search_names_its_rounds_and_a_plug_ins_group_still_works():
     assert {r.group for r in engine.calls[3]} == {Group("p", "d2/eval")}
     engine = ScriptedEngine(SCORES)
     task = GSM8K(thoughts="subquestions", depth=3, value="sampled")
-    thinker = BFS(task, BFSSettings(n_thoughts=3, breadth=2), GEN, 0).thinker(PROBLEM, engine)
+    thinker = BFS.over(task, BFSSettings(n_thoughts=3, breadth=2), GEN, 0).thinker(PROBLEM, engine)
     run_sync(thinker.grow([(thinker.tree.root, 3, "")], Group("mine", "evals")))
     assert [r.group for r in engine.calls[0]] == [Group("p", "0")] * 3
     assert {r.group for r in engine.calls[1]} == {Group("mine", "evals")}
@@ -112,11 +112,11 @@ def test_a_copied_sibling_takes_no_second_place_and_the_problem_may_grow_more_fi
         engine = ScriptedEngine(SCORES)
         engine.same_as = {1: 0}
         settings = BFSSettings(n_thoughts=2, breadth=2, distinct=distinct)
-        sol = run_sync(BFS(task, settings, GEN, 0).solve(PROBLEM, engine))
+        sol = run_sync(BFS.over(task, settings, GEN, 0).solve(PROBLEM, engine))
         assert len(engine.calls[2]) == 2 * expanded
         assert len(sol.tree.graph) == 1 + 2 + 2 * expanded  # the copy stays in the tree
     engine = ScriptedEngine(SCORES)
-    run_sync(BFS(task, BFSSettings(n_thoughts=2, breadth=2, root_thoughts=4), GEN, 0).solve(PROBLEM, engine))
+    run_sync(BFS.over(task, BFSSettings(n_thoughts=2, breadth=2, root_thoughts=4), GEN, 0).solve(PROBLEM, engine))
     assert [len(c) for c in engine.calls[0::2]] == [4, 2 * 2]
     with pytest.raises(ConfigError, match=r"search\.root_thoughts=-1"):
         BFSSettings(root_thoughts=-1)

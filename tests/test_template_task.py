@@ -113,7 +113,7 @@ class ChoiceEngine(AwaitableFake):
 def test_bfs_searches_a_template_task_valued_by_p_yes():
     engine = ChoiceEngine()
     gen = GenSettings(temperature=0.7, max_thought_tokens=20, max_eval_tokens=4)
-    solution = run_sync(BFS(Riddles(), BFSSettings(n_thoughts=2, breadth=1), gen, 0).solve(PROBLEM, engine))
+    solution = run_sync(BFS.over(Riddles(), BFSSettings(n_thoughts=2, breadth=1), gen, 0).solve(PROBLEM, engine))
     evaluations = [r for r in engine.requests if r.choices]
     assert evaluations and all(r.choices == (" Yes", " No") and r.prefix == "Answer:" for r in evaluations)
     assert solution.answer == "a piano" and Riddles().is_correct(PROBLEM, solution.answer)

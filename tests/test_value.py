@@ -101,7 +101,7 @@ def test_each_mode_values_a_state_by_its_definition(mode):
     answers = list(task.value_answers())
     at = {k: answers[k % len(answers)] for k in range(20)}
     engine = ChoiceEngine(lambda k: peaked(k, answers, at[k]))
-    sol = run_sync(BFS(task, BFSSettings(n_thoughts=3, breadth=1), GEN, 0).solve(PROBLEM, engine))
+    sol = run_sync(BFS.over(task, BFSSettings(n_thoughts=3, breadth=1), GEN, 0).solve(PROBLEM, engine))
     tree = sol.tree
     assert len(engine.evaluations) == tree.graph.number_of_nodes() - 1  # one request per state
     assert {r.prefix for r in engine.evaluations} == {YES_PREFIX if mode == "yes" else SCORE_PREFIX}
@@ -126,7 +126,7 @@ def test_a_real_engine_reads_the_values_of_a_plain_forward(long_context, tokeniz
     probabilities a plain forward of its evaluator prompt gives (for each of the rows batched)."""
     task = GSM8K(thoughts="subquestions", depth=1, value="expected")
     engine = Engine(long_context, "ar")
-    sol = run_sync(BFS(task, BFSSettings(n_thoughts=2, breadth=1), GEN, 0).solve(PROBLEM, engine))
+    sol = run_sync(BFS.over(task, BFSSettings(n_thoughts=2, breadth=1), GEN, 0).solve(PROBLEM, engine))
     worth = task.value_answers()
     for node in list(sol.tree.graph.nodes)[1:]:
         steps = sol.tree.steps(node)
@@ -168,7 +168,7 @@ def test_confidence_values_a_thought_by_its_own_tokens():
     geometric-mean token probability."""
     engine = SureEngine()
     task = GSM8K(thoughts="subquestions", depth=2, value="confidence", evaluator="in_context")
-    sol = run_sync(BFS(task, BFSSettings(n_thoughts=3, breadth=1), GEN, 0).solve(PROBLEM, engine))
+    sol = run_sync(BFS.over(task, BFSSettings(n_thoughts=3, breadth=1), GEN, 0).solve(PROBLEM, engine))
     assert engine.asked and all(engine.asked) and not engine.evaluations
     for node in list(sol.tree.graph.nodes)[1:]:
         k = int(re.findall(r"#(\d+)", sol.tree[node].text)[-1])
@@ -176,7 +176,7 @@ def test_confidence_values_a_thought_by_its_own_tokens():
     assert sol.tree[1].value > sol.tree[2].value  # the surer thought ranks first
     # A reward model values the states in its place (here a judge: the task's evaluator replies, read as written).
     judge, task = SureEngine(), GSM8K(thoughts="subquestions", depth=2, value="confidence")
-    run_sync(BFS(task, BFSSettings(n_thoughts=2, breadth=1), GEN, 0, reward=judge).solve(PROBLEM, SureEngine()))
+    run_sync(BFS.over(task, BFSSettings(n_thoughts=2, breadth=1), GEN, 0, reward=judge).solve(PROBLEM, SureEngine()))
     assert judge.evaluations and not any(r.choices for r in judge.evaluations)
 
 
@@ -229,10 +229,10 @@ def test_bfs_and_mcts_vote_over_their_finished_states(search):
     answers, scores = ["8", "3", "3", "3"], [9, 5, 5, 5]
     for aggregate, expected in (("best", "8"), ("vote", "3")):
         if search == "bfs":
-            searcher = BFS(task, BFSSettings(n_thoughts=4, breadth=1, aggregate=aggregate), GEN, 0)
+            searcher = BFS.over(task, BFSSettings(n_thoughts=4, breadth=1, aggregate=aggregate), GEN, 0)
         else:
             settings = MCTSSettings(iterations=1, n_thoughts=4, simulation_depth=0, parallel=1, aggregate=aggregate)
-            searcher = MCTS(task, settings, GEN, 0)
+            searcher = MCTS.over(task, settings, GEN, 0)
         sol = run_sync(searcher.solve(PROBLEM, VoteEngine(answers, scores)))
         assert sol.answer == expected, aggregate
 

@@ -136,10 +136,10 @@ class StreamEngine:
 def test_best_of_n_in_waves_stops_when_decided_with_the_whole_budgets_answer(wave):
     answers = ["4", "6", "6", "6", "6", "6", "4", "4"]
     task, problem = GSM8K(), Problem("p", "q", "6")
-    whole = run_sync(BestOfN(task, BestOfNSettings(n=8), GenSettings(), 0).solve(problem, StreamEngine(answers)))
+    whole = run_sync(BestOfN.over(task, BestOfNSettings(n=8), GenSettings(), 0).solve(problem, StreamEngine(answers)))
     engine = StreamEngine(answers)
     early = run_sync(
-        BestOfN(task, BestOfNSettings(n=8, wave=wave, stop="decided"), GenSettings(), 0).solve(problem, engine)
+        BestOfN.over(task, BestOfNSettings(n=8, wave=wave, stop="decided"), GenSettings(), 0).solve(problem, engine)
     )
     assert early.answer == whole.answer == "6"
     # "6" leads 5-1 after six with two to come: decided there (or at the wave's end past it).
@@ -162,7 +162,7 @@ def test_a_token_budget_ends_the_waves():
     task, problem = GSM8K(), Problem("p", "q", "6")
     engine = StreamEngine(["4", "6", "6", "6", "6", "6", "4", "4"])
     settings = BestOfNSettings(n=8, wave=2, token_budget=35)
-    sol = run_sync(BestOfN(task, settings, GenSettings(), 0).solve(problem, engine))
+    sol = run_sync(BestOfN.over(task, settings, GenSettings(), 0).solve(problem, engine))
     assert engine.asked == 4 and sol.budget == {"samples": 4, "budget": 8} and sol.answer == "6"
     with pytest.raises(ConfigError, match=r"search\.token_budget=35 stops between waves"):
         BestOfNSettings(token_budget=35)
@@ -174,9 +174,9 @@ def test_a_token_budget_ends_bfs_levels():
     from tot.search.bfs import BFS, BFSSettings
 
     task = GSM8K(value="rollout", depth=2)
-    full = run_sync(BFS(task, BFSSettings(n_thoughts=2), GenSettings(), 0).solve(PROBLEM, RolloutEngine()))
+    full = run_sync(BFS.over(task, BFSSettings(n_thoughts=2), GenSettings(), 0).solve(PROBLEM, RolloutEngine()))
     cut = run_sync(
-        BFS(task, BFSSettings(n_thoughts=2, token_budget=1), GenSettings(), 0).solve(PROBLEM, RolloutEngine())
+        BFS.over(task, BFSSettings(n_thoughts=2, token_budget=1), GenSettings(), 0).solve(PROBLEM, RolloutEngine())
     )
     assert {full.tree[n].depth for n in full.tree.graph.nodes if not full.tree[n].rollout} == {0, 1, 2}
     depths = {cut.tree[n].depth for n in cut.tree.graph.nodes if not cut.tree[n].rollout}

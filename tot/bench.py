@@ -57,7 +57,7 @@ from decoding import (
     collector_off,
 )
 from decoding.base.cli import Refused, fail, hydra_command
-from tasks.base import DataError, Problem, Task
+from tasks.base import DataError, FullTask, Problem, Values
 from tot.compare import first_difference
 from tot.runs.config import RunConfig
 from tot.runs.lock import run_lock
@@ -172,9 +172,13 @@ def bench(
     task = build_task(cfg)
     problems = task.load(cfg.data)
     evaluated = {name: (evaluator or {}).get(name, task.evaluator) for name in configs}
-    # Tasks are dataclasses: an entry's task differs from the run's in its evaluator alone.
+    # An entry's search differs from the run's in how its evaluator is asked alone.
     reward = load_reward(cfg.reward) if cfg.reward else None  # reward.path: one model for every entry
-    searches = {name: make_search(cfg, replace(task, evaluator=e), reward) for name, e in evaluated.items()}  # type: ignore[type-var]
+    values = Values.of(task)
+    searches = {
+        name: make_search(cfg, task, reward, replace(values, in_context=e == "in_context"))
+        for name, e in evaluated.items()
+    }
     at_once = {name: (concurrency or {}).get(name, cfg.concurrency) for name in configs}
     engines = {name: bench_engine(c, target, draft) for name, c in configs.items()}
     # task.judge.path, as tot.runs.run scores with it; loaded once (else each decoder's engine is its own judge).
@@ -360,7 +364,7 @@ def _tally(
     tally: Tally,
     problems: list[Problem],
     solutions: dict[str, Solution],
-    task: Task,
+    task: FullTask,
     cfg: RunConfig,
     judge: GenerationEngine,
 ) -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from decoding import OutputError
-from tasks import DataSpec, Problem, Task, make_task
+from tasks import DataSpec, FullTask, Problem, make_task
 from tasks.base import DataError
 from tot.runs.folder import read_record
 from tot.runs.lock import run_lock
@@ -55,7 +55,7 @@ class Change:
         return text
 
 
-def reparse(task: Task, problem: Problem, tree: ReasoningTree) -> None:
+def reparse(task: FullTask, problem: Problem, tree: ReasoningTree) -> None:
     """Every node's thought parsed again from its saved reply, parents first."""
     for node in sorted(tree.graph.nodes, key=lambda n: tree[n].depth):
         raw = tree[node].raw
@@ -74,7 +74,9 @@ def answer_steps(tree: ReasoningTree) -> list[str]:
     return tree.steps(max(path, key=lambda n: tree[n].depth))
 
 
-def revote(task: Task, problem: Problem, tree: ReasoningTree, leaves: list[int], vote: VoteRule = PLAIN_VOTE) -> None:
+def revote(
+    task: FullTask, problem: Problem, tree: ReasoningTree, leaves: list[int], vote: VoteRule = PLAIN_VOTE
+) -> None:
     """A vote (DVTS's aggregate=vote over its subtrees' final states, best-of-N's majority or weighted
     vote over its solutions) again under the run's vote.* rule, on the answers the current parsers read,
     and the answer path marked anew."""
@@ -106,7 +108,7 @@ def rescore(run_dir: Path) -> Rescored:
         return _rescore(run_dir, summary_path)
 
 
-def run_task(summary_path: Path) -> tuple[Task, dict[str, Problem]]:
+def run_task(summary_path: Path) -> tuple[FullTask, dict[str, Problem]]:
     """The task a run's summary.json says it ran, and every problem of its data file by id."""
     old = read_json(summary_path)
     config = old.get("config") or {}
@@ -133,7 +135,7 @@ class ReadProblem:
     tree: ReasoningTree
 
 
-def read_problems(run_dir: Path) -> tuple[Task, list[ReadProblem]]:
+def read_problems(run_dir: Path) -> tuple[FullTask, list[ReadProblem]]:
     """The task a run ran and its saved problems with their trees, in the run's order (a problem its
     data file no longer holds is left out): what the commands that read a run's trees start from."""
     task, by_id = run_task(run_dir / "summary.json")
@@ -197,7 +199,7 @@ def _rescore(run_dir: Path, summary_path: Path) -> Rescored:
 
 
 def rescored(
-    task: Task,
+    task: FullTask,
     problem: Problem | None,
     rec: dict[str, Any],
     path: Path | None,

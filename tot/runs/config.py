@@ -19,6 +19,7 @@ from decoding import (
     unknown,
 )
 from tasks import TASKS, DataSpec
+from tasks.base import Completes
 from tot.search import SEARCHES
 from tot.search.base import GenSettings
 from tot.search.reward import IN_CONTEXT_REFUSED, RewardSpec
@@ -68,7 +69,8 @@ class RunConfig:
         if self.reward is not None and self.task_options.get("evaluator") == "in_context":
             raise ConfigError(IN_CONTEXT_REFUSED)
         completes = self.reward is not None and self.reward.kind == "consistency"
-        if completes and not hasattr(TASKS[self.task].build, "rollout_prompt"):
+        build = TASKS[self.task].build
+        if completes and not (isinstance(build, type) and issubclass(build, Completes)):
             raise ConfigError(
                 f"reward.kind=consistency completes a path through the task's rollout prompt, which task={self.task} "
                 "has not: use another reward.kind, or a task with rollouts (gsm8k)"

@@ -23,7 +23,7 @@ from typing import Any
 from urllib.parse import quote, unquote
 
 from decoding import DecodeStats
-from tasks.base import Problem, Task
+from tasks.base import FullTask, Problem
 from tot.runs.output import append_line, output_error
 
 # What summarize and the tools read of every record; a line without them is not a record of tot.solve.
@@ -190,7 +190,7 @@ class TreeFiles:
         return before if before.exists() and before not in self.shared else None
 
 
-def answer_fields(task: Task, problem: Problem, steps: list[str]) -> dict[str, Any]:
+def answer_fields(task: FullTask, problem: Problem, steps: list[str]) -> dict[str, Any]:
     """What a record says of the answer a path of thoughts gives: the answer and whether it is
     correct, and the same for each of the task's extraction rules (`answers`, `correct_by`)."""
     answer = task.answer(problem, steps)

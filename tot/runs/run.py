@@ -27,7 +27,7 @@ from decoding import (
     load_model,
     load_tokenizer,
 )
-from tasks import DataError, Problem, Task, make_task
+from tasks import DataError, FullTask, Problem, Values, make_task
 from tot.runs.config import RunConfig
 from tot.runs.folder import Configuration, open_folder, record
 from tot.runs.lock import run_lock
@@ -239,12 +239,15 @@ async def gather_all(work: list[Coroutine[Any, Any, None]]) -> None:
         raise
 
 
-def build_task(cfg: RunConfig) -> Task:
+def build_task(cfg: RunConfig) -> FullTask:
     return make_task(cfg.task, cfg.depth, cfg.task_options)
 
 
-def make_search(cfg: RunConfig, task: Task, reward: Reward | None = None) -> Search:
-    search: Search = SEARCHES[cfg.search].build(task, cfg.search_settings, cfg.gen, cfg.seed, reward, vote=cfg.vote)
+def make_search(cfg: RunConfig, task: FullTask, reward: Reward | None = None, values: Values | None = None) -> Search:
+    """The run's search over `task`, its states valued as the task's options say (or as `values`)."""
+    values = values or Values.of(task)
+    build = SEARCHES[cfg.search].build
+    search: Search = build(task, values, cfg.search_settings, cfg.gen, cfg.seed, reward, vote=cfg.vote)
     return search
 
 
@@ -256,7 +259,9 @@ def make_judge(cfg: RunConfig, engine: GenerationEngine) -> GenerationEngine:
     return Engine(load_model(cfg.judge), DecoderConfig(name="ar"))
 
 
-async def score(cfg: RunConfig, task: Task, problem: Problem, answer: str, judge: GenerationEngine) -> dict[str, float]:
+async def score(
+    cfg: RunConfig, task: FullTask, problem: Problem, answer: str, judge: GenerationEngine
+) -> dict[str, float]:
     """The task's code-computed metrics, plus the judge's mean score over task.n_evaluate samples."""
     metrics = task.metrics(problem, answer)
     prompt = task.judge_prompt(problem, answer)

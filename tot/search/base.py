@@ -16,13 +16,13 @@ import math
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypeVar
 
 import networkx as nx
 
 from decoding import Completion, ConfigError, DecodeStats, GenRequest, GenResult, Group
 from decoding import run_sync as run_sync  # searches are run with it
-from tasks.base import Problem, Prompt, Task
+from tasks.base import FullTask, Problem, Prompt, Task, Values
 from tot.search.confidence import TOP_NEEDED, mean_probability, readings
 from tot.search.reward import Discriminator, ProcessReward, ScoringModel
 from tot.search.tree import ReasoningTree, Valuation
@@ -148,6 +148,7 @@ class Thinker:
     def __init__(
         self,
         task: Task,
+        values: Values,
         gen: GenSettings,
         seed: int,
         problem: Problem,
@@ -155,11 +156,11 @@ class Thinker:
         reward: Reward | None = None,
         vote: VoteRule = PLAIN_VOTE,
     ) -> None:
-        self.task, self.gen, self.seed, self.problem, self.engine = task, gen, seed, problem, engine
-        self.reward, self.vote = reward, vote
+        self.task, self.values, self.gen, self.seed, self.problem = task, values, gen, seed, problem
+        self.engine, self.reward, self.vote = engine, reward, vote
         self.tree = ReasoningTree(problem.question)
         self.phases = {p: PhaseStats() for p in PHASES}
-        mode = task.value
+        mode = values.mode
         # task.value=confidence: a thought is valued by its own tokens' probabilities, asked with it; no
         # evaluator is asked, so none follows a thought up (its context is not kept for one). A reward
         # model (reward.path) values states in its place.
@@ -167,7 +168,7 @@ class Thinker:
         # task.value=rollout: a state is valued by completions sampled from it to an answer, and each
         # completion is a ballot of the problem's vote (`revalue`).
         self.rollouts = mode == "rollout" and reward is None
-        self.in_context = task.evaluator == "in_context" and not self.confident and not self.rollouts
+        self.in_context = values.in_context and not self.confident and not self.rollouts
         # Replies that may finish a path come with their log-probabilities where a value or the vote reads them.
         self.logprobs = self.confident or vote.reading is not None
         self.top_logprobs = TOP_NEEDED if vote.reading == "tail_margin" else 0
@@ -229,7 +230,7 @@ class Thinker:
         asked = []
         for state, n, key in parents:
             steps = tree.steps(state)
-            prompt = task.rollout_prompt(self.problem, steps)
+            prompt = self.values.rollout_prompt(self.problem, steps)
             stops = task.generator_prompt(self.problem, steps).stop
             for i in range(n):
                 child = tree.add(state, "", raw="", tokens=0, value=0.0)  # its id fixed before anything runs
@@ -237,7 +238,7 @@ class Thinker:
                     prompt,
                     group=self.siblings(str(state)),
                     seed=request_seed(self.seed, pid, state, *([key] if key else []), "foresee", i),
-                    max_new_tokens=task.rollout_tokens,
+                    max_new_tokens=self.values.rollout_tokens,
                     logprobs=self.logprobs,
                     top_logprobs=self.top_logprobs,
                 )
@@ -285,18 +286,18 @@ class Thinker:
         """task.rollouts completions of node's path to an answer: each (its text, tokens, readings), in
         order. They continue the prompt node's own thoughts will be sampled from, in its group: they
         share its keys and values and teach the drafters what its children will say."""
-        task, pid = self.task, self.problem.id
-        prompt = task.rollout_prompt(self.problem, self.tree.steps(node))
+        values, pid = self.values, self.problem.id
+        prompt = values.rollout_prompt(self.problem, self.tree.steps(node))
         requests = [
             self.gen.request(
                 prompt,
                 group=self.siblings(str(node)),
                 seed=request_seed(self.seed, pid, node, "rollout", j),
-                max_new_tokens=task.rollout_tokens,
+                max_new_tokens=values.rollout_tokens,
                 logprobs=self.logprobs,
                 top_logprobs=self.top_logprobs,
             )
-            for j in range(task.rollouts)
+            for j in range(values.rollouts)
         ]
         outs = await self.call(requests, "rollout")
         return [
@@ -334,7 +335,8 @@ class Thinker:
         follow-up turn of the reply that wrote the node."""
 
         def prompt(steps: list[str], follow_up: bool) -> Prompt:
-            ask = self.task.follow_up_prompt if follow_up else self.task.evaluator_prompt
+            prompts = self.values.prompts
+            ask = prompts.follow_up_prompt if follow_up else prompts.evaluator_prompt
             return ask(self.problem, steps)
 
         await asyncio.gather(*(self.value(c, prompt, group, c) for c in nodes))
@@ -375,11 +377,11 @@ class Thinker:
         if self.confident:
             assert confidence is not None, "task.value=confidence values a reply by its own tokens: pass `confidence`"
             return Valuation(confidence, f"mean token probability {confidence:.4f} (no evaluator asked)")
-        task, pid = self.task, self.problem.id
+        values, pid = self.values, self.problem.id
         asked = prompt(steps, bool(context))
         # A judge under task.value=confidence reads the evaluator's reply, as under sampled.
-        worth = {} if task.value in ("sampled", "confidence") else task.value_answers()
-        k = 1 if worth else task.n_evaluate  # a forward's distribution is read once
+        worth = {} if values.mode in ("sampled", "confidence") else values.prompts.value_answers()
+        k = 1 if worth else values.n_evaluate  # a forward's distribution is read once
         requests = [
             self.gen.request(
                 asked,
@@ -401,7 +403,7 @@ class Thinker:
             read = read_value(worth, logprobs)
             return Valuation(read.value, None, asked.text, in_context, distribution=read.distribution)
         texts = [o.text for o in results]
-        value = sum(map(task.parse_value, texts)) / k
+        value = sum(map(values.prompts.parse_value, texts)) / k
         spent = sum(o.stats.generated_tokens for o in results)
         return Valuation(value, texts[0] if k == 1 else texts, asked.text, in_context, eval_tokens=spent)
 
@@ -414,7 +416,7 @@ class Thinker:
         assert isinstance(reward, Discriminator), "discriminate is reward.kind=consistency's valuation"
         task, pid = self.task, self.problem.id
         shown = reward.shown(steps, answered=answer is not None)
-        prompt = task.rollout_prompt(self.problem, shown)
+        prompt = self.values.rollout_prompt(self.problem, shown)
         requests = [
             self.gen.request(
                 prompt,
@@ -454,26 +456,44 @@ class Thinker:
         return done.results
 
 
+S = TypeVar("S", bound="SearchBase")
+
+
 class SearchBase:
-    """What every search is built from: the task, its settings, the sampling settings, the run seed,
-    the reward model, if any (reward.path: it values states in place of the task's evaluator), and how
-    the problem's vote weighs its ballots (vote.*)."""
+    """What every search is built from: the task (its `Task` members), how its states are valued
+    (`Values`: task.value, its options and the task's evaluator prompts), the search's settings, the
+    sampling settings, the run seed, the reward model, if any (reward.path: it values states in place of
+    the task's evaluator), and how the problem's vote weighs its ballots (vote.*)."""
 
     def __init__(
         self,
         task: Task,
+        values: Values,
         settings: Any,
         gen: GenSettings,
         seed: int,
         reward: Reward | None = None,
         vote: VoteRule = PLAIN_VOTE,
     ) -> None:
-        self.task, self.settings, self.gen, self.seed, self.reward = task, settings, gen, seed, reward
-        self.vote = vote
+        self.task, self.values, self.settings, self.gen, self.seed = task, values, settings, gen, seed
+        self.reward, self.vote = reward, vote
+
+    @classmethod
+    def over(
+        cls: type[S],
+        task: FullTask,
+        settings: Any,
+        gen: GenSettings,
+        seed: int,
+        reward: Reward | None = None,
+        vote: VoteRule = PLAIN_VOTE,
+    ) -> S:
+        """The search over a task module's task, its states valued as the task's options say."""
+        return cls(task, Values.of(task), settings, gen, seed, reward, vote)
 
     def thinker(self, problem: Problem, engine: GenerationEngine) -> Thinker:
         """The one problem's thoughts: its tree, grown and valued through `engine`."""
-        return Thinker(self.task, self.gen, self.seed, problem, engine, self.reward, self.vote)
+        return Thinker(self.task, self.values, self.gen, self.seed, problem, engine, self.reward, self.vote)
 
 
 def choose(

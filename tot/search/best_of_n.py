@@ -142,7 +142,7 @@ class BestOfN(SearchBase):
         elif scored:
 
             def prompt(path: list[str], follow_up: bool) -> Prompt:
-                return self.task.solution_evaluator_prompt(thinker.problem, path, follow_up)
+                return self.values.prompts.solution_evaluator_prompt(thinker.problem, path, follow_up)
 
             sure = confidence(out) if thinker.confident else None
             context = out.context if request.keep else ()

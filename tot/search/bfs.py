@@ -114,7 +114,9 @@ class BFS(SearchBase):
 
         def ballots_at(d: int) -> int:
             completed = thinker.rollouts and (d < self.task.depth or self.settings.foresight)
-            return self.settings.breadth * self.settings.thoughts_at(d) * (1 + (self.task.rollouts if completed else 0))
+            return (
+                self.settings.breadth * self.settings.thoughts_at(d) * (1 + (self.values.rollouts if completed else 0))
+            )
 
         remaining = sum(ballots_at(d) for d in range(depth + 1, self.task.depth + 1))
         tree = thinker.tree

@@ -111,7 +111,7 @@ class MCTS(SearchBase):
             done, wave = done + len(paths), wave + 1
             # An iteration adds at most its levels' thoughts, each with its completions under rollouts.
             levels = 1 if thinker.rollouts else 1 + settings.simulation_depth
-            per_iteration = levels * settings.n_thoughts * (1 + (self.task.rollouts if thinker.rollouts else 0))
+            per_iteration = levels * settings.n_thoughts * (1 + (self.values.rollouts if thinker.rollouts else 0))
             remaining = (settings.iterations - done) * per_iteration
             stopped = done < settings.iterations and vote_settled(
                 tree, answer_of, self.vote, settings.stop, counted, remaining

@@ -4,7 +4,7 @@ gathers them into `SEARCHES`).
 A search is one module and its yaml (conf/search/NAME.yaml): the module ends with its declaration,
 naming the search, its settings (a frozen dataclass read from `search.*`, checking itself in
 __post_init__, with `scaled(n)`: its settings at budget N, the scaling curve's x) and its builder,
-`build(task, settings, gen, seed, reward, vote=...)` -> a `Search` (tot/search/base.py; tot/search/bfs.py
+`build(task, values, settings, gen, seed, reward, vote=...)` -> a `Search` (tot/search/base.py; tot/search/bfs.py
 is one), and where its settings depend on the rest of the run's config, `check_config(settings, vote,
 task_options)`, run at load time. `TOT_SPEC_PLUGINS` adds modules from outside the project (decoding/base/plugins.py).
 """
