@@ -216,7 +216,7 @@ def generate(cfg: GenerateConfig, engine: Engine, progress: bool = True) -> dict
         "wall_s": time.perf_counter() - t0,
         "tokens_per_s": stats.generated_tokens / stats.wall_s if stats.wall_s else 0.0,
         **stats.to_dict(),
-        **stats.host_summary(),
+        **stats.schedule.host_summary(),
     }
     if stats.target_forwards:
         summary["ms_per_forward"] = 1000 * stats.wall_s / stats.target_forwards

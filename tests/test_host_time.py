@@ -15,7 +15,7 @@ from test_continuous import engine_for
 
 import decoding.schedules.rounds as rounds_module
 from decoding.base.run import run_sync
-from decoding.base.values import HOST_STAGES, DecodeStats, GenRequest
+from decoding.base.values import HOST_STAGES, DecodeStats, GenRequest, ScheduleStats
 from decoding.runtime import kernels
 from decoding.runtime.kv_cache import RowKVCache
 from decoding.runtime.packing import pack
@@ -46,12 +46,12 @@ def test_a_steps_stages_add_up_to_its_wall_time(name, loaded, perturbed):
     ]
     decoder = engine.decoder
     decoder.admit([engine._sequence(r) for r in requests])
-    s, gaps = DecodeStats(), []
+    s, gaps = ScheduleStats(), []
     while decoder.busy:
         t0 = time.perf_counter()
         cost = decoder.step().cost
-        gaps.append(time.perf_counter() - t0 - cost.step_s)
-        s += cost
+        gaps.append(time.perf_counter() - t0 - cost.schedule.step_s)
+        s += cost.schedule
     assert s.steps == len(gaps) >= 10 and s.forward_s > 0 and s.admit_s > 0
     # The stages are laps of one clock: they and the forward make the step, exactly ...
     assert s.admit_s + s.forward_s + s.host_s == pytest.approx(s.step_s, rel=1e-9)
@@ -74,18 +74,18 @@ def test_a_search_reports_its_steps_in_its_calls_shares(loaded):
     engine clocked around them."""
     engine = engine_for("ar", loaded, None)
     run_sync(engine.agenerate([GenRequest(p, max_new_tokens=8) for p in PROMPTS]))
-    s = engine.total_stats
+    s = engine.total_stats.schedule
     assert s.steps >= 8 and 0 <= engine.step_s - s.step_s <= 0.5 * engine.step_s
 
 
 def test_step_times_survive_the_records_and_add_across_calls():
     a = DecodeStats()
-    a.add_step(0.010, 0.004, {"admit": 0.001, "pack": 0.002, "accept": 0.003})
+    a.schedule.add_step(0.010, 0.004, {"admit": 0.001, "pack": 0.002, "accept": 0.003})
     b = DecodeStats.from_dict(a.to_dict())
     assert b == a
     b += a
-    assert (b.steps, b.host_pack_s, b.admit_s) == (2, 0.004, 0.002)
-    assert b.host_ms_per_step == pytest.approx(5.0) and b.forward_ms_per_step == pytest.approx(4.0)
+    assert (b.schedule.steps, b.schedule.host_pack_s, b.schedule.admit_s) == (2, 0.004, 0.002)
+    assert b.schedule.host_ms_per_step == pytest.approx(5.0) and b.schedule.forward_ms_per_step == pytest.approx(4.0)
 
 
 # The batched stages against their per-row definitions: the same layout, the same cache, the same tokens.

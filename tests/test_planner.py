@@ -258,7 +258,7 @@ def test_every_ready_row_is_verified_in_every_forward(loaded, tokenizer):
     steps = 0
     while decoder.busy:
         live = decoder.live + len(decoder.waiting)
-        assert decoder.step().cost.planned_rows == live  # no row waits for another's forward
+        assert decoder.step().cost.schedule.planned_rows == live  # no row waits for another's forward
         steps += 1
     assert steps > 1
 

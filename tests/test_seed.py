@@ -54,7 +54,7 @@ def test_greedy_identity(tiny_model, tokenizer, loaded, perturbed, n, verify_bat
         results = engine.generate(requests)
         assert [r.token_ids for r in results] == refs
         stats = engine.last_stats
-        assert stats.verified_drafts == stats.verify_steps
+        assert stats.schedule.verified_drafts == stats.verify_steps
         assert 0 < stats.target_busy_fraction <= 1
 
 
@@ -79,9 +79,9 @@ def test_scheduler_statistics(loaded):
     results = engine.generate(requests)
     stats = engine.last_stats
     # verify_batch 1: one target forward per queued draft, after one computing every prompt.
-    assert stats.target_forwards == stats.verified_drafts + 1
+    assert stats.target_forwards == stats.schedule.verified_drafts + 1
     assert stats.acceptance_length > 3.0  # the target drafting for itself at temperature 0
-    assert stats.mean_queue_wait_s > 0 and stats.drafts_per_round >= 1
+    assert stats.schedule.mean_queue_wait_s > 0 and stats.schedule.drafts_per_round >= 1
     assert stats.sequences == 6
     assert stats.mean_sequence_acceptance_length == pytest.approx(sum(r.stats.acceptance_length for r in results) / 6)
     d = stats.to_dict()
@@ -149,7 +149,7 @@ def test_schedule_properties(tiny_model, tokenizer, loaded, verify_batch, overla
     results = engine.generate(requests)
     assert [r.token_ids for r in results] == refs
     check_schedule(decoder.rounds.log, len(requests))
-    assert engine.last_stats.verified_drafts == sum(1 for e, _ in decoder.rounds.log if e == "verifying")
+    assert engine.last_stats.schedule.verified_drafts == sum(1 for e, _ in decoder.rounds.log if e == "verifying")
 
 
 def test_check_schedule_catches_violations():

@@ -129,9 +129,9 @@ def test_tokens_are_hfs_with_siblings_sharing_their_prompt(make_engine, decoder,
     assert any(seen)
     # The statistics say how much of the context came from a sibling's row: here most of it.
     stats = engine.last_stats
-    assert 0.5 < stats.context_shared_fraction < 1 and stats.to_dict()["context_shared_fraction"] > 0.5
+    assert 0.5 < stats.schedule.context_shared_fraction < 1 and stats.to_dict()["context_shared_fraction"] > 0.5
     engine.generate(requests[:1])
-    assert engine.last_stats.context_positions > 0 == engine.last_stats.context_positions_shared
+    assert engine.last_stats.schedule.context_positions > 0 == engine.last_stats.schedule.context_positions_shared
 
 
 def test_a_forward_counts_each_groups_whole_shared_blocks_for_all_members_but_one():

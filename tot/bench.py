@@ -448,17 +448,19 @@ def _row(name: str, t: Tally, engine: Engine | ServerEngine) -> dict:
         else None,
         "forwards_per_token": t.decode.forwards_per_token if own else None,
         "rows_per_forward": t.decode.rows_per_forward if own else None,
-        "context_shared_fraction": t.decode.context_shared_fraction if own else None,
+        "context_shared_fraction": t.decode.schedule.context_shared_fraction if own else None,
         "prompt_tokens": t.decode.prompt_tokens,
         "prompt_tokens_computed": t.decode.prompt_tokens_computed,
         "target_busy_fraction": t.decode.target_busy_fraction if own else None,
         # A decode step: its verification forward and the host's work around it, by stage (ms a step).
-        **(t.decode.host_summary() if own else {}),
+        **(t.decode.schedule.host_summary() if own else {}),
         # The step planner (verify.plan=goodput): draft nodes it gave a verified row, and its verification
         # steps' predicted against measured time (null where no plan ran: ar, a fixed plan, a server).
-        "plan_nodes_per_row": t.decode.planned_nodes_per_row if own and t.decode.planned_rows else None,
-        "plan_predicted_s": t.decode.predicted_step_s if own and t.decode.planned_rows else None,
-        "plan_measured_s": t.decode.planned_step_s if own and t.decode.planned_rows else None,
+        "plan_nodes_per_row": t.decode.schedule.planned_nodes_per_row
+        if own and t.decode.schedule.planned_rows
+        else None,
+        "plan_predicted_s": t.decode.schedule.predicted_step_s if own and t.decode.schedule.planned_rows else None,
+        "plan_measured_s": t.decode.schedule.planned_step_s if own and t.decode.schedule.planned_rows else None,
         "peak_kv_mb": engine.peak_cache_bytes() / 2**20,
         "peak_device_mb": t.peak_device_bytes / 2**20,
         # Stored prefixes (every engine on the model together, against their one cap), the KV pool,

@@ -14,13 +14,14 @@ import logging
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
 from decoding.api.config import DecoderConfig
 from decoding.api.decoders import make_decoder
 from decoding.base.errors import BackendError
 from decoding.base.prompts import PLAIN_SEAM, Seam, chat_seam, render, render_follow_up
-from decoding.base.values import Completion, DecodeStats, GenRequest, GenResult, check_ids, request_list
+from decoding.base.values import Completion, DecodeStats, GenRequest, GenResult, ScheduleStats, check_ids, request_list
 from decoding.runtime.memory import peak_rss_mb, rss_mb
 from decoding.runtime.models import LoadedModel
 from decoding.runtime.runner import ModelRunner
@@ -311,18 +312,25 @@ class Engine:
         total = sum(weights)
         if not total:
             return
-        for f in fields(DecodeStats):
-            value = getattr(step, f.name)
-            if not value:
-                continue
-            exact = [value * w / total for w in weights]
-            parts: list[float] = exact
-            if isinstance(value, int):
-                parts = list(apportion(value, weights, [c.owed[f.name] for c in calls]))
-                for call, e, part in zip(calls, exact, parts):
-                    call.owed[f.name] += e - part
-            for call, part in zip(calls, parts):
-                setattr(call.stats, f.name, getattr(call.stats, f.name) + part)
+        # The counts and the scheduler's counters alike (their names are distinct: one `owed` per call).
+        pairs: tuple[tuple[DecodeStats | ScheduleStats, Callable[[_Call], DecodeStats | ScheduleStats]], ...] = (
+            (step, lambda c: c.stats),
+            (step.schedule, lambda c: c.stats.schedule),
+        )
+        for record, of_call in pairs:
+            for f in fields(record):
+                value = getattr(record, f.name)
+                if not value or not isinstance(value, int | float):
+                    continue
+                exact = [value * w / total for w in weights]
+                parts: list[float] = exact
+                if isinstance(value, int):
+                    parts = list(apportion(value, weights, [c.owed[f.name] for c in calls]))
+                    for call, e, part in zip(calls, exact, parts):
+                        call.owed[f.name] += e - part
+                for call, part in zip(calls, parts):
+                    mine = of_call(call)
+                    setattr(mine, f.name, getattr(mine, f.name) + part)
 
     def _finish(
         self, seqs: list[Sequence], requests: list[GenRequest], stats: DecodeStats, elapsed: float | None

@@ -213,29 +213,11 @@ HOST_STAGES = ("learn", "plan", "draft", "cut", "pack", "launch", "accept", "com
 
 
 @dataclass
-class DecodeStats:
-    """What producing some tokens cost. Adds up across sequences and calls with `+=`.
+class ScheduleStats:
+    """The scheduler's own counters, beside what the tokens cost (`DecodeStats.schedule`): SEED's verify
+    queue, the drafter's calls, the step planner's plans, the CPU attention's shared reads and the decode
+    steps' time by stage. Adds up with `+=`; its `to_dict` keys sit beside DecodeStats' in a summary."""
 
-    `verify_steps` counts (sequence, target forward) pairs: one per sequence each time the target
-    scores it, so acceptance_length = generated_tokens / verify_steps (1.0 for autoregressive).
-    `target_forwards` counts calls of the target model (one batched call is one forward).
-    `elapsed_s` is the wall-clock time; draft_s + verify_s + other_s exceed it when drafting runs
-    beside verification. The scheduler fields (queue waits, draft calls) are SEED's.
-    """
-
-    generated_tokens: int = 0
-    target_forwards: int = 0
-    target_rows: int = 0  # sequences scored, summed over target forwards
-    prompt_tokens: int = 0  # prompt tokens of the call's sequences
-    prompt_tokens_computed: int = 0  # of them, those the target computed (shared prefixes once, reuse skipped)
-    verify_steps: int = 0
-    drafted_tokens: int = 0
-    accepted_tokens: int = 0
-    suffix_accepted_tokens: int = 0  # of them, those the suffix drafter proposed (STAND may have too)
-    draft_s: float = 0.0
-    verify_s: float = 0.0
-    other_s: float = 0.0
-    elapsed_s: float = 0.0
     queue_wait_s: float = 0.0  # summed over verified drafts: enqueued -> taken by the verifier
     verified_drafts: int = 0  # drafts that went through the verify queue
     draft_calls: int = 0  # batched drafter calls
@@ -246,11 +228,8 @@ class DecodeStats:
     planned_nodes: int = 0
     predicted_step_s: float = 0.0
     planned_step_s: float = 0.0
-    sequences: int = 0
-    sequence_acceptance_sum: float = 0.0  # sum over sequences of each one's acceptance length
-    kv_waits: int = 0  # sequences that waited for the KV pool's memory (model.kv_memory) before decoding
     # Verification forwards: committed positions their rows attend (summed over rows), and of them those
-    # the CPU attention read from a sibling's row, once for its group (rows admitted with one prefix).
+    # the CPU attention read from a sibling's row, once for its siblings (rows admitted with one prefix).
     context_positions: int = 0
     context_positions_shared: int = 0
     # Decode steps and where their time went: admitting sequences (their prefill forwards included),
@@ -310,15 +289,6 @@ class DecodeStats:
         }
 
     @property
-    def wall_s(self) -> float:
-        return self.elapsed_s if self.elapsed_s > 0 else self.draft_s + self.verify_s + self.other_s
-
-    @property
-    def target_busy_fraction(self) -> float:
-        """Share of the wall time the target model spent verifying (prefill included)."""
-        return min(1.0, self.verify_s / self.wall_s) if self.wall_s else 0.0
-
-    @property
     def mean_queue_wait_s(self) -> float:
         return self.queue_wait_s / self.verified_drafts if self.verified_drafts else 0.0
 
@@ -331,6 +301,76 @@ class DecodeStats:
     def planned_nodes_per_row(self) -> float:
         """Draft nodes the step planner gave a verified row on average (0: it planned plain decoding)."""
         return self.planned_nodes / self.planned_rows if self.planned_rows else 0.0
+
+    @property
+    def context_shared_fraction(self) -> float:
+        """Share of the attended context read from a sibling's row instead of the row's own."""
+        return self.context_positions_shared / self.context_positions if self.context_positions else 0.0
+
+    def __iadd__(self, other: ScheduleStats) -> ScheduleStats:
+        for name in _SCHEDULE_FIELDS:
+            if value := getattr(other, name):
+                setattr(self, name, getattr(self, name) + value)
+        return self
+
+    def __sub__(self, other: ScheduleStats) -> ScheduleStats:
+        return ScheduleStats(**{name: getattr(self, name) - getattr(other, name) for name in _SCHEDULE_FIELDS})
+
+    def to_dict(self) -> dict[str, float]:
+        d: dict[str, float] = {name: getattr(self, name) for name in _SCHEDULE_FIELDS}
+        d["mean_queue_wait_s"] = self.mean_queue_wait_s
+        d["drafts_per_round"] = self.drafts_per_round
+        d["context_shared_fraction"] = self.context_shared_fraction
+        d["host_ms_per_step"] = self.host_ms_per_step
+        d["forward_ms_per_step"] = self.forward_ms_per_step
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, float]) -> ScheduleStats:
+        return cls(**{f.name: _as_type_of(f.default, d.get(f.name, f.default)) for f in fields(cls)})
+
+
+_SCHEDULE_FIELDS = tuple(f.name for f in fields(ScheduleStats))
+
+
+@dataclass
+class DecodeStats:
+    """What producing some tokens cost. Adds up across sequences and calls with `+=`.
+
+    `verify_steps` counts (sequence, target forward) pairs: one per sequence each time the target
+    scores it, so acceptance_length = generated_tokens / verify_steps (1.0 for autoregressive).
+    `target_forwards` counts calls of the target model (one batched call is one forward).
+    `elapsed_s` is the wall-clock time; draft_s + verify_s + other_s exceed it when drafting runs
+    beside verification. The scheduler's own counters (its queue, the drafter's calls, the planner,
+    the steps' host work by stage) are `schedule`'s.
+    """
+
+    generated_tokens: int = 0
+    target_forwards: int = 0
+    target_rows: int = 0  # sequences scored, summed over target forwards
+    prompt_tokens: int = 0  # prompt tokens of the call's sequences
+    prompt_tokens_computed: int = 0  # of them, those the target computed (shared prefixes once, reuse skipped)
+    verify_steps: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    suffix_accepted_tokens: int = 0  # of them, those the suffix drafter proposed (STAND may have too)
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    other_s: float = 0.0
+    elapsed_s: float = 0.0
+    sequences: int = 0
+    sequence_acceptance_sum: float = 0.0  # sum over sequences of each one's acceptance length
+    kv_waits: int = 0  # sequences that waited for the KV pool's memory (model.kv_memory) before decoding
+    schedule: ScheduleStats = field(default_factory=ScheduleStats)
+
+    @property
+    def wall_s(self) -> float:
+        return self.elapsed_s if self.elapsed_s > 0 else self.draft_s + self.verify_s + self.other_s
+
+    @property
+    def target_busy_fraction(self) -> float:
+        """Share of the wall time the target model spent verifying (prefill included)."""
+        return min(1.0, self.verify_s / self.wall_s) if self.wall_s else 0.0
 
     @property
     def mean_sequence_acceptance_length(self) -> float:
@@ -355,37 +395,39 @@ class DecodeStats:
         for name in _STAT_FIELDS:
             if value := getattr(other, name):
                 setattr(self, name, getattr(self, name) + value)
+        self.schedule += other.schedule
         return self
 
     def __sub__(self, other: DecodeStats) -> DecodeStats:
-        return DecodeStats(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)})
-
-    @property
-    def context_shared_fraction(self) -> float:
-        """Share of the attended context read from a sibling's row instead of the row's own."""
-        return self.context_positions_shared / self.context_positions if self.context_positions else 0.0
+        return DecodeStats(
+            **{name: getattr(self, name) - getattr(other, name) for name in _STAT_FIELDS},
+            schedule=self.schedule - other.schedule,
+        )
 
     def to_dict(self) -> dict[str, float]:
-        d: dict[str, float] = {f.name: getattr(self, f.name) for f in fields(self)}
+        """Its counts and rates and `schedule`'s, in one flat record (a run's summary, results.json)."""
+        d: dict[str, float] = {name: getattr(self, name) for name in _STAT_FIELDS}
         d["wall_s"] = self.wall_s
         d["acceptance_length"] = self.acceptance_length
         d["forwards_per_token"] = self.forwards_per_token
         d["rows_per_forward"] = self.rows_per_forward
         d["target_busy_fraction"] = self.target_busy_fraction
-        d["mean_queue_wait_s"] = self.mean_queue_wait_s
-        d["drafts_per_round"] = self.drafts_per_round
         d["mean_sequence_acceptance_length"] = self.mean_sequence_acceptance_length
-        d["context_shared_fraction"] = self.context_shared_fraction
-        d["host_ms_per_step"] = self.host_ms_per_step
-        d["forward_ms_per_step"] = self.forward_ms_per_step
-        return d
+        return {**d, **self.schedule.to_dict()}
 
     @classmethod
     def from_dict(cls, d: dict[str, float]) -> DecodeStats:
-        return cls(**{f.name: _as_type_of(f.default, d.get(f.name, f.default)) for f in fields(cls)})
+        counts = {
+            name: _as_type_of(f.default, d.get(name, f.default))
+            for f in fields(cls)
+            if (name := f.name) in _STAT_FIELDS
+        }
+        return cls(**counts, schedule=ScheduleStats.from_dict(d))
 
 
-_STAT_FIELDS = tuple(f.name for f in fields(DecodeStats))  # `+=` runs once a step per call in flight
+_STAT_FIELDS = tuple(
+    f.name for f in fields(DecodeStats) if f.name != "schedule"
+)  # `+=` runs once a step per call in flight
 
 
 @dataclass(frozen=True)

@@ -180,7 +180,7 @@ class Scheduler:
         finished, forward_s = record.finished, record.forward_ms / 1000
         del record  # its logits freed on the step's clock: freeing is the host's work too
         laps.lap("rounds")
-        cost.add_step(laps.total, forward_s, laps.seconds)
+        cost.schedule.add_step(laps.total, forward_s, laps.seconds)
         return Step(finished, cost)
 
     def _observe(self, record: StepRecord, stats: DecodeStats) -> None:
@@ -190,25 +190,25 @@ class Scheduler:
         plan = record.plan
         stats.target_forwards += 1  # the verification forward
         stats.target_rows += len(record.slots)
-        stats.context_positions += record.reads[0]
-        stats.context_positions_shared += record.reads[1]
-        stats.queue_wait_s += record.queue_wait_s
-        stats.verified_drafts += len(record.slots)
+        stats.schedule.context_positions += record.reads[0]
+        stats.schedule.context_positions_shared += record.reads[1]
+        stats.schedule.queue_wait_s += record.queue_wait_s
+        stats.schedule.verified_drafts += len(record.slots)
         stats.verify_s += record.verify_s
         stats.other_s += record.other_s
         if plan is not None and self.planner is not None and record.sampling is not None:
             around_ms = 1000 * record.verify_s - record.forward_ms
             self.planner.observe(plan, record.verdicts, record.sampling.greedy, record.forward_ms, around_ms)
-            stats.planned_rows += plan.rows
-            stats.planned_nodes += sum(plan.nodes)
-            stats.predicted_step_s += plan.predicted_ms / 1000
-            stats.planned_step_s += record.verify_s
+            stats.schedule.planned_rows += plan.rows
+            stats.schedule.planned_nodes += sum(plan.nodes)
+            stats.schedule.predicted_step_s += plan.predicted_ms / 1000
+            stats.schedule.planned_step_s += record.verify_s
 
     def _observe_draft(self, draft: DraftRecord, stats: DecodeStats) -> None:
         stats.draft_s += draft.seconds
         if draft.drafted:
-            stats.draft_calls += 1
-            stats.drafted_rows += draft.drafted
+            stats.schedule.draft_calls += 1
+            stats.schedule.drafted_rows += draft.drafted
             if self.planner is not None:
                 self.planner.drafted(draft.drafted, draft.draft_ms)
 

@@ -249,19 +249,19 @@ def summarize(records: list[dict[str, Any]], header: dict[str, Any]) -> dict[str
         "prompt_tokens": total.prompt_tokens,
         "prompt_tokens_computed": total.prompt_tokens_computed,
         # Of the context the verified rows attended, the share read once for siblings sharing a prompt.
-        "context_shared_fraction": total.context_shared_fraction,
+        "context_shared_fraction": total.schedule.context_shared_fraction,
         "acceptance_length": total.acceptance_length,
         "drafted_tokens": total.drafted_tokens,
         "accepted_tokens": total.accepted_tokens,
         "mean_sequence_acceptance_length": total.mean_sequence_acceptance_length,
         # Scheduler view (SEED): how busy the target was, how long drafts waited for it.
         "target_busy_fraction": total.target_busy_fraction,
-        "mean_queue_wait_s": total.mean_queue_wait_s,
-        "drafts_per_round": total.drafts_per_round,
+        "mean_queue_wait_s": total.schedule.mean_queue_wait_s,
+        "drafts_per_round": total.schedule.drafts_per_round,
         # Sequences that waited for the KV pool's memory (model.kv_memory) before they could decode.
         "kv_waits": total.kv_waits,
         # A decode step's verification forward and the host's work around it, by stage (ms a step).
-        **total.host_summary(),
+        **total.schedule.host_summary(),
         "tokens_per_s": total.generated_tokens / wall if wall else 0.0,
         "wall_s": wall,
         "phases": phases,
