@@ -189,7 +189,7 @@ def decode(
         "tokens_per_s": s.generated_tokens / s.wall_s,
         "ms_per_forward": 1000 * s.wall_s / max(s.target_forwards, 1),
         "acceptance_length": s.acceptance_length,
-        "host_ms_per_step": s.host_ms_per_step,
+        "host_ms_per_step": s.schedule.host_ms_per_step,
         "warmup_s": warm_s,
     }
     return out
