@@ -13,6 +13,7 @@ import torch
 
 from decoding.runtime import kernels
 from decoding.runtime.architectures import mlps
+from decoding.runtime.pretrained import pretrained
 
 
 class FixedSiLU(torch.nn.Module):
@@ -22,12 +23,13 @@ class FixedSiLU(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32:
             raise TypeError(f"FixedSiLU computes float32, not {x.dtype}: give the model torch's SiLU (use_torch_silu)")
-        return kernels.load().silu_fixed(x)
+        y: torch.Tensor = kernels.load().silu_fixed(x)
+        return y
 
 
 def use_fixed_silu(model: torch.nn.Module) -> int:
     """Give the MLPs (of an architectures.ARCHITECTURES entry) of a float32 SiLU model `FixedSiLU`; how many."""
-    embeddings = model.get_input_embeddings()
+    embeddings = pretrained(model).get_input_embeddings()
     if getattr(model.config, "hidden_act", None) != "silu" or embeddings.weight.dtype != torch.float32:
         return 0
     kernels.load()  # built now: a missing compiler is a load-time error

@@ -31,7 +31,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -74,7 +74,8 @@ def _config(gguf: Path, values: dict[str, Any]) -> PretrainedConfig:
     if model_type not in CONFIG_MAPPING:
         raise BackendError(f"{gguf}: transformers has no config for GGUF model type {model_type!r}")
     try:
-        return CONFIG_MAPPING[model_type].from_dict(values, name_or_path=str(gguf))
+        # (a key of the mapping: a str)
+        return CONFIG_MAPPING[cast(str, model_type)].from_dict(values, name_or_path=str(gguf))
     except (ValueError, KeyError, TypeError) as e:
         raise BackendError(f"{gguf}: its metadata does not make a {model_type} config ({_first_line(e)})") from None
 
@@ -178,7 +179,8 @@ def _table_config(metadata: dict[str, Any], tensor_names: tuple[str, ...]) -> di
     from transformers.modeling_gguf_pytorch_utils import GGUF_TO_TRANSFORMERS_MAPPING
 
     architecture = metadata["general.architecture"]
-    table = GGUF_TO_TRANSFORMERS_MAPPING["config"]
+    # its "config" part: per metadata prefix, a key's config name (-1: none)
+    table = cast(dict[str, dict[str, Any]], GGUF_TO_TRANSFORMERS_MAPPING["config"])
     values: dict[str, Any] = {"tie_word_embeddings": "output.weight" not in tensor_names}
     for key, value in GGUF_CONFIG_DEFAULTS_MAPPING.get(architecture, {}).items():
         values.setdefault(key, value)
@@ -197,7 +199,8 @@ def _legacy_config(gguf: Path, architecture: str) -> dict[str, Any]:
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     try:
-        return load_gguf_checkpoint(str(gguf), return_tensors=False)["config"]
+        config: dict[str, Any] = load_gguf_checkpoint(str(gguf), return_tensors=False)["config"]
+        return config
     except (ValueError, KeyError) as e:
         raise BackendError(
             f"{gguf}: transformers does not load GGUF architecture {architecture!r} ({_first_line(e)})"
@@ -222,7 +225,8 @@ def _empty_model(gguf: Path, config: PretrainedConfig, dtype: torch.dtype) -> Pr
     from transformers.utils.generic import ContextManagers
 
     try:
-        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+        # (the mapping's stub types a value as a pair of classes; it is the one causal LM class)
+        cls = cast("type[PreTrainedModel]", MODEL_FOR_CAUSAL_LM_MAPPING[type(config)])
     except KeyError:
         raise BackendError(f"{gguf}: model type {config.model_type!r} is not a causal LM transformers builds") from None
     config.dtype = dtype  # as from_pretrained records it
@@ -244,7 +248,9 @@ def _empty_model(gguf: Path, config: PretrainedConfig, dtype: torch.dtype) -> Pr
 def _processor(architecture: str, values: dict[str, Any]) -> Any:
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
-    return TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=values)
+    # (typed as the base class: a call through the dict's joined value type is not seen as transformers')
+    processor_class: type[TensorProcessor] = TENSOR_PROCESSORS.get(architecture, TensorProcessor)
+    return processor_class(config=values)
 
 
 class _TopLevel:
@@ -330,7 +336,8 @@ def _materialize(model: PreTrainedModel, name: str) -> torch.Tensor:
     module = model.get_submodule(module_name)
     old = getattr(module, leaf)
     new = torch.nn.Parameter(torch.empty(old.shape, dtype=old.dtype), requires_grad=old.requires_grad)
-    new._is_hf_initialized = True  # transformers' init functions leave a flagged tensor alone
+    # transformers' init functions leave a flagged tensor alone
+    new._is_hf_initialized = True  # type: ignore[attr-defined]  # transformers' flag: torch's stub lacks it
     setattr(module, leaf, new)
     return new.data  # no autograd: written from pool threads, which do not share the caller's no_grad
 
@@ -344,7 +351,7 @@ def _read(gguf: Path, t: FileTensor, first_row: int, rows: int) -> np.ndarray:
     raw = np.empty((rows, row_bytes), dtype=np.uint8)
     with gguf.open("rb", buffering=0) as f:  # a file of its own: slices are read on several threads
         f.seek(t.start + first_row * row_bytes)
-        if f.readinto(memoryview(raw).cast("B")) != raw.nbytes:
+        if f.readinto(raw.data.cast("B")) != raw.nbytes:
             raise BackendError(f"{gguf}: tensor {t.name} runs past the end of the file; download or copy it again")
     try:
         return dequantize(raw, GGMLQuantizationType[t.type_name])
@@ -390,7 +397,7 @@ def _finish(model: PreTrainedModel, missing: set[str]) -> None:
     """What from_pretrained does after its weights are in: buffers computed, weights tied, eval mode."""
     for name in model.all_tied_weights_keys:
         if name in missing:
-            model.get_parameter(name)._is_hf_initialized = True
+            model.get_parameter(name)._is_hf_initialized = True  # type: ignore[attr-defined]  # (as in _materialize)
     for name, buffer in model.named_non_persistent_buffers():
         module_name, _, leaf = name.rpartition(".")
         model.get_submodule(module_name).register_buffer(leaf, torch.empty_like(buffer, device="cpu"), persistent=False)
@@ -442,7 +449,7 @@ def _plain_gguf_reader() -> Iterator[None]:
     import gguf
 
     class PlainReader(gguf.GGUFReader):
-        @property  # type: ignore[override]
+        @property  # type: ignore[override]  # gguf declares `data` a plain attribute; its setter stays
         def data(self) -> np.ndarray:
             return self._plain
 
@@ -451,11 +458,12 @@ def _plain_gguf_reader() -> Iterator[None]:
             self._plain = mapped.view(np.ndarray)
 
     plain = gguf.GGUFReader
-    gguf.GGUFReader = PlainReader  # transformers imports it from the package at each call
+    # transformers imports it from the package at each call; a class patched for the duration
+    gguf.GGUFReader = PlainReader  # type: ignore[misc]  # (mypy takes a class for a constant)
     try:
         yield
     finally:
-        gguf.GGUFReader = plain
+        gguf.GGUFReader = plain  # type: ignore[misc]
 
 
 def _rename_into_place(tmp: Path, folder: Path) -> None:

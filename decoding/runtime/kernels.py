@@ -23,7 +23,7 @@ from decoding.base.errors import BackendError
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("activation.cpp", "attention.cpp", "layers.cpp", "matmul.cpp", "norm.cpp", "q4_int8.cpp")
+SOURCES: tuple[str, ...] = ("activation.cpp", "attention.cpp", "layers.cpp", "matmul.cpp", "norm.cpp", "q4_int8.cpp")
 SOURCES += ("module.cpp",)
 # Built into the same module but left out of `source_digest`: they compute no forward, so a shipped
 # numerics record or cost profile stays valid whatever they change (they register torch.ops of their own).
@@ -52,7 +52,7 @@ def load() -> ModuleType:
     clear_stale_lock(Path(cpp_extension._get_build_directory(name, verbose=False)))
     t0 = time.perf_counter()
     try:
-        module = cpp_extension.load(
+        module: ModuleType = cpp_extension.load(
             name=name,
             sources=[str(CSRC / s) for s in SOURCES + SAMPLING_SOURCES],
             extra_cflags=FLAGS,

@@ -25,6 +25,11 @@ SHARED_BLOCK = 64  # the CPU attention reads siblings' shared positions in whole
 class Segment(Protocol):
     """Stored positions of one row (the prefix store's edge): a copy, or blocks held by count."""
 
+    @property
+    def nbytes(self) -> int: ...
+
+    def split(self, k: int) -> tuple[Segment, Segment]: ...  # its first k positions and the rest
+
     def release(self) -> None: ...
 
 
@@ -38,7 +43,7 @@ class KVCache(Protocol):
     lens: torch.Tensor  # [B] committed positions per row, on the host
     device: torch.device
     spare: int  # rows past the live ones that a bucketed forward's padding writes (0: none)
-    graphs: dict[tuple, object] | None  # CUDA graphs captured over it (None: not worth capturing)
+    graphs: dict[tuple[Any, ...], object] | None  # CUDA graphs captured over it (None: not worth capturing)
 
     def __len__(self) -> int: ...  # layers
 
@@ -134,7 +139,7 @@ class RowKVCache:
         self._next_siblings = 0
         # CUDA graphs captured over these tensors, by whoever captured them (static_forward.py); None:
         # this cache is not worth capturing for (a scratch cache of one admission). Dropped on resize.
-        self.graphs: dict[tuple, object] | None = None
+        self.graphs: dict[tuple[Any, ...], object] | None = None
 
     @classmethod
     def for_model(
@@ -462,12 +467,13 @@ def _by_position(keys: torch.Tensor) -> bool:
     return keys.stride(2) == 1 and keys.shape[3] > 1
 
 
-def cache_geometry(config: object) -> tuple[int, int, int]:
-    """(layers, kv heads, head dim) of a decoder-only `transformers` config."""
-    n_layers = config.num_hidden_layers  # type: ignore[attr-defined]
-    n_heads = config.num_attention_heads  # type: ignore[attr-defined]
-    n_kv = getattr(config, "num_key_value_heads", None) or n_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads  # type: ignore[attr-defined]
+def cache_geometry(config: Any) -> tuple[int, int, int]:
+    """(layers, kv heads, head dim) of a decoder-only `transformers` config (its attributes are the
+    model's own: Any)."""
+    n_layers: int = config.num_hidden_layers
+    n_heads: int = config.num_attention_heads
+    n_kv: int = getattr(config, "num_key_value_heads", None) or n_heads
+    head_dim: int = getattr(config, "head_dim", None) or config.hidden_size // n_heads
     return n_layers, n_kv, head_dim
 
 
@@ -483,4 +489,7 @@ def moves(
             out[0].extend([row] * len(kept))
             out[1].extend(base + i for i in kept)
             out[2].extend(range(base, base + len(kept)))
-    return None if not out[0] else tuple(torch.tensor(x) for x in out)  # type: ignore[return-value]
+    if not out[0]:
+        return None
+    moved_rows, src, dst = (torch.tensor(x) for x in out)
+    return moved_rows, src, dst

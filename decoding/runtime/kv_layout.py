@@ -18,7 +18,8 @@ from decoding.runtime.prefix_cache import PrefixCache
 
 
 class KVLayout(Protocol):
-    pool: BlockPool | None  # the blocks rows share (paged), or None
+    @property
+    def pool(self) -> BlockPool | None: ...  # the blocks rows share (paged), or None
 
     def new_cache(self, batch: int, capacity: int, graphs: bool = False) -> KVCache:
         """An empty cache; `graphs`: one that lives long enough to capture CUDA graphs over."""

@@ -14,7 +14,9 @@ bits the `transformers` forward of the same loaded model computes (tests/test_ll
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 
@@ -22,11 +24,12 @@ from decoding.runtime import architectures, attention, kernels
 from decoding.runtime.activation import FixedSiLU
 from decoding.runtime.kv_cache import ForwardView
 from decoding.runtime.norm import RowsRMSNorm
+from decoding.runtime.pretrained import decoder, pretrained
 from decoding.runtime.quant import Int4Linear, Q8Linear, takes_int8
 from decoding.runtime.rows_linear import RowsLinear
 
 _NONE = torch.empty(0)
-PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+PROJECTIONS: tuple[str, ...] = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
 PROJECTIONS += ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 SAME_INPUT = ((0, 1, 2), (3,), (4, 5), (6,))  # projections of one input: q, k, v; o; gate, up; down
 
@@ -38,16 +41,23 @@ def _joined(projections: list[torch.nn.Module]) -> list[torch.Tensor] | None:
     one call quantizes the input once. None where they are not all on that kernel."""
     if len(projections) < 2 or any(not takes_int8(p, alone=True) for p in projections):
         return None
-    if len({type(p) for p in projections}) != 1:  # 4-bit and Q8 codes are packed apart
+    int8 = cast(list[Int4Linear | Q8Linear], projections)  # what takes_int8(alone=True) holds of each
+    if len({type(p) for p in int8}) != 1:  # 4-bit and Q8 codes are packed apart
         return None
-    same = (lambda p: p.bias is None, lambda p: p.in_features, _levels, lambda p: (p.factors.dtype, p.factors.dim()))
-    if any(len({f(p) for p in projections}) != 1 for f in same):  # one input, one format of factors
+    same: tuple[Callable[[Int4Linear | Q8Linear], Hashable], ...] = (
+        lambda p: p.bias is None,
+        lambda p: p.in_features,
+        _levels,
+        lambda p: (p.factors.dtype, p.factors.dim()),
+    )
+    if any(len({f(p) for p in int8}) != 1 for f in same):  # one input, one format of factors
         return None
-    packed = torch.cat([p.packed8 for p in projections])
-    factors = torch.cat([p.factors for p in projections])
-    bias = _NONE if projections[0].bias is None else torch.cat([p.bias for p in projections])
+    packed = torch.cat([p.packed8 for p in int8])
+    factors = torch.cat([p.factors for p in int8])
+    biases = [p.bias for p in int8]
+    bias = _NONE if biases[0] is None else torch.cat([b for b in biases if b is not None])  # (all have one: `same`)
     start = 0
-    for p in projections:
+    for p in int8:
         n = p.packed8.shape[0]
         p.packed8, p.factors = packed[start : start + n], factors[start : start + n]
         start += n
@@ -56,7 +66,7 @@ def _joined(projections: list[torch.nn.Module]) -> list[torch.Tensor] | None:
 
 def _levels(projection: torch.nn.Module) -> int:
     """The int8 levels a projection quantizes its input in (1 for every other kind)."""
-    return projection.levels if takes_int8(projection, alone=True) else 1
+    return cast(Int4Linear | Q8Linear, projection).levels if takes_int8(projection, alone=True) else 1
 
 
 @dataclass(frozen=True)
@@ -84,24 +94,26 @@ class Layers:
         PrepackedLinear), dense projections of both kinds, norms of both kinds, or int8 levels other
         than one for q, k and v (as `qkv_levels`) and one for the rest."""
         arch = architectures.of(model)
-        if arch is None or model.config._attn_implementation != attention.NAME:
+        if arch is None or pretrained(model).config._attn_implementation != attention.NAME:
             return None
-        if model.config.hidden_act != "silu" or not model.model.layers:
+        if pretrained(model).config.hidden_act != "silu" or not decoder(model).layers:
             return None
         weights: list[torch.Tensor] = []
         dense: set[type] = set()
-        layers = model.model.layers
+        layers = decoder(model).layers
         norms = {type(m) for layer in layers for m in (layer.input_layernorm, layer.post_attention_layernorm)}
         if len(norms) != 1 or not norms <= {arch.rms_norm, RowsRMSNorm}:
             return None
         silus = {type(layer.mlp.act_fn) is FixedSiLU for layer in layers}
         if len(silus) != 1:
             return None
-        for layer in model.model.layers:
-            if type(layer) is not arch.decoder_layer:
+        # (untyped: checked against it, the layer would be typed as the torch Module it declares)
+        decoder_layer: Any = arch.decoder_layer
+        for layer in layers:
+            if type(layer) is not decoder_layer:
                 return None
             weights += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-            projections = [layer.get_submodule(name) for name in PROJECTIONS]
+            projections: list[Any] = [layer.get_submodule(name) for name in PROJECTIONS]
             for group in SAME_INPUT:
                 joined = _joined([projections[i] for i in group])
                 if joined is not None:  # the first one's place holds them all, the others' are empty
@@ -122,9 +134,9 @@ class Layers:
         qkv_levels = levels[0] | levels[1] | levels[2]
         if len(qkv_levels) != 1 or any(s != {1} for s in levels[3:]):
             return None
-        first = model.model.layers[0]
-        eps = {layer.input_layernorm.variance_epsilon for layer in model.model.layers}
-        if len(eps) != 1 or eps != {layer.post_attention_layernorm.variance_epsilon for layer in model.model.layers}:
+        first = layers[0]
+        eps = {layer.input_layernorm.variance_epsilon for layer in layers}
+        if len(eps) != 1 or eps != {layer.post_attention_layernorm.variance_epsilon for layer in layers}:
             return None
         scaling = float(first.self_attn.scaling)
         head_dim, rows = first.self_attn.head_dim, RowsLinear in dense
@@ -148,7 +160,8 @@ class Layers:
         `mask` is its boolean [B, 1, T, L] visibility; `kv_rows` names the cache rows of the token
         rows when they are a subset. `real` (flat indices into [B, T]): only those tokens are
         computed (pads skipped), logits are [K, V] at `logits_at` indices into them."""
-        inner = self.model.model
+        model: Any = self.model  # a causal LM of the architecture table: its submodules are transformers' own
+        inner = model.model
         h = inner.embed_tokens(tokens)
         cos, sin = inner.rotary_emb(h, positions)
         rows, slots = cache.write_index()
@@ -179,7 +192,7 @@ class Layers:
         h = inner.norm(h)
         if logits_at is not None:
             h = h[logits_at] if real is not None else h[:, logits_at]
-        return self.model.lm_head(h), (hidden if capture is not None else None)
+        return model.lm_head(h), (hidden if capture is not None else None)
 
 
 def forward_path(model: torch.nn.Module) -> str:

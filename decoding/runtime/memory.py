@@ -21,7 +21,8 @@ import torch
 
 
 class Store(Protocol):
-    nbytes: int
+    @property
+    def nbytes(self) -> int: ...
 
     def oldest(self) -> int | None: ...  # the clock of its least recently used leaf (None: empty)
 

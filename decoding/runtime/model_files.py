@@ -36,6 +36,7 @@ class _Cursor:
         size = struct.calcsize("<" + fmt)
         if self.at + size > len(self.buf):
             raise _Truncated
+        value: int | float  # every format `_Cursor` is given is one integer or float
         (value,) = struct.unpack_from("<" + fmt, self.buf, self.at)
         self.at += size
         return value
@@ -89,9 +90,9 @@ def gguf_size(path: Path, key: str = "model") -> int:
         n_tensors, n_kv = int(cur.read("Q")), int(cur.read("Q"))
         alignment = 32
         for _ in range(n_kv):
-            key = cur.string()
+            name = cur.string()
             value = cur.value(int(cur.read("I")))
-            if key == b"general.alignment" and isinstance(value, int):
+            if name == b"general.alignment" and isinstance(value, int):
                 alignment = value
         ends = []
         for _ in range(n_tensors):
@@ -133,6 +134,7 @@ def safetensors_size(path: Path) -> int:
         raw = f.read(8)
         if len(raw) < 8:
             raise BackendError(f"{path} is cut short ({len(raw)} bytes, no header); download or copy it again")
+        n: int
         (n,) = struct.unpack("<Q", raw)
         text = f.read(min(n, 100_000_000))
     if len(text) < n:

@@ -21,6 +21,7 @@ from decoding.runtime.model_files import check_checkpoint, check_gguf
 from decoding.runtime.norm import use_rows_norm
 from decoding.runtime.packaged import PACKAGED, packaged_file
 from decoding.runtime.prepack import prepack_linears
+from decoding.runtime.pretrained import pretrained
 from decoding.runtime.quant import (
     INT4_TYPES,
     INT8_HIDDEN,
@@ -137,7 +138,7 @@ def prepare_for_inference(
     if attn == attention.CHOICE:
         attention.register()
         kernels.load()  # build it now: a missing compiler is a load-time error
-    model.set_attn_implementation(attention.NAME if attn == attention.CHOICE else attn)
+    pretrained(model).set_attn_implementation(attention.NAME if attn == attention.CHOICE else attn)
     done.append(f"{attn} attention")
     if activations == "int8":
         dense = rows_linear.dense_in_bfloat16(model)
@@ -286,7 +287,8 @@ def _random_model(source: str, dtype: torch.dtype, device: torch.device) -> torc
     config = AutoConfig.from_pretrained(source)
     torch.manual_seed(0)
     with device:
-        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        model: torch.nn.Module = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    return model
 
 
 def load_tokenizer(spec: ModelSpec) -> tuple[object, bool]:

@@ -24,7 +24,8 @@ class RowsRMSNorm(torch.nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.load().rms_norm_rows(x, self.weight, self.variance_epsilon)
+        y: torch.Tensor = kernels.load().rms_norm_rows(x, self.weight, self.variance_epsilon)
+        return y
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, one pass per row"

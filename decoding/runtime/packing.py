@@ -22,7 +22,8 @@ class Tree(Protocol):
     """What packing reads of a draft tree (speculation's DraftTree): its tokens, each node's depth
     below the root and its ancestry matrix (a node sees itself and its ancestors)."""
 
-    tokens: list[int]
+    @property
+    def tokens(self) -> Sequence[int]: ...
 
     def __len__(self) -> int: ...
 
@@ -74,14 +75,15 @@ def pack(pending: list[list[int]], trees: Sequence[Tree] | None = None) -> Packe
     n_pending = max(len(p) for p in pending)
     if n_pending == 1 and not any(len(t) for t in trees or ()):  # plain decoding's step: a token a row
         batch = len(pending)
-        tokens, see, depth = np.array(pending), np.ones((batch, 1, 1), dtype=bool), np.zeros((batch, 1), dtype=np.int64)
-        tensors = (torch.from_numpy(a) for a in (tokens, see, depth))  # numpy's calls: a tenth of torch's
-        return Packed(*tensors, 1, [0] * batch, [1] * batch)
+        arrays = (np.array(pending), np.ones((batch, 1, 1), dtype=bool), np.zeros((batch, 1), dtype=np.int64))
+        one_tokens, one_see, one_depth = (torch.from_numpy(a) for a in arrays)  # numpy's calls: a tenth of torch's
+        return Packed(one_tokens, one_see, one_depth, 1, [0] * batch, [1] * batch)
     trees = trees if trees is not None else [_NO_TREE] * len(pending)
     sizes_tree = [len(t) for t in trees]
     width = n_pending + max(sizes_tree, default=0)
     pads = [n_pending - len(p) for p in pending]
-    tokens, depth = [], []
+    tokens: list[list[int]] = []
+    depth: list[list[int]] = []
     for pend, tree, pad, n in zip(pending, trees, pads, sizes_tree):
         fill = [0] * (width - n_pending - n)
         tokens.append([0] * pad + pend + list(tree.tokens) + fill)

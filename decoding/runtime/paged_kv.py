@@ -22,6 +22,7 @@ import itertools
 import threading
 import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -112,24 +113,24 @@ class BlockPool:
 
     def hold(self, ids: torch.Tensor | list[int], stored: bool = False) -> None:
         """One more holder of each of `ids` (repeats count), the store if `stored`."""
-        ids = _held(ids)
+        held = _held(ids)
         with self.lock:
-            np.add.at(self.refs.numpy(), ids, 1)
+            np.add.at(self.refs.numpy(), held, 1)
             if stored:
-                np.add.at(self.stored.numpy(), ids, 1)
+                np.add.at(self.stored.numpy(), held, 1)
 
     def drop(self, ids: torch.Tensor | list[int], stored: bool = False) -> None:
         """One holder fewer of each of `ids`; a block nothing holds goes back to the pool."""
-        ids = _held(ids)
-        if not len(ids):
+        held = _held(ids)
+        if not len(held):
             return
         with self.lock:
             refs = self.refs.numpy()
-            np.subtract.at(refs, ids, 1)
+            np.subtract.at(refs, held, 1)
             if stored:
-                np.subtract.at(self.stored.numpy(), ids, 1)
-            assert int(refs[ids].min()) >= 0, "a block was let go more often than it was held"
-            for b in np.unique(ids[refs[ids] == 0]).tolist():
+                np.subtract.at(self.stored.numpy(), held, 1)
+            assert int(refs[held].min()) >= 0, "a block was let go more often than it was held"
+            for b in np.unique(held[refs[held] == 0]).tolist():
                 heapq.heappush(self._free, b)
 
     def copy(self, src: list[int], dst: list[int]) -> None:
@@ -164,7 +165,7 @@ class BlockPool:
 
         # Layer after layer, each old tensor let go before the next is made: the copy needs one layer more.
         if not self.keys:
-            self.keys, self.values = [None] * n_layers, [None] * n_layers  # type: ignore[list-item]
+            self.keys, self.values = [None] * n_layers, [None] * n_layers  # type: ignore[list-item]  # each filled just below
         for i in range(n_layers):
             self.keys[i] = resized(self.keys[i], True)
             self.values[i] = resized(self.values[i], False)
@@ -191,7 +192,7 @@ class PagedKVCache:
     as kv_cache.RowKVCache (the decoders and the runner see no difference), its memory in blocks."""
 
     spare = 0  # no bucketed forward runs over it
-    graphs = None
+    graphs: dict[tuple[Any, ...], object] | None = None  # (none: its forwards are never captured)
 
     @_bookkeeping
     def __init__(self, pool: BlockPool, batch: int, capacity: int) -> None:
@@ -309,10 +310,10 @@ class PagedKVCache:
         """`commit` for many rows at once: one move per layer, one pass over their tables."""
         moved = moves(rows, new_indices, self.lens)
         if moved is not None:
-            row, src, dst = moved
+            moved_rows, src, dst = moved
             table = self.tables
-            sb, so = table[row, src // BLOCK], src % BLOCK
-            db, do = table[row, dst // BLOCK], dst % BLOCK
+            sb, so = table[moved_rows, src // BLOCK], src % BLOCK
+            db, do = table[moved_rows, dst // BLOCK], dst % BLOCK
             for k, v in zip(self.pool.keys, self.pool.values):
                 k[db, :, do] = k[sb, :, so]
                 v[db, :, do] = v[sb, :, so]
@@ -483,7 +484,8 @@ def _read(pool: BlockPool, table: torch.Tensor, start: int, end: int) -> tuple[l
 def _held(ids: torch.Tensor | list[int]) -> np.ndarray:
     """Block ids as a flat array, the null block left out (nothing holds it by count)."""
     out = np.asarray(ids, dtype=np.int64).reshape(-1)
-    return out[out != NULL]
+    held: np.ndarray = out[out != NULL]
+    return held
 
 
 def blocks_for(positions: int) -> int:

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from decoding.runtime.kv_cache import DenseSegment, KVCache
+from decoding.runtime.kv_cache import KVCache, Segment
 from decoding.runtime.memory import MemoryBudget
-from decoding.runtime.paged_kv import BlockPool, BlockSegment
+from decoding.runtime.paged_kv import BlockPool
 
 DEFAULT_BYTES = 4 << 30  # a store built without a budget (tests, tools): its own 4 GiB
 
@@ -42,7 +42,7 @@ def shared_len(a: tuple[int, ...], b: tuple[int, ...]) -> int:
 @dataclass(eq=False)
 class _Node:
     tokens: tuple[int, ...]  # the edge from the parent
-    kv: DenseSegment | BlockSegment | None  # its tokens' keys and values (None: the root)
+    kv: Segment | None  # its tokens' keys and values (None: the root)
     hidden: torch.Tensor | None  # [len(tokens), hidden size]: the captured layer's output, if kept
     parent: _Node | None = None
     children: dict[int, _Node] = field(default_factory=dict)  # by first token
@@ -129,7 +129,7 @@ class PrefixCache:
                 if node.hidden is not None:
                     hidden.append(node.hidden[lo - offset : hi - offset])
             offset += n
-        cache.restore(row, pieces, start, end)  # type: ignore[arg-type]
+        cache.restore(row, pieces, start, end)
         return torch.cat(hidden) if hidden else None
 
     def store(

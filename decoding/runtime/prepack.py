@@ -11,6 +11,8 @@ too. One-row calls keep the plain path (it is as fast there), and so do calls th
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 
@@ -24,11 +26,13 @@ class PrepackedLinear(torch.nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The copy serves CPU float32 inference over several rows only (a model moved or cast later,
         # or being trained, takes the plain path).
-        plain = self.packed is None or torch.is_grad_enabled() or x.numel() == x.shape[-1]
+        packed = self.packed
+        plain = packed is None or torch.is_grad_enabled() or x.numel() == x.shape[-1]
         if plain or x.dtype != torch.float32 or x.device.type != "cpu" or self.weight.device.type != "cpu":
             return super().forward(x)
+        assert packed is not None, "`plain` holds where there is no prepacked copy"
         shape = x.shape
-        y = torch.ops.aten.mkldnn_linear(x.reshape(-1, shape[-1]).to_mkldnn(), *self.packed).to_dense()
+        y: torch.Tensor = torch.ops.aten.mkldnn_linear(x.reshape(-1, shape[-1]).to_mkldnn(), *packed).to_dense()
         return y.reshape(*shape[:-1], y.shape[-1])
 
 
@@ -48,7 +52,8 @@ def prepack_linears(model: torch.nn.Module) -> int:
     for module in model.modules():
         if type(module) is torch.nn.Linear:
             module.__class__ = PrepackedLinear
+            prepacked = cast(PrepackedLinear, module)  # (the class just set)
             bias = None if module.bias is None else module.bias.detach().to_mkldnn()
-            module.packed = (module.weight.detach().to_mkldnn(), bias)  # type: ignore[attr-defined]
+            prepacked.packed = (module.weight.detach().to_mkldnn(), bias)
             n += 1
     return n

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard, cast
 
 import numpy as np
 import torch
@@ -40,6 +40,7 @@ import torch
 from decoding.base.errors import BackendError
 from decoding.runtime import kernels
 from decoding.runtime.gguf_tensors import FileTensor, file_tensors, tensor_bytes
+from decoding.runtime.pretrained import pretrained
 from decoding.runtime.rows_linear import RowsLinear
 
 GROUP = 32  # the kernel's group size along the input dimension, GGUF's 4-bit block (or sub-block)
@@ -62,6 +63,14 @@ DEQUANTIZED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q5_0", "Q5_1", "Q2_K", "Q3_K
 class Int4Linear(torch.nn.Module):
     """A linear layer y = x W^T (+ b) with W held as 4-bit codes and group scales/zeros: bfloat16
     for torch's kernel (activations="float"), float32 for the int8-activation kernel ("int8")."""
+
+    # Buffers (register_buffer), declared for the type checker: torch's stub types an unknown attribute
+    # as a tensor or a module. packed8 and factors on the int8 path, packed and scales_zeros on the other.
+    packed8: torch.Tensor
+    factors: torch.Tensor
+    packed: torch.Tensor
+    scales_zeros: torch.Tensor
+    codes: torch.Tensor
 
     def __init__(
         self,
@@ -94,7 +103,10 @@ class Int4Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.activations == "int8":
-            return kernels.load().q4_int8_linear(x, self.packed8, self.factors, _bias(self.bias), self.levels)
+            y: torch.Tensor = kernels.load().q4_int8_linear(
+                x, self.packed8, self.factors, _bias(self.bias), self.levels
+            )
+            return y
         shape = x.shape
         flat = x.reshape(-1, shape[-1]).to(torch.bfloat16)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scales_zeros)
@@ -121,7 +133,8 @@ class Int4Linear(torch.nn.Module):
         n, factors = self.out_features, self.factors
         if factors.dtype == torch.uint8:
             factors = k_factors_floats(factors, halves=False)
-        return tuple(factors[:, :, i].permute(0, 2, 1).reshape(n, -1) for i in (0, 1))  # type: ignore[return-value]
+        scale, minimum = (factors[:, :, i].permute(0, 2, 1).reshape(n, -1) for i in (0, 1))
+        return scale, minimum
 
     def extra_repr(self) -> str:
         levels = " in two levels" if self.levels == 2 else ""
@@ -137,6 +150,9 @@ class Q8Linear(torch.nn.Module):
     multiplied by int8 activations (model.activations=int8: csrc/q4_int8.cpp's Q8 path). An LM head
     keeps `weight`, the bfloat16 matrix (tied to the embedding), for code that reads its rows (EDD's
     head); a decoder projection has none."""
+
+    packed8: torch.Tensor  # buffers (register_buffer), declared for the type checker
+    factors: torch.Tensor
 
     def __init__(
         self,
@@ -162,12 +178,12 @@ class Q8Linear(torch.nn.Module):
         self.register_buffer("packed8", packed)
         self.register_buffer("factors", factors)
         self.bias = None if bias is None else torch.nn.Parameter(bias.to(INT8_HIDDEN), requires_grad=False)
-        self._padded_bias = None if bias is None or not pad else torch.cat([self.bias, self.bias.new_zeros(pad)])
+        self._padded_bias = None if self.bias is None or not pad else torch.cat([self.bias, self.bias.new_zeros(pad)])
         kernels.load()  # built now: a missing compiler is a load-time error
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self._padded_bias is None else self._padded_bias
-        y = kernels.load().q8_int8_linear(x, self.packed8, self.factors, _bias(bias), self.levels)
+        y: torch.Tensor = kernels.load().q8_int8_linear(x, self.packed8, self.factors, _bias(bias), self.levels)
         return y if y.shape[-1] == self.out_features else y[..., : self.out_features]
 
     def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -325,7 +341,8 @@ def decode_q8(data: np.ndarray, type_name: str, n_out: int, n_in: int) -> tuple[
 def q8_head_from_gguf(model: torch.nn.Module, path: Path) -> bool:
     """Give the model an LM head on the Q8 path where the file stores it (or the embedding it is tied
     to) in one of Q8_TYPES; whether it did."""
-    head = model.get_output_embeddings()
+    lm = pretrained(model)
+    head = lm.get_output_embeddings()
     if type(head) not in (torch.nn.Linear, RowsLinear) or head.in_features % GROUP:
         return False
     tensors = {t.name: t for t in file_tensors(path)}
@@ -338,7 +355,7 @@ def q8_head_from_gguf(model: torch.nn.Module, path: Path) -> bool:
     codes, scale = decode_q8(data, source.type_name, *shape)
     k = q6_k_scales(data, *shape).rows(torch.from_numpy) if source.type_name == "Q6_K" else None
     bias = None if head.bias is None else head.bias
-    model.set_output_embeddings(Q8Linear(head.weight, torch.from_numpy(codes), torch.from_numpy(scale), bias, k))
+    lm.set_output_embeddings(Q8Linear(head.weight, torch.from_numpy(codes), torch.from_numpy(scale), bias, k))
     return True
 
 
@@ -369,10 +386,12 @@ def _bias(bias: torch.Tensor | None) -> torch.Tensor:
     return torch.empty(0) if bias is None else bias
 
 
-def kernel_fits(module: torch.nn.Module | None) -> bool:
+def kernel_fits(module: torch.nn.Module | None) -> TypeGuard[torch.nn.Linear]:
     """Whether the int4 kernel can run this layer (its packing wants groups of 32 in, 16s out)."""
-    dense = type(module) in (torch.nn.Linear, RowsLinear)
-    return dense and module.in_features % GROUP == 0 and module.out_features % 16 == 0
+    if type(module) not in (torch.nn.Linear, RowsLinear):  # (RowsLinear is one; other subclasses are not)
+        return False
+    linear = cast(torch.nn.Linear, module)
+    return linear.in_features % GROUP == 0 and linear.out_features % 16 == 0
 
 
 def dense_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -402,18 +421,21 @@ class Int4Blocks:
 
     def weights(self) -> np.ndarray:
         """w = scale * q + minimum, float32 (as gguf-py dequantizes Q4_1 and Q4_K)."""
-        return self.codes * np.repeat(self.scale, GROUP, 1) + np.repeat(self.minimum, GROUP, 1)
+        w: np.ndarray = self.codes * np.repeat(self.scale, GROUP, 1) + np.repeat(self.minimum, GROUP, 1)
+        return w
 
 
 def _nibbles(qs: np.ndarray) -> np.ndarray:
     """Bytes [..., 16 * n] -> codes [..., 32 * n]: each 16 bytes hold 32 codes, low nibbles first."""
     lead = qs.shape[:-1]
     q = qs.reshape(*lead, -1, 1, 16) >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)
-    return (q & np.uint8(0x0F)).reshape(*lead, -1)
+    codes: np.ndarray = (q & np.uint8(0x0F)).reshape(*lead, -1)
+    return codes
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(raw).view(np.float16).astype(np.float32)[..., 0]
+    floats: np.ndarray = np.ascontiguousarray(raw).view(np.float16).astype(np.float32)[..., 0]
+    return floats
 
 
 def decode_int4(data: np.ndarray, type_name: str, n_out: int, n_in: int) -> Int4Blocks:
@@ -461,7 +483,7 @@ class _TopLevel:
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self._state
 
-    def named_children(self) -> list:
+    def named_children(self) -> list[tuple[str, torch.nn.Module]]:
         return []
 
 
@@ -491,8 +513,10 @@ def _linear_tensors(
         get_gguf_hf_weights_map,
     )
 
-    config = model.config
-    processor = TENSOR_PROCESSORS.get(config.model_type, TensorProcessor)(config=config.to_dict())
+    config = pretrained(model).config
+    # (typed as the base class: a call through the dict's joined value type is not seen as transformers')
+    processor_class: type[TensorProcessor] = TENSOR_PROCESSORS.get(config.model_type, TensorProcessor)
+    processor = processor_class(config=config.to_dict())
     names = get_gguf_hf_weights_map(_TopLevel(model), processor)
     modules = dict(model.named_modules())
     out = []
@@ -508,7 +532,7 @@ def quantize_from_gguf(model: torch.nn.Module, path: Path, activations: str = "f
     file's own codes, and with int8 activations those in Q8_TYPES by `Q8Linear`s (the LM head apart:
     q8_head_from_gguf), multiplying their input as `activations`; the rest of the model runs in
     bfloat16. Returns how many layers of each GGUF type were replaced."""
-    head = model.get_output_embeddings()
+    head = pretrained(model).get_output_embeddings()
     modules = dict(model.named_modules())
     tensors, processor = _linear_tensors(model, path)
     replaced: dict[str, int] = {}
@@ -525,12 +549,13 @@ def quantize_from_gguf(model: torch.nn.Module, path: Path, activations: str = "f
 
         if q8:
             k = q6_k_scales(data, *shape).rows(rows) if kind == "Q6_K" else None
-            layer: torch.nn.Module = Q8Linear(None, *(rows(a) for a in decode_q8(data, kind, *shape)), module.bias, k)
+            codes, scale = (rows(a) for a in decode_q8(data, kind, *shape))
+            layer: torch.nn.Module = Q8Linear(None, codes, scale, module.bias, k)
         else:
             blocks = decode_int4(data, kind, *shape)
             k = None if blocks.k is None else blocks.k.rows(rows)
-            t = (rows(a) for a in (blocks.codes, blocks.scale, blocks.minimum))
-            layer = Int4Linear(*t, module.bias, activations, k)
+            codes, scale, minimum = (rows(a) for a in (blocks.codes, blocks.scale, blocks.minimum))
+            layer = Int4Linear(codes, scale, minimum, module.bias, activations, k)
         parent, _, child = hf_name.removesuffix(".weight").rpartition(".")
         setattr(modules[parent] if parent else model, child, layer)
         replaced[kind] = replaced.get(kind, 0) + 1
@@ -540,7 +565,7 @@ def quantize_from_gguf(model: torch.nn.Module, path: Path, activations: str = "f
 def float_layers(model: torch.nn.Module, path: Path) -> dict[str, int]:
     """The GGUF types of the linear layers (the LM head included) still on the float path after
     quantize_from_gguf and q8_head_from_gguf, with how many of each: what the int8 kernels lack."""
-    head = model.get_output_embeddings()
+    head = pretrained(model).get_output_embeddings()
     tied = getattr(model.config, "tie_word_embeddings", False)
     left: dict[str, int] = {}
     for tensor, _, module in _linear_tensors(model, path)[0]:

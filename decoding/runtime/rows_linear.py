@@ -30,7 +30,8 @@ class RowsLinear(torch.nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() or x.device.type != "cpu" or not fits(self):
             return super().forward(x)
-        return kernels.load().rows_linear(x, self.weight, _NONE if self.bias is None else self.bias)
+        y: torch.Tensor = kernels.load().rows_linear(x, self.weight, _NONE if self.bias is None else self.bias)
+        return y
 
 
 def fits(module: torch.nn.Module) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -17,6 +17,7 @@ from decoding.runtime.memory import MemoryBudget
 from decoding.runtime.packing import Packed, pack
 from decoding.runtime.paged_kv import BlockPool
 from decoding.runtime.prefix_cache import Match, PrefixCache, shared_len
+from decoding.runtime.pretrained import pretrained
 from decoding.runtime.quant import cache_dtype
 from decoding.runtime.static_forward import StaticForward, StaticSpec
 
@@ -115,7 +116,7 @@ class ModelRunner:
     @property
     def vocab_size(self) -> int:
         """Rows of the LM head (it may be padded past the tokenizer's vocabulary)."""
-        head = self.model.get_output_embeddings()
+        head = pretrained(self.model).get_output_embeddings()
         return int(head.weight.shape[0]) if head is not None else int(self.config.vocab_size)
 
     @property
@@ -195,7 +196,8 @@ class ModelRunner:
             h = h[:, logits_at.to(self.device)]
         self.forwards += 1
         self.rows += tokens.shape[0]
-        return self.model.get_output_embeddings()(h)
+        logits: torch.Tensor = pretrained(self.model).get_output_embeddings()(h)
+        return logits
 
     @property
     def ragged(self) -> bool:
@@ -208,6 +210,7 @@ class ModelRunner:
         index, counts = packed.real_logits_index()
         t0 = time.perf_counter()
         timing = _GpuTiming.start(self.device)
+        flat: torch.Tensor | None
         if self.ragged:
             out = self.forward(
                 cache, packed.tokens, packed.see, packed.depth, logits_at=index, rows=rows, real=packed.real
@@ -385,7 +388,7 @@ class ModelRunner:
             return dict.fromkeys(rows, 0), empty
         scratch = self.new_cache(1, len(head) + 1)
         reuse = reused.length
-        hidden = [self.prefixes.restore(reused, scratch, 0, 0, reuse)] if reuse else []
+        hidden: list[torch.Tensor | None] = [self.prefixes.restore(reused, scratch, 0, 0, reuse)] if reuse else []
         rest = list(head[reuse:])
         step = self.prefill_tokens if self.cuts_prompts else max(1, len(rest))
         for start in range(0, len(rest), step):
@@ -397,12 +400,14 @@ class ModelRunner:
             scratch.advance(torch.tensor([len(piece)]))
             if out.hidden is not None:
                 hidden.append(out.hidden[0])
+        # (read with capture alone, when a restored prefix holds its states: capture_hidden dropped those without)
+        states = cast(list[torch.Tensor], hidden)
         if rest:
-            self.prefixes.store(head, scratch, 0, torch.cat(hidden) if capture else None)
+            self.prefixes.store(head, scratch, 0, torch.cat(states) if capture else None)
             self.prompt_tokens_computed += len(rest)
         cache.copy_prefix(scratch, 0, rows, len(head))
         scratch.clear([0])
-        return dict.fromkeys(rows, len(head)), torch.cat(hidden) if capture and hidden else empty
+        return dict.fromkeys(rows, len(head)), torch.cat(states) if capture and states else empty
 
     def _prefill(self, cache: KVCache, rows: list[int], pending: list[list[int]]) -> None:
         """Compute every row's pending tokens but the last, the rows together (left-padded) in forwards
@@ -474,7 +479,7 @@ def _rows_of_their_own(layers: bool, bucketed: bool, device: torch.device) -> st
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     """The decoder layers of a `transformers` causal LM (model.model.layers for Llama-like models)."""
-    layers = getattr(model.get_decoder(), "layers", None)  # type: ignore[operator]
+    layers: torch.nn.ModuleList | None = getattr(pretrained(model).get_decoder(), "layers", None)
     if layers is None:
         raise ValueError(f"{type(model).__name__} has no decoder layer list (get_decoder().layers)")
     return layers
@@ -501,7 +506,8 @@ class _GpuTiming:
 
     def ms(self) -> float:
         self.end.synchronize()
-        return self.begin.elapsed_time(self.end)
+        ms: float = self.begin.elapsed_time(self.end)
+        return ms
 
 
 @dataclass(frozen=True)

@@ -28,14 +28,18 @@ import gc
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from decoding.base.errors import BackendError, ConfigError
 from decoding.runtime import architectures, attention
-from decoding.runtime.kv_cache import RowKVCache, to_device
+from decoding.runtime.kv_cache import KVCache, RowKVCache, to_device
+from decoding.runtime.pretrained import decoder, pretrained
 from decoding.runtime.spec import GRAPH_CHOICES, Buckets
+
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +110,7 @@ class _Writes:
     """The cache as a layer's attention sees it: `update` stores the new keys/values at the given
     (row, slot) pairs and returns what the forward's rows attend over."""
 
-    cache: RowKVCache
+    cache: KVCache
     inputs: _Inputs
     positions: int  # L
     # How the forward's rows are found in the cache: "in_place" (the attention reads the rows
@@ -156,7 +160,7 @@ class StaticForward:
         return not (
             inner is None
             or any(not hasattr(inner, p) for p in parts)
-            or model.get_output_embeddings() is None
+            or pretrained(model).get_output_embeddings() is None
             or (arch := architectures.of(model)) is None
             or any(type(layer) is not arch.decoder_layer for layer in inner.layers)
         )
@@ -172,11 +176,12 @@ class StaticForward:
 
     @property
     def in_place(self) -> bool:
-        return self.model.config._attn_implementation == attention.NAME
+        impl: str = pretrained(self.model).config._attn_implementation
+        return impl == attention.NAME
 
     def hidden(
         self,
-        cache: RowKVCache,
+        cache: KVCache,
         tokens: torch.Tensor,
         tree: torch.Tensor,
         depth: torch.Tensor,
@@ -209,7 +214,7 @@ class StaticForward:
         self.stats.replayed += 1
         return graph.out[:batch, :n_new]
 
-    def _reads(self, row_ids: torch.Tensor, bucket_rows: int, cache: RowKVCache) -> str:
+    def _reads(self, row_ids: torch.Tensor, bucket_rows: int, cache: KVCache) -> str:
         """How the attention finds the forward's rows (see `_Writes.reads`): a slice where they are the
         cache's first rows in order (a bucket's pad rows then read the rows after them, or the spare
         row, and their outputs are dropped), else a gather."""
@@ -218,10 +223,10 @@ class StaticForward:
         first = torch.equal(row_ids, torch.arange(len(row_ids)))
         return "sliced" if first and bucket_rows <= cache.batch + cache.spare else "gathered"
 
-    def _forward(self, cache: RowKVCache, inputs: _Inputs, positions: int, reads: str) -> torch.Tensor:
+    def _forward(self, cache: KVCache, inputs: _Inputs, positions: int, reads: str) -> torch.Tensor:
         """The Llama forward `LlamaModel.forward` computes, op for op but for the attention's form (see
         `_attend`), over the cache through `_Writes`."""
-        inner = self.model.model
+        inner = decoder(self.model)
         rotary = _hf_attention()[0]
         h = inner.embed_tokens(inputs.tokens)
         cos, sin = inner.rotary_emb(h, inputs.positions)
@@ -239,16 +244,18 @@ class StaticForward:
             out = self._attend(attn, q, keys, values, mask, inputs.kv_rows)
             h = h + attn.o_proj(out.reshape(*x.shape[:-1], -1).contiguous())
             h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return inner.norm(h)
+        normed: torch.Tensor = inner.norm(h)
+        return normed
 
     def _mask(self, inputs: _Inputs, h: torch.Tensor) -> torch.Tensor:
         """The forward's mask in the form its attention takes, made once for all layers: for sdpa
         [B, 1, G * T, L] (each of a KV head's G query heads a block of T rows), else [B, 1, T, L]
         (additive for eager attention)."""
         mask = inputs.mask[:, None]
-        impl = self.model.config._attn_implementation
+        config = pretrained(self.model).config
+        impl = config._attn_implementation
         if impl == "sdpa":
-            groups = self.model.config.num_attention_heads // self.model.config.num_key_value_heads
+            groups = config.num_attention_heads // config.num_key_value_heads
             b, _, t, width = mask.shape
             return mask[:, :, None].expand(b, 1, groups, t, width).reshape(b, 1, groups * t, width)
         if impl == "eager":
@@ -267,26 +274,28 @@ class StaticForward:
         """Attention output [B, T, H, D] of queries [B, H, T, D]. With sdpa the G query heads of a KV
         head are folded into its rows (transformers does this for one token, and repeats the keys
         G times for more: a copy of the context per layer that the fold avoids)."""
-        impl = self.model.config._attn_implementation
+        impl = pretrained(self.model).config._attn_implementation
+        scaling = cast(float, module.scaling)  # the attention module's float (head_dim ** -0.5)
         if impl != "sdpa":
             extra = {"kv_rows": kv_rows} if self.in_place else {}
             _, eager, registry = _hf_attention()
             fn = registry.get_interface(impl, eager)
-            return fn(module, q, k, v, mask, dropout=0.0, scaling=module.scaling, **extra)[0]
+            attended: torch.Tensor = fn(module, q, k, v, mask, dropout=0.0, scaling=scaling, **extra)[0]
+            return attended
         b, heads, t, d = q.shape
         kv_heads = k.shape[1]
         folded = q.reshape(b, kv_heads, heads // kv_heads * t, d)
-        out = torch.nn.functional.scaled_dot_product_attention(folded, k, v, attn_mask=mask, scale=module.scaling)
+        out = torch.nn.functional.scaled_dot_product_attention(folded, k, v, attn_mask=mask, scale=scaling)
         # (reshape: CUDA's sdpa kernels return a [B, T, H, D] layout transposed, which no view unfolds)
         return out.reshape(b, heads, t, d).transpose(1, 2)
 
-    def _graph(self, cache: RowKVCache, shape: tuple[int, int, int], host: _Inputs, reads: str) -> _Graph | None:
+    def _graph(self, cache: KVCache, shape: tuple[int, int, int], host: _Inputs, reads: str) -> _Graph | None:
         """The bucket's graph over this cache, captured now if it is new (None: it does not fit in
         memory and the user left graphs at auto: that bucket runs eagerly from now on)."""
         assert cache.graphs is not None
         key = (id(self), *shape, reads)
         if key in cache.graphs:
-            return cache.graphs[key]  # type: ignore[return-value]
+            return cast(_Graph, cache.graphs[key])  # (its bucket keys hold graphs; "pool" keys hold pools)
         t0 = time.perf_counter()
         inputs = host.to(cache.device)
         try:
@@ -305,7 +314,7 @@ class StaticForward:
         self.stats.capture_s += time.perf_counter() - t0
         return graph
 
-    def _capture(self, cache: RowKVCache, inputs: _Inputs, positions: int, reads: str) -> _Graph:
+    def _capture(self, cache: KVCache, inputs: _Inputs, positions: int, reads: str) -> _Graph:
         # A warm-up on a side stream first (cuBLAS workspaces, lazy kernel loads), as torch's capture
         # needs; it runs the step's real inputs, so its cache writes are the ones the replay makes.
         stream = torch.cuda.Stream(cache.device)
@@ -316,9 +325,11 @@ class StaticForward:
         # One pool for this cache's buckets (one replays at a time), living exactly as long as they do:
         # once a resize drops them the allocator may release the pool, and a capture into its stale
         # handle fails an allocator assert and leaves the CUDA generator mid-capture for the process.
-        pool = cache.graphs.get(("pool", id(self)))
+        graphs = cache.graphs
+        assert graphs is not None, "only a cache that graphs are captured over (`_graph`) gets here"
+        pool = cast("_POOL_HANDLE | None", graphs.get(("pool", id(self))))
         if pool is None:
-            pool = cache.graphs[("pool", id(self))] = torch.cuda.graph_pool_handle()
+            pool = graphs[("pool", id(self))] = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         # No collection while capturing: a dead engine's graphs freed then would release their
         # memory into the pool being captured into (torch collects once before it starts).
@@ -335,7 +346,7 @@ class StaticForward:
 
 
 def _host_inputs(
-    cache: RowKVCache,
+    cache: KVCache,
     tokens: torch.Tensor,
     tree: torch.Tensor,
     depth: torch.Tensor,
@@ -345,6 +356,8 @@ def _host_inputs(
     shape: tuple[int, int, int],
 ) -> _Inputs:
     """A forward's inputs padded to `shape` (rows, tokens, positions), built on the host."""
+    # Pads write to the spare row: rows of their own (the runner gives the bucketed forward no paged cache).
+    assert isinstance(cache, RowKVCache), f"the bucketed forward needs a RowKVCache, not {type(cache).__name__}"
     batch, n_new = tokens.shape
     b, t, width = shape
     spare = cache.spare_row

@@ -7,7 +7,10 @@ import time
 from collections.abc import Callable
 
 import torch
+from torch.autograd.profiler_util import FunctionEvent
 from torch.profiler import ProfilerActivity, profile, record_function
+
+from decoding.runtime.pretrained import pretrained
 
 PARTS = ("linears", "attention", "lm_head", "other")
 # Operators whose own time is a projection's matrix product (int4 kernel, dense, oneDNN and rows paths).
@@ -36,7 +39,7 @@ def time_split(model: torch.nn.Module, step: Callable[[], object], repeats: int,
     `other` is what `plain_ms` leaves: the profiler's own cost (a few microseconds an op, a thousand ops
     a forward) lands between the ops, so the profiled wall time would count it as the forward's.
     """
-    head = model.get_output_embeddings()
+    head = pretrained(model).get_output_embeddings()
     ranges: list[record_function] = []
 
     def enter(*_: object) -> None:
@@ -74,9 +77,10 @@ def time_split(model: torch.nn.Module, step: Callable[[], object], repeats: int,
     return {part: us[part] / total for part in PARTS}
 
 
-def _below(event: object) -> list[object]:
+def _below(event: FunctionEvent) -> list[FunctionEvent]:
     """A profiler event's descendants."""
-    out, todo = [], list(event.cpu_children)
+    out: list[FunctionEvent] = []
+    todo = list(event.cpu_children)
     while todo:
         e = todo.pop()
         out.append(e)
