@@ -33,7 +33,7 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 import yaml
 from hydra.core.hydra_config import HydraConfig
@@ -71,6 +71,12 @@ from tot.search.tree import ReasoningTree
 if TYPE_CHECKING:
     from decoding import Engine, LoadedModel
 
+# The run's options as OmegaConf.to_container gives them for a DictConfig: resolved, keyed by name.
+Container = dict[str, Any]
+# A bench's result and its per-decoder rows: JSON-shaped, as bench.json holds them.
+Result = dict[str, Any]
+Row = dict[str, Any]
+
 
 @dataclass
 class Tally:
@@ -89,11 +95,12 @@ class Tally:
 
 
 def decoder_configs(
-    container: dict, names: list[str], has_draft: bool, variants: dict | None = None
+    container: Container, names: list[str], has_draft: bool, variants: dict[str, object] | None = None
 ) -> tuple[dict[str, DecoderConfig], list[str]]:
     """Each named decoder's config from the run's options, then each of `bench.variants` (a name ->
     one decoder with some of its options changed); those needing a missing draft model are skipped."""
-    configs, skipped = {}, []
+    configs: dict[str, DecoderConfig] = {}
+    skipped: list[str] = []
     for name in names:
         if name not in choices():
             raise ConfigError(f"bench.decoders has {name!r}, which is not one of {', '.join(choices())}")
@@ -122,7 +129,7 @@ SHARED = ("task", "search", "data", "gen", "model", "draft", "bench")
 PER_DECODER = ("draft.vocab", "task.evaluator")
 
 
-def variant_container(container: dict, name: str, overrides: object) -> dict:
+def variant_container(container: Container, name: str, overrides: object) -> Container:
     """The run's options with one variant's overrides applied: a list such as [decoder=sd,
     draft_tree.tree_policy=pct] (values parsed as YAML) or a mapping {decoder: sd, draft_tree.tree_policy: pct}."""
     if isinstance(overrides, dict):
@@ -149,7 +156,7 @@ def variant_container(container: dict, name: str, overrides: object) -> dict:
         if OmegaConf.select(cfg, key, default=absent) is absent:
             raise ConfigError(f"bench.variants.{name} sets {key}, which is not a config key")
         OmegaConf.update(cfg, key, value, merge=False)
-    return OmegaConf.to_container(cfg)
+    return cast(Container, OmegaConf.to_container(cfg))  # cfg was created from a dict: a DictConfig
 
 
 def bench(
@@ -161,7 +168,7 @@ def bench(
     concurrency: dict[str, int] | None = None,
     evaluator: dict[str, str] | None = None,
     lockstep: bool = False,
-) -> dict:
+) -> Result:
     """Every decoder on the same problems; `concurrency`: problems in flight per decoder (default
     the run's `run.concurrency` for all); `evaluator`: an entry's own task.evaluator; `lockstep`:
     the in-process entries all at once, their engines taking turns forward by forward, each timed
@@ -188,11 +195,12 @@ def bench(
     tallies = {name: Tally() for name in engines}
     solutions: dict[str, dict[str, Solution]] = {name: {} for name in engines}
     # Server entries decode in another process: timed by the wall clock, in turns after the others.
-    together = [n for n, e in engines.items() if lockstep and not isinstance(e, ServerEngine)]
+    in_process = {n: e for n, e in engines.items() if lockstep and not isinstance(e, ServerEngine)}
+    together = list(in_process)
     bar = tqdm(total=len(problems) * len(engines), desc=f"bench {cfg.task}", unit="run", disable=not progress)
     with bar, collector_off():  # the loaded model's objects out of the collector's full passes
         if together:
-            _bench_lockstep(problems, {n: engines[n] for n in together}, at_once, searches, solutions, tallies, bar)
+            _bench_lockstep(problems, in_process, at_once, searches, solutions, tallies, bar)
         for name, chunk in turn_order([n for n in engines if n not in together], problems, at_once):
             _bench_chunk(chunk, engines[name], at_once[name], searches[name], solutions[name], tallies[name], bar)
     for name, tally in tallies.items():
@@ -208,7 +216,9 @@ def bench(
         for name, t in tallies.items()
     }
     # What an entry is compared under: its evaluator and, at temperature > 0, its sampling rule.
-    setting = {n: (evaluated[n], "greedy" if cfg.gen.temperature == 0 else c.verify.rule) for n, c in configs.items()}
+    setting: dict[str, tuple[str, str]] = {
+        n: (evaluated[n], "greedy" if cfg.gen.temperature == 0 else c.verify.rule) for n, c in configs.items()
+    }
     for name, r in rows.items():
         r["rule"] = setting[name][1]
         for base in ("hf", "ar"):
@@ -229,7 +239,7 @@ def bench(
                 references.setdefault(setting[n], n)
     compared = [n for n in same_path if setting[n] in references]
     checked = [n for n in compared if configs[references[setting[n]]].name == "hf"]
-    mismatches = []
+    mismatches: list[str] = []
     for name in compared:
         reference = references[setting[name]]
         for pid, tree in tallies[name].trees.items():
@@ -253,8 +263,8 @@ def bench(
 
 
 def _baseline(
-    rows: dict[str, dict], configs: dict[str, DecoderConfig], setting: dict[str, tuple[str, str]], name: str, base: str
-) -> dict | None:
+    rows: dict[str, Row], configs: dict[str, DecoderConfig], setting: dict[str, tuple[str, str]], name: str, base: str
+) -> Row | None:
     """The entry `name` is compared with: the first `base` entry under the same evaluator and rule,
     at the same concurrency where there is one (`hf` decodes one sequence at a time, so any serves)."""
     like = [n for n, c in configs.items() if c.name == base and setting[n] == setting[name]]
@@ -303,15 +313,16 @@ def _bench_chunk(
     """Some problems through one entry, `at_once` of them at a time, timed by the wall clock."""
     import torch
 
-    cuda = not isinstance(engine, ServerEngine) and engine.target.device.type == "cuda"
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(engine.target.device)
+    # The device whose peak memory is measured: None for a server, or for a target off CUDA.
+    cuda = None if isinstance(engine, ServerEngine) or engine.target.device.type != "cuda" else engine.target.device
+    if cuda is not None:
+        torch.cuda.reset_peak_memory_stats(cuda)
 
     t0 = time.perf_counter()
     run_sync(_searched(chunk, engine, at_once, search, solutions, bar))
     tally.time_s += time.perf_counter() - t0
-    if cuda:
-        tally.peak_device_bytes = max(tally.peak_device_bytes, torch.cuda.max_memory_allocated(engine.target.device))
+    if cuda is not None:
+        tally.peak_device_bytes = max(tally.peak_device_bytes, torch.cuda.max_memory_allocated(cuda))
 
 
 async def _searched(
@@ -386,7 +397,7 @@ def _tally(
             tally.metrics.setdefault(key, []).append(value)
 
 
-def lockstep_option(container: dict) -> bool | None:
+def lockstep_option(container: Container) -> bool | None:
     """bench.lockstep, checked before the model loads: True, False or None for auto (on where forwards
     run on the CPU, where machine drift between entries is as large as the differences measured; off
     on a GPU, where each entry's peak device memory is measured alone)."""
@@ -398,9 +409,9 @@ def lockstep_option(container: dict) -> bool | None:
     raise ConfigError(f"bench.lockstep={value!r} must be auto, true or false")
 
 
-def concurrencies(container: dict, names: list[str]) -> dict[str, int]:
+def concurrencies(container: Container, names: list[str]) -> dict[str, int]:
     """Problems in flight per bench entry: `run.concurrency`, or a variant's own."""
-    out = {}
+    out: dict[str, int] = {}
     for name, c in _entry_containers(container, names).items():
         out[name] = as_int("run.concurrency", c["run"]["concurrency"])
         if out[name] < 1:
@@ -408,19 +419,19 @@ def concurrencies(container: dict, names: list[str]) -> dict[str, int]:
     return out
 
 
-def evaluators(container: dict, names: list[str]) -> dict[str, str]:
+def evaluators(container: Container, names: list[str]) -> dict[str, str]:
     """Each bench entry's `task.evaluator` (a variant may set its own: separate or in_context)."""
     return {
         name: str(c["task"].get("evaluator", "separate")) for name, c in _entry_containers(container, names).items()
     }
 
 
-def _entry_containers(container: dict, names: list[str]) -> dict[str, dict]:
+def _entry_containers(container: Container, names: list[str]) -> dict[str, Container]:
     variants = container["bench"].get("variants") or {}
     return {n: variant_container(container, n, variants[n]) if n in variants else container for n in names}
 
 
-def _row(name: str, t: Tally, engine: Engine | ServerEngine) -> dict:
+def _row(name: str, t: Tally, engine: Engine | ServerEngine) -> Row:
     tokens = t.decode.generated_tokens
     # A server does not say how it decoded: its forwards and acceptance are unknown (null).
     own = not isinstance(engine, ServerEngine)
@@ -469,7 +480,7 @@ def _row(name: str, t: Tally, engine: Engine | ServerEngine) -> dict:
     }
 
 
-def table(result: dict) -> str:
+def table(result: Result) -> str:
     head = (
         "| decoder | problems at once | solved | tokens | time (s) | tokens/s | vs hf | vs ar | acceptance length "
         "| accepted drafts from the suffix drafter | target forwards / token | rows / forward "
@@ -510,7 +521,7 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def _setting(row: dict) -> str:
+def _setting(row: Row) -> str:
     """How an entry valued states and sampled, where not by the defaults (the separate evaluator
     prompt; match_gumbel)."""
     own = [row.get("evaluator", "separate"), row.get("rule", "match_gumbel")]
@@ -518,25 +529,25 @@ def _setting(row: dict) -> str:
     return f" ({', '.join(shown)})" if shown else ""
 
 
-def _prompts(phase: dict) -> str:
+def _prompts(phase: dict[str, Any]) -> str:
     if "prompt_tokens" not in phase:  # a result written before prompts were counted per phase
         return "-"
     return f"{phase['prompt_tokens_computed']} / {phase['prompt_tokens']}"
 
 
-def _store(memory: dict | None) -> str:
+def _store(memory: dict[str, Any] | None) -> str:
     if not memory:
         return "-"
     return f"{memory['prefix_store_mb']:.0f} of {memory['prefix_store_cap_mb']:.0f} ({memory['prefix_evictions']})"
 
 
-def _step_ms(r: dict) -> str:
+def _step_ms(r: Row) -> str:
     if not r.get("steps"):
         return "-"
     return f"{r['host_ms_per_step']:.2f} / {r['forward_ms_per_step']:.2f}"
 
 
-def _plan_time(row: dict) -> str:
+def _plan_time(row: Row) -> str:
     if row.get("plan_predicted_s") is None:
         return "-"
     return f"{row['plan_predicted_s']:.1f} / {row['plan_measured_s']:.1f}"
@@ -546,12 +557,12 @@ def _num(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def _ratio(row: dict, base: str) -> str:
+def _ratio(row: Row, base: str) -> str:
     key = f"speedup_vs_{base}"
     return f"{row[key]:.2f}x" if key in row else "-"
 
 
-def plot(result: dict, path: Path) -> bool:
+def plot(result: Result, path: Path) -> bool:
     """Tokens/s and acceptance length per decoder as a PNG; False when matplotlib is missing."""
     plt = pyplot()
     if plt is None:
@@ -601,7 +612,7 @@ def bench_command(cfg: DictConfig, out: Path) -> list[str]:
     from decoding import load_draft, load_model
 
     run_cfg = RunConfig.from_omegaconf(cfg)
-    container = OmegaConf.to_container(cfg, resolve=True)
+    container = cast(Container, OmegaConf.to_container(cfg, resolve=True))  # a DictConfig's is a dict
     bench_options = container["bench"]
     scale = bool(bench_options.get("scaling"))
     field = "scaling_decoders" if scale else "decoders"
@@ -664,7 +675,8 @@ def bench_command(cfg: DictConfig, out: Path) -> list[str]:
     if plot(result, out / "bench.png"):
         print(f"plot: {out / 'bench.png'}")
     print(f"written to {out}")
-    return result["mismatches"]
+    found: list[str] = result["mismatches"]  # bench() builds it as such
+    return found
 
 
 if __name__ == "__main__":
