@@ -24,15 +24,18 @@ import logging
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from decoding.base.errors import BackendError
 from decoding.runtime.kv_cache import ForwardView, RowKVCache
-from decoding.runtime.models import LoadedModel, ModelSpec, default_cache_dir
+from decoding.runtime.models import LoadedModel, default_cache_dir
 from decoding.runtime.prepack import prepack_linears
+from decoding.runtime.pretrained import pretrained
 from decoding.runtime.quant import dense_state_dict
 from decoding.runtime.runner import decoder_layers
+from decoding.runtime.spec import ModelSpec
 
 CONFIG_FILE = "edd_config.json"
 WEIGHTS_FILE = "edd_state.pt"
@@ -122,12 +125,13 @@ class EddModel(torch.nn.Module):
         n_layers = len(decoder_layers(target_model))
         if not -n_layers <= config.layer < n_layers:
             raise BackendError(f"EDD layer {config.layer} is outside the target's {n_layers} layers")
-        target_base = target_model.get_decoder()
+        target_lm = pretrained(target_model)
+        target_base = target_lm.get_decoder()
         self.base.norm.load_state_dict(target_base.norm.state_dict())
         if config.init_layer is not None:
             self.base.layers[0].load_state_dict(dense_state_dict(decoder_layers(target_model)[config.init_layer]))
         # A tuple keeps the shared modules out of this module's parameters and state dict.
-        self.shared = (target_model.get_input_embeddings(), target_model.get_output_embeddings())
+        self.shared = (target_lm.get_input_embeddings(), target_lm.get_output_embeddings())
         for m in self.shared:
             for p in m.parameters():
                 p.requires_grad_(False)
@@ -145,19 +149,23 @@ class EddModel(torch.nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.base.norm.weight.device
+        weight: torch.Tensor = self.base.norm.weight  # the decoder's final norm: transformers' modules are untyped
+        return weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.base.norm.weight.dtype
+        weight: torch.Tensor = self.base.norm.weight
+        return weight.dtype
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.shared[0](tokens.to(self.device))
+        embedded: torch.Tensor = self.shared[0](tokens.to(self.device))
+        return embedded
 
     def head(self, hidden: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
         """Logits over the whole vocabulary, or over a draft vocabulary's `vocab_rows` (in its order)."""
         if rows is None:
-            return self.shared[1](hidden)
+            logits: torch.Tensor = self.shared[1](hidden)
+            return logits
         return torch.nn.functional.linear(hidden, *rows)
 
     def forward(
@@ -205,7 +213,8 @@ class EddModel(torch.nn.Module):
         view = cache.prepare(embeds.shape[1], offset, rows)
         mask = view.attention_mask(tree.to(self.device))
         positions = view.row_lens()[:, None] + depth.to(self.device)
-        return self(embeds.to(self.device, self.dtype), mask, positions, view, logits_at, head_rows)
+        logits: torch.Tensor = self(embeds.to(self.device, self.dtype), mask, positions, view, logits_at, head_rows)
+        return logits
 
     def trained_state(self) -> dict[str, torch.Tensor]:
         return {k: v for k, v in self.state_dict().items() if "rotary" not in k}
@@ -232,7 +241,9 @@ def edd_dir(target_name: str, cache_dir: str | Path | None = None) -> Path:
     return root / "edd" / safe
 
 
-def save_edd(model: EddModel, path: Path, extra: dict | None = None, vocab: torch.Tensor | None = None) -> None:
+def save_edd(
+    model: EddModel, path: Path, extra: dict[str, Any] | None = None, vocab: torch.Tensor | None = None
+) -> None:
     """A directory with the EDD config (JSON, with `extra`, e.g. training notes), its weights and
     `vocab` (token ids by descending corpus frequency, for draft.vocab), written to a temporary name
     and renamed so that an interrupted save leaves the old one."""
@@ -297,7 +308,7 @@ def draft_vocab(path: Path | str, size: int) -> torch.Tensor:
             f"draft.vocab={size}: the EDD in {path} has no token ranking ({VOCAB_FILE}); rerun "
             "`python -m tuning.train_edd` (it reuses its corpus and checkpoint) to write it, or set draft.vocab=null"
         )
-    ranking = torch.load(f, weights_only=True)
+    ranking: torch.Tensor = torch.load(f, weights_only=True)  # saved by save_edd: a tensor
     if size > len(ranking):
         log.info("draft.vocab=%d: the EDD's corpus has %d distinct tokens; drafting over those", size, len(ranking))
     return ranking[:size]

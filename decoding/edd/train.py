@@ -18,17 +18,20 @@ import math
 import random
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from tqdm import tqdm
 
 from decoding.base.errors import ConfigError
 from decoding.edd.model import EddConfig, EddModel, dual_block_mask, kl_to_target, save_edd
-from decoding.runtime.models import LoadedModel, ModelSpec
+from decoding.runtime.models import LoadedModel
+from decoding.runtime.pretrained import pretrained
 from decoding.runtime.runner import decoder_layers
+from decoding.runtime.spec import ModelSpec
 
 DISTINCT_TAIL = 32  # texts whose windows agree but for the last this many tokens are kept once
 
@@ -107,13 +110,19 @@ def target_features(model: torch.nn.Module, layer: int, ids: list[list[int]]) ->
         lambda m, a, out: captured.append(out[0] if isinstance(out, tuple) else out)
     )
     try:
-        final = model.get_decoder()(input_ids=tokens.to(device), attention_mask=attention.to(device)).last_hidden_state
+        final = (
+            pretrained(model)
+            .get_decoder()(input_ids=tokens.to(device), attention_mask=attention.to(device))
+            .last_hidden_state
+        )
     finally:
         hook.remove()
     return [(captured[0][b, : len(x)], final[b, : len(x)]) for b, x in enumerate(ids)]
 
 
-def build_features(cfg: TrainingRun, target: LoadedModel, docs: list[dict], progress: bool = True) -> list[Example]:
+def build_features(
+    cfg: TrainingRun, target: LoadedModel, docs: list[dict[str, Any]], progress: bool = True
+) -> list[Example]:
     path = cfg.work_dir / f"features-{cfg.features_key()}.pt"
     if path.exists():
         saved = torch.load(path, weights_only=True)
@@ -208,7 +217,7 @@ def train(
     examples: list[Example],
     progress: bool = True,
     vocab: torch.Tensor | None = None,
-) -> dict:
+) -> dict[str, Any]:
     """Train (or resume) an EDD and save it to cfg.out with `vocab`, the corpus's token ranking
     (draft.vocab); returns the training summary."""
     s = cfg.train
@@ -291,7 +300,7 @@ def train(
     return summary
 
 
-def _reporter(history: list[dict]):
+def _reporter(history: list[dict[str, Any]]) -> Callable[[int, float, float, float | None], None]:
     def report(step: int, kl: float, top1: float, train_kl: float | None) -> None:
         history.append({"step": step, "heldout_kl": kl, "heldout_top1": top1, "train_kl": train_kl})
         extra = "" if train_kl is None else f", train KL {train_kl:.4f}"
