@@ -17,6 +17,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -26,11 +27,13 @@ from decoding.base.errors import BackendError, ConfigError
 from decoding.base.options import as_int, held_rows, held_text
 from decoding.runtime import numerics
 from decoding.runtime.activation import use_torch_silu
-from decoding.runtime.models import ModelSpec, cache_root, gguf_file, load_model
+from decoding.runtime.models import cache_root, gguf_file, load_model
 from decoding.runtime.numerics import Numerics
 from decoding.runtime.packing import pack
+from decoding.runtime.pretrained import pretrained
 from decoding.runtime.quant import Int4Linear, Q8Linear
 from decoding.runtime.runner import ModelRunner
+from decoding.runtime.spec import ModelSpec
 from decoding.speculation.draft_tree import DraftTree
 
 
@@ -44,7 +47,7 @@ class ActivationErrorConfig:
 
     @classmethod
     def from_omegaconf(cls, cfg: DictConfig) -> ActivationErrorConfig:
-        c = OmegaConf.to_container(cfg, resolve=True)
+        c = cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True))  # a DictConfig's is a dict
         data = held_text("data", c["data"])
         limit = as_int("limit", c["limit"])
         if limit < 1:
@@ -81,7 +84,7 @@ def float32_reference(model: torch.nn.Module) -> torch.nn.Module:
                 dense.bias.data = module.bias.float()
             parent, _, child = name.rpartition(".")
             setattr(ref.get_submodule(parent) if parent else ref, child, dense)
-    ref.set_attn_implementation("sdpa")
+    pretrained(ref).set_attn_implementation("sdpa")
     use_torch_silu(ref)
     return ref.float()
 
@@ -90,11 +93,14 @@ def float_activations(model: torch.nn.Module) -> torch.nn.Module:
     """The model as model.activations=float runs it: its 4-bit layers on torch's int4 kernel, its head
     the bfloat16 matrix, torch's SiLU and the rest in bfloat16 (the int8 path's is float32)."""
     out = copy.deepcopy(model)
-    head = out.get_output_embeddings()
+    head = pretrained(out).get_output_embeddings()
     if isinstance(head, Q8Linear):
         dense = torch.nn.Linear(head.in_features, head.out_features, bias=head.bias is not None)
-        dense.weight, dense.bias = head.weight, head.bias
-        out.set_output_embeddings(dense)
+        assert head.weight is not None, "a Q8_0 head keeps its bfloat16 matrix (quant.py builds it so)"
+        dense.weight = head.weight
+        if head.bias is not None:  # else dense has none already (bias=False)
+            dense.bias = head.bias
+        pretrained(out).set_output_embeddings(dense)
     for name, module in list(out.named_modules()):
         if isinstance(module, Int4Linear) and module.activations == "int8":
             scale, minimum = module.scale_minimum()
@@ -185,11 +191,13 @@ def main(cfg: DictConfig) -> None:
     print("| way | mean KL from float32 (nats a token) | perplexity | vs float32's perplexity |")
     print("|---|---|---|---|")
     print(f"| float32 dequantized | 0 | {ref_ppl:.4f} | 1.0000x |")
-    for name, e in rows.items():
-        print(f"| {name} | {e.kl:.6f} | {e.perplexity:.4f} | {e.perplexity / ref_ppl:.4f}x |")
+    for name, err in rows.items():
+        print(f"| {name} | {err.kl:.6f} | {err.perplexity:.4f} | {err.perplexity / ref_ppl:.4f}x |")
     if gguf is not None:  # what model.activations=auto reads
         llama = rows.get("llama.cpp")
-        record = Numerics(rows["int8"].kl, rows["int8"].perplexity, rows["float"].perplexity, llama and llama.kl)
+        record = Numerics(
+            rows["int8"].kl, rows["int8"].perplexity, rows["float"].perplexity, None if llama is None else llama.kl
+        )
         ok, why = record.int8_ok()
         print(f"model.activations=auto runs {'int8' if ok else 'float'} on this file: {why}")
         folder = numerics.SHIPPED if acfg.ship else cache_root() / "numerics"

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -33,9 +33,10 @@ from decoding.base.cli import fail, hydra_command
 from decoding.base.errors import BackendError, ConfigError
 from decoding.base.options import as_int, held_rows, held_text
 from decoding.base.values import GenRequest
-from decoding.runtime.models import ModelSpec, gguf_file, load_model
+from decoding.runtime.models import gguf_file, load_model
 from decoding.runtime.packing import pack
 from decoding.runtime.runner import ModelRunner
+from decoding.runtime.spec import ModelSpec
 from decoding.speculation.draft_tree import DraftTree
 
 if TYPE_CHECKING:
@@ -54,7 +55,7 @@ class BesideConfig:
 
     @classmethod
     def from_omegaconf(cls, cfg: DictConfig) -> BesideConfig:
-        c = OmegaConf.to_container(cfg, resolve=True)
+        c = cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True))  # a DictConfig's is a dict
         data = held_text("data", c["data"])
         counts = {k: as_int(k, c[k]) for k in ("prompt_tokens", "new_tokens", "repeats")}
         for key, value in counts.items():
@@ -63,7 +64,7 @@ class BesideConfig:
         return cls(ModelSpec.from_config(c["model"]), str(c["decoder"]), data, **counts, out=c.get("out"))
 
 
-def prompt_ids(tokenize: Callable[[str], list[int]], rows: list[dict], n: int) -> list[int]:
+def prompt_ids(tokenize: Callable[[str], list[int]], rows: list[dict[str, Any]], n: int) -> list[int]:
     """The first `n` tokens of the held texts (question, then solution) one after another."""
     ids: list[int] = []
     for row in rows:
@@ -112,7 +113,7 @@ def llama_decode(llm: Llama, ids: list[int], new_tokens: int) -> tuple[int, floa
 
 def rate_row(name: str, ours: list[float], theirs: list[float], unit: str) -> str:
     a, b = statistics.median(ours), statistics.median(theirs)
-    runs = lambda xs: ", ".join(f"{x:.1f}" for x in xs)  # noqa: E731
+    runs: Callable[[list[float]], str] = lambda xs: ", ".join(f"{x:.1f}" for x in xs)  # noqa: E731
     return f"| {name} | {a:.1f} {unit} ({runs(ours)}) | {b:.1f} {unit} ({runs(theirs)}) | {a / b:.2f}x |"
 
 
@@ -146,9 +147,9 @@ def main(cfg: DictConfig) -> None:
     runner = engine.target
     project_prompt_s(runner, ids[:8]), llama_prompt_s(llm, ids[:8])  # warm-up
     project_decode(engine, question, 4), llama_decode(llm, chat_ids, 4)
-    prompt = {"project": [], "llama.cpp": []}
-    decode = {"project": [], "llama.cpp": []}
-    tokens = {"project": [], "llama.cpp": []}
+    prompt: dict[str, list[float]] = {"project": [], "llama.cpp": []}
+    decode: dict[str, list[float]] = {"project": [], "llama.cpp": []}
+    tokens: dict[str, list[int]] = {"project": [], "llama.cpp": []}
     for r in range(bcfg.repeats):
         for side in ("project", "llama.cpp") if r % 2 == 0 else ("llama.cpp", "project"):
             if side == "project":

@@ -8,12 +8,13 @@ skips the prompts already there. A summary of the decode statistics goes to `<ou
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
@@ -81,7 +82,8 @@ class GenerateConfig:
     @classmethod
     def from_omegaconf(cls, cfg: DictConfig) -> GenerateConfig:
         try:
-            c = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+            # A DictConfig's container is a dict.
+            c = cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True))
         except MissingMandatoryValue as e:
             key = e.full_key
             raise ConfigError(f"{key} is required: python -m decoding.generate prompts=PATH out=PATH") from None
@@ -158,7 +160,7 @@ def request_seed(seed: int, pid: str, sample: int) -> int:
     return zlib.crc32(f"{seed}/{pid}/{sample}".encode())
 
 
-def generate(cfg: GenerateConfig, engine: Engine, progress: bool = True) -> dict:
+def generate(cfg: GenerateConfig, engine: Engine, progress: bool = True) -> dict[str, Any]:
     """Complete every prompt not yet in cfg.out, appending as each batch finishes; returns the summary."""
     from decoding.runtime.time_split import gpu_busy
 
@@ -179,7 +181,7 @@ def generate(cfg: GenerateConfig, engine: Engine, progress: bool = True) -> dict
         batch = todo[start : start + cfg.batch_size]
         requests = _requests(cfg, batch)
         if cfg.gpu_profile and engine.loaded.device.type == "cuda":
-            done_requests, busy = gpu_busy(lambda batch=requests: engine.generate(batch))
+            done_requests, busy = gpu_busy(functools.partial(engine.generate, requests))
             kernel_s += busy * engine.last_stats.wall_s
         else:
             done_requests = engine.generate(requests)
@@ -249,7 +251,7 @@ def _requests(cfg: GenerateConfig, batch: list[PromptRow]) -> list[GenRequest]:
     ]
 
 
-def summary_line(s: dict) -> str:
+def summary_line(s: dict[str, Any]) -> str:
     return (
         f"decoder={s['decoder']}: {s['completions']} completions ({s['skipped_done']} prompts already done), "
         f"{s['generated_tokens']} tokens in {s['wall_s']:.1f}s = {s['tokens_per_s']:.1f} tok/s, "

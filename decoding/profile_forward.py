@@ -11,11 +11,13 @@ batch) read these measured costs rather than typed-in ones. `out=PATH` also writ
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -24,12 +26,17 @@ from decoding.base.cli import fail, hydra_command
 from decoding.base.errors import BackendError, ConfigError
 from decoding.base.options import as_int
 from decoding.runtime import kernels
-from decoding.runtime.models import ModelSpec, cache_root, load_model
+from decoding.runtime.models import cache_root, load_model
+from decoding.runtime.pretrained import pretrained
 from decoding.runtime.quant import Int4Linear
 from decoding.runtime.runner import ModelRunner
+from decoding.runtime.spec import ModelSpec
 from decoding.runtime.time_split import PARTS, gpu_busy, time_split
 from decoding.speculation.cost import ForwardCost, forward_cost
 from decoding.speculation.timing import filled, timed_ms, verification
+
+# One timed forward's measures (JSON-shaped: the rows `out=PATH` writes).
+Row = dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -60,7 +67,7 @@ class ProfileConfig:
 
     @classmethod
     def from_omegaconf(cls, cfg: DictConfig) -> ProfileConfig:
-        c = OmegaConf.to_container(cfg, resolve=True)
+        c = cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True))  # a DictConfig's is a dict
         return cls(
             model=ModelSpec.from_config(c["model"]),
             tree_sizes=tuple(as_int("tree_sizes", v) for v in _list("tree_sizes", c["tree_sizes"])),
@@ -80,15 +87,19 @@ class ProfileConfig:
         return ("copies", "per row", "shared") if self.siblings > 1 and self.shared else ("per row",)
 
 
-def _list(key: str, value: object) -> list:
+def _list(key: str, value: object) -> list[Any]:
     if not isinstance(value, list):
         raise ConfigError(f"{key}={value!r} must be a list such as [1,4,16,64]")
     return value
 
 
-def profile(cfg: ProfileConfig, target: ModelRunner, copies: ModelRunner | None = None) -> list[dict]:
+def _repeated(step: Callable[[], object], n: int) -> list[object]:
+    return [step() for _ in range(n)]
+
+
+def profile(cfg: ProfileConfig, target: ModelRunner, copies: ModelRunner | None = None) -> list[Row]:
     """Each cell's forward timed; `copies`: the same model with rows of their own, for the "copies" reads."""
-    rows = []
+    rows: list[Row] = []
     prompts = {id(r): filled(r, cfg.context) for r in (target, copies) if r is not None}  # computed once
     for batch in cfg.batch_sizes:
         for size in cfg.tree_sizes:
@@ -99,10 +110,10 @@ def profile(cfg: ProfileConfig, target: ModelRunner, copies: ModelRunner | None 
                 runner = copies if reads == "copies" and copies is not None else target
                 step = verification(runner, cfg.context, size, batch, siblings, cfg.shared, prompts[id(runner)])
                 times = timed_ms(step, cfg.repeats, target.device)
-                row = {"batch": batch, "tree_tokens": size, "ms": statistics.median(times), "ms_min": min(times)}
+                row: Row = {"batch": batch, "tree_tokens": size, "ms": statistics.median(times), "ms_min": min(times)}
                 row |= {"context": cfg.context, "reads": reads}
                 if cfg.split and target.device.type == "cuda":
-                    row["gpu_busy"] = gpu_busy(lambda s=step: [s() for _ in range(cfg.repeats)])[1]
+                    row["gpu_busy"] = gpu_busy(functools.partial(_repeated, step, cfg.repeats))[1]
                 elif cfg.split:
                     row["split"] = time_split(target.model, step, cfg.repeats, row["ms"])
                 rows.append(row)
@@ -122,18 +133,18 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * src.numel() * src.element_size() / (ms / 1000)
 
 
-def add_floor(rows: list[dict], model: torch.nn.Module, bandwidth: float) -> None:
+def add_floor(rows: list[Row], model: torch.nn.Module, bandwidth: float) -> None:
     """The least time a forward can take on this GPU: reading every weight once (tied ones once) and
     each row's cached keys and values over the context, at the copy's bandwidth."""
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    c = model.config
+    c = pretrained(model).config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     per_position = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * next(model.parameters()).element_size()
     for r in rows:
         r["floor_ms"] = 1000 * (weights + r["batch"] * r["context"] * per_position) / bandwidth
 
 
-def table(rows: list[dict], cell: Callable[[dict], str] | None = None) -> str:
+def table(rows: list[Row], cell: Callable[[Row], str] | None = None) -> str:
     """Batch by tree tokens, each cell `cell(row)` (default: ms, ratio to 1 x 1, fitted, floor)."""
     sizes = sorted({r["tree_tokens"] for r in rows})
     lines = ["| batch | " + " | ".join(f"T={t}" for t in sizes) + " |", "|---" * (len(sizes) + 1) + "|"]
@@ -145,7 +156,7 @@ def table(rows: list[dict], cell: Callable[[dict], str] | None = None) -> str:
     return "\n".join(lines)
 
 
-def sharing_table(rows: list[dict], siblings: int, shared: int) -> str:
+def sharing_table(rows: list[Row], siblings: int, shared: int) -> str:
     """Each forward with its siblings' shared context read once beside the same forward read per row
     (paged, each row its own blocks) and from rows of their own holding copies (where measured)."""
     lines = [
@@ -169,20 +180,20 @@ def sharing_table(rows: list[dict], siblings: int, shared: int) -> str:
     return "\n".join(lines)
 
 
-def _cell(row: dict) -> str:
+def _cell(row: Row) -> str:
     fitted = f", fitted {row['fitted_ms']:.1f}" if "fitted_ms" in row else ""
     floor = f", floor {row['floor_ms']:.2f}" if "floor_ms" in row else ""
     return f"{row['ms']:.2f} ms ({row['relative']:.2f}x{fitted}{floor})"
 
 
-def add_fitted(rows: list[dict], cost: ForwardCost) -> None:
+def add_fitted(rows: list[Row], cost: ForwardCost) -> None:
     """The step planner's cost model (decoding/speculation/cost.py) beside each measured forward."""
     for r in rows:
         b, t = r["batch"], r["tree_tokens"]
         r["fitted_ms"] = float(cost.ms(b, b * t, t, r["context"])) / cost.correction
 
 
-def split_table(rows: list[dict]) -> str:
+def split_table(rows: list[Row]) -> str:
     """ms per forward in each part: the profiled fractions applied to the unprofiled median."""
     lines = ["| batch x T | ms | " + " | ".join(PARTS) + " |", "|---" * (len(PARTS) + 2) + "|"]
     for r in rows:
@@ -197,7 +208,7 @@ def int4_macs_per_token(model: torch.nn.Module) -> int:
     return sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, Int4Linear))
 
 
-def print_int4_rate(rows: list[dict], model: torch.nn.Module, about: dict) -> None:
+def print_int4_rate(rows: list[Row], model: torch.nn.Module, about: dict[str, Any]) -> None:
     """The 4-bit layers' multiply-adds a second in each forward ("linears" holds only them in a GGUF
     model: its LM head is counted apart), and with int8 activations what a tight loop of the kernel's
     integer instructions reaches here, so the kernel's rate reads as a share of it."""
@@ -240,7 +251,7 @@ def main(cfg: DictConfig) -> None:
     rows = profile(pcfg, target, copies)
     cost = forward_cost(target, cache_root())
     add_fitted(rows, cost)
-    about = {"model": loaded.source, "device": str(loaded.device), "torch": torch.__version__}
+    about: dict[str, Any] = {"model": loaded.source, "device": str(loaded.device), "torch": torch.__version__}
     if loaded.device.type == "cuda":
         bandwidth = copy_bandwidth(loaded.device)
         add_floor(rows, target.model, bandwidth)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -21,7 +22,8 @@ from decoding.base.errors import BackendError, ConfigError
 from decoding.base.options import as_int
 from decoding.base.prompts import render
 from decoding.base.values import check_sampling
-from decoding.runtime.models import ModelSpec, load_model
+from decoding.runtime.models import load_model
+from decoding.runtime.spec import ModelSpec
 from decoding.speculation.gumbel import gumbel_choice
 from decoding.speculation.sampling import SamplingParams, make_generator, process_logits
 
@@ -48,7 +50,7 @@ class SamplerCostConfig:
 
     @classmethod
     def from_omegaconf(cls, cfg: DictConfig) -> SamplerCostConfig:
-        c = OmegaConf.to_container(cfg, resolve=True)
+        c = cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True))  # a DictConfig's is a dict
         temps = c["temperatures"]
         if not isinstance(temps, list):
             raise ConfigError(f"temperatures={temps!r} must be a list such as [0.6,1.0]")

@@ -15,10 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 from decoding.base.cli import fail
 from decoding.base.errors import BackendError
-from decoding.runtime.models import ModelSpec, load_tokenizer
+from decoding.runtime.models import load_tokenizer
+from decoding.runtime.spec import ModelSpec
 
 _LLAMA3 = {
     "model_type": "llama",
@@ -34,7 +36,7 @@ _LLAMA3 = {
 }
 
 
-def _rope(factor: float) -> dict:
+def _rope(factor: float) -> dict[str, Any]:
     return {
         "rope_type": "llama3",
         "rope_theta": 500000.0,
@@ -47,7 +49,7 @@ def _rope(factor: float) -> dict:
 
 # Meta's published configs (hidden sizes, layers, heads, rope scaling) for the shapes the papers use,
 # and a tiny one for the host's share of a step.
-SHAPES: dict[str, dict] = {
+SHAPES: dict[str, dict[str, Any]] = {
     # Not a published model: a forward of well under a millisecond, so that a step's time is the
     # host's work around it (the share a GPU would wait on), measurable on any CPU.
     "tiny": {
@@ -102,9 +104,9 @@ def write_prompts(path: Path) -> Path:
     return path
 
 
-def write_shape(name: str, folder: Path, tokenizer: object | None = None) -> Path:
+def write_shape(name: str, folder: Path, tokenizer: Any | None = None) -> Path:
     """DIR with the shape's config.json, a tokenizer's files (default: the embedded model's) and the
-    timing prompts."""
+    timing prompts. `tokenizer`: a transformers tokenizer (typed as LoadedModel.tokenizer is)."""
     from transformers import LlamaConfig
 
     if name not in SHAPES:

@@ -291,7 +291,7 @@ def _random_model(source: str, dtype: torch.dtype, device: torch.device) -> torc
     return model
 
 
-def load_tokenizer(spec: ModelSpec) -> tuple[object, bool]:
+def load_tokenizer(spec: ModelSpec) -> tuple[Any, bool]:  # a transformers tokenizer, as LoadedModel.tokenizer
     """The model's tokenizer alone, and whether prompts go through its chat template: what a client
     of a server that serves the model needs to build the very prompts the in-process engine builds."""
     from transformers import AutoTokenizer

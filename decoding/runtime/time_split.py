@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 from torch.autograd.profiler_util import FunctionEvent
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from decoding.runtime.pretrained import pretrained
+
+T = TypeVar("T")
 
 PARTS = ("linears", "attention", "lm_head", "other")
 # Operators whose own time is a projection's matrix product (int4 kernel, dense, oneDNN and rows paths).
@@ -88,7 +91,7 @@ def _below(event: FunctionEvent) -> list[FunctionEvent]:
     return out
 
 
-def gpu_busy(step: Callable[[], object]) -> tuple[object, float]:
+def gpu_busy(step: Callable[[], T]) -> tuple[T, float]:
     """`step()`'s result and the share of its wall time in which the GPU ran kernels; the rest is the
     host's work between them (Python, masks, sampling, copies, synchronisation). The profiler's
     own cost on the host makes the share a lower bound."""
