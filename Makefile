@@ -56,7 +56,7 @@ run: setup
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy  # strict on decoding, tot and tasks (pyproject.toml)
+	$(BIN)/mypy  # strict on decoding, tot, tasks and tools (pyproject.toml)
 
 # Parallel workers (pytest-xdist): one per core, at most 4 (each holds its own fixtures' models).
 test: lint $(VENV)/.extras browser

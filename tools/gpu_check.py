@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -24,6 +25,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 
@@ -33,15 +35,19 @@ from decoding.api.config import DecoderConfig
 from decoding.api.engine import Engine
 from decoding.base.values import GenRequest
 from decoding.drafters.load import load_draft
-from decoding.runtime.models import LoadedModel, ModelSpec, load_model
+from decoding.runtime.models import LoadedModel, load_model
+from decoding.runtime.pretrained import pretrained
 from decoding.runtime.runner import ModelRunner
-from decoding.runtime.static_forward import Buckets, resolve_graphs
+from decoding.runtime.spec import Buckets, ModelSpec
+from decoding.runtime.static_forward import resolve_graphs
 from decoding.runtime.time_split import gpu_busy
 from decoding.speculation.timing import timed_ms, verification
 
 SHAPES = [(1, 1), (8, 1), (32, 1), (1, 16), (8, 16), (8, 64)]  # (rows, tokens per row)
 CONTEXT = 300
 ROOT = Path(__file__).resolve().parents[1]
+# A measurement's figures, JSON-shaped: the rows and parts of check.json.
+Row = dict[str, Any]
 
 
 def cuda_test_files() -> list[str]:
@@ -52,15 +58,19 @@ def cuda_test_files() -> list[str]:
     return [f"tests/test_{n}.py" for n in names.group(1).replace("\\", " ").split()]
 
 
-def forward_table(loaded: LoadedModel, modes: dict[str, LoadedModel], repeats: int) -> list[dict]:
-    rows = []
+def _repeated(step: Callable[[], object], n: int) -> list[object]:
+    return [step() for _ in range(n)]
+
+
+def forward_table(loaded: LoadedModel, modes: dict[str, LoadedModel], repeats: int) -> list[Row]:
+    rows: list[Row] = []
     for rows_n, tokens in SHAPES:
         for mode, variant in modes.items():
             runner = ModelRunner(variant.model, static=variant.static, strict_graphs=variant.strict_graphs)
             step = verification(runner, CONTEXT, tokens, rows_n)
             times = timed_ms(step, repeats, runner.device)
-            busy = gpu_busy(lambda s=step: [s() for _ in range(repeats)])[1]
-            row = {"mode": mode, "rows": rows_n, "tokens": tokens, "ms": statistics.median(times)}
+            busy = gpu_busy(functools.partial(_repeated, step, repeats))[1]
+            row: Row = {"mode": mode, "rows": rows_n, "tokens": tokens, "ms": statistics.median(times)}
             row |= {"ms_min": min(times), "gpu_busy": busy}
             if runner.static is not None:
                 row["capture_s"] = runner.static.stats.capture_s
@@ -77,22 +87,29 @@ def hf_step(model: torch.nn.Module, rows: int, tokens: int, context: int, graph:
     the same keys at every call), captured as one CUDA graph (graph=True: what `transformers`'
     static-cache generation replays a step) or eager."""
     from transformers import StaticCache
+    from transformers.cache_utils import StaticLayer
 
     device = next(model.parameters()).device
-    cache = StaticCache(config=model.config, max_cache_len=context + tokens)
+    config = pretrained(model).config
+    cache = StaticCache(config=config, max_cache_len=context + tokens)
     draw = torch.Generator().manual_seed(0)
-    prompt = torch.randint(model.config.vocab_size, (rows, context), generator=draw).to(device)
-    new = torch.randint(model.config.vocab_size, (rows, tokens), generator=draw).to(device)
+    prompt = torch.randint(config.vocab_size, (rows, context), generator=draw).to(device)
+    new = torch.randint(config.vocab_size, (rows, tokens), generator=draw).to(device)
     position = torch.arange(context, context + tokens, device=device).expand(rows, tokens)
-
-    def forward() -> torch.Tensor:
-        for layer in cache.layers:
-            layer.cumulative_length.fill_(context)
-        with torch.inference_mode():
-            return model(new, cache=cache, position_ids=position, use_cache=True).logits
 
     with torch.inference_mode():
         model(prompt, cache=cache, use_cache=True)
+    # Narrowed here, out of the timed forward: a StaticLayer's count is a tensor, rewound on the device.
+    layers = [layer for layer in cache.layers if isinstance(layer, StaticLayer)]
+    assert len(layers) == len(cache.layers), "a StaticCache's layers are all StaticLayers"
+
+    def forward() -> torch.Tensor:
+        for layer in layers:
+            layer.cumulative_length.fill_(context)
+        with torch.inference_mode():
+            logits: torch.Tensor = model(new, cache=cache, position_ids=position, use_cache=True).logits
+            return logits
+
     if not graph:
         return forward
     side = torch.cuda.Stream()
@@ -107,7 +124,7 @@ def hf_step(model: torch.nn.Module, rows: int, tokens: int, context: int, graph:
     return captured.replay
 
 
-def hf_table(shape: Path, dtype: torch.dtype, repeats: int, graph: bool = True) -> list[dict]:
+def hf_table(shape: Path, dtype: torch.dtype, repeats: int, graph: bool = True) -> list[Row]:
     """`transformers`' model of the shape's config (random weights, the project's dtype) on every
     SHAPES entry; a shape whose capture fails is a row with its error, not the end of the check."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -115,9 +132,9 @@ def hf_table(shape: Path, dtype: torch.dtype, repeats: int, graph: bool = True) 
     device = torch.device("cuda" if graph else "cpu")
     with device:
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(shape), dtype=dtype).eval()
-    rows = []
+    rows: list[Row] = []
     for rows_n, tokens in SHAPES:
-        row: dict = {"mode": "hf_graph" if graph else "hf_eager", "rows": rows_n, "tokens": tokens}
+        row: Row = {"mode": "hf_graph" if graph else "hf_eager", "rows": rows_n, "tokens": tokens}
         try:
             times = timed_ms(hf_step(model, rows_n, tokens, CONTEXT, graph), repeats, device)
             row |= {"ms": statistics.median(times), "ms_min": min(times)}
@@ -132,7 +149,7 @@ def hf_table(shape: Path, dtype: torch.dtype, repeats: int, graph: bool = True) 
 
 def bfs_bench(
     out: Path, questions: Path, model: str, seconds: int, device: str = "cuda", extra: tuple[str, ...] = ()
-) -> dict:
+) -> Row:
     """ToT-BFS on the embedded model by `tot.bench`: `ar` and `seed_stand` at one problem in flight and at
     four (tot.bench exits 1 where a tree differs from `ar`'s); tokens/s and the speed-ups it printed."""
     variants = "{ar_4: {decoder: ar, run.concurrency: 4}, seed_stand_4: {decoder: seed_stand, run.concurrency: 4}}"
@@ -145,7 +162,7 @@ def bfs_bench(
     except subprocess.TimeoutExpired:
         return {"rc": "timeout"}
     (out / "bfs.log").write_text(run.stdout + run.stderr)
-    result: dict = {"rc": run.returncode}
+    result: Row = {"rc": run.returncode}
     if (out / "bfs" / "bench.json").is_file():
         rows = json.loads((out / "bfs" / "bench.json").read_text())["decoders"]
         keep = ("tokens_per_s", "speedup_vs_ar", "acceptance_length", "forwards_per_token", "concurrency")
@@ -162,12 +179,13 @@ def decoder_config(decoder: str, draft: str | None, walk: str = "auto") -> Decod
     overrides += [f"draft.path={draft}"] if draft else []
     with initialize_config_module("conf", version_base="1.3"):
         cfg = compose("generate", overrides=overrides)
-    return DecoderConfig.from_container(OmegaConf.to_container(cfg, resolve=True))
+    container = cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True))  # a DictConfig's is a dict
+    return DecoderConfig.from_container(container)
 
 
 def decode(
     variant: LoadedModel, questions: list[str], decoder: str, n: int, tokens: int, draft: str | None, walk: str = "auto"
-) -> dict:
+) -> Row:
     """`decoder` on the first n questions, `tokens` each, after a warm-up call; tokens/s, ms a forward
     and the host's ms a step (`verify.walk`: where the tree walk runs)."""
     config = decoder_config(decoder, draft, walk)
@@ -195,7 +213,7 @@ def decode(
     return out
 
 
-def run_tests(out: Path, seconds: int) -> dict:
+def run_tests(out: Path, seconds: int) -> Row:
     """The CUDA test list on 16 workers; each test's outcome is logged as it ends (-v), so a run cut
     by the budget still names what failed."""
     files = cuda_test_files()
@@ -219,7 +237,7 @@ def run_tests(out: Path, seconds: int) -> dict:
     }
 
 
-def print_forward_table(forward: list[dict], modes: list[str]) -> None:
+def print_forward_table(forward: list[Row], modes: list[str]) -> None:
     """The forward's figures a shape a line: each graphs mode (GPU busy), `transformers`' graph and the
     project's graphs-on time over it."""
     by = {(r["mode"], r["rows"], r["tokens"]): r for r in forward}
@@ -272,7 +290,7 @@ def main() -> None:
 
     about["transformers"] = transformers.__version__
     print(about, flush=True)
-    result: dict = {"about": about, "forward": [], "decode": []}
+    result: dict[str, Any] = {"about": about, "forward": [], "decode": []}
     parts = args.parts.split(",")
     if "tests" in parts and parts[0] == "tests":  # first: its own share of the budget, then the rest
         result["tests"] = run_tests(args.out, int(0.6 * args.budget))
