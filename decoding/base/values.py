@@ -209,6 +209,14 @@ def request_list(call: str, requests: object) -> list[GenRequest]:
     return list(requests)
 
 
+def add_counts(into: object, other: object, names: tuple[str, ...]) -> None:
+    """`other`'s numbers added into `into`'s, field by field (a zero skipped: `+=` runs once a step per call
+    in flight)."""
+    for name in names:
+        if value := getattr(other, name):
+            setattr(into, name, getattr(into, name) + value)
+
+
 HOST_STAGES = ("learn", "plan", "draft", "cut", "pack", "launch", "accept", "commit", "finish", "rounds")
 
 
@@ -308,9 +316,7 @@ class ScheduleStats:
         return self.context_positions_shared / self.context_positions if self.context_positions else 0.0
 
     def __iadd__(self, other: ScheduleStats) -> ScheduleStats:
-        for name in _SCHEDULE_FIELDS:
-            if value := getattr(other, name):
-                setattr(self, name, getattr(self, name) + value)
+        add_counts(self, other, _SCHEDULE_FIELDS)
         return self
 
     def __sub__(self, other: ScheduleStats) -> ScheduleStats:
@@ -392,9 +398,7 @@ class DecodeStats:
         return self.target_forwards / self.generated_tokens if self.generated_tokens else 0.0
 
     def __iadd__(self, other: DecodeStats) -> DecodeStats:
-        for name in _STAT_FIELDS:
-            if value := getattr(other, name):
-                setattr(self, name, getattr(self, name) + value)
+        add_counts(self, other, _STAT_FIELDS)
         self.schedule += other.schedule
         return self
 
@@ -425,9 +429,7 @@ class DecodeStats:
         return cls(**counts, schedule=ScheduleStats.from_dict(d))
 
 
-_STAT_FIELDS = tuple(
-    f.name for f in fields(DecodeStats) if f.name != "schedule"
-)  # `+=` runs once a step per call in flight
+_STAT_FIELDS = tuple(f.name for f in fields(DecodeStats) if f.name != "schedule")
 
 
 @dataclass(frozen=True)
