@@ -12,7 +12,8 @@ import pytest
 from helpers import reply
 
 from decoding.base.values import Completion, DecodeStats, GenRequest, GenResult, Group, TokenLogprob
-from tasks.base import DataError, Problem
+from tasks.base import DataError, Problem, Values
+from tasks.creative_writing import CreativeWriting
 from tasks.gsm8k import GSM8K
 from tot.search.base import GenSettings, path_confidence, run_sync
 from tot.search.bfs import BFS, BFSSettings
@@ -192,6 +193,19 @@ def test_rollout_values_need_paragraphs():
         GSM8K(value="rollout", thoughts="subquestions")
     with pytest.raises(DataError, match=r"task\.rollouts=0"):
         GSM8K(value="rollout", rollouts=0)
+
+
+def test_values_read_a_tasks_options_once_and_complete_only_what_can_be():
+    """`Values.of` carries task.value and its options to a search; a task without `rollout_prompt`
+    (Creative Writing) is one whose paths no completion continues: asked to, one DataError naming the fix."""
+    task = GSM8K(value="rollout", rollouts=3, rollout_tokens=50, evaluator="in_context")
+    values = Values.of(task)
+    assert (values.mode, values.rollouts, values.rollout_tokens, values.in_context) == ("rollout", 3, 50, True)
+    assert values.rollout_prompt(PROBLEM, ["A"]) == task.rollout_prompt(PROBLEM, ["A"])
+    plan = Values.of(CreativeWriting())
+    assert plan.completes is None and plan.prompts.value_answers()
+    with pytest.raises(DataError, match=r"no rollout_prompt.*\(gsm8k\)"):
+        plan.rollout_prompt(PROBLEM, ["a plan"])
 
 
 # search.foresight: completions from a state (by its path), in request order.
