@@ -14,7 +14,6 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
 from decoding.api.config import DecoderConfig
@@ -309,28 +308,12 @@ class Engine:
             calls[0].stats += step
             return
         weights = [c.live for c in calls]
-        total = sum(weights)
-        if not total:
+        if not sum(weights):
             return
         # The counts and the scheduler's counters alike (their names are distinct: one `owed` per call).
-        pairs: tuple[tuple[DecodeStats | ScheduleStats, Callable[[_Call], DecodeStats | ScheduleStats]], ...] = (
-            (step, lambda c: c.stats),
-            (step.schedule, lambda c: c.stats.schedule),
-        )
-        for record, of_call in pairs:
-            for f in fields(record):
-                value = getattr(record, f.name)
-                if not value or not isinstance(value, int | float):
-                    continue
-                exact = [value * w / total for w in weights]
-                parts: list[float] = exact
-                if isinstance(value, int):
-                    parts = list(apportion(value, weights, [c.owed[f.name] for c in calls]))
-                    for call, e, part in zip(calls, exact, parts):
-                        call.owed[f.name] += e - part
-                for call, part in zip(calls, parts):
-                    mine = of_call(call)
-                    setattr(mine, f.name, getattr(mine, f.name) + part)
+        owed = [c.owed for c in calls]
+        split_record(step, [c.stats for c in calls], weights, owed)
+        split_record(step.schedule, [c.stats.schedule for c in calls], weights, owed)
 
     def _finish(
         self, seqs: list[Sequence], requests: list[GenRequest], stats: DecodeStats, elapsed: float | None
@@ -406,6 +389,29 @@ class Engine:
         if len(joined) > len(ids) and joined[: len(ids)] == ids:
             return joined[len(ids) :]
         return list(self.tokenizer(answer, add_special_tokens=False)["input_ids"])
+
+
+def split_record(
+    step: DecodeStats | ScheduleStats,
+    shares: list[DecodeStats] | list[ScheduleStats],
+    weights: list[int],
+    owed: list[defaultdict[str, float]],
+) -> None:
+    """Each number of a step's record added to the calls' `shares` in proportion to `weights`: whole
+    units (int fields) by largest remainder, counting what each call is `owed` from earlier splits."""
+    total = sum(weights)
+    for f in fields(step):
+        value = getattr(step, f.name)
+        if not value or not isinstance(value, int | float):
+            continue
+        exact = [value * w / total for w in weights]
+        parts: list[float] = exact
+        if isinstance(value, int):
+            parts = list(apportion(value, weights, [o[f.name] for o in owed]))
+            for o, e, part in zip(owed, exact, parts):
+                o[f.name] += e - part
+        for share, part in zip(shares, parts):
+            setattr(share, f.name, getattr(share, f.name) + part)
 
 
 def apportion(total: int, weights: list[int], owed: list[float] | None = None) -> list[int]:
