@@ -1,12 +1,14 @@
-"""GSM8K: a thought is a paragraph of the model's own zero-shot solution (the default), or, as SEED
-sets it up (Appendix D), a sub-question together with its answer, three of them and a final answer;
-a 1-10 value with a short explanation for each state. Prompts are ours, written for a small chat model.
+"""GSM8K: a thought is a paragraph of the model's own zero-shot solution (the default), a paragraph of
+a Python function that computes the answer (run for it: tasks/program.py), or, as SEED sets it up
+(Appendix D), a sub-question together with its answer, three of them and a final answer; a 1-10 value
+with a short explanation for each state. Prompts are ours, written for a small chat model.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
+from functools import cached_property
 from importlib import resources
 from pathlib import Path
 
@@ -25,6 +27,7 @@ from tasks.base import (
     record_id,
     score_answers,
 )
+from tasks.program import Runner, function_source
 
 FINAL_PREFIX = "The answer is"
 SCORE_PREFIX = "Score:"
@@ -111,9 +114,31 @@ def parse_value(text: str) -> float:
 
 # What a thought is, with the depth a path is bounded by unless task.depth says otherwise:
 # paragraphs: a paragraph of the model's own solution (a path ends where one states the answer; of
-#   the 0.5B's BFS paths on 30 test problems most took 5-7); subquestions: SEED's setup, a sub-question
-#   and its answer a thought, the final answer at the depth.
-THOUGHTS = {"paragraphs": 10, "subquestions": 4}
+#   the 0.5B's BFS paths on 30 test problems most took 5-7); code: a paragraph of a Python function
+#   `solution()` (a path ends at its `return`; the answer is what it returns when run); subquestions:
+#   SEED's setup, a sub-question and its answer a thought, the final answer at the depth.
+THOUGHTS = {"paragraphs": 10, "code": 12, "subquestions": 4}
+# Where the model's function starts: its reply is the body, so a path's steps are the body's paragraphs.
+CODE_PREFIX = "```python\ndef solution():\n"
+# A code paragraph ends at a blank line (the model writes it indented or not) or where the code block does.
+# Where the function has ended: the code block closes, or a line that is not indented starts (the model
+# goes on to test calls and prints; a stop is a string, so these are the starts it writes).
+CODE_END = ("```", "\n#", "\ndef ", "\nprint", "\nassert", "\nif ", "\nresult", "\nanswer", "\nsolution")
+CODE_GAP = "\n    \n"  # the blank line between a function's paragraphs, as the Qwen2.5-Coder models write it
+CODE_STOPS = ("\n\n", CODE_GAP, *CODE_END)
+_RETURN = re.compile(r"^\s{4}return\b", re.MULTILINE)
+
+
+def indented(step: str) -> str:
+    """A code paragraph as it stands in the function: a step is stored stripped, as every step is, so
+    its first line's indentation is read back from the lines after it (one level less after a line
+    ending in a colon), at least the function body's four spaces."""
+    first, *rest = step.splitlines() or [""]
+    below = [len(line) - len(line.lstrip()) for line in rest if line.strip()]
+    if not below:
+        return "    " + step
+    depth = below[0] - (4 if first.rstrip().endswith(":") else 0)
+    return " " * max(4, depth) + step
 
 
 @dataclass
@@ -140,11 +165,16 @@ class GSM8K(TaskDefaults):
         )
         check_evaluator(self.name, self.evaluator)
         check_value(self.name, self.value)
-        if self.value == "rollout" and self.thoughts != "paragraphs":
+        if self.value == "rollout" and self.thoughts == "subquestions":
             raise DataError(
                 "task.value=rollout completes a state's solution paragraph by paragraph: use it with "
-                "task.thoughts=paragraphs (sub-questions are not a solution a completion can continue)"
+                "task.thoughts=paragraphs or code (sub-questions are not a solution a completion can continue)"
             )
+
+    @cached_property
+    def program(self) -> Runner:
+        """task.thoughts=code: runs a path's function, each once."""
+        return Runner()
 
     def value_answers(self) -> dict[str, float]:
         return YES_NO if self.value == "yes" else score_answers(1, 10)
@@ -184,6 +214,10 @@ class GSM8K(TaskDefaults):
         if self.thoughts == "paragraphs":  # the model's own solution, continued a paragraph at a time
             solve = self.solution_prompt(problem)
             return Prompt(solve.text, prefix="".join(f"{s}\n\n" for s in steps), stop=("\n\n",))
+        if self.thoughts == "code":  # the function's body, likewise
+            solve = self.solution_prompt(problem)
+            body = "".join(f"{indented(s)}{CODE_GAP}" for s in steps)
+            return Prompt(solve.text, prefix=solve.prefix + body, stop=CODE_STOPS)
         k = len(steps) + 1
         head = f"Question: {problem.question}\n\n{_steps_block(steps)}\n\n"
         if k < self.depth:
@@ -201,19 +235,30 @@ class GSM8K(TaskDefaults):
         )
 
     def parse_thought(self, problem: Problem, steps: list[str], text: str) -> str:
-        if self.thoughts == "paragraphs":
+        if self.thoughts != "subquestions":
             return text.strip()
         return (self.generator_prompt(problem, steps).prefix + text).strip()
 
     def is_terminal(self, problem: Problem, steps: list[str]) -> bool:
-        # A paragraph that states the answer ends the solution (sub-questions end at the depth).
-        return self.thoughts == "paragraphs" and bool(steps) and strict_answer(steps[-1]) is not None
+        # A paragraph that states the answer ends the solution, one that returns ends the function
+        # (or one that leaves it: a line not indented); sub-questions end at the depth.
+        if not steps or self.thoughts == "subquestions":
+            return False
+        if self.thoughts == "code":
+            last = indented(steps[-1])
+            left = any(line.strip() and not line[0].isspace() for line in last.splitlines())
+            return left or bool(_RETURN.search(last))
+        return strict_answer(steps[-1]) is not None
 
     # --- state evaluator ---------------------------------------------------------------------
     def evaluator_prompt(self, problem: Problem, steps: list[str]) -> Prompt:
         *before, last = steps
-        if self.thoughts == "paragraphs":
-            so_far = "\n\n".join(before) if before else "(nothing yet)"
+        if self.thoughts != "subquestions":
+            if self.thoughts == "code":
+                so_far = "\n\n".join(indented(s) for s in before) or "    (nothing yet)"
+                so_far, last = f"```python\ndef solution():\n{so_far}\n```", indented(last)
+            else:
+                so_far = "\n\n".join(before) if before else "(nothing yet)"
             head = f"Question: {problem.question}\n\nA solution so far:\n{so_far}\n\nIts next part:\n{last}\n\n"
             asked = self._rate(
                 "Is the next part correct (its facts taken from the question, its arithmetic right) and a step toward "
@@ -249,6 +294,15 @@ class GSM8K(TaskDefaults):
 
     # --- whole solutions (best-of-N) ---------------------------------------------------------
     def solution_prompt(self, problem: Problem) -> Prompt:
+        if self.thoughts == "code":
+            # The reply starts inside the function, so every reply is a body to run.
+            return Prompt(
+                f"{problem.question}\n\nWrite a Python function `solution()` that computes the answer to this "
+                "problem step by step, with a variable for each quantity, and returns the final number. Reply with "
+                "the code only.",
+                prefix=CODE_PREFIX,
+                stop=CODE_END,
+            )
         # Zero-shot, in the chat model's own style: on the first 50 GSM8K test problems the
         # Qwen2.5-Coder-0.5B solved 12 this way against 5 with Wei et al.'s few-shot chains, whose
         # terse one-paragraph form it copied and made more mistakes in.
@@ -260,7 +314,7 @@ class GSM8K(TaskDefaults):
     def rollout_prompt(self, problem: Problem, steps: list[str]) -> Prompt:
         # The prompt the state's next paragraphs are sampled from, without the paragraph stop: its keys
         # and values are those its children's thoughts read.
-        return replace(self.generator_prompt(problem, steps), stop=())
+        return replace(self.generator_prompt(problem, steps), stop=CODE_END if self.thoughts == "code" else ())
 
     def solution_steps(self, problem: Problem, reply: str) -> list[str]:
         return [reply.strip()]
@@ -276,7 +330,8 @@ class GSM8K(TaskDefaults):
             "wrong",
             "certainly correct",
         )
-        return replace(asked, text=f"Question: {problem.question}\n\nA solution:\n{steps[-1]}\n\n{asked.text}")
+        shown = self._program(steps) if self.thoughts == "code" else steps[-1]
+        return replace(asked, text=f"Question: {problem.question}\n\nA solution:\n{shown}\n\n{asked.text}")
 
     # --- scoring -----------------------------------------------------------------------------
     def answer(self, problem: Problem, steps: list[str]) -> str:
@@ -286,9 +341,17 @@ class GSM8K(TaskDefaults):
 
     def answers(self, problem: Problem, steps: list[str]) -> dict[str, str]:
         """Both extractions of the final step, as lm-evaluation-harness reports GSM8K: `strict` (the
-        number after the answer phrase, "" if none is stated) and `flexible` (its last number)."""
+        number after the answer phrase, "" if none is stated) and `flexible` (its last number). With
+        task.thoughts=code both are what the path's function returns when run ("" if it fails)."""
+        if self.thoughts == "code":
+            returned = self.program.value(self._program(steps)) if steps else ""
+            return {"strict": returned, "flexible": returned}
         last = steps[-1] if steps else ""
         return {"strict": strict_answer(last) or "", "flexible": extract_number(last) or ""}
+
+    def _program(self, steps: list[str]) -> str:
+        """A code path's function: its paragraphs in order, cut where the function ends."""
+        return function_source("solution", "\n\n".join(indented(s) for s in steps))
 
     def is_correct(self, problem: Problem, answer: str) -> bool:
         return bool(answer) and answer == problem.gold

@@ -470,5 +470,5 @@ def test_a_paragraph_is_valued_after_the_solution_so_far():
 def test_thoughts_and_depth_are_checked():
     assert GSM8K(thoughts="subquestions").depth == 4
     assert GSM8K(depth=6).depth == 6
-    with pytest.raises(DataError, match=r"task.thoughts=.lines. is not one of paragraphs, subquestions"):
+    with pytest.raises(DataError, match=r"task.thoughts=.lines. is not one of paragraphs, code, subquestions"):
         GSM8K(thoughts="lines")
