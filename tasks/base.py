@@ -119,12 +119,13 @@ class Task(Protocol):
         """Whether the path `steps` is finished before the depth limit (it is not extended further)."""
         ...
 
-    def solution_prompt(self, problem: Problem) -> Prompt:
-        """The prompt whose one reply solves the whole problem (best-of-N's samples)."""
+    def solution_prompt(self, problem: Problem, i: int = 0) -> Prompt:
+        """The prompt whose one reply solves the whole problem: best-of-N's i-th sample (a task may
+        ask its solutions in more than one way, as GSM8K's task.thoughts=mixed does)."""
         ...
 
-    def solution_steps(self, problem: Problem, reply: str) -> list[str]:
-        """The reasoning path a whole reply (without its prefix) stands for: what `answer` reads,
+    def solution_steps(self, problem: Problem, reply: str, i: int = 0) -> list[str]:
+        """The reasoning path the i-th whole reply (without its prefix) stands for: what `answer` reads,
         at least one step."""
         ...
 

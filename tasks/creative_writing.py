@@ -233,10 +233,10 @@ class CreativeWriting(TaskDefaults):
         return parse_score(text)
 
     # --- whole solutions (best-of-N) ---------------------------------------------------------
-    def solution_prompt(self, problem: Problem) -> Prompt:
+    def solution_prompt(self, problem: Problem, i: int = 0) -> Prompt:
         return self._passage_prompt(problem, "")
 
-    def solution_steps(self, problem: Problem, reply: str) -> list[str]:
+    def solution_steps(self, problem: Problem, reply: str, i: int = 0) -> list[str]:
         return [reply.strip()]
 
     def solution_evaluator_prompt(self, problem: Problem, steps: list[str], follow_up: bool) -> Prompt:

@@ -116,10 +116,15 @@ def parse_value(text: str) -> float:
 # paragraphs: a paragraph of the model's own solution (a path ends where one states the answer; of
 #   the 0.5B's BFS paths on 30 test problems most took 5-7); code: a paragraph of a Python function
 #   `solution()` (a path ends at its `return`; the answer is what it returns when run); subquestions:
-#   SEED's setup, a sub-question and its answer a thought, the final answer at the depth.
-THOUGHTS = {"paragraphs": 10, "code": 12, "subquestions": 4}
+#   SEED's setup, a sub-question and its answer a thought, the final answer at the depth; mixed: whole
+#   solutions only (best-of-N), written out and as a function in turn, whose errors differ (the 0.5B's
+#   greedy chains, first 100 test problems: 22 right written out, 23 as code, 4 both).
+THOUGHTS = {"paragraphs": 10, "code": 12, "subquestions": 4, "mixed": 1}
+# task.thoughts=mixed: the i-th whole solution is written the (i mod 2)-th way.
+MIXED = ("paragraphs", "code")
 # Where the model's function starts: its reply is the body, so a path's steps are the body's paragraphs.
-CODE_PREFIX = "```python\ndef solution():\n"
+CODE_HEAD = "def solution():"
+CODE_PREFIX = f"```python\n{CODE_HEAD}\n"
 # A code paragraph ends at a blank line (the model writes it indented or not) or where the code block does.
 # Where the function has ended: the code block closes, or a line that is not indented starts (the model
 # goes on to test calls and prints; a stop is a string, so these are the starts it writes).
@@ -165,7 +170,7 @@ class GSM8K(TaskDefaults):
         )
         check_evaluator(self.name, self.evaluator)
         check_value(self.name, self.value)
-        if self.value == "rollout" and self.thoughts == "subquestions":
+        if self.value == "rollout" and self.thoughts in ("subquestions", "mixed"):
             raise DataError(
                 "task.value=rollout completes a state's solution paragraph by paragraph: use it with "
                 "task.thoughts=paragraphs or code (sub-questions are not a solution a completion can continue)"
@@ -211,6 +216,11 @@ class GSM8K(TaskDefaults):
 
     # --- thought generator -------------------------------------------------------------------
     def generator_prompt(self, problem: Problem, steps: list[str]) -> Prompt:
+        if self.thoughts == "mixed":
+            raise DataError(
+                "task.thoughts=mixed asks whole solutions two ways in turn: use it with search=best_of_n (a tree's "
+                "thoughts are task.thoughts=paragraphs or code)"
+            )
         if self.thoughts == "paragraphs":  # the model's own solution, continued a paragraph at a time
             solve = self.solution_prompt(problem)
             return Prompt(solve.text, prefix="".join(f"{s}\n\n" for s in steps), stop=("\n\n",))
@@ -293,8 +303,12 @@ class GSM8K(TaskDefaults):
         return parse_value(SCORE_PREFIX + text)
 
     # --- whole solutions (best-of-N) ---------------------------------------------------------
-    def solution_prompt(self, problem: Problem) -> Prompt:
-        if self.thoughts == "code":
+    def kind(self, i: int) -> str:
+        """How the i-th whole solution is written: task.thoughts, or with mixed, MIXED in turn."""
+        return MIXED[i % len(MIXED)] if self.thoughts == "mixed" else self.thoughts
+
+    def solution_prompt(self, problem: Problem, i: int = 0) -> Prompt:
+        if self.kind(i) == "code":
             # The reply starts inside the function, so every reply is a body to run.
             return Prompt(
                 f"{problem.question}\n\nWrite a Python function `solution()` that computes the answer to this "
@@ -316,8 +330,9 @@ class GSM8K(TaskDefaults):
         # and values are those its children's thoughts read.
         return replace(self.generator_prompt(problem, steps), stop=CODE_END if self.thoughts == "code" else ())
 
-    def solution_steps(self, problem: Problem, reply: str) -> list[str]:
-        return [reply.strip()]
+    def solution_steps(self, problem: Problem, reply: str, i: int = 0) -> list[str]:
+        # A whole program is kept as its function, so a path says itself whether it is code.
+        return [function_source("solution", reply).rstrip()] if self.kind(i) == "code" else [reply.strip()]
 
     def solution_evaluator_prompt(self, problem: Problem, steps: list[str], follow_up: bool) -> Prompt:
         if follow_up:
@@ -330,7 +345,7 @@ class GSM8K(TaskDefaults):
             "wrong",
             "certainly correct",
         )
-        shown = self._program(steps) if self.thoughts == "code" else steps[-1]
+        shown = self._program(steps) if self._is_code(steps) else steps[-1]
         return replace(asked, text=f"Question: {problem.question}\n\nA solution:\n{shown}\n\n{asked.text}")
 
     # --- scoring -----------------------------------------------------------------------------
@@ -343,14 +358,20 @@ class GSM8K(TaskDefaults):
         """Both extractions of the final step, as lm-evaluation-harness reports GSM8K: `strict` (the
         number after the answer phrase, "" if none is stated) and `flexible` (its last number). With
         task.thoughts=code both are what the path's function returns when run ("" if it fails)."""
-        if self.thoughts == "code":
-            returned = self.program.value(self._program(steps)) if steps else ""
+        if self._is_code(steps):
+            returned = self.program.value(self._program(steps))
             return {"strict": returned, "flexible": returned}
         last = steps[-1] if steps else ""
         return {"strict": strict_answer(last) or "", "flexible": extract_number(last) or ""}
 
+    def _is_code(self, steps: list[str]) -> bool:
+        return bool(steps) and (self.thoughts == "code" or steps[0].startswith(CODE_HEAD))
+
     def _program(self, steps: list[str]) -> str:
-        """A code path's function: its paragraphs in order, cut where the function ends."""
+        """A code path's function: a whole one as written, or a tree's paragraphs in order, cut where the
+        function ends."""
+        if steps[0].startswith(CODE_HEAD):
+            return function_source("solution", steps[0].removeprefix(CODE_HEAD).lstrip("\n"))
         return function_source("solution", "\n\n".join(indented(s) for s in steps))
 
     def is_correct(self, problem: Problem, answer: str) -> bool:

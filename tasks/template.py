@@ -147,10 +147,10 @@ class TemplateTask(TaskDefaults):
     def follow_up_prompt(self, problem: Problem, steps: list[str]) -> Prompt:
         return self._ask(self._fill(self.evaluator_template, problem, steps))
 
-    def solution_prompt(self, problem: Problem) -> Prompt:
+    def solution_prompt(self, problem: Problem, i: int = 0) -> Prompt:
         return Prompt(self._fill(self.solution_template, problem, []))
 
-    def solution_steps(self, problem: Problem, reply: str) -> list[str]:
+    def solution_steps(self, problem: Problem, reply: str, i: int = 0) -> list[str]:
         return [p for p in (" ".join(p.split()) for p in reply.split("\n\n")) if p] or [reply.strip()]
 
     def solution_evaluator_prompt(self, problem: Problem, steps: list[str], follow_up: bool) -> Prompt:

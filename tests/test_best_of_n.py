@@ -28,10 +28,10 @@ class WholeTask(ScriptedTask):
     evaluator: str = "separate"
     name: str = "whole"
 
-    def solution_prompt(self, problem):
+    def solution_prompt(self, problem, i=0):
         return Prompt("solve", prefix="S")
 
-    def solution_steps(self, problem, text):
+    def solution_steps(self, problem, text, i=0):
         return text.split("|")
 
     def solution_evaluator_prompt(self, problem, steps, follow_up):

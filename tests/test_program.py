@@ -91,7 +91,7 @@ def test_a_stored_code_paragraph_is_indented_back_into_the_function():
 
 
 def code_task(**options) -> GSM8K:
-    return GSM8K(thoughts="code", **options)
+    return GSM8K(**{"thoughts": "code", **options})
 
 
 def test_a_code_path_is_answered_by_running_its_function():
@@ -165,3 +165,32 @@ def test_best_of_n_votes_on_what_the_programs_return():
     sol = run_sync(search.solve(PROBLEM, engine))
     assert sol.answer == "6"  # 6, 7, 6
     assert {r.prefix for r in engine.requests} == {CODE_PREFIX}
+    first = sol.tree.children(sol.tree.root)[0]
+    assert sol.tree[first].text == "def solution():\n    eggs = 3\n    return eggs * 2"  # kept as its function
+
+
+class MixedEngine(CodeEngine):
+    """Written solutions state 7, 6, 7 in turn; programs return 6 (CodeEngine's first)."""
+
+    def text(self, r: GenRequest) -> str:
+        if r.prefix == CODE_PREFIX:
+            return "    eggs = 3\n    return eggs * 2\n\nprint(solution())"
+        self.solutions += 1
+        return f"Two boxes. The answer is {7 if self.solutions % 2 else 6}."
+
+
+def test_mixed_solutions_alternate_written_and_code_and_vote_together():
+    engine = MixedEngine()
+    task = code_task(thoughts="mixed")
+    search = BestOfN.over(task, BestOfNSettings(n=4), GenSettings(), 0)
+    sol = run_sync(search.solve(PROBLEM, engine))
+    # Written 7 and 6 (solutions 0 and 2), programs 6 and 6 (1 and 3): 6 three times.
+    assert [r.prefix for r in engine.requests] == ["", CODE_PREFIX, "", CODE_PREFIX]
+    assert sol.answer == "6"
+    tree = sol.tree
+    answers = [task.answer(PROBLEM, tree.steps(n)) for n in tree.children(tree.root)]
+    assert answers == ["7", "6", "6", "6"]
+    with pytest.raises(DataError, match="search=best_of_n"):
+        task.generator_prompt(PROBLEM, [])
+    with pytest.raises(DataError, match="paragraphs or code"):
+        code_task(thoughts="mixed", value="rollout")

@@ -228,7 +228,7 @@ class Blocksworld(TaskDefaults):
         return 1.0 if words and words[0].strip(".,!\"'") == "good" else 0.0
 
     # --- whole solutions (best-of-N) ---------------------------------------------------------
-    def solution_prompt(self, problem: Problem) -> Prompt:
+    def solution_prompt(self, problem: Problem, i: int = 0) -> Prompt:
         return Prompt(
             f"{RULES}\n\n{self._solved_demos()}\n\n[STATEMENT]\n{problem.question}\n\n"
             "Write the whole plan as the examples do: one action per line, then [PLAN END].",
@@ -236,7 +236,7 @@ class Blocksworld(TaskDefaults):
             stop=("[PLAN END]", "\n\n"),
         )
 
-    def solution_steps(self, problem: Problem, reply: str) -> list[str]:
+    def solution_steps(self, problem: Problem, reply: str, i: int = 0) -> list[str]:
         """One action per line of the plan, each read as parse_thought reads a single action."""
         steps: list[str] = []
         for line in reply.splitlines():

@@ -125,7 +125,7 @@ class BestOfN(SearchBase):
         soon as it is written)."""
         scored = self.settings.scored
         request = self.gen.request(
-            self.task.solution_prompt(thinker.problem),
+            self.task.solution_prompt(thinker.problem, i),
             group=thinker.siblings("solutions"),
             seed=request_seed(self.seed, thinker.problem.id, "solution", i),
             keep=thinker.in_context and scored,
@@ -134,7 +134,7 @@ class BestOfN(SearchBase):
             top_logprobs=thinker.top_logprobs,
         )
         (out,) = await thinker.call([request], "generate")
-        steps = self.task.solution_steps(thinker.problem, out.text)
+        steps = self.task.solution_steps(thinker.problem, out.text, i)
         answer = self.task.answer(thinker.problem, steps)
         valued = None
         if scored and isinstance(self.reward, Discriminator):  # its answer as it votes, stated or not
