@@ -120,3 +120,16 @@ def test_a_valued_run_adds_the_vote_by_its_values_at_the_cost_of_valuing():
     assert valuation_tokens(tree, leaves, {"phases": {"evaluate": {"tokens": 30}}}) == [15.0, 15.0]
     tree[leaves[0]].eval_tokens, tree[leaves[1]].eval_tokens = 10, 20
     assert valuation_tokens(tree, leaves, None) == [10.0, 20.0]
+
+
+def test_other_best_of_n_runs_are_drawn_as_their_majority_curves(tmp_path):
+    runs = {}
+    for name, n in (("bo4", 4), ("bo2", 2)):
+        config = make_config("search=best_of_n", f"search.n={n}", "data.limit=2", "run.concurrency=1")
+        run(config, tmp_path / name, engine=SolutionEngine(), progress=False)
+        runs[name] = tmp_path / name
+    assert main([str(runs["bo4"]), "--curves", str(runs["bo2"])]) == 0
+    points = {p["name"]: p for p in json.loads((runs["bo4"] / "vote_curve.json").read_text())["points"]}
+    # bo2's first two solutions: bundled-1 5 then a tie that goes to the earlier 5; bundled-2 110 right.
+    assert [points[f"best-of-{k}, majority (bo2)"]["correct"] for k in (1, 2)] == [1, 1]
+    assert "best-of-3, majority (bo2)" not in points

@@ -1,6 +1,7 @@
-"""`python -m tot.vote_curve BEST_OF_N_RUN [--baseline RUN] [--runs RUN ...]`: accuracy against tokens
-for every way of voting over one best-of-N run's solutions, and beside it other runs (a chain, tree
-searches), each paired with the baseline problem by problem.
+"""`python -m tot.vote_curve BEST_OF_N_RUN [--baseline RUN] [--runs RUN ...] [--curves RUN ...]`: accuracy
+against tokens for every way of voting over one best-of-N run's solutions, and beside it other runs (a
+chain, tree searches) and other best-of-N runs' majority curves (another `task.thoughts`, another
+temperature), each paired with the baseline problem by problem.
 
 Solution i of a problem is sampled from the same seed whatever the budget, so the first k solutions
 of a run of n are what best-of-k would have drawn: one run of n gives the whole curve for k = 1..n,
@@ -127,6 +128,20 @@ def curve(solutions: list[Drawn]) -> list[dict[str, Any]]:
     return points
 
 
+def majority_curve(run_dir: Path) -> list[dict[str, Any]]:
+    """Another best-of-N run's plain majority at every budget, named after its folder."""
+    solutions = drawn(run_dir)
+    n = min(len(d.ballots) for d in solutions)
+    return [
+        point(
+            f"best-of-{k}, majority ({run_dir.name})",
+            solutions,
+            [(k, d.answer_right(k, VoteRule())) for d in solutions],
+        )
+        for k in range(1, n + 1)
+    ]
+
+
 def as_point(name: str, records: list[dict[str, Any]], tokens: int, samples: int | None = None) -> dict[str, Any]:
     """A point of the curve: its problems' correctness (id, correct: for pairing) and its cost."""
     return {
@@ -249,12 +264,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("run", type=Path, help="a tot.solve run folder of search=best_of_n")
     parser.add_argument("--baseline", type=Path, help="a run each point is paired with (e.g. the greedy chain)")
     parser.add_argument("--runs", type=Path, nargs="*", default=[], help="other runs shown as points beside the curve")
+    parser.add_argument(
+        "--curves", type=Path, nargs="*", default=[], help="other best-of-N runs drawn as their majority's curves"
+    )
     args = parser.parse_args(argv)
     try:
-        for folder in [args.run, *args.runs, *([args.baseline] if args.baseline else [])]:
+        for folder in [args.run, *args.runs, *args.curves, *([args.baseline] if args.baseline else [])]:
             if not (folder / "summary.json").is_file():
                 raise ShowError(f"{folder} has no summary.json; give an output directory of python -m tot.solve")
-        points = curve(drawn(args.run))
+        points = curve(drawn(args.run)) + [p for r in args.curves for p in majority_curve(r)]
         runs = [run_point(r) for r in args.runs] + [p for r in args.runs for p in level_points(r)]
         base = run_point(args.baseline) if args.baseline else None
         text = table(runs + points, base["records"] if base else None)
