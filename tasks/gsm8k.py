@@ -116,11 +116,12 @@ def parse_value(text: str) -> float:
 # paragraphs: a paragraph of the model's own solution (a path ends where one states the answer; of
 #   the 0.5B's BFS paths on 30 test problems most took 5-7); code: a paragraph of a Python function
 #   `solution()` (a path ends at its `return`; the answer is what it returns when run); subquestions:
-#   SEED's setup, a sub-question and its answer a thought, the final answer at the depth; mixed: whole
-#   solutions only (best-of-N), written out and as a function in turn, whose errors differ (the 0.5B's
-#   greedy chains, first 100 test problems: 22 right written out, 23 as code, 4 both).
-THOUGHTS = {"paragraphs": 10, "code": 12, "subquestions": 4, "mixed": 1}
-# task.thoughts=mixed: the i-th whole solution is written the (i mod 2)-th way.
+#   SEED's setup, a sub-question and its answer a thought, the final answer at the depth.
+THOUGHTS = {"paragraphs": 10, "code": 12, "subquestions": 4}
+# How best-of-N writes its whole solutions: same (as the thoughts are: a function with task.thoughts=code,
+# else written out), or mixed: the i-th written the (i mod 2)-th way of MIXED, whose errors differ (the
+# 0.5B's greedy chains, first 100 test problems: 22 right written out, 23 as code, 4 of them both).
+SOLUTIONS = ("same", "mixed")
 MIXED = ("paragraphs", "code")
 # Where the model's function starts: its reply is the body, so a path's steps are the body's paragraphs.
 CODE_HEAD = "def solution():"
@@ -152,6 +153,7 @@ class GSM8K(TaskDefaults):
     n_evaluate: int = 1
     evaluator: str = "separate"
     thoughts: str = "paragraphs"
+    solutions: str = "same"
     value: str = "confidence"
     rollouts: int = 2  # task.value=rollout: completions sampled from each state
     rollout_tokens: int = 384  # the longest completion (as best-of-N's whole solutions)
@@ -170,7 +172,9 @@ class GSM8K(TaskDefaults):
         )
         check_evaluator(self.name, self.evaluator)
         check_value(self.name, self.value)
-        if self.value == "rollout" and self.thoughts in ("subquestions", "mixed"):
+        if self.solutions not in SOLUTIONS:
+            raise DataError(f"task.solutions={self.solutions!r} is not one of {', '.join(SOLUTIONS)}")
+        if self.value == "rollout" and self.thoughts == "subquestions":
             raise DataError(
                 "task.value=rollout completes a state's solution paragraph by paragraph: use it with "
                 "task.thoughts=paragraphs or code (sub-questions are not a solution a completion can continue)"
@@ -216,11 +220,6 @@ class GSM8K(TaskDefaults):
 
     # --- thought generator -------------------------------------------------------------------
     def generator_prompt(self, problem: Problem, steps: list[str]) -> Prompt:
-        if self.thoughts == "mixed":
-            raise DataError(
-                "task.thoughts=mixed asks whole solutions two ways in turn: use it with search=best_of_n (a tree's "
-                "thoughts are task.thoughts=paragraphs or code)"
-            )
         if self.thoughts == "paragraphs":  # the model's own solution, continued a paragraph at a time
             solve = self.solution_prompt(problem)
             return Prompt(solve.text, prefix="".join(f"{s}\n\n" for s in steps), stop=("\n\n",))
@@ -304,8 +303,10 @@ class GSM8K(TaskDefaults):
 
     # --- whole solutions (best-of-N) ---------------------------------------------------------
     def kind(self, i: int) -> str:
-        """How the i-th whole solution is written: task.thoughts, or with mixed, MIXED in turn."""
-        return MIXED[i % len(MIXED)] if self.thoughts == "mixed" else self.thoughts
+        """How the i-th whole solution is written: as a function or written out (`paragraphs`)."""
+        if self.solutions == "mixed":
+            return MIXED[i % len(MIXED)]
+        return "code" if self.thoughts == "code" else "paragraphs"
 
     def solution_prompt(self, problem: Problem, i: int = 0) -> Prompt:
         if self.kind(i) == "code":

@@ -181,7 +181,7 @@ class MixedEngine(CodeEngine):
 
 def test_mixed_solutions_alternate_written_and_code_and_vote_together():
     engine = MixedEngine()
-    task = code_task(thoughts="mixed")
+    task = GSM8K(solutions="mixed")
     search = BestOfN.over(task, BestOfNSettings(n=4), GenSettings(), 0)
     sol = run_sync(search.solve(PROBLEM, engine))
     # Written 7 and 6 (solutions 0 and 2), programs 6 and 6 (1 and 3): 6 three times.
@@ -190,7 +190,7 @@ def test_mixed_solutions_alternate_written_and_code_and_vote_together():
     tree = sol.tree
     answers = [task.answer(PROBLEM, tree.steps(n)) for n in tree.children(tree.root)]
     assert answers == ["7", "6", "6", "6"]
-    with pytest.raises(DataError, match="search=best_of_n"):
-        task.generator_prompt(PROBLEM, [])
-    with pytest.raises(DataError, match="paragraphs or code"):
-        code_task(thoughts="mixed", value="rollout")
+    # A tree's thoughts stay what task.thoughts says.
+    assert task.generator_prompt(PROBLEM, []).prefix == ""
+    with pytest.raises(DataError, match=r"task\.solutions='both' is not one of same, mixed"):
+        GSM8K(solutions="both")
