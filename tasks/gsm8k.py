@@ -153,7 +153,7 @@ class GSM8K(TaskDefaults):
     n_evaluate: int = 1
     evaluator: str = "separate"
     thoughts: str = "paragraphs"
-    solutions: str = "same"
+    solutions: str = "mixed"
     value: str = "confidence"
     rollouts: int = 2  # task.value=rollout: completions sampled from each state
     rollout_tokens: int = 384  # the longest completion (as best-of-N's whole solutions)

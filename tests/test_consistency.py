@@ -70,7 +70,9 @@ def discriminator(**options: object) -> tuple[Discriminator, Completer]:
 
 def best_of_4(aggregate: str, **options: object):
     reward, engine = discriminator(**options)
-    search = BestOfN.over(GSM8K(), BestOfNSettings(n=4, aggregate=aggregate), GenSettings(), 0, reward=reward)
+    search = BestOfN.over(
+        GSM8K(solutions="same"), BestOfNSettings(n=4, aggregate=aggregate), GenSettings(), 0, reward=reward
+    )
     return run_sync(search.solve(PROBLEM, Solver())), engine
 
 
@@ -133,4 +135,9 @@ def test_a_task_without_rollouts_is_refused_at_load():
 
     with pytest.raises(ConfigError, match=r"reward\.kind=consistency .* task=creative_writing"):
         make_config("task=creative_writing", "reward.path=somewhere", "reward.kind=consistency")
+    with pytest.raises(ConfigError, match=r"task\.solutions=same"):
+        make_config("task=gsm8k", "search=best_of_n", "reward.path=somewhere", "reward.kind=consistency")
     make_config("task=gsm8k", "reward.path=somewhere", "reward.kind=consistency")  # loads nothing yet
+    make_config(
+        "task=gsm8k", "search=best_of_n", "task.solutions=same", "reward.path=somewhere", "reward.kind=consistency"
+    )

@@ -91,7 +91,7 @@ def test_a_stored_code_paragraph_is_indented_back_into_the_function():
 
 
 def code_task(**options) -> GSM8K:
-    return GSM8K(**{"thoughts": "code", **options})
+    return GSM8K(**{"thoughts": "code", "solutions": "same", **options})
 
 
 def test_a_code_path_is_answered_by_running_its_function():

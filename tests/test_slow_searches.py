@@ -61,8 +61,9 @@ def test_search_on_the_embedded_model(smol, tmp_path, task, search):
 
 @pytest.mark.slow
 def test_a_best_of_n_gsm8k_answer_is_the_vote_over_the_replies(smol, tmp_path):
-    """Four sampled chains of thought: the recorded answer is the most frequent answer GSM8K reads in
-    them (the first of equals), from the reply the answer path starts with."""
+    """Four sampled solutions, written out and as a function in turn (task.solutions=mixed): the recorded
+    answer is the most frequent answer GSM8K reads or runs in them (the first of equals), from the reply
+    the answer path starts with."""
     from tasks.gsm8k import GSM8K
 
     overrides = ["task=gsm8k", "search=best_of_n", "search.n=4", "search.max_tokens=96", "gen.temperature=0.7"]
@@ -72,6 +73,6 @@ def test_a_best_of_n_gsm8k_answer_is_the_vote_over_the_replies(smol, tmp_path):
     firsts = list(tree.graph.successors(tree.root))
     task = GSM8K(value="sampled")
     answers = [task.answer(None, [tree[n].text]) for n in firsts]  # type: ignore[arg-type]
-    assert len(firsts) == 4 and all(tree[n].reply for n in firsts)
+    assert len(firsts) == 4 and all(tree[n].reply is not None for n in firsts)  # a tiny model may write no code
     assert record["answer"] == max(answers, key=answers.count)
     assert summary["accuracy_by"].keys() == {"strict", "flexible"}

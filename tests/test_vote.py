@@ -135,7 +135,7 @@ class StreamEngine:
 @pytest.mark.parametrize("wave", [1, 2, 3])
 def test_best_of_n_in_waves_stops_when_decided_with_the_whole_budgets_answer(wave):
     answers = ["4", "6", "6", "6", "6", "6", "4", "4"]
-    task, problem = GSM8K(), Problem("p", "q", "6")
+    task, problem = GSM8K(solutions="same"), Problem("p", "q", "6")
     whole = run_sync(BestOfN.over(task, BestOfNSettings(n=8), GenSettings(), 0).solve(problem, StreamEngine(answers)))
     engine = StreamEngine(answers)
     early = run_sync(
@@ -159,7 +159,7 @@ def test_agree_needs_a_wave_of_two():
 
 def test_a_token_budget_ends_the_waves():
     """search.token_budget: no wave more once the problem's tokens reach it (10 tokens a solution here)."""
-    task, problem = GSM8K(), Problem("p", "q", "6")
+    task, problem = GSM8K(solutions="same"), Problem("p", "q", "6")
     engine = StreamEngine(["4", "6", "6", "6", "6", "6", "4", "4"])
     settings = BestOfNSettings(n=8, wave=2, token_budget=35)
     sol = run_sync(BestOfN.over(task, settings, GenSettings(), 0).solve(problem, engine))

@@ -38,7 +38,9 @@ class SolutionEngine(AwaitableFake):
 
 def test_the_curve_votes_again_over_the_first_k_solutions(tmp_path, capsys):
     out = tmp_path / "bo4"
-    config = make_config("search=best_of_n", "search.n=4", "data.limit=2", "vote.weight=mean", "run.concurrency=1")
+    config = make_config(
+        "task.solutions=same", "search=best_of_n", "search.n=4", "data.limit=2", "vote.weight=mean", "run.concurrency=1"
+    )
     run(config, out, engine=SolutionEngine(), progress=False)
     assert main([str(out), "--baseline", str(out)]) == 0
     rows = {line.split(" | ")[0][2:]: line for line in capsys.readouterr().out.splitlines()[2:]}
@@ -70,7 +72,12 @@ def test_a_rollout_bfs_run_is_read_level_by_level(tmp_path, capsys):
     from tot.vote_curve import level_points
 
     bo = tmp_path / "bo4"
-    run(make_config("search=best_of_n", "search.n=4", "data.limit=2"), bo, engine=SolutionEngine(), progress=False)
+    run(
+        make_config("task.solutions=same", "search=best_of_n", "search.n=4", "data.limit=2"),
+        bo,
+        engine=SolutionEngine(),
+        progress=False,
+    )
     bfs = tmp_path / "bfs"
     overrides = [
         "task.thoughts=paragraphs",
@@ -125,7 +132,9 @@ def test_a_valued_run_adds_the_vote_by_its_values_at_the_cost_of_valuing():
 def test_other_best_of_n_runs_are_drawn_as_their_majority_curves(tmp_path):
     runs = {}
     for name, n in (("bo4", 4), ("bo2", 2)):
-        config = make_config("search=best_of_n", f"search.n={n}", "data.limit=2", "run.concurrency=1")
+        config = make_config(
+            "task.solutions=same", "search=best_of_n", f"search.n={n}", "data.limit=2", "run.concurrency=1"
+        )
         run(config, tmp_path / name, engine=SolutionEngine(), progress=False)
         runs[name] = tmp_path / name
     assert main([str(runs["bo4"]), "--curves", str(runs["bo2"])]) == 0

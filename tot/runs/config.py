@@ -75,6 +75,11 @@ class RunConfig:
                 f"reward.kind=consistency completes a path through the task's rollout prompt, which task={self.task} "
                 "has not: use another reward.kind, or a task with rollouts (gsm8k)"
             )
+        if completes and self.search == "best_of_n" and self.task_options.get("solutions") == "mixed":
+            raise ConfigError(
+                "reward.kind=consistency completes a written solution's masked tail, and task.solutions=mixed writes "
+                "every other one as a function: give task.solutions=same"
+            )
         _positive("gen.max_thought_tokens", self.gen.max_thought_tokens)
         _positive("gen.max_eval_tokens", self.gen.max_eval_tokens)
         check_sampling(
