@@ -67,7 +67,7 @@ test: lint $(VENV)/.extras browser
 # planner and the searches, in process on the tiny models. make test runs everything else as well.
 FAST_TESTS := layout host_time invariance llama kv_cache paged_kv shared_reads acceptance gumbel sampling collector decoders logprobs speculative \
 	continuous planner quant prepack rows_linear search value run dvts mcts best_of_n engine_errors bench vote rollout consistency \
-	row_sampling prefill_turns
+	row_sampling prefill_turns program
 test-fast: lint $(VENV)/.extras
 	$(BIN)/python -m pytest -q -n auto --maxprocesses=4 -m "not slow" $(FAST_TESTS:%=tests/test_%.py)
 

@@ -120,7 +120,7 @@ def parse_value(text: str) -> float:
 THOUGHTS = {"paragraphs": 10, "code": 12, "subquestions": 4}
 # How best-of-N writes its whole solutions: same (as the thoughts are: a function with task.thoughts=code,
 # else written out), or mixed: the i-th written the (i mod 2)-th way of MIXED, whose errors differ (the
-# 0.5B's greedy chains, first 100 test problems: 22 right written out, 23 as code, 4 of them both).
+# 0.5B's greedy chains, first 100 test problems: 22 right written out, 23 as code, 10 of them both).
 SOLUTIONS = ("same", "mixed")
 MIXED = ("paragraphs", "code")
 # Where the model's function starts: its reply is the body, so a path's steps are the body's paragraphs.
