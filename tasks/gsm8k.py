@@ -221,10 +221,10 @@ class GSM8K(TaskDefaults):
     # --- thought generator -------------------------------------------------------------------
     def generator_prompt(self, problem: Problem, steps: list[str]) -> Prompt:
         if self.thoughts == "paragraphs":  # the model's own solution, continued a paragraph at a time
-            solve = self.solution_prompt(problem)
+            solve = self.whole_prompt(problem, "paragraphs")
             return Prompt(solve.text, prefix="".join(f"{s}\n\n" for s in steps), stop=("\n\n",))
         if self.thoughts == "code":  # the function's body, likewise
-            solve = self.solution_prompt(problem)
+            solve = self.whole_prompt(problem, "code")
             body = "".join(f"{indented(s)}{CODE_GAP}" for s in steps)
             return Prompt(solve.text, prefix=solve.prefix + body, stop=CODE_STOPS)
         k = len(steps) + 1
@@ -309,7 +309,11 @@ class GSM8K(TaskDefaults):
         return "code" if self.thoughts == "code" else "paragraphs"
 
     def solution_prompt(self, problem: Problem, i: int = 0) -> Prompt:
-        if self.kind(i) == "code":
+        return self.whole_prompt(problem, self.kind(i))
+
+    def whole_prompt(self, problem: Problem, kind: str) -> Prompt:
+        """A whole solution's prompt written the `kind` way (a tree's paths continue its reply)."""
+        if kind == "code":
             # The reply starts inside the function, so every reply is a body to run.
             return Prompt(
                 f"{problem.question}\n\nWrite a Python function `solution()` that computes the answer to this "

@@ -190,7 +190,8 @@ def test_mixed_solutions_alternate_written_and_code_and_vote_together():
     tree = sol.tree
     answers = [task.answer(PROBLEM, tree.steps(n)) for n in tree.children(tree.root)]
     assert answers == ["7", "6", "6", "6"]
-    # A tree's thoughts stay what task.thoughts says.
+    # A tree's thoughts stay what task.thoughts says, whatever solution 0 is.
     assert task.generator_prompt(PROBLEM, []).prefix == ""
+    assert GSM8K(thoughts="code", solutions="mixed").generator_prompt(PROBLEM, []).prefix == CODE_PREFIX
     with pytest.raises(DataError, match=r"task\.solutions='both' is not one of same, mixed"):
         GSM8K(solutions="both")
