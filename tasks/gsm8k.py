@@ -118,19 +118,19 @@ def parse_value(text: str) -> float:
 #   `solution()` (a path ends at its `return`; the answer is what it returns when run); subquestions:
 #   SEED's setup, a sub-question and its answer a thought, the final answer at the depth.
 THOUGHTS = {"paragraphs": 10, "code": 12, "subquestions": 4}
-# How best-of-N writes its whole solutions: same (as the thoughts are: a function with task.thoughts=code,
-# else written out), or mixed: the i-th written the (i mod 2)-th way of MIXED, whose errors differ (the
-# 0.5B's greedy chains, first 100 test problems: 22 right written out, 23 as code, 10 of them both).
+# How best-of-N writes its whole solutions where the thoughts are written (with task.thoughts=code every
+# one is a function): same, written out, or mixed: the i-th the (i mod 2)-th way of MIXED, whose errors
+# differ (the 0.5B's greedy chains, first 100 test problems: 22 right written out, 23 as code, 10 both).
 SOLUTIONS = ("same", "mixed")
 MIXED = ("paragraphs", "code")
 # Where the model's function starts: its reply is the body, so a path's steps are the body's paragraphs.
 CODE_HEAD = "def solution():"
 CODE_PREFIX = f"```python\n{CODE_HEAD}\n"
-# A code paragraph ends at a blank line (the model writes it indented or not) or where the code block does.
 # Where the function has ended: the code block closes, or a line that is not indented starts (the model
 # goes on to test calls and prints; a stop is a string, so these are the starts it writes).
 CODE_END = ("```", "\n#", "\ndef ", "\nprint", "\nassert", "\nif ", "\nresult", "\nanswer", "\nsolution")
 CODE_GAP = "\n    \n"  # the blank line between a function's paragraphs, as the Qwen2.5-Coder models write it
+# A code paragraph ends at a blank line (the model writes it indented or not) or where the function does.
 CODE_STOPS = ("\n\n", CODE_GAP, *CODE_END)
 _RETURN = re.compile(r"^\s{4}return\b", re.MULTILINE)
 
@@ -304,9 +304,9 @@ class GSM8K(TaskDefaults):
     # --- whole solutions (best-of-N) ---------------------------------------------------------
     def kind(self, i: int) -> str:
         """How the i-th whole solution is written: as a function or written out (`paragraphs`)."""
-        if self.solutions == "mixed":
-            return MIXED[i % len(MIXED)]
-        return "code" if self.thoughts == "code" else "paragraphs"
+        if self.thoughts == "code":
+            return "code"
+        return MIXED[i % len(MIXED)] if self.solutions == "mixed" else "paragraphs"
 
     def solution_prompt(self, problem: Problem, i: int = 0) -> Prompt:
         return self.whole_prompt(problem, self.kind(i))

@@ -192,6 +192,8 @@ def test_mixed_solutions_alternate_written_and_code_and_vote_together():
     assert answers == ["7", "6", "6", "6"]
     # A tree's thoughts stay what task.thoughts says, whatever solution 0 is.
     assert task.generator_prompt(PROBLEM, []).prefix == ""
-    assert GSM8K(thoughts="code", solutions="mixed").generator_prompt(PROBLEM, []).prefix == CODE_PREFIX
+    coded = GSM8K(thoughts="code", solutions="mixed")
+    assert coded.generator_prompt(PROBLEM, []).prefix == CODE_PREFIX
+    assert {coded.solution_prompt(PROBLEM, i).prefix for i in range(4)} == {CODE_PREFIX}  # every one a function
     with pytest.raises(DataError, match=r"task\.solutions='both' is not one of same, mixed"):
         GSM8K(solutions="both")
