@@ -115,11 +115,7 @@ def curve(solutions: list[Drawn]) -> list[dict[str, Any]]:
             rules[reading] = VoteRule(weight=reading)
     if valued(solutions):  # the values' own vote, its tokens the solutions' and their valuations'
         rules["value"] = VoteRule(weight="value")
-    points = []
-    for name, rule in rules.items():
-        for k in range(1, n + 1):
-            spent = [(k, d.answer_right(k, rule)) for d in solutions]
-            points.append(point(f"best-of-{k}, {name}", solutions, spent, valuing=name == "value"))
+    points = [p for name, rule in rules.items() for p in budgets(solutions, rule, name, n)]
     for stop, waves in STOPS_DRAWN.items():
         for wave in waves:
             if wave < n:
@@ -128,18 +124,18 @@ def curve(solutions: list[Drawn]) -> list[dict[str, Any]]:
     return points
 
 
+def budgets(solutions: list[Drawn], rule: VoteRule, name: str, n: int) -> list[dict[str, Any]]:
+    """The vote by `rule` over the first k solutions, k = 1..n: one point each."""
+    return [
+        point(f"best-of-{k}, {name}", solutions, [(k, d.answer_right(k, rule)) for d in solutions], name == "value")
+        for k in range(1, n + 1)
+    ]
+
+
 def majority_curve(run_dir: Path) -> list[dict[str, Any]]:
     """Another best-of-N run's plain majority at every budget, named after its folder."""
     solutions = drawn(run_dir)
-    n = min(len(d.ballots) for d in solutions)
-    return [
-        point(
-            f"best-of-{k}, majority ({run_dir.name})",
-            solutions,
-            [(k, d.answer_right(k, VoteRule())) for d in solutions],
-        )
-        for k in range(1, n + 1)
-    ]
+    return budgets(solutions, VoteRule(), f"majority ({run_dir.name})", min(len(d.ballots) for d in solutions))
 
 
 def as_point(name: str, records: list[dict[str, Any]], tokens: int, samples: int | None = None) -> dict[str, Any]:
