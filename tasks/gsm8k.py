@@ -265,7 +265,7 @@ class GSM8K(TaskDefaults):
         if self.thoughts != "subquestions":
             if self.thoughts == "code":
                 so_far = "\n\n".join(indented(s) for s in before) or "    (nothing yet)"
-                so_far, last = f"```python\ndef solution():\n{so_far}\n```", indented(last)
+                so_far, last = f"{CODE_PREFIX}{so_far}\n```", indented(last)
             else:
                 so_far = "\n\n".join(before) if before else "(nothing yet)"
             head = f"Question: {problem.question}\n\nA solution so far:\n{so_far}\n\nIts next part:\n{last}\n\n"
