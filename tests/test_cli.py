@@ -62,7 +62,7 @@ def run_cli_cases(root: Path, tiny_model, tokenizer) -> dict[str, tuple[str, sub
         "unknown_key": (["gen.nope=1"], "gen.nope is not a config key"),
         "missing_data": ([f"data.path={missing}"], f"data.path={missing}"),
         "malformed_data": ([f"data.path={malformed}"], f"{malformed}:2"),
-        "n_thoughts": (["search.n_thoughts=0"], "search.n_thoughts=0"),
+        "n_thoughts": (["search=bfs", "search.n_thoughts=0"], "search.n_thoughts=0"),
         "draft_vocab": (["decoder=sd", "draft.path=self", "draft.vocab=64"], "draft.vocab=64"),
         "model_path": (["model.path=/nonexistent/model/dir"], "model.path=/nonexistent/model/dir does not exist"),
         "context": ([f"model.path={tiny}", "data.limit=1"], f"exceeds the model's context of {CONTEXT} tokens"),

@@ -30,6 +30,7 @@ SMALL = [
     "data.limit=3",
     "run.concurrency=1",  # problems finish in order, so the fault lands after the first is written
     "task.depth=1",
+    "search=bfs",
     "search.n_thoughts=2",
     "gen.max_thought_tokens=8",
     "gen.max_eval_tokens=4",

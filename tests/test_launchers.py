@@ -23,7 +23,8 @@ from tot.runs.run import run
 
 REPO = Path(__file__).resolve().parents[1]
 RAY_REMOTE = {"num_gpus": 1, "num_cpus": 4}
-SMALL = ["data.limit=5", "task.depth=2", "search.n_thoughts=2", "gen.max_thought_tokens=8", "gen.max_eval_tokens=4"]
+SMALL = ["data.limit=5", "task.depth=2", "search=bfs", "search.n_thoughts=2"]
+SMALL += ["gen.max_thought_tokens=8", "gen.max_eval_tokens=4"]
 # The launchers shipped (hydra/launcher=...), each with the plugin it needs and the extra that installs it.
 SHIPPED = {
     "basic": None,

@@ -169,7 +169,7 @@ def test_models_that_cannot_load_and_memory_too_small_through_the_cli(gsm8k_tiny
         "kv_memory": (
             [f"model.path={gsm8k_tiny}", "model.kv_memory=0.000000001", "decoder=ar"],
             "raise model.kv_memory or model.kv_memory_mb, or lower the tokens a request may generate (tot.solve: "
-            "gen.max_thought_tokens and gen.max_eval_tokens",
+            "gen.max_thought_tokens, gen.max_eval_tokens, search.max_tokens",
         ),
     }
 

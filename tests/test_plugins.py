@@ -403,7 +403,9 @@ def test_the_searches_tasks_and_run_options_default_to_what_the_yaml_says():
     base = composed()
     pairs = [(f"search={name}", "search", plugin.options) for name, plugin in SEARCHES.items()]
     pairs += [(f"task={name}", "task", plugin.options) for name, plugin in TASKS.items()]
-    pairs += [("", "data", DataSpec), ("", "gen", GenSettings), ("", "vote", VoteRule), ("", "reward", RewardSpec)]
+    # The sampling settings' own defaults, not the temperature GSM8K (the default task) sets for itself.
+    pairs += [("", "data", DataSpec), ("~task.temperature", "gen", GenSettings), ("", "vote", VoteRule)]
+    pairs += [("", "reward", RewardSpec)]
     run_keys = {"name", "depth", "model", "judge_metric"}  # read by the run, computed, or a name the code gives
     differ, missing, compared = [], [], 0
     for override, section, options in pairs:

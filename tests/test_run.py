@@ -25,12 +25,12 @@ GEN_TOKENS, EVAL_TOKENS = 4 * 3 * 3, 4 * 3 * 2
 
 
 def make_config(*overrides: str) -> RunConfig:
-    """The run's config; GSM8K with SEED's sub-question thoughts (depth 4) valued by sampled scores,
-    which the fake engines answer: these tests are about a run's mechanics, tests/test_gsm8k.py about
-    the prompts, tests/test_value.py about the value modes."""
+    """The run's config; GSM8K's ToT-BFS (not its default vote) with SEED's sub-question thoughts (depth 4)
+    valued by sampled scores, which the fake engines answer: these tests are about a run's mechanics,
+    tests/test_gsm8k.py about the prompts, tests/test_value.py about the value modes."""
     task = next((o.split("=", 1)[1] for o in overrides if o.startswith("task=")), "gsm8k")
     sub = []
-    for key, value in (("task.thoughts", "subquestions"), ("task.value", "sampled")):
+    for key, value in (("search", "bfs"), ("task.thoughts", "subquestions"), ("task.value", "sampled")):
         if task == "gsm8k" and not any(o.startswith(f"{key}=") for o in overrides):
             sub.append(f"{key}={value}")
     with initialize_config_module(config_module="conf", version_base="1.3"):
@@ -354,6 +354,29 @@ def test_config_errors(override, named):
 def test_data_errors(override, named):
     with pytest.raises(DataError, match=named or "data.offset=-1"):
         make_config(override)
+
+
+def test_each_task_runs_its_own_default_search_and_the_bench_compares_decoders_on_bfs():
+    """GSM8K's yaml names its search (early-stopping self-consistency over mixed solutions, at t = 0.5);
+    the other tasks keep ToT-BFS at the config's t = 0.7; what the command line names wins; `tot.bench`
+    builds BFS trees at 0.7 whatever the task."""
+    from tot.search.best_of_n import BestOfNSettings
+
+    def composed(name: str, *overrides: str):
+        with initialize_config_module(config_module="conf", version_base="1.3"):
+            return compose(config_name=name, overrides=list(overrides))
+
+    gsm8k = RunConfig.from_omegaconf(composed("solve"))
+    assert gsm8k.search == "best_of_n" and gsm8k.gen.temperature == 0.5
+    assert gsm8k.search_settings == BestOfNSettings(n=6, wave=2, stop="agree")
+    assert RunConfig.from_omegaconf(composed("config", "search=bfs")).search_settings == BFSSettings()
+    assert RunConfig.from_omegaconf(composed("config", "search.n=4")).search_settings.n == 4
+    assert RunConfig.from_omegaconf(composed("config", "gen.temperature=0.7")).gen.temperature == 0.7
+    for task in ("blocksworld", "creative_writing"):
+        other = composed("solve", f"task={task}")
+        assert other.search.name == "bfs" and other.gen.temperature == 0.7
+    bench = composed("bench")
+    assert bench.task.name == "gsm8k" and bench.search.name == "bfs" and bench.gen.temperature == 0.7
 
 
 def test_config_accepts_edges():

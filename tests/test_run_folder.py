@@ -37,6 +37,7 @@ TINY = [
     "decoder=ar",
     "run.concurrency=1",
     "task.depth=1",
+    "search=bfs",
     "search.n_thoughts=2",
     "gen.max_thought_tokens=8",
     "gen.max_eval_tokens=4",
@@ -105,7 +106,7 @@ def test_the_folder_records_its_configuration_once_resolved(finished):
         "bfloat16",
         "invariant",
     )  # what auto chose, not "auto"
-    assert settings["decoder.name"] == "ar" and settings["gen.temperature"] == 0.7
+    assert settings["decoder.name"] == "ar" and settings["gen.temperature"] == 0.5  # GSM8K's own
     assert not set(SELECTION) & set(settings) and "run.concurrency" not in settings  # CPU: speed only
     assert {r["configuration"] for r in lines_of(finished / "results.jsonl")} == {record["fingerprint"]}
     assert json.loads((finished / "summary.json").read_text())["fingerprint"] == record["fingerprint"]
@@ -114,7 +115,7 @@ def test_the_folder_records_its_configuration_once_resolved(finished):
 @pytest.mark.parametrize(
     "change, named, fix",
     [
-        (["gen.temperature=0.3"], "gen.temperature=0.7 there, 0.3 here", "gen.temperature=0.7"),
+        (["gen.temperature=0.3"], "gen.temperature=0.5 there, 0.3 here", "gen.temperature=0.5"),
         (["decoder=hf"], "decoder.name=ar there, hf here", "decoder=ar"),
         (["search.n_thoughts=3"], "search.n_thoughts=2 there, 3 here", "search.n_thoughts=2"),
         (["gen.seed=1"], "gen.seed=0 there, 1 here", "gen.seed=0"),
@@ -230,7 +231,7 @@ def test_at_temperature_0_any_sampling_rule_resumes(tmp_path):
     greedy = ("gen.temperature=0", "gen.eval_temperature=0")
     run(make_config("data.limit=1", *greedy), tmp_path, engine=FakeEngine(), progress=False)
     run(make_config("data.limit=2", *greedy, "verify.rule=rejection"), tmp_path, engine=FakeEngine(), progress=False)
-    with pytest.raises(ConfigError, match=r"gen\.temperature=0 there, 0\.7 here"):
+    with pytest.raises(ConfigError, match=r"gen\.temperature=0 there, 0\.5 here"):
         run(make_config("data.limit=2"), tmp_path, engine=FakeEngine(), progress=False)
 
 

@@ -326,6 +326,7 @@ SMALL = [
     "data.offset=0",
     "data.limit=1",
     "task.depth=1",
+    "search=bfs",
     "search.n_thoughts=2",
     "gen.max_thought_tokens=12",
     "gen.max_eval_tokens=4",

@@ -33,7 +33,7 @@ from tot.search.base import GenSettings
 
 REPO = Path(__file__).resolve().parents[1]
 # A small run: two depths of two thoughts, short thoughts.
-SMALL = ("task.depth=2", "search.n_thoughts=2", "gen.max_thought_tokens=24", "gen.max_eval_tokens=8")
+SMALL = ("task.depth=2", "search=bfs", "search.n_thoughts=2", "gen.max_thought_tokens=24", "gen.max_eval_tokens=8")
 
 
 def server_config(llama: LlamaServer, *overrides: str) -> RunConfig:

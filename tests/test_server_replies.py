@@ -24,8 +24,8 @@ from decoding.api.server import BadReply, Reply, ServerEngine, ServerOptions, pa
 from decoding.base.errors import BackendError
 from decoding.base.values import GenRequest
 
-SMALL = ("model=smollm2-135m", "data.limit=1", "task.depth=1", "search.n_thoughts=2", "gen.max_thought_tokens=8")
-SMALL += ("gen.max_eval_tokens=4",)
+SMALL = ("model=smollm2-135m", "data.limit=1", "task.depth=1", "search=bfs", "search.n_thoughts=2")
+SMALL += ("gen.max_thought_tokens=8", "gen.max_eval_tokens=4")
 TIMEOUT = 2  # server.timeout of the trickle case
 ENDS_WITHIN_S = 20  # from the request of the first bad reply to the run's end (with other jobs on the cores)
 

@@ -15,7 +15,8 @@ REPO = Path(__file__).resolve().parents[1]
 def solve_one(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
     """`python -m tot.solve` on the first bundled GSM8K problem with the embedded model, its states valued
     by sampled scores (the evaluator's replies are what these tests read); it must succeed."""
-    cmd = [sys.executable, "-m", "tot.solve", "model=smollm2-135m", "task=gsm8k", "task.value=sampled", "data.limit=1"]
+    cmd = [sys.executable, "-m", "tot.solve", "model=smollm2-135m", "task=gsm8k", "search=bfs", "task.value=sampled"]
+    cmd += ["data.limit=1"]
     cmd += ["gen.max_thought_tokens=48"]
     cmd += ["gen.max_eval_tokens=24", *overrides, f"hydra.run.dir={run_dir}"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)

@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.mark.slow
 def test_sd_trees_equal_ar_trees(tmp_path):
-    common = ["model=smollm2-135m", "task=gsm8k", "task.depth=2", "data.limit=1", "gen.temperature=0"]
+    common = ["model=smollm2-135m", "task=gsm8k", "search=bfs", "task.depth=2", "data.limit=1", "gen.temperature=0"]
     common += ["gen.max_thought_tokens=32", "gen.max_eval_tokens=16"]
     runs = {}
     for name, extra in {

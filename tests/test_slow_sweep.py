@@ -20,7 +20,7 @@ def test_joblib_sweep_over_tasks_and_decoders(tmp_path):
     cmd = [
         sys.executable, "-m", "tot.solve", "-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2",
         "model=smollm2-135m", "task=gsm8k,blocksworld", "decoder=ar,seed_stand", "data.limit=1", "task.depth=1",
-        "search.n_thoughts=2", "gen.max_thought_tokens=8", "gen.max_eval_tokens=4", "gen.temperature=0",
+        "search=bfs", "search.n_thoughts=2", "gen.max_thought_tokens=8", "gen.max_eval_tokens=4", "gen.temperature=0",
         f"hydra.sweep.dir={sweep}",
     ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)

@@ -255,8 +255,8 @@ class Scheduler:
             raise BackendError(
                 f"one sequence needs {need / 2**20:.3g} MB of KV cache (its prompt, the tokens it may generate and a "
                 f"draft tree), model.kv_memory allows {budget / 2**20:.3g} MB: raise model.kv_memory or "
-                "model.kv_memory_mb, or lower the tokens a request may generate (tot.solve: gen.max_thought_tokens "
-                "and gen.max_eval_tokens; decoding.generate: gen.max_new_tokens)"
+                "model.kv_memory_mb, or lower the tokens a request may generate (tot.solve: gen.max_thought_tokens, "
+                "gen.max_eval_tokens, search.max_tokens, task.rollout_tokens; decoding.generate: gen.max_new_tokens)"
             )
         first = [s for s in held if not s.waits_for_memory]
         if first and not any(s.waits_for_memory for s in self.waiting):

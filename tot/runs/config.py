@@ -26,7 +26,7 @@ from tot.search.reward import IN_CONTEXT_REFUSED, RewardSpec
 from tot.search.vote import PLAIN_VOTE, VoteRule
 
 # Keys of `task:` that are not options of the task object itself.
-TASK_RUN_KEYS = ("name", "depth", "judge", "max_thought_tokens", "max_eval_tokens")
+TASK_RUN_KEYS = ("name", "depth", "judge", "temperature", "max_thought_tokens", "max_eval_tokens")
 
 __all__ = ["ConfigError", "RunConfig"]
 
