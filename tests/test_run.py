@@ -377,6 +377,7 @@ def test_each_task_runs_its_own_default_search_and_the_bench_compares_decoders_o
         assert other.search.name == "bfs" and other.gen.temperature == 0.7
     bench = composed("bench")
     assert bench.task.name == "gsm8k" and bench.search.name == "bfs" and bench.gen.temperature == 0.7
+    assert (gsm8k.concurrency, bench.run.concurrency) == (16, 4)  # tot.solve's own: more rows a forward
 
 
 def test_config_accepts_edges():
