@@ -135,9 +135,11 @@ def test_a_task_without_rollouts_is_refused_at_load():
 
     with pytest.raises(ConfigError, match=r"reward\.kind=consistency .* task=creative_writing"):
         make_config("task=creative_writing", "reward.path=somewhere", "reward.kind=consistency")
+    weighted = ("search=best_of_n", "search.aggregate=weighted")
     with pytest.raises(ConfigError, match=r"task\.solutions=same"):
-        make_config("task=gsm8k", "search=best_of_n", "reward.path=somewhere", "reward.kind=consistency")
+        make_config("task=gsm8k", *weighted, "reward.path=somewhere", "reward.kind=consistency")
     make_config("task=gsm8k", "reward.path=somewhere", "reward.kind=consistency")  # loads nothing yet
-    make_config(
-        "task=gsm8k", "search=best_of_n", "task.solutions=same", "reward.path=somewhere", "reward.kind=consistency"
-    )
+    make_config("task=gsm8k", *weighted, "task.solutions=same", "reward.path=somewhere", "reward.kind=consistency")
+    # The majority vote (GSM8K's default search) reads no value: a reward model there would load for nothing.
+    with pytest.raises(ConfigError, match=r"search\.aggregate=majority never reads"):
+        make_config("task=gsm8k", "search=best_of_n", "task.solutions=same", "reward.path=somewhere")

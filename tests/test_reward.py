@@ -138,8 +138,8 @@ def test_a_path_that_is_no_model(tmp_path):
 
 def test_the_command_exits_2_on_a_bad_reward_path(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "tot.solve", "model=smollm2-135m", f"reward.path={tmp_path}", "reward.kind=prm",
-         "data.limit=1", f"hydra.run.dir={tmp_path / 'run'}"],
+        [sys.executable, "-m", "tot.solve", "model=smollm2-135m", "search=bfs", f"reward.path={tmp_path}",
+         "reward.kind=prm", "data.limit=1", f"hydra.run.dir={tmp_path / 'run'}"],
         cwd=REPO, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert out.returncode == 2, out.stderr[-2000:]

@@ -22,6 +22,7 @@ from tasks import TASKS, DataSpec
 from tasks.base import Completes
 from tot.search import SEARCHES
 from tot.search.base import GenSettings
+from tot.search.best_of_n import BestOfNSettings
 from tot.search.reward import IN_CONTEXT_REFUSED, RewardSpec
 from tot.search.vote import PLAIN_VOTE, VoteRule
 
@@ -74,6 +75,12 @@ class RunConfig:
             raise ConfigError(
                 f"reward.kind=consistency completes a path through the task's rollout prompt, which task={self.task} "
                 "has not: use another reward.kind, or a task with rollouts (gsm8k)"
+            )
+        unread = isinstance(self.search_settings, BestOfNSettings) and not self.search_settings.scored
+        if self.reward is not None and unread:
+            raise ConfigError(
+                "reward.path values solutions, which best-of-N's search.aggregate=majority never reads (GSM8K's "
+                "default search is that vote): give search.aggregate=weighted or best, or search=bfs (or dvts, mcts)"
             )
         if completes and self.search == "best_of_n" and self.task_options.get("solutions") == "mixed":
             raise ConfigError(
