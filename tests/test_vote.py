@@ -149,6 +149,24 @@ def test_best_of_n_in_waves_stops_when_decided_with_the_whole_budgets_answer(wav
     assert whole.budget == {}
 
 
+def test_a_ballot_with_no_answer_neither_wins_nor_agrees():
+    """A path that stated no answer (or a program that failed) names nothing: three of them do not
+    outvote one "7", and a wave of two of them is no agreement to stop on."""
+    rule = VoteRule()
+    assert tally(rule, ballots(("", 1.0), ("", 1.0), ("7", 1.0), ("", 1.0)), "one").winner == "7"
+    assert tally(rule, ballots(("", 1.0), ("", 1.0)), "one").winner is None
+    assert stop_point(["", "", "5", "5", "6", "6"], rule, "agree", wave=2) == 4
+    assert stop_point(["", "", "", ""], rule, "agree", wave=2) == 4
+    # Best-of-N end to end: the first wave states nothing, the second agrees on 9.
+    task, problem = GSM8K(solutions="same"), Problem("p", "q", "9")
+    engine = StreamEngine(["", "", "9", "9", "8", "8"])
+    settings = BestOfNSettings(n=6, wave=2, stop="agree")
+    solution = run_sync(BestOfN.over(task, settings, GenSettings(), 0).solve(problem, engine))
+    assert solution.answer == "9" and engine.asked == 4
+    engine = StreamEngine([""] * 4)
+    assert run_sync(BestOfN.over(task, BestOfNSettings(n=4), GenSettings(), 0).solve(problem, engine)).answer == ""
+
+
 def test_agree_needs_a_wave_of_two():
     with pytest.raises(ConfigError, match=r"search\.stop=agree stops once a whole wave agrees"):
         BestOfNSettings(stop="agree")

@@ -116,11 +116,13 @@ class Tally:
 
 
 def tally(rule: VoteRule, ballots: Sequence[Ballot], own: Own) -> Tally:
+    """The counted ballots' answers; a ballot with no answer (a path that stated none, a program that failed)
+    names nothing, so it weighs for nothing: it cannot win the vote, nor agree with another."""
     weight: dict[str, float] = defaultdict(float)
     count: dict[str, int] = defaultdict(int)
     first: dict[str, int] = {}
     for i, (b, w) in enumerate(zip(ballots, weights(rule, ballots, own))):
-        if w is None:
+        if w is None or not b.answer:
             continue
         weight[b.answer] += w
         count[b.answer] += 1
