@@ -540,9 +540,7 @@ def test_data_files_are_checked_line_by_line(tmp_path, content, named):
 @pytest.mark.parametrize("name, status", [("SIGINT", 130), ("SIGTERM", 143)])
 def test_a_signal_ends_the_run_in_one_line_keeping_what_finished(tiny, tmp_path, name, status):
     data = tmp_path / "many.jsonl"
-    # Far more problems than the run finishes between its second line and the signal, even while this
-    # process waits for a loaded machine's core (200 once all finished first: 30 a second on the tiny model).
-    problems = [{"question": f"What is {i} + {i}?", "answer": f"#### {2 * i}"} for i in range(5000)]
+    problems = [{"question": f"What is {i} + {i}?", "answer": f"#### {2 * i}"} for i in range(200)]
     data.write_text("".join(json.dumps(p) + "\n" for p in problems))
     run_dir = tmp_path / "run"
     args = [f"model.path={tiny}", *TINY, f"data.path={data}", f"hydra.run.dir={run_dir}"]
