@@ -510,9 +510,8 @@ def choose(
         return max(leaves, key=tree.value)
     ballots = ballots_of(tree, leaves, answer_of)
     winner = tally(vote, ballots, "one" if aggregate == "majority" else "value").winner
-    if winner is None:  # no finished state stated an answer: the best of them, as `best` chooses
-        return max(leaves, key=tree.value)
-    return max((s for s, b in zip(leaves, ballots) if b.answer == winner), key=tree.value)
+    # Where no finished state stated an answer (no winner), the best of them all.
+    return max([s for s, b in zip(leaves, ballots) if b.answer == winner] or leaves, key=tree.value)
 
 
 def vote_settled(
