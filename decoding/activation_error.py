@@ -3,8 +3,9 @@
 On held text (GSM8K test questions with their solutions), the next-token distributions of the model's
 4-bit layers run three ways: a float32 dequantization of the same weights (the reference: every
 4-bit layer as float32 scale * q + minimum, the rest of the model in float32), `float` (torch's int4
-kernel, bfloat16 activations) and `int8` (activations quantized per block of 32, the hidden states
-between the layers float32). Prints, per way,
+kernel, bfloat16 activations), `int8` (activations quantized per block of 32, the hidden states
+between the layers float32) and, where the file has K-quant layers, `int8_256` (their input with a
+scale per 256 inputs, llama.cpp's Q8_K rule). Prints, per way,
 the mean KL divergence of its next-token distributions from the reference's (nats a token) and the
 perplexity of the text; with llama-cpp-python installed, llama.cpp on the same file and tokens too.
 """
@@ -25,13 +26,13 @@ from omegaconf import DictConfig, OmegaConf
 from decoding.base.cli import fail, hydra_command
 from decoding.base.errors import BackendError, ConfigError
 from decoding.base.options import as_int, held_rows, held_text
-from decoding.runtime import numerics
+from decoding.runtime import kernels, numerics
 from decoding.runtime.activation import use_torch_silu
 from decoding.runtime.models import cache_root, gguf_file, load_model
 from decoding.runtime.numerics import Numerics
 from decoding.runtime.packing import pack
 from decoding.runtime.pretrained import pretrained
-from decoding.runtime.quant import Int4Linear, Q8Linear
+from decoding.runtime.quant import INT8_FORMATS, Int4Linear, Q8Linear, use_k_block
 from decoding.runtime.runner import ModelRunner
 from decoding.runtime.spec import ModelSpec
 from decoding.speculation.draft_tree import DraftTree
@@ -182,6 +183,10 @@ def main(cfg: DictConfig) -> None:
     ref_model, float_model = float32_reference(loaded.model), float_activations(loaded.model)
     runner = ModelRunner(loaded.model)
     ways: dict[str, Way] = {"float": lambda i: log_probs(float_model, i), "int8": lambda i: runner_log_probs(runner, i)}
+    supers = copy.deepcopy(loaded.model)
+    if use_k_block(supers, INT8_FORMATS["int8_256"]):
+        runner_256 = ModelRunner(supers)
+        ways["int8_256"] = lambda i: runner_log_probs(runner_256, i)
     by_llama = llama_cpp_way(gguf, ids) if gguf else None
     if by_llama is not None:
         ways["llama.cpp"] = by_llama
@@ -194,12 +199,18 @@ def main(cfg: DictConfig) -> None:
     for name, err in rows.items():
         print(f"| {name} | {err.kl:.6f} | {err.perplexity:.4f} | {err.perplexity / ref_ppl:.4f}x |")
     if gguf is not None:  # what model.activations=auto reads
-        llama = rows.get("llama.cpp")
+        llama, supers_row = rows.get("llama.cpp"), rows.get("int8_256")
         record = Numerics(
-            rows["int8"].kl, rows["int8"].perplexity, rows["float"].perplexity, None if llama is None else llama.kl
+            rows["int8"].kl,
+            rows["int8"].perplexity,
+            rows["float"].perplexity,
+            None if llama is None else llama.kl,
+            None if llama is None else llama.perplexity,
+            None if supers_row is None else supers_row.kl,
+            None if supers_row is None else supers_row.perplexity,
         )
-        ok, why = record.int8_ok()
-        print(f"model.activations=auto runs {'int8' if ok else 'float'} on this file: {why}")
+        choice, why = record.choice(tiles=kernels.load().q4_int8_path() == "amx-int8")
+        print(f"model.activations=auto runs {choice} on this file here: {why}")
         folder = numerics.SHIPPED if acfg.ship else cache_root() / "numerics"
         digest = numerics.file_digest(gguf, cache_root())
         print(f"(recorded in {numerics.write(folder, gguf, record, digest)})")

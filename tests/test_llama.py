@@ -20,6 +20,7 @@ from decoding.runtime.llama import Layers
 from decoding.runtime.models import prepare_for_inference
 from decoding.runtime.norm import RowsRMSNorm
 from decoding.runtime.prefix_cache import PrefixCache
+from decoding.runtime.quant import use_k_block
 from decoding.runtime.rows_linear import RowsLinear, dense_in_bfloat16
 from decoding.runtime.runner import ModelRunner
 from decoding.speculation.draft_tree import ROOT, DraftTree
@@ -41,6 +42,7 @@ PROMPTS = [[5 + (7 * i + j) % 90 for i in range(n)] for j, n in enumerate((9, 23
         "qwen2-gguf-int4-int8",
         "qwen2-gguf-blocks-int8",
         "qwen2-gguf-kquants-int8",
+        "qwen2-gguf-kquants-int8_256",
     ],
 )
 def model(request, tiny_model, tiny_qwen2) -> torch.nn.Module:
@@ -49,8 +51,11 @@ def model(request, tiny_model, tiny_qwen2) -> torch.nn.Module:
         tiny_model = tiny_qwen2
     if param == "gguf-blocks-int8":
         return mixed_blocks(tiny_model)
-    if param == "gguf-kquants-int8":  # K-quants need 256 inputs: a wider model
-        return k_quant_blocks(build_model(tiny_model.config.vocab_size, arch="qwen2", hidden=256))
+    if param.startswith("gguf-kquants-int8"):  # K-quants need 256 inputs: a wider model
+        model = k_quant_blocks(build_model(tiny_model.config.vocab_size, arch="qwen2", hidden=256))
+        if param.endswith("256"):  # their input with a scale per super-block (model.activations=int8_256)
+            assert use_k_block(model, 256) > 0
+        return model
     if param == "gguf-mixed-int8":
         return mixed_int8(tiny_model)
     if param.startswith("gguf-int4"):

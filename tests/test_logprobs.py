@@ -4,6 +4,7 @@ from every decoder, in batches that mix them with plain requests, against `trans
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -13,6 +14,11 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogit
 
 from decoding.api.kinds import DECODERS
 from decoding.base.values import GenRequest
+from decoding.runtime import kernels
+from decoding.speculation.logprobs import Asked, from_reading, read_before, token_logprobs
+from decoding.speculation.row_sampling import RowSampling
+from decoding.speculation.sampling import SamplingParams
+from decoding.speculation.verify import top_tokens
 
 SAMPLED = {"temperature": 0.8, "top_k": 20, "top_p": 0.9}
 
@@ -131,3 +137,30 @@ def test_choices_share_their_prompt_and_tokenize_in_context(loaded, perturbed, t
         GenRequest("x", choices=(" a", " a"))
     with pytest.raises(ValueError, match="needs logprobs=True"):
         GenRequest("x", top_logprobs=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_read_by_the_acceptance_gives_log_rows_bits(dtype):
+    """The commit's log-probabilities of rows the acceptance's top-k pass already read (`RowReading`,
+    from csrc/topk.cpp's `top_k_rows`) are `log_rows`' for those rows bit for bit, at a temperature
+    and at 1, the top alternatives included; an ask of more alternatives than were read, of another
+    block or of other rows takes the pass as before."""
+    kernels.load()  # the reading is the kernel's
+    torch.manual_seed(3)
+    logits = (torch.randn(6, 5000) * 4).to(dtype)
+    for temperature in (1.0, 0.7):
+        rows, tokens = [0, 2, 5], [17, 4999, 123]
+        sampling = RowSampling.of([SamplingParams(temperature=temperature)])
+        tops, readings = top_tokens([([1, 4], None, None, logits)], sampling, 8)
+        reading = readings[0]
+        assert reading is not None and reading.rows == rows and len(tops[0][0]) == 3
+        asked = Asked(logits, rows, tokens, SamplingParams(temperature=temperature), 5)
+        want = token_logprobs([asked])[0]  # log_rows: no reading given
+        assert from_reading(reading, tokens, 5) == want
+        assert token_logprobs([replace(asked, reading=reading)])[0] == want
+        # the probabilities the pass gave STAND are the same distribution's
+        assert tops[0][1][0][:5] == pytest.approx([math.exp(lp) for _, lp in want[0].top], rel=1e-5)
+        assert read_before(reading, logits, temperature, rows[:2], 8)
+        assert not read_before(reading, logits, temperature, rows, 9)  # more alternatives than were read
+        assert not read_before(reading, logits.clone(), temperature, rows, 5)  # another block
+        assert not read_before(reading, logits, temperature, [2], 5)  # other rows

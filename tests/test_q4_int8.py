@@ -28,6 +28,7 @@ from decoding.runtime.quant import (
     decode_q8,
     k_factors_floats,
     q6_k_scales,
+    use_k_block,
 )
 
 RNG = np.random.default_rng(1)
@@ -106,7 +107,7 @@ def quantized_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 def test_activations_are_quantized_by_the_stated_rule():
     x = torch.randn(9, 256) * torch.logspace(-3, 2, 256)  # blocks of very different scales
     x[3, :32] = 0  # an all-zero block: scale 0, codes 0
-    q, d, s = kernels.load().q4_int8_quantize(x, 1)
+    q, d, s = kernels.load().q4_int8_quantize(x, 1, GROUP)
     rq, rd, rs = quantized_rows(x.numpy())
     assert np.array_equal(q.numpy(), rq) and np.array_equal(d.numpy(), rd) and np.array_equal(s.numpy(), rs)
     assert q.abs().max() == 127
@@ -117,7 +118,7 @@ def test_two_levels_quantize_the_first_levels_residual_by_the_same_rule():
     rounding); x then within 1/508 of the first level's step, about 16 bits of the block's maximum."""
     x = torch.randn(9, 256, generator=torch.Generator().manual_seed(381)) * torch.logspace(-3, 2, 256)
     x[3, :32] = 0
-    q, d, s, q2, d2 = kernels.load().q4_int8_quantize(x, 2)
+    q, d, s, q2, d2 = kernels.load().q4_int8_quantize(x, 2, GROUP)
     rq, rd, rs = quantized_rows(x.numpy())
     assert np.array_equal(q.numpy(), rq) and np.array_equal(d.numpy(), rd)
     step = np.repeat(rd, GROUP, axis=1)
@@ -130,7 +131,7 @@ def test_two_levels_quantize_the_first_levels_residual_by_the_same_rule():
     x_hat = step.astype(np.float64) * rq + np.repeat(rd2, GROUP, axis=1).astype(np.float64) * rq2
     assert (np.abs(x.numpy() - x_hat) <= step / 508 * (1 + 1e-5)).all()
     with pytest.raises(RuntimeError, match="in 1 or 2 int8 levels, not 3"):
-        kernels.load().q4_int8_quantize(x, 3)
+        kernels.load().q4_int8_quantize(x, 3, GROUP)
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q5_0", "Q6_K"])
@@ -160,7 +161,7 @@ def test_two_levels_compute_the_blocks_against_both_levels(kind):
     layer.levels = 2
     x = torch.randn(13, 512) * torch.logspace(-1, 1, 512)
     y = layer(x).double()
-    q, d, _, q2, d2 = kernels.load().q4_int8_quantize(x, 2)
+    q, d, _, q2, d2 = kernels.load().q4_int8_quantize(x, 2, GROUP)
     x_hat = sum((c.double().view(13, -1, GROUP) * f.double()[..., None]).view(13, 512) for c, f in ((q, d), (q2, d2)))
     w = layer.dequantized().double()
     expected = x_hat @ w.t()
@@ -169,6 +170,62 @@ def test_two_levels_compute_the_blocks_against_both_levels(kind):
     assert ((y - from_float).pow(2).mean().sqrt() / from_float.pow(2).mean().sqrt()) < 2e-4
     layer.levels = 1
     assert ((layer(x).double() - from_float).pow(2).mean().sqrt() / from_float.pow(2).mean().sqrt()) > 2e-3
+
+
+def test_super_block_activations_are_quantized_by_the_stated_rule():
+    """k_block 256 (model.activations=int8_256): per row and super-block of 256 inputs d = max|x| / 127
+    and q = x * (127 / max|x|) rounded half to even, each block's code sum beside it; two levels
+    quantize the first level's residual by the same rule."""
+    x = torch.randn(5, 768, generator=torch.Generator().manual_seed(4)) * torch.logspace(-3, 2, 768)
+    x[1, :256] = 0  # an all-zero super-block: scale 0, codes 0
+    q, d, n = kernels.load().q4_int8_quantize(x, 1, 256)
+    b = x.numpy().reshape(5, 3, 256)
+    amax = np.abs(b).max(-1)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    rq = np.rint(b * inv[..., None]).astype(np.int8).reshape(5, 768)
+    assert np.array_equal(q.numpy(), rq)
+    assert np.array_equal(d.numpy(), (amax / np.float32(127)).astype(np.float32))
+    assert np.array_equal(n.numpy(), rq.astype(np.int32).reshape(5, -1, GROUP).sum(-1))
+    assert d[1, 0] == 0 and (q[1, :256] == 0).all()
+    q, d, _, q2, _, _ = kernels.load().q4_int8_quantize(x, 2, 256)
+    # the kernel's fma(-d, q, x): exact in float64, then one rounding
+    residual = (x.double() - (q.double().view(5, 3, 256) * d.double()[..., None]).view(5, 768)).float()
+    assert torch.equal(q2, kernels.load().q4_int8_quantize(residual, 1, 256)[0])
+    with pytest.raises(RuntimeError, match="a scale per 32 or 256 inputs dividing the 768 features, not 64"):
+        kernels.load().q4_int8_quantize(x, 1, 64)
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("levels", [1, 2])
+def test_super_blocks_compute_the_blocks_against_the_quantized_rows(kind, levels):
+    """k_block 256: the super-block's integer sums and one float epilogue give the blocks against the
+    rows as quantized per 256 (float64 of the same blocks), exact up to float32's rounding of the
+    result (1e-5 of the outputs' scale); against the float rows, about twice int8's error per 32
+    at one level (the scale spans 8 blocks)."""
+    layer = gguf_layer(96, 512, kind)
+    layer.levels = levels
+    x = torch.randn(13, 512, generator=torch.Generator().manual_seed(levels)) * torch.logspace(-1, 1, 512)
+    w = layer.dequantized().double()
+    parts = kernels.load().q4_int8_quantize(x, levels, 256)
+    x_hat = sum(
+        (c.double().view(13, -1, 256) * f.double()[..., None]).view(13, 512) for c, f in zip(parts[::3], parts[1::3])
+    )
+    layer.k_block = 256
+    y = layer(x).double()
+    expected = x_hat @ w.t()
+    assert ((y - expected).abs() <= 1e-5 * expected.abs().max()).all()
+    from_float = x.double() @ w.t()
+    error_256 = (y - from_float).pow(2).mean().sqrt() / from_float.pow(2).mean().sqrt()
+    layer.k_block = GROUP
+    error_32 = (layer(x).double() - from_float).pow(2).mean().sqrt() / from_float.pow(2).mean().sqrt()
+    assert error_32 < error_256 < (0.03 if levels == 1 else 1e-4)
+    for m in (1, 2, 4, 5, 8, 13):  # every tile size, alone and in a batch
+        layer.k_block = 256
+        assert torch.equal(layer(x[:m]).double(), y[:m]), m
+        assert torch.equal(layer(x[m - 1 : m]).double(), y[m - 1 : m]), m
+    with pytest.raises(RuntimeError, match=r"k_block .* 32 or 256, not 64"):
+        layer.k_block = 64
+        layer(x)
 
 
 @pytest.mark.parametrize(
@@ -199,7 +256,7 @@ def test_a_rows_output_does_not_depend_on_the_rows_beside_it(kind, levels):
         Int4Linear(layer.codes[:63], *(t[:63] for t in layer.scale_minimum()), None, "int8")
 
 
-@pytest.mark.parametrize("kind", ["Q4_1", "Q5_0", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q4_1", "Q5_0", "Q6_K", "Q4_K"])
 def test_the_fused_form_has_the_bits_of_norm_linear_and_residual_add(kind):
     """csrc/layers.cpp's q4_int8_fused (either format, told by the factors): the norm's values
     quantized without its buffer, and the residual added in the kernel's output loop, bitwise what
@@ -207,7 +264,7 @@ def test_the_fused_form_has_the_bits_of_norm_linear_and_residual_add(kind):
     k = kernels.load()
     layer = gguf_layer(64, 256, kind)
     h, weight, residual = torch.randn(9, 256) * 3, torch.rand(256) + 0.5, torch.randn(9, 64)
-    ops = (layer.packed8, layer.factors, torch.empty(0), 1)
+    ops = (layer.packed8, layer.factors, torch.empty(0), 1, GROUP)
     normed = k.rms_norm_rows(h, weight, 1e-5)
     assert torch.equal(k.q4_int8_fused(h, *ops, weight, 1e-5, None), layer(normed))
     assert torch.equal(k.q4_int8_fused(normed, *ops, None, 0.0, residual), residual + layer(normed))
@@ -218,7 +275,11 @@ def test_the_fused_form_has_the_bits_of_norm_linear_and_residual_add(kind):
     with pytest.raises(RuntimeError, match="a residual"):
         k.q4_int8_fused(h, *ops, weight, 1e-5, residual[:3])
     layer.levels = 2  # q, k and v's case: normalized, then in two levels
-    assert torch.equal(k.q4_int8_fused(h, *ops[:3], 2, weight, 1e-5, None), layer(normed))
+    assert torch.equal(k.q4_int8_fused(h, *ops[:3], 2, GROUP, weight, 1e-5, None), layer(normed))
+    if layer.factors.dtype == torch.uint8:  # a K-quant's: its input with a scale per super-block too
+        layer.k_block = 256
+        assert torch.equal(k.q4_int8_fused(h, *ops[:3], 2, 256, weight, 1e-5, None), layer(normed))
+        assert not torch.equal(layer(normed), k.q4_int8_fused(h, *ops[:3], 2, GROUP, weight, 1e-5, None))
 
 
 def test_the_cpp_layers_take_the_int8_kernel(tiny_model):
@@ -244,10 +305,15 @@ def test_the_cpp_layers_take_the_int8_kernel(tiny_model):
     assert Layers.of(model) is None
     attn.o_proj.levels, attn.v_proj.levels = 1, 1
     assert Layers.of(model) is None
+    attn.v_proj.levels = 2
+    attn.o_proj.k_block = 256  # int8 layers of two activation formats: not one C++ call's
+    assert Layers.of(model) is None
+    use_k_block(model, 256)
+    assert Layers.of(model).k_block == 256
 
 
 def test_int8_is_refused_where_it_cannot_run_and_auto_picks_what_runs():
-    with pytest.raises(BackendError, match=r"model\.activations='int4' is not one of float, int8, auto"):
+    with pytest.raises(BackendError, match=r"model\.activations='int4' is not one of float, int8, int8_256, auto"):
         ModelSpec(activations="int4")
     spec = ModelSpec(activations="int8")
     with pytest.raises(BackendError, match=r"the weights are bfloat16; give a \.gguf model\.path") as info:
@@ -258,6 +324,8 @@ def test_int8_is_refused_where_it_cannot_run_and_auto_picks_what_runs():
     ):
         resolve_activations(spec, torch.device("cuda"), "gguf")
     assert resolve_activations(spec, torch.device("cpu"), "gguf") == "int8"  # what it runs on
+    with pytest.raises(BackendError, match=r"model\.activations=int8_256 is the CPU's kernel"):
+        resolve_activations(ModelSpec(activations="int8_256"), torch.device("cuda"), "gguf")
     auto = ModelSpec(activations="auto")
     assert resolve_activations(auto, torch.device("cuda"), "gguf") == "float"
     assert resolve_activations(auto, torch.device("cpu"), "bfloat16") == "float"
@@ -283,7 +351,25 @@ def test_auto_runs_int8_only_where_the_files_numerics_are_on_record(tmp_path, mo
     ):
         numerics.write(tmp_path / "numerics", gguf, worse, digest)
         assert resolve_activations(spec, cpu, "gguf") == "float"
-        assert re.search(why, worse.int8_ok()[1])
+        assert re.search(why, worse.choice(tiles=False)[1])
+
+
+def test_auto_runs_a_scale_per_super_block_where_its_numerics_pass_and_no_tiles_run_the_other():
+    """A record with int8_256's figures: auto runs it where its KL and perplexity are no worse than
+    llama.cpp's and the kernel has no AMX tiles (they run the scale per 32); int8 otherwise, saying why."""
+    passing = Numerics(0.0014, 3.53, 3.53, 0.031, 3.59, 0.0090, 3.54)
+    assert passing.choice(tiles=False) == ("int8_256", passing.ok("int8_256", 0.0090, 3.54)[1])
+    assert passing.choice(tiles=True)[0] == "int8" and "AMX tiles" in passing.choice(tiles=True)[1]
+    worse = Numerics(0.0014, 3.53, 3.53, 0.031, 3.59, 0.0400, 3.60)
+    choice, why = worse.choice(tiles=False)
+    assert choice == "int8" and re.search(
+        r"int8_256 not: int8_256's mean KL 0\.04000 is above llama\.cpp's 0\.03100", why
+    )
+    higher = Numerics(0.0014, 3.53, 3.53, 0.031, 3.59, 0.0300, 3.60)
+    assert higher.choice(tiles=False)[0] == "int8"
+    assert "int8_256's perplexity 3.6000 is above llama.cpp's 3.59" in higher.choice(tiles=False)[1]
+    assert Numerics(0.0014, 3.53, 3.53, 0.031).choice(tiles=False)[0] == "int8"  # no K-quant layer to change
+    assert Numerics(0.0500, 3.53, 3.53, 0.031, 3.59, 0.0090, 3.54).choice(tiles=False)[0] == "float"
 
 
 def test_shipped_records_are_of_this_arithmetic():
@@ -296,7 +382,8 @@ def test_shipped_records_are_of_this_arithmetic():
         data = json.loads(path.read_text())
         assert data["arithmetic"] == numerics.arithmetic(), f"{path.name} ({data['gguf']}): measured on other kernels"
         assert path == numerics.record_path(numerics.SHIPPED, data["sha256"])
-        assert Numerics(**{k: data[k] for k in Numerics.__dataclass_fields__}).int8_ok()[0], path.name
+        record = Numerics(**{k: data[k] for k in Numerics.__dataclass_fields__})
+        assert record.choice(tiles=False)[0] != "float", path.name
 
 
 # Builds of the kernel without this machine's wider instructions: the portable loop (no AVX2, no FMA:
@@ -310,7 +397,8 @@ BUILDS = {
 @pytest.mark.parametrize("build", sorted(BUILDS))
 def test_every_path_gives_the_same_bits(build):
     """The kernel built for `build` gives the bits of this machine's own path (AVX2, VNNI, or AMX
-    tiles for each 16 rows with VNNI for the rest), for rows in tiles of 16 and 4 and alone."""
+    tiles for each 16 rows with VNNI for the rest), for rows in tiles of 16 and 4 and alone, with
+    activation scales per 32 and, on the K-quants, per super-block of 256."""
     from torch.utils import cpp_extension
 
     native = kernels.load().q4_int8_path()  # checked here, not at collection: no build then
@@ -340,10 +428,11 @@ def test_every_path_gives_the_same_bits(build):
         layer = gguf_layer(80, 512, kind)
         x = torch.randn(37, 512).to(torch.bfloat16)
         bias = torch.randn(80).to(torch.bfloat16)
-        for levels in (1, 2):
+        for levels, k_block in ((1, GROUP), (2, GROUP), (1, 256), (2, 256)):  # 256: super-blocks on a K-quant
             call = "q8_int8_linear" if kind in Q8_TYPES else "q4_int8_linear"
-            expected = getattr(kernels.load(), call)(x, layer.packed8, layer.factors, bias, levels)
-            assert torch.equal(getattr(other, call)(x, layer.packed8, layer.factors, bias, levels), expected), kind
+            expected = getattr(kernels.load(), call)(x, layer.packed8, layer.factors, bias, levels, k_block)
+            got = getattr(other, call)(x, layer.packed8, layer.factors, bias, levels, k_block)
+            assert torch.equal(got, expected), (kind, levels, k_block)
 
 
 def test_activation_error_measures_each_way_against_float32(tiny_model):

@@ -23,7 +23,9 @@ from decoding.runtime.packaged import PACKAGED, packaged_file
 from decoding.runtime.prepack import prepack_linears
 from decoding.runtime.pretrained import pretrained
 from decoding.runtime.quant import (
+    GROUP,
     INT4_TYPES,
+    INT8_FORMATS,
     INT8_HIDDEN,
     Q8_TYPES,
     check_types,
@@ -31,6 +33,7 @@ from decoding.runtime.quant import (
     q8_head_from_gguf,
     quantize_from_gguf,
     two_level_inputs,
+    use_k_block,
 )
 from decoding.runtime.spec import DTYPE_NAMES, EMBEDDED, ModelSpec
 from decoding.runtime.static_forward import StaticForward, StaticSpec, resolve_graphs
@@ -118,9 +121,11 @@ def prepare_for_inference(
     prepack: bool = True,
     linear: str = "aten",
     activations: str = "float",
+    k_block: int = GROUP,
 ) -> str:
     """Put a loaded (float32) model into the form the decoders run: its device, weight format and
-    attention implementation (all resolved already); returns what was done, for the log."""
+    attention implementation (all resolved already; `activations` float or int8, with `k_block` its
+    inputs per scale on K-quant layers: INT8_FORMATS); returns what was done, for the log."""
     dtype = INT8_HIDDEN if activations == "int8" else DTYPES.get(weights, torch.bfloat16)
     model.to(device=device, dtype=dtype).eval()
     done = [str(dtype).removeprefix("torch.")]
@@ -132,6 +137,8 @@ def prepare_for_inference(
             head = " and its LM head" if q8_head_from_gguf(model, gguf) else ""
             path = kernels.load().q4_int8_path()
             two = f"; {two_level_inputs(model)} attention inputs in two levels"
+            supers = use_k_block(model, k_block)
+            two += f"; {supers} K-quant layers' inputs with a scale per {k_block}" if supers else ""
             done.append(f"linear layers in the GGUF's blocks ({blocks}){head} x int8 activations ({path}{two})")
         else:
             done.append(f"linear layers in the GGUF's int4 ({blocks})")
@@ -171,6 +178,8 @@ def load_model(spec: ModelSpec) -> LoadedModel:
     static = resolve_graphs(spec.cuda_graphs, device, spec.buckets, spec.key)
     strict = spec.cuda_graphs == "on"
     activations = resolve_activations(spec, device, weights)
+    k_block = INT8_FORMATS.get(activations, GROUP)
+    activations = "int8" if activations in INT8_FORMATS else activations  # the kernel; k_block its format
     t0 = time.perf_counter()
     if gguf is not None:  # read as it is: the blocks the quantized layers take stay unread until they do
         tokenizer = gguf_load.load_tokenizer(gguf, _cache_dir(spec))
@@ -185,7 +194,7 @@ def load_model(spec: ModelSpec) -> LoadedModel:
                 model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa")
         except (OSError, ValueError) as e:
             raise _load_error(spec, "", e) from e
-    done = prepare_for_inference(model, device, weights, attn, gguf, spec.prepack, linear, activations)
+    done = prepare_for_inference(model, device, weights, attn, gguf, spec.prepack, linear, activations, k_block)
     done += f"; {llama.forward_path(model)}"
     lacking = float_layers(model, gguf) if gguf is not None and weights == "gguf" and activations == "int8" else {}
     if lacking:
@@ -236,7 +245,7 @@ def _kept_blocks(weights: str, activations: str) -> frozenset[str]:
 
 
 def resolve_activations(spec: ModelSpec, device: torch.device, weights: str) -> str:
-    """float or int8 (`activations_and_why`), with auto's choice and its reason in a log line."""
+    """float, int8 or int8_256 (`activations_and_why`), with auto's choice and its reason in a log line."""
     activations, why = activations_and_why(spec, device, weights)
     if why is not None:
         log.info("%s.activations=auto: %s (%s)", spec.key, activations, why)
@@ -244,11 +253,12 @@ def resolve_activations(spec: ModelSpec, device: torch.device, weights: str) -> 
 
 
 def activations_and_why(spec: ModelSpec, device: torch.device, weights: str) -> tuple[str, str | None]:
-    """float or int8, and under auto why (None: nothing to say). int8 activations run a GGUF's 4-bit
-    layers on the CPU kernel: refused elsewhere, in one line. auto: int8 where the kernel runs on vector
-    instructions (AVX2 or VNNI: faster than float in every forward measured, docs/performance.md) and
-    `decoding.activation_error` measured this file's int8 outputs as close to float32 as llama.cpp's
-    (decoding/runtime/numerics.py); float elsewhere."""
+    """float, int8 or int8_256, and under auto why (None: nothing to say). int8 activations run a GGUF's
+    4-bit layers on the CPU kernel: refused elsewhere, in one line. auto: int8 where the kernel runs on
+    vector instructions (AVX2 or VNNI: faster than float in every forward measured, docs/performance.md)
+    and `decoding.activation_error` measured this file's int8 outputs as close to float32 as llama.cpp's
+    (decoding/runtime/numerics.py), int8_256 where its K-quant layers' were too (fewer float operations
+    a product; not on AMX tiles, which run the scale per 32 and not the super-blocks); float elsewhere."""
     if spec.activations == "auto":
         if device.type != "cpu" or weights != "gguf":
             return "float", None
@@ -256,11 +266,11 @@ def activations_and_why(spec: ModelSpec, device: torch.device, weights: str) -> 
             return "float", "the int8 kernel has no vector path on this CPU"
         gguf = gguf_file(spec)
         record = numerics.read(cache_root(), gguf) if gguf is not None else None
-        ok, why = record.int8_ok() if record else (False, "no measurement of its outputs on record")
-        if not ok and not record:
-            why += " (python -m decoding.activation_error measures them)"
-        return ("int8" if ok else "float"), f"{gguf and gguf.name}: {why}"
-    if spec.activations == "int8":
+        choice, why = "float", "no measurement of its outputs on record (python -m decoding.activation_error does it)"
+        if record is not None:
+            choice, why = record.choice(tiles=kernels.load().q4_int8_path() == "amx-int8")
+        return choice, f"{gguf and gguf.name}: {why}"
+    if spec.activations in INT8_FORMATS:
         check_activations(spec, device, weights)
     return spec.activations, None
 
@@ -269,13 +279,14 @@ def check_activations(spec: ModelSpec, device: torch.device, weights: str) -> No
     """Refuses int8 activations where they cannot run."""
     if device.type != "cpu":
         raise BackendError(
-            f"{spec.key}.activations=int8 is the CPU's kernel, and {spec.key}.device resolved to {device}; "
-            f"use {spec.key}.activations=float"
+            f"{spec.key}.activations={spec.activations} is the CPU's kernel, and {spec.key}.device resolved to "
+            f"{device}; use {spec.key}.activations=float"
         )
     if weights != "gguf":
         raise BackendError(
-            f"{spec.key}.activations=int8 multiplies a GGUF file's 4-bit blocks, and the weights are {weights}; "
-            f"give a .gguf {spec.key}.path (with {spec.key}.weights=auto or gguf) or use {spec.key}.activations=float"
+            f"{spec.key}.activations={spec.activations} multiplies a GGUF file's 4-bit blocks, and the weights are "
+            f"{weights}; give a .gguf {spec.key}.path (with {spec.key}.weights=auto or gguf) or use "
+            f"{spec.key}.activations=float"
         )
 
 

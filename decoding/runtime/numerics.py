@@ -2,7 +2,9 @@
 
 auto runs int8 activations only where they were measured to cost no more accuracy than llama.cpp's
 own int8 path on the same file (mean KL from the float32 dequantization no larger than llama.cpp's)
-and to keep the perplexity within 1% of the float path's. A record is one JSON file per GGUF file,
+and to keep the perplexity within 1% of the float path's; int8_256 (a scale per 256 inputs on the
+K-quant layers, llama.cpp's own rule) where its mean KL and perplexity were measured no worse than
+llama.cpp's. A record is one JSON file per GGUF file,
 named by the file's content (its SHA-256), holding the arithmetic it measured (`arithmetic()`): a
 record of other kernels, hidden-state or cache types is not read. The records of the files the project
 installs (the embedded and packaged models) ship with it in decoding/runtime/records/ (`python -m
@@ -34,17 +36,40 @@ class Numerics:
     int8_perplexity: float
     float_perplexity: float
     llama_cpp_kl: float | None  # None: llama-cpp-python was not installed
+    llama_cpp_perplexity: float | None = None
+    int8_256_kl: float | None = None  # None: the file has no K-quant layer whose input int8_256 changes
+    int8_256_perplexity: float | None = None
 
-    def int8_ok(self) -> tuple[bool, str]:
-        """Whether auto may run int8 here, and why not."""
+    def ok(self, way: str, kl: float, perplexity: float) -> tuple[bool, str]:
+        """Whether auto may run `way` (int8 or int8_256, with its KL and perplexity) here, and why not:
+        int8's KL no worse than llama.cpp's and its perplexity within 1% of float's; int8_256's KL and
+        perplexity no worse than llama.cpp's (the same rule of activations, a scale per 256 inputs)."""
         if self.llama_cpp_kl is None:
-            return False, "no llama.cpp figure to compare int8's KL with (install llama-cpp-python)"
-        if self.int8_kl > self.llama_cpp_kl:
-            return False, f"int8's mean KL {self.int8_kl:.5f} is above llama.cpp's {self.llama_cpp_kl:.5f}"
-        if self.int8_perplexity > self.float_perplexity * (1 + PERPLEXITY_WITHIN):
-            over = self.int8_perplexity / self.float_perplexity - 1
-            return False, f"int8's perplexity is {over:.1%} above float's (at most {PERPLEXITY_WITHIN:.0%})"
-        return True, "its KL is no worse than llama.cpp's and its perplexity within 1% of float's"
+            return False, f"no llama.cpp figure to compare {way}'s KL with (install llama-cpp-python)"
+        if kl > self.llama_cpp_kl:
+            return False, f"{way}'s mean KL {kl:.5f} is above llama.cpp's {self.llama_cpp_kl:.5f}"
+        if way == "int8_256":
+            if self.llama_cpp_perplexity is None or perplexity > self.llama_cpp_perplexity:
+                return False, f"{way}'s perplexity {perplexity:.4f} is above llama.cpp's {self.llama_cpp_perplexity}"
+            return True, f"{way}'s KL and perplexity are no worse than llama.cpp's"
+        if perplexity > self.float_perplexity * (1 + PERPLEXITY_WITHIN):
+            over = perplexity / self.float_perplexity - 1
+            return False, f"{way}'s perplexity is {over:.1%} above float's (at most {PERPLEXITY_WITHIN:.0%})"
+        return True, f"{way}'s KL is no worse than llama.cpp's and its perplexity within 1% of float's"
+
+    def choice(self, tiles: bool) -> tuple[str, str]:
+        """What auto runs and why: int8_256 where it passes (fewer float operations a product) and the
+        kernel has no AMX tiles (which run int8's scale per 32, not the super-blocks), else int8 where
+        it passes, else float."""
+        ok, why = self.ok("int8", self.int8_kl, self.int8_perplexity)
+        if not ok:
+            return "float", why
+        if self.int8_256_kl is None or self.int8_256_perplexity is None:
+            return "int8", why
+        ok_256, why_256 = self.ok("int8_256", self.int8_256_kl, self.int8_256_perplexity)
+        if ok_256 and not tiles:
+            return "int8_256", why_256
+        return "int8", f"{why}; int8_256 not: " + (why_256 if not ok_256 else "the AMX tiles run int8's format")
 
 
 def arithmetic() -> str:

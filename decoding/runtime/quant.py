@@ -44,6 +44,10 @@ from decoding.runtime.pretrained import pretrained
 from decoding.runtime.rows_linear import RowsLinear
 
 GROUP = 32  # the kernel's group size along the input dimension, GGUF's 4-bit block (or sub-block)
+# model.activations on the int8 kernel -> its inputs per activation scale on a K-quant layer (Q4_K, Q6_K
+# with K a multiple of 256; every other layer takes a scale per 32): "int8_256" is llama.cpp's Q8_K rule,
+# a super-block's integer sums finished by one float multiply-add per 256 inputs instead of per 32.
+INT8_FORMATS = {"int8": GROUP, "int8_256": 256}
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 Q8_TYPES = ("Q8_0", "Q5_0", "Q6_K")  # signed codes and a scale per 32 (or 16) weights: Q8Linear on the int8 path
 # int8 activations keep the hidden states between the 4-bit products in this type, as llama.cpp does:
@@ -85,6 +89,7 @@ class Int4Linear(torch.nn.Module):
         self.out_features, self.in_features = codes.shape
         self.activations = activations
         self.levels = 1  # int8 levels the input is quantized in (two_level_inputs)
+        self.k_block = GROUP  # inputs per activation scale where the factors are a K-quant's (use_k_block)
         if activations == "int8":
             kernels.load()  # built now: a missing compiler is a load-time error
             packed, factors = pack_q4(codes, scale, minimum)
@@ -104,7 +109,7 @@ class Int4Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.activations == "int8":
             y: torch.Tensor = kernels.load().q4_int8_linear(
-                x, self.packed8, self.factors, _bias(self.bias), self.levels
+                x, self.packed8, self.factors, _bias(self.bias), self.levels, self.k_block
             )
             return y
         shape = x.shape
@@ -137,10 +142,9 @@ class Int4Linear(torch.nn.Module):
         return scale, minimum
 
     def extra_repr(self) -> str:
-        levels = " in two levels" if self.levels == 2 else ""
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, int4 group {GROUP}, "
-            f"{self.activations} activations{levels}"
+            f"{self.activations} activations{_input_format(self)}"
         )
 
 
@@ -166,6 +170,7 @@ class Q8Linear(torch.nn.Module):
         self.out_features, self.in_features = codes.shape
         self.weight = weight
         self.levels = 1  # int8 levels the input is quantized in (two_level_inputs)
+        self.k_block = GROUP  # inputs per activation scale where the factors are a K-quant's (use_k_block)
         self.activations = "int8"
         # The kernel takes outputs in groups of 8: a vocabulary that is not a multiple of 8 gets zero
         # columns, computed and dropped.
@@ -183,7 +188,9 @@ class Q8Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self._padded_bias is None else self._padded_bias
-        y: torch.Tensor = kernels.load().q8_int8_linear(x, self.packed8, self.factors, _bias(bias), self.levels)
+        y: torch.Tensor = kernels.load().q8_int8_linear(
+            x, self.packed8, self.factors, _bias(bias), self.levels, self.k_block
+        )
         return y if y.shape[-1] == self.out_features else y[..., : self.out_features]
 
     def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -205,8 +212,10 @@ class Q8Linear(torch.nn.Module):
         return codes.float() * scales.repeat_interleave(GROUP // 2 if self.halves else GROUP, 1)
 
     def extra_repr(self) -> str:
-        levels = " in two levels" if self.levels == 2 else ""
-        return f"in_features={self.in_features}, out_features={self.out_features}, Q8, int8 activations{levels}"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, Q8, "
+            f"int8 activations{_input_format(self)}"
+        )
 
 
 def pack_q4(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -367,6 +376,27 @@ def two_level_inputs(model: torch.nn.Module) -> int:
             module.levels = 2
             changed += 1
     return changed
+
+
+def use_k_block(model: torch.nn.Module, k_block: int) -> int:
+    """Give the model's int8 layers `k_block` (INT8_FORMATS): the kernel takes their input with a scale
+    per that many inputs where their factors are a K-quant's, per 32 elsewhere; how many take it so."""
+    changed = 0
+    for module in model.modules():
+        if takes_int8(module, alone=True):
+            layer = cast(Int4Linear | Q8Linear, module)
+            layer.k_block = k_block
+            changed += k_block != GROUP and _k_quant(layer)
+    return changed
+
+
+def _k_quant(layer: Int4Linear | Q8Linear) -> bool:
+    return layer.factors.dtype == torch.uint8  # pack_k_factors' compact layout
+
+
+def _input_format(layer: Int4Linear | Q8Linear) -> str:
+    levels = " in two levels" if layer.levels == 2 else ""
+    return levels + (f", a scale per {layer.k_block} inputs" if layer.k_block != GROUP and _k_quant(layer) else "")
 
 
 def takes_int8(module: torch.nn.Module, alone: bool = False) -> bool:

@@ -26,7 +26,8 @@ INVARIANT_ATTENTION = "invariant"  # the model.attention value of decoding/runti
 ATTENTION = ("auto", INVARIANT_ATTENTION, "sdpa", "eager")
 INITS = ("checkpoint", "random")
 LINEARS = ("auto", "aten", "rows")  # model.linear (decoding/runtime/rows_linear.py)
-ACTIVATIONS = ("float", "int8", "auto")  # model.activations: what a 4-bit layer multiplies its input as
+# model.activations: what a 4-bit layer multiplies its input as (int8_256: quant.INT8_FORMATS)
+ACTIVATIONS = ("float", "int8", "int8_256", "auto")
 GRAPH_CHOICES = ("auto", "on", "off", "eager")  # model.cuda_graphs (decoding/runtime/static_forward.py)
 
 

@@ -257,8 +257,9 @@ def commit(
         v.kept = s.commit(v.tokens, setup.tokenizer, drafted=len(v.tree), accepted=len(v.path))
         if s.top_logprobs is not None and v.kept:
             tokens = v.tokens[: v.kept]
-            asked.append((s, Asked(v.logits, v.kept_rows(), tokens, sampling.params[b], s.top_logprobs, v.scores)))
-        v.scores = None
+            ask = Asked(v.logits, v.kept_rows(), tokens, sampling.params[b], s.top_logprobs, v.scores, v.reading)
+            asked.append((s, ask))
+        v.scores = v.reading = None
         if not slot.seq.done:
             going.append((slot.row, packed.committed(b, v.path)))
             slot.pending = [v.token]

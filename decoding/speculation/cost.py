@@ -246,7 +246,9 @@ def cost_key(target: ModelRunner) -> str:
     # The weight format shows in the linear layers' classes (nn.Linear, Int4Linear, PrepackedLinear).
     linears = sorted({type(m).__name__ for m in target.model.modules() if "Linear" in type(m).__name__})
     # What a 4-bit layer multiplies its input as (model.activations): another kernel, another cost.
-    linears += sorted({f"{m.activations} activations" for m in target.model.modules() if hasattr(m, "activations")})
+    # (with int8, its inputs per activation scale on a K-quant too: quant.INT8_FORMATS)
+    quantized = [m for m in target.model.modules() if hasattr(m, "activations")]
+    linears += sorted({f"{m.activations} activations {getattr(m, 'k_block', '')}" for m in quantized})
     linears += sorted({type(m).__name__ for m in target.model.modules() if "Norm" in type(m).__name__})
     parts = [
         str(getattr(c, "_name_or_path", "")),

@@ -8,7 +8,9 @@ Both read the target's logits at the rows that predicted the tokens; neither cha
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeGuard
 
+import numpy as np
 import torch
 
 from decoding.base.values import TokenLogprob
@@ -29,6 +31,24 @@ def log_distribution(
 
 
 @dataclass(frozen=True)
+class RowReading:
+    """What the acceptance's top-k pass (csrc/topk.cpp `top_k_rows`, `verify.top_tokens`) read of a
+    verdict's rows of `block` (its `rows`, read divided by `temperature`): per row its largest value,
+    the log of its sum of exp(x - most) and its k largest values as read, with their ids. `log_rows`
+    computes a row's log-probabilities from the same float32 operations, so a commit that asks for
+    rows already read takes them from here (`from_reading`) with the same bits, not a second pass
+    over the vocabulary."""
+
+    block: torch.Tensor
+    temperature: float
+    rows: list[int]
+    most: list[float]
+    log_sum: list[float]
+    values: list[list[float]]
+    ids: list[list[int]]
+
+
+@dataclass(frozen=True)
 class Asked:
     """One sequence's log-probabilities to read in a step: `tokens`, each predicted by the row of
     `logits` [R, V] that `rows` names in turn, the `top` most likely beside each, under `sampling` (the
@@ -41,6 +61,7 @@ class Asked:
     sampling: SamplingParams
     top: int
     processed: torch.Tensor | None = None
+    reading: RowReading | None = None  # what the acceptance read of these rows, where it did
 
 
 def token_logprobs(asked: list[Asked]) -> list[list[TokenLogprob]]:
@@ -55,27 +76,61 @@ def token_logprobs(asked: list[Asked]) -> list[list[TokenLogprob]]:
 
 
 def _read(asked: list[Asked]) -> list[list[TokenLogprob]]:
-    """`token_logprobs` of asks that each have tokens."""
-    blocks: list[torch.Tensor] = []
-    picks: list[list[int]] = []
-    temperatures: list[float] = []
-    for a in asked:
+    """`token_logprobs` of asks that each have tokens: those whose rows the acceptance read already
+    from their reading, the rest in one call."""
+    answers: dict[int, list[TokenLogprob]] = {}
+    rest: list[tuple[int, Asked, torch.Tensor, list[int], float]] = []
+    for i, a in enumerate(asked):
         p, rows = a.sampling, a.rows[: len(a.tokens)]
         if p.greedy or (a.processed is None and p.top_k == 0 and p.top_p >= 1.0):
-            blocks.append(a.logits)
-            temperatures.append(1.0 if p.greedy else p.temperature)
+            block, temperature = a.logits, 1.0 if p.greedy else p.temperature
         elif a.processed is not None:
-            blocks.append(a.processed)
-            temperatures.append(1.0)
+            block, temperature = a.processed, 1.0
         else:  # top-k or top-p: processed here, the rows asked alone
-            blocks.append(processed_logits(a.logits[rows].float(), p))
-            temperatures.append(1.0)
+            block, temperature = processed_logits(a.logits[rows].float(), p), 1.0
             rows = list(range(len(rows)))
-        picks.append(rows)
+        if read_before(a.reading, block, temperature, rows, a.top):
+            answers[i] = from_reading(a.reading, a.tokens, a.top)
+            continue
+        rest.append((i, a, block, rows, temperature))
+    read = iter(_read_rows([x[1:] for x in rest]))
+    return [answers[i] if i in answers else next(read) for i in range(len(asked))]
+
+
+def read_before(
+    r: RowReading | None, block: torch.Tensor, temperature: float, rows: list[int], top: int
+) -> TypeGuard[RowReading]:
+    """Whether the acceptance read these rows of this block at this temperature, k at least `top`."""
+    if r is None or r.block is not block or r.temperature != temperature or r.rows[: len(rows)] != rows:
+        return False
+    return top <= len(r.ids[0]) and on_kernel([block])
+
+
+def from_reading(r: RowReading, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """`log_rows`' answer for `tokens` predicted by r's rows in turn, from what the top-k pass read:
+    (x - most) - log_sum in float32, x read divided by the temperature as there (IEEE float32 in both)."""
+    t = np.float32(r.temperature)
+    out = []
+    for j, token in enumerate(tokens):
+        most, log_sum = np.float32(r.most[j]), np.float32(r.log_sum[j])
+        x = np.float32(r.block[r.rows[j], token].item())
+        if t != 1:
+            x = x / t
+        tops = tuple((i, float((np.float32(v) - most) - log_sum)) for i, v in zip(r.ids[j][:top], r.values[j][:top]))
+        out.append(TokenLogprob(token, float((x - most) - log_sum), tops))
+    return out
+
+
+def _read_rows(asked: list[tuple[Asked, torch.Tensor, list[int], float]]) -> list[list[TokenLogprob]]:
+    """Asks with the block, rows and temperature each reads, in one call of `log_rows` on the CPU."""
+    blocks = [b for _, b, _, _ in asked]
+    picks = [rows for _, _, rows, _ in asked]
+    temperatures = [t for *_, t in asked]
+    asked_only = [a for a, *_ in asked]
     out: list[list[TokenLogprob]] = []
     if blocks and on_kernel(blocks):
-        tokens = [t for a in asked for t in a.tokens]
-        k = max(1, max(a.top for a in asked))
+        tokens = [t for a in asked_only for t in a.tokens]
+        k = max(1, max(a.top for a in asked_only))
         chosen, values, ids = torch.ops.tot_sampling.log_rows(
             [b if b.stride(-1) == 1 else b.contiguous() for b in blocks],
             [len(p) for p in picks],
@@ -86,13 +141,13 @@ def _read(asked: list[Asked]) -> list[list[TokenLogprob]]:
         )
         chosen_l, values_l, ids_l = chosen.tolist(), values.tolist(), ids.tolist()  # one conversion a step
         start = 0
-        for a in asked:
+        for a in asked_only:
             end = start + len(a.tokens)
             tops = [tuple(zip(i[: a.top], v[: a.top])) for i, v in zip(ids_l[start:end], values_l[start:end])]
             out.append([TokenLogprob(t, lp, top) for t, lp, top in zip(a.tokens, chosen_l[start:end], tops)])
             start = end
     else:
-        out = [one_logprobs(a) for a in asked]
+        out = [one_logprobs(a) for a in asked_only]
     return out
 
 

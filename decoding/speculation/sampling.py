@@ -136,6 +136,21 @@ def top_k_rows(
     the CPU by csrc/topk.cpp where this process has built the kernels: float32 or bfloat16 rows read
     where they lie, no copy, cast, division or softmax written (three rows of a 49k vocabulary: 0.6 ms
     a step with them); else by `top_k` (on the first non-CPU block's device, where the rows are moved)."""
+    values, ids, _ = top_k_rows_read(blocks, k, picks, normalise, temperatures)
+    return values, ids
+
+
+def top_k_rows_read(
+    blocks: list[torch.Tensor],
+    k: int,
+    picks: list[list[int]] | None = None,
+    normalise: list[bool] | None = None,
+    temperatures: list[float] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`top_k_rows`, and on the kernel what it read of each normalised row [picked, 2 + k]: the row's
+    largest value, the log of its sum of exp(x - most), its top k values as read (x / t); the same
+    float32 operations as csrc/topk.cpp's `log_rows`, so those rows' log-probabilities follow from them
+    with the same bits (logprobs.py `RowReading`). None off the kernel."""
     picks = [list(range(len(b))) for b in blocks] if picks is None else picks
     normalise = [False] * len(blocks) if normalise is None else normalise
     temperatures = [1.0] * len(blocks) if temperatures is None else temperatures
@@ -143,12 +158,13 @@ def top_k_rows(
         flat = [r for p in picks for r in p]
         rows = [b if b.stride(-1) == 1 else b.contiguous() for b in blocks]
         counts = [len(p) for p in picks]
-        values, ids = torch.ops.tot_sampling.top_k_rows(rows, counts, flat, normalise, temperatures, k)
-        return values, ids
+        values, ids, read = torch.ops.tot_sampling.top_k_rows(rows, counts, flat, normalise, temperatures, k)
+        return values, ids, read
     device = next((b.device for b in blocks if b.device.type != "cpu"), blocks[0].device)
     parts = [b[p].to(device).float() / t for b, p, t in zip(blocks, picks, temperatures)]
     parts = [x.softmax(-1) if norm else x for x, norm in zip(parts, normalise)]
-    return top_k(torch.cat(parts), k)
+    values, ids = top_k(torch.cat(parts), k)
+    return values, ids, None
 
 
 def on_kernel(blocks: list[torch.Tensor]) -> bool:

@@ -18,9 +18,10 @@ from decoding.speculation.acceptance import walk_matched, walk_rejection
 from decoding.speculation.device_walk import read_walks, walk_matched_rows
 from decoding.speculation.draft_tree import DraftTree
 from decoding.speculation.gumbel import gumbel_pick, gumbel_pick_rows, gumbel_targets, key
+from decoding.speculation.logprobs import RowReading
 from decoding.speculation.options import Rule
 from decoding.speculation.row_sampling import RowSampling
-from decoding.speculation.sampling import argmax_rows, processed_logits, top_k, top_k_rows
+from decoding.speculation.sampling import argmax_rows, processed_logits, top_k, top_k_rows_read
 from decoding.speculation.sequence import Sequence
 
 Top = tuple[list[list[int]], list[list[float]]]  # per row: the top-k token ids and their probabilities
@@ -55,6 +56,9 @@ class Verdict:
     # the sequence asks for log-probabilities (else None: greedy rows, rows the kernel drew from their raw
     # logits); the commit reads them and lets them go (a view keeps its whole group's tensor alive).
     scores: torch.Tensor | None = None
+    # What the top-k pass of `top` read of the same rows (the commit's log-probabilities follow from
+    # it); None where it read none or off the CPU's kernel. The commit lets it go, as `scores`.
+    reading: RowReading | None = None
 
     @property
     def drafted_path(self) -> list[int]:
@@ -122,6 +126,7 @@ def accept(
     # the other rows lazily, only the nodes a walk reaches.
     walked: dict[int, tuple[list[int], int]] = {}
     walked_tops: dict[int, Top] = {}
+    readings: dict[int, RowReading | None] = {}
     targets: list[list[int] | None] = [None] * len(trees)
     if on_device or walk_here:
         rows, flat = device_targets(trees, seqs, logits, scores, rule)
@@ -167,16 +172,17 @@ def accept(
     tops: list[Top] | None = None
     if top:
         rest = [b for b in range(len(trees)) if b not in walked_tops]
-        on_host = (
+        on_host, read = (
             top_tokens(
                 [(decided[b][0], decided[b][2], scores[b], logits[b]) for b in rest],
                 sampling if len(rest) == len(trees) else sampling.take(rest),  # the step's own: its lists made once
                 top,
             )
             if rest
-            else []
+            else ([], [])
         )
         walked_tops.update(zip(rest, on_host))
+        readings.update(zip(rest, read))
         tops = [walked_tops[b] for b in range(len(trees))]
     return [
         Verdict(
@@ -189,6 +195,7 @@ def accept(
             drafted_nodes=None if drafted_nodes is None else drafted_nodes[b],
             top=None if tops is None else tops[b],
             scores=scores[b] if seqs[b].top_logprobs is not None else None,
+            reading=readings.get(b) if seqs[b].top_logprobs is not None else None,
         )
         for b, (path, token, probs) in enumerate(decided)
     ]
@@ -290,13 +297,15 @@ def top_tokens(
     decided: list[tuple[list[int], torch.Tensor | None, torch.Tensor | None, torch.Tensor]],
     sampling: RowSampling,
     k: int,
-) -> list[Top]:
+) -> tuple[list[Top], list[RowReading | None]]:
     """Per row (its accepted path, processed distribution or None, processed logits or None, raw
     logits) and its settings: the k most likely tokens at its root and along its path (`Verdict.top`)
     and their probabilities (the processed distribution; the logits' softmax for greedy rows), by one
-    top-k over the step's rows where they lie (`top_k_rows`, which normalises the logits' rows itself).
-    A sampled row left unprocessed (`drawn_raw`: its processing the temperature's division alone) is
-    read from its raw logits divided by its temperature there, with no processed copy made."""
+    top-k over the step's rows where they lie (`top_k_rows_read`, which normalises the logits' rows
+    itself), and what that pass read of each row's logits (`Verdict.reading`; None for a distribution's
+    rows or off the kernel). A sampled row left unprocessed (`drawn_raw`: its processing the
+    temperature's division alone) is read from its raw logits divided by its temperature there, with
+    no processed copy made."""
     ats = [[0, *(1 + n for n in path)] for path, *_ in decided]
     blocks: list[torch.Tensor] = []
     normalise: list[bool] = []
@@ -307,13 +316,23 @@ def top_tokens(
         blocks.append(block)
         normalise.append(norm)
         temperatures.append(temperature if raw else 1.0)
-    values, ids = top_k_rows(blocks, min(k, blocks[0].shape[-1]), ats, normalise, temperatures)
+    values, ids, read = top_k_rows_read(blocks, min(k, blocks[0].shape[-1]), ats, normalise, temperatures)
     ids_l, values_l = ids.tolist(), values.tolist()  # one conversion for the step
-    out, start = [], 0
-    for at in ats:
-        out.append((ids_l[start : start + len(at)], values_l[start : start + len(at)]))
-        start += len(at)
-    return out
+    read_l = None if read is None else read.tolist()
+    out: list[Top] = []
+    readings: list[RowReading | None] = []
+    start = 0
+    for at, block, norm, temperature in zip(ats, blocks, normalise, temperatures):
+        end = start + len(at)
+        out.append((ids_l[start:end], values_l[start:end]))
+        if read_l is None or not norm:
+            readings.append(None)
+        else:
+            rows = read_l[start:end]
+            most, log_sum, top = [r[0] for r in rows], [r[1] for r in rows], [r[2:] for r in rows]
+            readings.append(RowReading(block, temperature, at, most, log_sum, top, ids_l[start:end]))
+        start = end
+    return out, readings
 
 
 def top_block(

@@ -73,23 +73,27 @@ std::vector<at::Tensor> decoder_layers(at::Tensor h, const std::vector<at::Tenso
                                        const at::Tensor& slots, int64_t kv_len, const at::Tensor& mask,
                                        const at::Tensor& kv_rows, const at::Tensor& share, const at::Tensor& tables,
                                        int64_t capture, const at::Tensor& real, bool rows_kernel,
-                                       bool rows_norm, bool fixed_silu, int64_t qkv_levels);
+                                       bool rows_norm, bool fixed_silu, int64_t qkv_levels,
+                                       int64_t k_block);
 
-// x's rows in `levels` int8 levels: 1 (llama.cpp's rule) or 2 (the first's residual quantized again).
-// q4_int8_linear and q4_int8_fused take either format, told apart by the factors' shape.
+// x's rows in `levels` int8 levels: 1 (llama.cpp's rule) or 2 (the first's residual quantized again),
+// with a scale per 32 inputs, or per `k_block` (32 or 256: a super-block) where the weights are a
+// K-quant's (compact factors). q4_int8_linear and q4_int8_fused take either format, told apart by the
+// factors' shape.
 at::Tensor q4_int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale_min,
-                          const at::Tensor& bias, int64_t levels);
+                          const at::Tensor& bias, int64_t levels, int64_t k_block);
 at::Tensor q8_int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                          const at::Tensor& bias, int64_t levels);
+                          const at::Tensor& bias, int64_t levels, int64_t k_block);
 // q4_int8_linear as csrc/layers.cpp calls it on float32 rows: with `norm` (a weight [K]; undefined:
 // none) each row normalized first as rms_norm_rows does, and with `residual` ([.., N] float32;
 // undefined: none) the result residual + y, the model's residual add: the bits of the separate ops
 // without their buffers and dispatch.
 at::Tensor q4_int8_fused(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale_min,
-                         const at::Tensor& bias, int64_t levels, const at::Tensor& norm, double eps,
+                         const at::Tensor& bias, int64_t levels, int64_t k_block, const at::Tensor& norm, double eps,
                          const at::Tensor& residual);
-// codes, scales, sums (and with two levels the second's codes and scales)
-std::vector<at::Tensor> q4_int8_quantize(const at::Tensor& x, int64_t levels);
+// codes, scales a `block` (32 or 256) and per 32: d * sum(q) (block 32) or sum(q) (256); with two
+// levels the second's codes and scales (and sums, 256)
+std::vector<at::Tensor> q4_int8_quantize(const at::Tensor& x, int64_t levels, int64_t block);
 const char* q4_int8_path();
 double q4_int8_peak(int64_t iterations);
 double q4_int8_tile_peak(int64_t iterations);

@@ -21,11 +21,11 @@ bool on_int8(const at::Tensor* w) {
 
 // Int4Linear.forward / nn.Linear / RowsLinear (`rows_kernel`): [w, scales_zeros, bias] with scales_zeros
 // empty for a dense weight; [codes, scale_min, bias] with float32 scale_min for int8 activations (in
-// `levels` levels).
-at::Tensor linear(const at::Tensor& x, const at::Tensor* w, bool rows_kernel, int64_t levels) {
+// `levels` levels, a scale per `k_block` inputs on a K-quant).
+at::Tensor linear(const at::Tensor& x, const at::Tensor* w, bool rows_kernel, int64_t levels, int64_t k_block) {
   if (w[1].numel() == 0 && rows_kernel) return rows_linear(x, w[0], w[2]);
   if (w[1].numel() == 0) return at::linear(x, w[0], w[2].numel() ? c10::optional<at::Tensor>(w[2]) : c10::nullopt);
-  if (on_int8(w)) return q4_int8_linear(x, w[0], w[1], w[2], levels);
+  if (on_int8(w)) return q4_int8_linear(x, w[0], w[1], w[2], levels, k_block);
   const int64_t out_features = w[1].size(1);
   at::Tensor y = at::_weight_int4pack_mm_for_cpu(x.reshape({-1, x.size(-1)}).to(at::kBFloat16), w[0], 32, w[1]);
   if (w[2].numel()) y = y + w[2];
@@ -147,16 +147,16 @@ void put_rows(const at::Tensor& cache, const at::Tensor& x, const at::Tensor& ro
 // an equal share of the columns the given sizes leave); `views`: the split parts are views of the
 // joined product, else contiguous copies. A product on the int8 kernel normalizes float32 rows itself
 // (the norm's values, without its buffer); the others read the norm's output. `levels`: the int8
-// kernel's activation levels for these projections.
+// kernel's activation levels for these projections (`k_block`: its inputs per scale on a K-quant).
 std::vector<at::Tensor> products(const at::Tensor& h, const at::Tensor& norm, double eps, bool rows_norm,
                                  const at::Tensor* w, const std::vector<int64_t>& sizes, bool rows_kernel, bool views,
-                                 int64_t levels) {
+                                 int64_t levels, int64_t k_block) {
   at::Tensor normed;  // rms_norm(h, norm), made where a product reads it
   auto product = [&](const at::Tensor* wj) {
     if (rows_norm && on_int8(wj) && h.scalar_type() == at::kFloat)
-      return q4_int8_fused(h, wj[0], wj[1], wj[2], levels, norm, eps, at::Tensor());
+      return q4_int8_fused(h, wj[0], wj[1], wj[2], levels, k_block, norm, eps, at::Tensor());
     if (!normed.defined()) normed = rms_norm(h, norm, eps, rows_norm);
-    return linear(normed, wj, rows_kernel, levels);
+    return linear(normed, wj, rows_kernel, levels, k_block);
   };
   std::vector<at::Tensor> out;
   if (w[3].numel() > 0) {
@@ -179,10 +179,11 @@ std::vector<at::Tensor> products(const at::Tensor& h, const at::Tensor& norm, do
 }
 
 // h + x W^T, the residual add: on the int8 kernel in its output loop (the same rounding, no buffer).
-at::Tensor add_linear(const at::Tensor& h, const at::Tensor& x, const at::Tensor* w, bool rows_kernel) {
+at::Tensor add_linear(const at::Tensor& h, const at::Tensor& x, const at::Tensor* w, bool rows_kernel,
+                      int64_t k_block) {
   if (on_int8(w) && h.scalar_type() == at::kFloat && h.is_contiguous())
-    return q4_int8_fused(x, w[0], w[1], w[2], 1, at::Tensor(), 0.0, h);
-  return h + linear(x, w, rows_kernel, 1);
+    return q4_int8_fused(x, w[0], w[1], w[2], 1, k_block, at::Tensor(), 0.0, h);
+  return h + linear(x, w, rows_kernel, 1, k_block);
 }
 
 }  // namespace
@@ -194,7 +195,8 @@ std::vector<at::Tensor> decoder_layers(at::Tensor h, const std::vector<at::Tenso
                                        const at::Tensor& slots, int64_t kv_len, const at::Tensor& mask,
                                        const at::Tensor& kv_rows, const at::Tensor& share, const at::Tensor& tables,
                                        int64_t capture, const at::Tensor& real, bool rows_kernel,
-                                       bool rows_norm, bool fixed_silu, int64_t qkv_levels) {
+                                       bool rows_norm, bool fixed_silu, int64_t qkv_levels,
+                                       int64_t k_block) {
   constexpr size_t PER_LAYER = 2 + 7 * 3;  // two norm weights, then q, k, v, o, gate, up, down
   TORCH_CHECK(weights.size() == keys.size() * PER_LAYER && keys.size() == values.size(), "decoder_layers: weights");
   const int64_t batch = h.size(0), n_new = h.size(1);
@@ -231,7 +233,8 @@ std::vector<at::Tensor> decoder_layers(at::Tensor h, const std::vector<at::Tenso
     // k's and v's columns: kv heads x head_dim each; q's the rest
     const int64_t kv = keys[i].size(1) * head_dim;
     // q, k and v as views of a joined product (read in place by rotate and put_rows)
-    const std::vector<at::Tensor> qkv = products(h, w[0], eps, rows_norm, w + 2, {-1, kv, kv}, rows_kernel, true, qkv_levels);
+    const std::vector<at::Tensor> qkv = products(h, w[0], eps, rows_norm, w + 2, {-1, kv, kv}, rows_kernel, true, qkv_levels,
+                                                     k_block);
     at::Tensor q, k, v;
     if (ragged) {  // [N, heads, D]
       const std::vector<int64_t> shape{h.size(0), -1, head_dim};
@@ -262,12 +265,13 @@ std::vector<at::Tensor> decoder_layers(at::Tensor h, const std::vector<at::Tenso
     out = !ragged ? out.reshape({batch, n_new, -1})
           : padded ? out.reshape({batch * n_new, -1}).index_select(0, real)
                    : out.reshape({batch * n_new, -1});
-    h = add_linear(h, out, w + 11, rows_kernel);
+    h = add_linear(h, out, w + 11, rows_kernel, k_block);
     // torch's SiLU: gate and up contiguous, as the separate modules return them, so that its vector loop
     // and tail split them the same way; FixedSiLU's bits do not depend on the split: read in place.
-    const std::vector<at::Tensor> gate_up = products(h, w[1], eps, rows_norm, w + 14, {-1, -1}, rows_kernel, fixed_silu, 1);
+    const std::vector<at::Tensor> gate_up = products(h, w[1], eps, rows_norm, w + 14, {-1, -1}, rows_kernel, fixed_silu, 1,
+                                                         k_block);
     const at::Tensor act = fixed_silu ? silu_mul(gate_up[0], gate_up[1]) : at::silu(gate_up[0]) * gate_up[1];
-    h = add_linear(h, act, w + 20, rows_kernel);
+    h = add_linear(h, act, w + 20, rows_kernel, k_block);
     if (static_cast<int64_t>(i) == capture) hidden = h;
   }
   return {h, hidden.defined() ? hidden : at::Tensor()};

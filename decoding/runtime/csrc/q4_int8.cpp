@@ -14,9 +14,14 @@
 // the minimum term, Q6_K's (signed codes, a scale per 16 inputs) as two such sums a block. In two levels
 // (quant.py: the attention's projections) the residual x - d qx is quantized again, d2 and qx2, and
 // each block adds scale * d2 * (q . qx2) after its first term: the input to about 16 bits for one more
-// dot product per unpacked block. Nothing depends on the number of rows, on which rows share a tile
-// or on threads: a row gets the same bits alone or in any batch, on every
-// path (the portable loop does the same operations in the same order; built with -ffp-contract=off).
+// dot product per unpacked block. With k_block 256 (model.activations=int8_256) a K-quant layer's
+// input takes one scale per super-block of 256 inputs instead (llama.cpp's Q8_K rule): the file's
+// integer sub-block scales then multiply the blocks' integer dot products, the minimums multiply the
+// blocks' integer code sums, both summed exactly in int32 over the super-block, and one float epilogue
+// per 256 inputs finishes them (super_tile) where the per-32 format spends one per 32. Nothing depends
+// on the number of rows, on which rows share a tile or on threads: a row gets the same bits alone or
+// in any batch, on every path (the portable loop does the same operations in the same order; built
+// with -ffp-contract=off).
 #include <ATen/Parallel.h>
 
 #include "kernels.h"
@@ -43,6 +48,7 @@
 namespace {
 
 constexpr int64_t QK = 32;  // inputs per block
+constexpr int64_t SB = 8;   // blocks per super-block (a K-quant's 256 inputs)
 constexpr int64_t L = 8;    // 32-bit lanes of an AVX2 register
 // Rows of x per tile: one weight block unpacked feeds R rows. With AVX-512's 32 vector registers
 // eight rows' accumulators stand beside a block's eight code vectors; with AVX2's 16, four.
@@ -57,13 +63,16 @@ constexpr int64_t PF = 16;
 constexpr int64_t MP = 64;  // rows per panel (a multiple of R: a row's tile does not depend on M)
 
 struct QuantRows {
+  int64_t block;           // inputs per scale: QK, or SB * QK (super-blocks: a K-quant layer's k_block 256)
   std::vector<int8_t> q;   // [M, K]
-  std::vector<float> d;    // [M, K / 32]
-  std::vector<float> s;    // [M, K / 32]
+  std::vector<float> d;    // [M, K / block]
+  std::vector<float> s;    // [M, K / 32]: d * sum(q) per block of 32 (QK blocks only; else empty)
   std::vector<int8_t> q2;  // two levels: the first level's residual quantized alone [M, K]; else empty
-  std::vector<float> d2;   // ... and its scales [M, K / 32]
+  std::vector<float> d2;   // ... and its scales [M, K / block]
   std::vector<int32_t> c;   // -128 times the sum of each block's codes 0-15 and 16-31 [M, K / 32, 2]
   std::vector<int32_t> c2;  // ... of the second level's codes (two levels; else empty)
+  std::vector<int16_t> n;   // super-blocks: the sum of each block's codes [M, K / 32]; else empty
+  std::vector<int16_t> n2;  // ... of the second level's (two levels)
 };
 
 // -128 times the sums of a block's first and last 16 codes: what turns a signed code w read as the
@@ -74,33 +83,34 @@ void half_sums(const int8_t* q, int32_t* c) {
   c[0] = -128 * lo, c[1] = -128 * hi;
 }
 
-// One block's codes: d = max |x| / 127, q = round-to-even(x * 127 / max |x|); returns sum(q). The
-// same arithmetic on every path (max and scaling are exact or one rounding each; nearbyint is
-// round-half-even like _mm256_round_ps's nearest mode).
-int32_t quantize_block(const float* xb, int8_t* q, float* d) {
+// max |x| over a block of 32 inputs (exact: the same value on every path).
+float block_amax(const float* xb) {
 #if defined(Q4_AVX2)
   const __m256 sign = _mm256_set1_ps(-0.0f);
-  __m256 v[4];
-  for (int k = 0; k < 4; ++k) v[k] = _mm256_loadu_ps(xb + 8 * k);
-  const __m256 m4 = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
-                                  _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+  __m256 m4 = _mm256_andnot_ps(sign, _mm256_loadu_ps(xb));
+  for (int k = 1; k < 4; ++k) m4 = _mm256_max_ps(m4, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + 8 * k)));
   alignas(32) float lanes[L];
   _mm256_store_ps(lanes, m4);
   float amax = 0.0f;
   for (int64_t l = 0; l < L; ++l) amax = std::max(amax, lanes[l]);
+  return amax;
 #else
   float amax = 0.0f;
   for (int64_t i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(xb[i]));
+  return amax;
 #endif
-  *d = amax / 127.0f;
-  const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+}
+
+// A block's codes q = round-to-even(x * inv); returns sum(q). The same arithmetic on every path
+// (one rounding of the product; nearbyint is round-half-even like _mm256_round_ps's nearest mode).
+int32_t code_block(const float* xb, float inv, int8_t* q) {
   int32_t sum = 0;
 #if defined(Q4_AVX2)
   // Rounded to nearest even, as nearbyint; packing saturates nothing (|code| <= 127).
   __m256i c[4];
   for (int k = 0; k < 4; ++k)
-    c[k] = _mm256_cvtps_epi32(
-        _mm256_round_ps(_mm256_mul_ps(v[k], _mm256_set1_ps(inv)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    c[k] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xb + 8 * k), _mm256_set1_ps(inv)),
+                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
   // The packs work within 128-bit halves: put the eight 4-byte groups back in order.
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
@@ -119,33 +129,67 @@ int32_t quantize_block(const float* xb, int8_t* q, float* d) {
   return sum;
 }
 
-// One row's blocks, s = d * sum(q). With two levels, the residual x - d q (one rounding, fma) is
-// quantized again by the same rule, x ~ d q + d2 q2 to about 16 bits, and s = d * sum(q) + d2 * sum(q2).
-void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s, int32_t* c, int8_t* q2, float* d2,
-                  int32_t* c2) {
-  for (int64_t b = 0; b < K / QK; ++b) {
-    const float* xb = x + b * QK;
-    const int32_t sum = quantize_block(xb, q + b * QK, d + b);
-    s[b] = d[b] * static_cast<float>(sum);
+// `blocks` blocks of 32 inputs under one scale d = max |x| / 127, q = round-to-even(x * 127 / max |x|),
+// each block's code sum into `sums`, its halves' into c (half_sums).
+void quantize_span(const float* x, int64_t blocks, int8_t* q, float* d, int32_t* sums, int32_t* c) {
+  float amax = 0.0f;
+  for (int64_t b = 0; b < blocks; ++b) amax = std::max(amax, block_amax(x + b * QK));
+  *d = amax / 127.0f;
+  const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+  for (int64_t b = 0; b < blocks; ++b) {
+    sums[b] = code_block(x + b * QK, inv, q + b * QK);
     half_sums(q + b * QK, c + 2 * b);
-    if (!q2) continue;
-    float residual[QK];
-    for (int64_t i = 0; i < QK; ++i) residual[i] = std::fma(-d[b], static_cast<float>(q[b * QK + i]), xb[i]);
-    const int32_t sum2 = quantize_block(residual, q2 + b * QK, d2 + b);
-    half_sums(q2 + b * QK, c2 + 2 * b);
-    s[b] = std::fma(d2[b], static_cast<float>(sum2), s[b]);
   }
 }
 
-// Rows x [M, K] quantized; with `norm` (a weight [K], else null) each row is first normalized into
-// `normed` (RMSNorm, norm_row), in the same task: one parallel region, rows split in fours.
-QuantRows quantize(const float* x, int64_t M, int64_t K, int64_t levels, const float* norm = nullptr,
+// One row's spans (a block of 32 each, or a super-block of 8 blocks), s = d * sum(q) per block of 32.
+// With two levels, the residual x - d q (one rounding, fma) is quantized again by the same rule,
+// x ~ d q + d2 q2 to about 16 bits, and s = d * sum(q) + d2 * sum(q2). Super-blocks keep each block's
+// code sums (n, n2) for the kernel's integer minimum term instead of s.
+void quantize_row(const float* x, int64_t K, int64_t block, int8_t* q, float* d, float* s, int32_t* c, int16_t* n,
+                  int8_t* q2, float* d2, int32_t* c2, int16_t* n2) {
+  const int64_t per = block / QK;
+  int32_t sums[SB], sums2[SB];
+  float residual[SB * QK];
+  for (int64_t span = 0; span < K / block; ++span) {
+    const int64_t b0 = span * per;
+    const float* xs = x + b0 * QK;
+    quantize_span(xs, per, q + b0 * QK, d + span, sums, c + 2 * b0);
+    if (q2) {
+      for (int64_t i = 0; i < block; ++i) residual[i] = std::fma(-d[span], static_cast<float>(q[b0 * QK + i]), xs[i]);
+      quantize_span(residual, per, q2 + b0 * QK, d2 + span, sums2, c2 + 2 * b0);
+    }
+    for (int64_t b = 0; b < per; ++b) {
+      if (n) {
+        n[b0 + b] = static_cast<int16_t>(sums[b]);
+        if (q2) n2[b0 + b] = static_cast<int16_t>(sums2[b]);
+      } else {
+        s[b0 + b] = d[span] * static_cast<float>(sums[b]);
+        if (q2) s[b0 + b] = std::fma(d2[span], static_cast<float>(sums2[b]), s[b0 + b]);
+      }
+    }
+  }
+}
+
+// Rows x [M, K] quantized with a scale per `block` inputs (QK, or SB * QK: super-blocks); with `norm` (a
+// weight [K], else null) each row is first normalized into `normed` (RMSNorm, norm_row), in the same
+// task: one parallel region, rows split in fours.
+QuantRows quantize(const float* x, int64_t M, int64_t K, int64_t levels, int64_t block, const float* norm = nullptr,
                    float eps = 0.0f, float* normed = nullptr) {
   TORCH_CHECK(levels == 1 || levels == 2, "q4_int8: activations in 1 or 2 int8 levels, not ", levels);
-  const int64_t nb = K / QK, fine = levels == 2 ? M : 0;
-  QuantRows r{std::vector<int8_t>(M * K), std::vector<float>(M * nb), std::vector<float>(M * nb),
-              std::vector<int8_t>(fine * K), std::vector<float>(fine * nb), std::vector<int32_t>(M * nb * 2),
-              std::vector<int32_t>(fine * nb * 2)};
+  TORCH_CHECK((block == QK || block == SB * QK) && K % block == 0, "q4_int8: a scale per ", QK, " or ", SB * QK,
+              " inputs dividing the ", K, " features, not ", block);
+  const int64_t nb = K / QK, ns = K / block, fine = levels == 2 ? M : 0, super = block == QK ? 0 : M;
+  QuantRows r{block,
+              std::vector<int8_t>(M * K),
+              std::vector<float>(M * ns),
+              std::vector<float>(super ? 0 : M * nb),
+              std::vector<int8_t>(fine * K),
+              std::vector<float>(fine * ns),
+              std::vector<int32_t>(M * nb * 2),
+              std::vector<int32_t>(fine * nb * 2),
+              std::vector<int16_t>(super * nb),
+              std::vector<int16_t>(fine && super ? M * nb : 0)};
   at::parallel_for(0, M, 4, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       const float* row = x + m * K;
@@ -153,9 +197,10 @@ QuantRows quantize(const float* x, int64_t M, int64_t K, int64_t levels, const f
         norm_row(row, norm, normed + m * K, K, eps);
         row = normed + m * K;
       }
-      quantize_row(row, K, r.q.data() + m * K, r.d.data() + m * nb, r.s.data() + m * nb, r.c.data() + m * nb * 2,
-                   fine ? r.q2.data() + m * K : nullptr, fine ? r.d2.data() + m * nb : nullptr,
-                   fine ? r.c2.data() + m * nb * 2 : nullptr);
+      quantize_row(row, K, block, r.q.data() + m * K, r.d.data() + m * ns, super ? nullptr : r.s.data() + m * nb,
+                   r.c.data() + m * nb * 2, super ? r.n.data() + m * nb : nullptr, fine ? r.q2.data() + m * K : nullptr,
+                   fine ? r.d2.data() + m * ns : nullptr, fine ? r.c2.data() + m * nb * 2 : nullptr,
+                   fine && super ? r.n2.data() + m * nb : nullptr);
     }
   });
   return r;
@@ -187,7 +232,6 @@ struct Format {
 // Q6_K's signed 8-bit scales of inputs 0-15 and 16-31 (d lo, d hi). expand_factors forms the float32
 // factors of a group with the loader's own products (each exact in float32), so the bits are those of
 // the float32 layout's.
-constexpr int64_t SB = 8;  // blocks per super-block
 
 template <bool HALVES>
 struct Compact {
@@ -345,6 +389,8 @@ struct TileRows {
   const float* d2;
   const int32_t* c;
   const int32_t* c2;
+  const int16_t* n;   // super-blocks: each block's code sums (else null)
+  const int16_t* n2;
 };
 
 // out[r * G + c] = row r of the tile against column c of group `w` / `f`: per block in order,
@@ -457,13 +503,189 @@ __attribute__((noinline)) void group_tile(const uint8_t* w, const uint8_t* f_byt
 #endif
 }
 
-// One tile of n_rows rows (R, 4, 2 or 1) against a group, in `two` levels or one.
-template <bool Q8, bool HALVES, bool COMPACT, int64_t ROWS = R>
+#if defined(Q4_AVX2)
+// A sub-block's integer scales for the group's 8 columns (the compact factors' bytes): Q4_K's 6-bit
+// scale or minimum (unsigned), Q6_K's signed byte.
+template <bool SIGNED>
+inline __m256i small_ints(const uint8_t* bytes) {
+  const __m128i eight = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes));
+  return SIGNED ? _mm256_cvtepi8_epi32(eight) : _mm256_cvtepu8_epi32(eight);
+}
+
+// Lane c: sc[c] times column c's block dot product with x (Q4 codes), exactly. With VNNI the dot's
+// int32 times sc; without, sc multiplies the block's 16-bit pair sums in the VPMADDWD that widens them
+// (sc16: sc in both halves of each lane; |pairs| <= 8 * 2 * 15 * 127, times 63 twice: no overflow).
+inline __m256i q4_dot_scaled(const __m256i* v, const int8_t* x, __m256i sc, __m256i sc16) {
+#if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
+  (void)sc16;
+  return _mm256_mullo_epi32(q4_dot(v, x), sc);
+#else
+  (void)sc;
+  __m256i pairs = _mm256_maddubs_epi16(v[0], x_group(x, 0));
+  for (int j = 1; j < 8; ++j) pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(v[j], x_group(x, j)));
+  return _mm256_madd_epi16(pairs, sc16);
+#endif
+}
+#endif
+
+// Super-blocks (a K-quant layer with k_block 256: one activation scale dx per 256 inputs): per
+// super-block, row and column, the integer sums
+//     S1 = sum_b sc_b (q . qx)_b   (halves: sum over both halves of each block, lo_b and hi_b)
+//     S2 = sum_b mn_b n_b          (Q4_K: n_b the block's code sum; halves: none)
+// are exact in int32 (|S1| < 2^25 for Q4_K, < 2^28 for Q6_K), and one float epilogue finishes them:
+//     t = float(S1) * d, (Q4_K) t = fma(-float(S2), dmin, t), acc = fma(t, dx, acc)
+// (TWO: then the same for the second level's sums and dx2). The same operations for every column, row
+// and tile size, on every path: a row's bits depend on that row alone.
+template <bool HALVES, int64_t ROWS, bool TWO>
+__attribute__((noinline)) void super_tile(const uint8_t* w, const uint8_t* f, const TileRows& x_rows, int64_t K,
+                                          bool prefetch, float* out) {
+  using F = Format<HALVES, HALVES>;  // Q4 codes (Q4_K) or Q8 codes in halves (Q6_K)
+  using C = Compact<HALVES>;
+  const int64_t nb = K / QK, ns = nb / SB;
+  const int8_t *q = x_rows.q, *q2 = x_rows.q2;
+  const float *d = x_rows.d, *d2 = x_rows.d2;
+  const int16_t *n = x_rows.n, *n2 = x_rows.n2;
+#if defined(Q4_AVX2)
+  const int32_t *c = x_rows.c, *c2 = x_rows.c2;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  // The float sums stay in `out` between super-blocks: in registers beside the integer sums and the
+  // codes they would push those to the stack.
+  for (int64_t i = 0; i < ROWS * G; ++i) out[i] = 0.0f;
+  for (int64_t sb = 0; sb < ns; ++sb) {
+    const uint8_t* head = f + sb * C::bytes;
+    __m256i s1[ROWS], s2[TWO ? ROWS : 1];
+    for (int64_t r = 0; r < ROWS; ++r) s1[r] = _mm256_setzero_si256();
+    if (TWO)
+      for (int64_t r = 0; r < ROWS; ++r) s2[r] = _mm256_setzero_si256();
+    for (int64_t b = sb * SB; b < sb * SB + SB; ++b) {
+      const uint8_t* sm = head + C::floats * 4 + b % SB * 2 * G;
+      const uint8_t* wb = w + b * F::bytes;
+      if (prefetch)
+        for (int64_t at = 0; at < F::bytes; at += 64) __builtin_prefetch(wb + PF * F::bytes + at);
+      __m256i v[8];
+      for (int j = 0; j < (HALVES ? 8 : 4); ++j) {
+        const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * j));
+        if (HALVES) {
+#if defined(Q8_BIASED)
+          v[j] = _mm256_xor_si256(p, _mm256_set1_epi8(static_cast<char>(0x80)));
+#else
+          v[j] = _mm256_abs_epi8(p);
+#endif
+        } else {
+          v[j] = _mm256_and_si256(p, low);
+          v[j + 4] = _mm256_and_si256(_mm256_srli_epi16(p, 4), low);
+        }
+      }
+      if (HALVES) {
+        const __m256i lo = small_ints<true>(sm), hi = small_ints<true>(sm + G);
+        auto scaled = [&](const int8_t* xb, const int32_t* cx) {
+          return _mm256_add_epi32(_mm256_mullo_epi32(q8_dot<0, 4>(v, wb, xb, cx[0]), lo),
+                                  _mm256_mullo_epi32(q8_dot<4, 8>(v, wb, xb, cx[1]), hi));
+        };
+        for (int64_t r = 0; r < ROWS; ++r) {
+          s1[r] = _mm256_add_epi32(s1[r], scaled(q + r * K + b * QK, c + (r * nb + b) * 2));
+          if (TWO) s2[r] = _mm256_add_epi32(s2[r], scaled(q2 + r * K + b * QK, c2 + (r * nb + b) * 2));
+        }
+      } else {
+        const __m256i sc = small_ints<false>(sm), sc16 = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));
+        for (int64_t r = 0; r < ROWS; ++r) {
+          s1[r] = _mm256_add_epi32(s1[r], q4_dot_scaled(v, q + r * K + b * QK, sc, sc16));
+          if (TWO) s2[r] = _mm256_add_epi32(s2[r], q4_dot_scaled(v, q2 + r * K + b * QK, sc, sc16));
+        }
+      }
+    }
+    const __m256 dw = _mm256_loadu_ps(reinterpret_cast<const float*>(head));
+    if (HALVES) {
+      for (int64_t r = 0; r < ROWS; ++r) {
+        __m256 a = _mm256_loadu_ps(out + r * G);
+        a = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s1[r]), dw), _mm256_set1_ps(d[r * ns + sb]), a);
+        if (TWO) a = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s2[r]), dw), _mm256_set1_ps(d2[r * ns + sb]), a);
+        _mm256_storeu_ps(out + r * G, a);
+      }
+      continue;
+    }
+    // The minimums against the blocks' code sums: blocks 2k and 2k + 1 as 16-bit pairs, one VPMADDWD.
+    const __m256 dmin = _mm256_loadu_ps(reinterpret_cast<const float*>(head) + G);
+    const uint8_t* mins = head + C::floats * 4 + G;
+    __m256i mn[SB / 2];
+    for (int k = 0; k < SB / 2; ++k)
+      mn[k] = _mm256_or_si256(small_ints<false>(mins + 4 * k * G),
+                              _mm256_slli_epi32(small_ints<false>(mins + (4 * k + 2) * G), 16));
+    auto epilogue = [&](__m256i sum, const int16_t* sums, float dx, __m256 a) {
+      __m256i m = _mm256_setzero_si256();
+      for (int k = 0; k < SB / 2; ++k) {
+        int32_t pair;
+        std::memcpy(&pair, sums + 2 * k, 4);
+        m = _mm256_add_epi32(m, _mm256_madd_epi16(mn[k], _mm256_set1_epi32(pair)));
+      }
+      const __m256 t = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(m), dmin, _mm256_mul_ps(_mm256_cvtepi32_ps(sum), dw));
+      return _mm256_fmadd_ps(t, _mm256_set1_ps(dx), a);
+    };
+    for (int64_t r = 0; r < ROWS; ++r) {
+      __m256 a = epilogue(s1[r], n + r * nb + sb * SB, d[r * ns + sb], _mm256_loadu_ps(out + r * G));
+      if (TWO) a = epilogue(s2[r], n2 + r * nb + sb * SB, d2[r * ns + sb], a);
+      _mm256_storeu_ps(out + r * G, a);
+    }
+  }
+#else
+  (void)prefetch;
+  float acc[ROWS][G] = {};
+  for (int64_t sb = 0; sb < ns; ++sb) {
+    const uint8_t* head = f + sb * C::bytes;
+    const uint8_t* small = head + C::floats * 4;
+    float dw[G], dmin[G];
+    std::memcpy(dw, head, sizeof dw);
+    if (!HALVES) std::memcpy(dmin, head + sizeof dw, sizeof dmin);
+    for (int64_t col = 0; col < G; ++col) {
+      int32_t code[SB][QK];
+      for (int64_t b = 0; b < SB; ++b)
+        for (int64_t k = 0; k < QK; ++k) code[b][k] = code_at<HALVES>(w + (sb * SB + b) * F::bytes, col, k);
+      // S1 (and S2) of one level's rows, as the vector path forms them
+      auto level = [&](const int8_t* xq, const int16_t* sums, float dx, float a) {
+        int32_t s1 = 0, s2 = 0;
+        for (int64_t b = 0; b < SB; ++b) {
+          const int8_t* xb = xq + (sb * SB + b) * QK;
+          const uint8_t* sm = small + b * 2 * G;
+          if (HALVES) {
+            int32_t lo = 0, hi = 0;
+            for (int64_t k = 0; k < QK / 2; ++k) lo += code[b][k] * xb[k];
+            for (int64_t k = QK / 2; k < QK; ++k) hi += code[b][k] * xb[k];
+            s1 += lo * static_cast<int8_t>(sm[col]) + hi * static_cast<int8_t>(sm[G + col]);
+          } else {
+            int32_t dot = 0;
+            for (int64_t k = 0; k < QK; ++k) dot += code[b][k] * xb[k];
+            s1 += dot * sm[col];
+            s2 += sm[G + col] * sums[sb * SB + b];
+          }
+        }
+        float t = static_cast<float>(s1) * dw[col];
+        if (!HALVES) t = std::fma(-static_cast<float>(s2), dmin[col], t);
+        return std::fma(t, dx, a);
+      };
+      for (int64_t r = 0; r < ROWS; ++r) {
+        acc[r][col] = level(q + r * K, HALVES ? nullptr : n + r * nb, d[r * ns + sb], acc[r][col]);
+        if (TWO) acc[r][col] = level(q2 + r * K, HALVES ? nullptr : n2 + r * nb, d2[r * ns + sb], acc[r][col]);
+      }
+    }
+  }
+  for (int64_t r = 0; r < ROWS; ++r)
+    for (int64_t col = 0; col < G; ++col) out[r * G + col] = acc[r][col];
+#endif
+}
+
+// One tile of n_rows rows (R, 4, 2 or 1) against a group, in `two` levels or one, per block of 32 or
+// (SUPER: a K-quant's compact factors) per super-block.
+template <bool Q8, bool HALVES, bool COMPACT, bool SUPER = false, int64_t ROWS = R>
 void rows_tile(int64_t n_rows, bool two, const uint8_t* w, const uint8_t* f, const TileRows& t, int64_t K, bool prefetch,
                float* out) {
-  if (n_rows == ROWS && two) return group_tile<Q8, ROWS, true, HALVES, COMPACT>(w, f, t, K, prefetch, out);
-  if (n_rows == ROWS) return group_tile<Q8, ROWS, false, HALVES, COMPACT>(w, f, t, K, prefetch, out);
-  if constexpr (ROWS > 1) rows_tile<Q8, HALVES, COMPACT, ROWS / 2>(n_rows, two, w, f, t, K, prefetch, out);
+  if constexpr (SUPER) {
+    if (n_rows == ROWS && two) return super_tile<HALVES, ROWS, true>(w, f, t, K, prefetch, out);
+    if (n_rows == ROWS) return super_tile<HALVES, ROWS, false>(w, f, t, K, prefetch, out);
+  } else {
+    if (n_rows == ROWS && two) return group_tile<Q8, ROWS, true, HALVES, COMPACT>(w, f, t, K, prefetch, out);
+    if (n_rows == ROWS) return group_tile<Q8, ROWS, false, HALVES, COMPACT>(w, f, t, K, prefetch, out);
+  }
+  if constexpr (ROWS > 1) rows_tile<Q8, HALVES, COMPACT, SUPER, ROWS / 2>(n_rows, two, w, f, t, K, prefetch, out);
 }
 
 #if defined(Q4_AMX)
@@ -630,7 +852,7 @@ struct Rows {
 };
 
 Rows quantized_rows(const at::Tensor& x, int64_t K, const char* name, const at::Tensor& norm, double eps,
-                    int64_t levels) {
+                    int64_t levels, int64_t block) {
   TORCH_CHECK(x.dim() > 0 && x.size(-1) == K, name, ": x has ", x.dim() ? x.size(-1) : 0, " features, the weight ", K);
   // float32 rows in place where they are (the C++ layers' case: no op at one token), else a copy
   const bool in_place = x.scalar_type() == at::kFloat && x.is_contiguous();
@@ -641,11 +863,11 @@ Rows quantized_rows(const at::Tensor& x, int64_t K, const char* name, const at::
                     norm.numel() == K,
                 name, ": a norm weight [", K, "] float32 for float32 rows");
     at::Tensor normed = at::empty_like(xf);
-    QuantRows qx = quantize(xf.data_ptr<float>(), M, K, levels, norm.data_ptr<float>(), static_cast<float>(eps),
-                            normed.data_ptr<float>());
+    QuantRows qx = quantize(xf.data_ptr<float>(), M, K, levels, block, norm.data_ptr<float>(),
+                            static_cast<float>(eps), normed.data_ptr<float>());
     return {normed, std::move(qx), M};
   }
-  QuantRows qx = quantize(xf.data_ptr<float>(), M, K, levels);
+  QuantRows qx = quantize(xf.data_ptr<float>(), M, K, levels, block);
   return {xf, std::move(qx), M};
 }
 
@@ -664,12 +886,13 @@ const float* bias_ptr(const at::Tensor& bias, at::Tensor& holder) {
 }
 
 // y = x W^T (+ bias) for W in groups of 8 columns of format Q8 or Q4 (packed [N / 8, K / 32 * bytes],
-// factors [N / 8, K / 32, factors / 8, 8]), in x's type and shape, x in `levels` int8 levels; x's rows
-// normalized first by `norm` and `residual` + y returned where they are defined (q4_int8_fused).
+// factors [N / 8, K / 32, factors / 8, 8]), in x's type and shape, x in `levels` int8 levels with a
+// scale per 32 inputs, or per `k_block` (256: super-blocks) where W is a K-quant's (compact factors);
+// x's rows normalized first by `norm` and `residual` + y returned where they are defined (q4_int8_fused).
 template <bool Q8, bool HALVES = false>
 at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& factors,
-                          const at::Tensor& bias, const char* name, int64_t levels, const at::Tensor& norm = {},
-                          double eps = 0.0, const at::Tensor& residual = {}) {
+                          const at::Tensor& bias, const char* name, int64_t levels, int64_t k_block,
+                          const at::Tensor& norm = {}, double eps = 0.0, const at::Tensor& residual = {}) {
   using F = Format<Q8, HALVES>;
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 2 &&
                   packed.size(1) % F::bytes == 0 && packed.size(1) > 0,
@@ -685,7 +908,10 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& packed, const a
                     factors.sizes() == at::IntArrayRef({groups, nb, F::factors / G, G}),
                 name, ": factors [N / 8, K / 32, ", F::factors / G, ", 8] float32");
   }
-  Rows rows = quantized_rows(x, K, name, norm, eps, levels);
+  TORCH_CHECK(k_block == QK || k_block == SB * QK, name, ": k_block (inputs per activation scale on a K-quant) ", QK,
+              " or ", SB * QK, ", not ", k_block);
+  const bool super = compact && k_block == SB * QK;  // the super-block kernel (super_tile)
+  Rows rows = quantized_rows(x, K, name, norm, eps, levels, super ? k_block : QK);
   const int64_t M = rows.M;
   at::Tensor y = at::empty({M, N}, rows.xf.options());
   const float* rp = nullptr;
@@ -702,11 +928,17 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& packed, const a
   const int64_t factor_bytes = compact ? nb / SB * Compact<HALVES>::bytes : nb * F::factors * 4;  // a group's
   const QuantRows& qx = rows.qx;
   const bool two = !qx.q2.empty();
+  const int64_t ns = K / qx.block;  // activation scales a row
   auto tile_rows = [&](int64_t m) {
-    return TileRows{qx.q.data() + m * K,         qx.d.data() + m * nb,
-                    qx.s.data() + m * nb,        two ? qx.q2.data() + m * K : nullptr,
-                    two ? qx.d2.data() + m * nb : nullptr, qx.c.data() + m * nb * 2,
-                    two ? qx.c2.data() + m * nb * 2 : nullptr};
+    return TileRows{qx.q.data() + m * K,
+                    qx.d.data() + m * ns,
+                    super ? nullptr : qx.s.data() + m * nb,
+                    two ? qx.q2.data() + m * K : nullptr,
+                    two ? qx.d2.data() + m * ns : nullptr,
+                    qx.c.data() + m * nb * 2,
+                    two ? qx.c2.data() + m * nb * 2 : nullptr,
+                    super ? qx.n.data() + m * nb : nullptr,
+                    super && two ? qx.n2.data() + m * nb : nullptr};
   };
   // out [n_rows, cols] (row stride cols) for rows m.. and columns from group g's first on: y = out +
   // bias (+ 0 without one: the bits of a zero bias), then residual + y,
@@ -729,8 +961,9 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& packed, const a
     }
   };
 #if defined(Q4_AMX)
-  // rows in AMX tiles (none in halves: a tile's product spans a whole block, one scale)
-  const int64_t m_amx = !HALVES && M >= TM && amx_permitted() ? M / TM * TM : 0;
+  // rows in AMX tiles (none in halves: a tile's product spans a whole block, one scale; none on
+  // super-blocks: their tiles are not built, the VNNI tiles run them)
+  const int64_t m_amx = !HALVES && !super && M >= TM && amx_permitted() ? M / TM * TM : 0;
 #else
   const int64_t m_amx = 0;
 #endif
@@ -778,7 +1011,8 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& packed, const a
         auto tile = [&](int64_t m, int64_t n_rows) {
           constexpr bool compact_kind = !Q8 || HALVES;  // the formats K-quants come in
           const bool prefetch = m == first;  // the group's first pass reads its codes from memory
-          if (compact) rows_tile<Q8, HALVES, compact_kind>(n_rows, two, w, f, tile_rows(m), K, prefetch, out);
+          if (super) rows_tile<Q8, HALVES, compact_kind, compact_kind>(n_rows, two, w, f, tile_rows(m), K, prefetch, out);
+          else if (compact) rows_tile<Q8, HALVES, compact_kind>(n_rows, two, w, f, tile_rows(m), K, prefetch, out);
           else rows_tile<Q8, HALVES, false>(n_rows, two, w, f, tile_rows(m), K, prefetch, out);
           store(out, m, n_rows, g, G);
         };
@@ -807,14 +1041,14 @@ Packing packing(const at::Tensor& packed, const at::Tensor& factors) {
 
 template <typename... Args>
 at::Tensor any_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& factors, const at::Tensor& bias,
-                      const char* name, int64_t levels, Args&&... rest) {
+                      const char* name, int64_t levels, int64_t k_block, Args&&... rest) {
   switch (packing(packed, factors)) {
     case Packing::Q8:
-      return grouped_linear<true>(x, packed, factors, bias, name, levels, rest...);
+      return grouped_linear<true>(x, packed, factors, bias, name, levels, k_block, rest...);
     case Packing::Q8_HALVES:
-      return grouped_linear<true, true>(x, packed, factors, bias, name, levels, rest...);
+      return grouped_linear<true, true>(x, packed, factors, bias, name, levels, k_block, rest...);
     default:
-      return grouped_linear<false>(x, packed, factors, bias, name, levels, rest...);
+      return grouped_linear<false>(x, packed, factors, bias, name, levels, k_block, rest...);
   }
 }
 
@@ -836,22 +1070,22 @@ const char* q4_int8_path() {
 }
 
 at::Tensor q4_int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& factors,
-                          const at::Tensor& bias, int64_t levels) {
+                          const at::Tensor& bias, int64_t levels, int64_t k_block) {
   RECORD_FUNCTION("tot::q4_int8_linear", std::vector<c10::IValue>());  // torch.profiler counts it as a linear
-  return any_linear(x, packed, factors, bias, "q4_int8_linear", levels);
+  return any_linear(x, packed, factors, bias, "q4_int8_linear", levels, k_block);
 }
 
 at::Tensor q4_int8_fused(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& factors,
-                         const at::Tensor& bias, int64_t levels, const at::Tensor& norm, double eps,
+                         const at::Tensor& bias, int64_t levels, int64_t k_block, const at::Tensor& norm, double eps,
                          const at::Tensor& residual) {
   RECORD_FUNCTION("tot::q4_int8_linear", std::vector<c10::IValue>());  // torch.profiler counts it as a linear
-  return any_linear(x, packed, factors, bias, "q4_int8_fused", levels, norm, eps, residual);
+  return any_linear(x, packed, factors, bias, "q4_int8_fused", levels, k_block, norm, eps, residual);
 }
 
 at::Tensor q8_int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& factors,
-                          const at::Tensor& bias, int64_t levels) {
+                          const at::Tensor& bias, int64_t levels, int64_t k_block) {
   RECORD_FUNCTION("tot::q8_int8_linear", std::vector<c10::IValue>());  // torch.profiler counts it as a linear
-  return any_linear(x, packed, factors, bias, "q8_int8_linear", levels);
+  return any_linear(x, packed, factors, bias, "q8_int8_linear", levels, k_block);
 }
 
 // Multiply-adds a second of a tight loop of the block dot product on every thread, with eight
@@ -908,17 +1142,28 @@ double q4_int8_tile_peak(int64_t iterations) {
 #endif
 }
 
-std::vector<at::Tensor> q4_int8_quantize(const at::Tensor& x, int64_t levels) {
+std::vector<at::Tensor> q4_int8_quantize(const at::Tensor& x, int64_t levels, int64_t block) {
   const at::Tensor xf = x.reshape({-1, x.size(-1)}).to(at::kFloat).contiguous();
   const int64_t M = xf.size(0), K = xf.size(1);
   TORCH_CHECK(K % QK == 0, "q4_int8_quantize: ", K, " features is not a multiple of ", QK);
-  QuantRows r = quantize(xf.data_ptr<float>(), M, K, levels);
+  QuantRows r = quantize(xf.data_ptr<float>(), M, K, levels, block);
   auto codes = [&](std::vector<int8_t>& from) {
     at::Tensor t = at::empty({M, K}, xf.options().dtype(at::kChar));
     std::memcpy(t.data_ptr<int8_t>(), from.data(), M * K);
     return t;
   };
-  auto floats = [&](std::vector<float>& from) { return at::from_blob(from.data(), {M, K / QK}, xf.options()).clone(); };
-  if (levels == 1) return {codes(r.q), floats(r.d), floats(r.s)};
-  return {codes(r.q), floats(r.d), floats(r.s), codes(r.q2), floats(r.d2)};
+  auto floats = [&](std::vector<float>& from) {
+    return at::from_blob(from.data(), {M, static_cast<int64_t>(from.size()) / M}, xf.options()).clone();
+  };
+  auto sums = [&](std::vector<int16_t>& from) {
+    return at::from_blob(from.data(), {M, K / QK}, xf.options().dtype(at::kShort)).clone();
+  };
+  // per 32: codes, scales, the blocks' s; per 256: codes, scales, the blocks' code sums; then the second level's
+  std::vector<at::Tensor> out{codes(r.q), floats(r.d), block == QK ? floats(r.s) : sums(r.n)};
+  if (levels == 2) {
+    out.push_back(codes(r.q2));
+    out.push_back(floats(r.d2));
+    if (block != QK) out.push_back(sums(r.n2));
+  }
+  return out;
 }

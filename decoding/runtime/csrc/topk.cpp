@@ -124,12 +124,18 @@ float row_exp_sum(const R& x, int64_t n, float most) {
   return (((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]))) + tail;
 }
 
+// With `normalise`, the row's softmax at its top k, and in `read` the row's largest value, the log of
+// its sum of exp(x - most) and its top k values as read (x / t): what log_row computes from the same
+// operations, so a step's log-probabilities of these rows need no second pass (logprobs.py `RowReading`).
 template <typename R>
-void top_row(const R& x, int64_t n, int64_t k, bool normalise, float* vals, int64_t* ids) {
+void top_row(const R& x, int64_t n, int64_t k, bool normalise, float* vals, int64_t* ids, float* read) {
   row_top_k(x, n, k, vals, ids);
   if (!normalise) return;
   const float most = vals[0];
   const float sum = row_exp_sum(x, n, most);
+  read[0] = most;
+  read[1] = std::log(sum);
+  for (int64_t j = 0; j < k; ++j) read[2 + j] = vals[j];
   for (int64_t j = 0; j < k; ++j) vals[j] = fixed_exp(vals[j] - most) / sum;
 }
 
@@ -197,7 +203,9 @@ void each_row(const std::vector<Row>& rows, F f) {
 }
 
 // normalise[b]: whether block b holds logits (its softmax's top k returned) or probabilities. Returns the
-// values [picked, k] (float32) and their ids [picked, k].
+// values [picked, k] (float32), their ids [picked, k] and per logits row what top_row read of it
+// [picked, 2 + k]: its largest value, the log of its sum of exp(x - most), its top k values (NaN for a
+// row of probabilities).
 std::vector<at::Tensor> top_k_rows(const std::vector<at::Tensor>& blocks, const std::vector<int64_t>& counts,
                                    const std::vector<int64_t>& picks, const c10::List<bool>& normalise,
                                    const std::vector<double>& temperatures, int64_t k) {
@@ -207,10 +215,14 @@ std::vector<at::Tensor> top_k_rows(const std::vector<at::Tensor>& blocks, const 
   const int64_t m = static_cast<int64_t>(rows.size());
   auto values = at::empty({m, k}, at::kFloat);
   auto ids = at::empty({m, k}, at::kLong);
+  auto read = at::full({m, 2 + k}, std::numeric_limits<float>::quiet_NaN(), at::kFloat);
   float* vp = values.data_ptr<float>();
   int64_t* ip = ids.data_ptr<int64_t>();
-  each_row(rows, [&](int64_t r, const auto& x) { top_row(x, n, k, rows[r].normalise, vp + r * k, ip + r * k); });
-  return {values, ids};
+  float* rp = read.data_ptr<float>();
+  each_row(rows, [&](int64_t r, const auto& x) {
+    top_row(x, n, k, rows[r].normalise, vp + r * k, ip + r * k, rp + r * (2 + k));
+  });
+  return {values, ids, read};
 }
 
 // log p of a row's token and of its k most likely: (x - most) - log(sum exp(x - most)) over the row read
