@@ -28,7 +28,7 @@ from decoding.base.options import as_int
 from decoding.runtime import kernels
 from decoding.runtime.models import cache_root, load_model
 from decoding.runtime.pretrained import pretrained
-from decoding.runtime.quant import Int4Linear
+from decoding.runtime.quant import Int4Linear, Q8Linear
 from decoding.runtime.runner import ModelRunner
 from decoding.runtime.spec import ModelSpec
 from decoding.runtime.time_split import PARTS, gpu_busy, time_split
@@ -133,10 +133,40 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * src.numel() * src.element_size() / (ms / 1000)
 
 
+def read_bandwidth(tensors: list[torch.Tensor]) -> float:
+    """Bytes per second a timed read of `tensors` moves on the CPU's threads (each reduced to its
+    largest 32-bit word: a pass the memory bounds, not the arithmetic), median of 5 after a warm-up:
+    the rate a forward that reads them whole can reach at best."""
+    words = [
+        t.reshape(-1).view(torch.uint8)[: t.numel() * t.element_size() // 4 * 4].view(torch.int32) for t in tensors
+    ]
+    ms = statistics.median(timed_ms(lambda: [w.amax() for w in words if w.numel()], 5))
+    return sum(w.numel() * 4 for w in words) / (ms / 1000)
+
+
+def forward_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """What a forward reads whole: each parameter and buffer once (shared storage once), except the
+    input embedding's table where no head multiplies by it (a forward reads one row a token), an int8
+    head's kept matrix (quant.Q8Linear: EDD's, not the forward's) and a 4-bit layer's unpacked codes
+    (quant.Int4Linear: what `dequantized` reads; the kernels read the packed ones)."""
+    lm = pretrained(model)
+    head = lm.get_output_embeddings()
+    table = cast(torch.Tensor, lm.get_input_embeddings().weight)
+    skip = {id(head.weight)} if isinstance(head, Q8Linear) else set()
+    skip |= {id(m.codes) for m in model.modules() if isinstance(m, Int4Linear)}  # dequantized()'s copy
+    if not (isinstance(head, torch.nn.Linear) and head.weight.data_ptr() == table.data_ptr()):
+        skip.add(id(table))
+    seen: dict[int, torch.Tensor] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        if id(t) not in skip and t.numel() and t.is_contiguous():
+            seen.setdefault(t.data_ptr(), t)
+    return list(seen.values())
+
+
 def add_floor(rows: list[Row], model: torch.nn.Module, bandwidth: float) -> None:
-    """The least time a forward can take on this GPU: reading every weight once (tied ones once) and
-    each row's cached keys and values over the context, at the copy's bandwidth."""
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    """The least time a forward can take here: reading what it reads whole once (`forward_tensors`)
+    and each row's cached keys and values over the context, at `bandwidth`."""
+    weights = sum(t.numel() * t.element_size() for t in forward_tensors(model))
     c = pretrained(model).config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     per_position = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * next(model.parameters()).element_size()
@@ -257,6 +287,10 @@ def main(cfg: DictConfig) -> None:
         add_floor(rows, target.model, bandwidth)
         about |= {"gpu": torch.cuda.get_device_name(loaded.device), "cuda": torch.version.cuda}
         about["copy_bandwidth_gb_s"] = bandwidth / 1e9
+    else:
+        bandwidth = read_bandwidth(forward_tensors(target.model))
+        add_floor(rows, target.model, bandwidth)
+        about["read_bandwidth_gb_s"] = bandwidth / 1e9
     if target.static is not None:
         g = target.static.stats
         about["graphs"] = {"spec": repr(target.static.spec), **vars(g)}
@@ -270,6 +304,13 @@ def main(cfg: DictConfig) -> None:
         print(
             f"floor: the weights and each row's cached context read once at {about['copy_bandwidth_gb_s']:.0f} GB/s "
             f"(a device-to-device copy on {about['gpu']}, read + written)"
+        )
+    if "read_bandwidth_gb_s" in about:
+        weights = sum(t.numel() * t.element_size() for t in forward_tensors(target.model))
+        print(
+            f"floor: the {weights / 1e6:.0f} MB a forward reads whole (forward_tensors) and each row's cached context "
+            f"read once at {about['read_bandwidth_gb_s']:.1f} GB/s (a timed read of those weights on "
+            f"{torch.get_num_threads()} threads)"
         )
     if pcfg.split and loaded.device.type == "cuda":
         print("\nthe share of each forward's wall time the GPU runs kernels (torch.profiler; the rest is the host)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from test_quant import int4_copy
 
 from decoding.base.errors import ConfigError
 from decoding.profile_forward import (
@@ -10,7 +11,9 @@ from decoding.profile_forward import (
     _cell,
     add_fitted,
     add_floor,
+    forward_tensors,
     profile,
+    read_bandwidth,
     sharing_table,
     split_table,
     table,
@@ -93,13 +96,30 @@ def test_profile_rejects_bad_sizes():
 
 
 def test_floor_reads_the_weights_and_each_rows_context_once(tiny_model):
-    """A GPU's floor (decoding.profile_forward on CUDA): the parameters' bytes once, plus per row the
-    keys and values of every layer over the context, at the measured bandwidth."""
+    """A forward's floor (decoding.profile_forward): the bytes it reads whole once (every parameter and
+    buffer but an untied embedding table, of which it reads a row a token), plus per row the keys and values of
+    every layer over the context, at the measured bandwidth."""
     rows = [{"batch": 1, "context": 100}, {"batch": 4, "context": 100}]
     add_floor(rows, tiny_model, bandwidth=1e9)
     c, size = tiny_model.config, next(tiny_model.parameters()).element_size()
-    weights = sum(p.numel() for p in tiny_model.parameters()) * size
+    table = tiny_model.get_input_embeddings().weight
+    tied = tiny_model.get_output_embeddings().weight.data_ptr() == table.data_ptr()
+    weights = (sum(p.numel() for p in tiny_model.parameters()) - (0 if tied else table.numel())) * size
+    weights += sum(b.numel() * b.element_size() for b in tiny_model.buffers())  # the rotary frequencies
     per_position = 2 * c.num_hidden_layers * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * size
     assert rows[0]["floor_ms"] == pytest.approx(1000 * (weights + 100 * per_position) / 1e9)
     assert rows[1]["floor_ms"] - rows[0]["floor_ms"] == pytest.approx(1000 * 3 * 100 * per_position / 1e9)
     assert ", floor " in _cell({"ms": 2.0, "relative": 1.0, **rows[0]})
+
+
+def test_an_int8_forward_reads_its_codes_not_the_heads_kept_matrix(tiny_model):
+    """On the int8 path the head multiplies its Q8 codes: the bfloat16 matrix it keeps (EDD's) and the
+    embedding table it is tied to are not what a forward reads whole; a timed read of the rest gives a
+    positive rate."""
+    model = int4_copy(tiny_model, "int8")
+    read = forward_tensors(model)
+    head = model.get_output_embeddings()
+    pointers = {t.data_ptr() for t in read}
+    assert head.packed8.data_ptr() in pointers and head.weight.data_ptr() not in pointers
+    assert model.get_input_embeddings().weight.data_ptr() not in pointers
+    assert read_bandwidth(read) > 0
