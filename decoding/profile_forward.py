@@ -11,6 +11,7 @@ batch) read these measured costs rather than typed-in ones. `out=PATH` also writ
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import statistics
@@ -28,7 +29,7 @@ from decoding.base.options import as_int
 from decoding.runtime import kernels
 from decoding.runtime.models import cache_root, load_model
 from decoding.runtime.pretrained import pretrained
-from decoding.runtime.quant import Int4Linear, Q8Linear
+from decoding.runtime.quant import INT8_FORMATS, Int4Linear, Q8Linear, takes_int8, use_k_block
 from decoding.runtime.runner import ModelRunner
 from decoding.runtime.spec import ModelSpec
 from decoding.runtime.time_split import PARTS, gpu_busy, time_split
@@ -50,6 +51,7 @@ class ProfileConfig:
     split: bool = True
     siblings: int = 1
     shared: int = 0
+    k_blocks: tuple[int, ...] = ()  # int8 activations' inputs per scale on K-quant layers to compare (32, 256)
 
     def __post_init__(self) -> None:
         for key, values in (("tree_sizes", self.tree_sizes), ("batch_sizes", self.batch_sizes)):
@@ -57,6 +59,10 @@ class ProfileConfig:
                 raise ConfigError(f"{key}={list(values)} must be a non-empty list of positive integers")
         if not isinstance(self.split, bool):
             raise ConfigError(f"split={self.split!r} must be true or false")
+        if any(k not in INT8_FORMATS.values() for k in self.k_blocks):
+            raise ConfigError(
+                f"k_blocks={list(self.k_blocks)} must list {' or '.join(map(str, INT8_FORMATS.values()))}"
+            )
         if self.context < 1 or self.repeats < 1:
             raise ConfigError(f"context={self.context} and repeats={self.repeats} must be positive integers")
         if self.siblings < 1 or not 0 <= self.shared <= self.context:
@@ -78,6 +84,7 @@ class ProfileConfig:
             split=c.get("split", True),
             siblings=as_int("siblings", c.get("siblings", 1)),
             shared=as_int("shared", c.get("shared", 0)),
+            k_blocks=tuple(as_int("k_blocks", v) for v in _list("k_blocks", c.get("k_blocks") or [])),
         )
 
     @property
@@ -91,6 +98,38 @@ def _list(key: str, value: object) -> list[Any]:
     if not isinstance(value, list):
         raise ConfigError(f"{key}={value!r} must be a list such as [1,4,16,64]")
     return value
+
+
+def compare_k_blocks(cfg: ProfileConfig, model: torch.nn.Module) -> list[Row]:
+    """Each cell's forward with the int8 kernel's K-quant layers at each of `cfg.k_blocks` inputs per
+    activation scale (the model, then copies of it, `quant.use_k_block`), the formats alternated within
+    each of `repeats` rounds so that the machine's drift falls on both: ms per format, median and least."""
+    runners: dict[int, ModelRunner] = {}
+    for k_block in cfg.k_blocks:
+        copy_ = copy.deepcopy(model) if runners else model
+        use_k_block(copy_, k_block)
+        runners[k_block] = ModelRunner(copy_)
+    prompts = {k: filled(r, cfg.context) for k, r in runners.items()}
+    rows: list[Row] = []
+    for batch in cfg.batch_sizes:
+        for size in cfg.tree_sizes:
+            steps = {k: verification(r, cfg.context, size, batch, 1, 0, prompts[k]) for k, r in runners.items()}
+            times: dict[int, list[float]] = {k: [] for k in runners}
+            for i in range(cfg.repeats):
+                for k in list(runners)[:: 1 if i % 2 == 0 else -1]:
+                    times[k] += timed_ms(steps[k], 1)
+            row: Row = {"batch": batch, "tree_tokens": size, "context": cfg.context, "reads": "per row"}
+            row["ms_by_k_block"] = {k: statistics.median(t) for k, t in times.items()}
+            row["ms_min_by_k_block"] = {k: min(t) for k, t in times.items()}
+            rows.append(row)
+    return rows
+
+
+def k_block_cell(row: Row) -> str:
+    """ms of each format (median, least) and the first's over the last (median)."""
+    ms, least = row["ms_by_k_block"], row["ms_min_by_k_block"]
+    first, last = ms[next(iter(ms))], ms[list(ms)[-1]]
+    return " / ".join(f"{ms[k]:.1f} ({least[k]:.1f})" for k in ms) + f" ms, {first / last:.2f}x"
 
 
 def _repeated(step: Callable[[], object], n: int) -> list[object]:
@@ -268,8 +307,24 @@ def main(cfg: DictConfig) -> None:
     try:
         pcfg = ProfileConfig.from_omegaconf(cfg)
         loaded = load_model(pcfg.model)
+        if pcfg.k_blocks and not any(takes_int8(m, alone=True) for m in loaded.model.modules()):
+            raise ConfigError(
+                f"k_blocks={list(pcfg.k_blocks)} compares the int8 kernel's activation formats, and this model has no "
+                "int8 layer: give a GGUF model on the CPU with model.activations=int8"
+            )
     except (ConfigError, BackendError) as e:
         fail(str(e).splitlines()[0])
+    if pcfg.k_blocks:
+        print(
+            f"verification forward, {loaded.source} on {loaded.device} ({torch.get_num_threads()} threads), context "
+            f"{pcfg.context} tokens, {pcfg.repeats} alternated rounds: ms (least) with K-quant layers' activations a "
+            f"scale per {' / '.join(map(str, pcfg.k_blocks))} inputs, and the first's time over the last's"
+        )
+        rows = compare_k_blocks(pcfg, loaded.model)
+        print(table(rows, k_block_cell))
+        if pcfg.out:
+            Path(pcfg.out).write_text(json.dumps({"model": loaded.source, "rows": rows}, indent=2, default=str) + "\n")
+        return
     target = ModelRunner(loaded.model, static=loaded.static, strict_graphs=loaded.strict_graphs)
     print(
         f"verification forward, {loaded.source} on {loaded.device} ({torch.get_num_threads()} threads), "

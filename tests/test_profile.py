@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from test_quant import int4_copy
+from conftest import build_model
+from test_quant import int4_copy, k_quant_blocks
 
 from decoding.base.errors import ConfigError
 from decoding.profile_forward import (
@@ -11,7 +12,9 @@ from decoding.profile_forward import (
     _cell,
     add_fitted,
     add_floor,
+    compare_k_blocks,
     forward_tensors,
+    k_block_cell,
     profile,
     read_bandwidth,
     sharing_table,
@@ -123,3 +126,17 @@ def test_an_int8_forward_reads_its_codes_not_the_heads_kept_matrix(tiny_model):
     assert head.packed8.data_ptr() in pointers and head.weight.data_ptr() not in pointers
     assert model.get_input_embeddings().weight.data_ptr() not in pointers
     assert read_bandwidth(read) > 0
+
+
+def test_k_blocks_time_both_activation_formats_in_one_process(tiny_model):
+    """profile_forward's k_blocks: each cell's forward under each format, alternated round by round, on
+    the model and a copy at the other k_block (the model's own layers keep theirs)."""
+    model = k_quant_blocks(build_model(tiny_model.config.vocab_size, arch="qwen2", hidden=256))
+    cfg = ProfileConfig(ModelSpec(), (1, 2), (1,), 8, 2, None, False, k_blocks=(32, 256))
+    rows = compare_k_blocks(cfg, model)
+    assert [(r["batch"], r["tree_tokens"]) for r in rows] == [(1, 1), (1, 2)]
+    assert all(set(r["ms_by_k_block"]) == {32, 256} and min(r["ms_min_by_k_block"].values()) > 0 for r in rows)
+    assert k_block_cell(rows[0]).endswith("x") and " / " in k_block_cell(rows[0])
+    assert {m.k_block for m in model.modules() if hasattr(m, "k_block")} == {32}
+    with pytest.raises(ConfigError, match=r"k_blocks=\[64\] must list 32 or 256"):
+        ProfileConfig(ModelSpec(), (1,), (1,), 8, 2, None, k_blocks=(64,))

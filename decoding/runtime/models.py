@@ -257,8 +257,9 @@ def activations_and_why(spec: ModelSpec, device: torch.device, weights: str) -> 
     4-bit layers on the CPU kernel: refused elsewhere, in one line. auto: int8 where the kernel runs on
     vector instructions (AVX2 or VNNI: faster than float in every forward measured, docs/performance.md)
     and `decoding.activation_error` measured this file's int8 outputs as close to float32 as llama.cpp's
-    (decoding/runtime/numerics.py), int8_256 where its K-quant layers' were too (fewer float operations
-    a product; not on AMX tiles, which run the scale per 32 and not the super-blocks); float elsewhere."""
+    (decoding/runtime/numerics.py), int8_256 where its KL and perplexity were measured no worse than
+    llama.cpp's (fewer float operations a product; not on AMX tiles, which run the scale per 32 and not
+    the super-blocks); float elsewhere."""
     if spec.activations == "auto":
         if device.type != "cpu" or weights != "gguf":
             return "float", None

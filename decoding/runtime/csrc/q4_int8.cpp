@@ -343,6 +343,29 @@ inline __m256i q8_dot(const __m256i* v, const uint8_t* w, const int8_t* x, int32
 #endif
 
 #if defined(Q4_AVX2)
+// A group's block of codes (wb, BYTES of them) as the dot products read them: Q8's signed codes as the
+// bytes w + 128 (VNNI) or |w| (q8_dot), Q4's nibbles as 8 vectors of 0..15 (q4_dot); with `prefetch` the
+// block PF ahead is asked for (a group's first tile reads its codes from memory).
+template <bool Q8, int64_t BYTES>
+inline void block_codes(const uint8_t* wb, bool prefetch, __m256i* v) {
+  if (prefetch)
+    for (int64_t at = 0; at < BYTES; at += 64) __builtin_prefetch(wb + PF * BYTES + at);
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  for (int j = 0; j < (Q8 ? 8 : 4); ++j) {
+    const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * j));
+    if (Q8) {
+#if defined(Q8_BIASED)
+      v[j] = _mm256_xor_si256(p, _mm256_set1_epi8(static_cast<char>(0x80)));
+#else
+      v[j] = _mm256_abs_epi8(p);
+#endif
+    } else {
+      v[j] = _mm256_and_si256(p, low);
+      v[j + 4] = _mm256_and_si256(_mm256_srli_epi16(p, 4), low);
+    }
+  }
+}
+
 // Block b's float32 factors for the group's 8 columns: its scales, and the second vector (Q4: the
 // minimums; halves: the scales of inputs 16-31; Q8: none), from the float32 layout or, COMPACT, formed
 // from a K-quant's (expand_factors' products, the same bits).
@@ -408,27 +431,12 @@ __attribute__((noinline)) void group_tile(const uint8_t* w, const uint8_t* f_byt
   const int64_t nb = K / QK;
 #if defined(Q4_AVX2)
   const int32_t *c = x_rows.c, *c2 = x_rows.c2;
-  const __m256i low = _mm256_set1_epi8(0x0F);
   __m256 acc[ROWS];
   for (int64_t r = 0; r < ROWS; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* wb = w + b * F::bytes;
-    if (prefetch)
-      for (int64_t at = 0; at < F::bytes; at += 64) __builtin_prefetch(wb + PF * F::bytes + at);
     __m256i v[8];
-    for (int j = 0; j < (Q8 ? 8 : 4); ++j) {
-      const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * j));
-      if (Q8) {
-#if defined(Q8_BIASED)
-        v[j] = _mm256_xor_si256(p, _mm256_set1_epi8(static_cast<char>(0x80)));
-#else
-        v[j] = _mm256_abs_epi8(p);
-#endif
-      } else {
-        v[j] = _mm256_and_si256(p, low);
-        v[j + 4] = _mm256_and_si256(_mm256_srli_epi16(p, 4), low);
-      }
-    }
+    block_codes<Q8, F::bytes>(wb, prefetch, v);
     __m256 scale, second = _mm256_setzero_ps();
     block_factors<Q8, HALVES, COMPACT>(f_bytes, b, scale, second);
     if (HALVES) {
@@ -547,7 +555,6 @@ __attribute__((noinline)) void super_tile(const uint8_t* w, const uint8_t* f, co
   const int16_t *n = x_rows.n, *n2 = x_rows.n2;
 #if defined(Q4_AVX2)
   const int32_t *c = x_rows.c, *c2 = x_rows.c2;
-  const __m256i low = _mm256_set1_epi8(0x0F);
   // The float sums stay in `out` between super-blocks: in registers beside the integer sums and the
   // codes they would push those to the stack.
   for (int64_t i = 0; i < ROWS * G; ++i) out[i] = 0.0f;
@@ -560,22 +567,8 @@ __attribute__((noinline)) void super_tile(const uint8_t* w, const uint8_t* f, co
     for (int64_t b = sb * SB; b < sb * SB + SB; ++b) {
       const uint8_t* sm = head + C::floats * 4 + b % SB * 2 * G;
       const uint8_t* wb = w + b * F::bytes;
-      if (prefetch)
-        for (int64_t at = 0; at < F::bytes; at += 64) __builtin_prefetch(wb + PF * F::bytes + at);
       __m256i v[8];
-      for (int j = 0; j < (HALVES ? 8 : 4); ++j) {
-        const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * j));
-        if (HALVES) {
-#if defined(Q8_BIASED)
-          v[j] = _mm256_xor_si256(p, _mm256_set1_epi8(static_cast<char>(0x80)));
-#else
-          v[j] = _mm256_abs_epi8(p);
-#endif
-        } else {
-          v[j] = _mm256_and_si256(p, low);
-          v[j + 4] = _mm256_and_si256(_mm256_srli_epi16(p, 4), low);
-        }
-      }
+      block_codes<HALVES, F::bytes>(wb, prefetch, v);
       if (HALVES) {
         const __m256i lo = small_ints<true>(sm), hi = small_ints<true>(sm + G);
         auto scaled = [&](const int8_t* xb, const int32_t* cx) {
