@@ -555,8 +555,8 @@ __attribute__((noinline)) void super_tile(const uint8_t* w, const uint8_t* f, co
   const int16_t *n = x_rows.n, *n2 = x_rows.n2;
 #if defined(Q4_AVX2)
   const int32_t *c = x_rows.c, *c2 = x_rows.c2;
-  // The float sums stay in `out` between super-blocks: in registers beside the integer sums and the
-  // codes they would push those to the stack.
+  // The float sums wait in `out` between super-blocks (read and written once per 256 inputs), so the
+  // registers hold the integer sums and the block's codes.
   for (int64_t i = 0; i < ROWS * G; ++i) out[i] = 0.0f;
   for (int64_t sb = 0; sb < ns; ++sb) {
     const uint8_t* head = f + sb * C::bytes;
