@@ -192,7 +192,7 @@ def test_top_k_rows_is_torch_topk_over_the_concatenation(built, monkeypatch):
     g = torch.Generator().manual_seed(3)
     full = (3.0 * torch.randn(2, 5, 4099, generator=g)).softmax(-1)  # a width no vector divides
     blocks = [full[0, :1], full[1, [0, 2, 4]], full[0, 1:3]]  # a view, a gathered copy, a slice
-    values, ids = top_k_rows(blocks, 10)
+    values, ids, _ = top_k_rows(blocks, 10)
     want = torch.cat(blocks).topk(10)
     assert torch.equal(values, want.values) and torch.equal(ids, want.indices)
     # Rows of exact zeros and minus infinity (processed and masked distributions): the values match.
@@ -200,7 +200,7 @@ def test_top_k_rows_is_torch_topk_over_the_concatenation(built, monkeypatch):
     x[0, [5, 200, 299]] = torch.tensor([0.5, 0.3, 0.2])
     x[1] = -torch.inf
     x[1, 7] = 0.0
-    values, ids = top_k_rows([x], 10)
+    values, ids, _ = top_k_rows([x], 10)
     assert torch.equal(values, x.topk(10).values)
     assert ids[0, :3].tolist() == [5, 200, 299] and ids[1, 0] == 7
     assert all(len(set(row)) == 10 for row in ids.tolist())  # k distinct tokens, even among ties
@@ -225,13 +225,13 @@ def test_top_k_rows_of_picked_rows_and_of_softmaxes(built, dtype, monkeypatch):
     masked = torch.randn(2, 4099, generator=g)
     masked[:, 100:] = -torch.inf
     picks = [[0, 3, 5], [1], [1, 0]]
-    values, ids = top_k_rows([logits, probs, masked], 8, picks, [True, False, True])
+    values, ids, _ = top_k_rows([logits, probs, masked], 8, picks, [True, False, True])
     want = torch.cat([logits[[0, 3, 5]].float().softmax(-1), probs[[1]], masked[[1, 0]].softmax(-1)]).topk(8)
     assert torch.equal(ids, want.indices)
     torch.testing.assert_close(values, want.values, rtol=1e-5, atol=1e-7)
     assert torch.equal(values[3], want.values[3])  # a probabilities block's values are its own
     # A row's values are its own: the same bits alone, in another block or beside other rows.
-    alone, _ = top_k_rows([logits[3:4]], 8, None, [True])
+    alone, _, _ = top_k_rows([logits[3:4]], 8, None, [True])
     assert torch.equal(alone[0], values[1])
 
 

@@ -100,10 +100,11 @@ def _read(asked: list[Asked]) -> list[list[TokenLogprob]]:
 def read_before(
     r: RowReading | None, block: torch.Tensor, temperature: float, rows: list[int], top: int
 ) -> TypeGuard[RowReading]:
-    """Whether the acceptance read these rows of this block at this temperature, k at least `top`."""
+    """Whether the acceptance read these rows of this block at this temperature, k at least `top` (a
+    reading is made on the kernel only)."""
     if r is None or r.block is not block or r.temperature != temperature or r.rows[: len(rows)] != rows:
         return False
-    return top <= len(r.ids[0]) and on_kernel([block])
+    return top <= len(r.ids[0])
 
 
 def from_reading(r: RowReading, tokens: list[int], top: int) -> list[TokenLogprob]:

@@ -128,29 +128,18 @@ def top_k_rows(
     picks: list[list[int]] | None = None,
     normalise: list[bool] | None = None,
     temperatures: list[float] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """`top_k` over chosen rows of several [n_i, V] blocks as if their rows were concatenated
     (`picks[i]`: block i's rows, all where None), of the softmax of a block where `normalise[i]` (its
     rows logits: the top tokens of the distribution and their probabilities), each block's rows read
     divided by `temperatures[i]` (the same bits as `processed_logits` at that temperature alone). On
     the CPU by csrc/topk.cpp where this process has built the kernels: float32 or bfloat16 rows read
     where they lie, no copy, cast, division or softmax written (three rows of a 49k vocabulary: 0.6 ms
-    a step with them); else by `top_k` (on the first non-CPU block's device, where the rows are moved)."""
-    values, ids, _ = top_k_rows_read(blocks, k, picks, normalise, temperatures)
-    return values, ids
-
-
-def top_k_rows_read(
-    blocks: list[torch.Tensor],
-    k: int,
-    picks: list[list[int]] | None = None,
-    normalise: list[bool] | None = None,
-    temperatures: list[float] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """`top_k_rows`, and on the kernel what it read of each normalised row [picked, 2 + k]: the row's
-    largest value, the log of its sum of exp(x - most), its top k values as read (x / t); the same
+    a step with them); else by `top_k` (on the first non-CPU block's device, where the rows are moved).
+    The third value: on the kernel what it read of each normalised row [picked, 2 + k], the row's
+    largest value, the log of its sum of exp(x - most) and its top k values as read (x / t), the same
     float32 operations as csrc/topk.cpp's `log_rows`, so those rows' log-probabilities follow from them
-    with the same bits (logprobs.py `RowReading`). None off the kernel."""
+    with the same bits (logprobs.py `RowReading`); None off the kernel."""
     picks = [list(range(len(b))) for b in blocks] if picks is None else picks
     normalise = [False] * len(blocks) if normalise is None else normalise
     temperatures = [1.0] * len(blocks) if temperatures is None else temperatures

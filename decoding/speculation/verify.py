@@ -21,7 +21,7 @@ from decoding.speculation.gumbel import gumbel_pick, gumbel_pick_rows, gumbel_ta
 from decoding.speculation.logprobs import RowReading
 from decoding.speculation.options import Rule
 from decoding.speculation.row_sampling import RowSampling
-from decoding.speculation.sampling import argmax_rows, processed_logits, top_k, top_k_rows_read
+from decoding.speculation.sampling import argmax_rows, processed_logits, top_k, top_k_rows
 from decoding.speculation.sequence import Sequence
 
 Top = tuple[list[list[int]], list[list[float]]]  # per row: the top-k token ids and their probabilities
@@ -301,7 +301,7 @@ def top_tokens(
     """Per row (its accepted path, processed distribution or None, processed logits or None, raw
     logits) and its settings: the k most likely tokens at its root and along its path (`Verdict.top`)
     and their probabilities (the processed distribution; the logits' softmax for greedy rows), by one
-    top-k over the step's rows where they lie (`top_k_rows_read`, which normalises the logits' rows
+    top-k over the step's rows where they lie (`top_k_rows`, which normalises the logits' rows
     itself), and what that pass read of each row's logits (`Verdict.reading`; None for a distribution's
     rows or off the kernel). A sampled row left unprocessed (`drawn_raw`: its processing the
     temperature's division alone) is read from its raw logits divided by its temperature there, with
@@ -316,7 +316,7 @@ def top_tokens(
         blocks.append(block)
         normalise.append(norm)
         temperatures.append(temperature if raw else 1.0)
-    values, ids, read = top_k_rows_read(blocks, min(k, blocks[0].shape[-1]), ats, normalise, temperatures)
+    values, ids, read = top_k_rows(blocks, min(k, blocks[0].shape[-1]), ats, normalise, temperatures)
     ids_l, values_l = ids.tolist(), values.tolist()  # one conversion for the step
     read_l = None if read is None else read.tolist()
     out: list[Top] = []
