@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from builds import BUILDS, other_build
 from gguf import GGMLQuantizationType, quantize
 from test_quant import int4_copy, k_quant_layer, q4_k_bytes, q6_k_bytes
 
@@ -386,43 +386,21 @@ def test_shipped_records_are_of_this_arithmetic():
         assert record.choice(tiles=False)[0] != "float", path.name
 
 
-# Builds of the kernel without this machine's wider instructions: the portable loop (no AVX2, no FMA:
-# std::fma in software) and AVX2 alone (VPMADDUBSW + VPMADDWD, no VNNI, AVX-512 or AMX).
-BUILDS = {
-    "portable": ["-march=x86-64", "-mno-avx2", "-mno-fma"],
-    "avx2": ["-march=haswell"],
-}
-
-
 @pytest.mark.parametrize("build", sorted(BUILDS))
 def test_every_path_gives_the_same_bits(build):
     """The kernel built for `build` gives the bits of this machine's own path (AVX2, VNNI, or AMX
     tiles for each 16 rows with VNNI for the rest), for rows in tiles of 16 and 4 and alone, with
     activation scales per 32 and, on the K-quants, per super-block of 256."""
-    from torch.utils import cpp_extension
-
     native = kernels.load().q4_int8_path()  # checked here, not at collection: no build then
     if native == "portable" or native == build:
         pytest.skip(f"this machine's own path is {native}: nothing to compare the {build} build with")
-    name = f"tot_q4_int8_{build}"
-    # The source where the build lies, written only when it changes: torch's ninja then rebuilds only
-    # when q4_int8.cpp (a dependency it tracks) does, not at every run (25 s of compiling a build).
     text = (
         f'#include <torch/extension.h>\n#include "{kernels.CSRC / "q4_int8.cpp"}"\n'
         "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {\n"
         '  m.def("q4_int8_linear", &q4_int8_linear);\n  m.def("q8_int8_linear", &q8_int8_linear);\n'
         '  m.def("q4_int8_path", &q4_int8_path);\n}\n'
     )
-    source = Path(cpp_extension._get_build_directory(name, verbose=False)) / f"{build}.cpp"
-    if not source.is_file() or source.read_text() != text:
-        source.write_text(text)
-    other = cpp_extension.load(
-        name=name,
-        sources=[str(source)],
-        extra_cflags=["-O2", *BUILDS[build], "-ffp-contract=off", "-fopenmp"],
-        extra_include_paths=[str(kernels.CSRC)],
-        extra_ldflags=["-fopenmp"],
-    )
+    other = other_build("tot_q4_int8", build, text)
     assert other.q4_int8_path() == build
     for kind in ("Q4_1", "Q4_K", "Q8_0", "Q6_K"):
         layer = gguf_layer(80, 512, kind)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from builds import BUILDS, other_build
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from decoding.runtime import kernels
+from decoding.speculation.gumbel import _signed, draw_top_rows, gumbel_pick_rows, key
 from decoding.speculation.sampling import (
     NUCLEUS_FIRST,
     SamplingParams,
@@ -366,3 +368,65 @@ def test_token_logprobs_of_a_step_in_one_call_are_torchs_log_softmax():
             assert [v for _, v in a.top] == pytest.approx([v for _, v in b.top], abs=1e-5)
     alone = token_logprobs([Asked(logits, [4], [10], SamplingParams(temperature=0.6), 5)])[0][0]
     assert alone == got[1][1]
+
+
+def raw_rows(vocab: int, dtype: torch.dtype, n: int = 12) -> tuple[list[torch.Tensor], list[int], list[float]]:
+    """Rows of raw logits (peaked, middling and flat, in `dtype`), their noise streams and temperatures."""
+    g = torch.Generator().manual_seed(vocab)
+    rows = [(torch.randn(vocab, generator=g) * [0.3, 3.0, 30.0][r % 3]).to(dtype) for r in range(n)]
+    return rows, [key(r, 5 * r + 1) for r in range(n)], [[0.6, 1.0, 1.7, 0.123][r % 4] for r in range(n)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [10, 283, 49_159])
+def test_a_draw_and_its_top_k_in_one_pass_are_the_two_calls(dtype, vocab):
+    """csrc/draw_top.cpp: a raw row's Gumbel-max draw and its top k (their probabilities, ids and what
+    was read of the row) from one pass are `gumbel_pick_rows`' token and `top_k_rows`' values bit for
+    bit, at several temperatures, over widths that are no multiple of its blocks (64) or lanes (16, 8)."""
+    kernels.load()
+    rows, keys, temperatures = raw_rows(vocab, dtype)
+    k = min(10, vocab)
+    picks, values, ids, read = draw_top_rows(rows, keys, temperatures, k)
+    assert picks == gumbel_pick_rows(rows, keys, temperatures)
+    want_values, want_ids, want_read = top_k_rows([r[None] for r in rows], k, None, [True] * len(rows), temperatures)
+    assert torch.equal(values, want_values) and torch.equal(ids, want_ids)
+    assert read is not None and want_read is not None and torch.equal(read, want_read)
+
+
+SAMPLING_BINDINGS = """#define TOT_SAMPLING_UNREGISTERED
+#include <torch/extension.h>
+#include "{csrc}/gumbel.cpp"
+#include "{csrc}/topk.cpp"
+#include "{csrc}/draw_top.cpp"
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {{
+  m.def("gumbel_pick_rows", &gumbel_pick_rows);
+  m.def("log_rows", &log_rows);
+  m.def("draw_top_rows", &draw_top_rows);
+}}
+"""
+
+
+@pytest.mark.parametrize("build", sorted(BUILDS))
+def test_the_sampling_kernels_give_every_builds_bits(build):
+    """The draws, top k, sums of exp and log-probabilities of this machine's build (its widest lanes:
+    16 exponentials at once and the draw's vector filter on AVX-512) are those of the portable and the
+    AVX2 builds, bit for bit: a seed samples the same tokens, with the same log-probabilities, on
+    every machine."""
+    kernels.load()
+    other = other_build("tot_sampling", build, SAMPLING_BINDINGS.format(csrc=kernels.CSRC))
+    for dtype in (torch.float32, torch.bfloat16):
+        for vocab in (10, 283, 49_159):
+            rows, keys, temperatures = raw_rows(vocab, dtype)
+            streams = [_signed(c) for c in keys]
+            k = min(10, vocab)
+            want_picks = torch.ops.tot_sampling.gumbel_pick_rows(rows, streams, temperatures)
+            assert other.gumbel_pick_rows(rows, streams, temperatures) == list(want_picks), (dtype, vocab)
+            got = other.draw_top_rows(rows, streams, temperatures, k)
+            want = torch.ops.tot_sampling.draw_top_rows(rows, streams, temperatures, k)
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), (dtype, vocab)
+            blocks, tokens = [torch.stack(rows)], [(7 * r) % vocab for r in range(len(rows))]
+            for t in (1.0, 0.7):
+                args = (blocks, [len(rows)], list(range(len(rows))), [t], tokens, k)
+                got = other.log_rows(*args)
+                want = torch.ops.tot_sampling.log_rows(*args)
+                assert all(torch.equal(a, b) for a, b in zip(got, want)), (dtype, vocab, t)

@@ -27,7 +27,7 @@ SOURCES: tuple[str, ...] = ("activation.cpp", "attention.cpp", "layers.cpp", "ma
 SOURCES += ("module.cpp",)
 # Built into the same module but left out of `source_digest`: they compute no forward, so a shipped
 # numerics record or cost profile stays valid whatever they change (they register torch.ops of their own).
-SAMPLING_SOURCES = ("gumbel.cpp", "argmax.cpp", "topk.cpp")
+SAMPLING_SOURCES = ("gumbel.cpp", "argmax.cpp", "topk.cpp", "draw_top.cpp")
 # -ffp-contract=off: the only fused multiply-adds are the explicit ones (attention.cpp's header);
 # -fno-trapping-math lets floor and selects vectorize; on x86, -mprefer-vector-width=512: GCC's loops
 # use the 512-bit registers where the CPU has them (it tunes Intel's AVX-512 cores to 256 bits, which

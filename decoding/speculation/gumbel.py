@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from decoding.runtime import kernels
-from decoding.speculation.sampling import SamplingParams, processed_logits
+from decoding.speculation.sampling import SamplingParams, on_kernel, processed_logits, top_k_rows
 
 _GAMMA = 0x9E3779B97F4A7C15  # splitmix64's increment (the golden ratio's fraction, odd)
 _M1 = 0xBF58476D1CE4E5B9
@@ -117,6 +117,22 @@ def gumbel_pick_rows(rows: list[torch.Tensor], keys: list[int], temperatures: li
     ):
         return list(torch.ops.tot_sampling.gumbel_pick_rows(rows, [_signed(k) for k in keys], ts))
     return [_pick_np(r if t == 1.0 else r.float() / t, k) for r, k, t in zip(rows, keys, ts)]
+
+
+def draw_top_rows(
+    rows: list[torch.Tensor], keys: list[int], temperatures: list[float], k: int
+) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """For raw logits rows [V] whose processing is the division by their temperature alone: each
+    row's draw (`gumbel_pick_rows` with `temperatures`), and the same rows' `top_k_rows` read as
+    logits at those temperatures (the top k's probabilities [R, k], their ids [R, k], what was read [R,
+    2 + k] or None): in one call of csrc/draw_top.cpp where the kernels are built, the row divided
+    once and its sum of exp taken in the draw's pass, else the two calls; the same values either way."""
+    if on_kernel(rows) and all(r.is_contiguous() for r in rows):
+        streams = [_signed(c) for c in keys]
+        picks, values, ids, read = torch.ops.tot_sampling.draw_top_rows(rows, streams, temperatures, k)
+        return picks.tolist(), values, ids, read
+    values, ids, read = top_k_rows([r[None] for r in rows], k, None, [True] * len(rows), temperatures)
+    return gumbel_pick_rows(rows, keys, temperatures), values, ids, read
 
 
 def _pick_np(scores: torch.Tensor, stream: int) -> int:

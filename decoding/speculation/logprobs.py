@@ -47,6 +47,13 @@ class RowReading:
     values: list[list[float]]
     ids: list[list[int]]
 
+    @classmethod
+    def of(
+        cls, block: torch.Tensor, temperature: float, rows: list[int], read: list[list[float]], ids: list[list[int]]
+    ) -> RowReading:
+        """From the kernel's rows of what it read ([2 + k] each: most, log of the sum, the top k)."""
+        return cls(block, temperature, rows, [r[0] for r in read], [r[1] for r in read], [r[2:] for r in read], ids)
+
 
 @dataclass(frozen=True)
 class Asked:

@@ -17,7 +17,7 @@ from decoding.runtime.runner import ModelRunner, Scored
 from decoding.speculation.acceptance import walk_matched, walk_rejection
 from decoding.speculation.device_walk import read_walks, walk_matched_rows
 from decoding.speculation.draft_tree import DraftTree
-from decoding.speculation.gumbel import gumbel_pick, gumbel_pick_rows, gumbel_targets, key
+from decoding.speculation.gumbel import draw_top_rows, gumbel_pick, gumbel_pick_rows, gumbel_targets, key
 from decoding.speculation.logprobs import RowReading
 from decoding.speculation.options import Rule
 from decoding.speculation.row_sampling import RowSampling
@@ -146,7 +146,10 @@ def accept(
                 targets[b] = listed[start : start + 1 + len(trees[b])]
                 start += 1 + len(trees[b])
     else:
-        targets = host_targets(scored, trees, seqs, sampling, scores, raw, rule)
+        targets, drawn_tops = host_targets(scored, trees, seqs, sampling, scores, raw, rule, top)
+        for b, (row_top, reading) in drawn_tops.items():
+            walked_tops[b] = row_top
+            readings[b] = reading
 
     def decide(b: int) -> tuple[list[int], int, torch.Tensor | None]:
         tree, s, row, sc, own, dist = trees[b], seqs[b], logits[b], scores[b], targets[b], dists[b]
@@ -266,13 +269,15 @@ def host_targets(
     scores: list[torch.Tensor | None],
     raw: list[bool],
     rule: Rule,
-) -> list[list[int] | None]:
+    top: int = 0,
+) -> tuple[list[list[int] | None], dict[int, tuple[Top, RowReading | None]]]:
     """On the CPU, per greedy row its argmax at the root and at each node ([1 + N] ids), and per
     sampled row without a draft its Gumbel-max draw ([1], as `target_sampler` draws it); None for the
     other rows (sampled lazily, only the nodes a walk reaches). One argmax over the forward's logits
     where they lie together, else over the greedy rows' (a call per row cost a tenth of a millisecond
     more than its argmax); the draws in one call, rows on the machine's threads, the `raw` ones from
-    their logits and temperature (`drawn_raw`)."""
+    their logits and temperature (`drawn_raw`). With `top`, a raw row's top tokens (`top_tokens`' of
+    its root, and what that read of it) come from its draw's pass (`draw_top_rows`), keyed by row."""
     greedy = [b for b, g in enumerate(sampling.greedy) if g]
     out: list[list[int] | None] = [None] * len(seqs)
     if greedy:
@@ -284,13 +289,31 @@ def host_targets(
             out[b] = flat[start : start + n]
             start += n
     drawn = [b for b, g in enumerate(sampling.greedy) if not g and not len(trees[b]) and rule != "match_multinomial"]
-    if drawn:
-        rows = [scored.logits[b][0] if raw[b] else scores[b][0] for b in drawn]  # type: ignore[index]
-        temperatures = [sampling.temperatures[b] if raw[b] else 1.0 for b in drawn]
-        picks = gumbel_pick_rows(rows, [key(seqs[b].seed, seqs[b].position) for b in drawn], temperatures)
-        for b, token in zip(drawn, picks):
+    with_top = [b for b in drawn if top and raw[b]]
+    alone = [b for b in drawn if not (top and raw[b])]
+    tops: dict[int, tuple[Top, RowReading | None]] = {}
+    if with_top:
+        blocks = [scored.logits[b] for b in with_top]
+        temperatures = [sampling.temperatures[b] for b in with_top]
+        picks, values, ids, read = draw_top_rows(
+            [block[0] for block in blocks],
+            [key(seqs[b].seed, seqs[b].position) for b in with_top],
+            temperatures,
+            min(top, blocks[0].shape[-1]),
+        )
+        ids_l, values_l = ids.tolist(), values.tolist()
+        read_l = None if read is None else read.tolist()
+        for i, (b, block, t, token) in enumerate(zip(with_top, blocks, temperatures, picks)):
             out[b] = [token]
-    return out
+            reading = None if read_l is None else RowReading.of(block, t, [0], read_l[i : i + 1], ids_l[i : i + 1])
+            tops[b] = (ids_l[i : i + 1], values_l[i : i + 1]), reading
+    if alone:
+        rows = [scored.logits[b][0] if raw[b] else scores[b][0] for b in alone]  # type: ignore[index]
+        temperatures = [sampling.temperatures[b] if raw[b] else 1.0 for b in alone]
+        picks = gumbel_pick_rows(rows, [key(seqs[b].seed, seqs[b].position) for b in alone], temperatures)
+        for b, token in zip(alone, picks):
+            out[b] = [token]
+    return out, tops
 
 
 def top_tokens(
@@ -328,9 +351,7 @@ def top_tokens(
         if read_l is None or not norm:
             readings.append(None)
         else:
-            rows = read_l[start:end]
-            most, log_sum, top = [r[0] for r in rows], [r[1] for r in rows], [r[2:] for r in rows]
-            readings.append(RowReading(block, temperature, at, most, log_sum, top, ids_l[start:end]))
+            readings.append(RowReading.of(block, temperature, at, read_l[start:end], ids_l[start:end]))
         start = end
     return out, readings
 

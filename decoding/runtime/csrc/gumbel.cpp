@@ -1,131 +1,17 @@
-// The project's Gumbel-max draw of one row (decoding/speculation/gumbel.py `gumbel_pick`): the token of
-// largest processed logit + G(key, token), G a fixed function of splitmix64's bits for (key, token).
-//
-// One pass with no logarithm for most tokens: each token's 52 random bits are hashed (integer work),
-// and its noise is bounded from above by a table over the bits' top 12 (G grows with the bits); only a
-// token whose score plus that bound reaches the best value found so far gets its exact noise (two
-// logarithms). The best-scored token is drawn first, so the running best starts near the final one and
-// a handful of tokens a row pass the bound. The numpy form hashed every token, took the largest bits
-// and then the logarithms of every token within reach of them: 0.25 ms a peaked 49k row, 1.2 ms a flat
-// one (the reach then holds thousands).
-//
-// Registered as torch.ops.tot_sampling.gumbel_pick_rows, apart from module.cpp: the forward's kernels and
-// their digest (what a shipped numerics record or cost profile is valid for) do not change with it.
+// torch.ops.tot_sampling.gumbel_pick_rows: each row's Gumbel-max draw (gumbel.h), rows on the machine's
+// threads. Registered apart from module.cpp: the forward's kernels and their digest (what a shipped
+// numerics record or cost profile is valid for) do not change with it.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 #include <torch/library.h>
 
-#include <array>
-#include <cmath>
+#include "gumbel.h"
+#include "rows.h"
+
 #include <cstdint>
-#include <limits>
 #include <vector>
 
 namespace {
-
-constexpr uint64_t GAMMA = 0x9E3779B97F4A7C15ull;
-constexpr uint64_t M1 = 0xBF58476D1CE4E5B9ull;
-constexpr uint64_t M2 = 0x94D049BB133111EBull;
-constexpr double SCALE = 1.0 / 4503599627370496.0;  // 2^-52
-constexpr int TABLE_BITS = 12;
-constexpr int BLOCK = 64;
-
-inline double gumbel_of(uint64_t bits) { return -std::log(-std::log((static_cast<double>(bits) + 0.5) * SCALE)); }
-
-// Eight tokens' bits at once (GCC's vector extensions: AVX-512's 64-bit multiply where the CPU has it,
-// an emulation in 32-bit halves on AVX2): the hash, not the logarithms, is the pass's cost.
-typedef uint64_t u64x8 __attribute__((vector_size(64)));
-
-inline u64x8 mix(u64x8 x) {
-  x ^= x >> 30;
-  x *= M1;
-  x ^= x >> 27;
-  x *= M2;
-  x ^= x >> 31;
-  return x >> 12;
-}
-
-inline uint64_t bits_of(uint64_t start, uint64_t token) {
-  u64x8 x = {token * GAMMA + start};
-  return mix(x)[0];
-}
-
-// Per bucket of the bits' top 12, an upper bound of its tokens' noise in float32, rounded up (the last
-// bucket's is infinite: its tokens always get their own noise).
-const std::array<float, 1 << TABLE_BITS>& noise_bounds() {
-  static const std::array<float, 1 << TABLE_BITS> table = [] {
-    std::array<float, 1 << TABLE_BITS> t{};
-    constexpr int shift = 52 - TABLE_BITS;
-    for (uint64_t k = 0; k < t.size(); ++k) {
-      const double g = gumbel_of(((k + 1) << shift) - 1);
-      t[k] = k + 1 == t.size() ? std::numeric_limits<float>::infinity()
-                               : std::nextafter(static_cast<float>(g + 1e-6 * (1.0 + std::fabs(g))),
-                                                std::numeric_limits<float>::infinity());
-    }
-    return t;
-  }();
-  return table;
-}
-
-int64_t pick_row(const float* s, int64_t n, uint64_t start) {
-  const float* bound = noise_bounds().data();
-  const float finite = bound[(1 << TABLE_BITS) - 2];
-  const uint64_t last_bucket = static_cast<uint64_t>((1 << TABLE_BITS) - 1) << (52 - TABLE_BITS);
-
-  // The best score in lanes of eight (a loop GCC vectorizes), then its first token.
-  float lanes[8];
-  for (int j = 0; j < 8; ++j) lanes[j] = s[0];
-  int64_t i8 = 0;
-  for (; i8 + 8 <= n; i8 += 8)
-    for (int j = 0; j < 8; ++j) lanes[j] = s[i8 + j] > lanes[j] ? s[i8 + j] : lanes[j];
-  float most = lanes[0];
-  for (int j = 1; j < 8; ++j) most = lanes[j] > most ? lanes[j] : most;
-  for (; i8 < n; ++i8) most = s[i8] > most ? s[i8] : most;
-  int64_t best = 0;
-  while (best + 1 < n && s[best] != most) ++best;
-  double top = static_cast<double>(s[best]) + gumbel_of(bits_of(start, static_cast<uint64_t>(best)));
-  int64_t pick = best;
-  // The float32 filter's threshold, a little below the best value (the float sums round).
-  auto threshold = [&] { return static_cast<float>(top - 1e-5 * (1.0 + std::fabs(top))); };
-  float reach_at_least = threshold();
-
-  u64x8 x;
-  for (int j = 0; j < 8; ++j) x[j] = start + static_cast<uint64_t>(j) * GAMMA;
-  const uint64_t stride = 8 * GAMMA;
-  alignas(64) uint64_t bits[BLOCK];
-  for (int64_t lo = 0; lo < n; lo += BLOCK) {
-    const int64_t m = std::min<int64_t>(BLOCK, n - lo);
-    for (int j = 0; j < BLOCK; j += 8) {
-      const u64x8 b = mix(x);
-      __builtin_memcpy(bits + j, &b, sizeof b);
-      x += stride;
-    }
-    // First with no table: only a token within the largest finite bound of the best value, or in the
-    // last bucket, can reach it (most rows' tokens are neither).
-    const float near = reach_at_least - finite;
-    bool any = false;
-    for (int64_t j = 0; j < m; ++j) any |= (s[lo + j] >= near) | (bits[j] >= last_bucket);
-    if (!any) continue;
-    for (int64_t j = 0; j < m; ++j) {
-      if (!(s[lo + j] + bound[bits[j] >> (52 - TABLE_BITS)] >= reach_at_least)) continue;
-      const int64_t i = lo + j;
-      const double v = static_cast<double>(s[i]) + gumbel_of(bits[j]);
-      if (v > top || (v == top && i < pick)) {  // numpy's argmax: the first of equal values
-        top = v;
-        pick = i;
-        reach_at_least = threshold();
-      }
-    }
-  }
-  return pick;
-}
-
-void check_row(const at::Tensor& row) {
-  TORCH_CHECK(row.dim() == 1 && (row.scalar_type() == at::kFloat || row.scalar_type() == at::kBFloat16) &&
-                  row.device().is_cpu(),
-              "gumbel_pick_rows: one float32 or bfloat16 CPU row of logits");
-  TORCH_CHECK(row.size(0) > 0 && row.stride(0) == 1, "gumbel_pick_rows: a non-empty contiguous row");
-}
 
 // Each row's draw, rows on the machine's threads (a step's rows without drafts: one draw each). A row
 // is drawn over its logits divided by its temperature in float32, as `processed_logits` divides them
@@ -135,7 +21,7 @@ std::vector<int64_t> gumbel_pick_rows(const std::vector<at::Tensor>& rows, const
                                       const std::vector<double>& temperatures) {
   TORCH_CHECK(rows.size() == keys.size() && rows.size() == temperatures.size(),
               "gumbel_pick_rows: one key and one temperature a row");
-  for (const auto& r : rows) check_row(r);
+  for (const auto& r : rows) check_logits_row(r, "gumbel_pick_rows");
   std::vector<int64_t> out(rows.size());
   at::parallel_for(0, static_cast<int64_t>(rows.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scaled;
@@ -143,21 +29,8 @@ std::vector<int64_t> gumbel_pick_rows(const std::vector<at::Tensor>& rows, const
       const at::Tensor& row = rows[r];
       const int64_t n = row.size(0);
       const float t = static_cast<float>(temperatures[r]);
-      const float* s;
-      if (row.scalar_type() == at::kFloat && t == 1.0f) {
-        s = row.data_ptr<float>();
-      } else {
-        scaled.resize(n);
-        if (row.scalar_type() == at::kFloat) {
-          const float* x = row.data_ptr<float>();
-          for (int64_t i = 0; i < n; ++i) scaled[i] = x[i] / t;
-        } else {
-          const at::BFloat16* x = row.data_ptr<at::BFloat16>();
-          for (int64_t i = 0; i < n; ++i) scaled[i] = static_cast<float>(x[i]) / t;
-        }
-        s = scaled.data();
-      }
-      out[r] = pick_row(s, n, static_cast<uint64_t>(keys[r]));
+      const float* s = divided_row(row.data_ptr(), row.scalar_type() == at::kBFloat16, n, t, scaled);
+      out[r] = gumbel::pick_row(s, n, static_cast<uint64_t>(keys[r]), [](int64_t, int64_t) {});
     }
   });
   return out;
@@ -165,6 +38,8 @@ std::vector<int64_t> gumbel_pick_rows(const std::vector<at::Tensor>& rows, const
 
 }  // namespace
 
+#ifndef TOT_SAMPLING_UNREGISTERED  // tests/test_sampling.py binds the functions of other builds itself
 TORCH_LIBRARY(tot_sampling, m) {
   m.def("gumbel_pick_rows(Tensor[] rows, int[] keys, float[] temperatures) -> int[]", &gumbel_pick_rows);
 }
+#endif

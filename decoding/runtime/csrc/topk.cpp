@@ -17,8 +17,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include "kernels.h"
-#include "rows.h"
+#include "topk.h"
 
 #include <cstdint>
 #include <limits>
@@ -26,118 +25,10 @@
 
 namespace {
 
-// Insert (v, i) into the descending run vals[0..k) (v larger than vals[k - 1]).
-inline void insert(float* vals, int64_t* ids, int64_t k, float v, int64_t i) {
-  int64_t j = k - 1;
-  while (j > 0 && vals[j - 1] < v) {
-    vals[j] = vals[j - 1];
-    ids[j] = ids[j - 1];
-    --j;
-  }
-  vals[j] = v;
-  ids[j] = i;
-}
-
-// A row of logits read divided by its temperature; DIV false for a temperature of 1 (x / 1 is x, so the
-// same bits without a division an element: most rows, greedy ones and distributions).
-template <typename T, bool DIV>
-struct Scaled {
-  const T* x;
-  float t;
-  float at(int64_t i) const { return DIV ? value_at(x, i) / t : value_at(x, i); }
-#if defined(__AVX2__)
-  __m256 load(int64_t i) const { return DIV ? _mm256_div_ps(load8(x + i), _mm256_set1_ps(t)) : load8(x + i); }
-#endif
-};
-
-template <typename R>
-void row_top_k(const R& x, int64_t n, int64_t k, float* vals, int64_t* ids) {
-  // The first k values, in order (k distinct tokens even where a row is mostly minus infinity).
-  for (int64_t j = 0; j < k; ++j) {
-    vals[j] = -std::numeric_limits<float>::infinity();
-    ids[j] = -1;
-  }
-  for (int64_t j = 0; j < k; ++j) {
-    int64_t at = j;
-    const float v = x.at(j);
-    while (at > 0 && vals[at - 1] < v) {
-      vals[at] = vals[at - 1];
-      ids[at] = ids[at - 1];
-      --at;
-    }
-    vals[at] = v;
-    ids[at] = j;
-  }
-  int64_t i = k;
-#if defined(__AVX2__)
-  for (; i + 8 <= n; i += 8) {
-    int above = _mm256_movemask_ps(_mm256_cmp_ps(x.load(i), _mm256_set1_ps(vals[k - 1]), _CMP_GT_OQ));
-    while (above) {
-      const int lane = __builtin_ctz(above);
-      above &= above - 1;
-      const float v = x.at(i + lane);
-      if (v > vals[k - 1]) insert(vals, ids, k, v, i + lane);
-    }
-  }
-#endif
-  for (; i < n; ++i) {
-    const float v = x.at(i);
-    if (v > vals[k - 1]) insert(vals, ids, k, v, i);
-  }
-}
-
-#if defined(__AVX2__)
-// kernels.h's fixed_exp in 8 lanes, operation for operation (no fused multiply-add): the same bits.
-inline __m256 exp8(__m256 x) {
-  const __m256 n = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _mm256_set1_ps(0.5f)));
-  __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
-  r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(p, _mm256_mul_ps(r, r)), r), _mm256_set1_ps(1.0f));
-  // std::max(n, -126) keeps n where n is not below -126 (a NaN n stays NaN: max_ps(-126, n) returns n).
-  const __m256i e = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvttps_epi32(_mm256_max_ps(_mm256_set1_ps(-126.0f), n)), _mm256_set1_epi32(127)), 23);
-  const __m256 value = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-  return _mm256_andnot_ps(_mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ), value);
-}
-#endif
-
-// sum_i exp(x_i - most), in 8 lanes (element i into lane i mod 8) added in a fixed tree.
-template <typename R>
-float row_exp_sum(const R& x, int64_t n, float most) {
-  float lanes[8] = {};
-  int64_t i = 0;
-#if defined(__AVX2__)
-  __m256 acc = _mm256_setzero_ps();
-  for (; i + 8 <= n; i += 8) acc = _mm256_add_ps(acc, exp8(_mm256_sub_ps(x.load(i), _mm256_set1_ps(most))));
-  _mm256_storeu_ps(lanes, acc);
-#endif
-  for (; i + 8 <= n; i += 8)
-    for (int64_t l = 0; l < 8; ++l) lanes[l] += fixed_exp(x.at(i + l) - most);
-  float tail = 0.0f;
-  for (; i < n; ++i) tail += fixed_exp(x.at(i) - most);
-  return (((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]))) + tail;
-}
-
-// With `normalise`, the row's softmax at its top k, and in `read` the row's largest value, the log of
-// its sum of exp(x - most) and its top k values as read (x / t): what log_row computes from the same
-// operations, so a step's log-probabilities of these rows need no second pass (logprobs.py `RowReading`).
-template <typename R>
-void top_row(const R& x, int64_t n, int64_t k, bool normalise, float* vals, int64_t* ids, float* read) {
-  row_top_k(x, n, k, vals, ids);
-  if (!normalise) return;
-  const float most = vals[0];
-  const float sum = row_exp_sum(x, n, most);
-  read[0] = most;
-  read[1] = std::log(sum);
-  for (int64_t j = 0; j < k; ++j) read[2 + j] = vals[j];
-  for (int64_t j = 0; j < k; ++j) vals[j] = fixed_exp(vals[j] - most) / sum;
-}
+using topk::row_exp_sum;
+using topk::row_top_k;
+using topk::Scaled;
+using topk::top_row;
 
 struct Row {
   const void* data;
@@ -261,9 +152,11 @@ std::vector<at::Tensor> log_rows(const std::vector<at::Tensor>& blocks, const st
 
 }  // namespace
 
+#ifndef TOT_SAMPLING_UNREGISTERED  // tests/test_sampling.py binds the functions of other builds itself
 TORCH_LIBRARY_FRAGMENT(tot_sampling, m) {
   m.def("top_k_rows(Tensor[] blocks, int[] counts, int[] picks, bool[] normalise, float[] temperatures, int k) -> Tensor[]",
         &top_k_rows);
   m.def("log_rows(Tensor[] blocks, int[] counts, int[] picks, float[] temperatures, int[] tokens, int k) -> Tensor[]",
         &log_rows);
 }
+#endif
