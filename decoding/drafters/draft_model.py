@@ -27,7 +27,7 @@ from decoding.runtime.packing import pack
 from decoding.runtime.runner import ModelRunner
 from decoding.speculation.draft_tree import DraftTree
 from decoding.speculation.sampling import SamplingParams, draft_dists
-from decoding.speculation.sequence import admission_room, needs
+from decoding.speculation.sequence import admission_room, widest_need
 from decoding.speculation.slot import Slot
 from decoding.speculation.stopping import Detokenizer
 from decoding.speculation.timing import speed_ratio, time_forward
@@ -164,7 +164,7 @@ class ModelDrafter:
         the highest live one, and positions no live row needs, go back."""
         self.model.release(self.cache, [s.row for s in slots if s.row < self.cache.batch])
         rows = max((s.row for s in live), default=-1) + 1
-        self.model.give_back(self.cache, rows, needs([s.seq for s in live], self.max_nodes))
+        self.model.give_back(self.cache, rows, lambda: widest_need([s.seq for s in live], self.max_nodes))
 
 
 def build(

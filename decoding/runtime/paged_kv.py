@@ -93,7 +93,8 @@ class BlockPool:
         """Blocks only the prefix store holds (what counts against `model.prefix_memory`). Read under
         the lock: another thread's `take` may be growing the counts, one tensor after the other."""
         with self.lock:
-            return int(((self.stored > 0) & (self.refs == self.stored)).sum())
+            stored = self.stored.numpy()
+            return int(np.count_nonzero((stored > 0) & (self.refs.numpy() == stored)))
 
     def shared(self) -> int:
         """Blocks held by more than one row."""

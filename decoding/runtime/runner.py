@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, cast
 
@@ -358,10 +359,14 @@ class ModelRunner:
             capacity = -(-capacity // buckets.context) * buckets.context
         cache.reserve(batch, capacity)
 
-    def give_back(self, cache: KVCache, rows: int, live: list[Need]) -> None:
+    def give_back(self, cache: KVCache, rows: int, widest: Callable[[], Need | None]) -> None:
         """Shrink the pool to `rows` rows and what the live rows need, once it holds far more (a burst
-        of rows, or a long prompt, gone: memory stays bounded over a long run)."""
-        capacity = self.row_capacity([n.prompt for n in live], max(n.room for n in live)) if live else 0
+        of rows, or a long prompt, gone: memory stays bounded over a long run). `widest()`: the longest
+        prompt and largest room among the live rows (None for none), asked only where rows have a
+        capacity of positions to shrink (not a paged pool's tables): a step of a few rows beside
+        thousands queued spent a tenth of its time on it."""
+        need = None if isinstance(self.kv, PagedLayout) else widest()
+        capacity = 0 if need is None else self.row_capacity([need.prompt], need.room)
         cache.give_back(rows, capacity)
 
     @property

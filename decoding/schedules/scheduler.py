@@ -35,7 +35,7 @@ from decoding.schedules.planner import Planner
 from decoding.schedules.rounds import Rounds, Unlocked
 from decoding.schedules.step import DraftRecord, Laps, StepRecord, StepSetup, decode_step, draft_round
 from decoding.speculation.options import VerifyOptions
-from decoding.speculation.sequence import Sequence, admission_room, needs
+from decoding.speculation.sequence import Sequence, admission_room, needs, widest_need
 from decoding.speculation.slot import Slot
 from decoding.speculation.stopping import Detokenizer
 
@@ -175,8 +175,11 @@ class Scheduler:
         # Memory back once the pool holds far more than its live rows need (a burst of rows gone): asked
         # only once a row was let go, since what the live rows need shrinks only then (0.5 ms a step at 32 rows).
         if self.rounds.freed:
-            live = [s.seq for s in self.rounds.live.values()]
-            self.target.give_back(self.setup.cache, self.rounds.trim(), needs(live, self.drafter.max_nodes))
+            self.target.give_back(
+                self.setup.cache,
+                self.rounds.trim(),
+                lambda: widest_need([s.seq for s in self.rounds.live.values()], self.drafter.max_nodes),
+            )
         finished, forward_s = record.finished, record.forward_ms / 1000
         del record  # its logits freed on the step's clock: freeing is the host's work too
         laps.lap("rounds")

@@ -143,6 +143,16 @@ def needs(seqs: list[Sequence], max_nodes: int) -> list[Need]:
     return [Need(len(s.prompt), s.rule.max_new_tokens + max_nodes + 1, s.prompt_key) for s in seqs]
 
 
+def widest_need(seqs: list[Sequence], max_nodes: int) -> Need | None:
+    """The longest prompt and the largest room of `seqs`' needs (None for no sequence): what a row of the
+    pool must hold for any of them, with no record made a sequence (a step of a few rows beside
+    thousands queued in rounds spent a fifth of its time making them)."""
+    if not seqs:
+        return None
+    return Need(max(len(s.prompt) for s in seqs), max(s.rule.max_new_tokens for s in seqs) + max_nodes + 1)
+
+
 def admission_room(seqs: list[Sequence], max_nodes: int) -> int:
     """The room the rows of `seqs` are admitted with: the largest of their needs'."""
-    return max(n.room for n in needs(seqs, max_nodes))
+    widest = widest_need(seqs, max_nodes)
+    return 0 if widest is None else widest.room
