@@ -33,8 +33,8 @@ from decoding.speculation.slot import Estimate
 from decoding.speculation.verify import Verdict
 
 PROBE = 4  # steps a row goes undrafted before it is drafted again to look
-# ... and while the drafted trees' best node seldom could pay at the plan's cost (`pays` below
-# SELDOM: their nodes were cut, so no verdict can change the estimates), steps before it looks
+# ... and while the plans seldom kept a drafted node (`pays` below SELDOM: their nodes were cut,
+# so no verdict can change the estimates), steps before it looks
 # anyway: longer than most ToT thoughts, so a busy batch's pools are seldom read (their learning
 # waits, see decoding/drafters/ngram.py) until fewer rows make nodes worth their cost again.
 FAR_PROBE = 128
@@ -105,10 +105,12 @@ class Planner:
     # thought is a short sequence, so an optimistic start would be much of a row's life.
     prior: float = 1.0
     rate_per_ms: float = 0.0  # expected tokens per ms of the latest plan
-    # What one more node must return to pay at the latest plan (tokens), and how often the best node
-    # of a step's drafted trees could pay (EMA over steps that verified drafted trees): one step's
-    # best is one draw of the trees' worth (at one problem the best node paid about half the time,
-    # where the latest step's alone stopped probes for FAR_PROBE steps after every miss).
+    # What one more node must return to pay at the latest plan (tokens), and how often a step's plan
+    # kept any of its drafted nodes (EMA over steps that verified drafted trees): one step's plan is
+    # one draw of the trees' worth (the latest step's alone stopped probes for FAR_PROBE steps after
+    # every miss). Whether the best node could pay for itself alone was no sign: with 13 rows in flight
+    # it could in half the steps, while the plans kept 0.004 nodes a row, a step's drafting cost more
+    # than its nodes could return, and rows were drafted again to be cut every PROBE steps.
     node_tokens: float = 0.0
     pays: float = 1.0
     _plain: PlainPlan | None = field(default=None, init=False, repr=False)
@@ -182,8 +184,7 @@ class Planner:
         width = max(p + k for p, k in zip(pending, kept))
         _, node_ms = self._margin(len(rows), sum(pending) + sum(kept), width, context)
         self.node_tokens = self.rate_per_ms * node_ms
-        best = max(float(g.max()) for g in gains if len(g))
-        self.pays = 0.9 * self.pays + 0.1 * (best > self.node_tokens)
+        self.pays = 0.9 * self.pays + 0.1 * (sum(kept) > 0)
         for row, tree, gain, k in zip(rows, trees, gains, kept):
             if len(tree):
                 # A tree cut to nothing is worth nothing, not what its best node fell short by: the
