@@ -15,10 +15,15 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogit
 from decoding.api.kinds import DECODERS
 from decoding.base.values import GenRequest
 from decoding.runtime import kernels
+from decoding.runtime.runner import Scored
+from decoding.speculation.draft_tree import DraftTree
+from decoding.speculation.gumbel import gumbel_pick_rows, key
 from decoding.speculation.logprobs import Asked, from_reading, read_before, token_logprobs
 from decoding.speculation.row_sampling import RowSampling
 from decoding.speculation.sampling import SamplingParams
-from decoding.speculation.verify import top_tokens
+from decoding.speculation.sequence import Sequence
+from decoding.speculation.stopping import StopRule
+from decoding.speculation.verify import host_targets, top_tokens
 
 SAMPLED = {"temperature": 0.8, "top_k": 20, "top_p": 0.9}
 
@@ -164,3 +169,32 @@ def test_a_row_read_by_the_acceptance_gives_log_rows_bits(dtype):
         assert not read_before(reading, logits, temperature, rows, 9)  # more alternatives than were read
         assert not read_before(reading, logits.clone(), temperature, rows, 5)  # another block
         assert not read_before(reading, logits, temperature, [2], 5)  # other rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_drawn_rows_top_tokens_come_from_its_draw_as_top_tokens_gives_them(dtype):
+    """The acceptance's host targets with STAND's `top`: an undrafted row sampled at its temperature
+    alone gets its draw, its top tokens and what was read of it from one pass (`draw_top_rows`), the
+    same as the draw alone and `top_tokens`' pass over that row give them."""
+    kernels.load()  # the one-pass op is the kernel's
+    torch.manual_seed(5)
+    logits = [(torch.randn(1, 5000) * 4).to(dtype) for _ in range(3)]
+    params = SamplingParams(temperature=0.7)
+    seqs = [Sequence.create([1, 2], StopRule(frozenset(), (), 4), params, seed) for seed in range(3)]
+    sampling = RowSampling.of([params] * 3)
+    targets, drawn = host_targets(
+        Scored(logits, None, 0.0), [DraftTree()] * 3, seqs, sampling, [None] * 3, [True] * 3, "match_gumbel", 8
+    )
+    want, readings = top_tokens([([], None, None, row) for row in logits], sampling, 8)
+    keys = [key(s.seed, s.position) for s in seqs]
+    assert targets == [[t] for t in gumbel_pick_rows([row[0] for row in logits], keys, [0.7] * 3)]
+    for b in range(3):
+        top, reading = drawn[b]
+        assert top == want[b] and reading is not None and readings[b] is not None
+        assert reading.block is readings[b].block and reading.rows == readings[b].rows == [0]
+        assert (reading.most, reading.log_sum, reading.values, reading.ids) == (
+            readings[b].most,
+            readings[b].log_sum,
+            readings[b].values,
+            readings[b].ids,
+        )
