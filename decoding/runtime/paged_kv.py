@@ -546,6 +546,8 @@ def _best_runs(members: list[int], rows: list[list[int]], lens: list[int]) -> li
         alike = lens[members[i - 1]]
         for j in range(i - 2, -1, -1):  # the run members[j:i]
             alike = min(alike, near[j], lens[members[j]])
+            if alike < SHARED_BLOCK:  # no longer run shares a whole block: none gains (scores only grow)
+                break
             gain = score[j] + (i - j - 1) * (alike // SHARED_BLOCK * SHARED_BLOCK)
             if gain > score[i]:
                 score[i], start[i] = gain, j
