@@ -343,9 +343,11 @@ def main(cfg: DictConfig) -> None:
         about |= {"gpu": torch.cuda.get_device_name(loaded.device), "cuda": torch.version.cuda}
         about["copy_bandwidth_gb_s"] = bandwidth / 1e9
     else:
-        bandwidth = read_bandwidth(forward_tensors(target.model))
+        tensors = forward_tensors(target.model)
+        bandwidth = read_bandwidth(tensors)
         add_floor(rows, target.model, bandwidth)
         about["read_bandwidth_gb_s"] = bandwidth / 1e9
+        about["read_mb"] = sum(t.numel() * t.element_size() for t in tensors) / 1e6
     if target.static is not None:
         g = target.static.stats
         about["graphs"] = {"spec": repr(target.static.spec), **vars(g)}
@@ -361,10 +363,9 @@ def main(cfg: DictConfig) -> None:
             f"(a device-to-device copy on {about['gpu']}, read + written)"
         )
     if "read_bandwidth_gb_s" in about:
-        weights = sum(t.numel() * t.element_size() for t in forward_tensors(target.model))
         print(
-            f"floor: the {weights / 1e6:.0f} MB a forward reads whole (forward_tensors) and each row's cached context "
-            f"read once at {about['read_bandwidth_gb_s']:.1f} GB/s (a timed read of those weights on "
+            f"floor: the {about['read_mb']:.0f} MB a forward reads whole (forward_tensors) and each row's cached "
+            f"context read once at {about['read_bandwidth_gb_s']:.1f} GB/s (a timed read of those weights on "
             f"{torch.get_num_threads()} threads)"
         )
     if pcfg.split and loaded.device.type == "cuda":

@@ -4,11 +4,13 @@ AVX-512 or AMX)."""
 
 from __future__ import annotations
 
+import platform
 from pathlib import Path
 from types import ModuleType
 
 from decoding.runtime import kernels
 
+X86 = platform.machine().lower() in ("x86_64", "amd64")  # the builds' flags are x86's
 BUILDS = {
     "portable": ["-march=x86-64", "-mno-avx2", "-mno-fma"],
     "avx2": ["-march=haswell"],
