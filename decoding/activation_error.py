@@ -8,15 +8,22 @@ between the layers float32) and, where the file has K-quant layers, `int8_256` (
 scale per 256 inputs, llama.cpp's Q8_K rule). Prints, per way,
 the mean KL divergence of its next-token distributions from the reference's (nats a token) and the
 perplexity of the text; with llama-cpp-python installed, llama.cpp on the same file and tokens too.
+
+A scale per 256 costs little accuracy on most inputs and much on a few (the 1.5B's: one layer's MLP
+input carried nearly all of int8_256's KL): before its row is measured, the inputs whose scale per 256 alone
+adds a large share of the KL are found by halving (`heavy_inputs`, on the first texts) and kept per 32;
+the record names them, and int8_256 runs so wherever the record is read.
 """
 
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any, cast
 
@@ -28,11 +35,12 @@ from decoding.base.errors import BackendError, ConfigError
 from decoding.base.options import as_int, held_rows, held_text
 from decoding.runtime import kernels, numerics
 from decoding.runtime.activation import use_torch_silu
+from decoding.runtime.llama import PROJECTIONS, SAME_INPUT
 from decoding.runtime.models import cache_root, gguf_file, load_model
 from decoding.runtime.numerics import Numerics
 from decoding.runtime.packing import pack
-from decoding.runtime.pretrained import pretrained
-from decoding.runtime.quant import INT8_FORMATS, Int4Linear, Q8Linear, use_k_block
+from decoding.runtime.pretrained import decoder, pretrained
+from decoding.runtime.quant import INT8_FORMATS, Int4Linear, Q8Linear, k_quant, takes_int8, use_k_block
 from decoding.runtime.runner import ModelRunner
 from decoding.runtime.spec import ModelSpec
 from decoding.speculation.draft_tree import DraftTree
@@ -67,6 +75,12 @@ class Error:
     kl: float  # mean KL(reference || this way), nats a token
     perplexity: float
     tokens: int
+
+
+# An input is heavy where its scale per 256 alone adds at least this share of what every input's adds
+# (a few heavy inputs at most; below it the error is spread, and keeping inputs per 32 would buy little).
+HEAVY_SHARE = 0.25
+SEARCH_TEXTS = 4  # the texts the search measures on (the first of `limit`): it measures 2 a halving
 
 
 def texts(path: str, limit: int) -> list[str]:
@@ -136,6 +150,76 @@ def runner_log_probs(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
 
 
 Way = Callable[[list[int]], torch.Tensor]  # a text's ids -> next-token log-probabilities [T - 1, V]
+Input = tuple[str, ...]  # the names of the layers that read one input
+
+
+def k_quant_inputs(model: torch.nn.Module) -> list[Input]:
+    """The inputs int8_256 takes with a scale per 256, each as the names of the K-quant layers that read
+    it: per decoder layer q, k and v's, o's, gate and up's, down's (llama.SAME_INPUT), then the head's."""
+    names = {m: n for n, m in model.named_modules()}
+    inputs = []
+    for layer in decoder(model).layers:
+        for group in SAME_INPUT:
+            readers = [layer.get_submodule(PROJECTIONS[i]) for i in group]
+            kept = tuple(names[m] for m in readers if takes_int8(m, alone=True) and k_quant(m))
+            if kept:
+                inputs.append(kept)
+    head = pretrained(model).get_output_embeddings()
+    if head is not None and takes_int8(head, alone=True) and k_quant(head):
+        inputs.append((names[head],))
+    return inputs
+
+
+def heavy_inputs(inputs: Sequence[Input], excess: Callable[[list[Input]], float]) -> list[Input]:
+    """The inputs whose scale per 256 alone adds at least HEAVY_SHARE of what all of them add (`excess`:
+    the KL added over int8's with these inputs per 256 and the rest per 32), found by halving: a part
+    that adds less holds none (disjoint inputs' excesses add up, near enough), so each heavy input costs
+    two measurements a halving."""
+    total = excess(list(inputs))
+    if total <= 0:
+        return []
+    found: list[Input] = []
+
+    def search(part: list[Input], adds: float) -> None:
+        if adds < HEAVY_SHARE * total:
+            return
+        if len(part) == 1:
+            found.append(part[0])
+            return
+        half = len(part) // 2
+        for side in (part[:half], part[half:]):
+            search(side, excess(side))
+
+    search(list(inputs), total)
+    return found
+
+
+def kept_per_32(model: torch.nn.Module, reference: Way, texts_ids: list[list[int]]) -> tuple[str, ...]:
+    """The layers int8_256 keeps per 32 on this model (`heavy_inputs` on `texts_ids`, the reference
+    computed again for each measurement: a 150k vocabulary's log-probabilities are too big to hold);
+    `model` is left with those layers per 32 and the other K-quant layers per 256."""
+    inputs = k_quant_inputs(model)
+    every = [name for names in inputs for name in names]
+
+    def kl(per_32: Sequence[str]) -> float:
+        use_k_block(model, INT8_FORMATS["int8_256"], per_32)
+        way = partial(runner_log_probs, ModelRunner(model))
+        got = measure(reference, {"x": way}, texts_ids)["x"].kl
+        del way
+        gc.collect()  # the runner's pools go now, not at a later collection: the tool runs near the memory's size
+        return got
+
+    base = kl(every)  # int8's own
+
+    def excess(part: list[Input]) -> float:
+        per_256 = {name for names in part for name in names}
+        adds = kl([name for name in every if name not in per_256]) - base
+        print(f"  {len(part)} of {len(inputs)} inputs per 256 (from {part[0][0]}): KL {adds:+.6f}", flush=True)
+        return adds
+
+    kept = tuple(name for names in heavy_inputs(inputs, excess) for name in names)
+    use_k_block(model, INT8_FORMATS["int8_256"], kept)
+    return kept
 
 
 def measure(reference: Way, ways: dict[str, Way], texts_ids: list[list[int]]) -> dict[str, Error]:
@@ -180,11 +264,16 @@ def main(cfg: DictConfig) -> None:
         ids = [loaded.tokenizer(t)["input_ids"] for t in texts(acfg.data, acfg.limit)]
     except (ConfigError, BackendError) as e:
         fail(str(e).splitlines()[0])
-    ref_model, float_model = float32_reference(loaded.model), float_activations(loaded.model)
-    runner = ModelRunner(loaded.model)
-    ways: dict[str, Way] = {"float": lambda i: log_probs(float_model, i), "int8": lambda i: runner_log_probs(runner, i)}
+    ref_model = float32_reference(loaded.model)
     supers = copy.deepcopy(loaded.model)
-    if use_k_block(supers, INT8_FORMATS["int8_256"]):
+    per_32: tuple[str, ...] = ()
+    k_quants = use_k_block(supers, INT8_FORMATS["int8_256"]) > 0
+    if k_quants:  # the search first: its memory is free again after it
+        per_32 = kept_per_32(supers, lambda i: log_probs(ref_model, i), ids[:SEARCH_TEXTS])
+        print(f"int8_256 keeps {len(per_32)} layers' inputs per 32: {', '.join(per_32) or 'none'}", flush=True)
+    float_model, runner = float_activations(loaded.model), ModelRunner(loaded.model)
+    ways: dict[str, Way] = {"float": lambda i: log_probs(float_model, i), "int8": lambda i: runner_log_probs(runner, i)}
+    if k_quants:
         runner_256 = ModelRunner(supers)
         ways["int8_256"] = lambda i: runner_log_probs(runner_256, i)
     by_llama = llama_cpp_way(gguf, ids) if gguf else None
@@ -208,6 +297,7 @@ def main(cfg: DictConfig) -> None:
             None if llama is None else llama.perplexity,
             None if supers_row is None else supers_row.kl,
             None if supers_row is None else supers_row.perplexity,
+            per_32,
         )
         choice, why = record.choice(tiles=kernels.load().q4_int8_path() == "amx-int8")
         print(f"model.activations=auto runs {choice} on this file here: {why}")

@@ -43,6 +43,7 @@ PROMPTS = [[5 + (7 * i + j) % 90 for i in range(n)] for j, n in enumerate((9, 23
         "qwen2-gguf-blocks-int8",
         "qwen2-gguf-kquants-int8",
         "qwen2-gguf-kquants-int8_256",
+        "qwen2-gguf-kquants-int8_256-kept",
     ],
 )
 def model(request, tiny_model, tiny_qwen2) -> torch.nn.Module:
@@ -55,6 +56,9 @@ def model(request, tiny_model, tiny_qwen2) -> torch.nn.Module:
         model = k_quant_blocks(build_model(tiny_model.config.vocab_size, arch="qwen2", hidden=256))
         if param.endswith("256"):  # their input with a scale per super-block (model.activations=int8_256)
             assert use_k_block(model, 256) > 0
+        if param.endswith("kept"):  # ... but one layer's MLP input per 32 (a file's numerics record)
+            kept = ("model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj")
+            assert use_k_block(model, 256, kept) > 0 and model.model.layers[0].mlp.up_proj.k_block == 32
         return model
     if param == "gguf-mixed-int8":
         return mixed_int8(tiny_model)

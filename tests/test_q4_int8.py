@@ -306,10 +306,13 @@ def test_the_cpp_layers_take_the_int8_kernel(tiny_model):
     attn.o_proj.levels, attn.v_proj.levels = 1, 1
     assert Layers.of(model) is None
     attn.v_proj.levels = 2
-    attn.o_proj.k_block = 256  # int8 layers of two activation formats: not one C++ call's
+    attn.q_proj.k_block = 256  # projections of one input in two activation formats: not one C++ call's
     assert Layers.of(model) is None
-    use_k_block(model, 256)
-    assert Layers.of(model).k_block == 256
+    attn.q_proj.k_block = 32
+    attn.o_proj.k_block = 256  # each input its own format: o's at index 1 of the layer's four
+    assert Layers.of(model).k_blocks[:4] == (32, 256, 32, 32)
+    use_k_block(model, 256, ("model.layers.0.mlp.down_proj",))
+    assert Layers.of(model).k_blocks[:4] == (256, 256, 256, 32)
 
 
 def test_int8_is_refused_where_it_cannot_run_and_auto_picks_what_runs():
@@ -439,6 +442,69 @@ def test_activation_error_measures_each_way_against_float32(tiny_model):
     assert 0 < int8.kl < 0.05 and 0 < rows["float"].kl < 0.05
     assert int8.perplexity != same.perplexity and int8.tokens == same.tokens
     assert all(m.activations == "float" for m in float_activations(model).modules() if isinstance(m, Int4Linear))
+
+
+def test_the_search_for_heavy_inputs_finds_the_few_that_carry_int8_256s_error():
+    """heavy_inputs, by halving: on an additive excess the inputs that carry a quarter or more of the
+    whole are found in a few measurements each; an error spread thin, or none, finds none."""
+    from decoding.activation_error import heavy_inputs
+
+    inputs = [(f"model.layers.{i}.mlp.down_proj",) for i in range(40)]
+
+    def excess_of(weights: list[float], calls: list[int]):
+        def excess(part):
+            calls.append(len(part))
+            return sum(weights[inputs.index(p)] for p in part)
+
+        return excess
+
+    weights, calls = [0.0001] * 40, []
+    weights[26], weights[7] = 0.02, 0.01
+    assert heavy_inputs(inputs, excess_of(weights, calls)) == [inputs[7], inputs[26]]
+    assert calls[0] == 40 and len(calls) <= 1 + 2 * 2 * 6  # the whole, then two halves a level to each
+    assert heavy_inputs(inputs, excess_of([0.0001] * 40, [])) == []
+    assert heavy_inputs(inputs, excess_of([0.0] * 40, [])) == []
+
+
+def test_the_inputs_kept_per_32_are_named_as_the_loader_gives_them(tiny_model):
+    """The search's units are the K-quant layers reading one input, named as use_k_block and the
+    record take them; the search leaves its model as int8_256 then runs."""
+    from conftest import build_model
+    from test_quant import k_quant_blocks
+
+    from decoding.activation_error import float32_reference, k_quant_inputs, kept_per_32, log_probs
+
+    torch.manual_seed(0)
+    model = k_quant_blocks(build_model(tiny_model.config.vocab_size, arch="qwen2", hidden=256))
+    inputs = k_quant_inputs(model)
+    modules = dict(model.named_modules())
+    assert ("model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj") in inputs
+    assert (
+        "model.layers.0.self_attn.q_proj",
+        "model.layers.0.self_attn.k_proj",
+        "model.layers.0.self_attn.v_proj",
+    ) in inputs
+    assert all(type(modules[n]) in (Int4Linear, Q8Linear) for names in inputs for n in names)
+    ref = float32_reference(model)
+    kept = kept_per_32(model, lambda t: log_probs(ref, t), [[5, 17, 3, 99, 42, 7, 11, 64]])
+    assert set(kept) <= {n for names in inputs for n in names}
+    for name, module in modules.items():  # left as int8_256 runs: the kept layers per 32, the rest per 256
+        if type(module) in (Int4Linear, Q8Linear):
+            assert module.k_block == (GROUP if name in kept else 256), name
+
+
+def test_int8_256_keeps_per_32_the_layers_the_files_record_names(tmp_path, monkeypatch):
+    """The load path reads the layers int8_256 keeps per 32 from the file's numerics record."""
+    from decoding.runtime.models import _kept_per_32
+
+    monkeypatch.setenv("TOT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(numerics, "SHIPPED", tmp_path / "shipped")
+    gguf = gguf_file(ModelSpec(cache_dir=str(default_cache_dir())))
+    assert _kept_per_32(gguf) == ()  # no record
+    kept = ("model.layers.26.mlp.gate_proj", "model.layers.26.mlp.up_proj")
+    record = Numerics(0.0014, 3.53, 3.53, 0.031, 3.59, 0.0018, 3.53, kept)
+    numerics.write(tmp_path / "numerics", gguf, record, numerics.file_digest(gguf, tmp_path))
+    assert _kept_per_32(gguf) == kept and numerics.read(tmp_path, gguf) == record
 
 
 def test_the_loader_gives_the_embedded_models_head_its_q8_0_blocks():

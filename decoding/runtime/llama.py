@@ -84,7 +84,9 @@ class Layers:
     rows_norm: bool  # the norms are RowsRMSNorm (csrc/norm.cpp), not LlamaRMSNorm
     fixed_silu: bool  # the MLPs' act_fn is FixedSiLU (csrc/activation.cpp), not torch's SiLU
     qkv_levels: int  # int8 levels of q, k and v's input (quant.py two_level_inputs); the others' is 1
-    k_block: int  # inputs per activation scale of the int8 layers whose factors are a K-quant's (quant.use_k_block)
+    # per layer and input (q, k and v's; o's; gate and up's; down's): inputs per activation scale where the
+    # int8 layers' factors are a K-quant's (quant.use_k_block)
+    k_blocks: tuple[int, ...]
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> Layers | None:
@@ -93,7 +95,8 @@ class Layers:
         FixedSiLU in some layers only), or
         a projection that is neither `nn.Linear`, `RowsLinear` nor `Int4Linear` (e.g. float32's
         PrepackedLinear), dense projections of both kinds, norms of both kinds, or int8 levels other
-        than one for q, k and v (as `qkv_levels`) and one for the rest, or int8 layers of two `k_block`s."""
+        than one for q, k and v (as `qkv_levels`) and one for the rest, or projections of one input with two
+        `k_block`s."""
         arch = architectures.of(model)
         if arch is None or pretrained(model).config._attn_implementation != attention.NAME:
             return None
@@ -135,9 +138,14 @@ class Layers:
         qkv_levels = levels[0] | levels[1] | levels[2]
         if len(qkv_levels) != 1 or any(s != {1} for s in levels[3:]):
             return None
-        k_blocks = {cast(Int4Linear | Q8Linear, m).k_block for m in model.modules() if takes_int8(m, alone=True)}
-        if len(k_blocks) > 1:
-            return None
+        k_blocks: list[int] = []
+        for layer in layers:
+            for group in SAME_INPUT:
+                inputs = [layer.get_submodule(PROJECTIONS[i]) for i in group]
+                blocks = {cast(Int4Linear | Q8Linear, p).k_block for p in inputs if takes_int8(p, alone=True)}
+                if len(blocks) > 1:
+                    return None
+                k_blocks.append(blocks.pop() if blocks else GROUP)
         first = layers[0]
         eps = {layer.input_layernorm.variance_epsilon for layer in layers}
         if len(eps) != 1 or eps != {layer.post_attention_layernorm.variance_epsilon for layer in layers}:
@@ -145,8 +153,7 @@ class Layers:
         scaling = float(first.self_attn.scaling)
         head_dim, rows = first.self_attn.head_dim, RowsLinear in dense
         norm_rows, silu, qkv = RowsRMSNorm in norms, silus.pop(), qkv_levels.pop()
-        k_block = k_blocks.pop() if k_blocks else GROUP
-        return cls(model, weights, float(eps.pop()), head_dim, scaling, rows, norm_rows, silu, qkv, k_block)
+        return cls(model, weights, float(eps.pop()), head_dim, scaling, rows, norm_rows, silu, qkv, tuple(k_blocks))
 
     @torch.inference_mode()
     def forward(
@@ -193,7 +200,7 @@ class Layers:
             self.rows_norm,
             self.fixed_silu,
             self.qkv_levels,
-            self.k_block,
+            list(self.k_blocks),
         )
         h = inner.norm(h)
         if logits_at is not None:

@@ -122,10 +122,12 @@ def prepare_for_inference(
     linear: str = "aten",
     activations: str = "float",
     k_block: int = GROUP,
+    per_32: tuple[str, ...] = (),
 ) -> str:
     """Put a loaded (float32) model into the form the decoders run: its device, weight format and
     attention implementation (all resolved already; `activations` float or int8, with `k_block` its
-    inputs per scale on K-quant layers: INT8_FORMATS); returns what was done, for the log."""
+    inputs per scale on K-quant layers: INT8_FORMATS, but per 32 in the layers named in `per_32`);
+    returns what was done, for the log."""
     dtype = INT8_HIDDEN if activations == "int8" else DTYPES.get(weights, torch.bfloat16)
     model.to(device=device, dtype=dtype).eval()
     done = [str(dtype).removeprefix("torch.")]
@@ -137,8 +139,9 @@ def prepare_for_inference(
             head = " and its LM head" if q8_head_from_gguf(model, gguf) else ""
             path = kernels.load().q4_int8_path()
             two = f"; {two_level_inputs(model)} attention inputs in two levels"
-            supers = use_k_block(model, k_block)
-            two += f"; {supers} K-quant layers' inputs with a scale per {k_block}" if supers else ""
+            supers = use_k_block(model, k_block, per_32)
+            kept = f" ({len(per_32)} kept per 32 by the file's numerics record)" if supers and per_32 else ""
+            two += f"; {supers} K-quant layers' inputs with a scale per {k_block}{kept}" if supers else ""
             done.append(f"linear layers in the GGUF's blocks ({blocks}){head} x int8 activations ({path}{two})")
         else:
             done.append(f"linear layers in the GGUF's int4 ({blocks})")
@@ -179,6 +182,7 @@ def load_model(spec: ModelSpec) -> LoadedModel:
     strict = spec.cuda_graphs == "on"
     activations = resolve_activations(spec, device, weights)
     k_block = INT8_FORMATS.get(activations, GROUP)
+    per_32 = _kept_per_32(gguf) if k_block != GROUP else ()
     activations = "int8" if activations in INT8_FORMATS else activations  # the kernel; k_block its format
     t0 = time.perf_counter()
     if gguf is not None:  # read as it is: the blocks the quantized layers take stay unread until they do
@@ -194,7 +198,7 @@ def load_model(spec: ModelSpec) -> LoadedModel:
                 model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa")
         except (OSError, ValueError) as e:
             raise _load_error(spec, "", e) from e
-    done = prepare_for_inference(model, device, weights, attn, gguf, spec.prepack, linear, activations, k_block)
+    done = prepare_for_inference(model, device, weights, attn, gguf, spec.prepack, linear, activations, k_block, per_32)
     done += f"; {llama.forward_path(model)}"
     lacking = float_layers(model, gguf) if gguf is not None and weights == "gguf" and activations == "int8" else {}
     if lacking:
@@ -242,6 +246,12 @@ def _kept_blocks(weights: str, activations: str) -> frozenset[str]:
     if weights != "gguf":
         return frozenset()
     return frozenset(INT4_TYPES + (Q8_TYPES if activations == "int8" else ()))
+
+
+def _kept_per_32(gguf: Path | None) -> tuple[str, ...]:
+    """The layers int8_256 leaves a scale per 32 on this file: its numerics record's (none without one)."""
+    record = numerics.read(cache_root(), gguf) if gguf is not None else None
+    return () if record is None else record.int8_256_per_32
 
 
 def resolve_activations(spec: ModelSpec, device: torch.device, weights: str) -> str:

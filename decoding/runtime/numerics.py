@@ -3,8 +3,9 @@
 auto runs int8 activations only where they were measured to cost no more accuracy than llama.cpp's
 own int8 path on the same file (mean KL from the float32 dequantization no larger than llama.cpp's)
 and to keep the perplexity within 1% of the float path's; int8_256 (a scale per 256 inputs on the
-K-quant layers, llama.cpp's own rule) where its mean KL and perplexity were measured no worse than
-llama.cpp's. A record is one JSON file per GGUF file,
+K-quant layers, llama.cpp's own rule, but for the few inputs the record names whose scale per 256
+alone moved the logits: those keep a scale per 32) where its mean KL and perplexity were measured no
+worse than llama.cpp's. A record is one JSON file per GGUF file,
 named by the file's content (its SHA-256), holding the arithmetic it measured (`arithmetic()`): a
 record of other kernels, hidden-state or cache types is not read. The records of the files the project
 installs (the embedded and packaged models) ship with it in decoding/runtime/records/ (`python -m
@@ -39,6 +40,9 @@ class Numerics:
     llama_cpp_perplexity: float | None = None
     int8_256_kl: float | None = None  # None: the file has no K-quant layer whose input int8_256 changes
     int8_256_perplexity: float | None = None
+    # the int8 layers int8_256 leaves a scale per 32 (module names), measured with them so; the rest of
+    # the K-quant layers take one per 256 (decoding.activation_error's search for heavy inputs)
+    int8_256_per_32: tuple[str, ...] = ()
 
     def ok(self, way: str, kl: float, perplexity: float) -> tuple[bool, str]:
         """Whether auto may run `way` (int8 or int8_256, with its KL and perplexity) here, and why not:
@@ -148,6 +152,7 @@ def _read(path: Path, digest: str) -> Numerics | None:
         data = json.loads(path.read_text())
         if data.get("arithmetic") != arithmetic() or data.get("sha256") != digest:
             return None
-        return Numerics(**{k: data[k] for k in Numerics.__dataclass_fields__})
+        fields = {k: data[k] for k in Numerics.__dataclass_fields__}
+        return Numerics(**{**fields, "int8_256_per_32": tuple(fields["int8_256_per_32"])})
     except (OSError, ValueError, KeyError, TypeError):
         return None

@@ -30,6 +30,7 @@ once. The kernel gives a row the same bits whatever the number of rows
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeGuard, cast
@@ -378,25 +379,28 @@ def two_level_inputs(model: torch.nn.Module) -> int:
     return changed
 
 
-def use_k_block(model: torch.nn.Module, k_block: int) -> int:
+def use_k_block(model: torch.nn.Module, k_block: int, per_32: Collection[str] = ()) -> int:
     """Give the model's int8 layers `k_block` (INT8_FORMATS): the kernel takes their input with a scale
-    per that many inputs where their factors are a K-quant's, per 32 elsewhere; how many take it so."""
+    per that many inputs where their factors are a K-quant's, per 32 elsewhere and in the layers named
+    in `per_32` (module names: a file's inputs whose scale per 256 alone moves the logits, numerics.py);
+    how many take `k_block`."""
     changed = 0
-    for module in model.modules():
+    for name, module in model.named_modules():
         if takes_int8(module, alone=True):
             layer = cast(Int4Linear | Q8Linear, module)
-            layer.k_block = k_block
-            changed += k_block != GROUP and _k_quant(layer)
+            layer.k_block = GROUP if name in per_32 else k_block
+            changed += layer.k_block != GROUP and k_quant(layer)
     return changed
 
 
-def _k_quant(layer: Int4Linear | Q8Linear) -> bool:
+def k_quant(layer: Int4Linear | Q8Linear) -> bool:
+    """Whether the layer's factors are a K-quant's (a scale per 256 applies to its input)."""
     return layer.factors.dtype == torch.uint8  # pack_k_factors' compact layout
 
 
 def _input_format(layer: Int4Linear | Q8Linear) -> str:
     levels = " in two levels" if layer.levels == 2 else ""
-    return levels + (f", a scale per {layer.k_block} inputs" if layer.k_block != GROUP and _k_quant(layer) else "")
+    return levels + (f", a scale per {layer.k_block} inputs" if layer.k_block != GROUP and k_quant(layer) else "")
 
 
 def takes_int8(module: torch.nn.Module, alone: bool = False) -> bool:

@@ -74,7 +74,7 @@ std::vector<at::Tensor> decoder_layers(at::Tensor h, const std::vector<at::Tenso
                                        const at::Tensor& kv_rows, const at::Tensor& share, const at::Tensor& tables,
                                        int64_t capture, const at::Tensor& real, bool rows_kernel,
                                        bool rows_norm, bool fixed_silu, int64_t qkv_levels,
-                                       int64_t k_block);
+                                       const std::vector<int64_t>& k_blocks);
 
 // x's rows in `levels` int8 levels: 1 (llama.cpp's rule) or 2 (the first's residual quantized again),
 // with a scale per 32 inputs, or per `k_block` (32 or 256: a super-block) where the weights are a

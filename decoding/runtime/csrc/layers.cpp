@@ -196,9 +196,11 @@ std::vector<at::Tensor> decoder_layers(at::Tensor h, const std::vector<at::Tenso
                                        const at::Tensor& kv_rows, const at::Tensor& share, const at::Tensor& tables,
                                        int64_t capture, const at::Tensor& real, bool rows_kernel,
                                        bool rows_norm, bool fixed_silu, int64_t qkv_levels,
-                                       int64_t k_block) {
+                                       const std::vector<int64_t>& k_blocks) {
   constexpr size_t PER_LAYER = 2 + 7 * 3;  // two norm weights, then q, k, v, o, gate, up, down
+  constexpr size_t INPUTS = 4;             // a layer's inputs: q, k and v's; o's; gate and up's; down's
   TORCH_CHECK(weights.size() == keys.size() * PER_LAYER && keys.size() == values.size(), "decoder_layers: weights");
+  TORCH_CHECK(k_blocks.size() == keys.size() * INPUTS, "decoder_layers: k_blocks, ", INPUTS, " a layer");
   const int64_t batch = h.size(0), n_new = h.size(1);
   // Ragged: only the `real` tokens of the [B, T] layout (flat indices, not its pads) go through the
   // norms, linears and cache writes, as [N, H]; attention alone sees the [B, T] layout. Each row
@@ -230,11 +232,12 @@ std::vector<at::Tensor> decoder_layers(at::Tensor h, const std::vector<at::Tenso
   at::Tensor hidden;
   for (size_t i = 0; i < keys.size(); ++i) {
     const at::Tensor* w = weights.data() + i * PER_LAYER;
+    const int64_t* k_block = k_blocks.data() + i * INPUTS;  // each input's inputs per scale on a K-quant
     // k's and v's columns: kv heads x head_dim each; q's the rest
     const int64_t kv = keys[i].size(1) * head_dim;
     // q, k and v as views of a joined product (read in place by rotate and put_rows)
     const std::vector<at::Tensor> qkv = products(h, w[0], eps, rows_norm, w + 2, {-1, kv, kv}, rows_kernel, true, qkv_levels,
-                                                     k_block);
+                                                     k_block[0]);
     at::Tensor q, k, v;
     if (ragged) {  // [N, heads, D]
       const std::vector<int64_t> shape{h.size(0), -1, head_dim};
@@ -265,13 +268,13 @@ std::vector<at::Tensor> decoder_layers(at::Tensor h, const std::vector<at::Tenso
     out = !ragged ? out.reshape({batch, n_new, -1})
           : padded ? out.reshape({batch * n_new, -1}).index_select(0, real)
                    : out.reshape({batch * n_new, -1});
-    h = add_linear(h, out, w + 11, rows_kernel, k_block);
+    h = add_linear(h, out, w + 11, rows_kernel, k_block[1]);
     // torch's SiLU: gate and up contiguous, as the separate modules return them, so that its vector loop
     // and tail split them the same way; FixedSiLU's bits do not depend on the split: read in place.
     const std::vector<at::Tensor> gate_up = products(h, w[1], eps, rows_norm, w + 14, {-1, -1}, rows_kernel, fixed_silu, 1,
-                                                         k_block);
+                                                         k_block[2]);
     const at::Tensor act = fixed_silu ? silu_mul(gate_up[0], gate_up[1]) : at::silu(gate_up[0]) * gate_up[1];
-    h = add_linear(h, act, w + 20, rows_kernel, k_block);
+    h = add_linear(h, act, w + 20, rows_kernel, k_block[3]);
     if (static_cast<int64_t>(i) == capture) hidden = h;
   }
   return {h, hidden.defined() ? hidden : at::Tensor()};
