@@ -35,7 +35,7 @@ from decoding.base.errors import BackendError, ConfigError
 from decoding.base.options import as_int, held_rows, held_text
 from decoding.runtime import kernels, numerics
 from decoding.runtime.activation import use_torch_silu
-from decoding.runtime.llama import PROJECTIONS, SAME_INPUT
+from decoding.runtime.llama import readers
 from decoding.runtime.models import cache_root, gguf_file, load_model
 from decoding.runtime.numerics import Numerics
 from decoding.runtime.packing import pack
@@ -159,9 +159,9 @@ def k_quant_inputs(model: torch.nn.Module) -> list[Input]:
     names = {m: n for n, m in model.named_modules()}
     inputs = []
     for layer in decoder(model).layers:
-        for group in SAME_INPUT:
-            readers = [layer.get_submodule(PROJECTIONS[i]) for i in group]
-            kept = tuple(names[m] for m in readers if takes_int8(m, alone=True) and k_quant(m))
+        for projections in readers(layer):
+            int8 = [cast(Int4Linear | Q8Linear, m) for m in projections if takes_int8(m, alone=True)]
+            kept = tuple(names[m] for m in int8 if k_quant(m))
             if kept:
                 inputs.append(kept)
     head = pretrained(model).get_output_embeddings()

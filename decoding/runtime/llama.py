@@ -34,6 +34,11 @@ PROJECTIONS += ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 SAME_INPUT = ((0, 1, 2), (3,), (4, 5), (6,))  # projections of one input: q, k, v; o; gate, up; down
 
 
+def readers(layer: torch.nn.Module) -> list[list[torch.nn.Module]]:
+    """A decoder layer's projections by the input they read (SAME_INPUT): q, k, v; o; gate, up; down."""
+    return [[layer.get_submodule(PROJECTIONS[i]) for i in group] for group in SAME_INPUT]
+
+
 def _joined(projections: list[torch.nn.Module]) -> list[torch.Tensor] | None:
     """Projections of one input on the int8 kernel as one product (q, k and v; gate and up): their
     weights side by side, the modules' own buffers then views of them (no second copy). A column's
@@ -140,8 +145,7 @@ class Layers:
             return None
         k_blocks: list[int] = []
         for layer in layers:
-            for group in SAME_INPUT:
-                inputs = [layer.get_submodule(PROJECTIONS[i]) for i in group]
+            for inputs in readers(layer):
                 blocks = {cast(Int4Linear | Q8Linear, p).k_block for p in inputs if takes_int8(p, alone=True)}
                 if len(blocks) > 1:
                     return None
@@ -200,7 +204,7 @@ class Layers:
             self.rows_norm,
             self.fixed_silu,
             self.qkv_levels,
-            list(self.k_blocks),
+            self.k_blocks,
         )
         h = inner.norm(h)
         if logits_at is not None:
