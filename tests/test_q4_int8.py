@@ -32,6 +32,7 @@ from decoding.runtime.quant import (
 )
 
 RNG = np.random.default_rng(1)
+NO_BIAS = torch.empty(0)  # the kernels' "no bias"
 
 
 def test_a_k_quants_file_factors_follow_a_row_permutation():
@@ -226,6 +227,30 @@ def test_super_blocks_compute_the_blocks_against_the_quantized_rows(kind, levels
     with pytest.raises(RuntimeError, match=r"k_block .* 32 or 256, not 64"):
         layer.k_block = 64
         layer(x)
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("levels", [1, 2])
+def test_a_super_block_columns_bits_do_not_depend_on_the_columns_beside_it(kind, levels):
+    """With AVX-512 the super-block kernel takes two groups of 8 columns a tile (super_pair) where a
+    panel has 32 rows or more, and a task's last odd group and fewer rows one group a tile: a column's
+    bits are the same whichever ran it, for any number of columns beside it and of threads splitting
+    them, in a batch of 40 rows (pairs) and alone (one group a tile)."""
+    layer = gguf_layer(96, 512, kind)
+    call = getattr(kernels.load(), "q8_int8_linear" if kind in Q8_TYPES else "q4_int8_linear")
+    x = torch.randn(40, 512)
+    every = call(x, layer.packed8, layer.factors, NO_BIAS, levels, 256)
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in (1, 2, 3):
+            torch.set_num_threads(n_threads)
+            for groups in (1, 2, 3, 7, 12):
+                got = call(x, layer.packed8[:groups], layer.factors[:groups], NO_BIAS, levels, 256)
+                assert torch.equal(got, every[:, : 8 * groups]), (n_threads, groups)
+                one = call(x[4:5], layer.packed8[:groups], layer.factors[:groups], NO_BIAS, levels, 256)
+                assert torch.equal(one, every[4:5, : 8 * groups]), (n_threads, groups)
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize(

@@ -671,6 +671,168 @@ __attribute__((noinline)) void super_tile(const uint8_t* w, const uint8_t* f, co
 #endif
 }
 
+#if defined(Q4_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define Q4_WIDE 1
+constexpr int64_t PAIR_ROWS = 4 * R;  // a panel's rows from which super-blocks run two groups a tile
+// Two groups side by side in the 512-bit registers (super_pair): each broadcast of x's 4 bytes and each
+// row's epilogue serve 16 columns instead of 8, and a pair's minimums are formed once for all its tiles
+// (Zen 4, whose 512-bit operations take two 256-bit slots: a Q4_K layer at 64-128 rows +7-12%, Q6_K +15%,
+// Q6_K in two levels +56%, whose 256-bit tile spills). Lane c of the low half is group g's column c, of
+// the high half group g + 1's: every lane runs super_tile's operations in its order, so a column's bits
+// are the same whichever tile ran it.
+inline __m512i wide_dot_add_group(__m512i acc, __m512i u, const int8_t* x, int j) {
+  using Bytes4 = int32_t __attribute__((may_alias));
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*reinterpret_cast<const Bytes4*>(x + 4 * j)));
+  return acc;
+}
+
+inline __m512i wide_bytes(const uint8_t* a, const uint8_t* b) {  // 32 bytes of each group
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), 1);
+}
+
+inline __m512 wide_floats(const uint8_t* a, const uint8_t* b) {  // 8 floats of each group
+  return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(reinterpret_cast<const float*>(a))),
+                            _mm256_loadu_ps(reinterpret_cast<const float*>(b)), 1);
+}
+
+template <bool SIGNED>
+inline __m512i wide_small_ints(const uint8_t* a, const uint8_t* b) {  // small_ints of each group
+  const __m128i sixteen = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a)),
+                                             _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b)));
+  return SIGNED ? _mm512_cvtepi8_epi32(sixteen) : _mm512_cvtepu8_epi32(sixteen);
+}
+
+// block_codes of both groups (Q8 codes biased, as Q8_BIASED reads them: VNNI is given here).
+template <bool Q8, int64_t BYTES>
+inline void wide_block_codes(const uint8_t* w0, const uint8_t* w1, bool prefetch, __m512i* v) {
+  if (prefetch)
+    for (int64_t at = 0; at < BYTES; at += 64)
+      __builtin_prefetch(w0 + PF * BYTES + at), __builtin_prefetch(w1 + PF * BYTES + at);
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int j = 0; j < (Q8 ? 8 : 4); ++j) {
+    const __m512i p = wide_bytes(w0 + 32 * j, w1 + 32 * j);
+    if (Q8) {
+      v[j] = _mm512_xor_si512(p, _mm512_set1_epi8(static_cast<char>(0x80)));
+    } else {
+      v[j] = _mm512_and_si512(p, low);
+      v[j + 4] = _mm512_and_si512(_mm512_srli_epi16(p, 4), low);
+    }
+  }
+}
+
+// q8_dot<J0, J0 + 4> (biased: from c) and q4_dot, both groups' columns.
+template <int J0>
+inline __m512i wide_q8_half(const __m512i* v, const int8_t* x, int32_t c) {
+  __m512i dot = _mm512_set1_epi32(c);
+  for (int j = J0; j < J0 + 4; ++j) dot = wide_dot_add_group(dot, v[j], x, j);
+  return dot;
+}
+
+inline __m512i wide_q4_dot(const __m512i* v, const int8_t* x) {
+  __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
+  for (int j = 0; j < 4; ++j) lo = wide_dot_add_group(lo, v[j], x, j), hi = wide_dot_add_group(hi, v[j + 4], x, j + 4);
+  return _mm512_add_epi32(lo, hi);
+}
+
+// Q4_K's minimums of both groups per super-block as super_tile's epilogue pairs them (blocks 2k and
+// 2k + 1 in a lane's 16-bit halves): formed once a pair of groups for all its tiles of rows.
+void wide_mins(const uint8_t* f0, const uint8_t* f1, int64_t ns, __m512i* out) {
+  using C = Compact<false>;
+  const int64_t mins = C::floats * 4 + G;
+  for (int64_t sb = 0; sb < ns; ++sb) {
+    const uint8_t *m0 = f0 + sb * C::bytes + mins, *m1 = f1 + sb * C::bytes + mins;
+    for (int k = 0; k < SB / 2; ++k)
+      out[sb * SB / 2 + k] =
+          _mm512_or_si512(wide_small_ints<false>(m0 + 4 * k * G, m1 + 4 * k * G),
+                          _mm512_slli_epi32(wide_small_ints<false>(m0 + (4 * k + 2) * G, m1 + (4 * k + 2) * G), 16));
+  }
+}
+
+// super_tile for groups g (codes w0, factors f0) and g + 1 (w1, f1): out [ROWS, 2 G]; Q4_K's minimums
+// as wide_mins forms them (Q6_K: none).
+template <bool HALVES, int64_t ROWS, bool TWO>
+__attribute__((noinline)) void super_pair(const uint8_t* w0, const uint8_t* w1, const uint8_t* f0, const uint8_t* f1,
+                                          const __m512i* mins, const TileRows& x_rows, int64_t K, bool prefetch,
+                                          float* out) {
+  using F = Format<HALVES, HALVES>;
+  using C = Compact<HALVES>;
+  constexpr int64_t W = 2 * G;
+  const int64_t nb = K / QK, ns = nb / SB;
+  const int8_t *q = x_rows.q, *q2 = x_rows.q2;
+  const float *d = x_rows.d, *d2 = x_rows.d2;
+  const int16_t *n = x_rows.n, *n2 = x_rows.n2;
+  const int32_t *c = x_rows.c, *c2 = x_rows.c2;
+  for (int64_t i = 0; i < ROWS * W; ++i) out[i] = 0.0f;
+  for (int64_t sb = 0; sb < ns; ++sb) {
+    const uint8_t *head0 = f0 + sb * C::bytes, *head1 = f1 + sb * C::bytes;
+    __m512i s1[ROWS], s2[TWO ? ROWS : 1];
+    for (int64_t r = 0; r < ROWS; ++r) s1[r] = _mm512_setzero_si512();
+    if (TWO)
+      for (int64_t r = 0; r < ROWS; ++r) s2[r] = _mm512_setzero_si512();
+    for (int64_t b = sb * SB; b < sb * SB + SB; ++b) {
+      const int64_t small = C::floats * 4 + b % SB * 2 * G;
+      __m512i v[8];
+      wide_block_codes<HALVES, F::bytes>(w0 + b * F::bytes, w1 + b * F::bytes, prefetch, v);
+      if (HALVES) {
+        const __m512i lo = wide_small_ints<true>(head0 + small, head1 + small);
+        const __m512i hi = wide_small_ints<true>(head0 + small + G, head1 + small + G);
+        auto scaled = [&](const int8_t* xb, const int32_t* cx) {
+          return _mm512_add_epi32(_mm512_mullo_epi32(wide_q8_half<0>(v, xb, cx[0]), lo),
+                                  _mm512_mullo_epi32(wide_q8_half<4>(v, xb, cx[1]), hi));
+        };
+        for (int64_t r = 0; r < ROWS; ++r) {
+          s1[r] = _mm512_add_epi32(s1[r], scaled(q + r * K + b * QK, c + (r * nb + b) * 2));
+          if (TWO) s2[r] = _mm512_add_epi32(s2[r], scaled(q2 + r * K + b * QK, c2 + (r * nb + b) * 2));
+        }
+      } else {
+        const __m512i sc = wide_small_ints<false>(head0 + small, head1 + small);
+        for (int64_t r = 0; r < ROWS; ++r) {
+          s1[r] = _mm512_add_epi32(s1[r], _mm512_mullo_epi32(wide_q4_dot(v, q + r * K + b * QK), sc));
+          if (TWO) s2[r] = _mm512_add_epi32(s2[r], _mm512_mullo_epi32(wide_q4_dot(v, q2 + r * K + b * QK), sc));
+        }
+      }
+    }
+    const __m512 dw = wide_floats(head0, head1);
+    if (HALVES) {
+      for (int64_t r = 0; r < ROWS; ++r) {
+        __m512 a = _mm512_loadu_ps(out + r * W);
+        a = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s1[r]), dw), _mm512_set1_ps(d[r * ns + sb]), a);
+        if (TWO) a = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s2[r]), dw), _mm512_set1_ps(d2[r * ns + sb]), a);
+        _mm512_storeu_ps(out + r * W, a);
+      }
+      continue;
+    }
+    const __m512 dmin = wide_floats(head0 + G * 4, head1 + G * 4);
+    __m512i mn[SB / 2];  // in registers: the epilogue's stores to `out` would otherwise reload them
+    for (int k = 0; k < SB / 2; ++k) mn[k] = _mm512_load_si512(mins + sb * SB / 2 + k);
+    auto epilogue = [&](__m512i sum, const int16_t* sums, float dx, __m512 a) {
+      __m512i m = _mm512_setzero_si512();
+      for (int k = 0; k < SB / 2; ++k) {
+        int32_t pair;
+        std::memcpy(&pair, sums + 2 * k, 4);
+        m = _mm512_dpwssd_epi32(m, mn[k], _mm512_set1_epi32(pair));
+      }
+      const __m512 t = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(m), dmin, _mm512_mul_ps(_mm512_cvtepi32_ps(sum), dw));
+      return _mm512_fmadd_ps(t, _mm512_set1_ps(dx), a);
+    };
+    for (int64_t r = 0; r < ROWS; ++r) {
+      __m512 a = epilogue(s1[r], n + r * nb + sb * SB, d[r * ns + sb], _mm512_loadu_ps(out + r * W));
+      if (TWO) a = epilogue(s2[r], n2 + r * nb + sb * SB, d2[r * ns + sb], a);
+      _mm512_storeu_ps(out + r * W, a);
+    }
+  }
+}
+
+template <bool HALVES, int64_t ROWS = R>
+void pair_rows_tile(int64_t n_rows, bool two, const uint8_t* w0, const uint8_t* w1, const uint8_t* f0,
+                    const uint8_t* f1, const __m512i* mins, const TileRows& t, int64_t K, bool prefetch, float* out) {
+  if (n_rows == ROWS && two) return super_pair<HALVES, ROWS, true>(w0, w1, f0, f1, mins, t, K, prefetch, out);
+  if (n_rows == ROWS) return super_pair<HALVES, ROWS, false>(w0, w1, f0, f1, mins, t, K, prefetch, out);
+  if constexpr (ROWS > 1) pair_rows_tile<HALVES, ROWS / 2>(n_rows, two, w0, w1, f0, f1, mins, t, K, prefetch, out);
+}
+#endif
+
 // One tile of n_rows rows (R, 4, 2 or 1) against a group, in `two` levels or one, per block of 32 or
 // (SUPER: a K-quant's compact factors) per super-block.
 template <bool Q8, bool HALVES, bool COMPACT, bool SUPER = false, int64_t ROWS = R>
@@ -997,7 +1159,10 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& packed, const a
       _tile_release();
     }
 #endif
-    float out[R * G];
+    float out[R * 2 * G];
+#if defined(Q4_WIDE)
+    std::vector<__m512i> pair_mins(super && !HALVES ? nb / SB * SB / 2 : 0);
+#endif
     // Rows in panels whose int8 codes stay in L2 while the task's groups pass over them.
     for (int64_t m0 = 0; m0 < M; m0 += MP) {
       const int64_t m1 = std::min(M, m0 + MP);
@@ -1006,6 +1171,27 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& packed, const a
         if (first >= m1) continue;
         const uint8_t* w = wp + g * nb * F::bytes;
         const uint8_t* f = fp + g * factor_bytes;
+#if defined(Q4_WIDE)
+        if constexpr (!Q8 || HALVES) {
+          // Two groups a tile where the panel's rows reuse the codes from cache; with fewer the forward
+          // waits on memory, whose prefetchers follow one group's stream better than two (Zen 4: 8 rows
+          // 10% slower in pairs, 64 rows 6% faster).
+          if (super && g + 1 < end && m1 - first >= PAIR_ROWS) {
+            if (!HALVES) wide_mins(f, f + factor_bytes, nb / SB, pair_mins.data());
+            auto pair_tile = [&](int64_t m, int64_t n_rows) {
+              pair_rows_tile<HALVES>(n_rows, two, w, w + nb * F::bytes, f, f + factor_bytes, pair_mins.data(),
+                                     tile_rows(m), K, m == first, out);
+              store(out, m, n_rows, g, 2 * G);
+            };
+            int64_t m = first;
+            for (; m + R <= m1; m += R) pair_tile(m, R);
+            for (int64_t size = R / 2; size >= 1; size /= 2)
+              if (m + size <= m1) pair_tile(m, size), m += size;
+            ++g;
+            continue;
+          }
+        }
+#endif
         auto tile = [&](int64_t m, int64_t n_rows) {
           constexpr bool compact_kind = !Q8 || HALVES;  // the formats K-quants come in
           const bool prefetch = m == first;  // the group's first pass reads its codes from memory
