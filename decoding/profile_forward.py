@@ -4,7 +4,9 @@ Times one target forward that scores a draft tree of T tokens for each of B rows
 context, for every (T, B) asked, as the decoders call it (ModelRunner over a row KV cache), and
 prints ms per forward with the ratio to T=1, B=1 and the step planner's fitted cost (its profile
 of this machine, decoding/speculation/cost.py, made now if it is not cached); then, with `split=true`,
-where each forward's time goes (linears, attention, LM head, the rest, read from torch.profiler).
+where each forward's time goes (linears, attention, LM head, the rest, read from torch.profiler). On a
+CPU each cell's floor is a timed read of the weights, and 1 x 1 is also timed right after each of 30
+such reads: its share of the memory's rate where that rate moves between runs.
 Tree-shape and schedule choices (Sequoia's hardware-aware budget, PCT's s_d / s_t, SEED's verify
 batch) read these measured costs rather than typed-in ones. `out=PATH` also writes the rows as JSON.
 """
@@ -15,6 +17,7 @@ import copy
 import functools
 import json
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -172,15 +175,42 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * src.numel() * src.element_size() / (ms / 1000)
 
 
-def read_bandwidth(tensors: list[torch.Tensor]) -> float:
-    """Bytes per second a timed read of `tensors` moves on the CPU's threads (each reduced to its
-    largest 32-bit word: a pass the memory bounds, not the arithmetic), median of 5 after a warm-up:
-    the rate a forward that reads them whole can reach at best."""
+PAIRS = 30  # forwards of 1 x 1 timed each right after a read of the weights
+
+
+def weights_read(tensors: list[torch.Tensor]) -> tuple[Callable[[], object], int]:
+    """A read of `tensors` on the CPU's threads (each reduced to its largest 32-bit word: a pass the
+    memory bounds, not the arithmetic), and the bytes it reads."""
     words = [
         t.reshape(-1).view(torch.uint8)[: t.numel() * t.element_size() // 4 * 4].view(torch.int32) for t in tensors
     ]
-    ms = statistics.median(timed_ms(lambda: [w.amax() for w in words if w.numel()], 5))
-    return sum(w.numel() * 4 for w in words) / (ms / 1000)
+    return (lambda: [w.amax() for w in words if w.numel()]), sum(w.numel() * 4 for w in words)
+
+
+def read_bandwidth(tensors: list[torch.Tensor]) -> float:
+    """Bytes per second a timed read of `tensors` moves, median of 5 after a warm-up: the rate a forward
+    that reads them whole can reach at best."""
+    read, nbytes = weights_read(tensors)
+    return nbytes / (statistics.median(timed_ms(read, 5)) / 1000)
+
+
+def forward_over_read(step: Callable[[], object], tensors: list[torch.Tensor], pairs: int) -> float:
+    """A forward's time over a read of the weights it reads whole, the two timed back to back `pairs`
+    times (median of the ratios): its share of the memory's rate where that rate moves between runs
+    (a machine shared with others), which a floor read once, apart from the forwards, does not catch."""
+    read, _ = weights_read(tensors)
+    read(), step()
+    ratios = []
+    for _ in range(pairs):
+        r = _once(read)
+        ratios.append(_once(step) / r)
+    return statistics.median(ratios)
+
+
+def _once(call: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    call()
+    return time.perf_counter() - t0
 
 
 def forward_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -348,6 +378,8 @@ def main(cfg: DictConfig) -> None:
         add_floor(rows, target.model, bandwidth)
         about["read_bandwidth_gb_s"] = bandwidth / 1e9
         about["read_mb"] = sum(t.numel() * t.element_size() for t in tensors) / 1e6
+        one = verification(target, pcfg.context, 1, 1, 1, 0, filled(target, pcfg.context))
+        about["one_over_read"] = forward_over_read(one, tensors, PAIRS)
     if target.static is not None:
         g = target.static.stats
         about["graphs"] = {"spec": repr(target.static.spec), **vars(g)}
@@ -367,6 +399,11 @@ def main(cfg: DictConfig) -> None:
             f"floor: the {about['read_mb']:.0f} MB a forward reads whole (forward_tensors) and each row's cached "
             f"context read once at {about['read_bandwidth_gb_s']:.1f} GB/s (a timed read of those weights on "
             f"{torch.get_num_threads()} threads)"
+        )
+        ratio = about["one_over_read"]
+        print(
+            f"1 x 1 against that read, each timed right after it ({PAIRS} pairs, median): {ratio:.3f}x, "
+            f"{100 / ratio:.0f}% of the memory's rate (where the rate moves between runs, the floor above can miss it)"
         )
     if pcfg.split and loaded.device.type == "cuda":
         print("\nthe share of each forward's wall time the GPU runs kernels (torch.profiler; the rest is the host)")

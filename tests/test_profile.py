@@ -13,6 +13,7 @@ from decoding.profile_forward import (
     add_fitted,
     add_floor,
     compare_k_blocks,
+    forward_over_read,
     forward_tensors,
     k_block_cell,
     profile,
@@ -126,6 +127,10 @@ def test_an_int8_forward_reads_its_codes_not_the_heads_kept_matrix(tiny_model):
     assert head.packed8.data_ptr() in pointers and head.weight.data_ptr() not in pointers
     assert model.get_input_embeddings().weight.data_ptr() not in pointers
     assert read_bandwidth(read) > 0
+    # A forward timed right after each read: the ratio of the two, which a slower forward raises.
+    quick = forward_over_read(lambda: None, read, 5)
+    slow = forward_over_read(lambda: [t.clone() for t in read], read, 5)
+    assert 0 < quick < slow
 
 
 def test_k_blocks_time_both_activation_formats_in_one_process(tiny_model):
