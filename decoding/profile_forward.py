@@ -199,7 +199,8 @@ def forward_over_read(step: Callable[[], object], tensors: list[torch.Tensor], p
     times (median of the ratios): its share of the memory's rate where that rate moves between runs
     (a machine shared with others), which a floor read once, apart from the forwards, does not catch."""
     read, _ = weights_read(tensors)
-    read(), step()
+    read()  # warm-ups
+    step()
     ratios = []
     for _ in range(pairs):
         r = _once(read)

@@ -1161,7 +1161,7 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& packed, const a
 #endif
     float out[R * 2 * G];
 #if defined(Q4_WIDE)
-    std::vector<__m512i> pair_mins(super && !HALVES ? nb / SB * SB / 2 : 0);
+    std::vector<__m512i> pair_mins;  // sized where a pair first runs: a forward of a few rows runs none
 #endif
     // Rows in panels whose int8 codes stay in L2 while the task's groups pass over them.
     for (int64_t m0 = 0; m0 < M; m0 += MP) {
@@ -1177,7 +1177,10 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& packed, const a
           // waits on memory, whose prefetchers follow one group's stream better than two (Zen 4: 8 rows
           // 10% slower in pairs, 64 rows 6% faster).
           if (super && g + 1 < end && m1 - first >= PAIR_ROWS) {
-            if (!HALVES) wide_mins(f, f + factor_bytes, nb / SB, pair_mins.data());
+            if (!HALVES) {
+              pair_mins.resize(nb / SB * SB / 2);
+              wide_mins(f, f + factor_bytes, nb / SB, pair_mins.data());
+            }
             auto pair_tile = [&](int64_t m, int64_t n_rows) {
               pair_rows_tile<HALVES>(n_rows, two, w, w + nb * F::bytes, f, f + factor_bytes, pair_mins.data(),
                                      tile_rows(m), K, m == first, out);
