@@ -220,7 +220,7 @@ def test_super_blocks_compute_the_blocks_against_the_quantized_rows(kind, levels
     layer.k_block = GROUP
     error_32 = (layer(x).double() - from_float).pow(2).mean().sqrt() / from_float.pow(2).mean().sqrt()
     assert error_32 < error_256 < (0.03 if levels == 1 else 1e-4)
-    for m in (1, 2, 4, 5, 8, 13):  # every tile size, alone and in a batch
+    for m in range(1, 14):  # every tile size (1 to 8; AVX2: to 4), alone and in a batch
         layer.k_block = 256
         assert torch.equal(layer(x[:m]).double(), y[:m]), m
         assert torch.equal(layer(x[m - 1 : m]).double(), y[m - 1 : m]), m
@@ -235,7 +235,8 @@ def test_a_super_block_columns_bits_do_not_depend_on_the_columns_beside_it(kind,
     """With AVX-512 the super-block kernel takes two groups of 8 columns a tile (super_pair) where a
     panel has 32 rows or more, and a task's last odd group and fewer rows one group a tile: a column's
     bits are the same whichever ran it, for any number of columns beside it and of threads splitting
-    them, in a batch of 40 rows (pairs) and alone (one group a tile)."""
+    them, in a batch of 40 rows (pairs), of 33 and 39 (pairs, then the rest in one tile) and alone (one
+    group a tile)."""
     layer = gguf_layer(96, 512, kind)
     call = getattr(kernels.load(), "q8_int8_linear" if kind in Q8_TYPES else "q4_int8_linear")
     x = torch.randn(40, 512)
@@ -249,6 +250,9 @@ def test_a_super_block_columns_bits_do_not_depend_on_the_columns_beside_it(kind,
                 assert torch.equal(got, every[:, : 8 * groups]), (n_threads, groups)
                 one = call(x[4:5], layer.packed8[:groups], layer.factors[:groups], NO_BIAS, levels, 256)
                 assert torch.equal(one, every[4:5, : 8 * groups]), (n_threads, groups)
+                for m in (33, 39):  # pairs of 8 rows, then the rest in one tile of 1 or 7
+                    got = call(x[:m], layer.packed8[:groups], layer.factors[:groups], NO_BIAS, levels, 256)
+                    assert torch.equal(got, every[:m, : 8 * groups]), (n_threads, groups, m)
     finally:
         torch.set_num_threads(threads)
 
@@ -261,7 +265,7 @@ def test_a_rows_output_does_not_depend_on_the_rows_beside_it(kind, levels):
     layer.levels = levels
     x = torch.randn(150, 256).to(torch.bfloat16)
     every = layer(x)
-    for m in (1, 2, 3, 4, 5, 7, 8, 9, 12, 13, 15, 16, 17, 32, 33, 64, 65, 70, 150):  # tiles 8, 4, 1 (AMX 16), panels 64
+    for m in (*range(1, 18), 32, 33, 39, 64, 65, 70, 150):  # tiles of 1 to 8 rows (AMX 16), panels 64
         assert torch.equal(layer(x[:m]), every[:m]), m
     assert torch.equal(layer(x[5:6]), every[5:6])  # alone, not only as a prefix
     assert torch.equal(layer(x[100:101]), every[100:101])  # a row of the second panel, alone
