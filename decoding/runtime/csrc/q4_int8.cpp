@@ -1202,9 +1202,8 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& packed, const a
           else rows_tile<Q8, HALVES, false>(n_rows, two, w, f, tile_rows(m), K, prefetch, out);
           store(out, m, n_rows, g, G);
         };
-        // Tiles of R rows, then the rest in one tile: split in halving sizes (7 rows as 4 + 2 + 1) each
-        // tile unpacked the block's codes again and the one-row tile waited on its products' latency (the
-        // 1.5B at 7 x 1 1.2-1.4x slower).
+        // Tiles of R rows, then the rest in one tile: in smaller ones (7 rows as 4 + 2 + 1) each would
+        // unpack the block's codes again, and a one-row tile waits on its products' latency.
         int64_t m = first;
         for (; m + R <= m1; m += R) tile(m, R);
         if (m < m1) tile(m, m1 - m);
